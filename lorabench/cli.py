@@ -1,0 +1,129 @@
+"""Command line: `lorabench demo`, `lorabench run`, `lorabench resume` (each with --help)."""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from .config import Config, ConfigError, describe
+
+LESSON = ("What the model learns: the warm-start taught it to solve the problems but to end its answer\n"
+          "mostly with 'The answer is N.', '= N' or the bare number; only ~10% of its training answers\n"
+          "ended with '#### N'. The strict reward pays only for '#### N' with the right number, so GRPO\n"
+          "discovers the GSM8K answer format, the same thing real GSM8K GRPO runs learn first.")
+
+
+def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=print) -> dict:
+    """Build (or resume) a run: model, engine, trainer; evaluate, train, evaluate, plot.
+    Returns a summary dict (also written to RUN_DIR/summary.json)."""
+    import torch
+    from .engines import make_engine
+    from .grpo import GRPOTrainer
+    from .models import resolve_model_path
+    from .runlog import RunLog, atomic_write, read_jsonl
+    from .viz import save_run_plots
+
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    t0 = time.perf_counter()
+    runlog = RunLog(run_dir) if run_dir else RunLog.create(cfg.run.out_dir, cfg.run.name)
+    runlog.write_config(cfg.to_dict())
+    log(f"run dir: {runlog.dir}")
+    model_path = resolve_model_path(cfg, log=log)
+    t_model = time.perf_counter()
+    engine = make_engine(cfg, model_path)
+    try:
+        trainer = GRPOTrainer(cfg, model_path, engine, runlog, log=log)
+        evals = read_jsonl(runlog.dir / "evals.jsonl")
+        if not evals:
+            for greedy in (False, True):
+                e = trainer.evaluate(greedy=greedy)
+                runlog.log_eval(e)
+                evals.append(e)
+        before = [e for e in evals if e["step"] == 0]
+        log(f"held-out before GRPO: strict {before[0]['strict']:.2f} (sampled), {before[1]['strict']:.2f} (greedy)")
+        t_train = time.perf_counter()
+        trainer.run()
+        t_done = time.perf_counter()
+        after = [trainer.evaluate(greedy=False), trainer.evaluate(greedy=True)]
+        for e in after:
+            runlog.log_eval(e)
+        evals += after
+        trainer.close()
+    finally:
+        engine.close()
+    rows = runlog.metrics()
+    plots = save_run_plots(rows, evals, runlog.dir / "plots")
+    refresh_ms = sorted(1e3 * r["refresh/total_s"] for r in rows) or [float("nan")]
+    summary = {
+        "run_dir": str(runlog.dir), "steps": len(rows), "refresh_mode": cfg.refresh.mode,
+        "engine": cfg.engine.backend,
+        "heldout_strict_before": before[0]["strict"], "heldout_strict_after": after[0]["strict"],
+        "heldout_greedy_before": before[1]["strict"], "heldout_greedy_after": after[1]["strict"],
+        "train_reward_first5": sum(r["reward/mean"] for r in rows[:5]) / max(1, len(rows[:5])),
+        "train_reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / max(1, len(rows[-5:])),
+        "refresh_ms_p50": refresh_ms[len(refresh_ms) // 2], "refresh_ms_max": refresh_ms[-1],
+        "mismatch_max": max((r["mismatch/max"] for r in rows), default=float("nan")),
+        "seconds_model": t_model - t0, "seconds_grpo": t_done - t_train,
+        "seconds_total": time.perf_counter() - t0,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "plots": [str(p) for p in plots],
+    }
+    atomic_write(runlog.dir / "summary.json", json.dumps(summary, indent=1).encode(), 0o640)
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    print("\n=== lorabench summary ===")
+    print(f"engine {s['engine']}, refresh '{s['refresh_mode']}', {s['steps']} GRPO steps")
+    print(f"held-out strict reward (sampled): {s['heldout_strict_before']:.2f} -> {s['heldout_strict_after']:.2f}"
+          f"   (greedy: {s['heldout_greedy_before']:.2f} -> {s['heldout_greedy_after']:.2f})")
+    print(f"train reward, first 5 steps -> last 5: {s['train_reward_first5']:.2f} -> {s['train_reward_last5']:.2f}")
+    print(f"adapter refresh per step: p50 {s['refresh_ms_p50']:.1f} ms, max {s['refresh_ms_max']:.1f} ms; "
+          f"trainer-vs-engine log-prob mismatch max {s['mismatch_max']:.2e}")
+    print(f"time: model {s['seconds_model']:.0f}s, GRPO {s['seconds_grpo']:.0f}s, total {s['seconds_total']:.0f}s; "
+          f"peak RSS {s['peak_rss_mb']:.0f} MB")
+    print(f"run dir: {s['run_dir']}\nplots:   " + "\n         ".join(s["plots"]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="lorabench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="offline demo: tiny Qwen3 model, synthetic GSM8K, GRPO with live "
+                          "adapter refresh on the CPU reference engine")
+    demo.add_argument("overrides", nargs="*", help="section.field=value, e.g. refresh.mode=file")
+    run = sub.add_parser("run", help="a run from a config file plus overrides")
+    run.add_argument("--config", help=".json or .toml config file (sections as in --help-config)")
+    run.add_argument("--help-config", action="store_true", help="list every config field with its help")
+    run.add_argument("overrides", nargs="*", help="section.field=value, e.g. grpo.steps=100")
+    resume = sub.add_parser("resume", help="continue a run from its last checkpoint")
+    resume.add_argument("run_dir")
+    resume.add_argument("overrides", nargs="*", help="e.g. grpo.steps=80 to extend the run")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run" and args.help_config:
+            print(describe())
+            return 0
+        if args.command == "resume":
+            config_path = Path(args.run_dir) / "config.json"
+            if not config_path.is_file():
+                raise ConfigError(f"{args.run_dir} has no config.json; pass a run dir written by lorabench")
+            cfg = Config.load(config_path, args.overrides)
+            summary = run_experiment(cfg, run_dir=args.run_dir)
+        else:
+            cfg = Config.load(getattr(args, "config", None), args.overrides)
+            if args.command == "demo":
+                print(LESSON + "\n")
+            summary = run_experiment(cfg)
+    except ConfigError as err:
+        print(f"lorabench: config error: {err}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

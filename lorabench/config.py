@@ -1,0 +1,303 @@
+"""Run configuration: dataclasses with help texts, loaded from a file plus key=value overrides.
+
+Every default is chosen so that `lorabench demo` runs offline on a 2-core CPU. Each field's
+help text lives in its `metadata["help"]`; `lorabench run --help-config` prints them all.
+Invalid values raise `ConfigError` naming the field, the value and how to fix it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message says which field and how to fix it."""
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f("tiny", "'tiny' builds a ~3M-param Qwen3-architecture model offline; "
+                           "otherwise a hub name (Qwen/Qwen3-0.6B) or a local model dir.")
+    dtype: str = _f("float32", "Trainer weights dtype: float32 | bfloat16 | float16.")
+    enable_thinking: bool = _f(False, "Passed to Qwen3's chat template (ignored by the tiny tokenizer).")
+    cache_dir: str = _f("", "Where the tiny model is cached; '' = ~/.cache/lorabench.")
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = _f(300, "SFT steps for the tiny model before GRPO (0 = skip; ignored for real models).")
+    batch_size: int = _f(32, "SFT batch size.")
+    lr: float = _f(6e-3, "SFT learning rate (AdamW, warm-up then cosine decay).")
+    strict_format_fraction: float = _f(0.1, "Fraction of SFT answers that end with '#### N'; the rest end "
+                                       "'The answer is N.', '= N' or the bare number. GRPO with the strict "
+                                       "reward then has a format to discover.")
+
+
+@dataclass
+class LoraSettings:
+    r: int = _f(16, "LoRA rank.")
+    alpha: int = _f(32, "LoRA alpha; the update is scaled by alpha / r.")
+    target_modules: str | list[str] = _f("all-linear", "'all-linear' or a list of module names "
+                                         "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).")
+    dropout: float = _f(0.0, "LoRA dropout (keep 0 so trainer and engine log-probs can match).")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("synthetic", "'synthetic' (seeded GSM8K-style generator), 'hub' (openai/gsm8k) "
+                     "or a local .jsonl/.parquet file with question/answer fields.")
+    eval_source: str = _f("", "Held-out set; '' = same kind as source (fresh synthetic seeds, or the "
+                          "'test' split / same file).")
+    eval_size: int = _f(128, "Held-out prompts used for the before/after evaluation.")
+    eval_samples: int = _f(2, "Samples per held-out prompt at the training sampling settings.")
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = _f(40, "GRPO steps (one optimizer step and one adapter refresh each).")
+    prompts_per_step: int = _f(8, "Distinct prompts per step (fresh every step).")
+    group_size: int = _f(16, "Completions sampled per prompt; advantages are normalised within a group.")
+    max_new_tokens: int = _f(48, "Completion length limit.")
+    temperature: float = _f(1.0, "Sampling temperature for rollouts (log-probs are of this distribution).")
+    top_p: float = _f(1.0, "Nucleus sampling; keep 1.0 so log-probs cover the whole distribution.")
+    lr: float = _f(1e-3, "AdamW learning rate for the LoRA parameters.")
+    clip_eps: float = _f(0.2, "PPO-style ratio clip.")
+    kl_beta: float = _f(0.0, "Weight of the k3 KL to the base model (adapter disabled); 0 = off.")
+    micro_batch: int = _f(64, "Sequences per forward/backward pass (gradient accumulation).")
+    reward_mode: str = _f("strict", "'strict' (last '#### N') or 'flexible' (last number).")
+    format_bonus: float = _f(0.0, "Added to the reward when '#### N' is present, right or wrong.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping.")
+    epochs: int = _f(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).")
+
+
+@dataclass
+class EngineConfig:
+    backend: str = _f("hf", "'hf' (transformers + PEFT, CPU or GPU) or 'sglang' (in-process sglang.Engine).")
+    device: str = _f("", "Device for the hf engine; '' = cuda if available else cpu.")
+    adapter_name: str = _f("policy", "Name the current adapter is served under.")
+    max_lora_rank: int = _f(0, "sglang: max LoRA rank; 0 = the LoRA config's r.")
+    max_loras_per_batch: int = _f(4, "sglang: adapters per batch, base counts as one (>= 2).")
+    mem_fraction_static: float = _f(0.4, "sglang: fraction of GPU memory for weights + KV cache.")
+    attention_backend: str = _f("", "sglang: '' = engine default; 'triton' on the offline GPU stack.")
+    sampling_backend: str = _f("", "sglang: '' = engine default; 'pytorch' on the offline GPU stack.")
+    grammar_backend: str = _f("", "sglang: '' = engine default; 'none' on the offline GPU stack.")
+    disable_cuda_graph: bool = _f(False, "sglang: turn CUDA graphs off (slower decode, faster start).")
+    release_memory_during_training: bool = _f(False, "sglang: release KV cache (and weights if merged) "
+                                              "while the trainer runs; resumed symmetrically.")
+    dtype: str = _f("auto", "sglang: model dtype ('auto', 'bfloat16', 'float16').")
+
+
+@dataclass
+class RefreshConfig:
+    mode: str = _f("tensor", "'file' (PEFT dir, unload + load), 'tensor' (load_lora_adapter_from_tensors), "
+                   "'merged' (push merged full weights) or 'none' (stale-adapter control: never refresh).")
+    bucket_mb: float = _f(64.0, "Bucket size in MB: one push per bucket (merged); tensors are staged "
+                          "per bucket before the single adapter load (tensor).")
+    tmp_dir: str = _f("", "Where file refresh writes adapter dirs; '' = /dev/shm if writable, else the "
+                      "system temp dir.")
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = _f("runs", "Parent of run directories.")
+    name: str = _f("", "Run directory name; '' = timestamp.")
+    seed: int = _f(0, "Seed for data, sampling and init; the same seed reproduces a run.")
+    save_adapter_every: int = _f(10, "Write adapters/step_<n>/ every n steps (and the last step).")
+    sample_completions: int = _f(4, "Completions per step written to rollouts.jsonl (all are kept "
+                                 "in the step record).")
+    threads: int = _f(0, "torch CPU threads; 0 = torch default.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    data: DataConfig = field(default_factory=DataConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    refresh: RefreshConfig = field(default_factory=RefreshConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        validate(self)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # -- loading ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "Config":
+        sections = {}
+        for f in dataclasses.fields(cls):
+            sub = data.get(f.name, {})
+            if not isinstance(sub, dict):
+                raise ConfigError(f"{source}: section '{f.name}' must be a table/object, got {sub!r}")
+            sections[f.name] = _build_section(f.type if not isinstance(f.type, str) else _SECTIONS[f.name],
+                                              sub, f"{source}: {f.name}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}; "
+                              f"valid sections: {[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**sections)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> "Config":
+        data: dict = {}
+        if path is not None:
+            data = read_config_file(path)
+        for item in overrides:
+            apply_override(data, item)
+        return cls.from_dict(data, source=str(path) if path else "overrides")
+
+
+_SECTIONS = {"model": ModelConfig, "warmstart": WarmStartConfig, "lora": LoraSettings, "data": DataConfig,
+             "grpo": GRPOConfig, "engine": EngineConfig, "refresh": RefreshConfig, "run": RunConfig}
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing .json or .toml file")
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(path.read_text())
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {err}") from err
+    raise ConfigError(f"config file {path}: unsupported suffix {path.suffix!r}; use .json or .toml")
+
+
+def apply_override(data: dict, item: str) -> None:
+    """`grpo.lr=3e-4` -> data['grpo']['lr'] = '3e-4' (converted to the field's type later)."""
+    key, sep, value = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise ConfigError(f"override {item!r} must look like section.field=value, e.g. grpo.lr=3e-4")
+    data.setdefault(section, {})[name] = value
+
+
+def _convert(value, typ, where: str):
+    """Convert file values and override strings to the field's type, or say how to fix them."""
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):  # str | list[str]
+        if isinstance(value, list):
+            return [str(v) for v in value]
+        if isinstance(value, str) and value.startswith("["):
+            try:
+                return [str(v) for v in json.loads(value)]
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{where}: {value!r} is not a JSON list ({err}); write e.g. "
+                                  f'["q_proj","v_proj"]') from err
+        if isinstance(value, str) and "," in value:
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return str(value)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{where}: {value!r} is not a boolean; use true or false")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: {value!r} is a boolean, expected a {typ.__name__}")
+        try:
+            converted = typ(value)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{where}: {value!r} is not a {typ.__name__}; write e.g. "
+                              f"{'8' if typ is int else '1e-3'}") from err
+        if typ is int and isinstance(value, float) and value != int(value):
+            raise ConfigError(f"{where}: {value!r} is not a whole number")
+        return converted
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build_section(cls, values: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(names)}")
+    kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _require(cond: bool, msg: str):
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    g, lora, e, r = cfg.grpo, cfg.lora, cfg.engine, cfg.refresh
+    _require(g.group_size >= 2, f"grpo.group_size={g.group_size}: group-normalised advantages need at "
+             f"least 2 completions per prompt; set grpo.group_size=8 or more")
+    _require(g.prompts_per_step >= 1, f"grpo.prompts_per_step={g.prompts_per_step}: must be >= 1")
+    _require(g.steps >= 0, f"grpo.steps={g.steps}: must be >= 0")
+    _require(g.micro_batch >= 1, f"grpo.micro_batch={g.micro_batch}: must be >= 1")
+    batch = g.prompts_per_step * g.group_size
+    _require(batch % g.micro_batch == 0 or g.micro_batch >= batch,
+             f"grpo.micro_batch={g.micro_batch} does not divide the batch of {batch} sequences "
+             f"(prompts_per_step x group_size); pick a divisor of {batch}")
+    _require(g.max_new_tokens >= 1, f"grpo.max_new_tokens={g.max_new_tokens}: must be >= 1")
+    _require(g.temperature > 0, f"grpo.temperature={g.temperature}: must be > 0 (greedy rollouts give "
+             f"identical groups and zero advantages)")
+    _require(0 < g.top_p <= 1, f"grpo.top_p={g.top_p}: must be in (0, 1]")
+    _require(g.lr > 0, f"grpo.lr={g.lr}: must be > 0")
+    _require(g.epochs >= 1, f"grpo.epochs={g.epochs}: must be >= 1")
+    _require(g.reward_mode in ("strict", "flexible"),
+             f"grpo.reward_mode={g.reward_mode!r}: use 'strict' or 'flexible'")
+    _require(lora.r >= 1, f"lora.r={lora.r}: the LoRA rank must be >= 1")
+    _require(lora.alpha > 0, f"lora.alpha={lora.alpha}: must be > 0")
+    tm = lora.target_modules
+    if isinstance(tm, str):
+        _require(tm == "all-linear" or tm.isidentifier(),
+                 f"lora.target_modules={tm!r}: use 'all-linear' or a list of module names such as "
+                 f'["q_proj","v_proj"]; regular expressions cannot be sent to SGLang')
+    else:
+        _require(len(tm) > 0 and all(isinstance(t, str) and t.isidentifier() for t in tm),
+                 f"lora.target_modules={tm!r}: list plain module names such as q_proj, v_proj")
+    _require(e.backend in ("hf", "sglang"), f"engine.backend={e.backend!r}: use 'hf' or 'sglang'")
+    _require(e.max_loras_per_batch >= 2, f"engine.max_loras_per_batch={e.max_loras_per_batch}: base-model "
+             f"requests take a slot too; use >= 2")
+    _require(0 < e.mem_fraction_static < 1, f"engine.mem_fraction_static={e.mem_fraction_static}: must be "
+             f"between 0 and 1 (e.g. 0.4 when the trainer shares the GPU)")
+    _require(e.max_lora_rank == 0 or e.max_lora_rank >= lora.r,
+             f"engine.max_lora_rank={e.max_lora_rank} is below lora.r={lora.r}; raise it or set 0 (= lora.r)")
+    _require(r.mode in ("file", "tensor", "merged", "none"),
+             f"refresh.mode={r.mode!r}: use 'file', 'tensor', 'merged' or 'none'")
+    _require(r.bucket_mb > 0, f"refresh.bucket_mb={r.bucket_mb}: must be > 0 (e.g. 64)")
+    _require(cfg.model.dtype in ("float32", "bfloat16", "float16"),
+             f"model.dtype={cfg.model.dtype!r}: use float32, bfloat16 or float16")
+    _require(cfg.warmstart.steps >= 0, f"warmstart.steps={cfg.warmstart.steps}: must be >= 0")
+    _require(0 <= cfg.warmstart.strict_format_fraction <= 1,
+             f"warmstart.strict_format_fraction={cfg.warmstart.strict_format_fraction}: must be in [0, 1]")
+    _require(cfg.data.eval_size >= 0 and cfg.data.eval_samples >= 1,
+             "data.eval_size must be >= 0 and data.eval_samples >= 1")
+    _require(cfg.run.save_adapter_every >= 1, f"run.save_adapter_every={cfg.run.save_adapter_every}: must be >= 1")
+
+
+def describe() -> str:
+    """All fields with defaults and help texts, for `--help-config`."""
+    lines = []
+    for section, cls in _SECTIONS.items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {section}.{f.name} = {default!r}\n      {f.metadata['help']}")
+    return "\n".join(lines)

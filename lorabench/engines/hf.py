@@ -1,0 +1,191 @@
+"""The reference engine: transformers + PEFT, in this process, CPU or GPU.
+
+It is a real engine with its own copy of the base weights (loaded from the same model dir as the
+trainer), adapters installed under names through PEFT, and SGLang's semantics (see base.py). It is
+the offline default and the reference the SGLang backend's log-probs are checked against.
+"""
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from ..adapters import AdapterSnapshot, base_param_name, linear_shapes, validate
+from ..models import load_model, pick_device
+from .base import AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling
+
+
+def lora_config_from_dict(config: dict):
+    """A PEFT LoraConfig from plain JSON, ignoring keys this PEFT version does not know."""
+    from peft import LoraConfig
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    kwargs = {k: v for k, v in config.items() if k in known and k not in ("peft_type",)}
+    kwargs["inference_mode"] = True
+    return LoraConfig(**kwargs)
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, model_path: str, cfg=None, device: str = "", dtype: str = "", generate_batch: int = 128):
+        self.device = pick_device(device or (cfg.engine.device if cfg else ""))
+        self.dtype = dtype or (cfg.model.dtype if cfg else "float32")
+        self.model_path = model_path
+        self._base = load_model(model_path, self.dtype, self.device)
+        for p in self._base.parameters():
+            p.requires_grad_(False)
+        self._peft = None                      # PeftModel once an adapter is installed
+        self._adapters: dict[str, dict] = {}  # name -> config
+        self._shapes = linear_shapes(self._base)
+        self._released = False
+        self.generate_batch = generate_batch
+        gen = self._base.generation_config
+        self.eos_ids = set(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
+        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else next(iter(self.eos_ids))
+
+    # -- adapters ---------------------------------------------------------------------------
+    def loaded_adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    def load_adapter(self, name: str, path: Path) -> None:
+        snapshot = AdapterSnapshot.load_peft_dir(path)
+        self.load_adapter_tensors(name, snapshot.tensors, snapshot.config)
+
+    def load_adapter_tensors(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        from peft import get_peft_model, set_peft_model_state_dict
+        if name in self._adapters:
+            raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
+        validate(AdapterSnapshot(tensors, config), self._shapes)
+        lora_config = lora_config_from_dict(config)
+        if self._peft is None:
+            self._peft = get_peft_model(self._base, lora_config, adapter_name=name)
+        else:
+            self._peft.add_adapter(name, lora_config)
+        result = set_peft_model_state_dict(self._peft, tensors, adapter_name=name)
+        unexpected = [k for k in result.unexpected_keys if "lora_" in k]
+        missing = [k for k in result.missing_keys if f".{name}." in k and "lora_" in k]
+        if unexpected or missing:
+            self._drop(name)
+            raise EngineError(f"adapter {name!r}: tensors do not fit the model (unexpected {unexpected[:3]}, "
+                              f"missing {missing[:3]}); use PEFT state-dict names")
+        self._adapters[name] = config
+        self._peft.eval()
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()})")
+        self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        self._adapters.pop(name, None)
+        if not self._adapters:
+            # PEFT cannot run with zero adapters; strip the LoRA layers and serve the plain model
+            self._base = self._peft.unload()
+            self._peft = None
+        else:
+            self._peft.delete_adapter(name)
+
+    def _model_for(self, adapter: str | None):
+        """(module, context) for a request: named adapter active, or the base model explicitly."""
+        if adapter is None:
+            return (self._base, nullcontext()) if self._peft is None else (self._peft, self._peft.disable_adapter())
+        if adapter not in self._adapters:
+            raise AdapterNotLoaded(f"request names adapter {adapter!r}, which is not loaded "
+                                   f"(loaded: {self.loaded_adapters()})")
+        self._peft.set_adapter(adapter)
+        return self._peft, nullcontext()
+
+    # -- base weights -------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors, flush_cache: bool = True) -> None:
+        params = {base_param_name(n): p for n, p in self._base.named_parameters() if ".lora_" not in n}
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise EngineError(f"update_weights: the model has no parameter {name!r}; send plain-model "
+                                  f"names such as 'model.layers.0.self_attn.q_proj.weight'")
+            if params[name].shape != tensor.shape:
+                raise EngineError(f"update_weights: {name} has shape {tuple(params[name].shape)}, got "
+                                  f"{tuple(tensor.shape)}")
+            params[name].copy_(tensor)
+        # flush_cache: this engine keeps no prefix cache between calls, nothing to flush
+
+    # -- generation and scoring -------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None) -> list[Completion]:
+        model, ctx = self._model_for(adapter)
+        out: list[Completion] = []
+        rng = torch.random.fork_rng(devices=[]) if sampling.seed is not None else nullcontext()
+        with ctx, rng:
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            for start in range(0, len(prompt_ids), self.generate_batch):
+                out += self._generate_chunk(model, prompt_ids[start:start + self.generate_batch], sampling)
+        return out
+
+    def _generate_chunk(self, model, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        greedy = sampling.temperature == 0
+        gen = model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
+                             temperature=None if greedy else sampling.temperature,
+                             top_p=None if greedy else sampling.top_p, top_k=None,
+                             output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids))
+        new = gen.sequences[:, width:].cpu()                                   # [B, T]
+        temp = 1.0 if greedy else sampling.temperature
+        logits = torch.stack(gen.logits, dim=1).float().cpu() / temp           # [B, T, V]
+        logprobs = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]  # [B, T]
+        completions = []
+        for i, p in enumerate(prompts):
+            tokens, lps, reason = [], [], "length"
+            for t in range(new.shape[1]):
+                tokens.append(int(new[i, t]))
+                lps.append(float(logprobs[i, t]))
+                if tokens[-1] in self.eos_ids:
+                    reason = "stop"
+                    break
+            completions.append(Completion(list(p), tokens, lps, reason))
+        return completions
+
+    @torch.no_grad()
+    def score(self, sequences, prompt_lens, adapter, temperature: float = 1.0) -> list[torch.Tensor]:
+        model, ctx = self._model_for(adapter)
+        width = max(map(len, sequences))
+        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(sequences):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        with ctx:
+            logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        logprobs = torch.log_softmax(logits.float() / temperature, -1)[:, :-1]          # [B, W-1, V]
+        token_lp = logprobs.gather(-1, ids[:, 1:, None].to(logprobs.device))[..., 0].cpu()  # [B, W-1]
+        return [token_lp[i, prompt_lens[i] - 1: len(s) - 1] for i, s in enumerate(sequences)]
+
+    # -- memory -------------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        if self._released:
+            raise EngineError("release_memory called twice; resume_memory first")
+        self._released = True  # weights stay resident: on a CPU there is nothing worth releasing
+
+    def resume_memory(self) -> None:
+        if not self._released:
+            raise EngineError("resume_memory without release_memory; only what was released is resumed")
+        self._released = False
+
+    def close(self) -> None:
+        self._peft = self._base = None
+        self._adapters.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

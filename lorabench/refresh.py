@@ -1,0 +1,222 @@
+"""Refresh strategies: move the trainer's current adapter into the engine after an optimizer step,
+timing each part. One small class per mode:
+
+    FileRefresh     write a PEFT dir (atomic, 0600, tmpfs when available) -> unload -> load by path
+    TensorRefresh   stage tensors on the engine's device in buckets -> unload -> load from tensors
+    MergedRefresh   W + (a/r)BA for every layer -> push full weights in buckets (no cache flush
+                    until the last bucket) -> the engine then serves the base name, adapter-free
+    NoRefresh       the stale-adapter control: the first adapter is loaded once and never updated
+
+Every refresh returns a RefreshRecord (one row for the run's sync.jsonl per bucket and a total).
+Only `AdapterNotLoaded` is caught on unload (the first refresh has nothing to unload); any other
+engine error propagates with the engine's message.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .adapters import AdapterSnapshot, linear_shapes, merged_state_dict, validate
+from .engines.base import AdapterNotLoaded
+
+
+@dataclass
+class RefreshRecord:
+    mode: str
+    step: int
+    nbytes: int = 0
+    parts: dict[str, float] = field(default_factory=dict)   # part -> seconds
+    buckets: list[dict] = field(default_factory=list)       # one row per bucket
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.parts.values())
+
+    def rows(self) -> list[dict]:
+        """sync.jsonl rows: each bucket, then the refresh total."""
+        total = {"step": self.step, "mode": self.mode, "row": "refresh", "bytes": self.nbytes,
+                 "buckets": len(self.buckets), "total_s": self.total_s, **{f"{k}_s": v for k, v in self.parts.items()}}
+        return [{"step": self.step, "mode": self.mode, "row": "bucket", **b} for b in self.buckets] + [total]
+
+
+def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Sort by name and pack greedily into buckets of at most `bucket_bytes`; a tensor larger than
+    a bucket travels alone. Every tensor lands in exactly one bucket."""
+    buckets, current, size = [], [], 0
+    for name, tensor in sorted(named, key=lambda kv: kv[0]):
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class _Clock:
+    """Wall-clock parts; synchronises CUDA before each reading so GPU work is counted."""
+
+    def __init__(self, record: RefreshRecord):
+        self.record = record
+        self.cuda = torch.cuda.is_available()
+        self.t = self.now()
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, part: str) -> float:
+        t = self.now()
+        dt, self.t = t - self.t, t
+        self.record.parts[part] = self.record.parts.get(part, 0.0) + dt
+        return dt
+
+
+def _unload_if_loaded(engine, name: str) -> None:
+    try:
+        engine.unload_adapter(name)
+    except AdapterNotLoaded:  # the first refresh: nothing loaded yet, the one benign case
+        pass
+
+
+def adapter_tmp_root(configured: str = "") -> Path:
+    """A private (0700) dir for adapter files: tmpfs (/dev/shm) when writable, else the temp dir."""
+    parent = configured or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+    return Path(tempfile.mkdtemp(prefix="lorabench-adapters-", dir=parent))
+
+
+class Refresher:
+    mode = "base"
+
+    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, max_rank: int | None = None):
+        self.engine, self.adapter_name = engine, adapter_name
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.max_rank = max_rank
+        self.refreshes = 0
+
+    @property
+    def serving_adapter(self) -> str | None:
+        """The adapter name rollouts must pass: the refreshed adapter (None for merged weights)."""
+        return self.adapter_name
+
+    def refresh(self, peft_model, step: int) -> RefreshRecord:
+        record = RefreshRecord(self.mode, step)
+        self._refresh(peft_model, record)
+        self.refreshes += 1
+        return record
+
+    def _snapshot(self, peft_model, step: int) -> AdapterSnapshot:
+        snapshot = AdapterSnapshot.from_peft(peft_model, step=step)
+        validate(snapshot, linear_shapes(peft_model), self.max_rank)  # refuse before the engine sees it
+        return snapshot
+
+    def close(self) -> None:
+        pass
+
+
+class FileRefresh(Refresher):
+    mode = "file"
+
+    def __init__(self, *args, tmp_dir: str = "", **kw):
+        super().__init__(*args, **kw)
+        self.root = adapter_tmp_root(tmp_dir)
+        self._previous: Path | None = None
+
+    def _refresh(self, peft_model, record):
+        clock = _Clock(record)
+        snapshot = self._snapshot(peft_model, record.step)
+        path = snapshot.save_peft_dir(self.root / f"{self.adapter_name}-{record.step:06d}")
+        record.nbytes = snapshot.nbytes
+        record.buckets.append({"bucket": 0, "tensors": len(snapshot.tensors), "bytes": snapshot.nbytes,
+                               "seconds": clock.lap("write")})
+        _unload_if_loaded(self.engine, self.adapter_name)
+        clock.lap("unload")
+        self.engine.load_adapter(self.adapter_name, path)
+        clock.lap("load")
+        if self._previous is not None:  # the engine has read the new dir; the old one can go
+            shutil.rmtree(self._previous, ignore_errors=True)
+        self._previous = path
+
+    def close(self):
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class TensorRefresh(Refresher):
+    mode = "tensor"
+
+    def __init__(self, *args, device: str | None = None, **kw):
+        super().__init__(*args, **kw)
+        # CUDA-IPC needs GPU tensors: a CPU tensor would fail (or be copied) inside the engine
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def _refresh(self, peft_model, record):
+        clock = _Clock(record)
+        snapshot = self._snapshot(peft_model, record.step)
+        clock.lap("snapshot")
+        staged: dict[str, torch.Tensor] = {}
+        for i, bucket in enumerate(pack_buckets(list(snapshot.tensors.items()), self.bucket_bytes)):
+            for name, tensor in bucket:
+                staged[name] = tensor.to(self.device, non_blocking=True).contiguous()
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": nbytes,
+                                   "seconds": clock.lap("stage")})
+        record.nbytes = snapshot.nbytes
+        _unload_if_loaded(self.engine, self.adapter_name)
+        clock.lap("unload")
+        self.engine.load_adapter_tensors(self.adapter_name, staged, snapshot.config)
+        clock.lap("load")
+
+
+class MergedRefresh(Refresher):
+    mode = "merged"
+
+    @property
+    def serving_adapter(self) -> str | None:
+        return None  # the engine's base weights *are* the policy now
+
+    def _refresh(self, peft_model, record):
+        clock = _Clock(record)
+        merged = merged_state_dict(peft_model)
+        clock.lap("merge")
+        buckets = pack_buckets(list(merged.items()), self.bucket_bytes)
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            self.engine.update_weights(bucket, flush_cache=last)  # flush once, after the last bucket
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            record.nbytes += nbytes
+            record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": nbytes,
+                                   "seconds": clock.lap("push")})
+
+
+class NoRefresh(TensorRefresh):
+    """Stale-adapter control: load the first adapter, then never update the engine again."""
+    mode = "none"
+
+    def refresh(self, peft_model, step):
+        if self.refreshes == 0:
+            record = super().refresh(peft_model, step)
+            record.mode = self.mode
+            return record
+        return RefreshRecord(self.mode, step)
+
+
+def make_refresher(cfg, engine) -> Refresher:
+    r = cfg.refresh
+    max_rank = cfg.engine.max_lora_rank or None if cfg.engine.backend == "sglang" else None
+    common = dict(bucket_mb=r.bucket_mb, max_rank=max_rank)
+    name = cfg.engine.adapter_name
+    if r.mode == "file":
+        return FileRefresh(engine, name, tmp_dir=r.tmp_dir, **common)
+    if r.mode == "merged":
+        return MergedRefresh(engine, name, **common)
+    cls = TensorRefresh if r.mode == "tensor" else NoRefresh
+    return cls(engine, name, device=getattr(engine, "device", None), **common)

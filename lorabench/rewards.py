@@ -1,0 +1,70 @@
+"""GSM8K answer extraction and rewards: one definition of "correct", used by training and eval.
+
+>>> extract_answer("so 3 + 4 = 7\\n#### 7")
+'7'
+>>> extract_answer("The answer is $1,000.", mode="flexible")
+'1000'
+>>> gsm8k_reward("#### 18.0", "18")
+1.0
+"""
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+# a number as people write it: optional sign and $, digits with thousands commas, optional decimals
+_NUMBER = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+_STRICT = re.compile(r"####\s*(" + _NUMBER + r")")
+_FLEXIBLE = re.compile(_NUMBER)
+
+
+def normalize_number(text: str) -> str | None:
+    """'$1,000.50' -> '1000.5', '18.0' -> '18'; None if it is not a number."""
+    cleaned = text.replace("$", "").replace(",", "").replace(" ", "").rstrip(".")
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    if not value.is_finite():
+        return None
+    normalized = value.normalize()
+    # Decimal('1E+3').normalize() prints in exponent form; force plain notation
+    return format(normalized, "f") if normalized != normalized.to_integral() else str(int(normalized))
+
+
+def extract_answer(text: str, mode: str = "strict") -> str | None:
+    """Strict: the number after the last '#### '. Flexible: the last number anywhere."""
+    if mode not in ("strict", "flexible"):
+        raise ValueError(f"extract_answer mode={mode!r}: use 'strict' or 'flexible'")
+    pattern = _STRICT if mode == "strict" else _FLEXIBLE
+    matches = pattern.findall(text)
+    if not matches:
+        return None
+    return normalize_number(matches[-1])
+
+
+def has_strict_format(text: str) -> bool:
+    return _STRICT.search(text) is not None
+
+
+def gsm8k_reward(completion: str, answer: str, mode: str = "strict", format_bonus: float = 0.0) -> float:
+    """1.0 if the extracted answer equals `answer` as a number, else 0.0; plus `format_bonus`
+    whenever '#### N' is present (right or wrong)."""
+    predicted = extract_answer(completion, mode)
+    truth = normalize_number(answer)
+    if truth is None:
+        raise ValueError(f"ground-truth answer {answer!r} is not a number; GSM8K answers end with '#### N'")
+    reward = 1.0 if predicted is not None and predicted == truth else 0.0
+    if format_bonus and has_strict_format(completion):
+        reward += format_bonus
+    return reward
+
+
+def correctness_reward(prompts: list[str], completions: list[str], answers: list[str],
+                       mode: str = "strict", format_bonus: float = 0.0) -> list[float]:
+    """TRL-style batch reward: `fn(prompts, completions, answers) -> list[float]`.
+
+    >>> correctness_reward(["q"], ["#### 5"], ["5"])
+    [1.0]
+    """
+    return [gsm8k_reward(c, a, mode, format_bonus) for c, a in zip(completions, answers)]
