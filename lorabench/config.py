@@ -95,6 +95,8 @@ class EngineConfig:
     release_memory_during_training: bool = _f(False, "sglang: release KV cache (and weights if merged) "
                                               "while the trainer runs; resumed symmetrically.")
     dtype: str = _f("auto", "sglang: model dtype ('auto', 'bfloat16', 'float16').")
+    extra_args: str = _f("", "sglang: JSON object of further sglang.Engine arguments, e.g. "
+                         '\'{"cuda_graph_max_bs": 64}\'.')
 
 
 @dataclass
@@ -279,6 +281,13 @@ def validate(cfg: Config) -> None:
              f"between 0 and 1 (e.g. 0.4 when the trainer shares the GPU)")
     _require(e.max_lora_rank == 0 or e.max_lora_rank >= lora.r,
              f"engine.max_lora_rank={e.max_lora_rank} is below lora.r={lora.r}; raise it or set 0 (= lora.r)")
+    if e.extra_args:
+        try:
+            _require(isinstance(json.loads(e.extra_args), dict), f"engine.extra_args={e.extra_args!r}: "
+                     f"must be a JSON object")
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"engine.extra_args={e.extra_args!r} is not valid JSON ({err}); write e.g. "
+                              f'{{"cuda_graph_max_bs": 64}}') from err
     _require(r.mode in ("file", "tensor", "merged", "none"),
              f"refresh.mode={r.mode!r}: use 'file', 'tensor', 'merged' or 'none'")
     _require(r.bucket_mb > 0, f"refresh.bucket_mb={r.bucket_mb}: must be > 0 (e.g. 64)")

@@ -34,7 +34,8 @@ def sft_batch(tokenizer, problems, rng, strict_fraction):
 def warm_start(model, tokenizer, cfg, seed: int, log=print) -> list[float]:
     """Full-parameter SFT for cfg.steps steps (AdamW, linear warm-up, cosine decay). Returns the loss curve."""
     rng = random.Random(f"warmstart-{seed}")
-    model.train()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     warmup = max(1, cfg.steps // 15)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -43,7 +44,7 @@ def warm_start(model, tokenizer, cfg, seed: int, log=print) -> list[float]:
     for step in range(cfg.steps):
         problems = synthetic_problems(cfg.batch_size, f"warmstart-{seed}-{step}")
         ids, labels, attn = sft_batch(tokenizer, problems, rng, cfg.strict_format_fraction)
-        loss = model(input_ids=ids, attention_mask=attn.long(), labels=labels).loss
+        loss = model(input_ids=ids.to(device), attention_mask=attn.long().to(device), labels=labels.to(device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -53,5 +54,5 @@ def warm_start(model, tokenizer, cfg, seed: int, log=print) -> list[float]:
         if (step + 1) % 50 == 0 or step == 0:
             log(f"warm-start step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  "
                 f"({time.perf_counter() - t0:.0f}s)")
-    model.eval()
+    model.to("cpu").eval()
     return losses

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one device call, from the checkout's root on the GPU machine:
+#   bash .sglang/with-sglang.sh bash scripts/gpu_suite.sh [pytest args]
+# Figures land in $OUT (the device tool's result folder) or ./gpu_results.
+set -uo pipefail
+export LORABENCH_GPU_OUT=${OUT:-gpu_results}
+export LORABENCH_CACHE=${LORABENCH_CACHE:-/tmp/lorabench-cache}
+export LORABENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$LORABENCH_GPU_OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LORABENCH_GPU_OUT/gpu.txt" 2>&1
+python -m pytest -m gpu -x -v -p no:cacheprovider -s "$@" tests/test_sglang_gpu.py 2>&1 | tee "$LORABENCH_GPU_OUT/pytest.log"
+exit ${PIPESTATUS[0]}

@@ -1,0 +1,232 @@
+"""The SGLang backend against real SGLang on a GPU (marker `gpu`; run: bash scripts/gpu_suite.sh).
+
+Skips with the reason on machines without CUDA or sglang. Figures go to $LORABENCH_GPU_OUT
+(JSON per test) so a device run can bring them back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+try:
+    import sglang  # noqa: F401
+    _SGLANG = True
+except ImportError:
+    _SGLANG = False
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (run scripts/gpu_suite.sh on the GPU machine)", allow_module_level=True)
+if not _SGLANG:
+    pytest.skip("needs sglang (pip install -e .[sglang], or .sglang/with-sglang.sh on the GPU machine)",
+                allow_module_level=True)
+
+from lorabench.adapters import AdapterSnapshot  # noqa: E402
+from lorabench.config import Config  # noqa: E402
+from lorabench.data import synthetic_problems  # noqa: E402
+from lorabench.engines.base import AdapterNotLoaded, Sampling  # noqa: E402
+from lorabench.engines.hf import HFEngine  # noqa: E402
+from lorabench.engines.sglang import SGLangEngine  # noqa: E402
+from lorabench.models import load_tokenizer, prompt_ids, tiny_model_dir  # noqa: E402
+
+OUT = Path(os.environ.get("LORABENCH_GPU_OUT", "gpu_results"))
+# the offline GPU stack lacks FlashInfer/FA3/xgrammar; a full install needs none of these
+STACK = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none"]
+
+
+def record(name: str, data: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    import peft
+    import sglang
+    import transformers
+    data = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sglang": sglang.__version__,
+            "transformers": transformers.__version__, "peft": peft.__version__,
+            "commit": os.environ.get("LORABENCH_COMMIT", ""), "date": time.strftime("%Y-%m-%d %H:%M"), **data}
+    (OUT / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
+def gpu_config(*overrides) -> Config:
+    return Config.load(None, [*STACK, "engine.dtype=bfloat16", "engine.mem_fraction_static=0.3",
+                              "run.out_dir=" + str(OUT / "runs"), *overrides])
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    cfg = Config()
+    return str(tiny_model_dir(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"), cfg.warmstart, 0))
+
+
+def random_adapter(model_path: str, seed: int, r: int = 16, scale: float = 0.02) -> AdapterSnapshot:
+    """A LoRA adapter with non-trivial B (PEFT initialises B = 0), saved as a snapshot."""
+    from peft import LoraConfig, get_peft_model
+    from lorabench.models import load_model
+    torch.manual_seed(seed)
+    model = get_peft_model(load_model(model_path), LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, scale)
+    return AdapterSnapshot.from_peft(model)
+
+
+def probe_sequences(model_path: str, n: int = 8) -> tuple[list[list[int]], list[int]]:
+    tok = load_tokenizer(model_path)
+    seqs, plens = [], []
+    for p in synthetic_problems(n, "gpu-probe"):
+        prompt = prompt_ids(tok, p.messages)
+        seqs.append(prompt + tok(p.answer, add_special_tokens=False)["input_ids"])
+        plens.append(len(prompt))
+    return seqs, plens
+
+
+def diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
+    d = torch.cat([(x.float() - y.float()).abs() for x, y in zip(a, b)])
+    return d.max().item(), d.mean().item()
+
+
+def test_parity_and_refresh_semantics(tiny_path, tmp_path):
+    """Log-probs match transformers+PEFT for base, A, B (same-name refresh by file) and A again (by
+    tensors); a request without the adapter name runs the base model; greedy outputs after a dynamic
+    refresh equal those of an engine started with that adapter."""
+    cfg = gpu_config()
+    a, b = random_adapter(tiny_path, 1), random_adapter(tiny_path, 2)
+    dir_a, dir_b = a.save_peft_dir(tmp_path / "A"), b.save_peft_dir(tmp_path / "B")
+    seqs, plens = probe_sequences(tiny_path)
+    hf = HFEngine(tiny_path, cfg, device="cuda", dtype="bfloat16")
+    hf.load_adapter("A", dir_a)
+    hf.load_adapter("B", dir_b)
+    ref = {"base": hf.score(seqs, plens, None), "A": hf.score(seqs, plens, "A"), "B": hf.score(seqs, plens, "B")}
+    hf.close()
+    prompts = [s[:p] for s, p in zip(seqs, plens)]
+    greedy = Sampling(max_new_tokens=24, temperature=0.0)
+    results = {}
+    with SGLangEngine(tiny_path, cfg) as eng:
+        base_before = eng.score(seqs, plens, None)
+        results["base"] = diff(base_before, ref["base"])
+        eng.load_adapter("policy", dir_a)
+        got_a = eng.score(seqs, plens, "policy")
+        results["A_by_file"] = diff(got_a, ref["A"])
+        # request without the name while the adapter is loaded: must be the base model, exactly
+        base_during = eng.score(seqs, plens, None)
+        assert diff(base_during, base_before)[0] == 0.0
+        eng.unload_adapter("policy")
+        eng.load_adapter("policy", dir_b)  # same-name refresh by file
+        results["B_by_file_refresh"] = diff(eng.score(seqs, plens, "policy"), ref["B"])
+        greedy_dynamic_b = [c.token_ids for c in eng.generate(prompts, greedy, "policy")]
+        greedy_base = [c.token_ids for c in eng.generate(prompts, greedy, None)]
+        eng.unload_adapter("policy")
+        eng.load_adapter_tensors("policy", {k: v.cuda() for k, v in a.tensors.items()}, a.config)
+        results["A_by_tensor_refresh"] = diff(eng.score(seqs, plens, "policy"), ref["A"])
+        with pytest.raises(AdapterNotLoaded):
+            eng.unload_adapter("never-loaded")
+        with pytest.raises(AdapterNotLoaded):
+            eng.generate(prompts[:1], greedy, "never-loaded")
+        # generate's own log-probs agree with score on the same tokens
+        sampled = eng.generate(prompts, Sampling(24, 1.0, 1.0, seed=3), "policy")
+        rescored = eng.score([c.prompt_ids + c.token_ids for c in sampled], [len(c.prompt_ids) for c in sampled], "policy")
+        results["generate_vs_score"] = diff([torch.tensor(c.logprobs) for c in sampled], rescored)
+    effect_a = diff(ref["A"], ref["base"])
+    effect_b = diff(ref["B"], ref["base"])
+    with SGLangEngine(tiny_path, cfg, lora_paths=[f"policy={dir_b}"]) as static:
+        static._adapters.add("policy")  # loaded at start by the engine itself
+        greedy_static_b = [c.token_ids for c in static.generate(prompts, greedy, "policy")]
+    record("parity", {"max_mean_abs_diff": results, "adapter_effect_A": effect_a, "adapter_effect_B": effect_b,
+                      "greedy_dynamic_equals_static": greedy_dynamic_b == greedy_static_b,
+                      "greedy_adapter_differs_from_base": greedy_dynamic_b != greedy_base})
+    for key in ("base", "A_by_file", "B_by_file_refresh", "A_by_tensor_refresh"):
+        mx, mean = results[key]
+        assert mx < 0.1 and mean < 0.02, f"{key}: max {mx:.4f} mean {mean:.4f}"
+    assert effect_a[1] > 5 * results["A_by_file"][1], "the adapter's own effect must dwarf the engine error"
+    assert greedy_dynamic_b == greedy_static_b
+    assert greedy_dynamic_b != greedy_base
+
+
+def run_grpo(cfg, model_path, engine, steps):
+    from lorabench.grpo import GRPOTrainer
+    from lorabench.runlog import RunLog
+    trainer = GRPOTrainer(cfg, model_path, engine, RunLog(Path(cfg.run.out_dir) / cfg.run.name), log=print)
+    before = trainer.evaluate()
+    rows = [trainer.step().metrics for _ in range(steps)]
+    after = trainer.evaluate()
+    trainer.close()
+    return before, rows, after
+
+
+def test_grpo_with_sglang_rollouts(tiny_path):
+    """Reward rises with file and tensor refresh; mismatch stays at the parity level on every step
+    with non-zero advantages; with refresh off (stale adapter) the mismatch grows."""
+    steps = int(os.environ.get("LORABENCH_GPU_STEPS", "40"))
+    summary = {}
+    cfg0 = gpu_config()
+    with SGLangEngine(tiny_path, cfg0) as engine:
+        for mode in ("tensor", "file", "none"):
+            cfg = gpu_config(f"refresh.mode={mode}", f"run.name=grpo-{mode}", "grpo.micro_batch=128")
+            t0 = time.perf_counter()
+            before, rows, after = run_grpo(cfg, tiny_path, engine, steps)
+            summary[mode] = {
+                "seconds": time.perf_counter() - t0, "heldout_strict_before": before["strict"],
+                "heldout_strict_after": after["strict"],
+                "reward_first5": sum(r["reward/mean"] for r in rows[:5]) / 5,
+                "reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / 5,
+                "mismatch_active_mean_per_step": [r["mismatch/active_mean"] for r in rows],
+                "mismatch_max_per_step": [r["mismatch/max"] for r in rows],
+                "refresh_ms_p50": sorted(1e3 * r["refresh/total_s"] for r in rows)[len(rows) // 2],
+                "step_s_p50": sorted(r["time/step_s"] for r in rows)[len(rows) // 2],
+                "rows": rows,
+            }
+    record("grpo_sglang", summary)
+    for mode in ("tensor", "file"):
+        s = summary[mode]
+        assert s["heldout_strict_after"] - s["heldout_strict_before"] >= 0.2, (mode, s["heldout_strict_before"], s["heldout_strict_after"])
+        active = [m for m in s["mismatch_active_mean_per_step"] if m == m and m is not None]
+        assert active and max(active) < 0.05, (mode, max(active))
+    stale = [m for m in summary["none"]["mismatch_active_mean_per_step"] if m == m and m is not None]
+    fresh = [m for m in summary["tensor"]["mismatch_active_mean_per_step"] if m == m and m is not None]
+    assert stale[-1] > 3 * max(fresh), (stale[-1], max(fresh))
+
+
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def test_qwen3_06b_shape_grpo_steps(tiny_path, tmp_path_factory):
+    """The same code path on a random-init model of Qwen3-0.6B's shape, GSM8K-format local data."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    root = tmp_path_factory.mktemp("q06")
+    model_dir = root / "qwen3-0.6b-random"
+    tok = load_tokenizer(tiny_path)
+    config = Qwen3Config(**QWEN3_06B, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    data = root / "gsm8k_train.jsonl"
+    data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                            for p in synthetic_problems(256, "q06")))
+    out = {"params": n_params}
+    for mode in ("tensor", "file"):
+        cfg = gpu_config(f"refresh.mode={mode}", "lora.r=32", "model.dtype=bfloat16", f"data.source={data}",
+                         "grpo.prompts_per_step=8", "grpo.group_size=8", "grpo.max_new_tokens=64",
+                         "grpo.micro_batch=16", f"run.name=q06-{mode}", "run.save_adapter_every=100")
+        with SGLangEngine(str(model_dir), cfg) as engine:
+            from lorabench.grpo import GRPOTrainer
+            from lorabench.runlog import RunLog
+            trainer = GRPOTrainer(cfg, str(model_dir), engine, RunLog(root / f"run-{mode}"))
+            rows = [trainer.step().metrics for _ in range(4)]
+            trainer.close()
+        out[mode] = [{k: v for k, v in r.items() if k.startswith(("time/", "refresh/", "mismatch/", "reward/mean"))}
+                     for r in rows]
+        for r in rows:
+            assert r["time/rollout_s"] > 0 and r["time/train_s"] > 0 and r["refresh/total_s"] > 0
+            assert r["refresh/bytes"] > 30e6  # rank 32 on 7 projections x 28 layers, bf16: ~40 MB
+    record("qwen3_06b_shape", out)
