@@ -62,7 +62,7 @@ def tiny_path():
     return str(tiny_model_dir(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"), cfg.warmstart, 0))
 
 
-def random_adapter(model_path: str, seed: int, r: int = 16, scale: float = 0.2) -> AdapterSnapshot:
+def random_adapter(model_path: str, seed: int, r: int = 16, scale: float = 0.1) -> AdapterSnapshot:
     """A LoRA adapter with non-trivial B (PEFT initialises B = 0), saved as a snapshot."""
     from peft import LoraConfig, get_peft_model
     from lorabench.models import load_model
