@@ -216,6 +216,8 @@ def linear_shapes(model) -> dict[str, tuple[int, int]]:
     shapes = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
+        if ".lora_" in f".{name}":  # PEFT's own lora_A/lora_B Linears are not layers of the model
+            continue
         if isinstance(module, torch.nn.Linear) and weight is not None and weight.dim() == 2:
             plain = base_param_name(name + ".weight")[: -len(".weight")]
             shapes[plain] = (module.out_features, module.in_features)

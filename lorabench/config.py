@@ -68,7 +68,8 @@ class GRPOConfig:
     prompts_per_step: int = _f(8, "Distinct prompts per step (fresh every step).")
     group_size: int = _f(16, "Completions sampled per prompt; advantages are normalised within a group.")
     max_new_tokens: int = _f(48, "Completion length limit.")
-    temperature: float = _f(1.0, "Sampling temperature for rollouts (log-probs are of this distribution).")
+    temperature: float = _f(0.7, "Sampling temperature for rollouts and the sampled held-out eval "
+                            "(log-probs are of this distribution).")
     top_p: float = _f(1.0, "Nucleus sampling; keep 1.0 so log-probs cover the whole distribution.")
     lr: float = _f(1e-3, "AdamW learning rate for the LoRA parameters.")
     clip_eps: float = _f(0.2, "PPO-style ratio clip.")

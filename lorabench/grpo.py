@@ -95,7 +95,10 @@ class GRPOTrainer:
         self.device = pick_device(cfg.engine.device if cfg.engine.backend == "hf" else "")
         torch.manual_seed(cfg.run.seed)
         base = load_model(model_path, cfg.model.dtype, self.device)
-        lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules,
+        targets = cfg.lora.target_modules
+        if isinstance(targets, str) and targets != "all-linear":
+            targets = [targets]  # one module name; PEFT would treat a bare string as a full-name regex
+        lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=targets,
                           lora_dropout=cfg.lora.dropout, bias="none")
         self.model = get_peft_model(base, lora)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -185,6 +185,7 @@ class MergedRefresh(Refresher):
 
     def _refresh(self, peft_model, record):
         clock = _Clock(record)
+        self._snapshot(peft_model, record.step)  # validate (NaN/Inf, shapes) before any weight is pushed
         merged = merged_state_dict(peft_model)
         clock.lap("merge")
         buckets = pack_buckets(list(merged.items()), self.bucket_bytes)

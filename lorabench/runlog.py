@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-_SECRET_KEY = re.compile(r"(token|secret|password|api_key|apikey|credential)", re.I)
+# whole underscore-separated words, so 'hf_token' / 'api_key' match but 'max_new_tokens' does not
+_SECRET_KEY = re.compile(r"(?:^|_)(?:token|secret|password|api_key|apikey|credentials?)(?:_|$)", re.I)
 
 
 def _clean(value):

@@ -9,5 +9,5 @@ export LORABENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$LORABENCH_GPU_OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LORABENCH_GPU_OUT/gpu.txt" 2>&1
-python -m pytest -m gpu -x -v -p no:cacheprovider -s "$@" tests/test_sglang_gpu.py 2>&1 | tee "$LORABENCH_GPU_OUT/pytest.log"
+python -m pytest -m gpu -v -p no:cacheprovider -s "$@" tests/test_sglang_gpu.py 2>&1 | tee "$LORABENCH_GPU_OUT/pytest.log"
 exit ${PIPESTATUS[0]}
