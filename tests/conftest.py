@@ -1,0 +1,110 @@
+"""Shared fixtures for the CPU suite: a tiny random-init Qwen3 model built offline once per session,
+PEFT trainer models with a non-trivial adapter, and real HFEngine instances (no mocks)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Two CPU threads, and threads that sleep instead of spin while waiting: another process (a demo)
+# may share the two cores, and spinning OpenMP threads then slow every matmul down several times.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # works without `pip install -e .` too
+    sys.path.insert(0, str(ROOT))
+
+torch.set_num_threads(int(os.environ.get("LORABENCH_TEST_THREADS", "2")))
+
+# a small rank keeps the suite fast; 'all-linear' exercises PEFT's resolution of target modules
+LORA_R, LORA_ALPHA = 4, 8
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random-init tiny Qwen3 model + its BPE tokenizer, saved as an ordinary HF model dir."""
+    from lorabench.models import build_tiny_model, build_tiny_tokenizer
+    out = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = build_tiny_tokenizer(out)
+    model = build_tiny_model(tokenizer)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from lorabench.models import load_tokenizer
+    return load_tokenizer(str(tiny_model_dir))
+
+
+def perturb_lora_B(model, seed: int = 0, scale: float = 0.2) -> None:
+    """Make the adapter non-trivial: PEFT initialises lora_B to zero (adapter == base)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * scale)
+
+
+@pytest.fixture
+def make_peft_model(tiny_model_dir):
+    """Factory: a fresh PEFT-wrapped trainer model (LoRA on all linear layers), lora_B perturbed."""
+    from peft import LoraConfig, get_peft_model
+    from lorabench.models import load_model
+
+    def make(seed: int = 0, perturb: bool = True, target_modules="all-linear", r: int = LORA_R):
+        torch.manual_seed(seed)
+        base = load_model(str(tiny_model_dir), "float32", "cpu")
+        config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=target_modules, lora_dropout=0.0,
+                            bias="none")
+        model = get_peft_model(base, config)
+        if perturb:
+            perturb_lora_B(model, seed)
+        model.eval()
+        return model
+    return make
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    """A real HFEngine on CPU serving the tiny model's base weights."""
+    from lorabench.engines.hf import HFEngine
+    eng = HFEngine(str(tiny_model_dir), device="cpu", dtype="float32")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def sample_sequences(tokenizer):
+    """Two chat prompts of different lengths followed by their reference answers: (seqs, prompt_lens)."""
+    from lorabench.data import synthetic_problems
+    from lorabench.models import prompt_ids
+    seqs, lens = [], []
+    for p in synthetic_problems(2, "test-seqs"):
+        prompt = prompt_ids(tokenizer, p.messages)
+        seqs.append(prompt + tokenizer(p.answer, add_special_tokens=False)["input_ids"])
+        lens.append(len(prompt))
+    assert lens[0] != lens[1]  # different prompt lengths: padding is exercised
+    return seqs, lens
+
+
+@torch.no_grad()
+def model_logprobs(model, sequences, prompt_lens, temperature: float = 1.0) -> list[torch.Tensor]:
+    """The trainer side: log-probs of sequences[i][prompt_lens[i]:] from an unpadded forward pass."""
+    out = []
+    for seq, plen in zip(sequences, prompt_lens):
+        ids = torch.tensor([seq])
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1].float()
+        lp = torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        out.append(lp[plen - 1:])
+    return out
+
+
+def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape, (x.shape, y.shape)
+    return max((x - y).abs().max().item() for x, y in zip(a, b))

@@ -1,0 +1,213 @@
+"""Config: defaults, typed overrides, .json/.toml files, and errors that name the field and the fix."""
+import dataclasses
+import json
+
+import pytest
+
+from lorabench.config import Config, ConfigError, apply_override, describe, validate
+
+
+def test_defaults_are_valid():
+    cfg = Config()
+    validate(cfg)
+    d = cfg.to_dict()
+    json.dumps(d)  # a Config is plain JSON
+    assert set(d) == {"model", "warmstart", "lora", "data", "grpo", "engine", "refresh", "run"}
+    assert Config.load().to_dict() == d
+    # every field documents itself
+    text = describe()
+    for section in d:
+        for key in d[section]:
+            assert f"{section}.{key} =" in text
+
+
+def test_list_defaults_are_not_shared():
+    a, b = Config(), Config()
+    a.lora.target_modules = ["q_proj"]
+    assert b.lora.target_modules == Config().lora.target_modules
+
+
+def test_overrides_are_typed():
+    cfg = Config.load(overrides=["grpo.steps=7", "grpo.lr=3e-4", "engine.disable_cuda_graph=true",
+                                 "run.seed=11", "refresh.bucket_mb=0.5", "model.enable_thinking=no",
+                                 "refresh.mode=file"])
+    assert cfg.grpo.steps == 7 and type(cfg.grpo.steps) is int
+    assert cfg.grpo.lr == pytest.approx(3e-4) and type(cfg.grpo.lr) is float
+    assert cfg.engine.disable_cuda_graph is True
+    assert cfg.model.enable_thinking is False
+    assert cfg.run.seed == 11
+    assert cfg.refresh.bucket_mb == 0.5
+    assert cfg.refresh.mode == "file"
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("q_proj,v_proj", ["q_proj", "v_proj"]),
+    ("q_proj, v_proj ,", ["q_proj", "v_proj"]),
+    ('["q_proj","o_proj"]', ["q_proj", "o_proj"]),
+    ("all-linear", "all-linear"),
+    ("q_proj", "q_proj"),
+])
+def test_target_modules_override(value, expected):
+    cfg = Config.load(overrides=[f"lora.target_modules={value}"])
+    assert cfg.lora.target_modules == expected
+    assert type(cfg.lora.target_modules) is type(expected)
+
+
+def test_override_value_may_contain_equals_sign():
+    cfg = Config.load(overrides=["run.name=a=b"])
+    assert cfg.run.name == "a=b"
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"grpo": {"steps": 3, "lr": 0.01, "group_size": 4, "micro_batch": 32},
+                                "lora": {"target_modules": ["q_proj", "v_proj"], "r": 8},
+                                "refresh": {"mode": "merged"}}))
+    cfg = Config.load(path)
+    assert (cfg.grpo.steps, cfg.grpo.lr, cfg.grpo.group_size) == (3, 0.01, 4)
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.lora.r == 8
+    assert cfg.refresh.mode == "merged"
+    assert cfg.grpo.prompts_per_step == Config().grpo.prompts_per_step  # untouched default
+
+
+def test_toml_file_with_overrides_on_top(tmp_path):
+    path = tmp_path / "cfg.toml"
+    path.write_text('[grpo]\nsteps = 5\nlr = 2e-3\n\n[engine]\nbackend = "hf"\ndisable_cuda_graph = true\n'
+                    '[lora]\ntarget_modules = "all-linear"\n')
+    cfg = Config.load(path, overrides=["grpo.steps=9"])
+    assert cfg.grpo.steps == 9          # the override wins over the file
+    assert cfg.grpo.lr == pytest.approx(2e-3)
+    assert cfg.engine.disable_cuda_graph is True
+    assert cfg.lora.target_modules == "all-linear"
+
+
+def test_roundtrip_through_json_file(tmp_path):
+    cfg = Config.load(overrides=["grpo.steps=3", "lora.target_modules=q_proj,v_proj"])
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    assert Config.load(path) == cfg
+
+
+def _error(overrides=(), path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        Config.load(path, overrides=list(overrides))
+    return str(info.value)
+
+
+def test_unknown_key_names_key_and_valid_keys():
+    msg = _error(["grpo.learning_rate=1e-3"])
+    assert "learning_rate" in msg and "grpo" in msg
+    assert "valid keys" in msg and "'lr'" in msg
+
+
+def test_unknown_section_names_section_and_valid_sections():
+    msg = _error(["optim.lr=1e-3"])
+    assert "optim" in msg and "valid sections" in msg and "grpo" in msg
+
+
+def test_wrong_type_names_field_and_example():
+    msg = _error(["grpo.lr=abc"])
+    assert "grpo.lr" in msg and "'abc'" in msg and "float" in msg and "1e-3" in msg
+    msg = _error(["grpo.steps=2.5"])
+    assert "grpo.steps" in msg and "int" in msg
+    msg = _error(["engine.disable_cuda_graph=maybe"])
+    assert "engine.disable_cuda_graph" in msg and "true or false" in msg
+
+
+def test_wrong_type_in_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"grpo": {"steps": 2.5}}))
+    msg = _error(path=path)
+    assert "grpo.steps" in msg and "whole number" in msg
+    path.write_text(json.dumps({"grpo": {"steps": True}}))
+    assert "boolean" in _error(path=path)
+    path.write_text(json.dumps({"grpo": 3}))
+    assert "grpo" in _error(path=path) and "table" in _error(path=path)
+
+
+def test_group_size_one():
+    msg = _error(["grpo.group_size=1", "grpo.micro_batch=8"])
+    assert "grpo.group_size=1" in msg and "group_size=8" in msg
+
+
+def test_micro_batch_must_divide_batch():
+    msg = _error(["grpo.prompts_per_step=3", "grpo.group_size=4", "grpo.micro_batch=5"])
+    assert "grpo.micro_batch=5" in msg and "12" in msg and "divisor" in msg
+    # a divisor or anything >= the batch is fine
+    assert Config.load(overrides=["grpo.prompts_per_step=3", "grpo.group_size=4", "grpo.micro_batch=6"])
+    assert Config.load(overrides=["grpo.prompts_per_step=3", "grpo.group_size=4", "grpo.micro_batch=64"])
+
+
+@pytest.mark.parametrize("value", [".*proj", "model.*q_proj", r"q_proj|v_proj"])
+def test_regex_target_modules_refused(value):
+    msg = _error([f"lora.target_modules={value}"])
+    assert "lora.target_modules" in msg and "all-linear" in msg and "regular expression" in msg
+
+
+def test_list_with_regex_refused():
+    msg = _error(['lora.target_modules=["q_proj", ".*"]'])
+    assert "lora.target_modules" in msg and "module names" in msg
+
+
+def test_bad_json_list_override():
+    msg = _error(['lora.target_modules=["q_proj",'])
+    assert "lora.target_modules" in msg and "JSON list" in msg
+
+
+def test_bad_refresh_mode():
+    msg = _error(["refresh.mode=ipc"])
+    assert "refresh.mode='ipc'" in msg
+    for mode in ("file", "tensor", "merged", "none"):
+        assert mode in msg
+
+
+@pytest.mark.parametrize("override, field_name", [
+    ("grpo.temperature=0", "grpo.temperature"),
+    ("grpo.top_p=1.5", "grpo.top_p"),
+    ("grpo.reward_mode=loose", "grpo.reward_mode"),
+    ("engine.backend=vllm", "engine.backend"),
+    ("engine.max_loras_per_batch=1", "engine.max_loras_per_batch"),
+    ("engine.mem_fraction_static=1.5", "engine.mem_fraction_static"),
+    ("refresh.bucket_mb=0", "refresh.bucket_mb"),
+    ("model.dtype=float8", "model.dtype"),
+    ("lora.r=0", "lora.r"),
+])
+def test_other_invalid_values_name_the_field(override, field_name):
+    assert field_name in _error([override])
+
+
+def test_max_lora_rank_below_r():
+    msg = _error(["engine.max_lora_rank=8", "lora.r=16"])
+    assert "engine.max_lora_rank=8" in msg and "lora.r=16" in msg
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.toml"
+    msg = _error(path=missing)
+    assert str(missing) in msg and "does not exist" in msg
+
+
+def test_unsupported_or_malformed_file(tmp_path):
+    yaml_path = tmp_path / "c.yaml"
+    yaml_path.write_text("grpo:\n  steps: 3\n")
+    assert ".yaml" in _error(path=yaml_path) and ".toml" in _error(path=yaml_path)
+    bad = tmp_path / "c.toml"
+    bad.write_text("[grpo\nsteps = 3")
+    assert "not valid toml" in _error(path=bad)
+    bad_json = tmp_path / "c.json"
+    bad_json.write_text("{")
+    assert "not valid json" in _error(path=bad_json)
+
+
+@pytest.mark.parametrize("item", ["grpo.lr", "lr=3", "grpo.=3", "=3"])
+def test_malformed_override(item):
+    msg = _error([item])
+    assert repr(item) in msg and "section.field=value" in msg
+    with pytest.raises(ConfigError):
+        apply_override({}, item)
+
+
+def test_direct_construction_is_validated():
+    cfg = Config()
+    with pytest.raises(ConfigError, match="group_size"):
+        dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, group_size=1))

@@ -1,0 +1,265 @@
+"""HFEngine with SGLang's semantics: base unless a request names an adapter, strict load/unload,
+generate log-probs that agree with score(), seeded sampling, base-weight updates, memory symmetry."""
+import pytest
+import torch
+
+from conftest import max_abs_diff, model_logprobs
+from lorabench.adapters import AdapterError, AdapterSnapshot
+from lorabench.data import synthetic_problems
+from lorabench.engines import AdapterAlreadyLoaded, AdapterNotLoaded, EngineError, Sampling
+from lorabench.models import load_model, prompt_ids
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_model_dir):
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture
+def adapter(make_peft_model):
+    """(trainer model, snapshot) with a non-zero lora_B."""
+    model = make_peft_model(seed=0)
+    return model, AdapterSnapshot.from_peft(model)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    out = [prompt_ids(tokenizer, p.messages) for p in synthetic_problems(3, "engine-prompts")]
+    assert len(set(map(len, out))) > 1  # left padding is exercised
+    return out
+
+
+def test_exceptions_hierarchy():
+    assert issubclass(AdapterNotLoaded, EngineError) and issubclass(AdapterAlreadyLoaded, EngineError)
+
+
+def test_no_adapter_serves_base(engine, base_model, sample_sequences):
+    seqs, lens = sample_sequences
+    assert engine.loaded_adapters() == []
+    assert max_abs_diff(engine.score(seqs, lens, None), model_logprobs(base_model, seqs, lens)) < 1e-5
+
+
+def test_base_request_stays_base_while_adapter_loaded(engine, adapter, base_model, sample_sequences):
+    model, snap = adapter
+    seqs, lens = sample_sequences
+    engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+    assert engine.loaded_adapters() == ["policy"]
+    base = model_logprobs(base_model, seqs, lens)
+    assert max_abs_diff(engine.score(seqs, lens, None), base) < 1e-5
+    adapted = engine.score(seqs, lens, "policy")
+    assert max_abs_diff(adapted, model_logprobs(model, seqs, lens)) < 1e-5
+    assert max_abs_diff(adapted, base) > 1e-3          # naming the adapter changes the output
+    # and base again after an adapted request (no adapter left active by accident)
+    assert max_abs_diff(engine.score(seqs, lens, None), base) < 1e-5
+
+
+def test_zero_adapter_equals_base(engine, make_peft_model, sample_sequences):
+    snap = AdapterSnapshot.from_peft(make_peft_model(perturb=False))
+    engine.load_adapter_tensors("fresh", snap.tensors, snap.config)
+    seqs, lens = sample_sequences
+    assert max_abs_diff(engine.score(seqs, lens, "fresh"), engine.score(seqs, lens, None)) < 1e-6
+
+
+def test_load_twice_raises_already_loaded(engine, adapter):
+    _, snap = adapter
+    engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+    with pytest.raises(AdapterAlreadyLoaded, match="policy"):
+        engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+    assert engine.loaded_adapters() == ["policy"]
+
+
+def test_unload_unknown_raises_not_loaded(engine, adapter):
+    with pytest.raises(AdapterNotLoaded, match="ghost"):
+        engine.unload_adapter("ghost")
+    _, snap = adapter
+    engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+    with pytest.raises(EngineError):
+        engine.unload_adapter("ghost")
+    assert engine.loaded_adapters() == ["policy"]
+
+
+def test_requests_naming_unknown_adapter_raise(engine, adapter, prompts, sample_sequences):
+    seqs, lens = sample_sequences
+    with pytest.raises(AdapterNotLoaded):
+        engine.generate(prompts[:1], Sampling(max_new_tokens=2, temperature=0.0), adapter="policy")
+    _, snap = adapter
+    engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+    with pytest.raises(AdapterNotLoaded, match="other"):
+        engine.generate(prompts[:1], Sampling(max_new_tokens=2, temperature=0.0), adapter="other")
+    with pytest.raises(AdapterNotLoaded):
+        engine.score(seqs, lens, "other")
+
+
+def test_load_by_path_equals_load_by_tensors(engine, adapter, tmp_path, sample_sequences):
+    _, snap = adapter
+    path = snap.save_peft_dir(tmp_path / "policy")
+    engine.load_adapter("by_path", path)
+    engine.load_adapter_tensors("by_tensors", snap.tensors, snap.config)
+    seqs, lens = sample_sequences
+    by_path, by_tensors = engine.score(seqs, lens, "by_path"), engine.score(seqs, lens, "by_tensors")
+    assert all(torch.equal(a, b) for a, b in zip(by_path, by_tensors))
+
+
+def test_unload_last_adapter_then_base_and_reload(engine, adapter, base_model, sample_sequences):
+    model, snap = adapter
+    seqs, lens = sample_sequences
+    engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+    engine.unload_adapter("policy")
+    assert engine.loaded_adapters() == []
+    assert max_abs_diff(engine.score(seqs, lens, None), model_logprobs(base_model, seqs, lens)) < 1e-5
+    with pytest.raises(AdapterNotLoaded):
+        engine.score(seqs, lens, "policy")
+    # the refresh pattern: the same name can be loaded again, with the new weights
+    engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+    assert max_abs_diff(engine.score(seqs, lens, "policy"), model_logprobs(model, seqs, lens)) < 1e-5
+
+
+def test_two_adapters_are_independent(engine, make_peft_model, base_model, sample_sequences):
+    seqs, lens = sample_sequences
+    m1, m2 = make_peft_model(seed=1), make_peft_model(seed=2)
+    s1, s2 = AdapterSnapshot.from_peft(m1), AdapterSnapshot.from_peft(m2)
+    want1, want2 = model_logprobs(m1, seqs, lens), model_logprobs(m2, seqs, lens)
+    engine.load_adapter_tensors("one", s1.tensors, s1.config)
+    engine.load_adapter_tensors("two", s2.tensors, s2.config)
+    assert engine.loaded_adapters() == ["one", "two"]
+    assert max_abs_diff(want1, want2) > 1e-3
+    # interleaved requests: each gets its own adapter
+    for _ in range(2):
+        assert max_abs_diff(engine.score(seqs, lens, "one"), want1) < 1e-5
+        assert max_abs_diff(engine.score(seqs, lens, "two"), want2) < 1e-5
+    engine.unload_adapter("one")
+    assert max_abs_diff(engine.score(seqs, lens, "two"), want2) < 1e-5
+    assert max_abs_diff(engine.score(seqs, lens, None), model_logprobs(base_model, seqs, lens)) < 1e-5
+
+
+def test_invalid_adapter_refused_before_install(engine, adapter, sample_sequences):
+    _, snap = adapter
+    tensors = {k: v.clone() for k, v in snap.tensors.items()}
+    next(v for k, v in sorted(tensors.items()) if "lora_B" in k)[0, 0] = float("nan")
+    with pytest.raises(AdapterError, match="NaN"):
+        engine.load_adapter_tensors("policy", tensors, snap.config)
+    assert engine.loaded_adapters() == []
+    seqs, lens = sample_sequences
+    assert all(torch.isfinite(t).all() for t in engine.score(seqs, lens, None))
+
+
+@pytest.mark.parametrize("use_adapter", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_generate_logprobs_equal_score(engine, adapter, prompts, use_adapter, temperature):
+    _, snap = adapter
+    name = None
+    if use_adapter:
+        engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+        name = "policy"
+    outs = engine.generate(prompts, Sampling(max_new_tokens=6, temperature=temperature, seed=5), adapter=name)
+    assert len(outs) == len(prompts)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_ids == prompt
+        assert len(out.token_ids) == len(out.logprobs) and 1 <= len(out.token_ids) <= 6
+        assert out.finish_reason in ("stop", "length")
+        assert out.finish_reason == "length" or out.token_ids[-1] in engine.eos_ids
+        assert all(lp <= 0 for lp in out.logprobs)
+    scored = engine.score([o.prompt_ids + o.token_ids for o in outs], [len(o.prompt_ids) for o in outs],
+                          name, temperature=temperature or 1.0)
+    assert max_abs_diff(scored, [torch.tensor(o.logprobs) for o in outs]) < 1e-4
+
+
+def test_generate_adapter_differs_from_base(engine, adapter, prompts):
+    _, snap = adapter
+    engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=3)
+    with_adapter = engine.generate(prompts, sampling, adapter="policy")
+    base = engine.generate(prompts, sampling, adapter=None)
+    lp_a = [lp for o in with_adapter for lp in o.logprobs]
+    lp_b = [lp for o in base for lp in o.logprobs]
+    assert [o.token_ids for o in with_adapter] != [o.token_ids for o in base] or lp_a != lp_b
+
+
+def test_stop_token_ends_completion(engine, prompts):
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=21)
+    full = engine.generate(prompts, sampling, adapter=None)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in full)
+    tokens = full[0].token_ids
+    cut = next((i for i in range(1, 6) if tokens[i] not in tokens[:i]), None)
+    assert cut is not None, tokens
+    engine.eos_ids = {tokens[cut]}      # treat that token as the stop token (a real generate call)
+    stopped = engine.generate(prompts, sampling, adapter=None)
+    assert stopped[0].token_ids == tokens[:cut + 1]
+    assert stopped[0].finish_reason == "stop"
+    assert stopped[0].logprobs == pytest.approx(full[0].logprobs[:cut + 1], abs=1e-5)
+    for o, f in zip(stopped[1:], full[1:]):  # the rest of the batch is unaffected unless it stops too
+        n = len(o.token_ids)
+        assert o.token_ids == f.token_ids[:n]
+        assert o.finish_reason == ("stop" if tokens[cut] in o.token_ids else "length")
+        assert o.finish_reason == "stop" or n == 6
+
+
+def test_greedy_is_deterministic(engine, prompts):
+    greedy = Sampling(max_new_tokens=6, temperature=0.0)
+    a, b = engine.generate(prompts, greedy, None), engine.generate(prompts, greedy, None)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    # greedy tokens are the argmax of the engine's own scores
+    for o in a:
+        seq = o.prompt_ids + o.token_ids
+        logits_lp = engine.score([seq], [len(o.prompt_ids)], None)[0]
+        assert torch.allclose(logits_lp, torch.tensor(o.logprobs), atol=1e-4)
+    # batching does not change greedy output
+    single = [engine.generate([p], greedy, None)[0].token_ids for p in prompts]
+    assert single == [o.token_ids for o in a]
+
+
+def test_seeded_sampling_reproducible(engine, prompts):
+    def sample(seed):
+        return [o.token_ids for o in engine.generate(prompts, Sampling(8, 1.0, 1.0, seed=seed), None)]
+    state = torch.get_rng_state()
+    first = sample(11)
+    assert torch.equal(torch.get_rng_state(), state)  # a seeded call leaves the global RNG alone
+    assert sample(11) == first
+    assert sample(12) != first
+
+
+def test_sampling_covers_full_distribution(engine, prompts):
+    """top_p=1 means the whole vocabulary: no hidden top-k (transformers' default is 50)."""
+    outs = engine.generate([prompts[0]] * 256, Sampling(1, temperature=1.0, top_p=1.0, seed=0), None)
+    distinct = {o.token_ids[0] for o in outs}
+    assert len(distinct) > 60, len(distinct)  # top-k 50 would cap it at 50
+
+
+def test_update_weights(engine, base_model, adapter, sample_sequences):
+    model, snap = adapter
+    seqs, lens = sample_sequences
+    engine.load_adapter_tensors("policy", snap.tensors, snap.config)
+    name = "model.layers.1.self_attn.q_proj.weight"     # an adapted layer: PEFT wraps it in base_layer
+    new = dict(base_model.named_parameters())[name].detach() * 1.5
+    engine.update_weights([(name, new), ("model.norm.weight", torch.full((256,), 0.5))])
+    reference = load_model(str(engine.model_path))
+    reference.load_state_dict({name: new, "model.norm.weight": torch.full((256,), 0.5)}, strict=False)
+    assert max_abs_diff(engine.score(seqs, lens, None), model_logprobs(reference, seqs, lens)) < 1e-5
+    assert max_abs_diff(engine.score(seqs, lens, None), model_logprobs(base_model, seqs, lens)) > 1e-3
+
+
+def test_update_weights_rejects_unknown_and_misshapen(engine, sample_sequences):
+    seqs, lens = sample_sequences
+    before = engine.score(seqs, lens, None)
+    for bad in ["model.layers.0.self_attn.q_proj.base_layer.weight", "base_model.model.model.norm.weight",
+                "model.layers.0.self_attn.q_proj.lora_A.weight", "nonsense"]:
+        with pytest.raises(EngineError, match="no parameter"):
+            engine.update_weights([(bad, torch.zeros(1))])
+    with pytest.raises(EngineError, match="shape"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.score(seqs, lens, None)))
+
+
+def test_release_resume_symmetric(engine, sample_sequences):
+    seqs, lens = sample_sequences
+    with pytest.raises(EngineError, match="without release"):
+        engine.resume_memory()
+    engine.release_memory()
+    with pytest.raises(EngineError, match="twice"):
+        engine.release_memory()
+    engine.resume_memory()
+    with pytest.raises(EngineError):
+        engine.resume_memory()
+    engine.release_memory()
+    engine.resume_memory()
+    assert engine.score(seqs, lens, None)[0].numel() == len(seqs[0]) - lens[0]
