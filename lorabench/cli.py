@@ -16,7 +16,11 @@ LESSON = ("What the model learns: the warm-start taught it to solve the problems
           "discovers the GSM8K answer format, the same thing real GSM8K GRPO runs learn first.")
 
 
-def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=print) -> dict:
+def log_line(*parts) -> None:
+    print(*parts, flush=True)  # flushed: progress must show even when stdout is a file or a pipe
+
+
+def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=log_line) -> dict:
     """Build (or resume) a run: model, engine, trainer; evaluate, train, evaluate, plot.
     Returns a summary dict (also written to RUN_DIR/summary.json)."""
     import torch
