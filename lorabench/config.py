@@ -26,7 +26,7 @@ def _f(default, help: str, **kw):
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = _f("tiny", "'tiny' builds a ~3M-param Qwen3-architecture model offline; "
+    name_or_path: str = _f("tiny", "'tiny' builds a ~2.5M-param Qwen3-architecture model offline; "
                            "otherwise a hub name (Qwen/Qwen3-0.6B) or a local model dir.")
     dtype: str = _f("float32", "Trainer weights dtype: float32 | bfloat16 | float16.")
     enable_thinking: bool = _f(False, "Passed to Qwen3's chat template (ignored by the tiny tokenizer).")
