@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import json
 import os
 import shutil
@@ -27,6 +28,12 @@ PEFT_PREFIX = "base_model.model."
 
 class AdapterError(ValueError):
     """An adapter (dir, tensors or config) is invalid; the message names the culprit and the fix."""
+
+
+class AdapterWriteError(OSError):
+    """Writing an adapter dir failed (disk full, read-only or missing filesystem); `errno` is the
+    cause's (ENOSPC for a full disk) and the message names the dir and the fix. Nothing was
+    replaced: the previous dir at that path, if any, is intact."""
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -135,11 +142,19 @@ class AdapterSnapshot:
         """Write adapter_config.json + adapter_model.safetensors into `path` atomically: a temp dir
         (0700, files 0600, fsynced) in the same parent is renamed onto `path`; an existing `path`
         is swapped out first. A crash leaves either the old dir, the new dir or nothing, never a
-        torn one."""
+        torn one. What a killed writer leaves are hidden siblings named `.<name>.tmp-<pid>-*` /
+        `.<name>.old-<pid>-*` (never loadable candidates); the next write to `path` removes those
+        whose writer process is gone. A failed write (disk full) raises AdapterWriteError."""
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))  # mkdtemp: 0700
+        remove_stale_temps(path.parent, (f".{path.name}.tmp-", f".{path.name}.old-"))
+        pid = os.getpid()
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{pid}-", dir=path.parent))  # mkdtemp: 0700
+        except OSError as err:
+            raise _write_error(path, err) from err
         try:
             weights = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
             save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -148,13 +163,21 @@ class AdapterSnapshot:
             _fsync(tmp / WEIGHTS_NAME)
             _fsync_dir(tmp)
             if path.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-{pid}-", dir=path.parent))
                 os.rename(path, old / "dir")
-                os.rename(tmp, path)
-                shutil.rmtree(old)
+                try:
+                    os.rename(tmp, path)
+                except OSError:
+                    os.rename(old / "dir", path)  # put the previous dir back
+                    shutil.rmtree(old, ignore_errors=True)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, path)
             _fsync_dir(path.parent)
+        except (SafetensorError, OSError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _write_error(path, err, self.nbytes) from err
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -184,6 +207,60 @@ class AdapterSnapshot:
             raise AdapterError(f"{path / WEIGHTS_NAME} is truncated or corrupt ({err}); re-save the "
                                f"adapter") from err
         return cls(tensors, config)
+
+
+def _write_error(path: Path, err: BaseException, nbytes: int = 0) -> AdapterWriteError:
+    """A clear AdapterWriteError for a failed adapter write (safetensors reports ENOSPC as text)."""
+    code = getattr(err, "errno", None)
+    if code is None and ("No space left" in str(err) or "os error 28" in str(err)):
+        code = errno.ENOSPC
+    if code == errno.ENOSPC:
+        try:
+            free = f"{shutil.disk_usage(path.parent).free} bytes free"
+        except OSError:
+            free = "free space unknown"
+        return AdapterWriteError(errno.ENOSPC, f"no space left to write adapter dir {path} (needs ~{nbytes} "
+                                 f"bytes, {free}); the previous adapter is untouched. Free space on that "
+                                 f"filesystem or point refresh.tmp_dir (file refresh) / run.out_dir (run "
+                                 f"dirs) at a larger one. Cause: {err}")
+    return AdapterWriteError(code or errno.EIO, f"writing adapter dir {path} failed ({err}); the previous "
+                             f"adapter is untouched. Check that {path.parent} is writable and has space, or "
+                             f"set refresh.tmp_dir / run.out_dir elsewhere")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(parent: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    """Remove entries of `parent` named `<prefix><pid>-...` (or `<prefix><pid>.`) whose writer
+    process `pid` is dead: the garbage a killed atomic write leaves. A live writer's temps (this
+    process's included) are never touched. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        prefix = next((p for p in prefixes if entry.name.startswith(p)), None)
+        if prefix is None:
+            continue
+        head = entry.name[len(prefix):].replace(".", "-").split("-", 1)[0]
+        if not head.isdigit() or int(head) == os.getpid() or _pid_alive(int(head)):
+            continue
+        target = Path(entry.path)
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+        removed.append(target)
+    return removed
 
 
 def _write_private(path: Path, data: bytes) -> None:

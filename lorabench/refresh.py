@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import AdapterSnapshot, linear_shapes, merged_state_dict, validate
+from .adapters import AdapterSnapshot, linear_shapes, merged_state_dict, remove_stale_temps, validate
 from .engines.base import AdapterNotLoaded
 
 
@@ -89,9 +89,12 @@ def _unload_if_loaded(engine, name: str) -> None:
 
 
 def adapter_tmp_root(configured: str = "") -> Path:
-    """A private (0700) dir for adapter files: tmpfs (/dev/shm) when writable, else the temp dir."""
+    """A private (0700) dir for adapter files: tmpfs (/dev/shm) when writable, else the temp dir.
+    Named `lorabench-adapters-<pid>-*`: roots left by killed processes (on tmpfs they hold RAM)
+    are removed here, when the next refresher starts."""
     parent = configured or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
-    return Path(tempfile.mkdtemp(prefix="lorabench-adapters-", dir=parent))
+    remove_stale_temps(Path(parent), ("lorabench-adapters-",))
+    return Path(tempfile.mkdtemp(prefix=f"lorabench-adapters-{os.getpid()}-", dir=parent))
 
 
 class Refresher:
@@ -140,9 +143,13 @@ class FileRefresh(Refresher):
                                "seconds": clock.lap("write")})
         _unload_if_loaded(self.engine, self.adapter_name)
         clock.lap("unload")
-        self.engine.load_adapter(self.adapter_name, path)
+        try:
+            self.engine.load_adapter(self.adapter_name, path)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)  # the engine refused it: nothing references it
+            raise
         clock.lap("load")
-        if self._previous is not None:  # the engine has read the new dir; the old one can go
+        if self._previous not in (None, path):  # the engine has read the new dir; the old one can go
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = path
 
