@@ -47,7 +47,11 @@ def redact(config: dict) -> dict:
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """Write `path` via a fsynced temp file (`.<name>.<pid>.*`) renamed onto it; temps that a
+    killed writer left next to it are removed first."""
+    from .adapters import remove_stale_temps
+    remove_stale_temps(path.parent, (f".{path.name}.",))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -78,8 +82,9 @@ class RunLog:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o750)  # never world-writable (nor world-readable)
-        for sub in ("adapters", "plots"):
+        for sub in ("adapters", "plots", "checkpoint"):
             (self.dir / sub).mkdir(exist_ok=True)
+            os.chmod(self.dir / sub, 0o750)  # explicit: whatever the process umask is
 
     @classmethod
     def create(cls, out_dir: str, name: str = "") -> "RunLog":
@@ -90,7 +95,8 @@ class RunLog:
         atomic_write(self.dir / "config.json", json.dumps(redact(config), indent=1).encode(), 0o640)
 
     def _append(self, name: str, rows: list[dict]) -> None:
-        with open(self.dir / name, "a") as fh:
+        fd = os.open(self.dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)  # not umask-dependent
+        with os.fdopen(fd, "a") as fh:
             for row in rows:
                 fh.write(json.dumps(_clean(row)) + "\n")
             fh.flush()
@@ -112,16 +118,25 @@ class RunLog:
         return snapshot.save_peft_dir(self.dir / "adapters" / f"step_{step}")
 
     def save_checkpoint(self, state: dict, snapshot) -> None:
-        """Adapter dir first, then the state file that names its step: the state is the commit."""
+        """One atomic commit: trainer_state.pt holds the step, optimizer and RNG state *and* the
+        adapter tensors, so a kill at any point leaves the previous or the new checkpoint whole
+        (the adapter dir next to it is a copy for PEFT users; it may be a step ahead of, or briefly
+        missing from, a killed run's state file, and resume never reads it when the state has the
+        tensors). Temp files a killed writer left behind are removed here."""
+        from .adapters import _fsync_dir, remove_stale_temps
         snapshot.save_peft_dir(self.dir / "checkpoint" / "adapter")
         buf = self.dir / "checkpoint" / "trainer_state.pt"
-        fd, tmp = tempfile.mkstemp(prefix=".trainer_state.", dir=buf.parent)
+        remove_stale_temps(buf.parent, (".trainer_state.",))
+        state = {**state, "adapter_tensors": {k: v.detach().cpu() for k, v in snapshot.tensors.items()},
+                 "adapter_config": snapshot.config}
+        fd, tmp = tempfile.mkstemp(prefix=f".trainer_state.{os.getpid()}.", dir=buf.parent)
         os.close(fd)
         try:
             torch.save(state, tmp)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, buf)
+            _fsync_dir(buf.parent)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -132,7 +147,9 @@ class RunLog:
         if not state_path.is_file():
             return None, None
         state = torch.load(state_path, weights_only=False)
-        return state, AdapterSnapshot.load_peft_dir(self.dir / "checkpoint" / "adapter")
+        if "adapter_tensors" in state:
+            return state, AdapterSnapshot(state["adapter_tensors"], state["adapter_config"], state["step"])
+        return state, AdapterSnapshot.load_peft_dir(self.dir / "checkpoint" / "adapter")  # older run dirs
 
     def truncate_after(self, step: int) -> None:
         """Drop rows of steps > `step` (work a killed run did after its last checkpoint)."""
