@@ -21,12 +21,14 @@ Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath"), outcome s
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .adapters import AdapterSnapshot
+from .adapters import AdapterSnapshot, linear_shapes
+from .config import ConfigError
 from .data import ProblemSource
 from .engines.base import Sampling
 from .models import DTYPES, load_model, pick_device, prompt_ids
@@ -98,6 +100,13 @@ class GRPOTrainer:
         targets = cfg.lora.target_modules
         if isinstance(targets, str) and targets != "all-linear":
             targets = [targets]  # one module name; PEFT would treat a bare string as a full-name regex
+        if targets != "all-linear":
+            have = sorted({name.split(".")[-1] for name in linear_shapes(base)} - {"lm_head"})
+            missing = [t for t in targets if t not in have]
+            if missing:
+                raise ConfigError(f"lora.target_modules={cfg.lora.target_modules!r}: the model {model_path} has "
+                                  f"no module named {missing}; its linear modules are {have} (or use "
+                                  f"'all-linear')")
         lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=targets,
                           lora_dropout=cfg.lora.dropout, bias="none")
         self.model = get_peft_model(base, lora)
@@ -108,6 +117,7 @@ class GRPOTrainer:
         self.step_count = 0
         self.history: list[dict] = []
         self._probe = self._make_probe()
+        self._engine_stale = False  # set when a failed step was rolled back: re-send the adapter first
         self._restore()
         self.refresher.refresh(self.model, self.step_count)  # the engine starts with the trainer's adapter
 
@@ -115,6 +125,7 @@ class GRPOTrainer:
     def _restore(self) -> None:
         state, snapshot = self.runlog.load_checkpoint()
         if state is None:
+            self.runlog.truncate_after(0)  # rows of a first step that was killed before its checkpoint
             return
         from peft import set_peft_model_state_dict
         set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in snapshot.tensors.items()})
@@ -124,6 +135,20 @@ class GRPOTrainer:
         self.runlog.truncate_after(self.step_count)
         self.history = self.runlog.metrics()
         self.log(f"resumed from {self.runlog.dir} at step {self.step_count}")
+
+    def _state(self) -> tuple:
+        """What a failed step must not change: LoRA weights, optimizer state, step count."""
+        return ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()),
+                self.step_count)
+
+    @torch.no_grad()
+    def _rollback(self, state: tuple) -> None:
+        params, optimizer, step = state
+        for p, saved in zip(self.params, params):
+            p.copy_(saved)
+        self.optimizer.load_state_dict(optimizer)
+        self.step_count = step
+        self._engine_stale = True  # the engine may have lost the adapter mid-refresh (unloaded, not loaded)
 
     def snapshot(self) -> AdapterSnapshot:
         return AdapterSnapshot.from_peft(self.model, step=self.step_count)
@@ -218,6 +243,9 @@ class GRPOTrainer:
 
     def step(self) -> StepRecord:
         g, step = self.cfg.grpo, self.step_count + 1
+        if self._engine_stale:  # a previous step failed and was rolled back: the engine gets our adapter again
+            self.refresher.refresh(self.model, self.step_count)
+            self._engine_stale = False
         t0 = time.perf_counter()
         problems = self.source.train_batch(step, g.prompts_per_step)
         completions = self.rollout(problems, step)
@@ -228,14 +256,25 @@ class GRPOTrainer:
         t_reward = time.perf_counter()
         batch = self._batch(completions, rewards)
         released = self.cfg.engine.release_memory_during_training and self.cfg.engine.backend == "sglang"
-        if released:
-            self.engine.release_memory()
-        stats = self.train_on(batch)
-        if released:
-            self.engine.resume_memory()
-        t_train = time.perf_counter()
-        self.step_count = step
-        refresh = self.refresher.refresh(self.model, step)
+        saved = self._state()
+        try:  # the step happens whole or not at all: a failed update or refresh is rolled back
+            if released:
+                self.engine.release_memory()
+                try:
+                    stats = self.train_on(batch)
+                finally:
+                    self.engine.resume_memory()  # also after a failed update: release/resume stay paired
+            else:
+                stats = self.train_on(batch)
+            t_train = time.perf_counter()
+            self.step_count = step
+            refresh = self.refresher.refresh(self.model, step)
+        except BaseException as err:
+            self._rollback(saved)
+            err.add_note(f"lorabench: GRPO step {step} was rolled back; the trainer is still at step "
+                         f"{self.step_count} (adapter and optimizer unchanged), the next step() re-sends its "
+                         f"adapter to the engine, and `lorabench resume` continues from the last checkpoint")
+            raise
         t_refresh = time.perf_counter()
         snapshot = self.snapshot()
         groups = batch.rewards.view(-1, g.group_size)
