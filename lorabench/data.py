@@ -160,6 +160,12 @@ class ProblemSource:
         self.source, self.seed = source, seed
         self._train: list[Problem] | None = None
         self._eval_source = eval_source
+        for field_name, value in (("data.source", source), ("data.eval_source", eval_source)):
+            if value and value not in ("synthetic", "hub") and not Path(value).is_file():
+                raise DataError(f"{field_name}={value!r}: dataset file {value} does not exist; pass a .jsonl "
+                                f"or .parquet file with question/answer fields, 'hub' or 'synthetic'")
+        if source not in ("synthetic", "hub"):
+            self._train = load_gsm8k("train", source)  # bad rows fail now, before any step runs
 
     def train_batch(self, step: int, n: int) -> list[Problem]:
         if self.source == "synthetic":

@@ -68,8 +68,10 @@ class HFEngine:
         missing = [k for k in result.missing_keys if f".{name}." in k and "lora_" in k]
         if unexpected or missing:
             self._drop(name)
-            raise EngineError(f"adapter {name!r}: tensors do not fit the model (unexpected {unexpected[:3]}, "
-                              f"missing {missing[:3]}); use PEFT state-dict names")
+            raise EngineError(f"adapter {name!r}: tensors do not fit the model with its config ({len(unexpected)} "
+                              f"unexpected, e.g. {unexpected[:3]}; {len(missing)} missing, e.g. {missing[:3]}); "
+                              f"the tensors and the config's target_modules / layers_to_transform must name the "
+                              f"same modules, with PEFT state-dict names ('base_model.model.<module>.lora_A.weight')")
         self._adapters[name] = config
         self._peft.eval()
 
