@@ -1,0 +1,102 @@
+"""Helpers shared by the reliability tests (crash, errors catalogue, soak, security): a small
+filesystem that really fills up, RSS readings, and the run settings of the tiny CLI runs."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the tiny CLI run of the crash and security tests (seconds on 2 cores)
+TINY_RUN = ["grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.max_new_tokens=8", "grpo.micro_batch=8",
+            "data.eval_size=4", "grpo.steps=6", "refresh.mode=file", "run.threads=1"]
+
+
+def rss_mb() -> float:
+    import psutil
+    return psutil.Process().memory_info().rss / 2**20
+
+
+class FullDisk:
+    """A tiny tmpfs mounted at `path` (needs root and CAP_SYS_ADMIN), filled on demand with a filler
+    file until the kernel answers ENOSPC: a real 'disk full', not a simulated one."""
+
+    def __init__(self, path: Path, size_kb: int = 2048):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.size_kb = size_kb
+        self.mounted = False
+
+    def mount(self) -> bool:
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            return False
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size_kb}k,mode=0700", "tmpfs",
+                               str(self.path)], capture_output=True, text=True)
+        self.mounted = done.returncode == 0
+        return self.mounted
+
+    def fill(self) -> int:
+        """Write zeros until ENOSPC; returns the bytes written."""
+        written = 0
+        chunk = b"\0" * 4096
+        fd = os.open(self.path / ".filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            while True:  # unbuffered: nothing is left to flush (and fail) on close
+                try:
+                    written += os.write(fd, chunk)
+                except OSError as err:
+                    if err.errno != errno.ENOSPC:
+                        raise
+                    break
+                if written > 2 * self.size_kb * 1024:  # not a size-limited filesystem after all
+                    raise RuntimeError(f"{self.path} never filled up; is it mounted?")
+        finally:
+            os.close(fd)
+        return written
+
+    def free(self) -> None:
+        (self.path / ".filler").unlink(missing_ok=True)
+
+    def unmount(self) -> None:
+        if self.mounted:
+            if subprocess.run(["umount", str(self.path)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+            self.mounted = False
+
+
+def cli(*args, cwd=None, env_extra=None, **popen) -> subprocess.Popen:
+    """`python -m lorabench.cli ARGS` as a child process (its own session, so a kill reaches only it)."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT), **(env_extra or {}))
+    return subprocess.Popen([sys.executable, "-m", "lorabench.cli", *args], cwd=cwd or ROOT, env=env,
+                            start_new_session=True, **popen)
+
+
+@pytest.fixture
+def make_trainer(tiny_model_dir, tokenizer, tmp_path):
+    """Factory: a GRPOTrainer on a real HFEngine, logging to `run_dir` (None: no run dir), with the
+    tiny run's settings (3 steps, file refresh into tmp_path) plus `extra` overrides."""
+    from lorabench.config import Config
+    from lorabench.engines.hf import HFEngine
+    from lorabench.grpo import GRPOTrainer
+    from lorabench.runlog import RunLog
+    made = []
+
+    def make(run_dir, *extra):
+        cfg = Config.load(overrides=[o for o in TINY_RUN if not o.startswith("run.threads")] +
+                          ["engine.device=cpu", "grpo.steps=3", "grpo.lr=5e-2", f"refresh.tmp_dir={tmp_path}",
+                           *extra])
+        engine = HFEngine(str(tiny_model_dir), cfg)
+        made.append(engine)
+        trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, RunLog(run_dir) if run_dir else None,
+                              tokenizer=tokenizer, log=lambda *a: None)
+        made.append(trainer)
+        return trainer
+    yield make
+    for obj in reversed(made):
+        obj.close()
