@@ -1,0 +1,25 @@
+# Two commands on a fresh machine (Python 3.10+ and pip):  make demo   |   make test
+# Both install into .venv first (once); the CPU build of torch comes first so pip never pulls a
+# multi-GB CUDA build on a CPU machine. On a GPU box: make install TORCH_INDEX= EXTRAS=dev,notebook,sglang
+PY ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+EXTRAS ?= dev,notebook
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VENV)/bin/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+demo: install
+	$(VENV)/bin/lorabench demo
+
+test: install
+	$(VENV)/bin/python -m pytest -q
+
+.PHONY: install demo test
