@@ -47,7 +47,10 @@ def problems_from_rows(rows, where: str) -> list[Problem]:
         for key in ("question", "answer"):
             if key not in row:
                 raise DataError(f"{loc}: missing field '{key}'; each row needs 'question' and 'answer'")
-            if not isinstance(row[key], str) or not row[key].strip():
+            if not isinstance(row[key], str):
+                raise DataError(f"{loc}: field '{key}' is a {type(row[key]).__name__} ({row[key]!r}), not a "
+                                f"string; write it as text (quoted in JSON)")
+            if not row[key].strip():
                 raise DataError(f"{loc}: field '{key}' is empty; give a non-empty string")
         problems.append(Problem(row["question"].strip(), row["answer"], parse_ground_truth(row["answer"], loc)))
     if not problems:
@@ -74,7 +77,8 @@ def load_gsm8k(split: str = "train", source: str = "hub") -> list[Problem]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {n}: not valid JSON ({err})") from err
+                raise DataError(f"{path} line {n}: not valid JSON ({err}); fix or remove that line (one JSON "
+                                f"object per line)") from err
         return problems_from_rows(rows, str(path))
     if path.suffix == ".parquet":
         import pandas as pd
