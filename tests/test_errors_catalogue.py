@@ -217,6 +217,21 @@ def test_dataset_bad_row_fails_at_start(tmp_path):
     assert str(path) in msg and "row 2" in msg and "####" in msg and "'it is 4'" in msg
 
 
+def test_dataset_non_string_field_and_bad_json_line(tmp_path):
+    from lorabench.data import load_gsm8k
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"question": "2+2?", "answer": 4}) + "\n")
+    with pytest.raises(DataError) as info:
+        load_gsm8k("train", str(path))
+    msg = str(info.value)
+    assert str(path) in msg and "row 1" in msg and "'answer' is a int (4)" in msg and "write it as text" in msg
+    path.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n" + '{"question": "3+3?", \n')
+    with pytest.raises(DataError) as info:
+        load_gsm8k("train", str(path))
+    msg = str(info.value)
+    assert str(path) in msg and "line 2" in msg and "fix or remove that line" in msg
+
+
 # --- resume ------------------------------------------------------------------------------------------
 def test_resume_of_a_dir_that_is_not_a_run(tmp_path, capsys):
     from lorabench.cli import main
