@@ -3,8 +3,8 @@ generation between them) and a 200-step GRPO run, each with host RSS sampled alo
 
 Both assert no failure, exact refreshes throughout, and no RSS growth over the last 80% of the
 run beyond a noise bound. The bound, 25 MB: on this model the allocator's noise measured over
-1,000 cycles is ~1-2 MB, while leaking even a quarter of an adapter per cycle (the q/v adapter
-below is 64 KB) would add > 12 MB over 800 cycles, and leaking the adapters themselves 50 MB.
+1,000 cycles is 0.4-2.5 MB, while leaking even a quarter of an adapter per cycle (the q/v adapter
+below is 56 KB) would add > 11 MB over 800 cycles, and leaking the adapters themselves > 45 MB.
 The series go to benchmarks/results/cpu_soak.json and the figure cpu_soak.png."""
 from __future__ import annotations
 
