@@ -1,0 +1,182 @@
+"""Refresh latency per method (file / tensor / merged), bucket size and adapter rank, on a real engine,
+next to the physical floor: the bytes moved divided by the measured copy bandwidth.
+
+    engine = HFEngine(model_path)                       # a scratch engine: merged overwrites its weights
+    rows = sweep(engine, model_path, ranks=(4, 16), buckets_mb=(0.01, 1, 64))
+    bandwidth = measure_bandwidth()                     # GB/s, host memcpy (or on-device on a GPU)
+    save_results("refresh_cpu.json", rows, bandwidth)   # viz.refresh_sweep_figure plots it
+
+Each row is the median of `repeats` refreshes of the same adapter after `warmup` untimed ones:
+    {"engine", "device", "mode", "rank", "bucket_mb", "bytes", "buckets", "parts": {part: s},
+     "total_s", "min_s", "repeats"}
+Parts are the refresher's own (refresh.py): file = write + unload + load; tensor = snapshot + stage
+(per bucket) + unload + load; merged = merge + push (per bucket). File refresh writes one file
+whatever the bucket size; it is measured at every bucket size anyway, so a flat line is a finding.
+
+GPU results committed by the benchmarks (benchmarks/results/gpu/*.json) are read by
+`load_results` (files in the format above) and `gpu_refresh_summary` (per-step refresh records of
+GRPO runs: medians per file and mode).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .engines.base import AdapterNotLoaded
+from .refresh import FileRefresh, MergedRefresh, TensorRefresh
+
+MODES = ("file", "tensor", "merged")
+BUCKETS_MB = (0.01, 0.03, 0.1, 0.3, 1.0, 4.0, 16.0, 64.0, 512.0)   # log-spaced; the tiny adapter is ~1 MB
+REFRESHERS = {"file": FileRefresh, "tensor": TensorRefresh, "merged": MergedRefresh}
+
+
+def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
+    """Copy bandwidth in GB/s (1e9 bytes/s): bytes of one tensor / best time of `dst.copy_(src)`.
+    One copy reads and writes each byte once, so bytes / bandwidth is the time to move them once."""
+    n = megabytes * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    dst.copy_(src)  # first touch: page faults are not bandwidth
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return n * 4 / best / 1e9
+
+
+def floor_seconds(nbytes: int, bandwidth_gbps: float) -> float:
+    """The physical floor of a refresh: its bytes moved once at the measured bandwidth."""
+    return nbytes / (bandwidth_gbps * 1e9)
+
+
+def adapter_model(model_path: str, rank: int, seed: int = 0, target_modules="all-linear",
+                  dtype: str = "float32", device: str = "cpu"):
+    """A trainer-side PEFT model with a rank-`rank` LoRA on `target_modules` and a non-zero lora_B
+    (seeded noise), i.e. an adapter of the size a trained one has."""
+    from peft import LoraConfig, get_peft_model
+    from .models import load_model
+    torch.manual_seed(seed)
+    model = get_peft_model(load_model(model_path, dtype, device),
+                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target_modules,
+                                      lora_dropout=0.0, bias="none"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.01)
+    return model.eval()
+
+
+def _drop_adapter(engine, name: str) -> None:
+    try:
+        engine.unload_adapter(name)
+    except AdapterNotLoaded:
+        pass
+
+
+def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: int = 3, warmup: int = 1,
+                    adapter_name: str = "bench") -> dict:
+    """Median refresh of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` (one row)."""
+    if mode not in REFRESHERS:
+        raise ValueError(f"mode={mode!r}: use one of {MODES}")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: need at least one timed refresh")
+    refresher = REFRESHERS[mode](engine, adapter_name, bucket_mb=bucket_mb)
+    try:
+        for step in range(warmup):
+            refresher.refresh(peft_model, step)
+        records = [refresher.refresh(peft_model, warmup + i) for i in range(repeats)]
+    finally:
+        refresher.close()
+        if mode != "merged":
+            _drop_adapter(engine, adapter_name)
+    median = sorted(records, key=lambda r: r.total_s)[(len(records) - 1) // 2]  # the lower median
+    return {"engine": getattr(engine, "name", type(engine).__name__), "device": str(getattr(engine, "device", "")),
+            "mode": mode, "rank": int(peft_model.peft_config["default"].r), "bucket_mb": bucket_mb,
+            "bytes": median.nbytes, "buckets": len(median.buckets), "parts": dict(median.parts),
+            "total_s": median.total_s, "min_s": min(r.total_s for r in records), "repeats": repeats}
+
+
+def sweep(engine, model_path: str, modes=MODES, ranks=(4, 16, 64), buckets_mb=BUCKETS_MB, repeats: int = 3,
+          warmup: int = 1, log=print) -> list[dict]:
+    """Every (mode, rank, bucket) combination on `engine`. Merged runs last: it overwrites the
+    engine's base weights (timings stay valid; generations from that engine do not)."""
+    order = sorted(modes, key=lambda m: m == "merged")
+    rows = []
+    for rank in ranks:
+        model = adapter_model(model_path, rank, device=str(getattr(engine, "device", "cpu")))
+        for mode in order:
+            for bucket in buckets_mb:
+                row = measure_refresh(engine, model, mode, bucket, repeats, warmup)
+                rows.append(row)
+                log(f"{mode:>6} r={rank:<3} bucket {bucket:>7g} MB: {1e3 * row['total_s']:8.2f} ms "
+                    f"({row['bytes'] / 2**20:.2f} MB in {row['buckets']} bucket(s))")
+        del model
+    return rows
+
+
+def save_results(path: str | Path, rows: list[dict], bandwidth_gbps: float, **meta) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"kind": "refresh_sweep", "bandwidth_gbps": bandwidth_gbps, "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%d %H:%M"), **meta, "rows": rows}
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def load_results(path: str | Path) -> dict | None:
+    """A refresh-sweep file (as `save_results` writes it), or None if the file is something else."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("kind") != "refresh_sweep":
+        return None
+    return data
+
+
+def _refresh_rows(node):
+    """Per-step metric rows with refresh timings anywhere in a results file: (mode, rows) pairs."""
+    if isinstance(node, list) and node and all(isinstance(r, dict) and "refresh/total_s" in r for r in node):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _refresh_rows(value)
+
+
+def gpu_refresh_summary(results_dir: str | Path) -> list[dict]:
+    """Median refresh per (results file, mode) from the per-step rows of committed GRPO runs.
+    The stale-adapter control ('none') is left out: it does not refresh after the first step."""
+    summary = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        data = json.loads(path.read_text())
+        header = {k: data[k] for k in ("gpu", "sglang", "torch") if isinstance(data, dict) and k in data}
+        for rows in _refresh_rows(data):
+            by_mode: dict[str, list[dict]] = {}
+            for r in rows:
+                by_mode.setdefault(r.get("refresh/mode", "?"), []).append(r)
+            for mode, mode_rows in by_mode.items():
+                if mode == "none":
+                    continue
+                parts = sorted({k[len("refresh/"):-2] for r in mode_rows for k in r
+                                if k.startswith("refresh/") and k.endswith("_s") and k != "refresh/total_s"})
+                summary.append({"source": path.stem, "mode": mode, "steps": len(mode_rows), **header,
+                                "bytes": int(statistics.median(r.get("refresh/bytes") or 0 for r in mode_rows)),
+                                "parts": {p: statistics.median(r.get(f"refresh/{p}_s") or 0.0 for r in mode_rows)
+                                          for p in parts},
+                                "total_s": statistics.median(r["refresh/total_s"] for r in mode_rows)})
+    return summary
+
+
+def engine_label(engine) -> str:
+    """Which engine and device produced a measurement, for figure titles."""
+    device = str(getattr(engine, "device", "cpu"))
+    where = "CPU" if device == "cpu" else (torch.cuda.get_device_name() if torch.cuda.is_available() else device)
+    if getattr(engine, "name", "") == "hf":
+        return f"hf engine, {where} (not SGLang)"
+    return f"{getattr(engine, 'name', type(engine).__name__)} engine, {where}"
