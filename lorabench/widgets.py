@@ -1,0 +1,198 @@
+"""The step-through panel: Step / Run N / Stop over a GRPOTrainer, with live views of the run.
+
+    panel = StepPanel(trainer)
+    panel              # displays: buttons, the live figure, the last group's completions, the refresh
+    panel.start(3)     # the same as clicking Run N with N=3: returns at once, steps in a thread
+    panel.wait()       # blocks until done; re-raises a step's error (so a notebook cell fails)
+    panel.close()      # stop, close the widgets, free the figure
+
+Design:
+- Steps run in one background thread, so the kernel stays responsive (Stop, other cells); a lock
+  makes a second Step / Run N while one is running a no-op that says so. Stop is honoured between
+  steps (a step is never cut in half: its checkpoint is the run's commit point).
+- Callbacks never print into whatever cell is current: every view is a widget of the panel, and
+  updating one replaces its value in a single message (no clear-then-draw flicker). Text notes
+  and errors go to an `Output` through `append_stdout` / `append_stderr`, which, unlike
+  `with output:`, is safe from a thread.
+- The live figure is one matplotlib `Figure` created with the panel and redrawn in place into a
+  PNG for an `Image` widget; it is not registered with pyplot, so stepping opens no figures and
+  nothing accumulates.
+"""
+from __future__ import annotations
+
+import html
+import io
+import threading
+import traceback
+
+import ipywidgets as widgets
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from .viz import plot_delta_norm, plot_mismatch, plot_refresh, plot_rewards
+
+_TABLE_STYLE = ("<style>.lb-table td,.lb-table th{padding:2px 8px;text-align:left;font-size:12px;"
+                "font-family:monospace;vertical-align:top}.lb-table th{border-bottom:1px solid #999}</style>")
+
+
+def completions_table(samples: list[dict], max_chars: int = 120) -> str:
+    """HTML table of the last group's completions (the last prompt of the step): reward, advantage."""
+    if not samples:
+        return "<i>no step yet</i>"
+    last = samples[-1]["prompt"]
+    group = [s for s in samples if s["prompt"] == last]
+    rows = "".join(
+        f"<tr><td>{i}</td><td>{s['reward']:.2f}</td><td>{s['advantage']:+.2f}</td>"
+        f"<td>{html.escape(s['completion'][:max_chars]).replace(chr(10), ' ⏎ ')}</td></tr>"
+        for i, s in enumerate(group))
+    question = html.escape(group[0]["question"])
+    return (f"{_TABLE_STYLE}<div><b>Last group</b> (answer {html.escape(str(group[0]['answer']))}): {question}</div>"
+            f"<table class='lb-table'><tr><th>#</th><th>reward</th><th>advantage</th><th>completion</th></tr>"
+            f"{rows}</table>")
+
+
+def refresh_table(record) -> str:
+    """HTML table of one RefreshRecord: each part and the total in ms, bytes and buckets."""
+    if record is None:
+        return "<i>no refresh yet</i>"
+    cells = "".join(f"<tr><td>{part}</td><td>{1e3 * s:.2f}</td></tr>" for part, s in record.parts.items())
+    return (f"{_TABLE_STYLE}<div><b>Refresh of step {record.step}</b> ({record.mode}, "
+            f"{record.nbytes / 2**20:.2f} MB in {len(record.buckets)} bucket(s))</div>"
+            f"<table class='lb-table'><tr><th>part</th><th>ms</th></tr>{cells}"
+            f"<tr><td><b>total</b></td><td><b>{1e3 * record.total_s:.2f}</b></td></tr></table>")
+
+
+class StepPanel:
+    def __init__(self, trainer, figsize=(10, 5.6), dpi: int = 90):
+        self.trainer = trainer
+        self.last = None                     # the latest StepRecord
+        self.error: BaseException | None = None
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._start_lock = threading.Lock()  # one run at a time
+        self._draw_lock = threading.Lock()   # one redraw at a time
+        self.dpi = dpi
+        self.figure = Figure(figsize=figsize)
+        FigureCanvasAgg(self.figure)
+        # a list, not numpy's object array: gc can see through a list, so a closed panel's figure is
+        # freed in one collection
+        self.axes = self.figure.subplots(2, 2).ravel().tolist()
+
+        self.step_button = widgets.Button(description="Step", icon="step-forward", tooltip="one GRPO step")
+        self.steps_input = widgets.BoundedIntText(value=5, min=1, max=100_000, description="N",
+                                                  layout=widgets.Layout(width="130px"))
+        self.run_button = widgets.Button(description="Run N", icon="play", tooltip="N GRPO steps")
+        self.stop_button = widgets.Button(description="Stop", icon="stop", disabled=True,
+                                          tooltip="stop after the current step")
+        self.step_label = widgets.Label()
+        self.status = widgets.HTML()
+        self.plot = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self.completions = widgets.HTML()
+        self.refresh = widgets.HTML()
+        self.log = widgets.Output(layout=widgets.Layout(max_height="160px", overflow="auto"))
+        self.step_button.on_click(lambda _: self.start(1))
+        self.run_button.on_click(lambda _: self.start(self.steps_input.value))
+        self.stop_button.on_click(lambda _: self.stop())
+        controls = widgets.HBox([self.step_button, self.steps_input, self.run_button, self.stop_button,
+                                 self.step_label])
+        tables = widgets.HBox([self.completions, self.refresh])
+        self.widget = widgets.VBox([controls, self.status, self.plot, tables, self.log])
+        self.widget.add_class("lorabench-step-panel")
+        self.render()
+
+    # -- display --------------------------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def render(self) -> None:
+        """Redraw every view from the trainer's history and the last step record."""
+        rows = list(self.trainer.history)
+        with self._draw_lock:
+            for ax, plot in zip(self.axes, (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)):
+                ax.clear()
+                plot(rows, ax=ax)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole numbers
+            self.figure.tight_layout()
+            buf = io.BytesIO()
+            self.figure.savefig(buf, format="png", dpi=self.dpi)
+            self.plot.value = buf.getvalue()
+        self.step_label.value = f"steps done: {self.trainer.step_count}"
+        self.status.value = self._summary(rows[-1] if rows else None)
+        self.completions.value = completions_table(self.last.samples if self.last else [])
+        self.refresh.value = refresh_table(self.last.refresh if self.last else None)
+
+    @staticmethod
+    def _summary(m: dict | None) -> str:
+        if m is None:
+            return "<i>no step yet: click Step</i>"
+        fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+        return (f"step {m['step']} · reward {fmt(m['reward/mean'], '.3f')} · trainer-vs-engine |Δ log-prob| "
+                f"max {fmt(m['mismatch/max'], '.1e')} · ‖ΔW‖ {fmt(m['adapter/delta_norm'], '.4f')} · refresh "
+                f"{1e3 * m['refresh/total_s']:.1f} ms ({m['refresh/mode']}) · step {m['time/step_s']:.2f} s")
+
+    def close(self) -> None:
+        """Stop (after the current step), close the panel's widgets and free its figure. ipywidgets
+        keeps every open widget alive, so a panel that is replaced should be closed."""
+        self.stop()
+        if self._worker is not None:
+            self._worker.join()
+        for w in (self.step_button, self.steps_input, self.run_button, self.stop_button, self.step_label,
+                  self.status, self.plot, self.completions, self.refresh, self.log, *self.widget.children,
+                  self.widget):
+            for part in (getattr(w, "layout", None), getattr(w, "style", None)):  # widgets of their own
+                if part is not None:
+                    part.close()
+            w.close()
+        self.figure.clear()
+
+    # -- running --------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self._worker is not None and self._worker.is_alive()
+
+    def start(self, n: int = 1) -> bool:
+        """Run `n` steps in the background; False (and a note) if a run is already going."""
+        with self._start_lock:
+            if self.busy:
+                self.log.append_stdout("busy: a run is in progress (Stop it, or wait)\n")
+                return False
+            self._stop.clear()
+            self.error = None
+            self._set_running(True)
+            self._worker = threading.Thread(target=self._run, args=(int(n),), name="lorabench-steps", daemon=True)
+            self._worker.start()
+            return True
+
+    def stop(self) -> None:
+        """Stop after the step in progress."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the background run ends; re-raise its error; return the last StepRecord."""
+        if self._worker is not None:
+            self._worker.join(timeout)
+            if self._worker.is_alive():
+                raise TimeoutError(f"the run did not finish within {timeout} s")
+        if self.error is not None:
+            raise RuntimeError(f"a GRPO step failed: {self.error!r}") from self.error
+        return self.last
+
+    def _run(self, n: int) -> None:
+        try:
+            for i in range(n):
+                if self._stop.is_set():
+                    self.log.append_stdout(f"stopped after {i} of {n} step(s)\n")
+                    break
+                self.status.value = f"<i>running step {self.trainer.step_count + 1} ({i + 1} of {n})…</i>"
+                self.last = self.trainer.step()
+                self.render()
+        except Exception as err:  # shown in the panel and re-raised by wait()
+            self.error = err
+            self.log.append_stderr(traceback.format_exc())
+        finally:
+            self._set_running(False)
+
+    def _set_running(self, running: bool) -> None:
+        self.step_button.disabled = self.run_button.disabled = running
+        self.stop_button.disabled = not running
