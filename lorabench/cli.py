@@ -8,7 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from .adapters import AdapterError, AdapterWriteError
 from .config import Config, ConfigError, describe
+from .data import DataError
+from .engines.base import EngineError
+from .models import ModelError
+from .runlog import RunDirError
+
+# errors whose message already names the culprit and the fix: one line, exit code 2, no traceback
+USER_ERRORS = (ConfigError, DataError, ModelError, AdapterError, AdapterWriteError, EngineError, RunDirError)
 
 LESSON = ("What the model learns: the warm-start taught it to solve the problems but to end its answer\n"
           "mostly with 'The answer is N.', '= N' or the bare number; only ~10% of its training answers\n"
@@ -27,7 +35,7 @@ def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=log_line)
     from .engines import make_engine
     from .grpo import GRPOTrainer
     from .models import resolve_model_path
-    from .runlog import RunLog, atomic_write, read_jsonl
+    from .runlog import RunLog, atomic_write
     from .viz import save_run_plots
 
     if cfg.run.threads:
@@ -41,21 +49,19 @@ def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=log_line)
     engine = make_engine(cfg, model_path)
     try:
         trainer = GRPOTrainer(cfg, model_path, engine, runlog, log=log)
-        evals = read_jsonl(runlog.dir / "evals.jsonl")
-        if not evals:
-            for greedy in (False, True):
-                e = trainer.evaluate(greedy=greedy)
-                runlog.log_eval(e)
-                evals.append(e)
-        before = [e for e in evals if e["step"] == 0]
+        before = [e for e in runlog.evals() if e["step"] == 0]
+        if len(before) < 2:  # a new run, or one killed between its two "before" evaluations
+            if trainer.step_count > 0:
+                raise RunDirError(f"{runlog.dir / 'evals.jsonl'} lacks the step-0 evaluations of a run at "
+                                  f"step {trainer.step_count}; restore the file or start a new run")
+            before = [trainer.evaluate(greedy=False), trainer.evaluate(greedy=True)]
+            runlog.set_evals(0, before)
         log(f"held-out before GRPO: strict {before[0]['strict']:.2f} (sampled), {before[1]['strict']:.2f} (greedy)")
         t_train = time.perf_counter()
         trainer.run()
         t_done = time.perf_counter()
         after = [trainer.evaluate(greedy=False), trainer.evaluate(greedy=True)]
-        for e in after:
-            runlog.log_eval(e)
-        evals += after
+        evals = runlog.set_evals(trainer.step_count, after)
         trainer.close()
     finally:
         engine.close()
@@ -122,8 +128,9 @@ def main(argv=None) -> int:
             if args.command == "demo":
                 print(LESSON + "\n")
             summary = run_experiment(cfg)
-    except ConfigError as err:
-        print(f"lorabench: config error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        kind = "config error" if isinstance(err, ConfigError) else "error"
+        print(f"lorabench: {kind}: {err}", file=sys.stderr)
         return 2
     print_summary(summary)
     return 0

@@ -77,6 +77,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+class RunDirError(ValueError):
+    """A run dir lacks something resume needs; the message says what and how to recover."""
+
+
 class RunLog:
     def __init__(self, run_dir: str | Path):
         self.dir = Path(run_dir)
@@ -161,6 +165,16 @@ class RunLog:
 
     def metrics(self) -> list[dict]:
         return read_jsonl(self.dir / "metrics.jsonl")
+
+    def evals(self) -> list[dict]:
+        return read_jsonl(self.dir / "evals.jsonl")
+
+    def set_evals(self, step: int, rows: list[dict]) -> list[dict]:
+        """Make `rows` the evaluations of `step`, replacing any a killed or repeated run left there
+        (evaluation is seeded, so a repeat gives the same values); returns all rows."""
+        kept = [r for r in self.evals() if r.get("step") != step] + rows
+        atomic_write(self.dir / "evals.jsonl", "".join(json.dumps(_clean(r)) + "\n" for r in kept).encode(), 0o640)
+        return kept
 
 
 class NullRunLog:

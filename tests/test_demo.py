@@ -87,3 +87,7 @@ def test_cli_rejects_bad_config_with_a_clear_message(tmp_path):
     assert "grpo.group_size" in bad.stderr and "at least 2" in bad.stderr
     missing = lorabench("run", "--config", str(tmp_path / "nope.toml"), cwd=tmp_path)
     assert missing.returncode == 2 and "nope.toml" in missing.stderr
+    no_model = lorabench("run", f"model.name_or_path={tmp_path / 'no-such-model'}", f"run.out_dir={tmp_path}",
+                         cwd=tmp_path)
+    assert no_model.returncode == 2 and "no-such-model" in no_model.stderr
+    assert "Traceback" not in no_model.stderr  # a user error is one line, not a stack
