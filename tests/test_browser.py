@@ -173,7 +173,8 @@ def test_step_through_notebook_in_chromium(lab):
     near, spread = blue_pixels(plot_png)
     assert near > 100, f"no reward line in the rendered plot ({near} pixels of its colour)"
     assert spread > 10, "the plot area is blank"
-    RECORD.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(shot, RECORD)
+    if os.environ.get("LORABENCH_RECORD"):  # refresh the committed record only on request
+        RECORD.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, RECORD)
     rows = [json.loads(line) for line in next(lab["runs"].iterdir()).joinpath("metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 2)), "the clicked step did not reach the run dir"

@@ -5,7 +5,7 @@ Both assert no failure, exact refreshes throughout, and no RSS growth over the l
 run beyond a noise bound. The bound, 25 MB: on this model the allocator's noise measured over
 1,000 cycles is 0.4-2.5 MB, while leaking even a quarter of an adapter per cycle (the q/v adapter
 below is 56 KB) would add > 11 MB over 800 cycles, and leaking the adapters themselves > 45 MB.
-The series go to benchmarks/results/cpu_soak.json and the figure cpu_soak.png."""
+With LORABENCH_RECORD=1 the series go to benchmarks/results/cpu_soak.json and cpu_soak.png."""
 from __future__ import annotations
 
 import gc
@@ -37,8 +37,11 @@ def _growth(series: list[dict], key: str = "rss_mb") -> dict:
 
 
 def _save(key: str, record: dict) -> None:
-    """Merge this test's record into cpu_soak.json (atomically) and redraw cpu_soak.png."""
+    """Merge this test's record into cpu_soak.json (atomically) and redraw cpu_soak.png — only with
+    LORABENCH_RECORD=1, so an ordinary test run leaves the committed record alone."""
     from lorabench.runlog import atomic_write
+    if not os.environ.get("LORABENCH_RECORD"):
+        return
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "cpu_soak.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
