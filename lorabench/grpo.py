@@ -276,7 +276,7 @@ class GRPOTrainer:
                          f"adapter to the engine, and `lorabench resume` continues from the last checkpoint")
             raise
         t_refresh = time.perf_counter()
-        snapshot = self.snapshot()
+        snapshot = refresh.snapshot or self.snapshot()  # the refresher's copy, when it took one
         groups = batch.rewards.view(-1, g.group_size)
         metrics = {
             "step": step,

@@ -33,6 +33,7 @@ class RefreshRecord:
     nbytes: int = 0
     parts: dict[str, float] = field(default_factory=dict)   # part -> seconds
     buckets: list[dict] = field(default_factory=list)       # one row per bucket
+    snapshot: AdapterSnapshot | None = field(default=None, repr=False)  # what was sent (trainer reuses it)
 
     @property
     def total_s(self) -> float:
@@ -117,9 +118,10 @@ class Refresher:
         self.refreshes += 1
         return record
 
-    def _snapshot(self, peft_model, step: int) -> AdapterSnapshot:
-        snapshot = AdapterSnapshot.from_peft(peft_model, step=step)
+    def _snapshot(self, peft_model, record: RefreshRecord) -> AdapterSnapshot:
+        snapshot = AdapterSnapshot.from_peft(peft_model, step=record.step)
         validate(snapshot, linear_shapes(peft_model), self.max_rank)  # refuse before the engine sees it
+        record.snapshot = snapshot
         return snapshot
 
     def close(self) -> None:
@@ -136,7 +138,7 @@ class FileRefresh(Refresher):
 
     def _refresh(self, peft_model, record):
         clock = _Clock(record)
-        snapshot = self._snapshot(peft_model, record.step)
+        snapshot = self._snapshot(peft_model, record)
         path = snapshot.save_peft_dir(self.root / f"{self.adapter_name}-{record.step:06d}")
         record.nbytes = snapshot.nbytes
         record.buckets.append({"bucket": 0, "tensors": len(snapshot.tensors), "bytes": snapshot.nbytes,
@@ -167,7 +169,7 @@ class TensorRefresh(Refresher):
 
     def _refresh(self, peft_model, record):
         clock = _Clock(record)
-        snapshot = self._snapshot(peft_model, record.step)
+        snapshot = self._snapshot(peft_model, record)
         clock.lap("snapshot")
         staged: dict[str, torch.Tensor] = {}
         for i, bucket in enumerate(pack_buckets(list(snapshot.tensors.items()), self.bucket_bytes)):
@@ -192,7 +194,7 @@ class MergedRefresh(Refresher):
 
     def _refresh(self, peft_model, record):
         clock = _Clock(record)
-        self._snapshot(peft_model, record.step)  # validate (NaN/Inf, shapes) before any weight is pushed
+        self._snapshot(peft_model, record)  # validate (NaN/Inf, shapes) before any weight is pushed
         merged = merged_state_dict(peft_model)
         clock.lap("merge")
         buckets = pack_buckets(list(merged.items()), self.bucket_bytes)
