@@ -12,7 +12,10 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	# few retries: where the PyTorch index is unreachable (offline mirrors, CI) pip falls back to
+	# its local find-links at once instead of backing off for minutes
+	$(VENV)/bin/python -m pip install -q --retries 1 --timeout 20 "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) \
+	  || $(VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(VENV)/bin/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
