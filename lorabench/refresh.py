@@ -221,7 +221,8 @@ class NoRefresh(TensorRefresh):
 
 def make_refresher(cfg, engine) -> Refresher:
     r = cfg.refresh
-    max_rank = cfg.engine.max_lora_rank or None if cfg.engine.backend == "sglang" else None
+    # SGLang's LoRA pool has a fixed max rank (engine.max_lora_rank, 0 = lora.r); the hf engine has none
+    max_rank = (cfg.engine.max_lora_rank or cfg.lora.r) if cfg.engine.backend == "sglang" else None
     common = dict(bucket_mb=r.bucket_mb, max_rank=max_rank)
     name = cfg.engine.adapter_name
     if r.mode == "file":
