@@ -31,40 +31,22 @@ def log_line(*parts) -> None:
 def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=log_line) -> dict:
     """Build (or resume) a run: model, engine, trainer; evaluate, train, evaluate, plot.
     Returns a summary dict (also written to RUN_DIR/summary.json)."""
-    import torch
-    from .engines import make_engine
-    from .grpo import GRPOTrainer
-    from .models import resolve_model_path
-    from .runlog import RunLog, atomic_write
+    from .runlog import atomic_write
+    from .session import RunSession
     from .viz import save_run_plots
 
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
     t0 = time.perf_counter()
-    runlog = RunLog(run_dir) if run_dir else RunLog.create(cfg.run.out_dir, cfg.run.name)
-    runlog.write_config(cfg.to_dict())
-    log(f"run dir: {runlog.dir}")
-    model_path = resolve_model_path(cfg, log=log)
-    t_model = time.perf_counter()
-    engine = make_engine(cfg, model_path)
+    session = RunSession.open(cfg, run_dir, log=log)
+    runlog, trainer, before = session.runlog, session.trainer, session.before
     try:
-        trainer = GRPOTrainer(cfg, model_path, engine, runlog, log=log)
-        before = [e for e in runlog.evals() if e["step"] == 0]
-        if len(before) < 2:  # a new run, or one killed between its two "before" evaluations
-            if trainer.step_count > 0:
-                raise RunDirError(f"{runlog.dir / 'evals.jsonl'} lacks the step-0 evaluations of a run at "
-                                  f"step {trainer.step_count}; restore the file or start a new run")
-            before = [trainer.evaluate(greedy=False), trainer.evaluate(greedy=True)]
-            runlog.set_evals(0, before)
         log(f"held-out before GRPO: strict {before[0]['strict']:.2f} (sampled), {before[1]['strict']:.2f} (greedy)")
         t_train = time.perf_counter()
         trainer.run()
         t_done = time.perf_counter()
         after = [trainer.evaluate(greedy=False), trainer.evaluate(greedy=True)]
         evals = runlog.set_evals(trainer.step_count, after)
-        trainer.close()
     finally:
-        engine.close()
+        session.close()
     rows = runlog.metrics()
     plots = save_run_plots(rows, evals, runlog.dir / "plots")
     refresh_ms = sorted(1e3 * r["refresh/total_s"] for r in rows) or [float("nan")]
@@ -77,7 +59,7 @@ def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=log_line)
         "train_reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / max(1, len(rows[-5:])),
         "refresh_ms_p50": refresh_ms[len(refresh_ms) // 2], "refresh_ms_max": refresh_ms[-1],
         "mismatch_max": max((r["mismatch/max"] for r in rows), default=float("nan")),
-        "seconds_model": t_model - t0, "seconds_grpo": t_done - t_train,
+        "seconds_model": session.model_seconds, "seconds_grpo": t_done - t_train,
         "seconds_total": time.perf_counter() - t0,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "plots": [str(p) for p in plots],

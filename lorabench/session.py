@@ -11,7 +11,8 @@ those step-0 rows.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import Config
@@ -24,6 +25,8 @@ class RunSession:
     engine: object        # a RolloutEngine
     trainer: object       # grpo.GRPOTrainer
     model_path: str
+    model_seconds: float = 0.0                        # model resolution (tiny: build + warm-start)
+    before: list[dict] = field(default_factory=list)  # step-0 held-out evals: [sampled, greedy]
 
     @classmethod
     def open(cls, cfg: Config, run_dir: str | Path | None = None, log=print, evaluate_first: bool = True):
@@ -33,23 +36,40 @@ class RunSession:
         from .engines import make_engine
         from .grpo import GRPOTrainer
         from .models import resolve_model_path
-        from .runlog import RunLog, read_jsonl
+        from .runlog import RunLog
 
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         runlog = RunLog(run_dir) if run_dir else RunLog.create(cfg.run.out_dir, cfg.run.name)
         runlog.write_config(cfg.to_dict())
+        log(f"run dir: {runlog.dir}")
+        t0 = time.perf_counter()
         model_path = resolve_model_path(cfg, log=log)
+        model_seconds = time.perf_counter() - t0
         engine = make_engine(cfg, model_path)
         try:
             trainer = GRPOTrainer(cfg, model_path, engine, runlog, log=log)
-            if evaluate_first and not read_jsonl(runlog.dir / "evals.jsonl"):
-                for greedy in (False, True):
-                    runlog.log_eval(trainer.evaluate(greedy=greedy))
+            session = cls(cfg, runlog, engine, trainer, model_path, model_seconds)
+            if evaluate_first:
+                session.evaluate_before()
         except BaseException:
             engine.close()
             raise
-        return cls(cfg, runlog, engine, trainer, model_path)
+        return session
+
+    def evaluate_before(self) -> list[dict]:
+        """The step-0 held-out evaluations (sampled, greedy): read back from evals.jsonl, or run
+        now for a new run or one killed between its two "before" evaluations."""
+        from .runlog import RunDirError
+        before = [e for e in self.runlog.evals() if e["step"] == 0]
+        if len(before) < 2:
+            if self.trainer.step_count > 0:
+                raise RunDirError(f"{self.runlog.dir / 'evals.jsonl'} lacks the step-0 evaluations of a run "
+                                  f"at step {self.trainer.step_count}; restore the file or start a new run")
+            before = [self.trainer.evaluate(greedy=False), self.trainer.evaluate(greedy=True)]
+            self.runlog.set_evals(0, before)
+        self.before = before
+        return before
 
     @property
     def run_dir(self) -> Path:
