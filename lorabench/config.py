@@ -104,7 +104,8 @@ class EngineConfig:
 @dataclass
 class RefreshConfig:
     mode: str = _f("tensor", "'file' (PEFT dir, unload + load), 'tensor' (load_lora_adapter_from_tensors), "
-                   "'merged' (push merged full weights) or 'none' (stale-adapter control: never refresh).")
+                   "'inplace' (load once, then overwrite the engine's resident adapter: SGLang's GPU LoRA "
+                   "pool), 'merged' (push merged full weights) or 'none' (stale-adapter control).")
     bucket_mb: float = _f(64.0, "Bucket size in MB: one push per bucket (merged); tensors are staged "
                           "per bucket before the single adapter load (tensor).")
     tmp_dir: str = _f("", "Where file refresh writes adapter dirs; '' = /dev/shm if writable, else the "
@@ -290,8 +291,8 @@ def validate(cfg: Config) -> None:
         except json.JSONDecodeError as err:
             raise ConfigError(f"engine.extra_args={e.extra_args!r} is not valid JSON ({err}); write e.g. "
                               f'{{"cuda_graph_max_bs": 64}}') from err
-    _require(r.mode in ("file", "tensor", "merged", "none"),
-             f"refresh.mode={r.mode!r}: use 'file', 'tensor', 'merged' or 'none'")
+    _require(r.mode in ("file", "tensor", "inplace", "merged", "none"),
+             f"refresh.mode={r.mode!r}: use 'file', 'tensor', 'inplace', 'merged' or 'none'")
     _require(r.bucket_mb > 0, f"refresh.bucket_mb={r.bucket_mb}: must be > 0 (e.g. 64)")
     _require(cfg.model.dtype in ("float32", "bfloat16", "float16"),
              f"model.dtype={cfg.model.dtype!r}: use float32, bfloat16 or float16")

@@ -259,7 +259,10 @@ class GRPOTrainer:
         saved = self._state()
         try:  # the step happens whole or not at all: a failed update or refresh is rolled back
             if released:
-                self.engine.release_memory()
+                # the KV cache always; the weights only when the merged refresh re-pushes all of them
+                # (SGLang does not keep released weights unless started with a CPU backup)
+                self.engine.release_memory(["kv_cache", "weights"] if self.cfg.refresh.mode == "merged"
+                                           else ["kv_cache"])
                 try:
                     stats = self.train_on(batch)
                 finally:

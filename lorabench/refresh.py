@@ -3,9 +3,16 @@ timing each part. One small class per mode:
 
     FileRefresh     write a PEFT dir (atomic, 0600, tmpfs when available) -> unload -> load by path
     TensorRefresh   stage tensors on the engine's device in buckets -> unload -> load from tensors
+    InPlaceRefresh  the first refresh loads like TensorRefresh; later ones write the new values into
+                    the engine's resident copy of that adapter (SGLang: its GPU LoRA pool, through a
+                    loader running inside the engine; hf: the PEFT parameters), no unload or reload
     MergedRefresh   W + (a/r)BA for every layer -> push full weights in buckets (no cache flush
                     until the last bucket) -> the engine then serves the base name, adapter-free
     NoRefresh       the stale-adapter control: the first adapter is loaded once and never updated
+
+Snapshots are taken by adapters.FlatSnapshotter: every LoRA tensor copied into one flat buffer with a
+single NaN/Inf check (one device sync), and cast once to the engine's dtype (`transfer_dtype`) for
+what the engine receives; the trainer-dtype snapshot is what the step record keeps.
 
 Every refresh returns a RefreshRecord (one row for the run's sync.jsonl per bucket and a total).
 Only `AdapterNotLoaded` is caught on unload (the first refresh has nothing to unload); any other
@@ -22,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import AdapterSnapshot, linear_shapes, merged_state_dict, remove_stale_temps, validate
+from .adapters import AdapterSnapshot, FlatSnapshotter, merged_state_dict, remove_stale_temps
 from .engines.base import AdapterNotLoaded
 
 
@@ -101,11 +108,14 @@ def adapter_tmp_root(configured: str = "") -> Path:
 class Refresher:
     mode = "base"
 
-    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, max_rank: int | None = None):
+    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, max_rank: int | None = None,
+                 transfer_dtype: torch.dtype | None = None):
         self.engine, self.adapter_name = engine, adapter_name
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.max_rank = max_rank
+        self.transfer_dtype = transfer_dtype  # what the engine receives; None = the trainer's dtype
         self.refreshes = 0
+        self._snapshotter: FlatSnapshotter | None = None
 
     @property
     def serving_adapter(self) -> str | None:
@@ -119,10 +129,31 @@ class Refresher:
         return record
 
     def _snapshot(self, peft_model, record: RefreshRecord) -> AdapterSnapshot:
-        snapshot = AdapterSnapshot.from_peft(peft_model, step=record.step)
-        validate(snapshot, linear_shapes(peft_model), self.max_rank)  # refuse before the engine sees it
+        """Validated (structure once, values every time) before the engine sees anything."""
+        if self._snapshotter is None or self._snapshotter.model is not peft_model:
+            self._snapshotter = FlatSnapshotter(peft_model, max_rank=self.max_rank)
+        snapshot = self._snapshotter.snapshot(record.step)
         record.snapshot = snapshot
         return snapshot
+
+    def _stage(self, snapshot: AdapterSnapshot, device, record: RefreshRecord, clock: "_Clock"):
+        """(views, buffer): the snapshot in the transfer dtype on `device`, as views of one new flat buffer filled
+        bucket by bucket (a bucket is a run of whole tensors, packed by pack_buckets; the names are
+        sorted, so each bucket is one contiguous range); one record row per bucket."""
+        src = snapshot.flat if snapshot.flat is not None else torch.cat(
+            [snapshot.tensors[n].reshape(-1) for n in sorted(snapshot.tensors)])
+        to_host = torch.device(device).type == "cpu" and src.is_cuda  # pinned: ~20x faster device->host
+        out = torch.empty(src.numel(), dtype=self.transfer_dtype or src.dtype, device=device, pin_memory=to_host)
+        views = self._snapshotter.views(out)
+        start = 0
+        for i, bucket in enumerate(pack_buckets(list(views.items()), self.bucket_bytes)):
+            n = sum(t.numel() for _, t in bucket)
+            out[start:start + n].copy_(src[start:start + n], non_blocking=True)
+            record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": n * out.element_size(),
+                                   "seconds": clock.lap("stage")})
+            start += n
+        record.nbytes = out.numel() * out.element_size()
+        return views, out
 
     def close(self) -> None:
         pass
@@ -139,10 +170,11 @@ class FileRefresh(Refresher):
     def _refresh(self, peft_model, record):
         clock = _Clock(record)
         snapshot = self._snapshot(peft_model, record)
-        path = snapshot.save_peft_dir(self.root / f"{self.adapter_name}-{record.step:06d}")
-        record.nbytes = snapshot.nbytes
-        record.buckets.append({"bucket": 0, "tensors": len(snapshot.tensors), "bytes": snapshot.nbytes,
-                               "seconds": clock.lap("write")})
+        clock.lap("snapshot")
+        host, flat = self._stage(snapshot, "cpu", record, clock)  # one device->host copy, engine dtype
+        out = AdapterSnapshot(host, snapshot.config, record.step, flat=flat)
+        path = out.save_peft_dir(self.root / f"{self.adapter_name}-{record.step:06d}")
+        clock.lap("write")
         _unload_if_loaded(self.engine, self.adapter_name)
         clock.lap("unload")
         try:
@@ -171,18 +203,29 @@ class TensorRefresh(Refresher):
         clock = _Clock(record)
         snapshot = self._snapshot(peft_model, record)
         clock.lap("snapshot")
-        staged: dict[str, torch.Tensor] = {}
-        for i, bucket in enumerate(pack_buckets(list(snapshot.tensors.items()), self.bucket_bytes)):
-            for name, tensor in bucket:
-                staged[name] = tensor.to(self.device, non_blocking=True).contiguous()
-            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-            record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": nbytes,
-                                   "seconds": clock.lap("stage")})
-        record.nbytes = snapshot.nbytes
+        staged, _ = self._stage(snapshot, self.device, record, clock)
         _unload_if_loaded(self.engine, self.adapter_name)
         clock.lap("unload")
         self.engine.load_adapter_tensors(self.adapter_name, staged, snapshot.config)
         clock.lap("load")
+
+
+class InPlaceRefresh(TensorRefresh):
+    """Load once, then overwrite the engine's resident copy of the adapter in place: no unload, no
+    reload, no host round trip. The engine keeps the adapter's name, slot and scaling, so the LoRA
+    config (rank, alpha, target modules) must stay the same; a changed config is refused by the
+    engine and a full TensorRefresh is the way to change it."""
+    mode = "inplace"
+
+    def _refresh(self, peft_model, record):
+        if self.adapter_name not in self.engine.loaded_adapters():
+            return super()._refresh(peft_model, record)  # the first load (or after an engine restart)
+        clock = _Clock(record)
+        snapshot = self._snapshot(peft_model, record)
+        clock.lap("snapshot")
+        staged, _ = self._stage(snapshot, self.device, record, clock)
+        self.engine.update_adapter_in_place(self.adapter_name, staged, snapshot.config)
+        clock.lap("write")
 
 
 class MergedRefresh(Refresher):
@@ -219,15 +262,22 @@ class NoRefresh(TensorRefresh):
         return RefreshRecord(self.mode, step)
 
 
+TRANSFER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def make_refresher(cfg, engine) -> Refresher:
     r = cfg.refresh
     # SGLang's LoRA pool has a fixed max rank (engine.max_lora_rank, 0 = lora.r); the hf engine has none
-    max_rank = (cfg.engine.max_lora_rank or cfg.lora.r) if cfg.engine.backend == "sglang" else None
-    common = dict(bucket_mb=r.bucket_mb, max_rank=max_rank)
+    sglang = cfg.engine.backend == "sglang"
+    max_rank = (cfg.engine.max_lora_rank or cfg.lora.r) if sglang else None
+    # SGLang keeps adapters in its own dtype: send that (half the bytes of fp32); the hf engine gets
+    # the trainer's dtype, so its weights equal the trainer's exactly
+    dtype = TRANSFER_DTYPES.get(cfg.engine.dtype) if sglang else None
+    common = dict(bucket_mb=r.bucket_mb, max_rank=max_rank, transfer_dtype=dtype)
     name = cfg.engine.adapter_name
     if r.mode == "file":
         return FileRefresh(engine, name, tmp_dir=r.tmp_dir, **common)
     if r.mode == "merged":
         return MergedRefresh(engine, name, **common)
-    cls = TensorRefresh if r.mode == "tensor" else NoRefresh
+    cls = {"tensor": TensorRefresh, "inplace": InPlaceRefresh, "none": NoRefresh}[r.mode]
     return cls(engine, name, device=getattr(engine, "device", None), **common)

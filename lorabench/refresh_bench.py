@@ -9,9 +9,9 @@ next to the physical floor: the bytes moved divided by the measured copy bandwid
 Each row is the median of `repeats` refreshes of the same adapter after `warmup` untimed ones:
     {"engine", "device", "mode", "rank", "bucket_mb", "bytes", "buckets", "parts": {part: s},
      "total_s", "min_s", "repeats"}
-Parts are the refresher's own (refresh.py): file = write + unload + load; tensor = snapshot + stage
-(per bucket) + unload + load; merged = merge + push (per bucket). File refresh writes one file
-whatever the bucket size; it is measured at every bucket size anyway, so a flat line is a finding.
+Parts are the refresher's own (refresh.py): file = snapshot + stage (per bucket, to the host) + write
++ unload + load; tensor = snapshot + stage (per bucket) + unload + load; inplace = snapshot + stage +
+write (after its first, loading refresh); merged = merge + push (per bucket).
 
 GPU results committed by the benchmarks (benchmarks/results/gpu/*.json) are read by
 `load_results` (files in the format above) and `gpu_refresh_summary` (per-step refresh records of
@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from .engines.base import AdapterNotLoaded
-from .refresh import FileRefresh, MergedRefresh, TensorRefresh
+from .refresh import FileRefresh, InPlaceRefresh, MergedRefresh, TensorRefresh
 
-MODES = ("file", "tensor", "merged")
+MODES = ("file", "tensor", "inplace", "merged")
 BUCKETS_MB = (0.01, 0.03, 0.1, 0.3, 1.0, 4.0, 16.0, 64.0, 512.0)   # log-spaced; the tiny adapter is ~1 MB
-REFRESHERS = {"file": FileRefresh, "tensor": TensorRefresh, "merged": MergedRefresh}
+REFRESHERS = {"file": FileRefresh, "tensor": TensorRefresh, "inplace": InPlaceRefresh, "merged": MergedRefresh}
 
 
 def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
@@ -83,13 +83,13 @@ def _drop_adapter(engine, name: str) -> None:
 
 
 def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: int = 3, warmup: int = 1,
-                    adapter_name: str = "bench") -> dict:
+                    adapter_name: str = "bench", transfer_dtype: torch.dtype | None = None) -> dict:
     """Median refresh of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` (one row)."""
     if mode not in REFRESHERS:
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least one timed refresh")
-    refresher = REFRESHERS[mode](engine, adapter_name, bucket_mb=bucket_mb)
+    refresher = REFRESHERS[mode](engine, adapter_name, bucket_mb=bucket_mb, transfer_dtype=transfer_dtype)
     try:
         for step in range(warmup):
             refresher.refresh(peft_model, step)

@@ -5,7 +5,7 @@
 set -uo pipefail
 export LORABENCH_GPU_OUT=${OUT:-gpu_results}
 export LORABENCH_CACHE=${LORABENCH_CACHE:-/tmp/lorabench-cache}
-export LORABENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export LORABENCH_COMMIT=${LORABENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$LORABENCH_GPU_OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LORABENCH_GPU_OUT/gpu.txt" 2>&1

@@ -115,7 +115,8 @@ METRIC_KEYS = {
     "mismatch/active_mean", "probe/adapter_gap", "adapter/delta_norm", "refresh/mode", "refresh/bytes",
     "refresh/total_s", "time/rollout_s", "time/reward_s", "time/train_s", "time/refresh_s", "time/step_s",
 }
-REFRESH_PARTS = {"file": {"write", "unload", "load"}, "tensor": {"snapshot", "stage", "unload", "load"},
+REFRESH_PARTS = {"file": {"snapshot", "stage", "write", "unload", "load"},
+                 "tensor": {"snapshot", "stage", "unload", "load"}, "inplace": {"snapshot", "stage", "write"},
                  "merged": {"merge", "push"}, "none": set()}
 
 
@@ -186,7 +187,7 @@ def test_step_record_and_exact_tensor_refresh(make_trainer):
     assert len(trainer.history) == 3
 
 
-@pytest.mark.parametrize("mode", ["tensor", "file", "merged", "none"])
+@pytest.mark.parametrize("mode", ["tensor", "file", "inplace", "merged", "none"])
 def test_mismatch_shows_whether_refresh_happened(make_trainer, mode):
     """Perturb the trainer's LoRA between steps (standing in for an optimizer update that a random
     model with all-zero rewards would not make): the step right after sees a stale engine in every

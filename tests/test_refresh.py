@@ -9,7 +9,8 @@ import torch
 from conftest import max_abs_diff, model_logprobs, perturb_lora_B
 from lorabench.adapters import AdapterError
 from lorabench.config import Config
-from lorabench.refresh import (FileRefresh, MergedRefresh, NoRefresh, RefreshRecord, TensorRefresh,
+from lorabench.engines.base import AdapterNotLoaded, EngineError
+from lorabench.refresh import (FileRefresh, InPlaceRefresh, MergedRefresh, NoRefresh, RefreshRecord, TensorRefresh,
                                make_refresher, pack_buckets)
 
 
@@ -56,9 +57,16 @@ def test_pack_buckets_keeps_tensors_and_handles_empty():
 
 
 # --- exact refresh, every mode --------------------------------------------------------------------
-MODES = {"file": FileRefresh, "tensor": TensorRefresh, "merged": MergedRefresh}
-PARTS = {"file": {"write", "unload", "load"}, "tensor": {"snapshot", "stage", "unload", "load"},
+MODES = {"file": FileRefresh, "tensor": TensorRefresh, "inplace": InPlaceRefresh, "merged": MergedRefresh}
+PARTS = {"file": {"snapshot", "stage", "write", "unload", "load"}, "tensor": {"snapshot", "stage", "unload", "load"},
          "merged": {"merge", "push"}}
+
+
+def parts_of(mode: str, step: int) -> set[str]:
+    """In-place: the first refresh loads (as tensor), later ones write into the loaded adapter."""
+    if mode == "inplace":
+        return PARTS["tensor"] if step == 1 else {"snapshot", "stage", "write"}
+    return PARTS[mode]
 
 
 def _refresher(mode, engine, tmp_path, bucket_mb=64.0):
@@ -67,7 +75,7 @@ def _refresher(mode, engine, tmp_path, bucket_mb=64.0):
 
 
 @pytest.mark.parametrize("bucket_mb", [64.0, 0.01])
-@pytest.mark.parametrize("mode", ["file", "tensor", "merged"])
+@pytest.mark.parametrize("mode", ["file", "tensor", "inplace", "merged"])
 def test_refresh_is_exact(mode, bucket_mb, engine, make_peft_model, sample_sequences, tmp_path):
     model = make_peft_model(seed=0)
     seqs, lens = sample_sequences
@@ -84,25 +92,24 @@ def test_refresh_is_exact(mode, bucket_mb, engine, make_peft_model, sample_seque
 
             assert isinstance(record, RefreshRecord)
             assert (record.mode, record.step) == (mode, step)
-            assert set(record.parts) == PARTS[mode]
+            assert set(record.parts) == parts_of(mode, step)
             assert all(v >= 0 for v in record.parts.values())
             assert record.total_s == pytest.approx(sum(record.parts.values()))
             assert record.nbytes > 0
             assert sum(b["tensors"] for b in record.buckets) == (
                 len(record.buckets) and (len(_tensors(mode, model))))
-            if mode != "file":                                # file writes one dir: one "bucket"
-                assert sum(b["bytes"] for b in record.buckets) == record.nbytes
-                if bucket_mb < 1:
-                    assert len(record.buckets) > 5            # many buckets: multi-bucket sync verified
-                else:
-                    assert len(record.buckets) == 1
+            assert sum(b["bytes"] for b in record.buckets) == record.nbytes
+            if bucket_mb < 1:
+                assert len(record.buckets) > 5                # many buckets: multi-bucket sync verified
+            else:
+                assert len(record.buckets) == 1
             assert [b["bucket"] for b in record.buckets] == list(range(len(record.buckets)))
             rows = record.rows()
             assert [r["row"] for r in rows] == ["bucket"] * len(record.buckets) + ["refresh"]
             total = rows[-1]
             assert total["step"] == step and total["mode"] == mode and total["bytes"] == record.nbytes
             assert total["buckets"] == len(record.buckets)
-            assert {f"{p}_s" for p in PARTS[mode]} <= set(total)
+            assert {f"{p}_s" for p in parts_of(mode, step)} <= set(total)
         assert refresher.refreshes == 2
         if mode == "merged":
             assert refresher.serving_adapter is None and engine.loaded_adapters() == []
@@ -163,7 +170,7 @@ def test_no_refresh_keeps_stale_adapter(engine, make_peft_model, sample_sequence
     assert max_abs_diff(stale, model_logprobs(model, seqs, lens)) > 1e-3  # and the trainer moved on
 
 
-@pytest.mark.parametrize("mode", ["file", "tensor", "merged"])
+@pytest.mark.parametrize("mode", ["file", "tensor", "inplace", "merged"])
 def test_validation_refuses_nan_before_engine(mode, engine, make_peft_model, sample_sequences, tmp_path):
     model = make_peft_model(seed=0)
     seqs, lens = sample_sequences
@@ -193,7 +200,7 @@ def test_max_rank_refused_before_engine(engine, make_peft_model):
     assert engine.loaded_adapters() == []
 
 
-@pytest.mark.parametrize("mode, cls", [("file", FileRefresh), ("tensor", TensorRefresh),
+@pytest.mark.parametrize("mode, cls", [("file", FileRefresh), ("tensor", TensorRefresh), ("inplace", InPlaceRefresh),
                                        ("merged", MergedRefresh), ("none", NoRefresh)])
 def test_make_refresher(mode, cls, engine, tmp_path):
     cfg = Config.load(overrides=[f"refresh.mode={mode}", "refresh.bucket_mb=2", "engine.adapter_name=pol",
@@ -207,3 +214,45 @@ def test_make_refresher(mode, cls, engine, tmp_path):
             assert refresher.root.parent == tmp_path
     finally:
         refresher.close()
+
+
+def test_inplace_refuses_changed_config_and_keeps_serving(engine, make_peft_model, sample_sequences):
+    """An in-place update keeps the engine's scaling: a changed alpha is refused, nothing written."""
+    model = make_peft_model(seed=0)
+    seqs, lens = sample_sequences
+    refresher = InPlaceRefresh(engine, "policy", device="cpu")
+    refresher.refresh(model, 1)
+    serving = engine.score(seqs, lens, "policy")
+    perturb_lora_B(model, seed=4)
+    snapshot = refresher._snapshotter.snapshot(2)
+    config = dict(snapshot.config, lora_alpha=snapshot.config["lora_alpha"] * 2)
+    with pytest.raises(EngineError, match="lora_alpha"):
+        engine.update_adapter_in_place("policy", snapshot.tensors, config)
+    wrong = dict(snapshot.tensors)
+    wrong.pop(next(iter(wrong)))
+    with pytest.raises(EngineError, match="whole adapter"):
+        engine.update_adapter_in_place("policy", wrong, snapshot.config)
+    assert all(torch.equal(a, b) for a, b in zip(serving, engine.score(seqs, lens, "policy")))
+    with pytest.raises(AdapterNotLoaded):
+        engine.update_adapter_in_place("other", snapshot.tensors, snapshot.config)
+    refresher.close()
+
+
+def test_flat_snapshot_matches_peft_state_dict(make_peft_model, tmp_path):
+    """The flat snapshot equals PEFT's state dict; its file (our safetensors writer) loads in PEFT's loader."""
+    from lorabench.adapters import AdapterSnapshot, FlatSnapshotter
+    model = make_peft_model(seed=2)
+    perturb_lora_B(model, seed=3)
+    reference = AdapterSnapshot.from_peft(model)
+    snap = FlatSnapshotter(model).snapshot(7)
+    assert snap.flat is not None and snap.flat.numel() == sum(t.numel() for t in reference.tensors.values())
+    assert set(snap.tensors) == set(reference.tensors) and snap.config == reference.config
+    assert all(torch.equal(snap.tensors[k], reference.tensors[k]) for k in reference.tensors)
+    with torch.no_grad():                                  # a copy, not a view of the trainer's parameters
+        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(1.0)
+    assert all(torch.equal(snap.tensors[k], reference.tensors[k]) for k in reference.tensors)
+    back = AdapterSnapshot.load_peft_dir(snap.save_peft_dir(tmp_path / "a"))
+    assert all(torch.equal(back.tensors[k], reference.tensors[k]) for k in reference.tensors)
+    from peft import PeftModel
+    from lorabench.models import load_model
+    PeftModel.from_pretrained(load_model(model.peft_config["default"].base_model_name_or_path), tmp_path / "a")

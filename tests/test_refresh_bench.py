@@ -18,8 +18,8 @@ from lorabench.refresh import pack_buckets
 from lorabench.viz import plot_refresh_summary, refresh_sweep_figure
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = {"file": {"write", "unload", "load"}, "tensor": {"snapshot", "stage", "unload", "load"},
-         "merged": {"merge", "push"}}
+PARTS = {"file": {"snapshot", "stage", "write", "unload", "load"}, "tensor": {"snapshot", "stage", "unload", "load"},
+         "inplace": {"snapshot", "stage", "write"}, "merged": {"merge", "push"}}
 
 
 def test_bandwidth_is_measured():
@@ -28,7 +28,7 @@ def test_bandwidth_is_measured():
     assert rb.floor_seconds(2 * 10**9, gbps) == pytest.approx(2 / gbps)
 
 
-@pytest.mark.parametrize("mode", ["file", "tensor", "merged"])
+@pytest.mark.parametrize("mode", ["file", "tensor", "inplace", "merged"])
 def test_measure_refresh_row(engine, tiny_model_dir, mode):
     model = rb.adapter_model(str(tiny_model_dir), LORA_R)
     snapshot = AdapterSnapshot.from_peft(model)
@@ -45,8 +45,8 @@ def test_measure_refresh_row(engine, tiny_model_dir, mode):
         assert row["buckets"] == len(pack_buckets(list(merged.items()), bucket_bytes))
     else:
         assert row["bytes"] == snapshot.nbytes
-        expected = 1 if mode == "file" else len(pack_buckets(list(snapshot.tensors.items()), bucket_bytes))
-        assert row["buckets"] == expected and (mode == "file" or expected > 1)
+        expected = len(pack_buckets(list(snapshot.tensors.items()), bucket_bytes))
+        assert row["buckets"] == expected and expected > 1  # every adapter mode stages bucket by bucket
         assert engine.loaded_adapters() == []          # the scratch adapter is gone afterwards
     assert row["total_s"] > rb.floor_seconds(row["bytes"], rb.measure_bandwidth(megabytes=32))
 
@@ -74,7 +74,8 @@ def test_measure_refresh_rejects_bad_arguments(engine, tiny_model_dir):
 
 
 def test_sweep_covers_every_combination_and_saves(engine, tiny_model_dir, tmp_path):
-    rows = rb.sweep(engine, str(tiny_model_dir), ranks=(2, 8), buckets_mb=(0.01, 64), repeats=1, warmup=0,
+    rows = rb.sweep(engine, str(tiny_model_dir), modes=("file", "tensor", "merged"), ranks=(2, 8),
+                    buckets_mb=(0.01, 64), repeats=1, warmup=0,
                     log=lambda *a: None)
     assert sorted((r["mode"], r["rank"], r["bucket_mb"]) for r in rows) == sorted(
         (m, r, b) for m in ("file", "tensor", "merged") for r in (2, 8) for b in (0.01, 64))

@@ -29,7 +29,7 @@ if not _SGLANG:
 from lorabench.adapters import AdapterSnapshot  # noqa: E402
 from lorabench.config import Config  # noqa: E402
 from lorabench.data import synthetic_problems  # noqa: E402
-from lorabench.engines.base import AdapterNotLoaded, Sampling  # noqa: E402
+from lorabench.engines.base import AdapterNotLoaded, EngineError, Sampling  # noqa: E402
 from lorabench.engines.hf import HFEngine  # noqa: E402
 from lorabench.engines.sglang import SGLangEngine  # noqa: E402
 from lorabench.models import load_tokenizer, prompt_ids, tiny_model_dir  # noqa: E402
@@ -125,6 +125,19 @@ def parity_run(model_path: str, tmp_path: Path, cfg, check_greedy: bool) -> dict
         eng.unload_adapter("policy")
         eng.load_adapter_tensors("policy", {k: v.cuda() for k, v in a.tensors.items()}, a.config)
         results["A_by_tensor_refresh"] = diff(eng.score(seqs, plens, "policy"), ref["A"])
+        # in place (SGLang's GPU LoRA pool written by the in-engine loader): A -> B, then B -> A
+        eng.update_adapter_in_place("policy", {k: v.cuda() for k, v in b.tensors.items()}, b.config)
+        results["B_in_place"] = diff(eng.score(seqs, plens, "policy"), ref["B"])
+        out["greedy_in_place_equals_file_refresh"] = greedy_dynamic_b == [
+            c.token_ids for c in eng.generate(prompts, greedy, "policy")]
+        eng.update_adapter_in_place("policy", {k: v.cuda().to(torch.bfloat16) for k, v in a.tensors.items()},
+                                    a.config)
+        results["A_in_place_bf16"] = diff(eng.score(seqs, plens, "policy"), ref["A"])
+        bad = dict(a.tensors)
+        bad[next(iter(bad))] = torch.zeros(3, 3)
+        with pytest.raises(EngineError, match="shape|GPU"):
+            eng.update_adapter_in_place("policy", {k: v.cuda() for k, v in bad.items()}, a.config)
+        results["A_after_refused_in_place"] = diff(eng.score(seqs, plens, "policy"), ref["A"])
         with pytest.raises(AdapterNotLoaded):
             eng.unload_adapter("never-loaded")
         with pytest.raises(AdapterNotLoaded):
@@ -162,6 +175,7 @@ def test_parity_and_refresh_semantics_tiny(tiny_path, tmp_path):
     record("parity_tiny", out)
     assert_parity(out, max_tol=0.25)
     assert out["greedy_dynamic_equals_static"]
+    assert out["greedy_in_place_equals_file_refresh"]
 
 
 def test_parity_qwen3_06b_shape(q06_model, tmp_path):
@@ -188,7 +202,7 @@ def test_grpo_with_sglang_rollouts(tiny_path):
     summary = {}
     cfg0 = gpu_config()
     with SGLangEngine(tiny_path, cfg0) as engine:
-        for mode in ("tensor", "file", "none"):
+        for mode in ("inplace", "tensor", "file", "none"):
             cfg = gpu_config(f"refresh.mode={mode}", f"run.name=grpo-{mode}", "grpo.micro_batch=128")
             t0 = time.perf_counter()
             before, rows, after = run_grpo(cfg, tiny_path, engine, steps)
@@ -204,7 +218,7 @@ def test_grpo_with_sglang_rollouts(tiny_path):
                 "rows": rows,
             }
     record("grpo_sglang", summary)
-    for mode in ("tensor", "file"):
+    for mode in ("inplace", "tensor", "file"):
         s = summary[mode]
         assert s["heldout_strict_after"] - s["heldout_strict_before"] >= 0.2, (mode, s["heldout_strict_before"], s["heldout_strict_after"])
         active = [m for m in s["mismatch_active_mean_per_step"] if m == m and m is not None]
@@ -214,26 +228,11 @@ def test_grpo_with_sglang_rollouts(tiny_path):
     assert stale[-1] > 3 * max(fresh), (stale[-1], max(fresh))
 
 
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-
-
 @pytest.fixture(scope="session")
 def q06_model(tiny_path, tmp_path_factory):
     """A random-init model of Qwen3-0.6B's shape (bf16), with the tiny tokenizer, in a local dir."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    model_dir = tmp_path_factory.mktemp("q06") / "qwen3-0.6b-random"
-    tok = load_tokenizer(tiny_path)
-    config = Qwen3Config(**QWEN3_06B, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    (model_dir / "n_params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
-    return model_dir
+    from lorabench.models import random_qwen3_dir
+    return random_qwen3_dir("0.6B", tiny_path, tmp_path_factory.mktemp("q06") / "qwen3-0.6b-random")
 
 
 def test_qwen3_06b_shape_grpo_steps(q06_model, tmp_path):
@@ -244,7 +243,7 @@ def test_qwen3_06b_shape_grpo_steps(q06_model, tmp_path):
     data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
                             for p in synthetic_problems(256, "q06")))
     out = {"params": n_params}
-    for mode in ("tensor", "file"):
+    for mode in ("inplace", "tensor", "file"):
         cfg = gpu_config(f"refresh.mode={mode}", "lora.r=32", "model.dtype=bfloat16", f"data.source={data}",
                          "grpo.prompts_per_step=8", "grpo.group_size=8", "grpo.max_new_tokens=64",
                          "grpo.micro_batch=16", f"run.name=q06-{mode}", "run.save_adapter_every=100")
@@ -260,3 +259,70 @@ def test_qwen3_06b_shape_grpo_steps(q06_model, tmp_path):
             assert r["time/rollout_s"] > 0 and r["time/train_s"] > 0 and r["refresh/total_s"] > 0
             assert r["refresh/bytes"] > 30e6  # rank 32 on 7 projections x 28 layers, bf16: ~40 MB
     record("qwen3_06b_shape", out)
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident memory of `root` and all its descendants (the engine's scheduler and detokenizer)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the process ended while we looked
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def test_soak_sglang_refresh_cycles(tiny_path):
+    """>= 300 refresh cycles per mode (file, tensor, inplace) with generation between them: no failure,
+    and neither host RSS (this process + engine processes) nor GPU memory grows beyond noise."""
+    from lorabench.refresh import FileRefresh, InPlaceRefresh, TensorRefresh
+    from lorabench.refresh_bench import adapter_model
+    cycles = int(os.environ.get("LORABENCH_GPU_SOAK", "300"))
+    model = adapter_model(tiny_path, 16, device="cuda")
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    prompts = [s[:p] for s, p in zip(*probe_sequences(tiny_path))]
+    sampling = Sampling(max_new_tokens=16, temperature=1.0, seed=0)
+    out = {"cycles_per_mode": cycles, "rows": []}
+    with SGLangEngine(tiny_path, gpu_config()) as eng:
+        kw = dict(transfer_dtype=torch.bfloat16)
+        for mode, refresher in (("file", FileRefresh(eng, "soak", **kw)),
+                                ("tensor", TensorRefresh(eng, "soak", device="cuda", **kw)),
+                                ("inplace", InPlaceRefresh(eng, "soak", device="cuda", **kw))):
+            t0 = time.perf_counter()
+            for cycle in range(cycles):
+                with torch.no_grad():
+                    for p in lora_b:
+                        p.mul_(0.999).add_(1e-4)
+                record_ = refresher.refresh(model, cycle)
+                done = eng.generate(prompts, sampling, "soak")
+                assert len(done) == len(prompts) and all(c.token_ids for c in done)
+                if cycle % 10 == 0 or cycle == cycles - 1:
+                    free, total = torch.cuda.mem_get_info()
+                    out["rows"].append({"mode": mode, "cycle": cycle, "refresh_ms": 1e3 * record_.total_s,
+                                        "host_rss_mb": tree_rss_bytes(os.getpid()) / 2**20,
+                                        "gpu_used_mb": (total - free) / 2**20,
+                                        "torch_allocated_mb": torch.cuda.memory_allocated() / 2**20})
+            if mode == "file":
+                assert len(list(refresher.root.iterdir())) == 1  # old adapter dirs are removed
+            refresher.close()
+            out[f"{mode}_seconds"] = time.perf_counter() - t0
+            eng.unload_adapter("soak")
+    record("soak_sglang", out)
+    for mode in ("file", "tensor", "inplace"):
+        rows = [r for r in out["rows"] if r["mode"] == mode]
+        settled, last = rows[len(rows) // 4], rows[-1]  # after warm-up (caches, pinned pools) vs the end
+        for key, slack in (("host_rss_mb", 128), ("gpu_used_mb", 64)):  # one leaked adapter per cycle: > 100 MB
+            growth = last[key] - settled[key]
+            assert growth < slack, f"{mode}: {key} grew by {growth:.0f} MB over {cycles * 3 // 4} cycles"

@@ -29,6 +29,18 @@ class AdapterAlreadyLoaded(EngineError):
     """Load named an adapter that is already loaded; unload it first."""
 
 
+IN_PLACE_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
+
+
+def check_same_lora_config(name: str, loaded: dict, new: dict) -> None:
+    """An in-place update keeps the engine's scaling and layout: refuse a config that changes them."""
+    changed = [k for k in IN_PLACE_KEYS if loaded.get(k) != new.get(k)]
+    if changed:
+        what = ", ".join(f"{k}: {loaded.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        raise EngineError(f"in-place update of adapter {name!r} changes {what}; an in-place update keeps the "
+                          f"loaded config. Unload and load the adapter (refresh.mode=tensor) to change it")
+
+
 @dataclass(frozen=True)
 class Sampling:
     max_new_tokens: int = 48
@@ -60,6 +72,10 @@ class RolloutEngine(Protocol):
     def load_adapter_tensors(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None: ...
 
     def unload_adapter(self, name: str) -> None: ...
+
+    def update_adapter_in_place(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """Overwrite the values of loaded adapter `name` (same names, shapes and LoRA config)."""
+        ...
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
         """Overwrite base weights by plain-model name (the merged-refresh baseline)."""

@@ -14,7 +14,8 @@ import torch
 
 from ..adapters import AdapterSnapshot, base_param_name, linear_shapes, validate
 from ..models import load_model, pick_device
-from .base import AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling
+from .base import (AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling,
+                   check_same_lora_config)
 
 
 def lora_config_from_dict(config: dict):
@@ -74,6 +75,31 @@ class HFEngine:
                               f"same modules, with PEFT state-dict names ('base_model.model.<module>.lora_A.weight')")
         self._adapters[name] = config
         self._peft.eval()
+
+    @torch.no_grad()
+    def update_adapter_in_place(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """Copy new values into adapter `name`'s PEFT parameters (all checked before any is written)."""
+        if name not in self._adapters:
+            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()}); load it "
+                                   f"before updating it in place")
+        check_same_lora_config(name, self._adapters[name], config)
+        tag = f".{name}."
+        params = {}
+        for pname, param in self._peft.named_parameters():
+            if (".lora_A" + tag in pname or ".lora_B" + tag in pname):
+                params[pname.replace(tag, ".", 1)] = param
+        for key, tensor in tensors.items():
+            if key not in params:
+                raise EngineError(f"in-place update of {name!r}: no LoRA parameter {key!r}; send PEFT state-dict "
+                                  f"names ('base_model.model.<module>.lora_A.weight') of the loaded adapter")
+            if params[key].shape != tensor.shape:
+                raise EngineError(f"in-place update of {name!r}: {key} has shape {tuple(params[key].shape)}, got "
+                                  f"{tuple(tensor.shape)}")
+        if len(tensors) != len(params):
+            raise EngineError(f"in-place update of {name!r}: got {len(tensors)} tensors for {len(params)} LoRA "
+                              f"parameters; send the whole adapter")
+        for key, tensor in tensors.items():
+            params[key].copy_(tensor)
 
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
@@ -172,7 +198,7 @@ class HFEngine:
         return [token_lp[i, prompt_lens[i] - 1: len(s) - 1] for i, s in enumerate(sequences)]
 
     # -- memory -------------------------------------------------------------------------------
-    def release_memory(self) -> None:
+    def release_memory(self, tags: list[str] | None = None) -> None:
         if self._released:
             raise EngineError("release_memory called twice; resume_memory first")
         self._released = True  # weights stay resident: on a CPU there is nothing worth releasing

@@ -3,7 +3,10 @@ enabled, serving the base weights once and adapters refreshed live by name.
 
 Only public Engine methods are used: generate, load_lora_adapter, load_lora_adapter_from_tensors,
 unload_lora_adapter, update_weights_from_tensor, release/resume_memory_occupation, flush_cache,
-shutdown. Token ids in, token ids and log-probs out (skip_tokenizer_init=True).
+shutdown. Token ids in, token ids and log-probs out (skip_tokenizer_init=True). The one exception is
+the in-place refresh (refresh.mode=inplace): a custom weight loader, registered at start and run
+inside the engine through update_weights_from_tensor, that writes into SGLang's LoRA pool
+(sglang_inplace.py); it reads the adapter's engine id from the tokenizer manager's LoRA registry.
 
 What each item of the integration defect chain (docs/background.md) maps to here:
  1. every request passes `lora_path=[name]*n`, or `[None]*n` for an explicit base request;
@@ -29,7 +32,9 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
-from .base import AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling
+from .base import (AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling,
+                   check_same_lora_config)
+from . import sglang_inplace
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -74,6 +79,19 @@ def _check(result, what: str):
     raise EngineError(f"{what} failed; engine says: {message}")
 
 
+def _one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D span `tensors` cover if they are contiguous, back-to-back views of one buffer in this
+    order (as refresh.Refresher._stage makes them), else None."""
+    first = tensors[0]
+    expected = first.data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device or t.data_ptr() != expected:
+            return None
+        expected += t.numel() * t.element_size()
+    total = sum(t.numel() for t in tensors)
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
 class SGLangEngine:
     name = "sglang"
 
@@ -91,7 +109,8 @@ class SGLangEngine:
         kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True,
                       enable_lora=True, max_lora_rank=self.max_lora_rank, lora_target_modules=self.target_modules,
                       max_loras_per_batch=e.max_loras_per_batch, mem_fraction_static=e.mem_fraction_static,
-                      dtype=e.dtype, random_seed=cfg.run.seed, log_level="error")
+                      dtype=e.dtype, random_seed=cfg.run.seed, log_level="error",
+                      custom_weight_loader=[sglang_inplace.LOADER])
         for key in ("attention_backend", "sampling_backend", "grammar_backend"):
             if getattr(e, key):
                 kwargs[key] = getattr(e, key)
@@ -108,6 +127,7 @@ class SGLangEngine:
                               f"{model_path}") from err
         self.device = "cuda"
         self._adapters: set[str] = set()
+        self._configs: dict[str, dict] = {}  # name -> config it was loaded with (tensor loads)
         self._released: list[str] = []
         from transformers import GenerationConfig
         try:
@@ -126,6 +146,7 @@ class SGLangEngine:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
         _check(self.engine.load_lora_adapter(name, str(path)), f"load_lora_adapter({name!r}, {path})")
         self._adapters.add(name)
+        self._configs.pop(name, None)
 
     def load_adapter_tensors(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
         if name in self._adapters:
@@ -137,12 +158,49 @@ class SGLangEngine:
         _check(self.engine.load_lora_adapter_from_tensors(name, tensors, config),
                f"load_lora_adapter_from_tensors({name!r})")
         self._adapters.add(name)
+        self._configs[name] = dict(config)
+
+    def update_adapter_in_place(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """Overwrite loaded adapter `name` inside the engine's GPU LoRA pool (and its host copy) with
+        `tensors` (PEFT names, GPU, same shapes and config). The prefix cache is flushed: entries
+        computed with the old values carry the same adapter id and would otherwise be reused."""
+        if name not in self._adapters:
+            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()}); load it "
+                                   f"before updating it in place")
+        if name not in self._configs:
+            raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
+                              f"first (load_adapter_tensors), so its config is known")
+        check_same_lora_config(name, self._configs[name], config)
+        off_gpu = [k for k, v in tensors.items() if not v.is_cuda]
+        if off_gpu:
+            raise EngineError(f"update_adapter_in_place: {len(off_gpu)} tensors are not on the GPU (e.g. "
+                              f"{off_gpu[0]}); move them with .cuda() first")
+        ref = self.engine.tokenizer_manager.lora_registry.get_all_adapters().get(name)
+        if ref is None:
+            raise AdapterNotLoaded(f"adapter {name!r} is not in the engine's LoRA registry")
+        flat = _one_buffer(list(tensors.values()))
+        if flat is not None:  # one CUDA-IPC handle instead of one per tensor (392 for the 0.6B shape)
+            layout = [(k, list(v.shape)) for k, v in tensors.items()]
+            named = [(sglang_inplace.flat_name(ref.lora_id, layout), flat)]
+        else:
+            named = [(sglang_inplace.tensor_name(ref.lora_id, k), v) for k, v in tensors.items()]
+        # the loader's reply travels back in a GPU buffer on TP rank 0's device (see sglang_inplace)
+        status = sglang_inplace.status_tensor(torch.device("cuda", self.engine.server_args.base_gpu_id))
+        named.append((sglang_inplace.STATUS, status))
+        _check(self.engine.update_weights_from_tensor(named, load_format=sglang_inplace.LOADER, flush_cache=True),
+               f"in-place update of adapter {name!r}")
+        reply = sglang_inplace.read_status(status)
+        if reply != "OK":
+            reply = reply or "no reply from the in-engine loader"
+            raise EngineError(f"in-place update of adapter {name!r} failed; engine says: {reply}. The engine "
+                              f"still serves the previous values")
 
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
             raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()})")
         _check(self.engine.unload_lora_adapter(name), f"unload_lora_adapter({name!r})")
         self._adapters.discard(name)
+        self._configs.pop(name, None)
 
     def update_weights(self, named_tensors, flush_cache: bool = True) -> None:
         _check(self.engine.update_weights_from_tensor(list(named_tensors), flush_cache=flush_cache),
@@ -187,11 +245,14 @@ class SGLangEngine:
 
     # -- memory -------------------------------------------------------------------------------
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """Release GPU memory for training. Tags: 'kv_cache', 'weights' (SGLang's); default both.
-        Only what was released is resumed, so the pair stays symmetric."""
+        """Release GPU memory for training. Tags: 'kv_cache' (default), 'weights' (SGLang's). Released
+        weights come back with undefined contents unless the engine keeps a CPU backup, so only
+        release them when every weight is pushed again after resume (merged refresh). Needs the
+        engine started with enable_memory_saver (engine.extra_args) to free anything. Only what was
+        released is resumed, so the pair stays symmetric."""
         if self._released:
             raise EngineError(f"memory already released ({self._released}); resume_memory first")
-        tags = tags or ["kv_cache", "weights"]
+        tags = tags or ["kv_cache"]
         self.engine.release_memory_occupation(tags=tags)
         self._released = list(tags)
 
