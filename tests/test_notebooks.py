@@ -106,7 +106,7 @@ def test_02_refresh_methods_runs(kernel_env, tmp_path):
     execute(NOTEBOOK_DIR / "02_refresh_methods.ipynb", tmp_path, SAVE_TO=str(saved))
     from lorabench.refresh_bench import load_results
     results = load_results(saved)
-    assert {r["mode"] for r in results["rows"]} == {"file", "tensor", "merged"}
+    assert {r["mode"] for r in results["rows"]} == {"file", "tensor", "inplace", "merged"}
     assert results["bandwidth_gbps"] > 0 and "hf engine, CPU (not SGLang)" in results["engine"]
 
 
