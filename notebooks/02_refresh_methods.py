@@ -19,8 +19,9 @@
 #
 # | mode | what moves | parts |
 # |---|---|---|
-# | `file` | the adapter, as a PEFT dir on tmpfs | write (serialise), unload, load by path |
+# | `file` | the adapter, as a PEFT dir on tmpfs | snapshot, stage to the host, write, unload, load by path |
 # | `tensor` | the adapter, as tensors (CUDA IPC on a GPU) | snapshot, stage per bucket, unload, load |
+# | `inplace` | the adapter, written into the engine's resident copy (SGLang: its GPU LoRA pool) | snapshot, stage, write |
 # | `merged` | every base weight, W + (α/r)·B·A | merge, push per bucket |
 #
 # Measured over bucket sizes (log scale, from below the adapter's size to 512 MB) and adapter
@@ -29,10 +30,10 @@
 # the curves are real, the absolute numbers are not SGLang's. The last section plots the GPU
 # results (SGLang on an H200) committed by the benchmarks.
 #
-# **How long.** CPU (2 cores), defaults: ~30 s. GPU (one H200) with `ENGINE="sglang"` and
-# `MODEL="Qwen/Qwen3-0.6B"`: not yet run from this notebook; expect about a minute to start the
-# engine, then ~0.15 s per refresh of a rank-16 adapter (the committed results), i.e. a few
-# minutes for the default sweep.
+# **How long.** CPU (2 cores), defaults: ~30 s. GPU (one H200) with `ENGINE="sglang"` on the tiny
+# model, ranks 8 and 32, 4 bucket sizes: 76 s in a Jupyter kernel, engine start included
+# (`bash scripts/gpu_notebooks.sh`; figures in `benchmarks/results/gpu/notebook02_sglang_*.png`).
+# Tiny-model refreshes there take 7-14 ms (inplace fastest); merged pushes 12-95 ms, by bucket size.
 
 # %%
 # setup

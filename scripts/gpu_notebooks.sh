@@ -3,7 +3,7 @@
 # in $OUT/nb02), then the memory release/resume GPU test. From the checkout's root:
 #   bash .sglang/with-sglang.sh bash .gpu-extras/with-extras.sh bash scripts/gpu_notebooks.sh
 # (.gpu-extras: nbclient/ipykernel/torch_memory_saver wheels for the offline GPU machine, built by
-# scripts/gpu_extras_build.sh.)
+# scripts/gpu_extras/build.sh; carry .gpu-extras/extras-site-lean.tar.xz and .gpu-extras/with-extras.sh).
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 export LORABENCH_CACHE=${LORABENCH_CACHE:-/tmp/lorabench-cache} PYTHONUNBUFFERED=1
