@@ -244,8 +244,8 @@ def section_decode_and_step(res, q06, tiny, args, tmp):
     data = tmp / "gsm8k_train.jsonl"
     data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
                             for p in synthetic_problems(2048, "perf")))
-    cfg = config("lora.r=32", "model.dtype=bfloat16", f"data.source={data}", "engine.mem_fraction_static=0.35",
-                 'engine.extra_args={"disable_prefill_cuda_graph": true}')
+    common = ["lora.r=32", "model.dtype=bfloat16", f"data.source={data}", "engine.mem_fraction_static=0.35"]
+    cfg = config(*common)
     with SGLangEngine(str(q06), cfg) as engine:
         # decode throughput: 512 sequences x 256 new tokens, adapter vs base
         tok = load_tokenizer(str(q06))
@@ -272,7 +272,7 @@ def section_decode_and_step(res, q06, tiny, args, tmp):
         if not args.quick:
             sizes += [(16, 8, 128, "inplace"), (32, 8, 256, "inplace")]
         for prompts_per_step, group, new_tokens, mode in sizes:
-            run_cfg = config(*cfg_overrides(cfg), f"refresh.mode={mode}", f"grpo.prompts_per_step={prompts_per_step}",
+            run_cfg = config(*common, f"refresh.mode={mode}", f"grpo.prompts_per_step={prompts_per_step}",
                              f"grpo.group_size={group}", f"grpo.max_new_tokens={new_tokens}", "grpo.micro_batch=32",
                              f"run.out_dir={tmp / 'runs'}", f"run.name=step-{prompts_per_step}-{mode}",
                              "run.save_adapter_every=1000")
@@ -290,12 +290,6 @@ def section_decode_and_step(res, q06, tiny, args, tmp):
                 f"refresh {row['refresh_total_ms']:.1f} ms ({100 * row['refresh_share']:.2f}%)")
             res["step"] = steps
             save(res, args.out)
-
-
-def cfg_overrides(cfg: Config) -> list[str]:
-    return ["lora.r=32", "model.dtype=bfloat16", f"data.source={cfg.data.source}",
-            "engine.mem_fraction_static=0.35",
-            'engine.extra_args={"disable_prefill_cuda_graph": true}']
 
 
 def log(msg: str) -> None:

@@ -391,10 +391,10 @@ class FlatSnapshotter:
     `snapshot()` returns the trainer-dtype snapshot (checkpoints and metrics use it); `views(buffer)`
     lays the same names and shapes over another flat buffer (e.g. one cast to the engine's dtype)."""
 
-    def __init__(self, peft_model, adapter_name: str = "default", shapes=None, max_rank: int | None = None):
+    def __init__(self, peft_model, adapter_name: str = "default", max_rank: int | None = None):
         self.model, self.adapter_name = peft_model, adapter_name
         first = AdapterSnapshot.from_peft(peft_model, adapter_name)
-        validate(first, shapes if shapes is not None else linear_shapes(peft_model), max_rank)
+        validate(first, linear_shapes(peft_model), max_rank)
         self.config = first.config
         self.names = sorted(first.tensors)
         self.shapes = {k: tuple(first.tensors[k].shape) for k in self.names}
@@ -441,7 +441,6 @@ class FlatSnapshotter:
         if offset != flat.numel():
             raise AdapterError(f"flat buffer has {flat.numel()} elements, the adapter {offset}")
         return views
-
 
 
 # --- merged weights (the full-weight baseline) ---------------------------------------------------

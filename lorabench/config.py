@@ -196,7 +196,6 @@ def apply_override(data: dict, item: str) -> None:
 def _convert(value, typ, where: str):
     """Convert file values and override strings to the field's type, or say how to fix them."""
     origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType")):  # str | list[str]
         if isinstance(value, list):
             return [str(v) for v in value]

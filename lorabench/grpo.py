@@ -31,7 +31,7 @@ from .adapters import AdapterSnapshot, linear_shapes
 from .config import ConfigError
 from .data import ProblemSource
 from .engines.base import Sampling
-from .models import DTYPES, load_model, pick_device, prompt_ids
+from .models import load_model, pick_device, prompt_ids
 from .refresh import RefreshRecord, make_refresher
 from .rewards import gsm8k_reward, has_strict_format
 from .runlog import NullRunLog

@@ -31,6 +31,7 @@ import torch
 
 from .adapters import AdapterSnapshot, FlatSnapshotter, merged_state_dict, remove_stale_temps
 from .engines.base import AdapterNotLoaded
+from .models import DTYPES
 
 
 @dataclass
@@ -262,9 +263,6 @@ class NoRefresh(TensorRefresh):
         return RefreshRecord(self.mode, step)
 
 
-TRANSFER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def make_refresher(cfg, engine) -> Refresher:
     r = cfg.refresh
     # SGLang's LoRA pool has a fixed max rank (engine.max_lora_rank, 0 = lora.r); the hf engine has none
@@ -272,7 +270,7 @@ def make_refresher(cfg, engine) -> Refresher:
     max_rank = (cfg.engine.max_lora_rank or cfg.lora.r) if sglang else None
     # SGLang keeps adapters in its own dtype: send that (half the bytes of fp32); the hf engine gets
     # the trainer's dtype, so its weights equal the trainer's exactly
-    dtype = TRANSFER_DTYPES.get(cfg.engine.dtype) if sglang else None
+    dtype = DTYPES.get(cfg.engine.dtype) if sglang else None  # None for 'auto'
     common = dict(bucket_mb=r.bucket_mb, max_rank=max_rank, transfer_dtype=dtype)
     name = cfg.engine.adapter_name
     if r.mode == "file":

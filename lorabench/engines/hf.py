@@ -27,6 +27,19 @@ def lora_config_from_dict(config: dict):
     return LoraConfig(**kwargs)
 
 
+def _copy_checked(params: dict[str, torch.Tensor], named_tensors, what: str, naming_hint: str) -> None:
+    """Copy each (name, tensor) into params[name] after checking every name and shape first, so a
+    bad entry leaves the engine's weights untouched."""
+    named_tensors = list(named_tensors)
+    for name, tensor in named_tensors:
+        if name not in params:
+            raise EngineError(f"{what}: the model has no parameter {name!r}; {naming_hint}")
+        if params[name].shape != tensor.shape:
+            raise EngineError(f"{what}: {name} has shape {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
+    for name, tensor in named_tensors:
+        params[name].copy_(tensor)
+
+
 class HFEngine:
     name = "hf"
 
@@ -84,22 +97,13 @@ class HFEngine:
                                    f"before updating it in place")
         check_same_lora_config(name, self._adapters[name], config)
         tag = f".{name}."
-        params = {}
-        for pname, param in self._peft.named_parameters():
-            if (".lora_A" + tag in pname or ".lora_B" + tag in pname):
-                params[pname.replace(tag, ".", 1)] = param
-        for key, tensor in tensors.items():
-            if key not in params:
-                raise EngineError(f"in-place update of {name!r}: no LoRA parameter {key!r}; send PEFT state-dict "
-                                  f"names ('base_model.model.<module>.lora_A.weight') of the loaded adapter")
-            if params[key].shape != tensor.shape:
-                raise EngineError(f"in-place update of {name!r}: {key} has shape {tuple(params[key].shape)}, got "
-                                  f"{tuple(tensor.shape)}")
+        params = {pname.replace(tag, ".", 1): param for pname, param in self._peft.named_parameters()
+                  if ".lora_A" + tag in pname or ".lora_B" + tag in pname}
         if len(tensors) != len(params):
             raise EngineError(f"in-place update of {name!r}: got {len(tensors)} tensors for {len(params)} LoRA "
                               f"parameters; send the whole adapter")
-        for key, tensor in tensors.items():
-            params[key].copy_(tensor)
+        _copy_checked(params, tensors.items(), f"in-place update of {name!r}",
+                      "send PEFT state-dict names ('base_model.model.<module>.lora_A.weight') of the loaded adapter")
 
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
@@ -129,14 +133,8 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors, flush_cache: bool = True) -> None:
         params = {base_param_name(n): p for n, p in self._base.named_parameters() if ".lora_" not in n}
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise EngineError(f"update_weights: the model has no parameter {name!r}; send plain-model "
-                                  f"names such as 'model.layers.0.self_attn.q_proj.weight'")
-            if params[name].shape != tensor.shape:
-                raise EngineError(f"update_weights: {name} has shape {tuple(params[name].shape)}, got "
-                                  f"{tuple(tensor.shape)}")
-            params[name].copy_(tensor)
+        _copy_checked(params, named_tensors, "update_weights",
+                      "send plain-model names such as 'model.layers.0.self_attn.q_proj.weight'")
         # flush_cache: this engine keeps no prefix cache between calls, nothing to flush
 
     # -- generation and scoring -------------------------------------------------------------

@@ -12,6 +12,7 @@ check and exits 1 on any FAIL.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -51,16 +52,8 @@ for k in ("PYTHONPATH", "JUPYTER_PATH", "MPLBACKEND", "IPYTHONDIR", "LD_LIBRARY_
     print(f"  {k}={os.environ.get(k, '')}")
 
 
-@check("import nbformat")
-def _():
-    import nbformat
-    return where(nbformat)
-
-
-@check("import jupyter_client")
-def _():
-    import jupyter_client
-    return where(jupyter_client)
+for module_name in ("nbformat", "jupyter_client", "nbclient"):
+    check(f"import {module_name}")(lambda m=module_name: where(importlib.import_module(m)))
 
 
 @check("import ipykernel")
@@ -69,12 +62,6 @@ def _():
     import ipykernel.ipkernel  # noqa: F401  (what the kernel process imports)
     import IPython
     return f"{where(ipykernel)}; IPython {where(IPython)}"
-
-
-@check("import nbclient")
-def _():
-    import nbclient
-    return where(nbclient)
 
 
 @check("import ipywidgets, jupytext")
