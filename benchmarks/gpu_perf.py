@@ -12,9 +12,14 @@ Sections (each writes its rows into the JSON as soon as it is done, so a time-ou
   ranks        the same at r = 8 .. 128
   merged       full-weight push (update_weights_from_tensor) per bucket size, 1 .. 2048 MB
   sizes        tensor / inplace / file refresh on the tiny model, 0.6B and 1.7B shapes
-  decode       rollout throughput with the adapter vs the base model (512 x 256 tokens)
+  step         (first) rollout throughput with the adapter vs the base model (512 x 256 tokens), once
   step         GRPO steps at 64 prompts x 8 samples x 256 new tokens (inplace and tensor), and step
                time vs rollout size, with the step's parts
+  tp           (--sections tp, two GPUs) refresh latency at engine.tp_size 1 and 2, same run
+  floor        (--sections floor) a one-token request by engine setting, the floor under every
+               end-to-end figure, and in-place refresh end to end where it is cheapest
+  decode       (--sections decode) adapter vs base decode throughput, repeated, with default decode
+               CUDA graphs and with graphs captured up to batch 512
 Each figure is measured in this run; reference points (the naive calls) are measured here too.
 """
 from __future__ import annotations
@@ -123,7 +128,7 @@ def time_refreshes(engine, model, probe, how: str, n: int, warmup: int, tmp: Pat
         first = AdapterSnapshot.from_peft(model)
         assert engine.engine.load_lora_adapter_from_tensors(name, first.tensors, first.config).success
     disk_tmp = Path(tempfile.mkdtemp(prefix="naive-peft-"))  # a plain disk dir, as a naive user writes
-    e2e, alone, parts = [], [], []
+    e2e, alone, parts, loader = [], [], [], []
     for i in range(warmup + n):
         nudge(model, i)
         t0 = sync_time()
@@ -141,6 +146,8 @@ def time_refreshes(engine, model, probe, how: str, n: int, warmup: int, tmp: Pat
             alone.append(1e3 * (t1 - t0))
             if refresher is not None:
                 parts.append({k: 1e3 * v for k, v in rec.parts.items()})
+            if how == "inplace" and engine.last_write_ms:
+                loader.append(dict(engine.last_write_ms))
     if refresher is not None:
         refresher.close()
         engine.unload_adapter(name)
@@ -156,6 +163,9 @@ def time_refreshes(engine, model, probe, how: str, n: int, warmup: int, tmp: Pat
            "request_steady_ms": statistics.median(steady)}
     if parts:
         row["parts_p50_ms"] = {k: statistics.median(p[k] for p in parts if k in p) for k in parts[-1]}
+    if loader:  # the in-engine loader's own phases (TP rank 0), inside the 'write' part
+        row["engine_loader_p50_ms"] = {k: statistics.median(p[k] for p in loader if k in p) for k in loader[-1]}
+        row["engine_loader_p50_ms"]["total"] = statistics.median(sum(p.values()) for p in loader)
     return row
 
 
@@ -292,6 +302,98 @@ def section_decode_and_step(res, q06, tiny, args, tmp):
             save(res, args.out)
 
 
+def section_tp(res, q06, tiny, args, tmp):
+    """Refresh latency with the engine on one GPU and tensor-parallel over two (issue 7), in the
+    same run: 0.6B shape, r=32, naive calls and lorabench's modes, plus the in-place parity check."""
+    n, warm = (6, 2) if args.quick else (20, 3)
+    rows = []
+    for tp in (1, 2):
+        if tp > torch.cuda.device_count():
+            rows.append({"tp": tp, "skipped": f"needs {tp} GPUs, this machine has {torch.cuda.device_count()}"})
+            continue
+        with SGLangEngine(str(q06), config("lora.r=32", "engine.backend=sglang", f"engine.tp_size={tp}")) as engine:
+            probe = Probe(engine, str(q06))
+            model = adapter_model(str(q06), 32, dtype="bfloat16", device="cuda")
+            for how in ("naive_tensor", "naive_file", "tensor", "file", "inplace"):
+                row = time_refreshes(engine, model, probe, how, n, warm, tmp)
+                rows.append({"tp": tp, **row})
+                log(f"tp={tp} {how:>12}: refresh p50 {row['refresh_only']['p50_ms']:.1f} ms, e2e p50 "
+                    f"{row['end_to_end']['p50_ms']:.1f} ms")
+            rows.append({"tp": tp, "in_place_check": in_place_check(engine, model, str(q06))})
+            del model
+        res["tp"] = rows
+        save(res, args.out)
+
+
+def one_token_ms(engine, probe, adapter, n: int = 20) -> float:
+    probe(adapter)
+    times = []
+    for _ in range(n):
+        t0 = sync_time()
+        probe(adapter)
+        times.append(1e3 * (sync_time() - t0))
+    return statistics.median(times)
+
+
+def section_floor(res, q06, tiny, args, tmp):
+    """The floor under every end-to-end figure: a one-token request with nothing refreshed, by
+    engine setting (LoRA on, with and without the adapter; LoRA off; prefill CUDA graphs on), and
+    the in-place refresh end to end where the request is cheapest. 0.6B shape, r=32."""
+    variants = {"lora_prefill_eager": {}, "lora_prefill_graph": {"disable_prefill_cuda_graph": False},
+                "no_lora_prefill_eager": {"enable_lora": False}}
+    rows = []
+    for label, overrides in variants.items():
+        t0 = time.perf_counter()
+        try:
+            with SGLangEngine(str(q06), config("lora.r=32"), **overrides) as engine:
+                row = {"variant": label, "start_s": time.perf_counter() - t0}
+                probe = Probe(engine, str(q06))
+                row["request_base_ms"] = one_token_ms(engine, probe, None)
+                if overrides.get("enable_lora", True):
+                    model = adapter_model(str(q06), 32, dtype="bfloat16", device="cuda")
+                    TensorRefresh(engine, "floor", device="cuda", transfer_dtype=torch.bfloat16).refresh(model, 0)
+                    row["request_adapter_ms"] = one_token_ms(engine, probe, "floor")
+                    engine.unload_adapter("floor")
+                    row["inplace"] = time_refreshes(engine, model, probe, "inplace", 20, 3, tmp)
+                    del model
+        except Exception:  # a setting this SGLang refuses: record it, measure the others
+            row = {"variant": label, "error": traceback.format_exc()[-2000:]}
+        rows.append(row)
+        log(f"floor {label}: {json.dumps({k: v for k, v in row.items() if k.startswith('request')})}")
+        res["floor"] = rows
+        save(res, args.out)
+
+
+def section_decode(res, q06, tiny, args, tmp):
+    """Rollout throughput with the adapter vs the base model, 512 sequences x 256 new tokens (the
+    64 x 8 x 256 step's rollout), base and adapter alternated 3 times, with SGLang's default decode
+    CUDA graphs (captured up to batch 256 on an H200) and with graphs captured up to 512."""
+    tok = load_tokenizer(str(q06))
+    prompts = [prompt_ids(tok, p.messages) for p in synthetic_problems(64, "decode")] * 8
+    params = {"max_new_tokens": 256, "temperature": 1.0, "ignore_eos": True}
+    out = {}
+    for label, overrides in (("graphs_default", {}), ("graphs_to_512", {"cuda_graph_max_bs_decode": 512})):
+        with SGLangEngine(str(q06), config("lora.r=32", "engine.mem_fraction_static=0.35"), **overrides) as engine:
+            model = adapter_model(str(q06), 32, dtype="bfloat16", device="cuda")
+            TensorRefresh(engine, "policy", device="cuda", transfer_dtype=torch.bfloat16).refresh(model, 0)
+            del model
+            runs = []
+            for rep in range(1 if args.quick else 3):
+                for adapter in (None, "policy"):
+                    t0 = sync_time()
+                    outs = engine.engine.generate(input_ids=prompts, sampling_params=params,
+                                                  lora_path=[adapter] * len(prompts))
+                    dt = sync_time() - t0
+                    tokens = sum(len(o["output_ids"]) for o in outs)
+                    runs.append({"rep": rep, "adapter": adapter is not None, "seconds": dt, "tokens_per_s": tokens / dt})
+                    log(f"decode {label} rep {rep} {'adapter' if adapter else 'base'}: {tokens / dt:.0f} tok/s")
+        base = statistics.median(r["tokens_per_s"] for r in runs if not r["adapter"])
+        lora = statistics.median(r["tokens_per_s"] for r in runs if r["adapter"])
+        out[label] = {"runs": runs, "base_tokens_per_s": base, "adapter_tokens_per_s": lora, "adapter_vs_base": lora / base}
+        res["decode_repeat"] = out
+        save(res, args.out)
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -302,14 +404,16 @@ def save(res: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-SECTIONS = {"refresh": section_refresh, "sizes": section_sizes, "step": section_decode_and_step}
+SECTIONS = {"refresh": section_refresh, "sizes": section_sizes, "step": section_decode_and_step,
+            "tp": section_tp, "floor": section_floor, "decode": section_decode}
+DEFAULT_SECTIONS = "refresh,sizes,step"  # tp needs two GPUs; floor and decode are the issue-5 profile
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_perf.json")
     parser.add_argument("--quick", action="store_true", help="few repeats: a smoke run of every section")
-    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--sections", default=DEFAULT_SECTIONS, help=f"comma-separated, of {list(SECTIONS)}")
     args = parser.parse_args()
     import peft
     import sglang

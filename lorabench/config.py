@@ -97,8 +97,10 @@ class EngineConfig:
     release_memory_during_training: bool = _f(False, "sglang: release KV cache (and weights if merged) "
                                               "while the trainer runs; resumed symmetrically.")
     dtype: str = _f("auto", "sglang: model dtype ('auto', 'bfloat16', 'float16').")
+    tp_size: int = _f(1, "sglang: tensor-parallel size, the GPUs the engine spans from base_gpu_id (0) on; "
+                      "the trainer stays on cuda:0 (docs/multi_gpu.md).")
     extra_args: str = _f("", "sglang: JSON object of further sglang.Engine arguments, e.g. "
-                         '\'{"cuda_graph_max_bs": 64}\'.')
+                         '\'{"enable_memory_saver": true}\'.')
 
 
 @dataclass
@@ -289,7 +291,16 @@ def validate(cfg: Config) -> None:
                      f"must be a JSON object")
         except json.JSONDecodeError as err:
             raise ConfigError(f"engine.extra_args={e.extra_args!r} is not valid JSON ({err}); write e.g. "
-                              f'{{"cuda_graph_max_bs": 64}}') from err
+                              f'{{"enable_memory_saver": true}}') from err
+        extra = json.loads(e.extra_args)
+        _require("tp_size" not in extra, f"engine.extra_args sets tp_size={extra.get('tp_size')!r}; use "
+                 f"engine.tp_size instead (one place for it)")
+        _require(extra.get("dp_size", 1) == 1, f"engine.extra_args sets dp_size={extra.get('dp_size')!r}: "
+                 f"sglang 0.5.17 refuses adapter and weight updates with dp_size > 1; run one engine per "
+                 f"data-parallel group, or use engine.tp_size (docs/multi_gpu.md)")
+    _require(e.tp_size >= 1, f"engine.tp_size={e.tp_size}: must be >= 1 (the GPUs the engine spans)")
+    _require(e.tp_size == 1 or e.backend == "sglang", f"engine.tp_size={e.tp_size} needs engine.backend="
+             f"'sglang'; the hf engine runs on one device")
     _require(r.mode in ("file", "tensor", "inplace", "merged", "none"),
              f"refresh.mode={r.mode!r}: use 'file', 'tensor', 'inplace', 'merged' or 'none'")
     _require(r.bucket_mb > 0, f"refresh.bucket_mb={r.bucket_mb}: must be > 0 (e.g. 64)")

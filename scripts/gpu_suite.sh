@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one device call, from the checkout's root on the GPU machine:
 #   bash .sglang/with-sglang.sh bash scripts/gpu_suite.sh [pytest args]
+# LORABENCH_GPU_TESTS picks the test files (default: the single-GPU suite); the two-GPU suite
+# (nvidia-h200-x2) is LORABENCH_GPU_TESTS=tests/test_sglang_tp2.py.
 # Figures land in $OUT (the device tool's result folder) or ./gpu_results.
 set -uo pipefail
 export LORABENCH_GPU_OUT=${OUT:-gpu_results}
@@ -9,5 +11,5 @@ export LORABENCH_COMMIT=${LORABENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$LORABENCH_GPU_OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LORABENCH_GPU_OUT/gpu.txt" 2>&1
-python -m pytest -m gpu -v -p no:cacheprovider -s "$@" tests/test_sglang_gpu.py 2>&1 | tee "$LORABENCH_GPU_OUT/pytest.log"
+python -m pytest -m gpu -v -p no:cacheprovider -s "$@" ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py} 2>&1 | tee "$LORABENCH_GPU_OUT/pytest.log"
 exit ${PIPESTATUS[0]}

@@ -176,6 +176,22 @@ def test_other_invalid_values_name_the_field(override, field_name):
     assert field_name in _error([override])
 
 
+@pytest.mark.parametrize("overrides, names, fix", [
+    (["engine.tp_size=2"], ["engine.tp_size=2", "engine.backend"], "sglang"),
+    (["engine.backend=sglang", "engine.tp_size=0"], ["engine.tp_size=0"], ">= 1"),
+    (["engine.backend=sglang", 'engine.extra_args={"dp_size": 2}'], ["dp_size=2"], "engine.tp_size"),
+    (["engine.backend=sglang", 'engine.extra_args={"tp_size": 2}'], ["tp_size=2"], "use engine.tp_size"),
+])
+def test_parallelism_settings_name_value_and_fix(overrides, names, fix):
+    msg = _error(overrides)
+    assert all(n in msg for n in names) and fix in msg, msg
+
+
+def test_tensor_parallel_engine_accepted():
+    from lorabench.config import Config
+    assert Config.load(None, ["engine.backend=sglang", "engine.tp_size=2"]).engine.tp_size == 2
+
+
 def test_max_lora_rank_below_r():
     msg = _error(["engine.max_lora_rank=8", "lora.r=16"])
     assert "engine.max_lora_rank=8" in msg and "lora.r=16" in msg

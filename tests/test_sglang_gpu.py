@@ -367,3 +367,109 @@ def test_release_resume_memory(tiny_path):
     assert out["greedy_same_after_resume"]
     active = [m for m in out["grpo_mismatch_active"] if m == m and m is not None]
     assert active and max(active) < 0.05, active
+
+
+# --- no open doors: the engine's sockets ------------------------------------------------------------
+def socket_summary(watch) -> dict:
+    """What a SocketWatch saw listen, split into loopback and not, and any peer off the host."""
+    from test_security import is_loopback, listening
+    listeners = {(c.laddr.ip, c.laddr.port, "tcp" if c.type == 1 else "udp") for c in listening(watch.seen)}
+    return {"samples": watch.samples, "sockets_seen": len({(c.fd, c.laddr) for c in watch.seen}),
+            "listeners_loopback": sorted(x for x in listeners if is_loopback(x[0])),
+            "listeners_other": sorted(x for x in listeners if not is_loopback(x[0])),
+            "connected_other": sorted({(c.raddr.ip, c.raddr.port) for c in watch.seen
+                                       if c.raddr and not is_loopback(c.raddr.ip)})}
+
+
+def socket_check(model_path: str, cfg) -> dict:
+    """Start the engine and load, refresh (in place) and generate with an adapter while every inet
+    socket of this process tree is sampled (the engine's scheduler ranks and detokenizer are its
+    children)."""
+    from test_security import SocketWatch  # the CPU suite's checker
+    a, b = random_adapter(model_path, 1), random_adapter(model_path, 2)
+    prompts = [s[:p] for s, p in zip(*probe_sequences(model_path))]
+    with SocketWatch(interval=0.02) as watch:
+        with SGLangEngine(model_path, cfg) as eng:
+            eng.load_adapter_tensors("policy", {k: v.cuda() for k, v in a.tensors.items()}, a.config)
+            eng.update_adapter_in_place("policy", {k: v.cuda() for k, v in b.tensors.items()}, b.config)
+            eng.generate(prompts, Sampling(max_new_tokens=16, temperature=1.0, seed=0), "policy")
+            eng.score(*probe_sequences(model_path), "policy")
+    return socket_summary(watch)
+
+
+def test_engine_opens_no_door(tiny_path):
+    """While the SGLang engine starts, refreshes and serves: nothing listens on a non-loopback
+    address and nothing connects off the host. (SGLang's control plane is ipc:// sockets; the
+    torch.distributed store of its scheduler listens on 127.0.0.1.)"""
+    out = socket_check(tiny_path, gpu_config())
+    record("sockets_tp1", out)
+    assert out["samples"] > 20, out
+    assert out["listeners_other"] == [] and out["connected_other"] == [], out
+
+
+# --- the scheduler dies mid-run -------------------------------------------------------------------
+def test_scheduler_death_mid_run(tiny_path, tmp_path):
+    """SGLang's scheduler killed (SIGKILL, as an OOM kill or a fatal CUDA error ends it) during a
+    `lorabench run`: SGLang's watchdog takes the whole process tree down, the lorabench process
+    included, as it would a notebook kernel (docs/reliability.md). Checked: the run process ends
+    (no hang), no engine process survives, the GPU memory comes back, the run dir holds whole step
+    rows up to its last committed checkpoint, and `lorabench resume` on a new engine finishes the
+    run with every step exactly once."""
+    import psutil
+    import subprocess
+    import sys
+    from lorabench.runlog import read_jsonl
+    steps, run_dir, log = 8, tmp_path / "runs" / "killed", tmp_path / "log.txt"
+    args = ["run", f"model.name_or_path={tiny_path}", "engine.backend=sglang", *STACK, "engine.dtype=bfloat16",
+            "engine.mem_fraction_static=0.3", f"run.out_dir={run_dir.parent}", "run.name=killed",
+            f"grpo.steps={steps}", "run.save_adapter_every=2", "refresh.mode=inplace"]
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+
+    def start(*cli_args):
+        with open(log, "ab") as fh:
+            return subprocess.Popen([sys.executable, "-m", "lorabench.cli", *cli_args], stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    def step_rows():
+        return [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+
+    proc = start(*args)
+    t0 = time.monotonic()
+    while len(step_rows()) < 3:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() - t0 < 400, "the run did not reach step 3"
+        time.sleep(0.05)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    schedulers = [p for p in tree if p.cmdline() and p.cmdline()[0].startswith("sglang::scheduler")]
+    assert schedulers, [p.cmdline()[:1] for p in tree]
+    rows_at_kill = step_rows()
+    t_kill = time.monotonic()
+    schedulers[0].kill()
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the run process did not end within 120 s of its scheduler's death")
+    died_after_s = time.monotonic() - t_kill
+    _, survivors = psutil.wait_procs(tree, timeout=30)
+    time.sleep(2)
+    free_after = torch.cuda.mem_get_info()[0]
+    rows_after = step_rows()
+    out = {"rows_at_kill": rows_at_kill, "rows_after_death": rows_after, "returncode": rc,
+           "died_after_s": died_after_s, "survivors": [p.pid for p in survivors],
+           "gpu_free_gb_before_after": [free_before / 1e9, free_after / 1e9],
+           "checkpoint_committed": (run_dir / "checkpoint" / "trainer_state.pt").is_file()}
+    proc = start("resume", str(run_dir))
+    try:
+        out["resume_returncode"] = proc.wait(timeout=400)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("resume did not finish in 400 s")
+    out["rows_final"] = step_rows()
+    out["log_tail"] = log.read_text()[-1500:]
+    record("scheduler_death", out)
+    assert rc != 0 and survivors == [], out
+    assert free_after > free_before - 1e9, out           # the dead engine's ~40 GB came back
+    assert rows_after == list(range(1, len(rows_after) + 1)), out   # whole rows, in order
+    assert out["resume_returncode"] == 0 and out["rows_final"] == list(range(1, steps + 1)), out

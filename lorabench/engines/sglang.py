@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -116,9 +117,17 @@ class SGLangEngine:
                 kwargs[key] = getattr(e, key)
         if e.disable_cuda_graph:
             kwargs["disable_cuda_graph"] = True
+        if e.tp_size > 1:
+            kwargs["tp_size"] = e.tp_size
         if e.extra_args:
             kwargs.update(json.loads(e.extra_args))
         kwargs.update(engine_overrides)
+        # No open doors: with tp_size > 1 the scheduler ranks talk through NCCL and gloo, which by
+        # default bind their bootstrap sockets to the host's first non-loopback interface. One host
+        # needs loopback only (the tensors go over NVLink/PCIe, not these sockets); set the variables
+        # yourself to override. SGLang's own control plane uses ipc:// sockets and 127.0.0.1.
+        for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            os.environ.setdefault(var, "lo")
         try:
             self.engine = sglang.Engine(**kwargs)
         except (ValueError, RuntimeError, AssertionError) as err:
@@ -129,6 +138,7 @@ class SGLangEngine:
         self._adapters: set[str] = set()
         self._configs: dict[str, dict] = {}  # name -> config it was loaded with (tensor loads)
         self._released: list[str] = []
+        self.last_write_ms: dict[str, float] = {}  # the in-engine loader's phases, last in-place write
         from transformers import GenerationConfig
         try:
             eos = GenerationConfig.from_pretrained(model_path).eos_token_id
@@ -190,7 +200,8 @@ class SGLangEngine:
         _check(self.engine.update_weights_from_tensor(named, load_format=sglang_inplace.LOADER, flush_cache=True),
                f"in-place update of adapter {name!r}")
         reply = sglang_inplace.read_status(status)
-        if reply != "OK":
+        accepted, self.last_write_ms = sglang_inplace.parse_reply(reply)
+        if not accepted:
             reply = reply or "no reply from the in-engine loader"
             raise EngineError(f"in-place update of adapter {name!r} failed; engine says: {reply}. The engine "
                               f"still serves the previous values")

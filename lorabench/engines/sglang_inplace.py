@@ -37,6 +37,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import time
 from types import SimpleNamespace
 
 import torch
@@ -122,13 +123,45 @@ class _AdapterView:
         return getattr(self._adapter, name)
 
 
+class _Phases:
+    """Wall time of the loader's phases in ms, each ended by a stream sync so GPU work is counted
+    where it is issued: where the engine-side part of an in-place write goes (issue 5)."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        torch.cuda.current_stream().synchronize()
+        now = time.perf_counter()
+        self.ms[name] = self.ms.get(name, 0.0) + 1e3 * (now - self._t)
+        self._t = now
+
+    def reply(self) -> str:
+        """'OK' + the phases, e.g. 'OK {"check": 1.2, ...}' (parsed by parse_reply)."""
+        return "OK " + json.dumps({k: round(v, 3) for k, v in self.ms.items()})
+
+
+def parse_reply(reply: str) -> tuple[bool, dict[str, float]]:
+    """(accepted, loader phase timings in ms) from a status reply."""
+    if reply == "OK":
+        return True, {}
+    if reply.startswith("OK {"):
+        return True, json.loads(reply[3:])
+    return False, {}
+
+
 @torch.no_grad()
 def write_adapter_in_place(model, named_tensors) -> None:
-    """The loader SGLang calls (see the module docstring); never raises for a refused update."""
+    """The loader SGLang calls (see the module docstring); never raises for a refused update.
+    With tensor parallelism every rank runs it; SGLang hands ranks other than the status buffer's
+    device a copy (`tensor.to(device)` before custom loaders), so the reply is TP rank 0's. The
+    ranks run the same checks on the same tensors, so they accept or refuse together."""
+    phases = _Phases()
     named_tensors = list(named_tensors)
     status = next((t for n, t in named_tensors if n == STATUS), None)
     try:
-        _write(model, [(n, t) for n, t in named_tensors if n != STATUS])
+        _write(model, [(n, t) for n, t in named_tensors if n != STATUS], phases)
     except InPlaceRefused as err:
         if status is None:
             raise  # nobody to tell: fail loudly rather than silently keep the old adapter
@@ -136,11 +169,11 @@ def write_adapter_in_place(model, named_tensors) -> None:
         torch.cuda.current_stream().synchronize()
         return
     if status is not None:
-        _write_status(status, "OK")
+        _write_status(status, phases.reply())
     torch.cuda.current_stream().synchronize()  # the sender's buffers are free once this returns
 
 
-def _write(model, named_tensors) -> None:
+def _write(model, named_tensors, phases: _Phases) -> None:
     from sglang.srt.layers.utils import get_layer_id
     from sglang.srt.lora.lora import LoRAAdapter
     from sglang.srt.lora.mem_pool import LoRAMemoryPool
@@ -180,6 +213,7 @@ def _write(model, named_tensors) -> None:
         if tensor.dim() != 2 or not half_ok or not tensor.is_cuda:
             raise InPlaceRefused(f"{name} has shape {tuple(tensor.shape)} on {tensor.device}; the loaded adapter "
                                  f"has rank {rank} (lora_A [r, in], lora_B [out, r], on the GPU)")
+    phases.lap("check")
     view = _AdapterView(adapter, layers)
     try:
         LoRAAdapter._normalize_weights(view)  # SGLang's own stacking (q/k/v, gate/up), on the GPU
@@ -194,11 +228,13 @@ def _write(model, named_tensors) -> None:
                 raise InPlaceRefused(f"{key} has shape {tuple(tensor.shape)}, the loaded "
                                  f"adapter {tuple(loaded.weights[key].shape)}")
 
+    phases.lap("normalize")
     pool = manager.memory_pool
     slot = pool.uid_to_buffer_id.get(lora_id)
     if slot is not None:  # resident: overwrite its slot, sliced per TP rank by SGLang's own code
         pool.load_lora_weight_to_buffer(lora_id, slot, view, manager.lora_modules,
                                         manager.embed_tokens_module, manager.lm_head_module)
+    phases.lap("pool")
     for loaded, new in zip(adapter.layers, layers):  # the host copy the pool reloads from
         for key, tensor in new.items():
             host = loaded.weights[key]
@@ -208,3 +244,4 @@ def _write(model, named_tensors) -> None:
             host.copy_(tensor, non_blocking=True)
         if getattr(loaded, "pinned_weights", None):
             loaded.pinned_weights.clear()  # pinned copies of the old values (overlap loading)
+    phases.lap("host_copy")
