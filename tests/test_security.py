@@ -90,6 +90,39 @@ def test_no_socket_during_grpo_steps(make_trainer, tmp_path):
     assert psutil.Process().children(recursive=True) == []     # no server process either
 
 
+def test_sglang_rendezvous_store_listens_on_loopback_only(monkeypatch):
+    """torch's TCPStore server listens on '::' (every interface) whatever host it is given; the
+    store SGLangEngine hosts for its scheduler ranks listens on 127.0.0.1 only, serves a rank
+    joining as torch would (agent-store client), sets its variables only while the engine starts,
+    and stops with the engine. A user's own rendezvous (the override variable) is left alone."""
+    import datetime
+    from torch.distributed import TCPStore
+    from torch.distributed.rendezvous import _create_c10d_store
+    from lorabench.engines.sglang import _LoopbackStore
+    monkeypatch.delenv("SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    plain = TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10))  # the check can fail:
+    assert [c for c in listening(open_sockets()) if not is_loopback(c.laddr.ip)]  # torch's own is open
+    del plain
+    store = _LoopbackStore.for_engine(2)
+    try:
+        found = listening(open_sockets())
+        assert found and all(is_loopback(c.laddr.ip) for c in found), found
+        with store.environment():
+            url = os.environ["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"]
+            rank0 = _create_c10d_store("127.0.0.1", int(url.rsplit(":", 1)[1]), 0, 2, datetime.timedelta(seconds=10))
+            rank0.set("ready", "1")
+            assert store.server.get("ready") == b"1"
+            del rank0
+        assert "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE" not in os.environ
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    finally:
+        store.close()
+    assert listening(open_sockets()) == []
+    monkeypatch.setenv("SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE", "env://")
+    assert _LoopbackStore.for_engine(2).server is None
+
+
 # --- file modes ------------------------------------------------------------------------------------
 def _fs_type(path: Path) -> str:
     """Filesystem type of `path` from /proc/mounts (longest matching mount point)."""

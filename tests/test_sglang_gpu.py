@@ -35,6 +35,7 @@ from lorabench.engines.sglang import SGLangEngine  # noqa: E402
 from lorabench.models import load_tokenizer, prompt_ids, tiny_model_dir  # noqa: E402
 
 OUT = Path(os.environ.get("LORABENCH_GPU_OUT", "gpu_results"))
+RUNS = os.environ.get("LORABENCH_GPU_RUNS", "/tmp/lorabench-gpu-runs")  # run dirs: many files, kept out of OUT
 # the offline GPU stack lacks FlashInfer/FA3/xgrammar; a full install needs none of these
 STACK = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
          'engine.extra_args={"disable_prefill_cuda_graph": true}']  # faster starts; decode graphs stay on
@@ -53,7 +54,7 @@ def record(name: str, data: dict) -> None:
 
 def gpu_config(*overrides) -> Config:
     return Config.load(None, [*STACK, "engine.dtype=bfloat16", "engine.mem_fraction_static=0.3",
-                              "run.out_dir=" + str(OUT / "runs"), *overrides])
+                              "run.out_dir=" + RUNS, *overrides])
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ If the scheduler dies, SGLang kills its whole process tree, the parent included.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -84,13 +85,69 @@ def _one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The 1-D span `tensors` cover if they are contiguous, back-to-back views of one buffer in this
     order (as refresh.Refresher._stage makes them), else None."""
     first = tensors[0]
-    expected = first.data_ptr()
-    for t in tensors:
-        if not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device or t.data_ptr() != expected:
+    expected, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    for t in tensors:  # adjacent addresses are not enough: separate allocations can sit back to back
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device
+                or t.data_ptr() != expected or t.untyped_storage().data_ptr() != storage):
             return None
         expected += t.numel() * t.element_size()
     total = sum(t.numel() for t in tensors)
     return first.as_strided((total,), (1,), first.storage_offset())
+
+
+class _LoopbackStore:
+    """The torch.distributed rendezvous store of SGLang's scheduler ranks, hosted here on 127.0.0.1.
+
+    Why: SGLang's ranks rendezvous through tcp://127.0.0.1:<port>, but torch's TCPStore server
+    (started by rank 0) listens on every interface ('::') whatever host it is given: an
+    unauthenticated key-value store open to the network for the engine's lifetime (seen on the
+    H200 machines; tests/test_sglang_gpu.py::test_engine_opens_no_door). Here the server is
+    started on a socket bound to loopback (TCPStore's master_listen_fd) and every rank joins it as
+    a client: SGLang's SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE points the ranks at it, and
+    torch's TORCHELASTIC_USE_AGENT_STORE makes rank 0 a client too. Both variables are set only
+    while the engine starts (its processes inherit them) and only if the user has not set
+    SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE: then the user's rendezvous is used as is."""
+
+    def __init__(self, world_size: int | None):
+        self.server = None
+        self.variables: dict[str, str] = {}
+        if world_size is None:
+            return
+        import socket
+        from datetime import timedelta
+        from torch.distributed import TCPStore
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(128)
+            port = sock.getsockname()[1]
+            self.server = TCPStore("127.0.0.1", port, world_size, True, timedelta(seconds=600),
+                                   wait_for_workers=False, master_listen_fd=sock.fileno())
+            sock.detach()  # the store owns the descriptor now and closes it when it stops
+        self.variables = {"SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": f"tcp://127.0.0.1:{port}",
+                          "TORCHELASTIC_USE_AGENT_STORE": "True",
+                          # older torch reads it in the agent-store branch
+                          "TORCHELASTIC_RESTART_COUNT": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
+
+    @classmethod
+    def for_engine(cls, tp_size: int) -> "_LoopbackStore":
+        user_set = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE" in os.environ
+        return cls(None if user_set else tp_size)
+
+    @contextlib.contextmanager
+    def environment(self):
+        saved = {k: os.environ.get(k) for k in self.variables}
+        os.environ.update(self.variables)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def close(self) -> None:
+        self.server = None  # the last reference: torch stops the server and closes its socket
 
 
 class SGLangEngine:
@@ -122,15 +179,18 @@ class SGLangEngine:
         if e.extra_args:
             kwargs.update(json.loads(e.extra_args))
         kwargs.update(engine_overrides)
-        # No open doors: with tp_size > 1 the scheduler ranks talk through NCCL and gloo, which by
-        # default bind their bootstrap sockets to the host's first non-loopback interface. One host
-        # needs loopback only (the tensors go over NVLink/PCIe, not these sockets); set the variables
-        # yourself to override. SGLang's own control plane uses ipc:// sockets and 127.0.0.1.
+        # No open doors (docs/reliability.md). With tp_size > 1 the scheduler ranks talk through
+        # NCCL and gloo, which bind their bootstrap sockets to the host's first non-loopback
+        # interface by default; one host needs loopback only (tensors go over NVLink/PCIe). Set the
+        # variables yourself to override.
         for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
             os.environ.setdefault(var, "lo")
+        self._store = _LoopbackStore.for_engine(kwargs.get("tp_size", 1))
         try:
-            self.engine = sglang.Engine(**kwargs)
+            with self._store.environment():
+                self.engine = sglang.Engine(**kwargs)
         except (ValueError, RuntimeError, AssertionError) as err:
+            self._store.close()
             raise EngineError(f"sglang.Engine failed to start ({type(err).__name__}: {err}); check "
                               f"engine.mem_fraction_static (now {e.mem_fraction_static}) and the model path "
                               f"{model_path}") from err
@@ -277,6 +337,9 @@ class SGLangEngine:
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
             self.engine = None
+        if getattr(self, "_store", None) is not None:
+            self._store.close()
+            self._store = None
 
     def __enter__(self):
         return self
