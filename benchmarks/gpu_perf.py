@@ -307,7 +307,8 @@ def section_tp(res, q06, tiny, args, tmp):
     same run: 0.6B shape, r=32, naive calls and lorabench's modes, plus the in-place parity check."""
     n, warm = (6, 2) if args.quick else (20, 3)
     rows = []
-    for tp in (1, 2):
+    for tp in (2, 1):
+        torch.cuda.empty_cache()
         if tp > torch.cuda.device_count():
             rows.append({"tp": tp, "skipped": f"needs {tp} GPUs, this machine has {torch.cuda.device_count()}"})
             continue

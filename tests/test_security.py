@@ -18,7 +18,9 @@ from reliability_util import TINY_RUN, make_trainer  # noqa: F401 (fixture)
 
 # --- sockets -------------------------------------------------------------------------------------
 def is_loopback(ip: str) -> bool:
-    return ipaddress.ip_address(ip.split("%")[0]).is_loopback
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1 (a dual-stack socket's view of 127.0.0.1)
+    return (mapped or addr).is_loopback
 
 
 def open_sockets(proc: psutil.Process | None = None) -> list:
@@ -73,7 +75,8 @@ def test_socket_check_sees_a_listener():
         found = [c for c in listening(watch.seen) if c.laddr.port == port]
         assert found and all(is_loopback(c.laddr.ip) for c in found)
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.168.1.7")
-    assert is_loopback("127.0.0.1") and is_loopback("::1")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("::ffff:10.0.0.1")
 
 
 def test_no_socket_during_grpo_steps(make_trainer, tmp_path):

@@ -185,15 +185,26 @@ class SGLangEngine:
         # variables yourself to override.
         for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
             os.environ.setdefault(var, "lo")
-        self._store = _LoopbackStore.for_engine(kwargs.get("tp_size", 1))
+        tp_size = kwargs.get("tp_size", 1)
+        if tp_size > 1 and torch.cuda.is_initialized():
+            # SGLang refuses to start when its GPUs' free memory differs by > 10%: give back this
+            # process's cached blocks on the GPU it shares with rank 0 first
+            torch.cuda.empty_cache()
+        self._store = _LoopbackStore.for_engine(tp_size)
         try:
             with self._store.environment():
                 self.engine = sglang.Engine(**kwargs)
         except (ValueError, RuntimeError, AssertionError) as err:
             self._store.close()
+            hint = ""
+            if tp_size > 1:
+                held = torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_initialized() else 0.0
+                hint = (f"; with engine.tp_size={tp_size} SGLang also refuses GPUs whose free memory differs by "
+                        f"more than 10% (this process holds {held:.1f} GB on its current GPU, which rank 0 "
+                        f"shares): start the engine before the trainer, or see docs/multi_gpu.md")
             raise EngineError(f"sglang.Engine failed to start ({type(err).__name__}: {err}); check "
                               f"engine.mem_fraction_static (now {e.mem_fraction_static}) and the model path "
-                              f"{model_path}") from err
+                              f"{model_path}{hint}") from err
         self.device = "cuda"
         self._adapters: set[str] = set()
         self._configs: dict[str, dict] = {}  # name -> config it was loaded with (tensor loads)
