@@ -171,6 +171,7 @@ def test_bad_refresh_mode():
     ("refresh.bucket_mb=0", "refresh.bucket_mb"),
     ("model.dtype=float8", "model.dtype"),
     ("lora.r=0", "lora.r"),
+    ("engine.cuda_graph_max_bs=-1", "engine.cuda_graph_max_bs"),
 ])
 def test_other_invalid_values_name_the_field(override, field_name):
     assert field_name in _error([override])

@@ -176,6 +176,8 @@ class SGLangEngine:
             kwargs["disable_cuda_graph"] = True
         if e.tp_size > 1:
             kwargs["tp_size"] = e.tp_size
+        if e.cuda_graph_max_bs:
+            kwargs["cuda_graph_max_bs_decode"] = e.cuda_graph_max_bs
         if e.extra_args:
             kwargs.update(json.loads(e.extra_args))
         kwargs.update(engine_overrides)
