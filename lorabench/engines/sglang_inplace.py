@@ -38,6 +38,7 @@ import gc
 import json
 import math
 import time
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -102,10 +103,12 @@ def _lora_manager(model):
     if manager is not None and manager.base_model is model:
         return manager
     from sglang.srt.lora.lora_manager import LoRAManager
-    for obj in gc.get_objects():  # once per process: the model holds no reference to its manager
-        if isinstance(obj, LoRAManager) and obj.base_model is model:
-            _managers[id(model)] = obj
-            return obj
+    with warnings.catch_warnings():  # isinstance on every live object touches deprecated torch aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():  # once per process: the model holds no reference to its manager
+            if isinstance(obj, LoRAManager) and obj.base_model is model:
+                _managers[id(model)] = obj
+                return obj
     raise InPlaceRefused("this engine has no LoRAManager for its model; start it with enable_lora=True")
 
 
