@@ -76,11 +76,57 @@ def soak_figure(soak: dict) -> None:
     plt.close(fig)
 
 
+def tp_and_floor_figure(tp: dict, floor: dict) -> None:
+    """Left: refresh end to end at tp=1 vs tp=2 (call + first request). Right: where an in-place
+    refresh's time goes, by engine setting (prefill CUDA graphs off / on)."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.38
+    for k, (tp_size, color) in enumerate(((1, "tab:blue"), (2, "tab:orange"))):
+        rows = {r["how"]: r for r in tp["tp"] if r.get("tp") == tp_size and "how" in r}
+        hows = [h for h in HOW if h in rows]
+        xs = [i + (k - 0.5) * width for i in range(len(hows))]
+        only = [rows[h]["refresh_only"]["p50_ms"] for h in hows]
+        e2e = [rows[h]["end_to_end"]["p50_ms"] for h in hows]
+        ax.bar(xs, only, width, color=color, label=f"tp={tp_size}: refresh call(s)")
+        ax.bar(xs, [b - a for a, b in zip(only, e2e)], width, bottom=only, color=color, alpha=0.35,
+               label=f"tp={tp_size}: first request after it")
+        for x, y in zip(xs, e2e):
+            ax.text(x, y + 3, f"{y:.0f}", ha="center", fontsize=7)
+    ax.set_xticks(range(len(HOW)), HOW)
+    ax.set(ylabel="ms, p50 of 20", title="Refresh end to end, 0.6B shape r=32: engine on 1 vs 2 GPUs")
+    ax.legend(fontsize=7)
+    labels, parts = [], {}
+    for row in floor["floor"]:
+        if "inplace" not in row:
+            continue
+        r = row["inplace"]
+        labels.append(row["variant"].replace("lora_", "").replace("_", " "))
+        loader = r["engine_loader_p50_ms"]
+        steps = {"snapshot": r["parts_p50_ms"]["snapshot"], "stage (bf16)": r["parts_p50_ms"]["stage"],
+                 **{f"loader: {k}": v for k, v in loader.items() if k != "total"},
+                 "round trip + flush": r["parts_p50_ms"]["write"] - loader["total"],
+                 "first request": r["end_to_end"]["p50_ms"] - r["refresh_only"]["p50_ms"]}
+        for name, value in steps.items():
+            parts.setdefault(name, []).append(value)
+    bottom = [0.0] * len(labels)
+    for name, values in parts.items():
+        ax2.barh(labels, values, left=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax2.set(xlabel="ms, p50 of 20", title="One in-place refresh, end to end, by engine setting")
+    ax2.legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{tp['gpu']} (two-GPU machine for tp), SGLang {tp['sglang']}; tp commits "
+                 f"{sorted({r['commit'] for r in tp['tp']})}, floor commit {floor['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(GPU / "refresh_tp_and_floor.png", dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     perf = json.loads((GPU / "perf.json").read_text())
     refresh_figure(perf)
     merged_figure(perf)
     soak_figure(json.loads((GPU / "soak_sglang.json").read_text()))
+    tp_and_floor_figure(json.loads((GPU / "perf_tp.json").read_text()), json.loads((GPU / "perf_floor.json").read_text()))
     print("wrote", sorted(p.name for p in GPU.glob("*.png")))
 
 
