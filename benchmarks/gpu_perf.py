@@ -115,6 +115,18 @@ def naive_file(engine, model, name, root: Path, step: int):
     assert result.success, result.error_message
 
 
+def one_token_ms(probe, adapter, n: int = 20, warmup: int = 1) -> float:
+    """Median of `n` one-token requests (after `warmup` untimed ones), nothing refreshed between."""
+    for _ in range(warmup):
+        probe(adapter)
+    times = []
+    for _ in range(n):
+        t0 = sync_time()
+        probe(adapter)
+        times.append(1e3 * (sync_time() - t0))
+    return statistics.median(times)
+
+
 def time_refreshes(engine, model, probe, how: str, n: int, warmup: int, tmp: Path) -> dict:
     """`n` timed refreshes (after `warmup`) by `how`: end to end (first request included), the
     refresh alone, and lorabench's parts."""
@@ -154,13 +166,9 @@ def time_refreshes(engine, model, probe, how: str, n: int, warmup: int, tmp: Pat
     else:
         engine.engine.unload_lora_adapter(name)
     shutil.rmtree(disk_tmp, ignore_errors=True)
-    steady = []
-    for _ in range(10):  # the same request with nothing refreshed (adapter unloaded: base)
-        t0 = sync_time()
-        probe(None)
-        steady.append(1e3 * (sync_time() - t0))
+    # the same request with nothing refreshed (adapter unloaded: base)
     row = {"how": how, "end_to_end": summary(e2e), "refresh_only": summary(alone),
-           "request_steady_ms": statistics.median(steady)}
+           "request_steady_ms": one_token_ms(probe, None, n=10, warmup=0)}
     if parts:
         row["parts_p50_ms"] = {k: statistics.median(p[k] for p in parts if k in p) for k in parts[-1]}
     if loader:  # the in-engine loader's own phases (TP rank 0), inside the 'write' part
@@ -326,16 +334,6 @@ def section_tp(res, q06, tiny, args, tmp):
         save(res, args.out)
 
 
-def one_token_ms(engine, probe, adapter, n: int = 20) -> float:
-    probe(adapter)
-    times = []
-    for _ in range(n):
-        t0 = sync_time()
-        probe(adapter)
-        times.append(1e3 * (sync_time() - t0))
-    return statistics.median(times)
-
-
 def section_floor(res, q06, tiny, args, tmp):
     """The floor under every end-to-end figure: a one-token request with nothing refreshed, by
     engine setting (LoRA on, with and without the adapter; LoRA off; prefill CUDA graphs on), and
@@ -349,11 +347,11 @@ def section_floor(res, q06, tiny, args, tmp):
             with SGLangEngine(str(q06), config("lora.r=32"), **overrides) as engine:
                 row = {"variant": label, "start_s": time.perf_counter() - t0}
                 probe = Probe(engine, str(q06))
-                row["request_base_ms"] = one_token_ms(engine, probe, None)
+                row["request_base_ms"] = one_token_ms(probe, None)
                 if overrides.get("enable_lora", True):
                     model = adapter_model(str(q06), 32, dtype="bfloat16", device="cuda")
                     TensorRefresh(engine, "floor", device="cuda", transfer_dtype=torch.bfloat16).refresh(model, 0)
-                    row["request_adapter_ms"] = one_token_ms(engine, probe, "floor")
+                    row["request_adapter_ms"] = one_token_ms(probe, "floor")
                     engine.unload_adapter("floor")
                     row["inplace"] = time_refreshes(engine, model, probe, "inplace", 20, 3, tmp)
                     del model

@@ -291,12 +291,11 @@ def validate(cfg: Config) -> None:
              f"engine.max_lora_rank={e.max_lora_rank} is below lora.r={lora.r}; raise it or set 0 (= lora.r)")
     if e.extra_args:
         try:
-            _require(isinstance(json.loads(e.extra_args), dict), f"engine.extra_args={e.extra_args!r}: "
-                     f"must be a JSON object")
+            extra = json.loads(e.extra_args)
         except json.JSONDecodeError as err:
             raise ConfigError(f"engine.extra_args={e.extra_args!r} is not valid JSON ({err}); write e.g. "
                               f'{{"enable_memory_saver": true}}') from err
-        extra = json.loads(e.extra_args)
+        _require(isinstance(extra, dict), f"engine.extra_args={e.extra_args!r}: must be a JSON object")
         _require("tp_size" not in extra, f"engine.extra_args sets tp_size={extra.get('tp_size')!r}; use "
                  f"engine.tp_size instead (one place for it)")
         _require(extra.get("dp_size", 1) == 1, f"engine.extra_args sets dp_size={extra.get('dp_size')!r}: "

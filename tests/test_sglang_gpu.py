@@ -196,28 +196,34 @@ def run_grpo(cfg, model_path, engine, steps):
     return before, rows, after
 
 
+def grpo_per_mode(engine, model_path, modes, steps: int, *overrides, name: str = "grpo") -> dict:
+    """A short GRPO run per refresh mode on one engine: held-out reward before/after, training
+    reward, mismatch per step, refresh and step time."""
+    summary = {}
+    for mode in modes:
+        cfg = gpu_config(*overrides, f"refresh.mode={mode}", f"run.name={name}-{mode}", "grpo.micro_batch=128")
+        t0 = time.perf_counter()
+        before, rows, after = run_grpo(cfg, model_path, engine, steps)
+        summary[mode] = {
+            "seconds": time.perf_counter() - t0, "heldout_strict_before": before["strict"],
+            "heldout_strict_after": after["strict"],
+            "reward_first5": sum(r["reward/mean"] for r in rows[:5]) / 5,
+            "reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / 5,
+            "mismatch_active_mean_per_step": [r["mismatch/active_mean"] for r in rows],
+            "mismatch_max_per_step": [r["mismatch/max"] for r in rows],
+            "refresh_ms_p50": sorted(1e3 * r["refresh/total_s"] for r in rows)[len(rows) // 2],
+            "step_s_p50": sorted(r["time/step_s"] for r in rows)[len(rows) // 2],
+            "rows": rows,
+        }
+    return summary
+
+
 def test_grpo_with_sglang_rollouts(tiny_path):
     """Reward rises with file and tensor refresh; mismatch stays at the parity level on every step
     with non-zero advantages; with refresh off (stale adapter) the mismatch grows."""
     steps = int(os.environ.get("LORABENCH_GPU_STEPS", "40"))
-    summary = {}
-    cfg0 = gpu_config()
-    with SGLangEngine(tiny_path, cfg0) as engine:
-        for mode in ("inplace", "tensor", "file", "none"):
-            cfg = gpu_config(f"refresh.mode={mode}", f"run.name=grpo-{mode}", "grpo.micro_batch=128")
-            t0 = time.perf_counter()
-            before, rows, after = run_grpo(cfg, tiny_path, engine, steps)
-            summary[mode] = {
-                "seconds": time.perf_counter() - t0, "heldout_strict_before": before["strict"],
-                "heldout_strict_after": after["strict"],
-                "reward_first5": sum(r["reward/mean"] for r in rows[:5]) / 5,
-                "reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / 5,
-                "mismatch_active_mean_per_step": [r["mismatch/active_mean"] for r in rows],
-                "mismatch_max_per_step": [r["mismatch/max"] for r in rows],
-                "refresh_ms_p50": sorted(1e3 * r["refresh/total_s"] for r in rows)[len(rows) // 2],
-                "step_s_p50": sorted(r["time/step_s"] for r in rows)[len(rows) // 2],
-                "rows": rows,
-            }
+    with SGLangEngine(tiny_path, gpu_config()) as engine:
+        summary = grpo_per_mode(engine, tiny_path, ("inplace", "tensor", "file", "none"), steps)
     record("grpo_sglang", summary)
     for mode in ("inplace", "tensor", "file"):
         s = summary[mode]
@@ -329,39 +335,54 @@ def test_soak_sglang_refresh_cycles(tiny_path):
             assert growth < slack, f"{mode}: {key} grew by {growth:.0f} MB over {cycles * 3 // 4} cycles"
 
 
+def free_per_gpu(gpus: int) -> list[int]:
+    for d in range(gpus):
+        torch.cuda.synchronize(d)
+    return [torch.cuda.mem_get_info(d)[0] for d in range(gpus)]
+
+
+def release_resume_run(model_path: str, gpus: int, *overrides, name: str = "grpo-release") -> dict:
+    """One release/resume cycle of the KV cache (engine started with enable_memory_saver) on an
+    engine spanning `gpus` GPUs: memory freed and taken back on each, greedy outputs before vs
+    after, the refusals of a second release and of a resume without release, then 6 GRPO steps
+    that release the engine while the trainer trains."""
+    saver = [*overrides, 'engine.extra_args={"disable_prefill_cuda_graph": true, "enable_memory_saver": true}',
+             "engine.release_memory_during_training=true"]
+    a = random_adapter(model_path, 1)
+    prompts = [s[:p] for s, p in zip(*probe_sequences(model_path))]
+    greedy = Sampling(max_new_tokens=24, temperature=0.0)
+    out = {}
+    with SGLangEngine(model_path, gpu_config(*saver)) as eng:
+        eng.load_adapter_tensors("policy", {k: v.cuda() for k, v in a.tensors.items()}, a.config)
+        before = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
+        free0 = free_per_gpu(gpus)
+        eng.release_memory()  # the KV cache (the default)
+        free1 = free_per_gpu(gpus)
+        with pytest.raises(EngineError, match="already released"):
+            eng.release_memory()
+        eng.resume_memory()
+        free2 = free_per_gpu(gpus)
+        with pytest.raises(EngineError, match="without release_memory"):
+            eng.resume_memory()
+        after = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
+        out.update(freed_gb_per_gpu=[(f1 - f0) / 1e9 for f0, f1 in zip(free0, free1)],
+                   taken_back_gb_per_gpu=[(f1 - f2) / 1e9 for f1, f2 in zip(free1, free2)],
+                   greedy_same_after_resume=before == after)
+        eng.unload_adapter("policy")
+        _, rows, _ = run_grpo(gpu_config(*saver, "refresh.mode=inplace", f"run.name={name}"), model_path, eng, 6)
+        out["grpo_mismatch_active"] = [r["mismatch/active_mean"] for r in rows]
+        out["grpo_reward"] = [r["reward/mean"] for r in rows]
+    return out
+
+
 def test_release_resume_memory(tiny_path):
     """Colocated with the trainer: with enable_memory_saver, releasing the KV cache frees GPU memory,
     resuming brings the engine back with the same greedy outputs, and a GRPO run with
     engine.release_memory_during_training keeps trainer and engine in sync."""
     pytest.importorskip("torch_memory_saver", reason="needs torch_memory_saver (SGLang's memory saver)")
-    saver = ['engine.extra_args={"disable_prefill_cuda_graph": true, "enable_memory_saver": true}',
-             "engine.release_memory_during_training=true"]
-    cfg = gpu_config(*saver)
-    a = random_adapter(tiny_path, 1)
-    prompts = [s[:p] for s, p in zip(*probe_sequences(tiny_path))]
-    greedy = Sampling(max_new_tokens=24, temperature=0.0)
-    out = {}
-    with SGLangEngine(tiny_path, cfg) as eng:
-        eng.load_adapter_tensors("policy", {k: v.cuda() for k, v in a.tensors.items()}, a.config)
-        before = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
-        torch.cuda.synchronize()
-        free0 = torch.cuda.mem_get_info()[0]
-        eng.release_memory()  # the KV cache (the default)
-        free1 = torch.cuda.mem_get_info()[0]
-        with pytest.raises(EngineError, match="already released"):
-            eng.release_memory()
-        eng.resume_memory()
-        free2 = torch.cuda.mem_get_info()[0]
-        with pytest.raises(EngineError, match="without release_memory"):
-            eng.resume_memory()
-        after = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
-        out.update(freed_gb=(free1 - free0) / 1e9, taken_back_gb=(free1 - free2) / 1e9,
-                   greedy_same_after_resume=before == after)
-        eng.unload_adapter("policy")
-        run_cfg = gpu_config(*saver, "refresh.mode=inplace", "run.name=grpo-release")
-        _, rows, _ = run_grpo(run_cfg, tiny_path, eng, 6)
-        out["grpo_mismatch_active"] = [r["mismatch/active_mean"] for r in rows]
-        out["grpo_reward"] = [r["reward/mean"] for r in rows]
+    out = release_resume_run(tiny_path, 1)
+    out["freed_gb"], = out.pop("freed_gb_per_gpu")
+    out["taken_back_gb"], = out.pop("taken_back_gb_per_gpu")
     record("release_resume", out)
     assert out["freed_gb"] > 1.0, out          # the KV cache of a 0.3 memory fraction is tens of GB
     assert out["taken_back_gb"] > 0.9 * out["freed_gb"], out

@@ -8,7 +8,6 @@ $LORABENCH_GPU_OUT as tp2_*.json.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -20,9 +19,8 @@ if torch.cuda.device_count() < 2:
                 allow_module_level=True)
 
 # the single-GPU suite's helpers and fixtures (that module skips itself without sglang)
-from test_sglang_gpu import (assert_parity, gpu_config, parity_run, probe_sequences, q06_model,  # noqa: E402,F401
-                             random_adapter, record, run_grpo, socket_summary, tiny_path)
-from lorabench.engines.base import EngineError, Sampling  # noqa: E402
+from test_sglang_gpu import (assert_parity, gpu_config, grpo_per_mode, parity_run, q06_model,  # noqa: E402,F401
+                             record, release_resume_run, socket_summary, tiny_path)
 from lorabench.engines.sglang import SGLangEngine  # noqa: E402
 
 TP2 = ["engine.backend=sglang", "engine.tp_size=2"]
@@ -55,20 +53,8 @@ def test_tp2_grpo_reward_rises_no_open_door(tiny_path):
     (SGLangEngine points their bootstrap at loopback) or connects off the host."""
     from test_security import SocketWatch
     steps = int(os.environ.get("LORABENCH_GPU_STEPS", "30"))
-    summary = {}
     with SocketWatch(interval=0.02) as watch, SGLangEngine(tiny_path, gpu_config(*TP2)) as engine:
-        for mode in ("inplace", "tensor", "file"):
-            cfg = gpu_config(*TP2, f"refresh.mode={mode}", f"run.name=tp2-grpo-{mode}", "grpo.micro_batch=128")
-            t0 = time.perf_counter()
-            before, rows, after = run_grpo(cfg, tiny_path, engine, steps)
-            summary[mode] = {
-                "seconds": time.perf_counter() - t0, "heldout_strict_before": before["strict"],
-                "heldout_strict_after": after["strict"],
-                "reward_first5": sum(r["reward/mean"] for r in rows[:5]) / 5,
-                "reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / 5,
-                "mismatch_active_mean_per_step": [r["mismatch/active_mean"] for r in rows],
-                "refresh_ms_p50": sorted(1e3 * r["refresh/total_s"] for r in rows)[len(rows) // 2],
-                "step_s_p50": sorted(r["time/step_s"] for r in rows)[len(rows) // 2]}
+        summary = grpo_per_mode(engine, tiny_path, ("inplace", "tensor", "file"), steps, *TP2, name="tp2-grpo")
     sockets = socket_summary(watch)
     sockets["env"] = {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
     record("tp2_grpo", summary)
@@ -81,40 +67,12 @@ def test_tp2_grpo_reward_rises_no_open_door(tiny_path):
         assert active and max(active) < 0.05, (mode, max(active))
 
 
-def free_per_gpu() -> list[int]:
-    for d in range(2):
-        torch.cuda.synchronize(d)
-    return [torch.cuda.mem_get_info(d)[0] for d in range(2)]
-
-
 def test_tp2_release_resume_symmetric(tiny_path):
     """With enable_memory_saver, releasing the KV cache frees memory on both GPUs, resume takes
     back what was freed on each, greedy outputs are unchanged, and a GRPO run that releases the
     engine while it trains stays in sync."""
     pytest.importorskip("torch_memory_saver", reason="needs torch_memory_saver (SGLang's memory saver)")
-    saver = [*TP2, 'engine.extra_args={"disable_prefill_cuda_graph": true, "enable_memory_saver": true}',
-             "engine.release_memory_during_training=true"]
-    a = random_adapter(tiny_path, 1)
-    prompts = [s[:p] for s, p in zip(*probe_sequences(tiny_path))]
-    greedy = Sampling(max_new_tokens=24, temperature=0.0)
-    out = {}
-    with SGLangEngine(tiny_path, gpu_config(*saver)) as eng:
-        eng.load_adapter_tensors("policy", {k: v.cuda() for k, v in a.tensors.items()}, a.config)
-        before = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
-        free0 = free_per_gpu()
-        eng.release_memory()
-        free1 = free_per_gpu()
-        with pytest.raises(EngineError, match="already released"):
-            eng.release_memory()
-        eng.resume_memory()
-        free2 = free_per_gpu()
-        after = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
-        out.update(freed_gb_per_gpu=[(f1 - f0) / 1e9 for f0, f1 in zip(free0, free1)],
-                   taken_back_gb_per_gpu=[(f1 - f2) / 1e9 for f1, f2 in zip(free1, free2)],
-                   greedy_same_after_resume=before == after)
-        eng.unload_adapter("policy")
-        _, rows, _ = run_grpo(gpu_config(*saver, "refresh.mode=inplace", "run.name=tp2-release"), tiny_path, eng, 6)
-        out["grpo_mismatch_active"] = [r["mismatch/active_mean"] for r in rows]
+    out = release_resume_run(tiny_path, 2, *TP2, name="tp2-release")
     record("tp2_release_resume", out)
     for gpu, (freed, back) in enumerate(zip(out["freed_gb_per_gpu"], out["taken_back_gb_per_gpu"])):
         assert freed > 1.0 and back > 0.9 * freed, (gpu, out)

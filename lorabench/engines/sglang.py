@@ -85,10 +85,13 @@ def _one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The 1-D span `tensors` cover if they are contiguous, back-to-back views of one buffer in this
     order (as refresh.Refresher._stage makes them), else None."""
     first = tensors[0]
-    expected, storage = first.data_ptr(), first.untyped_storage().data_ptr()
-    for t in tensors:  # adjacent addresses are not enough: separate allocations can sit back to back
-        if (not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device
-                or t.data_ptr() != expected or t.untyped_storage().data_ptr() != storage):
+    # adjacent addresses are not enough: separate allocations can sit back to back. Back-to-back
+    # tensors whose first and last share a storage all lie inside it (storages do not overlap).
+    if tensors[-1].untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+        return None
+    expected = first.data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device or t.data_ptr() != expected:
             return None
         expected += t.numel() * t.element_size()
     total = sum(t.numel() for t in tensors)
