@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one device call, from the checkout's root on the GPU machine:
-#   bash .sglang/with-sglang.sh bash scripts/gpu_suite.sh [pytest args]
+#   bash .sglang/with-sglang.sh bash dev/gpu_suite.sh [pytest args]
 # LORABENCH_GPU_TESTS picks the test files (default: the single-GPU suite); the two-GPU suite
 # (nvidia-h200-x2) is LORABENCH_GPU_TESTS=tests/test_sglang_tp2.py.
 # Figures land in $OUT (the device tool's result folder) or ./gpu_results.

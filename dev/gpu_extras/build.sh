@@ -3,7 +3,7 @@
 # numpy 2.5.2, no network): Jupyter (nbclient/nbformat/ipykernel/jupyter_client, ipywidgets,
 # jupytext) + matplotlib + pandas + torch_memory_saver, minus what the offline sglang site
 # (.sglang/sglang-site.tar.xz) already ships. Run here (PyPI access needed), from the repo root:
-#   bash scripts/gpu_extras/build.sh [OUT_DIR]        # OUT_DIR defaults to .gpu-extras (git-ignored)
+#   bash dev/gpu_extras/build.sh [OUT_DIR]        # OUT_DIR defaults to .gpu-extras (git-ignored)
 # then carry OUT_DIR/extras-site-lean.tar.xz and OUT_DIR/with-extras.sh to the GPU machine.
 # Makes two tarballs (with-extras.sh unpacks either; see GPU_EXTRAS_TARBALL there):
 #   extras-site.tar.xz       full: self-contained, also ships matplotlib, pandas, Pillow and their

@@ -3,7 +3,7 @@ keep its figures: every image/png output is written to OUT as <notebook>_<n>.png
 executed copy. Notebook 02 with the SGLang engine is the issue-4 run:
 
     bash .sglang/with-sglang.sh bash .gpu-extras/with-extras.sh \
-        python scripts/run_notebook_gpu.py notebooks/02_refresh_methods.ipynb OUT 'ENGINE="sglang"' ...
+        python dev/run_notebook_gpu.py notebooks/02_refresh_methods.ipynb OUT 'ENGINE="sglang"' ...
 Each trailing argument is one `NAME=<python literal>` assignment, injected after the cell tagged
 `parameters` (as papermill does).
 """
