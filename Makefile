@@ -1,4 +1,4 @@
-# Two commands on a fresh machine (Python 3.10+ and pip):  make demo   |   make test
+# Two commands on a fresh machine (Python 3.11+ and pip):  make demo   |   make test
 # Both install into .venv first (once); the CPU build of torch comes first so pip never pulls a
 # multi-GB CUDA build on a CPU machine. On a GPU box: make install TORCH_INDEX= EXTRAS=dev,notebook,sglang
 PY ?= python3
@@ -23,6 +23,7 @@ demo: install
 	$(VENV)/bin/lorabench demo
 
 test: install
+	$(VENV)/bin/python -m ruff check .
 	$(VENV)/bin/python -m pytest -q
 
 .PHONY: install demo test

@@ -2,8 +2,8 @@
 cold model cache (warm-start included), plus the hf engine's refresh timings from its sync.jsonl.
 
     python benchmarks/demo_cpu.py [--warm-cache] [key=value ...]
-Writes benchmarks/results/cpu_demo.json and prints the figures. Targets (issue 2): <= 5 min end to
-end on 2 cores, <= 4 GB RSS.
+Writes benchmarks/results/cpu_demo.json and prints the figures. Targets: <= 4 min end to end from a
+cold cache on 2 cores, <= 4 GB RSS.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import time
 from lorabench.config import Config
 from lorabench.engines.hf import HFEngine
 from lorabench.grpo import GRPOTrainer
-from lorabench.models import tiny_model_dir
+from lorabench.tiny import tiny_model_dir
 
 SETTINGS = [["warmstart.steps=350"], ["warmstart.steps=400"], ["warmstart.steps=450"],
             ["warmstart.steps=500", "warmstart.batch_size=16"], ["warmstart.steps=700", "warmstart.batch_size=16"]]
@@ -18,7 +18,7 @@ for over in SETTINGS:
     t = time.perf_counter()
     path = str(tiny_model_dir("/tmp/lorabench-cache", cfg.warmstart, 0))
     t_ws = time.perf_counter() - t
-    engine = HFEngine(path, cfg, device="cuda")
+    engine = HFEngine(path, device="cuda", dtype=cfg.model.dtype)
     tr = GRPOTrainer(cfg, path, engine, log=lambda *a: None)
     sampled, greedy = tr.evaluate(), tr.evaluate(greedy=True)
     row = {"settings": over, "warmstart_s_gpu": round(t_ws, 1), "flexible_T0.7": sampled["flexible"],

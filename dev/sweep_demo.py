@@ -8,7 +8,7 @@ import time
 from lorabench.config import Config
 from lorabench.engines.sglang import SGLangEngine
 from lorabench.grpo import GRPOTrainer
-from lorabench.models import tiny_model_dir
+from lorabench.tiny import tiny_model_dir
 
 STACK = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
          'engine.extra_args={"disable_prefill_cuda_graph": true}', "engine.dtype=bfloat16",
@@ -27,7 +27,7 @@ def main():
         t = time.perf_counter()
         path = str(tiny_model_dir("/tmp/lorabench-cache", base.warmstart, 0))
         t_ws = time.perf_counter() - t
-        with SGLangEngine(path, base) as engine:
+        with SGLangEngine.from_config(base, path) as engine:
             for over in runs:
                 cfg = Config.load(None, STACK + ws_over + over)
                 tr = GRPOTrainer(cfg, path, engine, log=lambda *a: None)

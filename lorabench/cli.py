@@ -1,10 +1,18 @@
-"""Command line: `lorabench demo`, `lorabench run`, `lorabench resume` (each with --help)."""
+"""Command line: `lorabench demo`, `lorabench run`, `lorabench resume` (each with --help).
+
+Bad input (USER_ERRORS) is one line on stderr and exit code 2, found before anything is written
+(session.py). `lorabench run ... run.name=NAME` on an existing run dir continues that run, with the
+same compatibility check as `lorabench resume` (compat.py). SIGTERM stops a run like Ctrl-C: the
+cleanup runs (temp dirs, the engine, the run dir's lock) and the exit code is 143 (130 for Ctrl-C).
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import resource
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,31 +32,52 @@ LESSON = ("What the model learns: the warm-start taught it to solve the problems
           "discovers the GSM8K answer format, the same thing real GSM8K GRPO runs learn first.")
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is, so that `finally` blocks and atomic writes clean up."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def log_line(*parts) -> None:
     print(*parts, flush=True)  # flushed: progress must show even when stdout is a file or a pipe
 
 
 def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=log_line) -> dict:
     """Build (or resume) a run: model, engine, trainer; evaluate, train, evaluate, plot.
-    Returns a summary dict (also written to RUN_DIR/summary.json)."""
-    from .runlog import atomic_write
+    Returns a summary dict (also written to RUN_DIR/summary.json). The run dir's lock is held
+    until the summary is written: plots and summary are writes too."""
     from .session import RunSession
-    from .viz import save_run_plots
-
     t0 = time.perf_counter()
     session = RunSession.open(cfg, run_dir, log=log)
-    runlog, trainer, before = session.runlog, session.trainer, session.before
     try:
-        log(f"held-out before GRPO: strict {before[0]['strict']:.2f} (sampled), {before[1]['strict']:.2f} (greedy)")
-        t_train = time.perf_counter()
-        trainer.run()
-        t_done = time.perf_counter()
-        after = [trainer.evaluate(greedy=False), trainer.evaluate(greedy=True)]
-        evals = runlog.set_evals(trainer.step_count, after)
+        try:
+            timing = _train_and_evaluate(session, log)
+        finally:
+            session.close_engine()
+        return _write_summary(session, timing, t0)
     finally:
-        session.close()
+        session.runlog.close()
+
+
+def _train_and_evaluate(session, log) -> dict:
+    trainer, before = session.trainer, session.before
+    log(f"held-out before GRPO: strict {before[0]['strict']:.2f} (sampled), {before[1]['strict']:.2f} (greedy)")
+    t_train = time.perf_counter()
+    trainer.run()
+    t_done = time.perf_counter()
+    after = [trainer.evaluate(greedy=False), trainer.evaluate(greedy=True)]
+    evals = session.runlog.set_evals(trainer.step_count, after)
+    return {"after": after, "evals": evals, "seconds_grpo": t_done - t_train}
+
+
+def _write_summary(session, done: dict, t0: float) -> dict:
+    from .fsutil import atomic_write
+    from .viz import save_run_plots
+    cfg, runlog, before, after = session.cfg, session.runlog, session.before, done["after"]
     rows = runlog.metrics()
-    plots = save_run_plots(rows, evals, runlog.dir / "plots")
+    plots = save_run_plots(rows, done["evals"], runlog.dir / "plots")
     refresh_ms = sorted(1e3 * r["refresh/total_s"] for r in rows) or [float("nan")]
     summary = {
         "run_dir": str(runlog.dir), "steps": len(rows), "refresh_mode": cfg.refresh.mode,
@@ -59,7 +88,7 @@ def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=log_line)
         "train_reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / max(1, len(rows[-5:])),
         "refresh_ms_p50": refresh_ms[len(refresh_ms) // 2], "refresh_ms_max": refresh_ms[-1],
         "mismatch_max": max((r["mismatch/max"] for r in rows), default=float("nan")),
-        "seconds_model": session.model_seconds, "seconds_grpo": t_done - t_train,
+        "seconds_model": session.model_seconds, "seconds_grpo": done["seconds_grpo"],
         "seconds_total": time.perf_counter() - t0,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "plots": [str(p) for p in plots],
@@ -95,27 +124,38 @@ def main(argv=None) -> int:
     resume.add_argument("run_dir")
     resume.add_argument("overrides", nargs="*", help="e.g. grpo.steps=80 to extend the run")
     args = parser.parse_args(argv)
+    on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
     try:
-        if args.command == "run" and args.help_config:
-            print(describe())
-            return 0
-        if args.command == "resume":
-            config_path = Path(args.run_dir) / "config.json"
-            if not config_path.is_file():
-                raise ConfigError(f"{args.run_dir} has no config.json; pass a run dir written by lorabench")
-            cfg = Config.load(config_path, args.overrides)
-            summary = run_experiment(cfg, run_dir=args.run_dir)
-        else:
-            cfg = Config.load(getattr(args, "config", None), args.overrides)
-            if args.command == "demo":
-                print(LESSON + "\n")
-            summary = run_experiment(cfg)
+        summary = _command(args)
     except USER_ERRORS as err:
         kind = "config error" if isinstance(err, ConfigError) else "error"
         print(f"lorabench: {kind}: {err}", file=sys.stderr)
         return 2
-    print_summary(summary)
+    except (Terminated, KeyboardInterrupt) as stop:
+        name, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(stop, Terminated) else ("Ctrl-C", 130)
+        print(f"lorabench: stopped by {name}; `lorabench resume RUN_DIR` continues from the last checkpoint",
+              file=sys.stderr)
+        return code
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    if summary is not None:
+        print_summary(summary)
     return 0
+
+
+def _command(args) -> dict | None:
+    if args.command == "run" and args.help_config:
+        print(describe())
+        return None
+    if args.command == "resume":
+        from .compat import resume_config
+        return run_experiment(resume_config(args.run_dir, args.overrides), run_dir=args.run_dir)
+    cfg = Config.load(getattr(args, "config", None), args.overrides)
+    if args.command == "demo":
+        print(LESSON + "\n")
+    return run_experiment(cfg)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,23 @@
 
 Every default is chosen so that `lorabench demo` runs offline on a 2-core CPU. Each field's
 help text lives in its `metadata["help"]`; `lorabench run --help-config` prints them all.
-Invalid values raise `ConfigError` naming the field, the value and how to fix it.
+Invalid values raise `ConfigError` naming the field, the value and how to fix it; an unknown key
+gets a "did you mean"; every float must be finite. Files are read as UTF-8 (a BOM is accepted).
+Which fields a continued run may change is compat.py's business, not this module's.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .engines import ENGINES, engine_class
+from .refresh import REFRESH_MODES
 
 
 class ConfigError(ValueError):
@@ -50,7 +57,7 @@ class LoraSettings:
     alpha: int = _f(32, "LoRA alpha; the update is scaled by alpha / r.")
     target_modules: str | list[str] = _f("all-linear", "'all-linear' or a list of module names "
                                          "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).")
-    dropout: float = _f(0.0, "LoRA dropout (keep 0 so trainer and engine log-probs can match).")
+    dropout: float = _f(0.0, "LoRA dropout in [0, 1) (keep 0 so trainer and engine log-probs can match).")
 
 
 @dataclass
@@ -59,8 +66,11 @@ class DataConfig:
                      "or a local .jsonl/.parquet file with question/answer fields.")
     eval_source: str = _f("", "Held-out set; '' = same kind as source (fresh synthetic seeds, or the "
                           "'test' split / same file).")
-    eval_size: int = _f(128, "Held-out prompts used for the before/after evaluation.")
+    eval_size: int = _f(128, "Held-out prompts used for the before/after evaluation (>= 1).")
     eval_samples: int = _f(2, "Samples per held-out prompt at the training sampling settings.")
+    max_prompt_tokens: int = _f(0, "Longest prompt (chat template included) a dataset row may have; rows above "
+                                "it are refused before the run starts, with a count and the first one. 0 = the "
+                                "model's context minus grpo.max_new_tokens.")
 
 
 @dataclass
@@ -75,7 +85,9 @@ class GRPOConfig:
     lr: float = _f(1e-3, "AdamW learning rate for the LoRA parameters.")
     clip_eps: float = _f(0.2, "PPO-style ratio clip.")
     kl_beta: float = _f(0.0, "Weight of the k3 KL to the base model (adapter disabled); 0 = off.")
-    micro_batch: int = _f(64, "Sequences per forward/backward pass (gradient accumulation).")
+    micro_batch_tokens: int = _f(8192, "Padded tokens per forward/backward pass (gradient accumulation): "
+                                 "sequences are grouped by length into micro-batches under this budget, so "
+                                 "trainer memory does not grow with the rollout size.")
     reward_mode: str = _f("strict", "'strict' (last '#### N') or 'flexible' (last number).")
     format_bonus: float = _f(0.0, "Added to the reward when '#### N' is present, right or wrong.")
     max_grad_norm: float = _f(1.0, "Gradient clipping.")
@@ -84,7 +96,8 @@ class GRPOConfig:
 
 @dataclass
 class EngineConfig:
-    backend: str = _f("hf", "'hf' (transformers + PEFT, CPU or GPU) or 'sglang' (in-process sglang.Engine).")
+    backend: str = _f("hf", "The rollout engine; one of the registry's (lorabench.engines.ENGINES): 'hf' "
+                      "(transformers + PEFT, CPU or GPU) or 'sglang' (in-process sglang.Engine).")
     device: str = _f("", "Device for the hf engine; '' = cuda if available else cpu.")
     adapter_name: str = _f("policy", "Name the current adapter is served under.")
     max_lora_rank: int = _f(0, "sglang: max LoRA rank; 0 = the LoRA config's r.")
@@ -97,10 +110,9 @@ class EngineConfig:
     release_memory_during_training: bool = _f(False, "sglang: release KV cache (and weights if merged) "
                                               "while the trainer runs; resumed symmetrically.")
     dtype: str = _f("auto", "sglang: model dtype ('auto', 'bfloat16', 'float16').")
-    cuda_graph_max_bs: int = _f(0, "sglang: largest decode batch run as a CUDA graph; 0 = SGLang's default "
-                                "(256 on an H200). A rollout of prompts_per_step x group_size sequences above it "
-                                "decodes without graphs: 512 x 256 tokens decoded ~2.5-3x faster with 512 on "
-                                "the H200 (README).")
+    cuda_graph_max_bs: int = _f(0, "sglang: largest decode batch run as a CUDA graph; 0 = the largest batch the "
+                                "run sends (prompts_per_step x group_size, or the held-out eval). A batch above "
+                                "it decodes without graphs, 2.5-3x slower (docs/results.md).")
     tp_size: int = _f(1, "sglang: tensor-parallel size, the GPUs the engine spans from base_gpu_id (0) on; "
                       "the trainer stays on cuda:0 (docs/multi_gpu.md).")
     extra_args: str = _f("", "sglang: JSON object of further sglang.Engine arguments, e.g. "
@@ -109,9 +121,11 @@ class EngineConfig:
 
 @dataclass
 class RefreshConfig:
-    mode: str = _f("tensor", "'file' (PEFT dir, unload + load), 'tensor' (load_lora_adapter_from_tensors), "
-                   "'inplace' (load once, then overwrite the engine's resident adapter: SGLang's GPU LoRA "
-                   "pool), 'merged' (push merged full weights) or 'none' (stale-adapter control).")
+    mode: str = _f("tensor", "How the adapter reaches the engine after each step; one of the registry's "
+                   "(lorabench.refresh.REFRESH_MODES): 'file' (PEFT dir, unload + load), 'tensor' "
+                   "(load_lora_adapter_from_tensors), 'inplace' (load once, then overwrite the engine's "
+                   "resident adapter: SGLang's GPU LoRA pool), 'merged' (push merged full weights) or 'none' "
+                   "(stale-adapter control).")
     bucket_mb: float = _f(64.0, "Bucket size in MB: one push per bucket (merged); tensors are staged "
                           "per bucket before the single adapter load (tensor).")
     tmp_dir: str = _f("", "Where file refresh writes adapter dirs; '' = /dev/shm if writable, else the "
@@ -124,6 +138,9 @@ class RunConfig:
     name: str = _f("", "Run directory name; '' = timestamp.")
     seed: int = _f(0, "Seed for data, sampling and init; the same seed reproduces a run.")
     save_adapter_every: int = _f(10, "Write adapters/step_<n>/ every n steps (and the last step).")
+    checkpoint_every: int = _f(1, "Checkpoint every n steps (and the last step); rows of the steps between are "
+                               "written with the next checkpoint, so a killed run repeats at most n-1 steps "
+                               "and its run dir never holds a row its checkpoint cannot vouch for.")
     sample_completions: int = _f(4, "Completions per step written to rollouts.jsonl (all are kept "
                                  "in the step record).")
     threads: int = _f(0, "torch CPU threads; 0 = torch default.")
@@ -148,22 +165,25 @@ class Config:
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict, source: str = "config") -> "Config":
-        sections = {}
-        for f in dataclasses.fields(cls):
-            sub = data.get(f.name, {})
-            if not isinstance(sub, dict):
-                raise ConfigError(f"{source}: section '{f.name}' must be a table/object, got {sub!r}")
-            sections[f.name] = _build_section(f.type if not isinstance(f.type, str) else _SECTIONS[f.name],
-                                              sub, f"{source}: {f.name}")
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    def from_dict(cls, data: dict, source: str = "config") -> Config:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a table/object of sections, got {data!r:.60}")
+        unknown = set(data) - set(_SECTIONS)
         if unknown:
-            raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}; "
-                              f"valid sections: {[f.name for f in dataclasses.fields(cls)]}")
+            name = min(unknown)
+            raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}{_did_you_mean_section(name)}; "
+                              f"valid sections: {list(_SECTIONS)}")
+        sections = {}
+        for name, section_cls in _SECTIONS.items():
+            sub = data.get(name, {})
+            if not isinstance(sub, dict):
+                raise ConfigError(f"{source}: section '{name}' must be a table/object, got {sub!r}")
+            sections[name] = _build_section(section_cls, sub, f"{source}: {name}")
         return cls(**sections)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> "Config":
+    def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+        """A file (or the defaults) with `overrides` on top."""
         data: dict = {}
         if path is not None:
             data = read_config_file(path)
@@ -180,14 +200,49 @@ def read_config_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass an existing .json or .toml file")
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(f"config file {path}: unsupported suffix {path.suffix!r}; use .json or .toml")
+    raw = path.read_bytes()
     try:
-        if path.suffix == ".toml":
-            return tomllib.loads(path.read_text())
-        if path.suffix == ".json":
-            return json.loads(path.read_text())
+        text = raw.decode("utf-8-sig")  # an editor's UTF-8 BOM is not an error
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                          f"{err.start}); save it as UTF-8") from err
+    try:
+        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {err}") from err
-    raise ConfigError(f"config file {path}: unsupported suffix {path.suffix!r}; use .json or .toml")
+
+
+def _did_you_mean_section(name: str) -> str:
+    close = difflib.get_close_matches(name, list(_SECTIONS), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# names other tools use for a field, which spelling similarity would not find
+_SYNONYMS = {"learning_rate": "grpo.lr", "lora_r": "lora.r", "rank": "lora.r", "lora_alpha": "lora.alpha",
+             "max_steps": "grpo.steps", "num_steps": "grpo.steps", "model_name": "model.name_or_path",
+             "num_generations": "grpo.group_size", "beta": "grpo.kl_beta", "epsilon": "grpo.clip_eps"}
+
+
+def _did_you_mean_key(section: str, key: str) -> str:
+    """A known synonym (learning_rate -> grpo.lr), the same key in another section (grpo.seed ->
+    run.seed), else the closest key of the section or of any section."""
+    if key in _SYNONYMS:
+        return f" (did you mean {_SYNONYMS[key]}?)"
+    elsewhere = [f"{s}.{key}" for s, c in _SECTIONS.items() if s != section and key in _field_names(c)]
+    if elsewhere:
+        return f" (did you mean {elsewhere[0]}?)"
+    own = difflib.get_close_matches(key, sorted(_field_names(_SECTIONS[section])), n=1)
+    if own:
+        return f" (did you mean {section}.{own[0]}?)"
+    everywhere = [f"{s}.{k}" for s, c in _SECTIONS.items() for k in _field_names(c)]
+    close = difflib.get_close_matches(f"{section}.{key}", everywhere, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _field_names(section_cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(section_cls)}
 
 
 def apply_override(data: dict, item: str) -> None:
@@ -202,7 +257,7 @@ def apply_override(data: dict, item: str) -> None:
 def _convert(value, typ, where: str):
     """Convert file values and override strings to the field's type, or say how to fix them."""
     origin = typing.get_origin(typ)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):  # str | list[str]
+    if origin in (typing.Union, __import__("types").UnionType):  # str | list[str]
         if isinstance(value, list):
             return [str(v) for v in value]
         if isinstance(value, str) and value.startswith("["):
@@ -240,10 +295,12 @@ def _convert(value, typ, where: str):
 
 def _build_section(cls, values: dict, where: str):
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = _field_names(cls)
     unknown = set(values) - names
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(names)}")
+        section = next(s for s, c in _SECTIONS.items() if c is cls)
+        hint = _did_you_mean_key(section, min(unknown))
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}{hint}; valid keys: {sorted(names)}")
     kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in values.items()}
     return cls(**kwargs)
 
@@ -254,26 +311,71 @@ def _require(cond: bool, msg: str):
 
 
 def validate(cfg: Config) -> None:
-    g, lora, e, r = cfg.grpo, cfg.lora, cfg.engine, cfg.refresh
+    """Everything that can be known from the config alone; environment checks (files, model,
+    engine installed, writable dirs) are preflight.py's."""
+    _check_finite(cfg)
+    _validate_grpo(cfg.grpo)
+    _validate_lora(cfg.lora)
+    _validate_engine(cfg)
+    r = cfg.refresh
+    _require(r.mode in REFRESH_MODES, f"refresh.mode={r.mode!r}: use one of {sorted(REFRESH_MODES)}")
+    _require(r.bucket_mb > 0, f"refresh.bucket_mb={r.bucket_mb}: must be > 0 (e.g. 64)")
+    _require(cfg.model.dtype in ("float32", "bfloat16", "float16"),
+             f"model.dtype={cfg.model.dtype!r}: use float32, bfloat16 or float16")
+    w = cfg.warmstart
+    _require(w.steps >= 0, f"warmstart.steps={w.steps}: must be >= 0")
+    _require(w.batch_size >= 1, f"warmstart.batch_size={w.batch_size}: must be >= 1")
+    _require(w.lr > 0, f"warmstart.lr={w.lr}: must be > 0 (e.g. 6e-3)")
+    _require(0 <= w.strict_format_fraction <= 1,
+             f"warmstart.strict_format_fraction={w.strict_format_fraction}: must be in [0, 1]")
+    d = cfg.data
+    _require(d.eval_size >= 1, f"data.eval_size={d.eval_size}: the before/after evaluation needs at least one "
+             f"held-out prompt; set data.eval_size=128 (or 4 for a quick check)")
+    _require(d.eval_samples >= 1, f"data.eval_samples={d.eval_samples}: must be >= 1")
+    _require(d.max_prompt_tokens >= 0, f"data.max_prompt_tokens={d.max_prompt_tokens}: must be >= 0 (0 = the "
+             f"model's context minus grpo.max_new_tokens)")
+    _require(cfg.run.save_adapter_every >= 1, f"run.save_adapter_every={cfg.run.save_adapter_every}: must be >= 1")
+    _require(cfg.run.checkpoint_every >= 1, f"run.checkpoint_every={cfg.run.checkpoint_every}: must be >= 1")
+    _require(cfg.run.threads >= 0, f"run.threads={cfg.run.threads}: must be >= 0 (0 = torch default)")
+
+
+def _check_finite(cfg: Config) -> None:
+    """inf and nan parse as floats (from TOML, JSON or an override) but are never a setting: refuse
+    them here rather than at step 1 with an error about something else."""
+    for section in _SECTIONS:
+        for f in dataclasses.fields(_SECTIONS[section]):
+            value = getattr(getattr(cfg, section), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                default = f.default if f.default is not dataclasses.MISSING else None
+                raise ConfigError(f"{section}.{f.name}={value}: must be a finite number (the default is "
+                                  f"{default})")
+
+
+def _validate_grpo(g: GRPOConfig) -> None:
     _require(g.group_size >= 2, f"grpo.group_size={g.group_size}: group-normalised advantages need at "
              f"least 2 completions per prompt; set grpo.group_size=8 or more")
     _require(g.prompts_per_step >= 1, f"grpo.prompts_per_step={g.prompts_per_step}: must be >= 1")
     _require(g.steps >= 0, f"grpo.steps={g.steps}: must be >= 0")
-    _require(g.micro_batch >= 1, f"grpo.micro_batch={g.micro_batch}: must be >= 1")
-    batch = g.prompts_per_step * g.group_size
-    _require(batch % g.micro_batch == 0 or g.micro_batch >= batch,
-             f"grpo.micro_batch={g.micro_batch} does not divide the batch of {batch} sequences "
-             f"(prompts_per_step x group_size); pick a divisor of {batch}")
+    _require(g.micro_batch_tokens >= 1, f"grpo.micro_batch_tokens={g.micro_batch_tokens}: must be >= 1 "
+             f"(e.g. 8192; a sequence longer than the budget forms its own micro-batch)")
     _require(g.max_new_tokens >= 1, f"grpo.max_new_tokens={g.max_new_tokens}: must be >= 1")
     _require(g.temperature > 0, f"grpo.temperature={g.temperature}: must be > 0 (greedy rollouts give "
              f"identical groups and zero advantages)")
     _require(0 < g.top_p <= 1, f"grpo.top_p={g.top_p}: must be in (0, 1]")
-    _require(g.lr > 0, f"grpo.lr={g.lr}: must be > 0")
+    _require(g.lr > 0, f"grpo.lr={g.lr}: must be > 0 (e.g. 1e-3)")
+    _require(g.max_grad_norm > 0, f"grpo.max_grad_norm={g.max_grad_norm}: must be > 0 (e.g. 1.0)")
+    _require(g.clip_eps > 0, f"grpo.clip_eps={g.clip_eps}: must be > 0 (e.g. 0.2)")
+    _require(g.kl_beta >= 0, f"grpo.kl_beta={g.kl_beta}: must be >= 0 (0 = no KL term)")
     _require(g.epochs >= 1, f"grpo.epochs={g.epochs}: must be >= 1")
     _require(g.reward_mode in ("strict", "flexible"),
              f"grpo.reward_mode={g.reward_mode!r}: use 'strict' or 'flexible'")
+
+
+def _validate_lora(lora: LoraSettings) -> None:
     _require(lora.r >= 1, f"lora.r={lora.r}: the LoRA rank must be >= 1")
     _require(lora.alpha > 0, f"lora.alpha={lora.alpha}: must be > 0")
+    _require(0 <= lora.dropout < 1, f"lora.dropout={lora.dropout}: must be in [0, 1) (a probability; keep 0 so "
+             f"trainer and engine log-probs can match)")
     tm = lora.target_modules
     if isinstance(tm, str):
         _require(tm == "all-linear" or tm.isidentifier(),
@@ -282,41 +384,24 @@ def validate(cfg: Config) -> None:
     else:
         _require(len(tm) > 0 and all(isinstance(t, str) and t.isidentifier() for t in tm),
                  f"lora.target_modules={tm!r}: list plain module names such as q_proj, v_proj")
-    _require(e.backend in ("hf", "sglang"), f"engine.backend={e.backend!r}: use 'hf' or 'sglang'")
-    _require(e.max_loras_per_batch >= 2, f"engine.max_loras_per_batch={e.max_loras_per_batch}: base-model "
-             f"requests take a slot too; use >= 2")
-    _require(0 < e.mem_fraction_static < 1, f"engine.mem_fraction_static={e.mem_fraction_static}: must be "
-             f"between 0 and 1 (e.g. 0.4 when the trainer shares the GPU)")
-    _require(e.max_lora_rank == 0 or e.max_lora_rank >= lora.r,
-             f"engine.max_lora_rank={e.max_lora_rank} is below lora.r={lora.r}; raise it or set 0 (= lora.r)")
-    if e.extra_args:
+
+
+def _validate_engine(cfg: Config) -> None:
+    e = cfg.engine
+    _require(e.backend in ENGINES, f"engine.backend={e.backend!r}: use one of {sorted(ENGINES)}")
+    if e.extra_args:  # parsed here first: the engine's own checks read it as JSON
         try:
             extra = json.loads(e.extra_args)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"engine.extra_args={e.extra_args!r} is not valid JSON ({err}); write e.g. "
-                              f'{{"enable_memory_saver": true}}') from err
-        _require(isinstance(extra, dict), f"engine.extra_args={e.extra_args!r}: must be a JSON object")
-        _require("tp_size" not in extra, f"engine.extra_args sets tp_size={extra.get('tp_size')!r}; use "
-                 f"engine.tp_size instead (one place for it)")
-        _require(extra.get("dp_size", 1) == 1, f"engine.extra_args sets dp_size={extra.get('dp_size')!r}: "
-                 f"sglang 0.5.17 refuses adapter and weight updates with dp_size > 1; run one engine per "
-                 f"data-parallel group, or use engine.tp_size (docs/multi_gpu.md)")
-    _require(e.cuda_graph_max_bs >= 0, f"engine.cuda_graph_max_bs={e.cuda_graph_max_bs}: must be >= 0 (0 = "
-             f"SGLang's default; e.g. prompts_per_step x group_size)")
+            raise ConfigError(f"engine.extra_args={e.extra_args!r} is not JSON ({err}); write a JSON object, e.g. "
+                              f'\'{{"enable_memory_saver": true}}\'') from err
+        _require(isinstance(extra, dict), f"engine.extra_args={e.extra_args!r}: must be a JSON object "
+                 f'{{"name": value, ...}}')
+    for problem in engine_class(e.backend).config_problems(cfg):
+        raise ConfigError(problem)
+    _require(e.cuda_graph_max_bs >= 0, f"engine.cuda_graph_max_bs={e.cuda_graph_max_bs}: must be >= 0 (0 = the "
+             f"largest batch the run sends)")
     _require(e.tp_size >= 1, f"engine.tp_size={e.tp_size}: must be >= 1 (the GPUs the engine spans)")
-    _require(e.tp_size == 1 or e.backend == "sglang", f"engine.tp_size={e.tp_size} needs engine.backend="
-             f"'sglang'; the hf engine runs on one device")
-    _require(r.mode in ("file", "tensor", "inplace", "merged", "none"),
-             f"refresh.mode={r.mode!r}: use 'file', 'tensor', 'inplace', 'merged' or 'none'")
-    _require(r.bucket_mb > 0, f"refresh.bucket_mb={r.bucket_mb}: must be > 0 (e.g. 64)")
-    _require(cfg.model.dtype in ("float32", "bfloat16", "float16"),
-             f"model.dtype={cfg.model.dtype!r}: use float32, bfloat16 or float16")
-    _require(cfg.warmstart.steps >= 0, f"warmstart.steps={cfg.warmstart.steps}: must be >= 0")
-    _require(0 <= cfg.warmstart.strict_format_fraction <= 1,
-             f"warmstart.strict_format_fraction={cfg.warmstart.strict_format_fraction}: must be in [0, 1]")
-    _require(cfg.data.eval_size >= 0 and cfg.data.eval_samples >= 1,
-             "data.eval_size must be >= 0 and data.eval_samples >= 1")
-    _require(cfg.run.save_adapter_every >= 1, f"run.save_adapter_every={cfg.run.save_adapter_every}: must be >= 1")
 
 
 def describe() -> str:
@@ -327,4 +412,8 @@ def describe() -> str:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             lines.append(f"  {section}.{f.name} = {default!r}\n      {f.metadata['help']}")
+    lines.append("\nengine.backend (lorabench.engines.ENGINES):")
+    lines += [f"  {name:<8} {engine_class(name).help}" for name in ENGINES]
+    lines.append("refresh.mode (lorabench.refresh.REFRESH_MODES):")
+    lines += [f"  {name:<8} {cls.help}" for name, cls in REFRESH_MODES.items()]
     return "\n".join(lines)

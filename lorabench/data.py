@@ -3,20 +3,22 @@ from a seeded offline generator of GSM8K-style word problems with the same schem
 
 Schema everywhere: `question` (str) and `answer` (str whose last line is '#### N'); the ground
 truth is the text after '####' with commas removed. Prompts are one user chat message: the
-question followed by the instruction below (as in verl's GSM8K recipe).
+question followed by the instruction below (as in verl's GSM8K recipe). Files are read by
+datafiles.py (bounded bytes per row, UTF-8, errors naming the line); data/README.md describes the
+formats and `python -m lorabench.data --write-sample data/gsm8k_sample.jsonl` writes the sample.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from .datafiles import DataError, read_rows
+
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-
-
-class DataError(ValueError):
-    """A dataset file or row is unusable; the message names the file, row and field."""
+SAMPLE_ROWS, SAMPLE_SEED = 48, "sample-0"   # data/gsm8k_sample.jsonl
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class Problem:
     question: str
     answer: str         # full solution text ending in '#### N'
     ground_truth: str   # N, commas removed
+    where: str = field(default="", compare=False)   # 'FILE line 7': where a refused row is
 
     @property
     def messages(self) -> list[dict]:
@@ -40,50 +43,34 @@ def parse_ground_truth(answer: str, where: str = "answer") -> str:
     return truth
 
 
+def _problem(loc: str, row: dict) -> Problem:
+    for key in ("question", "answer"):
+        if key not in row:
+            raise DataError(f"{loc}: missing field '{key}'; each row needs 'question' and 'answer'")
+        if row[key] is None:
+            raise DataError(f"{loc}: field '{key}' is empty (null); give a non-empty string")
+        if not isinstance(row[key], str):
+            raise DataError(f"{loc}: field '{key}' is a {type(row[key]).__name__} ({row[key]!r:.60}), not a "
+                            f"string; write it as text (quoted in JSON)")
+        if not row[key].strip():
+            raise DataError(f"{loc}: field '{key}' is empty; give a non-empty string")
+    return Problem(row["question"].strip(), row["answer"], parse_ground_truth(row["answer"], loc), loc)
+
+
 def problems_from_rows(rows, where: str) -> list[Problem]:
-    problems = []
-    for i, row in enumerate(rows):
-        loc = f"{where} row {i + 1}"
-        for key in ("question", "answer"):
-            if key not in row:
-                raise DataError(f"{loc}: missing field '{key}'; each row needs 'question' and 'answer'")
-            if not isinstance(row[key], str):
-                raise DataError(f"{loc}: field '{key}' is a {type(row[key]).__name__} ({row[key]!r}), not a "
-                                f"string; write it as text (quoted in JSON)")
-            if not row[key].strip():
-                raise DataError(f"{loc}: field '{key}' is empty; give a non-empty string")
-        problems.append(Problem(row["question"].strip(), row["answer"], parse_ground_truth(row["answer"], loc)))
-    if not problems:
+    """Problems from dict rows (numbered 'row 1', ...) or from (location, row) pairs."""
+    labelled = [r if isinstance(r, tuple) else (f"{where} row {i + 1}", r) for i, r in enumerate(rows)]
+    if not labelled:
         raise DataError(f"{where}: no rows; the file must hold at least one question/answer row")
-    return problems
+    return [_problem(loc, row) for loc, row in labelled]
 
 
 def load_gsm8k(split: str = "train", source: str = "hub") -> list[Problem]:
-    """`source='hub'`: openai/gsm8k (config 'main') through `datasets` (needs the network).
-    Otherwise a local .jsonl or .parquet path with question/answer fields."""
-    if source == "hub":
-        import datasets  # imported here: only the hub path needs it
-        rows = datasets.load_dataset("openai/gsm8k", "main", split=split)
-        return problems_from_rows(rows, f"openai/gsm8k[{split}]")
-    path = Path(source)
-    if not path.is_file():
-        raise DataError(f"dataset file {path} does not exist; pass a .jsonl or .parquet file with "
-                        f"question/answer fields, 'hub' or 'synthetic'")
-    if path.suffix == ".jsonl":
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {n}: not valid JSON ({err}); fix or remove that line (one JSON "
-                                f"object per line)") from err
-        return problems_from_rows(rows, str(path))
-    if path.suffix == ".parquet":
-        import pandas as pd
-        return problems_from_rows(pd.read_parquet(path).to_dict("records"), str(path))
-    raise DataError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl or .parquet")
+    """`source='hub'`: openai/gsm8k (config 'main') through `datasets` (refused at once when the hub
+    cannot be reached). Otherwise a local .jsonl or .parquet path with question/answer fields (the
+    same rows for every split)."""
+    where = f"openai/gsm8k[{split}]" if source == "hub" else str(source)
+    return problems_from_rows(read_rows(source, split), where)
 
 
 # --- the offline generator -------------------------------------------------------------------
@@ -147,6 +134,37 @@ def warmstart_completion(problem: Problem, rng: random.Random, strict_fraction: 
     return f"{reasoning}\n{final}"
 
 
+def prompt_ids(tokenizer, messages: list[dict], enable_thinking: bool = False) -> list[int]:
+    """Chat-formatted prompt tokens ending with the assistant header."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes of text one token covers: the longest vocabulary entry in UTF-8
+    (byte-level BPE shows a byte as one or two characters, SentencePiece a space as '▁', both
+    overcount). A normalizer (NFC/NFKC) may shorten text before it is split, so it gets a margin."""
+    longest = max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return longest * (4 if backend is None or backend.normalizer is not None else 1)
+
+
+def overlong_prompts(problems: list[Problem], tokenizer, limit: int, enable_thinking: bool = False) -> list[tuple]:
+    """(problem, how long) for each prompt over `limit` tokens. A question of more than
+    limit x max_token_bytes bytes has more than `limit` tokens whatever it says, so it is refused
+    by its length in bytes and never tokenised (a 50 MB row costs nothing here)."""
+    byte_bound = limit * max_token_bytes(tokenizer)
+    over = []
+    for problem in problems:
+        nbytes = len(problem.question.encode("utf-8"))
+        if nbytes > byte_bound:
+            over.append((problem, f"{nbytes:,} bytes, so more than {limit} tokens; not tokenised"))
+            continue
+        n = len(prompt_ids(tokenizer, problem.messages, enable_thinking))
+        if n > limit:
+            over.append((problem, f"{n} tokens"))
+    return over
 
 
 def step_problems(seed: int, step: int, n: int) -> list[Problem]:
@@ -157,17 +175,23 @@ def step_problems(seed: int, step: int, n: int) -> list[Problem]:
     return synthetic_problems(n, f"train-{seed}-{step}")
 
 
+def check_source_paths(source: str, eval_source: str = "") -> None:
+    """A source that is not 'synthetic' or 'hub' must be an existing file; the error names the field."""
+    for field_name, value in (("data.source", source), ("data.eval_source", eval_source)):
+        if value and value not in ("synthetic", "hub") and not Path(value).is_file():
+            raise DataError(f"{field_name}={value!r}: dataset file {value} does not exist; pass a .jsonl "
+                            f"or .parquet file with question/answer fields, 'hub' or 'synthetic'")
+
+
 class ProblemSource:
     """Training and held-out problems from the configured source (synthetic, hub or file)."""
 
     def __init__(self, source: str, seed: int, eval_source: str = ""):
         self.source, self.seed = source, seed
         self._train: list[Problem] | None = None
+        self._eval: list[Problem] | None = None   # read once: evaluate() runs it at least twice
         self._eval_source = eval_source
-        for field_name, value in (("data.source", source), ("data.eval_source", eval_source)):
-            if value and value not in ("synthetic", "hub") and not Path(value).is_file():
-                raise DataError(f"{field_name}={value!r}: dataset file {value} does not exist; pass a .jsonl "
-                                f"or .parquet file with question/answer fields, 'hub' or 'synthetic'")
+        check_source_paths(source, eval_source)
         if source not in ("synthetic", "hub"):
             self._train = load_gsm8k("train", source)  # bad rows fail now, before any step runs
 
@@ -184,5 +208,30 @@ class ProblemSource:
         source = self._eval_source or self.source
         if source == "synthetic":
             return synthetic_problems(n, f"eval-{self.seed}")
-        split = "test" if source == "hub" else "train"
-        return load_gsm8k(split, source)[:n]
+        if self._eval is None:
+            self._eval = load_gsm8k("test" if source == "hub" else "train", source)
+        return self._eval[:n]
+
+
+# --- the committed sample file ---------------------------------------------------------------------
+def sample_jsonl(rows: int = SAMPLE_ROWS, seed: str = SAMPLE_SEED) -> bytes:
+    """data/gsm8k_sample.jsonl: GSM8K-format rows from the seeded generator (written, never edited)."""
+    return "".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                   for p in synthetic_problems(rows, seed)).encode()
+
+
+def main(argv=None) -> int:
+    from .fsutil import atomic_write
+    parser = argparse.ArgumentParser(prog="python -m lorabench.data", description="Write the GSM8K-format "
+                                     "sample file from the seeded synthetic generator.")
+    parser.add_argument("--write-sample", metavar="PATH", required=True, help="e.g. data/gsm8k_sample.jsonl")
+    parser.add_argument("--rows", type=int, default=SAMPLE_ROWS)
+    parser.add_argument("--seed", default=SAMPLE_SEED)
+    args = parser.parse_args(argv)
+    atomic_write(Path(args.write_sample), sample_jsonl(args.rows, args.seed), mode=0o644)
+    print(f"wrote {args.rows} rows to {args.write_sample}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

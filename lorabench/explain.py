@@ -10,9 +10,9 @@ import matplotlib.pyplot as plt
 import torch
 
 from .adapters import base_param_name
-from .grpo import token_logprobs
-from .models import prompt_ids
-from .viz import PART_COLORS
+from .data import prompt_ids
+from .loss import token_logprobs
+from .viz import MIN_FONT_PT, PART_COLORS, title_with_legend
 
 
 # --- one LoRA layer ------------------------------------------------------------------------------
@@ -28,19 +28,34 @@ def lora_factors(peft_model, module: str = "model.layers.0.self_attn.q_proj", ad
 
 def plot_lora_factors(f: dict):
     """B, A and ΔW = (α/r)·B·A as images (each on its own symmetric colour scale), and W for scale."""
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.6), gridspec_kw={"width_ratios": [0.35, 1, 1, 1]})
-    panels = [("B", f["B"], f"B {tuple(f['B'].shape)}"), ("A", f["A"], f"A {tuple(f['A'].shape)}"),
-              ("delta", f["delta"], f"ΔW = ({f['scaling']:g})·B·A {tuple(f['delta'].shape)}"),
-              ("W", f["W"], f"frozen W {tuple(f['W'].shape)}")]
-    for ax, (_, m, title) in zip(axes, panels):
+    r = f["A"].shape[0]
+    alpha = f["scaling"] * r
+    fig, axes = plt.subplots(1, 4, figsize=(13, 3.8), gridspec_kw={"width_ratios": [0.45, 1, 1, 1]},
+                             layout="constrained")
+    fig.set_label("lora_factors")
+    panels = [(f["B"], f"B {tuple(f['B'].shape)}"), (f["A"], f"A {tuple(f['A'].shape)}"),
+              (f["delta"], f"ΔW = (α/r)·B·A = ({alpha:g}/{r})·B·A"), (f["W"], f"frozen W {tuple(f['W'].shape)}")]
+    for ax, (m, title) in zip(axes, panels):
         lim = float(m.abs().max()) or 1.0
         im = ax.imshow(m.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, loc="left")
         fig.colorbar(im, ax=ax, fraction=0.046)
     rel = float(f["delta"].norm() / f["W"].norm())
-    fig.suptitle(f"{f['module']}: rank of ΔW ≤ r = {f['A'].shape[0]}; ‖ΔW‖/‖W‖ = {rel:.2e}", fontsize=10)
-    fig.tight_layout()
+    fig.suptitle(f"{f['module']}: ΔW has rank ≤ r = {r}; ‖ΔW‖/‖W‖ = {rel:.2g}", x=0.01, ha="left")
     return fig
+
+
+@torch.no_grad()
+def lora_layer_facts(peft_model, f: dict, n_inputs: int = 3, seed: int = 0) -> dict:
+    """What the ΔW picture claims, measured on the layer itself: its output on random inputs equals
+    W·x + ΔW·x, and ΔW's rank is at most r."""
+    layer = peft_model.get_submodule(f"base_model.model.{f['module']}")
+    x = torch.randn(n_inputs, f["W"].shape[1], generator=torch.Generator().manual_seed(seed))
+    param = next(layer.parameters())
+    y = layer(x.to(device=param.device, dtype=param.dtype)).float().cpu()
+    return {"r": f["A"].shape[0], "α/r": f["scaling"], "rank of ΔW": int(torch.linalg.matrix_rank(f["delta"])),
+            "max |layer(x) − (W + ΔW)·x|": float((y - x @ (f["W"] + f["delta"]).T).abs().max()),
+            "‖ΔW‖ / ‖W‖": float(f["delta"].norm() / f["W"].norm())}
 
 
 # --- base vs adapter-applied predictions -------------------------------------------------------------
@@ -57,15 +72,18 @@ def next_token_topk(peft_model, tokenizer, prefix_ids: list[int], k: int = 8) ->
     return {"tokens": [repr(tokenizer.decode([int(t)])) for t in top], "base": base[top], "adapter": with_adapter[top]}
 
 
-def plot_topk(topk: dict, ax=None):
-    ax = ax or plt.subplots(figsize=(6, 0.4 + 0.3 * len(topk["tokens"])))[1]
+def plot_topk(topk: dict, ax=None, title: str = "Next token, base vs adapter"):
+    ax = ax or plt.subplots(figsize=(7, 1.2 + 0.32 * len(topk["tokens"])), layout="constrained")[1]
+    ax.figure.set_label("next_token_topk")
     y = torch.arange(len(topk["tokens"])).float()
     ax.barh(y - 0.2, topk["base"].numpy(), height=0.4, color="#999999", label="base (no adapter)")
     ax.barh(y + 0.2, topk["adapter"].numpy(), height=0.4, color="#4c72b0", label="adapter applied")
-    ax.set_yticks(y.tolist(), topk["tokens"], fontsize=8)
+    ax.set_yticks(y.tolist(), topk["tokens"])
     ax.invert_yaxis()
-    ax.set(xlabel="next-token probability", title="Top next tokens, base vs adapter")
-    ax.legend(fontsize=7)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("next-token probability")
+    title_with_legend(ax, title, ncol=2)
+    ax.grid(alpha=0.3, axis="x")
     return ax
 
 
@@ -76,21 +94,39 @@ def logprob_difference(engine, sequence: list[int], prompt_len: int, adapter: st
     return with_adapter - base
 
 
+def token_labels(tokenizer, ids: list[int]) -> list[str]:
+    """Each token as it reads in a plot: newlines as ⏎, a blank token as its repr."""
+    labels = [tokenizer.decode([t]) for t in ids]
+    return [t.replace("\n", "⏎") if t.strip() else repr(t) for t in labels]
+
+
+def top_effects(tokens: list[str], diff: torch.Tensor, k: int = 3) -> list[tuple[int, str, float]]:
+    """The `k` tokens with the largest |Δ log-prob|: (position, token, Δ), largest first."""
+    order = diff.abs().argsort(descending=True)[:k].tolist()
+    return [(i, tokens[i], float(diff[i])) for i in order]
+
+
 def plot_logprob_difference(tokens: list[str], diff: torch.Tensor, ax=None):
-    ax = ax or plt.subplots(figsize=(10, 3))[1]
+    ax = ax or plt.subplots(figsize=(12, 3.6), layout="constrained")[1]
+    ax.figure.set_label("per_token_effect")
     colors = ["#55a868" if v >= 0 else "#c44e52" for v in diff.tolist()]
     ax.bar(range(len(diff)), diff.numpy(), color=colors)
-    labels = [t.replace("\n", "⏎") if t.strip() else repr(t) for t in tokens]
-    ax.set_xticks(range(len(tokens)), labels, rotation=90, fontsize=7)
+    ax.set_xticks(range(len(tokens)), tokens, rotation=0 if len(tokens) <= 24 else 90, fontsize=MIN_FONT_PT + 1)
+    ax.set_xlim(-0.7, len(tokens) - 0.3)
     ax.axhline(0, color="k", lw=0.5)
-    ax.set(ylabel="log p(adapter) − log p(base)", title="Per-token effect of the adapter (engine log-probs)")
+    ax.set_ylabel("log p(adapter) − log p(base)")
+    ax.set_title("Per-token effect of the adapter on the reference answer (engine log-probs; green: more likely)",
+                 loc="left")
+    ax.grid(alpha=0.3, axis="y")
     return ax
 
 
 # --- a refresh as a timeline ----------------------------------------------------------------------------
-def plot_refresh_timeline(rows: list[dict], ax=None):
-    """One row per refresh (refresh_bench rows): its parts end to end, in the order they ran."""
-    ax = ax or plt.subplots(figsize=(9, 0.8 + 0.6 * len(rows)))[1]
+def plot_refresh_timeline(rows: list[dict], ax=None, title: str = "One refresh, part by part"):
+    """One row per refresh (refresh_bench rows): its parts end to end, in the order they ran; the
+    parts are named in the legend above the axes, the total and bytes at the end of each bar."""
+    ax = ax or plt.subplots(figsize=(12, 1.8 + 0.5 * len(rows)), layout="constrained")[1]
+    ax.figure.set_label("refresh_timeline")
     seen = set()
     for i, row in enumerate(rows):
         t = 0.0
@@ -98,16 +134,15 @@ def plot_refresh_timeline(rows: list[dict], ax=None):
             ms = 1e3 * seconds
             ax.barh(i, ms, left=t, color=PART_COLORS.get(part), edgecolor="white",
                     label=None if part in seen else part)
-            if ms > 0.04 * 1e3 * row["total_s"]:
-                ax.text(t + ms / 2, i, part, ha="center", va="center", fontsize=7, color="white")
             seen.add(part)
             t += ms
-        ax.text(t, i, f"  {t:.1f} ms, {row['bytes'] / 2**20:.2f} MB", va="center", fontsize=8)
+        ax.text(t, i, f"  {t:.1f} ms, {row['bytes'] / 2**20:.2f} MB moved", va="center")
     ax.set_yticks(range(len(rows)), [r["mode"] for r in rows])
     ax.invert_yaxis()
-    ax.set(xlabel="ms since the refresh started", title="One refresh, part by part")
-    ax.set_xlim(0, 1.35e3 * max(r["total_s"] for r in rows))
-    ax.legend(fontsize=7, loc="lower right", ncol=3)
+    ax.set_xlabel("ms since the refresh started")
+    ax.set_xlim(0, 1.45e3 * max(r["total_s"] for r in rows))
+    title_with_legend(ax, title, ncol=7)
+    ax.grid(alpha=0.3, axis="x")
     return ax
 
 
@@ -115,7 +150,7 @@ def plot_refresh_timeline(rows: list[dict], ax=None):
 def restore_base_weights(engine, peft_model) -> None:
     """Undo a merged refresh: push the trainer's frozen base weights back into the engine."""
     plain = [(base_param_name(n), p.detach()) for n, p in peft_model.named_parameters() if ".lora_" not in n]
-    engine.update_weights(plain, flush_cache=True)
+    engine.update_weights(plain, flush_cache=True, version=0)  # the plain base weights again
 
 
 # --- the checks ---------------------------------------------------------------------------------------
@@ -129,10 +164,21 @@ def rollout_sequences(trainer, n_prompts: int = 2, adapter: str | None = "servin
     return [o.prompt_ids + o.token_ids for o in outs], [len(o.prompt_ids) for o in outs]
 
 
+def greedy_completions(trainer, problems, adapter: str | None = "serving") -> list[str]:
+    """The engine's greedy completion of each problem, as text: with the adapter the trainer's
+    refresher serves (`'serving'`), another adapter name, or None for the base model."""
+    from .engines.base import Sampling
+    name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
+    prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in problems]
+    outs = trainer.engine.generate(prompts, Sampling(trainer.cfg.grpo.max_new_tokens, 0.0), adapter=name)
+    return trainer.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
+
+
 @torch.no_grad()
 def trainer_vs_engine(trainer, sequences: list[list[int]], prompt_lens: list[int], adapter: str | None) -> dict:
-    """|trainer log-prob − engine log-prob| over the completion tokens (mean and max): the check that
-    a request ran the trainer's current policy (GRPO logs it every step as mismatch/mean, /max)."""
+    """|trainer log-prob − engine log-prob| over the completion tokens (mean, p99, max): the check that
+    a request ran the trainer's current policy (GRPO logs it every step as mismatch/mean, /p99, /max).
+    The mean and p99 are the robust figures; the max of one token is a rounding tail in bf16."""
     temperature = trainer.cfg.grpo.temperature
     engine_lp = trainer.engine.score(sequences, prompt_lens, adapter, temperature=temperature)
     diffs = []
@@ -141,4 +187,14 @@ def trainer_vs_engine(trainer, sequences: list[list[int]], prompt_lens: list[int
         mine = token_logprobs(trainer.model, ids, torch.ones_like(ids), temperature)[0, plen - 1:].cpu()
         diffs.append((mine - lp).abs())
     diffs = torch.cat(diffs)
-    return {"mean": diffs.mean().item(), "max": diffs.max().item()}
+    return {"mean": diffs.mean().item(), "p99": diffs.quantile(0.99).item(), "max": diffs.max().item()}
+
+
+def self_check(checks: dict[str, bool]) -> None:
+    """Print each check with ✓ or ✗; raise AssertionError naming the failed ones."""
+    for name, ok in checks.items():
+        print(f"{'✓' if ok else '✗'} {name}")
+    failed = [name for name, ok in checks.items() if not ok]
+    if failed:
+        raise AssertionError(f"self-check failed: {failed}")
+    print(f"self-check: all {len(checks)} checks passed")

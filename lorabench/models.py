@@ -1,28 +1,12 @@
-"""Models and tokenizers: load by hub name or local path, or build the tiny offline default.
-
-The tiny default is a real Qwen3-architecture causal LM (~2.5M params: hidden 256, 4 layers,
-GQA 4/2 heads) with a byte-level BPE tokenizer trained here on generated GSM8K-style text and
-Qwen's chat special tokens (<|im_start|>, <|im_end|>, <|endoftext|>). It is saved as an ordinary
-Hugging Face model dir, so transformers, PEFT and SGLang all load it like Qwen/Qwen3-0.6B.
-"""
+"""Models and tokenizers: load by hub name or local path, or the tiny offline default (tiny.py)."""
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-TINY_ARCH = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rope_theta=10000.0,
-                 tie_word_embeddings=True, rms_norm_eps=1e-6)
-TINY_VOCAB = 640  # a multiple of 64; byte-level BPE: 256 bytes + merges + 3 specials
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,99 +14,83 @@ class ModelError(ValueError):
     """A model path or name cannot be used; the message says which and how to fix it."""
 
 
-def cache_root(cache_dir: str = "") -> Path:
-    return Path(cache_dir or os.environ.get("LORABENCH_CACHE", Path.home() / ".cache" / "lorabench"))
+# what the hub accepts as a repo id: 'name' or 'org/name'; anything else can only be a local path
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
+# where model configs keep their context length, most common first
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def atomic_dir(final: Path):
-    """Context manager yielding a temp dir next to `final` that is renamed onto it on success,
-    so a crash never leaves a half-written model behind."""
-    class _Atomic:
-        def __enter__(self):
-            final.parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-            return self.tmp
-
-        def __exit__(self, exc_type, exc, tb):
-            if exc_type is not None:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                return False
-            try:
-                os.rename(self.tmp, final)
-            except OSError:  # another process finished the same build first: keep theirs
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                if not final.is_dir():
-                    raise
-            return False
-    return _Atomic()
+@dataclass(frozen=True)
+class ModelRef:
+    """What model.name_or_path names, checked without loading weights."""
+    kind: str   # 'tiny' | 'local' | 'hub'
+    name: str   # the local dir or the hub repo id ('tiny' for the tiny model)
 
 
-def build_tiny_tokenizer(out_dir: Path, seed: int = 0):
-    """Train a byte-level BPE on generated problems and save it as a PreTrainedTokenizerFast."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    from .data import INSTRUCTION, final_line_variants, synthetic_problems
-
-    corpus = []
-    for p in synthetic_problems(4000, f"tokenizer-{seed}"):
-        corpus += [p.question, INSTRUCTION, p.answer, *final_line_variants(p.ground_truth)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
-    return fast
-
-
-def build_tiny_model(tokenizer, seed: int = 0):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    vocab = -(-len(tokenizer) // 64) * 64
-    config = Qwen3Config(vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **TINY_ARCH)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
-
-
-def tiny_model_dir(cache_dir: str, warmstart, seed: int, log=print) -> Path:
-    """Path of the warm-started tiny model, built on first use and cached by its recipe."""
-    from . import __version__
-    from .warmstart import warm_start
-    recipe = {"arch": TINY_ARCH, "vocab": TINY_VOCAB, "template": CHAT_TEMPLATE, "seed": seed,
-              "warmstart": vars(warmstart), "version": __version__}
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    final = cache_root(cache_dir) / f"tiny-qwen3-{digest}"
-    if (final / "config.json").is_file():
-        return final
-    with atomic_dir(final) as tmp:
-        tokenizer = build_tiny_tokenizer(tmp, seed)
-        model = build_tiny_model(tokenizer, seed)
-        if warmstart.steps:
-            warm_start(model, tokenizer, warmstart, seed, log=log)
-        model.save_pretrained(tmp)
-        (tmp / "lorabench_recipe.json").write_text(json.dumps(recipe, indent=1))
-    return final
+def model_ref(cfg) -> ModelRef:
+    """'tiny', an existing local model dir, or a hub id usable now (cached, or found on the hub within
+    seconds): anything else is refused here, before a run dir or a model exists."""
+    name = cfg.model.name_or_path
+    if name == "tiny":
+        return ModelRef("tiny", name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model dir {name} has no config.json; point model.name_or_path at a saved "
+                             f"Hugging Face model dir")
+        return ModelRef("local", str(path))
+    where = f"relative to {Path.cwd()}" if not path.is_absolute() else "absolute path"
+    if path.exists() or name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
+        raise ModelError(f"model.name_or_path={name!r} does not exist ({where}) as a model dir; give an existing "
+                         f"model dir, a hub name such as Qwen/Qwen3-0.6B, or 'tiny'")
+    from .hub import model_unavailable
+    reason = model_unavailable(name)
+    if reason:
+        raise ModelError(f"model.name_or_path={name!r} is not a local dir ({where}) and cannot be used as a hub name: "
+                         f"{reason}; or give an existing model dir or 'tiny'")
+    return ModelRef("hub", name)
 
 
 def resolve_model_path(cfg, log=print) -> str:
-    """'tiny' -> the cached warm-started dir; a local dir as is; anything else is a hub name."""
-    name = cfg.model.name_or_path
-    if name == "tiny":
+    """'tiny' -> the cached warm-started dir (built on first use); a local dir as is; a hub name
+    as is (transformers downloads it)."""
+    ref = model_ref(cfg)
+    if ref.kind == "tiny":
+        from .tiny import tiny_model_dir
         return str(tiny_model_dir(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed, log=log))
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
-        raise ModelError(f"model.name_or_path={name!r} does not exist; give an existing model dir, a hub "
-                         f"name such as Qwen/Qwen3-0.6B, or 'tiny'")
-    if Path(name).expanduser().is_dir() and not (Path(name).expanduser() / "config.json").is_file():
-        raise ModelError(f"model dir {name} has no config.json; point model.name_or_path at a saved "
-                         f"Hugging Face model dir")
-    return str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name
+    return ref.name
+
+
+def model_context(ref: ModelRef) -> int:
+    """The model's context length in tokens, from its config (no weights are read)."""
+    if ref.kind == "tiny":
+        from .tiny import TINY_ARCH
+        return TINY_ARCH["max_position_embeddings"]
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(ref.name)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"model.name_or_path={ref.name!r}: its config.json cannot be read ({err}); point it at a "
+                         f"saved Hugging Face model dir") from err
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ModelError(f"model.name_or_path={ref.name!r}: its config names no context length "
+                     f"({', '.join(_CONTEXT_KEYS)}); set data.max_prompt_tokens to bound prompts yourself")
+
+
+def model_tokenizer(ref: ModelRef, cfg):
+    """The tokenizer the run will use, loaded without the model (the tiny one is built in memory
+    when its model is not cached yet)."""
+    if ref.kind == "tiny":
+        from .tiny import tiny_tokenizer
+        return tiny_tokenizer(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed)
+    try:
+        return load_tokenizer(ref.name)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"model.name_or_path={ref.name!r}: its tokenizer cannot be loaded ({err}); a model dir "
+                         f"needs its tokenizer files (save_pretrained of the tokenizer)") from err
 
 
 def load_tokenizer(path: str):
@@ -139,46 +107,5 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
     return model.to(device).eval()
 
 
-def prompt_ids(tokenizer, messages: list[dict], enable_thinking: bool = False) -> list[int]:
-    """Chat-formatted prompt tokens ending with the assistant header."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=enable_thinking)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def pick_device(requested: str = "") -> str:
     return requested or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-# Qwen3 shapes (from the models' config.json), for random-init models of a real model's size: the
-# GPU tests and benchmarks measure refresh and step costs without downloading weights
-QWEN3_SHAPES = {
-    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),
-    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16),
-    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
-}
-
-
-def random_qwen3_dir(shape: str, tokenizer_path: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """A random-init bf16 model of Qwen3-`shape`'s architecture (vocab 151936, tied embeddings,
-    8 KV heads of 128) with the tiny tokenizer, saved in `out_dir` (reused if complete)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    if shape not in QWEN3_SHAPES:
-        raise ModelError(f"shape={shape!r}: use one of {sorted(QWEN3_SHAPES)}")
-    out_dir = Path(out_dir)
-    if (out_dir / "config.json").is_file() and (out_dir / "n_params.txt").is_file():
-        return out_dir
-    tok = load_tokenizer(tokenizer_path)
-    config = Qwen3Config(vocab_size=151936, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                         torch_dtype="bfloat16", **QWEN3_SHAPES[shape])
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "n_params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
-    return out_dir

@@ -1,22 +1,23 @@
-"""Refresh strategies: move the trainer's current adapter into the engine after an optimizer step,
-timing each part. One small class per mode:
+"""Refresh modes: move the step's flat adapter into the engine after an optimizer step, timing each
+part. One small class per mode, one registry line each (REFRESH_MODES):
 
-    FileRefresh     write a PEFT dir (atomic, 0600, tmpfs when available) -> unload -> load by path
-    TensorRefresh   stage tensors on the engine's device in buckets -> unload -> load from tensors
-    InPlaceRefresh  the first refresh loads like TensorRefresh; later ones write the new values into
-                    the engine's resident copy of that adapter (SGLang: its GPU LoRA pool, through a
-                    loader running inside the engine; hf: the PEFT parameters), no unload or reload
-    MergedRefresh   W + (a/r)BA for every layer -> push full weights in buckets (no cache flush
-                    until the last bucket) -> the engine then serves the base name, adapter-free
-    NoRefresh       the stale-adapter control: the first adapter is loaded once and never updated
+    file      write a PEFT dir (atomic, 0600, tmpfs when available) -> unload -> load by path
+    tensor    stage the buffer on the engine's device in buckets -> unload -> load from tensors
+    inplace   the first refresh loads like `tensor`; later ones overwrite the engine's resident copy
+              of the adapter (SGLang: its GPU LoRA pool; hf: the PEFT parameters), no unload or reload
+    merged    W + (a/r)BA for every layer -> push full weights in buckets (no cache flush until the
+              last bucket) -> the engine then serves the base name, adapter-free
+    none      the stale-adapter control: the first adapter is loaded once and never updated
 
-Snapshots are taken by adapters.FlatSnapshotter: every LoRA tensor copied into one flat buffer with a
-single NaN/Inf check (one device sync), and cast once to the engine's dtype (`transfer_dtype`) for
-what the engine receives; the trainer-dtype snapshot is what the step record keeps.
+A refresher receives a FlatAdapter (made once per step by the policy, never handed back) and
+returns a RefreshRecord: timings only (one row for the run's sync.jsonl per bucket and a total).
+It checks the engine capabilities it needs once, when it is built. Only `AdapterNotLoaded` is
+caught on unload (the first refresh has nothing to unload); any other engine error propagates
+with the engine's message.
 
-Every refresh returns a RefreshRecord (one row for the run's sync.jsonl per bucket and a total).
-Only `AdapterNotLoaded` is caught on unload (the first refresh has nothing to unload); any other
-engine error propagates with the engine's message.
+Adding a mode: a Refresher subclass with `mode`, `help` (and `needs`, if it uses an optional engine
+capability), plus its line in REFRESH_MODES; config validation, `--help-config`, benchmarks and
+plots read the registry.
 """
 from __future__ import annotations
 
@@ -26,32 +27,33 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from .adapters import AdapterSnapshot, FlatSnapshotter, merged_state_dict, remove_stale_temps
-from .engines.base import AdapterNotLoaded
-from .models import DTYPES
+from .adapters import FlatAdapter, merge_weights
+from .engines.base import AdapterNotLoaded, PushesWeights, UpdatesAdapterInPlace, require
+from .fsutil import remove_stale_temps
 
 
 @dataclass
 class RefreshRecord:
     mode: str
-    step: int
+    version: int                                            # the adapter version sent
     nbytes: int = 0
     parts: dict[str, float] = field(default_factory=dict)   # part -> seconds
     buckets: list[dict] = field(default_factory=list)       # one row per bucket
-    snapshot: AdapterSnapshot | None = field(default=None, repr=False)  # what was sent (trainer reuses it)
+    engine_ms: dict[str, float] = field(default_factory=dict)  # the engine's own timings, where it reports them
 
     @property
     def total_s(self) -> float:
         return sum(self.parts.values())
 
-    def rows(self) -> list[dict]:
+    def rows(self, step: int) -> list[dict]:
         """sync.jsonl rows: each bucket, then the refresh total."""
-        total = {"step": self.step, "mode": self.mode, "row": "refresh", "bytes": self.nbytes,
+        total = {"step": step, "mode": self.mode, "row": "refresh", "version": self.version, "bytes": self.nbytes,
                  "buckets": len(self.buckets), "total_s": self.total_s, **{f"{k}_s": v for k, v in self.parts.items()}}
-        return [{"step": self.step, "mode": self.mode, "row": "bucket", **b} for b in self.buckets] + [total]
+        return [{"step": step, "mode": self.mode, "row": "bucket", **b} for b in self.buckets] + [total]
 
 
 def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -75,7 +77,7 @@ class _Clock:
 
     def __init__(self, record: RefreshRecord):
         self.record = record
-        self.cuda = torch.cuda.is_available()
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.t = self.now()
 
     def now(self) -> float:
@@ -107,54 +109,51 @@ def adapter_tmp_root(configured: str = "") -> Path:
 
 
 class Refresher:
-    mode = "base"
+    mode: ClassVar[str] = ""
+    help: ClassVar[str] = ""
+    needs: ClassVar[tuple[type, ...]] = ()                 # optional engine capabilities it uses
+    release_tags: ClassVar[tuple[str, ...]] = ("kv_cache",)  # engine memory it can spare during training
+    keeps_engine_fresh: ClassVar[bool] = True              # False only for the stale control
 
-    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, max_rank: int | None = None,
-                 transfer_dtype: torch.dtype | None = None):
+    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, tmp_dir: str = "", base_weights=None):
+        for capability in self.needs:
+            require(engine, capability, f"refresh.mode={self.mode}")
         self.engine, self.adapter_name = engine, adapter_name
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.max_rank = max_rank
-        self.transfer_dtype = transfer_dtype  # what the engine receives; None = the trainer's dtype
         self.refreshes = 0
-        self._snapshotter: FlatSnapshotter | None = None
 
     @property
     def serving_adapter(self) -> str | None:
         """The adapter name rollouts must pass: the refreshed adapter (None for merged weights)."""
         return self.adapter_name
 
-    def refresh(self, peft_model, step: int) -> RefreshRecord:
-        record = RefreshRecord(self.mode, step)
-        self._refresh(peft_model, record)
+    def refresh(self, adapter: FlatAdapter) -> RefreshRecord:
+        """Move `adapter` into the engine; it was checked finite and validated by the policy."""
+        record = RefreshRecord(self.mode, adapter.version)
+        self._refresh(adapter, record)
         self.refreshes += 1
         return record
 
-    def _snapshot(self, peft_model, record: RefreshRecord) -> AdapterSnapshot:
-        """Validated (structure once, values every time) before the engine sees anything."""
-        if self._snapshotter is None or self._snapshotter.model is not peft_model:
-            self._snapshotter = FlatSnapshotter(peft_model, max_rank=self.max_rank)
-        snapshot = self._snapshotter.snapshot(record.step)
-        record.snapshot = snapshot
-        return snapshot
+    def _refresh(self, adapter: FlatAdapter, record: RefreshRecord) -> None:
+        raise NotImplementedError
 
-    def _stage(self, snapshot: AdapterSnapshot, device, record: RefreshRecord, clock: "_Clock"):
-        """(views, buffer): the snapshot in the transfer dtype on `device`, as views of one new flat buffer filled
-        bucket by bucket (a bucket is a run of whole tensors, packed by pack_buckets; the names are
-        sorted, so each bucket is one contiguous range); one record row per bucket."""
-        src = snapshot.flat if snapshot.flat is not None else torch.cat(
-            [snapshot.tensors[n].reshape(-1) for n in sorted(snapshot.tensors)])
-        to_host = torch.device(device).type == "cpu" and src.is_cuda  # pinned: ~20x faster device->host
-        out = torch.empty(src.numel(), dtype=self.transfer_dtype or src.dtype, device=device, pin_memory=to_host)
-        views = self._snapshotter.views(out)
+    def _stage(self, adapter: FlatAdapter, device, record: RefreshRecord, clock: _Clock) -> FlatAdapter:
+        """The adapter in the engine's dtype on `device`, in a new buffer filled bucket by bucket (a
+        bucket is a run of whole tensors: the names are sorted, so each is one contiguous range);
+        one record row per bucket. Pinned host memory when it goes to the host (~20x faster)."""
+        src = adapter.buffer
+        to_host = torch.device(device).type == "cpu" and src.is_cuda
+        out = torch.empty(src.numel(), dtype=self.engine.adapter_dtype or src.dtype, device=device,
+                          pin_memory=to_host)
         start = 0
-        for i, bucket in enumerate(pack_buckets(list(views.items()), self.bucket_bytes)):
+        for i, bucket in enumerate(pack_buckets(list(adapter.tensors.items()), self.bucket_bytes)):
             n = sum(t.numel() for _, t in bucket)
             out[start:start + n].copy_(src[start:start + n], non_blocking=True)
             record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": n * out.element_size(),
                                    "seconds": clock.lap("stage")})
             start += n
         record.nbytes = out.numel() * out.element_size()
-        return views, out
+        return FlatAdapter(out, adapter.layout, adapter.config, adapter.version)
 
     def close(self) -> None:
         pass
@@ -162,24 +161,22 @@ class Refresher:
 
 class FileRefresh(Refresher):
     mode = "file"
+    help = "write a PEFT dir (tmpfs when available), unload, load by path"
 
-    def __init__(self, *args, tmp_dir: str = "", **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, engine, adapter_name: str, tmp_dir: str = "", **kw):
+        super().__init__(engine, adapter_name, **kw)
         self.root = adapter_tmp_root(tmp_dir)
         self._previous: Path | None = None
 
-    def _refresh(self, peft_model, record):
+    def _refresh(self, adapter, record):
         clock = _Clock(record)
-        snapshot = self._snapshot(peft_model, record)
-        clock.lap("snapshot")
-        host, flat = self._stage(snapshot, "cpu", record, clock)  # one device->host copy, engine dtype
-        out = AdapterSnapshot(host, snapshot.config, record.step, flat=flat)
-        path = out.save_peft_dir(self.root / f"{self.adapter_name}-{record.step:06d}")
+        host = self._stage(adapter, "cpu", record, clock)  # one device->host copy, engine dtype
+        path = host.save_peft_dir(self.root / f"{self.adapter_name}-{record.version:06d}")
         clock.lap("write")
         _unload_if_loaded(self.engine, self.adapter_name)
         clock.lap("unload")
         try:
-            self.engine.load_adapter(self.adapter_name, path)
+            self.engine.load_adapter(self.adapter_name, path, version=adapter.version)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)  # the engine refused it: nothing references it
             raise
@@ -194,57 +191,60 @@ class FileRefresh(Refresher):
 
 class TensorRefresh(Refresher):
     mode = "tensor"
+    help = "stage tensors on the engine's device in buckets, unload, load_lora_adapter_from_tensors"
 
-    def __init__(self, *args, device: str | None = None, **kw):
-        super().__init__(*args, **kw)
-        # CUDA-IPC needs GPU tensors: a CPU tensor would fail (or be copied) inside the engine
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-    def _refresh(self, peft_model, record):
+    def _refresh(self, adapter, record):
         clock = _Clock(record)
-        snapshot = self._snapshot(peft_model, record)
-        clock.lap("snapshot")
-        staged, _ = self._stage(snapshot, self.device, record, clock)
+        # CUDA-IPC needs GPU tensors: a CPU tensor would fail (or be copied) inside the engine
+        staged = self._stage(adapter, self.engine.device, record, clock)
         _unload_if_loaded(self.engine, self.adapter_name)
         clock.lap("unload")
-        self.engine.load_adapter_tensors(self.adapter_name, staged, snapshot.config)
+        self.engine.load_adapter_tensors(self.adapter_name, staged)
         clock.lap("load")
 
 
 class InPlaceRefresh(TensorRefresh):
-    """Load once, then overwrite the engine's resident copy of the adapter in place: no unload, no
-    reload, no host round trip. The engine keeps the adapter's name, slot and scaling, so the LoRA
-    config (rank, alpha, target modules) must stay the same; a changed config is refused by the
-    engine and a full TensorRefresh is the way to change it."""
+    """Load once, then overwrite the engine's resident copy of the adapter in place. The engine keeps
+    the adapter's name, slot and scaling, so the LoRA config (rank, alpha, target modules) must stay
+    the same; a changed config is refused by the engine and `tensor` is the way to change it."""
     mode = "inplace"
+    help = "load once, then write new values into the engine's resident adapter (SGLang: its GPU LoRA pool)"
+    needs = (UpdatesAdapterInPlace,)
 
-    def _refresh(self, peft_model, record):
+    def _refresh(self, adapter, record):
         if self.adapter_name not in self.engine.loaded_adapters():
-            return super()._refresh(peft_model, record)  # the first load (or after an engine restart)
+            return super()._refresh(adapter, record)  # the first load (or after an engine restart)
         clock = _Clock(record)
-        snapshot = self._snapshot(peft_model, record)
-        clock.lap("snapshot")
-        staged, _ = self._stage(snapshot, self.device, record, clock)
-        self.engine.update_adapter_in_place(self.adapter_name, staged, snapshot.config)
+        record.nbytes = adapter.nbytes
+        record.engine_ms = self.engine.update_adapter_in_place(self.adapter_name, adapter)
         clock.lap("write")
 
 
 class MergedRefresh(Refresher):
     mode = "merged"
+    help = "merge W + (alpha/r)BA and push full weights in buckets (the full-weight baseline)"
+    needs = (PushesWeights,)
+    release_tags = ("kv_cache", "weights")  # every weight is pushed again after resume
+
+    def __init__(self, engine, adapter_name: str, base_weights=None, **kw):
+        super().__init__(engine, adapter_name, **kw)
+        if base_weights is None:
+            raise ValueError("refresh.mode=merged needs the trainer's base weights (base_weights=...)")
+        self.base_weights = base_weights
 
     @property
     def serving_adapter(self) -> str | None:
         return None  # the engine's base weights *are* the policy now
 
-    def _refresh(self, peft_model, record):
+    def _refresh(self, adapter, record):
         clock = _Clock(record)
-        self._snapshot(peft_model, record)  # validate (NaN/Inf, shapes) before any weight is pushed
-        merged = merged_state_dict(peft_model)
+        merged = merge_weights(self.base_weights, adapter)
         clock.lap("merge")
         buckets = pack_buckets(list(merged.items()), self.bucket_bytes)
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
-            self.engine.update_weights(bucket, flush_cache=last)  # flush once, after the last bucket
+            # flush once, after the last bucket; the version moves with the last weights written
+            self.engine.update_weights(bucket, flush_cache=last, version=adapter.version if last else None)
             nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
             record.nbytes += nbytes
             record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": nbytes,
@@ -254,28 +254,22 @@ class MergedRefresh(Refresher):
 class NoRefresh(TensorRefresh):
     """Stale-adapter control: load the first adapter, then never update the engine again."""
     mode = "none"
+    help = "the stale-adapter control: load the first adapter once, never update it"
+    keeps_engine_fresh = False
 
-    def refresh(self, peft_model, step):
+    def refresh(self, adapter):
         if self.refreshes == 0:
-            record = super().refresh(peft_model, step)
-            record.mode = self.mode
-            return record
-        return RefreshRecord(self.mode, step)
+            return super().refresh(adapter)
+        return RefreshRecord(self.mode, adapter.version)
 
 
-def make_refresher(cfg, engine) -> Refresher:
-    r = cfg.refresh
-    # SGLang's LoRA pool has a fixed max rank (engine.max_lora_rank, 0 = lora.r); the hf engine has none
-    sglang = cfg.engine.backend == "sglang"
-    max_rank = (cfg.engine.max_lora_rank or cfg.lora.r) if sglang else None
-    # SGLang keeps adapters in its own dtype: send that (half the bytes of fp32); the hf engine gets
-    # the trainer's dtype, so its weights equal the trainer's exactly
-    dtype = DTYPES.get(cfg.engine.dtype) if sglang else None  # None for 'auto'
-    common = dict(bucket_mb=r.bucket_mb, max_rank=max_rank, transfer_dtype=dtype)
-    name = cfg.engine.adapter_name
-    if r.mode == "file":
-        return FileRefresh(engine, name, tmp_dir=r.tmp_dir, **common)
-    if r.mode == "merged":
-        return MergedRefresh(engine, name, **common)
-    cls = {"tensor": TensorRefresh, "inplace": InPlaceRefresh, "none": NoRefresh}[r.mode]
-    return cls(engine, name, device=getattr(engine, "device", None), **common)
+REFRESH_MODES: dict[str, type[Refresher]] = {cls.mode: cls for cls in
+                                             (FileRefresh, TensorRefresh, InPlaceRefresh, MergedRefresh, NoRefresh)}
+
+
+def make_refresher(mode: str, engine, adapter_name: str, bucket_mb: float = 64.0, tmp_dir: str = "",
+                   base_weights=None) -> Refresher:
+    """The refresher registered as `mode`; each takes the arguments it needs and ignores the rest."""
+    if mode not in REFRESH_MODES:
+        raise ValueError(f"refresh.mode={mode!r}: use one of {sorted(REFRESH_MODES)}")
+    return REFRESH_MODES[mode](engine, adapter_name, bucket_mb=bucket_mb, tmp_dir=tmp_dir, base_weights=base_weights)

@@ -9,9 +9,9 @@ next to the physical floor: the bytes moved divided by the measured copy bandwid
 Each row is the median of `repeats` refreshes of the same adapter after `warmup` untimed ones:
     {"engine", "device", "mode", "rank", "bucket_mb", "bytes", "buckets", "parts": {part: s},
      "total_s", "min_s", "repeats"}
-Parts are the refresher's own (refresh.py): file = snapshot + stage (per bucket, to the host) + write
-+ unload + load; tensor = snapshot + stage (per bucket) + unload + load; inplace = snapshot + stage +
-write (after its first, loading refresh); merged = merge + push (per bucket).
+Parts are the refresher's own (refresh.py), after the policy's snapshot (timed here as `snapshot`):
+file = stage (per bucket, to the host) + write + unload + load; tensor = stage (per bucket) + unload +
+load; inplace = write (after its first, loading refresh); merged = merge + push (per bucket).
 
 GPU results committed by the benchmarks (benchmarks/results/gpu/*.json) are read by
 `load_results` (files in the format above) and `gpu_refresh_summary` (per-step refresh records of
@@ -22,16 +22,17 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from .adapters import base_weights
 from .engines.base import AdapterNotLoaded
-from .refresh import FileRefresh, InPlaceRefresh, MergedRefresh, TensorRefresh
+from .refresh import REFRESH_MODES, make_refresher
 
-MODES = ("file", "tensor", "inplace", "merged")
+MODES = tuple(m for m, cls in REFRESH_MODES.items() if cls.keeps_engine_fresh)   # every mode but the stale control
 BUCKETS_MB = (0.01, 0.03, 0.1, 0.3, 1.0, 4.0, 16.0, 64.0, 512.0)   # log-spaced; the tiny adapter is ~1 MB
-REFRESHERS = {"file": FileRefresh, "tensor": TensorRefresh, "inplace": InPlaceRefresh, "merged": MergedRefresh}
 
 
 def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
@@ -63,11 +64,13 @@ def adapter_model(model_path: str, rank: int, seed: int = 0, target_modules="all
     """A trainer-side PEFT model with a rank-`rank` LoRA on `target_modules` and a non-zero lora_B
     (seeded noise), i.e. an adapter of the size a trained one has."""
     from peft import LoraConfig, get_peft_model
+
     from .models import load_model
     torch.manual_seed(seed)
-    model = get_peft_model(load_model(model_path, dtype, device),
-                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target_modules,
-                                      lora_dropout=0.0, bias="none"))
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target_modules, lora_dropout=0.0, bias="none")
+    with warnings.catch_warnings():  # PEFT calls a transformers attribute deprecated in 5.x; not ours
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(load_model(model_path, dtype, device), config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -83,17 +86,31 @@ def _drop_adapter(engine, name: str) -> None:
 
 
 def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: int = 3, warmup: int = 1,
-                    adapter_name: str = "bench", transfer_dtype: torch.dtype | None = None) -> dict:
-    """Median refresh of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` (one row)."""
-    if mode not in REFRESHERS:
+                    adapter_name: str = "bench") -> dict:
+    """Median refresh of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` (one row),
+    the policy's snapshot (LoRA layers -> one flat adapter) included as the part `snapshot`.
+
+    Like the policy, it makes the model's LoRA weights views of one flat buffer (LoraLayers with
+    flatten=True), which re-binds them: pass a scratch model (`adapter_model`), not a live trainer's,
+    whose optimizer would lose its parameters."""
+    from .policy import LoraLayers
+    if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least one timed refresh")
-    refresher = REFRESHERS[mode](engine, adapter_name, bucket_mb=bucket_mb, transfer_dtype=transfer_dtype)
+    layers = LoraLayers(peft_model, flatten=True)  # as the policy keeps them
+    refresher = make_refresher(mode, engine, adapter_name, bucket_mb=bucket_mb,
+                               base_weights=base_weights(peft_model) if mode == "merged" else None)
+    records = []
     try:
-        for step in range(warmup):
-            refresher.refresh(peft_model, step)
-        records = [refresher.refresh(peft_model, warmup + i) for i in range(repeats)]
+        for version in range(warmup + repeats):
+            t0 = _now()
+            adapter = layers.snapshot(version)
+            snapshot_s = _now() - t0
+            record = refresher.refresh(adapter)
+            record.parts = {"snapshot": snapshot_s, **record.parts}
+            if version >= warmup:
+                records.append(record)
     finally:
         refresher.close()
         if mode != "merged":
@@ -103,6 +120,12 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
             "mode": mode, "rank": int(peft_model.peft_config["default"].r), "bucket_mb": bucket_mb,
             "bytes": median.nbytes, "buckets": len(median.buckets), "parts": dict(median.parts),
             "total_s": median.total_s, "min_s": min(r.total_s for r in records), "repeats": repeats}
+
+
+def _now() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def sweep(engine, model_path: str, modes=MODES, ranks=(4, 16, 64), buckets_mb=BUCKETS_MB, repeats: int = 3,

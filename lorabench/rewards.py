@@ -60,11 +60,40 @@ def gsm8k_reward(completion: str, answer: str, mode: str = "strict", format_bonu
     return reward
 
 
-def correctness_reward(prompts: list[str], completions: list[str], answers: list[str],
-                       mode: str = "strict", format_bonus: float = 0.0) -> list[float]:
-    """TRL-style batch reward: `fn(prompts, completions, answers) -> list[float]`.
+# --- reward functions: fn(prompts, completions, **kwargs) -> list[float], one signature, pluggable ----
+def correct_strict(prompts: list[str], completions: list[str], answers: list[str], **kwargs) -> list[float]:
+    """1.0 where the number after the last '#### ' equals the answer.
 
-    >>> correctness_reward(["q"], ["#### 5"], ["5"])
+    >>> correct_strict(["q", "q"], ["so 7\\n#### 7", "The answer is 7."], answers=["7", "7"])
+    [1.0, 0.0]
+    """
+    return [gsm8k_reward(c, a, "strict") for c, a in zip(completions, answers)]
+
+
+def correct_flexible(prompts: list[str], completions: list[str], answers: list[str], **kwargs) -> list[float]:
+    """1.0 where the last number in the completion equals the answer.
+
+    >>> correct_flexible(["q"], ["The answer is 7."], answers=["7"])
     [1.0]
     """
-    return [gsm8k_reward(c, a, mode, format_bonus) for c, a in zip(completions, answers)]
+    return [gsm8k_reward(c, a, "flexible") for c, a in zip(completions, answers)]
+
+
+def strict_format(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+    """1.0 where '#### N' is present, right or wrong (a format bonus when weighted > 0).
+
+    >>> strict_format(["q", "q"], ["#### 3", "3"])
+    [1.0, 0.0]
+    """
+    return [float(has_strict_format(c)) for c in completions]
+
+
+def reward_functions(mode: str = "strict", format_bonus: float = 0.0) -> list[tuple[str, object, float]]:
+    """(name, fn, weight) for the configured reward: correctness, plus the format bonus if any.
+    Each is logged as rewards/<name>/mean; the step's reward is the weighted sum."""
+    if mode not in ("strict", "flexible"):
+        raise ValueError(f"reward mode {mode!r}: use 'strict' or 'flexible'")
+    fns = [("correct", correct_strict if mode == "strict" else correct_flexible, 1.0)]
+    if format_bonus:
+        fns.append(("format", strict_format, format_bonus))
+    return fns

@@ -1,6 +1,7 @@
 """Run directories: what a run writes, and how a run is read back or resumed.
 
-    RUN_DIR/config.json          the full Config
+    RUN_DIR/config.json          the full Config, written once when the run starts, never rewritten
+    RUN_DIR/config_changes.jsonl allowed changes of a continued run (compat.py), appended, in order
     RUN_DIR/metrics.jsonl        one row per GRPO step, slash-namespaced keys (append-only)
     RUN_DIR/sync.jsonl           one row per refresh bucket and one per refresh total
     RUN_DIR/rollouts.jsonl       sampled completions with rewards and advantages
@@ -8,36 +9,34 @@
     RUN_DIR/adapters/step_<n>/   PEFT adapter dirs (load with PeftModel.from_pretrained)
     RUN_DIR/checkpoint/          trainer state for `lorabench resume` (atomic, latest step)
     RUN_DIR/plots/*.png          figures
-Rows are flushed and fsynced as they are written; on resume, rows past the checkpoint's step are
-dropped (atomically), so a killed run loses no step and repeats none.
+    RUN_DIR/lock                 the writer's PID while one runs (rundir.RunLock)
+A step is committed by its checkpoint: `commit` writes the adapter dir (when due), then the
+checkpoint (which also holds the rows it vouches for), then appends the sync and rollout rows; the
+trainer appends the metrics rows last. Rows are flushed and fsynced as they are written. So the
+files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
+`load_checkpoint` appends them from the checkpoint and says so. Anything else that does not fit is
+refused by rundir.inspect, which reads without writing; nothing is truncated but a torn last line.
 """
 from __future__ import annotations
 
+import itertools
 import json
-import math
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from .adapters import AdapterLayout, FlatAdapter
+from .fsutil import atomic_write
+from .rundir import RunDirError, RunLock, inspect, read_jsonl, row_line, scan_jsonl
+from .rundir import clean as _clean
+
+__all__ = ["NullRunLog", "RunDirError", "RunLog", "_clean", "read_jsonl", "redact"]
+
 # whole underscore-separated words, so 'hf_token' / 'api_key' match but 'max_new_tokens' does not
 _SECRET_KEY = re.compile(r"(?:^|_)(?:token|secret|password|api_key|apikey|credentials?)(?:_|$)", re.I)
-
-
-def _clean(value):
-    """JSON-safe: tensors to numbers, NaN/Inf to None (JSON has neither)."""
-    if isinstance(value, torch.Tensor):
-        value = value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
 
 
 def redact(config: dict) -> dict:
@@ -46,122 +45,121 @@ def redact(config: dict) -> dict:
             for k, v in config.items()}
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write `path` via a fsynced temp file (`.<name>.<pid>.*`) renamed onto it; temps that a
-    killed writer left next to it are removed first."""
-    from .adapters import remove_stale_temps
-    remove_stale_temps(path.parent, (f".{path.name}.",))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a torn last line from a kill mid-write: stop there
-                break
-    return rows
-
-
-class RunDirError(ValueError):
-    """A run dir lacks something resume needs; the message says what and how to recover."""
-
-
 class RunLog:
-    def __init__(self, run_dir: str | Path):
-        self.dir = Path(run_dir)
+    """Writes one run dir. With lock=True (RunSession, the CLI) it first takes the run dir's
+    one-writer lock, refusing if another process holds it; `close()` releases it."""
+
+    def __init__(self, run_dir: str | Path, log=print, lock: bool = False):
+        self.dir, self.log = Path(run_dir), log
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o750)  # never world-writable (nor world-readable)
+        self._lock = RunLock(self.dir, log) if lock else None
         for sub in ("adapters", "plots", "checkpoint"):
             (self.dir / sub).mkdir(exist_ok=True)
             os.chmod(self.dir / sub, 0o750)  # explicit: whatever the process umask is
 
     @classmethod
-    def create(cls, out_dir: str, name: str = "") -> "RunLog":
-        name = name or time.strftime("%Y%m%d-%H%M%S")
-        return cls(Path(out_dir) / name)
+    def create(cls, out_dir: str, name: str = "", log=print, lock: bool = False) -> RunLog:
+        """RUN_DIR = out_dir/name, or out_dir/<timestamp>[-k]: a timestamped dir is made with an
+        exclusive mkdir, so two runs started in the same second get two dirs."""
+        if name:
+            return cls(Path(out_dir) / name, log, lock)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for k in itertools.count(1):
+            candidate = Path(out_dir) / (stamp if k == 1 else f"{stamp}-{k}")
+            try:
+                candidate.mkdir()
+                return cls(candidate, log, lock)
+            except FileExistsError:
+                continue
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
     def write_config(self, config: dict) -> None:
-        atomic_write(self.dir / "config.json", json.dumps(redact(config), indent=1).encode(), 0o640)
+        """config.json, once: a run's config is never rewritten (changes go to config_changes.jsonl)."""
+        path = self.dir / "config.json"
+        if path.exists():
+            raise RunDirError(f"{path} exists: a run's config is written once and never rewritten; continue the run "
+                              f"with `lorabench resume {self.dir}` or choose another run.name")
+        atomic_write(path, json.dumps(redact(config), indent=1).encode(), 0o640)
+
+    def record_config_changes(self, step: int, changes: dict[str, tuple]) -> None:
+        """One row of allowed changes ({field: [old, new]}) made when continuing at `step`."""
+        self._append("config_changes.jsonl", [{"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                               "changes": {k: list(v) for k, v in changes.items()}}])
 
     def _append(self, name: str, rows: list[dict]) -> None:
-        fd = os.open(self.dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)  # not umask-dependent
+        path = self.dir / name
+        self._end_with_newline(path)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)  # not umask-dependent
         with os.fdopen(fd, "a") as fh:
             for row in rows:
-                fh.write(json.dumps(_clean(row)) + "\n")
+                fh.write(row_line(row))
             fh.flush()
             os.fsync(fh.fileno())
 
-    def log_metrics(self, row: dict) -> None:
-        self._append("metrics.jsonl", [row])
+    def _end_with_newline(self, path: Path) -> None:
+        """Never glue a row onto a torn one: a file not ending in a newline is repaired first."""
+        if not path.is_file() or path.stat().st_size == 0:
+            return
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) == b"\n":
+                return
+        scan = scan_jsonl(path)
+        if scan.torn:
+            self.log(f"{path.name}: removing a torn last line ({len(scan.tail)} bytes without a newline, cut off by "
+                     f"a kill mid-write): {scan.tail[:60]!r}")
+            os.truncate(path, scan.end)
+        else:
+            with open(path, "ab") as fh:
+                fh.write(b"\n")
+                fh.flush()
+                os.fsync(fh.fileno())
 
-    def log_sync(self, rows: list[dict]) -> None:
-        self._append("sync.jsonl", rows)
-
-    def log_rollouts(self, rows: list[dict]) -> None:
-        self._append("rollouts.jsonl", rows)
+    def log_metrics(self, rows: list[dict]) -> None:
+        self._append("metrics.jsonl", rows)
 
     def log_eval(self, row: dict) -> None:
         self._append("evals.jsonl", [row])
 
-    def save_adapter(self, snapshot, step: int) -> Path:
-        return snapshot.save_peft_dir(self.dir / "adapters" / f"step_{step}")
+    def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
+               save_adapter: bool) -> None:
+        """The commit point of steps up to `step`: adapters/step_<n> (when due), then one atomic
+        checkpoint holding the trainer state, the adapter and the pending rows, then the sync and
+        rollout rows. The caller appends the metrics rows after this returns."""
+        if save_adapter:
+            adapter.save_peft_dir(self.dir / "adapters" / f"step_{step}")
+        host = adapter.to("cpu")
+        payload = {**state, "step": step, "adapter_buffer": host.buffer, "adapter_layout": host.layout.to_json(),
+                   "adapter_config": host.config, "rows": rows}
+        atomic_write(self.dir / "checkpoint" / "trainer_state.pt", mode=0o640,
+                     writer=lambda tmp: torch.save(payload, tmp))
+        for name in ("sync.jsonl", "rollouts.jsonl"):
+            self._append(name, rows.get(name, []))
 
-    def save_checkpoint(self, state: dict, snapshot) -> None:
-        """One atomic commit: trainer_state.pt holds the step, optimizer and RNG state *and* the
-        adapter tensors, so a kill at any point leaves the previous or the new checkpoint whole
-        (the adapter dir next to it is a copy for PEFT users; it may be a step ahead of, or briefly
-        missing from, a killed run's state file, and resume never reads it when the state has the
-        tensors). Temp files a killed writer left behind are removed here."""
-        from .adapters import _fsync_dir, remove_stale_temps
-        snapshot.save_peft_dir(self.dir / "checkpoint" / "adapter")
-        buf = self.dir / "checkpoint" / "trainer_state.pt"
-        remove_stale_temps(buf.parent, (".trainer_state.",))
-        state = {**state, "adapter_tensors": {k: v.detach().cpu() for k, v in snapshot.tensors.items()},
-                 "adapter_config": snapshot.config}
-        fd, tmp = tempfile.mkstemp(prefix=f".trainer_state.{os.getpid()}.", dir=buf.parent)
-        os.close(fd)
-        try:
-            torch.save(state, tmp)
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, buf)
-            _fsync_dir(buf.parent)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    def load_checkpoint(self):
-        from .adapters import AdapterSnapshot
-        state_path = self.dir / "checkpoint" / "trainer_state.pt"
-        if not state_path.is_file():
+    def load_checkpoint(self) -> tuple[dict | None, FlatAdapter | None]:
+        """The last checkpoint (None, None before the first), after making the files agree with it:
+        rundir.inspect refuses what cannot be matched; its repairs are applied and logged here."""
+        found = inspect(self.dir)
+        for note in found.notes:
+            self.log(f"note: {note}")
+        for repair in found.repairs:
+            self.log(f"repair: {repair.note}")
+            if repair.kind == "cut_torn_tail":
+                os.truncate(repair.path, repair.end)
+            elif repair.kind == "add_newline":
+                self._end_with_newline(repair.path)
+            else:
+                self._append(repair.path.name, repair.rows)
+        state = found.checkpoint
+        if state is None:
             return None, None
-        state = torch.load(state_path, weights_only=False)
-        if "adapter_tensors" in state:
-            return state, AdapterSnapshot(state["adapter_tensors"], state["adapter_config"], state["step"])
-        return state, AdapterSnapshot.load_peft_dir(self.dir / "checkpoint" / "adapter")  # older run dirs
-
-    def truncate_after(self, step: int) -> None:
-        """Drop rows of steps > `step` (work a killed run did after its last checkpoint)."""
-        for name in ("metrics.jsonl", "sync.jsonl", "rollouts.jsonl"):
-            path = self.dir / name
-            if path.is_file():
-                keep = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
-                atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep).encode(), 0o640)
+        layout = AdapterLayout.from_json(state["adapter_layout"])
+        return state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], int(state["step"]))
 
     def metrics(self) -> list[dict]:
         return read_jsonl(self.dir / "metrics.jsonl")
@@ -171,21 +169,35 @@ class RunLog:
 
     def set_evals(self, step: int, rows: list[dict]) -> list[dict]:
         """Make `rows` the evaluations of `step`, replacing any a killed or repeated run left there
-        (evaluation is seeded, so a repeat gives the same values); returns all rows."""
+        (evaluation is seeded, so a repeat gives the same values); returns all rows. The file is
+        rewritten only after it was read whole (a bad line raises instead)."""
         kept = [r for r in self.evals() if r.get("step") != step] + rows
-        atomic_write(self.dir / "evals.jsonl", "".join(json.dumps(_clean(r)) + "\n" for r in kept).encode(), 0o640)
+        atomic_write(self.dir / "evals.jsonl", "".join(map(row_line, kept)).encode(), 0o640)
         return kept
 
 
 class NullRunLog:
-    """Same methods, writes nothing: the loop never branches on whether it is logging."""
+    """Same methods as RunLog, writes nothing: the loop never branches on whether it is logging.
+    Every method is spelled out, so a misspelled call fails instead of silently doing nothing."""
     dir = None
 
-    def __getattr__(self, name):
-        return lambda *a, **k: None
+    def log_metrics(self, rows: list[dict]) -> None:
+        pass
+
+    def log_eval(self, row: dict) -> None:
+        pass
+
+    def commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
+        pass
 
     def load_checkpoint(self):
         return None, None
 
-    def metrics(self):
+    def metrics(self) -> list[dict]:
         return []
+
+    def evals(self) -> list[dict]:
+        return []
+
+    def close(self) -> None:
+        pass

@@ -3,10 +3,16 @@
     session = RunSession.open(cfg, run_dir="runs/nb")   # config.json, model, engine, trainer
     session.trainer.step()                              # metrics.jsonl / sync.jsonl / checkpoint
     print(session.resume_command(extra_steps=5))        # lorabench resume runs/nb grpo.steps=8
+    session.close()                                     # releases engine, temp dirs and the run dir's lock
 
 The run directory has the CLI's layout (runlog.py). Like the CLI, a fresh run is evaluated on the
 held-out set before its first step (evals.jsonl, sampled then greedy): `lorabench resume` expects
 those step-0 rows.
+
+`open` validates before it writes: the run dir (plan_run: another writer? a config change that is
+refused? a dir that cannot be continued?), then the environment, model and data (preflight.py); only
+then is the model built (tiny: into its cache), and last the run dir is created or continued under
+its one-writer lock. A failure before that leaves the run dir byte for byte as it was, or absent.
 """
 from __future__ import annotations
 
@@ -15,7 +21,78 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import Config
+from .config import Config, ConfigError
+
+
+@dataclass
+class RunPlan:
+    """Where a run goes and what is there, decided before anything is written."""
+    run_dir: Path | None          # None: a new timestamped dir under run.out_dir
+    continued: object = None      # rundir.RunDirState of the run being continued, else None
+    named_by_config: bool = False  # run.out_dir/run.name chose it (`lorabench run`), not a run_dir argument
+
+    def open(self, cfg: Config, log=print):
+        """The run dir under its lock: config.json for a new run, config_changes.jsonl for a continued one."""
+        from .compat import check_continuation, effective_config
+        from .runlog import RunDirError, RunLog
+        if self.continued is None:
+            runlog = RunLog(self.run_dir, log, lock=True) if self.run_dir else RunLog.create(
+                cfg.run.out_dir, "", log, lock=True)
+            try:
+                runlog.write_config(cfg.to_dict())   # refuses if another process made this run meanwhile
+            except RunDirError:
+                runlog.close()
+                raise
+            log(f"run dir: {runlog.dir}")
+            return runlog
+        runlog = RunLog(self.run_dir, log, lock=True)
+        try:  # again under the lock: another writer may have finished since plan_run looked
+            diff = check_continuation(self.run_dir, effective_config(self.run_dir), cfg, self.continued.step)
+        except RunDirError:
+            runlog.close()
+            raise
+        if diff:
+            runlog.record_config_changes(self.continued.step, diff)
+        if self.named_by_config:
+            log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
+        log(f"run dir: {runlog.dir} (continued at step {self.continued.step})")
+        for key, (old, new) in diff.items():
+            note = "; earlier evaluations used the old value (each evals.jsonl row has its n)" if key.startswith(
+                "data.eval_") else ""
+            log(f"  {key}: {old!r} -> {new!r} (recorded in config_changes.jsonl{note})")
+        return runlog
+
+
+def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
+    """A new run, or the continuation of the run already in `run_dir` (or run.out_dir/run.name),
+    which must be free (no other writer), accept `cfg` (compat.py) and be readable (rundir.inspect)."""
+    from .compat import check_continuation, effective_config
+    from .rundir import RunDirError, inspect, lock_holder
+    path = Path(run_dir) if run_dir else (Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None)
+    if path is None or not path.exists():
+        return RunPlan(path)
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a run dir; choose another run.name or run.out_dir")
+    busy = lock_holder(path)
+    if busy:
+        raise busy
+    if not (path / "config.json").is_file():
+        leftovers = sorted(p.name for p in path.iterdir()
+                           if p.name != "lock" and not (p.name in ("adapters", "plots", "checkpoint")
+                                                        and p.is_dir() and not any(p.iterdir())))
+        if leftovers:
+            raise RunDirError(f"{path} exists and is not a lorabench run dir (no config.json; it holds "
+                              f"{leftovers[:5]}); choose another run.name or run.out_dir")
+        return RunPlan(path)   # empty, or left by a run stopped before it wrote its config
+    try:
+        state = inspect(path)
+        check_continuation(path, effective_config(path), cfg, state.step)   # refused changes end here
+        return RunPlan(path, state, named_by_config=run_dir is None)
+    except RunDirError as err:
+        if run_dir is None:  # `lorabench run` named it: say why a run command talks about continuing
+            raise RunDirError(f"run.out_dir/run.name name the existing run {path}, which `lorabench run` continues "
+                              f"like `lorabench resume`: {err}") from err
+        raise
 
 
 @dataclass
@@ -30,22 +107,32 @@ class RunSession:
 
     @classmethod
     def open(cls, cfg: Config, run_dir: str | Path | None = None, log=print, evaluate_first: bool = True):
-        """Create (or reopen) the run dir, write config.json, build the model, engine and trainer.
-        A run dir that already holds a checkpoint is resumed from it, as `lorabench resume` does."""
+        """Check everything, build the model, then create (or continue) the run dir and build the
+        engine and trainer. A run dir that already holds a run is continued, as `lorabench resume`
+        does, if `cfg` is compatible with it (compat.py)."""
         import torch
-        from .engines import make_engine
-        from .grpo import GRPOTrainer
+
         from .models import resolve_model_path
-        from .runlog import RunLog
+        from .preflight import preflight
 
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        runlog = RunLog(run_dir) if run_dir else RunLog.create(cfg.run.out_dir, cfg.run.name)
-        runlog.write_config(cfg.to_dict())
-        log(f"run dir: {runlog.dir}")
+        plan = plan_run(cfg, run_dir)
+        preflight(cfg, plan.run_dir if plan.continued else None, log=log)
         t0 = time.perf_counter()
         model_path = resolve_model_path(cfg, log=log)
         model_seconds = time.perf_counter() - t0
+        runlog = plan.open(cfg, log)
+        try:
+            return cls._build(cfg, runlog, model_path, model_seconds, log, evaluate_first)
+        except BaseException:
+            runlog.close()
+            raise
+
+    @classmethod
+    def _build(cls, cfg, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool):
+        from .engines import make_engine
+        from .grpo import GRPOTrainer
         engine = make_engine(cfg, model_path)
         try:
             trainer = GRPOTrainer(cfg, model_path, engine, runlog, log=log)
@@ -84,9 +171,16 @@ class RunSession:
         total = self.trainer.step_count + extra_steps
         return shlex.join(["lorabench", "resume", str(self.run_dir), f"grpo.steps={total}"])
 
-    def close(self) -> None:
-        """Release the trainer's refresher (temp dirs) and the engine."""
+    def close_engine(self) -> None:
+        """Release the trainer's refresher (temp dirs) and the engine; the run dir stays locked."""
         try:
             self.trainer.close()
         finally:
             self.engine.close()
+
+    def close(self) -> None:
+        """Release the refresher, the engine and the run dir's lock."""
+        try:
+            self.close_engine()
+        finally:
+            self.runlog.close()

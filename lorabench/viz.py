@@ -1,18 +1,76 @@
 """Figures shared by the CLI, the notebooks and the tests. Each function draws into a given Axes
-(or makes one) from plain metric rows, so a notebook can redraw the same figure live."""
+(or makes a Figure) from plain rows, so a notebook can redraw the same figure live.
+
+Readable at notebook width: every text is at least MIN_FONT_PT (8 pt = 11 px at matplotlib's 100
+dpi), legends sit outside the data, and parts that are compared share a linear axis.
+`figure_png` renders a figure the way the notebooks show it and writes into the PNG its smallest
+text in pixels (`lorabench:min_text_px`) and its name (`lorabench:figure`, the figure's label), so a
+test can check the text size of each figure as rendered in a browser.
+"""
 from __future__ import annotations
 
+import io
+import json
 import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt  # headless: matplotlib picks Agg by itself when there is no display
+from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 PART_COLORS = {"write": "#4c72b0", "snapshot": "#8172b2", "stage": "#64b5cd", "unload": "#dd8452",
-               "load": "#55a868", "merge": "#937860", "push": "#c44e52"}
+               "load": "#55a868", "merge": "#937860", "push": "#c44e52", "snapshot & rest": "#8172b2",
+               "not split": "#999999", "call": "#5d6d7e", "first request": "#e8a33d"}
+PART_ORDER = ["snapshot", "snapshot & rest", "write", "merge", "stage", "unload", "load", "push"]
+MIN_FONT_PT = 8.0
+STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labelsize": 9,
+         "ytick.labelsize": 9, "legend.fontsize": 9, "figure.titlesize": 12, "figure.dpi": 100}
 
 
+def use_style() -> None:
+    """The notebooks' figure style (STYLE: text of 9 pt and more, 100 dpi)."""
+    plt.rcParams.update(STYLE)
+
+
+# --- rendering with the smallest text recorded --------------------------------------------------
+def smallest_text_pt(fig) -> float:
+    """The smallest font size (pt) of any visible, non-empty text in `fig` (inf if none)."""
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    return min(sizes, default=math.inf)
+
+
+def figure_png(fig, dpi: float | None = None) -> bytes:
+    """`fig` as a tightly cropped PNG, with its smallest text in pixels (at the PNG's own size) and
+    its name (the figure's label) in the PNG's text chunks."""
+    dpi = dpi or fig.dpi
+    buf = io.BytesIO()
+    metadata = {"lorabench:min_text_px": f"{smallest_text_pt(fig) * dpi / 72:.2f}",
+                "lorabench:figure": fig.get_label() or ""}
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", metadata=metadata)
+    return buf.getvalue()
+
+
+def png_text_info(png: bytes) -> dict:
+    """The text chunks `figure_png` wrote: {'min_text_px': float | None, 'figure': str}."""
+    from PIL import Image
+    info = Image.open(io.BytesIO(png)).info
+    px = info.get("lorabench:min_text_px")
+    return {"min_text_px": float(px) if px else None, "figure": info.get("lorabench:figure", "")}
+
+
+def show_figures_with_text_size(shell) -> None:
+    """Make IPython `shell` display matplotlib figures through `figure_png` (the same PNG as the
+    inline backend's, plus the text chunks). The inline backend is loaded first, because loading it
+    registers its own PNG formatter."""
+    import matplotlib
+    plt.switch_backend(matplotlib.get_backend())
+    shell.display_formatter.formatters["image/png"].for_type(Figure, figure_png)
+
+
+# --- one run, step by step (the CLI's plots and the step-through panel) --------------------------
 def _series(rows, key):
-    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None and not (isinstance(r[key], float) and math.isnan(r[key]))]
+    pts = [(r["step"], r[key]) for r in rows
+           if r.get(key) is not None and not (isinstance(r[key], float) and math.isnan(r[key]))]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -21,28 +79,50 @@ def _rolling(values, window=5):
             for i in range(len(values))]
 
 
+def title_with_legend(ax, title: str, ncol: int = 3) -> None:
+    """A left-aligned title with the legend (if any) between it and the axes, never over the data;
+    the title is lifted by the legend's rows."""
+    handles = ax.get_legend_handles_labels()[0]
+    rows = -(-len(handles) // ncol) if handles else 0
+    if handles:
+        ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=ncol, frameon=False, borderaxespad=0.2,
+                  handlelength=1.6, columnspacing=1.0)
+    ax.set_title(title, loc="left", pad=8 + 17 * rows)
+
+
+def _legend_right(ax) -> None:
+    """A one-column legend right of the axes, in the order the parts were drawn."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)
+
+
 def plot_rewards(rows, evals=(), ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     steps, reward = _series(rows, "reward/mean")
-    ax.plot(steps, reward, ".", alpha=0.4, color="#4c72b0", label="train reward (fresh prompts)")
-    ax.plot(steps, _rolling(reward), "-", color="#4c72b0", label="rolling mean (5)")
+    ax.plot(steps, reward, ".", alpha=0.4, color="#4c72b0", label="reward")
+    ax.plot(steps, _rolling(reward), "-", color="#4c72b0", label="reward, mean of 5")
     steps_f, fmt = _series(rows, "reward/strict_format")
-    ax.plot(steps_f, _rolling(fmt), "--", color="#55a868", label="'#### N' format (rolling)")
+    ax.plot(steps_f, _rolling(fmt), "--", color="#55a868", label="ends '#### N', mean of 5")
     for e in evals:
         if not e.get("greedy"):
             ax.plot([e["step"]], [e["strict"]], "D", color="#c44e52", ms=7)
     if any(not e.get("greedy") for e in evals):
-        ax.plot([], [], "D", color="#c44e52", label="held-out strict reward")
-    ax.set(xlabel="GRPO step", ylabel="reward", ylim=(-0.02, 1.02), title="Reward")
-    ax.legend(fontsize=7, loc="upper left")
+        ax.plot([], [], "D", color="#c44e52", label="held-out reward")
+    ax.set(xlabel="GRPO step", ylabel="mean over the step's completions", ylim=(-0.02, 1.02))
+    title_with_legend(ax, "Reward")
     ax.grid(alpha=0.3)
     return ax
 
 
+def _refresh_parts(rows):
+    found = {k[len("refresh/"):-2] for r in rows for k in r
+             if k.startswith("refresh/") and k.endswith("_s") and k != "refresh/total_s"}
+    return [p for p in PART_ORDER if p in found] + sorted(found - set(PART_ORDER))
+
+
 def plot_refresh(rows, ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    parts = sorted({k[len("refresh/"):-2] for r in rows for k in r
-                    if k.startswith("refresh/") and k.endswith("_s") and k != "refresh/total_s"})
+    parts = _refresh_parts(rows)
     bottom = [0.0] * len(rows)
     steps = [r["step"] for r in rows]
     for part in parts:
@@ -50,42 +130,27 @@ def plot_refresh(rows, ax=None):
         ax.bar(steps, vals, bottom=bottom, color=PART_COLORS.get(part), label=part, width=0.8)
         bottom = [b + v for b, v in zip(bottom, vals)]
     mode = rows[0].get("refresh/mode", "") if rows else ""
-    ax.set(xlabel="GRPO step", ylabel="ms", title=f"Adapter refresh per step ({mode})")
-    if parts:
-        ax.legend(fontsize=7)
+    ax.set(xlabel="GRPO step", ylabel="ms")
+    title_with_legend(ax, f"Adapter refresh after each step ({mode})" if mode else "Adapter refresh after each step",
+                      ncol=4)
     ax.grid(alpha=0.3, axis="y")
     return ax
 
 
 def plot_mismatch(rows, ax=None):
+    """Trainer-vs-engine mismatch (mean and p99 over the step's sampled tokens) next to the probe
+    gap (adapter vs base on a fixed answer: how far the adapter moved the model); the first must
+    stay far below the second."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    steps, mean = _series(rows, "mismatch/mean")
-    ax.semilogy(steps, [max(v, 1e-9) for v in mean], "o-", ms=3, label="trainer vs engine |Δ log-prob| (mean)")
-    steps_m, mx = _series(rows, "mismatch/max")
-    ax.semilogy(steps_m, [max(v, 1e-9) for v in mx], ".:", label="… (max)")
-    steps_p, gap = _series(rows, "probe/adapter_gap")
-    if gap:
-        ax.semilogy(steps_p, [max(v, 1e-9) for v in gap], "s-", ms=3, label="adapter vs base on probe")
-    ax.set(xlabel="GRPO step", ylabel="|Δ log-prob| (nats)", title="Is the engine serving the trainer's policy?")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
+    for key, style, label in (("probe/adapter_gap", "s-", "probe gap"), ("mismatch/p99", "^:", "mismatch, p99"),
+                              ("mismatch/mean", "o-", "mismatch, mean")):
+        steps, values = _series(rows, key)
+        if values:
+            ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label)
+    ax.set(xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
+    title_with_legend(ax, "Is the engine serving the trainer's policy?")
+    ax.grid(alpha=0.3)
     return ax
-
-
-def save_run_plots(rows, evals, out_dir: str | Path) -> list[Path]:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, fn in (("reward", lambda ax: plot_rewards(rows, evals, ax)), ("refresh", lambda ax: plot_refresh(rows, ax)),
-                     ("mismatch", lambda ax: plot_mismatch(rows, ax))):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        fn(ax)
-        fig.tight_layout()
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
 
 
 def plot_delta_norm(rows, ax=None):
@@ -93,20 +158,161 @@ def plot_delta_norm(rows, ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     steps, norm = _series(rows, "adapter/delta_norm")
     ax.plot(steps, norm, "o-", ms=3, color="#8172b2")
-    ax.set(xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)", title="Adapter weight norm")
+    ax.set(xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
+    title_with_legend(ax, "How far the adapter has moved: ‖ΔW‖")
     ax.grid(alpha=0.3)
     return ax
 
 
-# --- refresh latency sweeps (refresh_bench.py rows) ---------------------------------------------
-PART_ORDER = ["snapshot", "write", "merge", "stage", "unload", "load", "push"]
+def save_run_plots(rows, evals, out_dir: str | Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fn in (("reward", lambda ax: plot_rewards(rows, evals, ax)),
+                     ("refresh", lambda ax: plot_refresh(rows, ax)), ("mismatch", lambda ax: plot_mismatch(rows, ax))):
+        fig, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
+        fn(ax)
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
+# --- refresh methods (notebook 02): rows as refresh_bench.measure_refresh makes them ---------------
 def _parts(rows):
     present = {p for r in rows for p in r["parts"]}
     return [p for p in PART_ORDER if p in present] + sorted(present - set(PART_ORDER))
 
 
+def _floor_ms(row, bandwidth_gbps):
+    return 1e3 * row["bytes"] / (bandwidth_gbps * 1e9) if bandwidth_gbps and row.get("bytes") else None
+
+
+def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
+    """One bar per mode, fastest on top: the refresh call, then (where measured) the first request
+    after it; the total at the bar's end and, given the bandwidth, each mode's floor as a black tick."""
+    rows = sorted(rows, key=lambda r: r["total_s"] + r.get("first_request_s", 0.0))
+    ends = []
+    for y, row in enumerate(rows):
+        call, first = 1e3 * row["total_s"], 1e3 * row.get("first_request_s", 0.0)
+        ax.barh(y, call, color=PART_COLORS["call"], label="refresh call" if y == 0 else None)
+        if first:
+            ax.barh(y, first, left=call, color=PART_COLORS["first request"],
+                    label="first request after it" if y == 0 else None)
+        ends.append(call + first)
+        ax.text(call + first, y, f"  {call + first:.1f} ms", va="center")
+        floor = _floor_ms(row, bandwidth_gbps)
+        if floor is not None:
+            ax.plot([floor, floor], [y - 0.4, y + 0.4], color="k", lw=2, label="floor" if y == 0 else None)
+    ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.3 * max(ends))
+    ax.set_xlabel("ms (median)")
+    title_with_legend(ax, "End to end, per mode")
+    ax.grid(alpha=0.3, axis="x")
+    return ax
+
+
+def plot_parts(rows, ax):
+    """The refresh call of each mode split into its parts, stacked on a linear axis (same mode
+    order as `plot_end_to_end`); the legend sits right of the axes."""
+    rows = sorted(rows, key=lambda r: r["total_s"] + r.get("first_request_s", 0.0))
+    left = [0.0] * len(rows)
+    for part in _parts(rows):
+        vals = [1e3 * r["parts"].get(part, 0.0) for r in rows]
+        ax.barh(range(len(rows)), vals, left=left, color=PART_COLORS.get(part), label=part)
+        left = [a + v for a, v in zip(left, vals)]
+    ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.05 * max(left))
+    ax.set_xlabel("ms (median of each part)")
+    ax.set_title("Where the refresh call's time goes", loc="left")
+    _legend_right(ax)
+    ax.grid(alpha=0.3, axis="x")
+    return ax
+
+
+def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
+    """Which refresh is fastest end to end (left), and where each call's time goes (right)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.55 * len(rows)), layout="constrained")
+    fig.set_label("refresh_modes")
+    plot_end_to_end(rows, left, bandwidth_gbps)
+    plot_parts(rows, right)
+    fig.suptitle(label, x=0.01, ha="left")
+    return fig
+
+
+def push_cost_fit(rows) -> tuple[float, float]:
+    """Least-squares fit of merged refresh time against the number of pushes (buckets):
+    (fixed ms, ms per push)."""
+    xs, ys = [r["buckets"] for r in rows], [1e3 * r["total_s"] for r in rows]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var and n > 1 else 0.0
+    return my - slope * mx, slope
+
+
+def merged_buckets_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
+    """Merged refresh vs bucket size (left, log x: the sizes span decades) and vs the number of
+    pushes it takes (right, linear: the slope is the cost of one push)."""
+    rows = sorted(rows, key=lambda r: r["bucket_mb"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    fig.set_label("merged_buckets")
+    ms = [1e3 * r["total_s"] for r in rows]
+    left.plot([r["bucket_mb"] for r in rows], ms, "o-", color=PART_COLORS["push"], label="merged refresh")
+    for r, y in zip(rows, ms):
+        left.annotate(f"{r['buckets']}", (r["bucket_mb"], y), textcoords="offset points", xytext=(0, 6),
+                      ha="center", fontsize=9)
+    floor = _floor_ms(rows[0], bandwidth_gbps)
+    if floor is not None:
+        left.axhline(floor, color="k", ls="--", lw=1, label=f"floor: all weights moved once ({floor:.2g} ms)")
+    left.set_xscale("log")
+    left.set(xlabel="bucket size (MB); number above a point: pushes", ylabel="ms (median)", ylim=(0, 1.2 * max(ms)))
+    title_with_legend(left, "Merged refresh vs bucket size", ncol=2)
+    fixed, per_push = push_cost_fit(rows)
+    pushes = [r["buckets"] for r in rows]
+    right.plot(pushes, ms, "o", color=PART_COLORS["push"], label="measured")
+    right.plot([0, max(pushes)], [fixed, fixed + per_push * max(pushes)], "k-", lw=1,
+               label=f"fit: {fixed:.1f} ms + {per_push:.2f} ms × pushes")
+    right.set(xlabel="pushes (buckets)", ylabel="ms (median)", xlim=(0, 1.05 * max(pushes)), ylim=(0, 1.2 * max(ms)))
+    title_with_legend(right, "The same points vs pushes: each push costs the slope", ncol=2)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(label, x=0.01, ha="left")
+    return fig
+
+
+# --- committed GPU results (benchmarks/results/gpu) as the rows above ----------------------------
+def gpu_refresh_rows(path: str | Path, setting: str = "prefill_graphs_on") -> tuple[list[dict], dict]:
+    """refresh_gpu.py's results (refresh_tp<N>.json) as rows for `refresh_modes_figure`: p50 of the
+    call, of the first request after it, and of each part; the call's time not in a named part
+    (the trainer-side snapshot, casts) is 'snapshot & rest'. Returns (rows, the file's header)."""
+    data = json.loads(Path(path).read_text())
+    rows = []
+    for r in data["settings"][setting]["rows"]:
+        parts = {p: ms / 1e3 for p, ms in (r.get("parts_p50_ms") or {"not split": r["call_ms"]["p50"]}).items()}
+        rest = r["call_ms"]["p50"] / 1e3 - sum(parts.values())
+        if rest > 0:
+            parts = {"snapshot & rest": rest, **parts}
+        rows.append({"mode": r["mode"], "label": r["mode"].replace("_", " "), "total_s": r["call_ms"]["p50"] / 1e3,
+                     "first_request_s": r["first_request_ms"]["p50"] / 1e3, "parts": parts})
+    header = {k: v for k, v in data.items() if k != "settings"}
+    return rows, header
+
+
+def gpu_merged_rows(path: str | Path) -> tuple[list[dict], dict]:
+    """The merged push sweep in an earlier GPU benchmark's results (perf.json's 'merged') as rows for
+    `merged_buckets_figure`. Returns (rows, the file's header with its copy bandwidth)."""
+    data = json.loads(Path(path).read_text())
+    rows = [{"mode": "merged", "bucket_mb": r["bucket_mb"], "buckets": r["buckets"], "bytes": r["bytes"],
+             "total_s": r["p50_ms"] / 1e3, "parts": {p: ms / 1e3 for p, ms in r["parts_ms"].items()}}
+            for r in data["merged"]]
+    header = {k: data[k] for k in ("gpu", "sglang", "torch", "commit", "date", "device_copy_gbps") if k in data}
+    return rows, header
+
+
+# --- full sweeps (refresh_bench.sweep rows) and GRPO refresh summaries ----------------------------
 def plot_refresh_sweep(rows, mode: str, rank: int | None = None, bandwidth_gbps: float | None = None, ax=None):
     """Latency vs bucket size (log x, log y) for one mode and rank: the parts stacked as bars, and
     the floor (bytes / bandwidth) as a dashed line. On a log y axis the segments' heights are not
@@ -132,7 +338,7 @@ def plot_refresh_sweep(rows, mode: str, rank: int | None = None, bandwidth_gbps:
     ax.set_yscale("log")
     ax.set(xlabel="bucket size (MB)", ylabel="ms",
            title=f"{mode}" + (f", r={rank}" if rank is not None else "") + f" ({nbytes / 2**20:.2f} MB)")
-    ax.legend(fontsize=6, loc="upper right")
+    _legend_right(ax)
     ax.grid(alpha=0.3, which="both")
     return ax
 
@@ -143,20 +349,19 @@ def refresh_sweep_figure(rows, bandwidth_gbps: float | None = None, label: str =
     modes = [m for m in ("file", "tensor", "merged") if any(r["mode"] == m for r in rows)]
     modes += sorted({r["mode"] for r in rows} - set(modes))
     ranks = sorted({r["rank"] for r in rows})
-    fig, axes = plt.subplots(len(ranks), len(modes), figsize=(4.2 * len(modes), 3.2 * len(ranks)),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(len(ranks), len(modes), figsize=(4.2 * len(modes), 3.6 * len(ranks)),
+                             squeeze=False, sharey=True, layout="constrained")
     for i, rank in enumerate(ranks):
         for j, mode in enumerate(modes):
             plot_refresh_sweep(rows, mode, rank, bandwidth_gbps, axes[i][j])
     floor = f"; floor = bytes / {bandwidth_gbps:.1f} GB/s (measured copy)" if bandwidth_gbps else ""
     fig.suptitle(f"Refresh latency per bucket size: {label}{floor}", fontsize=10)
-    fig.tight_layout()
     return fig
 
 
 def plot_refresh_summary(summary, ax=None, bandwidth_gbps: float | None = None):
     """Median refresh per (source, mode) as horizontal stacked bars (refresh_bench.gpu_refresh_summary)."""
-    ax = ax or plt.subplots(figsize=(7, 0.5 + 0.45 * len(summary)))[1]
+    ax = ax or plt.subplots(figsize=(7, 0.5 + 0.45 * len(summary)), layout="constrained")[1]
     labels = [f"{s['source']} · {s['mode']} ({s['bytes'] / 2**20:.1f} MB)" for s in summary]
     left = [0.0] * len(summary)
     for part in _parts(summary):
@@ -166,8 +371,8 @@ def plot_refresh_summary(summary, ax=None, bandwidth_gbps: float | None = None):
     if bandwidth_gbps:
         floors = [1e3 * s["bytes"] / (bandwidth_gbps * 1e9) for s in summary]
         ax.plot(floors, range(len(summary)), "k|", ms=14, label="floor")
-    ax.set_yticks(range(len(summary)), labels, fontsize=7)
+    ax.set_yticks(range(len(summary)), labels)
     ax.set(xlabel="ms (median over steps)")
-    ax.legend(fontsize=7, loc="lower right")
+    _legend_right(ax)
     ax.grid(alpha=0.3, axis="x")
     return ax

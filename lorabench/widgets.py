@@ -4,6 +4,7 @@
     panel              # displays: buttons, the live figure, the last group's completions, the refresh
     panel.start(3)     # the same as clicking Run N with N=3: returns at once, steps in a thread
     panel.wait()       # blocks until done; re-raises a step's error (so a notebook cell fails)
+    panel.end("note")  # wait for the run, disable the buttons (the views stay), show a note
     panel.close()      # stop, close the widgets, free the figure
 
 Design:
@@ -15,22 +16,53 @@ Design:
   and errors go to an `Output` through `append_stdout` / `append_stderr`, which, unlike
   `with output:`, is safe from a thread.
 - The live figure is one matplotlib `Figure` created with the panel and redrawn in place into a
-  PNG for an `Image` widget; it is not registered with pyplot, so stepping opens no figures and
-  nothing accumulates.
+  PNG for an `Image` widget (viz.figure_png: its smallest text is recorded in the PNG); it is not
+  registered with pyplot, so stepping opens no figures and nothing accumulates.
+- The status line says what the step did with adapter versions (sampled with v(k-1), trained to
+  v(k), v(k) refreshed into the engine) and explains reward, probe gap and mismatch in one line each.
+
+`setup_notebook()` is the notebooks' setup: figure style, figures displayed with their text size
+recorded, and the libraries' progress bars and one known deprecation warning kept out of the lesson.
 """
 from __future__ import annotations
 
 import html
-import io
 import threading
 import traceback
+import warnings
 
 import ipywidgets as widgets
+import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .viz import plot_delta_norm, plot_mismatch, plot_refresh, plot_rewards
+from .viz import (
+    STYLE,
+    figure_png,
+    plot_delta_norm,
+    plot_mismatch,
+    plot_refresh,
+    plot_rewards,
+    show_figures_with_text_size,
+    use_style,
+)
+
+
+def setup_notebook() -> None:
+    """The notebooks' setup cell calls this: the figure style (viz.STYLE), figures shown through
+    viz.figure_png, no progress bars from transformers / huggingface_hub (model loading and saving
+    would draw one per call), and PEFT's use of a transformers property deprecated in v5
+    (`is_gradient_checkpointing`, a FutureWarning on every get_peft_model) not shown."""
+    from IPython import get_ipython
+    from transformers.utils import logging as hf_logging
+    use_style()
+    shell = get_ipython()
+    if shell is not None:
+        show_figures_with_text_size(shell)
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+
 
 _TABLE_STYLE = ("<style>.lb-table td,.lb-table th{padding:2px 8px;text-align:left;font-size:12px;"
                 "font-family:monospace;vertical-align:top}.lb-table th{border-bottom:1px solid #999}</style>")
@@ -57,23 +89,54 @@ def refresh_table(record) -> str:
     if record is None:
         return "<i>no refresh yet</i>"
     cells = "".join(f"<tr><td>{part}</td><td>{1e3 * s:.2f}</td></tr>" for part, s in record.parts.items())
-    return (f"{_TABLE_STYLE}<div><b>Refresh of step {record.step}</b> ({record.mode}, "
+    return (f"{_TABLE_STYLE}<div><b>Refresh to adapter version {record.version}</b> ({record.mode}, "
             f"{record.nbytes / 2**20:.2f} MB in {len(record.buckets)} bucket(s))</div>"
             f"<table class='lb-table'><tr><th>part</th><th>ms</th></tr>{cells}"
             f"<tr><td><b>total</b></td><td><b>{1e3 * record.total_s:.2f}</b></td></tr></table>")
 
 
+def status_lines(m: dict | None, grpo) -> str:
+    """The step in one line, then reward, probe gap and mismatch with one line of explanation each."""
+    if m is None:
+        return "<i>no step yet: click Step</i>"
+    step, version = m["step"], m["adapter/version"]
+    head = (f"<b>step {step}</b>: completions sampled from adapter v{m['adapter/served_version']} → trained to "
+            f"v{version} → v{version} refreshed into the engine in {1e3 * m['refresh/total_s']:.1f} ms "
+            f"({m['refresh/mode']}) · step {m['time/step_s']:.2f} s · ‖ΔW‖ {m['adapter/delta_norm']:.4f}")
+    correct = m.get("rewards/correct/mean", m["reward/mean"])
+    rule = "its last '#### N' is the right number" if grpo.reward_mode == "strict" else "its last number is right"
+    share = m.get("rewards/format/mean", 0.0)
+    bonus = (f" + {grpo.format_bonus:g} × share ending '#### N' ({share:.2f}), a format bonus paid right or wrong"
+             if grpo.format_bonus else "; no format bonus in this run")
+    reward = (f"<b>reward</b> {m['reward/mean']:.3f} = correct {correct:.3f} (a completion scores 1 when {rule})"
+              f"{bonus}")
+    probe = (f"<b>probe gap</b> {_fmt(m.get('probe/adapter_gap'), '.3g')} nats: mean |log p(adapter) − log p(base)| "
+             "on one fixed held-out answer, scored by the engine; how far the served adapter has moved the model "
+             "(0 = the base model)")
+    mismatch = (f"<b>mismatch</b> mean {_fmt(m['mismatch/mean'], '.1e')}, p99 {_fmt(m.get('mismatch/p99'), '.1e')} "
+                f"(max {_fmt(m['mismatch/max'], '.1e')}) nats: |trainer − engine| log-prob of the tokens just sampled; "
+                "far below the probe gap means the engine served the trainer's policy (float32: ~1e-6; SGLang's bf16 "
+                "kernels: mean ~3e-3; the max is one token's rounding tail, not an alarm)")
+    return "<br>".join([head, reward, probe, mismatch])
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None or value != value else format(value, spec)
+
+
 class StepPanel:
-    def __init__(self, trainer, figsize=(10, 5.6), dpi: int = 90):
+    def __init__(self, trainer, figsize=(11, 6.6), dpi: int = 90):
         self.trainer = trainer
         self.last = None                     # the latest StepRecord
         self.error: BaseException | None = None
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
         self._start_lock = threading.Lock()  # one run at a time
+        self._ended = False
         self._draw_lock = threading.Lock()   # one redraw at a time
         self.dpi = dpi
-        self.figure = Figure(figsize=figsize)
+        self.figure = Figure(figsize=figsize, layout="constrained", dpi=dpi)
+        self.figure.set_label("step_panel")
         FigureCanvasAgg(self.figure)
         # a list, not numpy's object array: gc can see through a list, so a closed panel's figure is
         # freed in one collection
@@ -86,7 +149,7 @@ class StepPanel:
         self.stop_button = widgets.Button(description="Stop", icon="stop", disabled=True,
                                           tooltip="stop after the current step")
         self.step_label = widgets.Label()
-        self.status = widgets.HTML()
+        self.status = widgets.HTML(layout=widgets.Layout(max_width="1100px"))
         self.plot = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
         self.completions = widgets.HTML()
         self.refresh = widgets.HTML()
@@ -108,28 +171,16 @@ class StepPanel:
     def render(self) -> None:
         """Redraw every view from the trainer's history and the last step record."""
         rows = list(self.trainer.history)
-        with self._draw_lock:
+        with self._draw_lock, matplotlib.rc_context(STYLE):
             for ax, plot in zip(self.axes, (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)):
                 ax.clear()
                 plot(rows, ax=ax)
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole numbers
-            self.figure.tight_layout()
-            buf = io.BytesIO()
-            self.figure.savefig(buf, format="png", dpi=self.dpi)
-            self.plot.value = buf.getvalue()
+            self.plot.value = figure_png(self.figure, self.dpi)
         self.step_label.value = f"steps done: {self.trainer.step_count}"
-        self.status.value = self._summary(rows[-1] if rows else None)
+        self.status.value = status_lines(rows[-1] if rows else None, self.trainer.cfg.grpo)
         self.completions.value = completions_table(self.last.samples if self.last else [])
         self.refresh.value = refresh_table(self.last.refresh if self.last else None)
-
-    @staticmethod
-    def _summary(m: dict | None) -> str:
-        if m is None:
-            return "<i>no step yet: click Step</i>"
-        fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-        return (f"step {m['step']} · reward {fmt(m['reward/mean'], '.3f')} · trainer-vs-engine |Δ log-prob| "
-                f"max {fmt(m['mismatch/max'], '.1e')} · ‖ΔW‖ {fmt(m['adapter/delta_norm'], '.4f')} · refresh "
-                f"{1e3 * m['refresh/total_s']:.1f} ms ({m['refresh/mode']}) · step {m['time/step_s']:.2f} s")
 
     def close(self) -> None:
         """Stop (after the current step), close the panel's widgets and free its figure. ipywidgets
@@ -146,6 +197,17 @@ class StepPanel:
             w.close()
         self.figure.clear()
 
+    def end(self, note: str = "") -> None:
+        """Wait for a running step, then disable the buttons and show `note`; the views stay. For when
+        the trainer is about to be closed (e.g. before `lorabench resume` continues the run)."""
+        if self._worker is not None:
+            self._worker.join()
+        for button in (self.step_button, self.run_button, self.stop_button):
+            button.disabled = True
+        self._ended = True
+        if note:
+            self.log.append_stdout(note + "\n")
+
     # -- running --------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
@@ -154,6 +216,9 @@ class StepPanel:
     def start(self, n: int = 1) -> bool:
         """Run `n` steps in the background; False (and a note) if a run is already going."""
         with self._start_lock:
+            if self._ended:
+                self.log.append_stdout("this panel has ended: its trainer is closed\n")
+                return False
             if self.busy:
                 self.log.append_stdout("busy: a run is in progress (Stop it, or wait)\n")
                 return False
@@ -194,5 +259,5 @@ class StepPanel:
             self._set_running(False)
 
     def _set_running(self, running: bool) -> None:
-        self.step_button.disabled = self.run_button.disabled = running
+        self.step_button.disabled = self.run_button.disabled = running or self._ended
         self.stop_button.disabled = not running

@@ -14,28 +14,27 @@
 # %% [markdown]
 # # Step through a GRPO run
 #
-# **What it shows.** GRPO with LoRA, one step at a time: each step samples completions from the
-# rollout engine (which serves the current adapter by name), scores them, takes one optimizer step
-# on the LoRA weights and hot-swaps the new adapter into the engine. The panel below has
-# **Step / Run N / Stop** buttons and shows, live:
-# the reward curve, the last group's completions with their rewards and advantages, the refresh of
-# the step (its parts and total), the trainer-vs-engine log-prob mismatch (~1e-6 when the refresh
-# is exact) and the adapter's weight norm ‖ΔW‖.
+# **What it shows.** GRPO with LoRA, one step at a time, on the model of `lorabench demo`: a tiny
+# Qwen3-architecture model warm-started on GSM8K-style problems, which often gets the number right
+# but mostly ends its answer with "The answer is N." instead of the `#### N` the reward asks for. Each
+# step samples 8 completions for each of 8 fresh problems from the rollout engine, scores them,
+# takes one optimizer step on the LoRA weights and hot-swaps the new adapter into the engine. A
+# panel with **Step / Run N / Stop** shows it live: the reward, the refresh of each step, whether
+# the engine serves the trainer's policy, and the last group's completions. Then: held-out reward
+# before and after, the same problems answered before and after, and the command that continues
+# the run from a shell.
 #
-# The run is written to a run directory in the CLI's format (`config.json`, `metrics.jsonl`,
-# `sync.jsonl`, `rollouts.jsonl`, `evals.jsonl`, checkpoint), so `lorabench resume` continues it
-# (last cell).
-#
-# **How long.** CPU (2 cores), defaults: about 1 minute: building and warm-starting the tiny model
-# (~20 s, once; cached in `~/.cache/lorabench`), then ~1-2 s per step.
-# GPU (one H200), `ENGINE="sglang"`, `MODEL="Qwen/Qwen3-0.6B"`: not yet run from this notebook; the
-# committed GPU results suggest about a minute to start the engine, then 1.5-4 s per step at the
-# demo's batch size (benchmarks/results/gpu/qwen3_06b_shape.json).
+# **How long.** On a CPU (2 cores), these defaults: about 2 minutes (107 s measured for Run All in
+# a fresh kernel) once the tiny model is cached; about 4 minutes (225 s) the first time, which
+# builds the model and warm-starts it (400 steps) into `~/.cache/lorabench` (or
+# `$LORABENCH_CACHE`), where notebook 03 and `lorabench demo` find it too.
+# On a GPU: not yet measured on a GPU.
 
 # %%
 # setup
 # %load_ext autoreload
 # %autoreload 2
+import statistics
 import time
 from pathlib import Path
 
@@ -43,95 +42,148 @@ import pandas as pd
 from IPython.display import Markdown, display
 from tqdm.auto import tqdm  # noqa: F401  (progress bars render as widgets)
 
+from lorabench import explain
 from lorabench.config import Config
 from lorabench.runlog import read_jsonl
 from lorabench.session import RunSession
-from lorabench.widgets import StepPanel
+from lorabench.widgets import StepPanel, setup_notebook
+
+setup_notebook()
 
 # %% tags=["parameters"]
 ENGINE = "hf"          # "hf": transformers + PEFT, CPU or GPU | "sglang": in-process sglang.Engine (GPU)
-MODEL = "tiny"         # "tiny": built offline (~2.5M params) | "Qwen/Qwen3-0.6B" (from the hub)
+MODEL = "tiny"         # "tiny": built offline and warm-started (cached) | "Qwen/Qwen3-0.6B" or a local model dir
 DATA = "synthetic"     # "synthetic": seeded GSM8K-style problems | "hub": openai/gsm8k
-STEPS = 3              # GRPO steps run by this notebook (click Step for more)
+STEPS = 30             # GRPO steps run below (the demo's); Step and Run N add more
 RUN_ROOT = "../runs"   # run directories go here (git-ignored)
-# CI size: a short warm-start that mostly ends answers without '#### N', small steps, and a bonus
-# for the '#### N' format so even this barely trained model gets a learning signal.
-# [] = the CLI demo's defaults (300 warm-start steps, 8 prompts x 16 completions: ~10 min on a CPU).
-SIZE = ["warmstart.steps=40", "warmstart.batch_size=16", "warmstart.lr=1e-2",
-        "warmstart.strict_format_fraction=0.5", "grpo.prompts_per_step=2", "grpo.group_size=8",
-        "grpo.max_new_tokens=40", "grpo.lr=3e-3", "grpo.format_bonus=0.5", "data.eval_size=8"]
-EXTRA = []             # any other section.field=value, e.g. "refresh.mode=file", "engine.attention_backend=triton"
+# more config overrides, e.g. ["refresh.mode=file", "grpo.group_size=16"]
+OVERRIDES = []
 
 # %%
 if ENGINE == "sglang":
     import nest_asyncio
     nest_asyncio.apply()  # sglang.Engine runs its own event loop inside the kernel's
 
-run_name = f"step-through-{time.strftime('%Y%m%d-%H%M%S')}"
+run_dir = Path(RUN_ROOT).resolve() / f"step-through-{time.strftime('%Y%m%d-%H%M%S')}"
 cfg = Config.load(None, [f"engine.backend={ENGINE}", f"model.name_or_path={MODEL}", f"data.source={DATA}",
-                         f"grpo.steps={STEPS}", f"run.out_dir={Path(RUN_ROOT).resolve()}",
-                         f"run.name={run_name}", *SIZE, *EXTRA])
-cfg.grpo, cfg.refresh
+                         f"grpo.steps={STEPS}", f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}",
+                         *OVERRIDES])
+g = cfg.grpo
+display(Markdown(f"{g.prompts_per_step} problems × {g.group_size} completions per step, up to {g.max_new_tokens} "
+                 f"new tokens at temperature {g.temperature}; LoRA rank {cfg.lora.r}, α {cfg.lora.alpha}, learning "
+                 f"rate {g.lr:g}; refresh by `{cfg.refresh.mode}`; engine `{ENGINE}`."))
 
 # %% [markdown]
-# Open the run: model (built and warm-started on first use), engine, trainer, and a held-out
-# evaluation before the first step, exactly as `lorabench run` does.
+# ## Open the run
+# `RunSession.open` does what `lorabench run` does: checks the config, data and model, builds and
+# warm-starts the tiny model on first use (cached afterwards by its recipe), creates the run
+# directory (`config.json`, then per step `metrics.jsonl`, `sync.jsonl`, `rollouts.jsonl` and a
+# checkpoint), starts the engine with the trainer's adapter, and scores held-out problems before
+# the first step.
 
 # %%
-session = RunSession.open(cfg, Path(RUN_ROOT).resolve() / run_name)
-session.run_dir
+session = RunSession.open(cfg, run_dir)
+problems = session.trainer.source.eval_set(3)                       # shown again after the run
+answers_before = explain.greedy_completions(session.trainer, problems)  # adapter v0: the warm-started model
+sampled, greedy = session.before
+print(f"held-out reward before GRPO: {sampled['strict']:.2f} sampled, {greedy['strict']:.2f} greedy "
+      f"({greedy['n']} problems; {greedy['format']:.0%} of greedy answers end with '#### N')")
 
 # %% [markdown]
 # ## The panel
 # **Step** runs one GRPO step, **Run N** runs N, **Stop** stops after the current step. Steps run
-# in a background thread: the kernel stays free, and a second click while a run is going is
-# refused. Mismatch is `|trainer log-prob − engine log-prob|` on the sampled tokens, computed by
-# the trainer before its update: if the engine served a stale adapter or the base model, it jumps
-# from ~1e-6 to 1e-2 or more.
+# in a background thread, so the kernel stays free; a second click while a run is going is refused.
+#
+# The line under the buttons follows the adapter's versions: step k samples with adapter
+# v(k−1), trains it into v(k) and refreshes v(k) into the engine, so step k+1 samples from it.
+# Then one line each for the three numbers to watch:
+# - **reward**: 1 for a completion whose last `#### N` has the right number, else 0 (no partial
+#   credit, no format bonus unless `grpo.format_bonus` is set);
+# - **probe gap**: how far the adapter has moved the served model, measured by the engine on one
+#   fixed held-out answer, with the adapter and without it;
+# - **mismatch**: the trainer's and the engine's log-probs of the tokens just sampled. Far below
+#   the probe gap means the engine served exactly the trainer's adapter; a stale or missing
+#   adapter would put it near the probe gap.
 
 # %%
 panel = StepPanel(session.trainer)
-panel
+display(panel)
 
 # %% [markdown]
-# The same as clicking **Run N** with N = `STEPS` (this cell waits for the run, so that the
-# cells below see it; clicking the button would not block).
+# The same as clicking **Run N** with N = `STEPS`; this cell waits for the run to finish, so the
+# cells below see all of it (a click would not block).
 
 # %%
 panel.start(STEPS)
-panel.wait()
-pd.DataFrame(session.metrics())[["step", "reward/mean", "reward/strict_format", "mismatch/max",
-                                 "adapter/delta_norm", "refresh/total_s", "time/step_s"]]
+last = panel.wait()   # the last step's record (StepRecord: .metrics, .refresh, .samples)
 
 # %% [markdown]
-# The refresh of each step, from `sync.jsonl` (one row per bucket, one per refresh):
+# ## What the run did
+# One row per step from `metrics.jsonl` (the panel's plots, as numbers):
 
 # %%
-sync = pd.DataFrame(read_jsonl(session.run_dir / "sync.jsonl"))
-sync[sync["row"] == "refresh"].dropna(axis=1, how="all")
+columns = {"step": "step", "adapter/served_version": "sampled with", "adapter/version": "trained to",
+           "reward/mean": "reward", "reward/strict_format": "ends '#### N'", "probe/adapter_gap": "probe gap",
+           "mismatch/mean": "mismatch mean", "mismatch/p99": "mismatch p99", "refresh/total_s": "refresh s",
+           "time/step_s": "step s"}
+pd.DataFrame(session.metrics())[list(columns)].rename(columns=columns).set_index("step")
 
 # %% [markdown]
+# Held-out problems the run never trained on, before the first step and now (the same scoring
+# as `lorabench demo`; sampled at the training temperature, and greedy):
+
+# %%
+after = [session.trainer.evaluate(greedy=False), session.trainer.evaluate(greedy=True)]
+session.runlog.set_evals(session.trainer.step_count, after)   # evals.jsonl, as the CLI writes it
+evals = {"before GRPO": session.before, f"after {session.trainer.step_count} steps": after}
+pd.DataFrame({name: [s["strict"], g["strict"], g["format"], g["flexible"]] for name, (s, g) in evals.items()},
+             index=["reward, sampled", "reward, greedy", "greedy: ends with '#### N'",
+                    "greedy: last number right, any format"]).round(2)
+
+# %% [markdown]
+# Three held-out problems answered greedily before the first step (adapter v0: LoRA starts at
+# zero, so this is the warm-started model) and now:
+
+# %%
+pd.DataFrame({"question": [p.question for p in problems], "answer": [p.ground_truth for p in problems],
+              "before GRPO": answers_before, "after": explain.greedy_completions(session.trainer, problems)}
+             ).style.set_properties(**{"white-space": "pre-wrap", "text-align": "left"}).hide(axis="index")
+
+# %% [markdown]
+# What the run learned: the reward counts a completion only if it ends with `#### N` and N is
+# right, and the warm-started model rarely wrote `####`. Compare the row "ends with `#### N`" with
+# the last row, which ignores the format: if the right numbers did not become more frequent while
+# the reward rose, the run learned the format, not the arithmetic. That is what 30 steps of this
+# reward mostly teach. The right format with a wrong number still scores 0.
+#
 # ## Continue from the CLI
-# Every step wrote a checkpoint; this command continues the run where the notebook left it:
+# While the session is open, this kernel holds the run directory's lock and any other writer,
+# `lorabench resume` included, is refused (naming this kernel's PID). Closing the session releases
+# the engine and the lock; the panel's buttons stop working and its views stay.
 
 # %%
-display(Markdown(f"```bash\n{session.resume_command(extra_steps=3)}\n```"))
-
-# %%
-rows = read_jsonl(session.run_dir / "metrics.jsonl")
-assert (session.run_dir / "config.json").is_file() and (session.run_dir / "checkpoint").is_dir()
-assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]
-# float32 hf engine: ~1e-6; SGLang's bf16 kernels: up to ~0.25 (benchmarks/results/gpu/grpo_sglang.json)
-limit = 1e-3 if ENGINE == "hf" else 0.5
-assert all(r["mismatch/max"] < limit for r in rows), "the engine did not serve the trainer's adapter"
-print(f"{session.run_dir}: metrics.jsonl has {len(rows)} rows, one per step")
+panel.end("session closed: the run continues with `lorabench resume` (below)")
+session.close()
+display(Markdown(f"```bash\n{session.resume_command(extra_steps=STEPS)}\n```"))
 
 # %% [markdown]
-# From the repository root, with the run directory printed above
-# (`runs/step-through-<date>-<time>` with the default `RUN_ROOT`):
+# Run it from the repository root. `grpo.steps` is the total to reach: the resumed run appends
+# its steps to the same files, from the last checkpoint (every step writes one).
 #
-# ```bash
-# lorabench resume runs/step-through-<date>-<time> grpo.steps=6
-# ```
-#
-# `grpo.steps` is the total to reach; the resumed run appends steps 4-6 to the same files.
+# ## Self-check
+# The collapsed cell below checks the run the lesson talked about, from its files: one row per
+# step, every step sampled from the adapter of the step before, and a mismatch that is noise
+# (the median over steps of each step's 99th percentile; a single token's maximum is a rounding
+# tail in bf16 and is not used).
+
+# %% tags=["self-check"] jupyter={"source_hidden": true}
+rows = read_jsonl(run_dir / "metrics.jsonl")
+p99_limit = 1e-3 if ENGINE == "hf" else 0.1   # nats: float32 ~1e-6; SGLang's bf16 kernels ~1e-2
+explain.self_check({
+    "one metrics row per step, in order": [r["step"] for r in rows] == list(range(1, len(rows) + 1)),
+    "each step sampled from the adapter of the step before":
+        all(r["adapter/served_version"] == r["adapter/version"] - 1 for r in rows),
+    f"median per-step p99 mismatch < {p99_limit:g} nats": statistics.median(r["mismatch/p99"] for r in rows) < p99_limit,
+    "config, checkpoint and held-out evaluations written": (run_dir / "config.json").is_file()
+        and (run_dir / "checkpoint").is_dir() and len(read_jsonl(run_dir / "evals.jsonl")) == 4,
+})

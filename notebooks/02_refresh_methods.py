@@ -12,28 +12,29 @@
 # ---
 
 # %% [markdown]
-# # File vs tensor vs merged refresh
+# # Four ways to refresh an adapter
 #
 # **What it shows.** After each optimizer step the trainer's adapter must reach the rollout engine.
-# Three ways, each timed part by part on a real engine:
+# lorabench has four ways (`refresh.mode`), each timed part by part:
 #
 # | mode | what moves | parts |
 # |---|---|---|
-# | `file` | the adapter, as a PEFT dir on tmpfs | snapshot, stage to the host, write, unload, load by path |
-# | `tensor` | the adapter, as tensors (CUDA IPC on a GPU) | snapshot, stage per bucket, unload, load |
-# | `inplace` | the adapter, written into the engine's resident copy (SGLang: its GPU LoRA pool) | snapshot, stage, write |
-# | `merged` | every base weight, W + (α/r)·B·A | merge, push per bucket |
+# | `file` | the adapter, as a PEFT directory on tmpfs | snapshot, stage (copy to the host), write the directory, unload, load it by path |
+# | `tensor` | the adapter, as tensors (CUDA IPC on a GPU) | snapshot, stage (copy on the engine's device), unload, load from tensors |
+# | `inplace` | new values into the adapter the engine already holds (SGLang: its GPU LoRA pool) | snapshot, write |
+# | `merged` | every base weight, as W + (α/r)·B·A | snapshot, merge, push (one engine call per bucket) |
 #
-# Measured over bucket sizes (log scale, from below the adapter's size to 512 MB) and adapter
-# ranks, and drawn against the physical floor: the bytes moved divided by the measured copy
-# bandwidth. On a CPU this runs the `hf` reference engine, and every figure says so: the shapes of
-# the curves are real, the absolute numbers are not SGLang's. The last section plots the GPU
-# results (SGLang on an H200) committed by the benchmarks.
+# *Snapshot* is the trainer side: the LoRA layers copied into one flat buffer, made once per step.
+# Three questions, one figure each, measured here on a real engine: which mode is fastest end to
+# end (and where its time goes), how the bucket size changes a merged push, and how far each is
+# from the floor (the bytes moved once at the measured copy bandwidth). On a CPU the engine is the
+# `hf` reference engine, so the absolute numbers are not SGLang's; the last section shows the same
+# figures measured with SGLang on an H200.
 #
-# **How long.** CPU (2 cores), defaults: ~30 s. GPU (one H200) with `ENGINE="sglang"` on the tiny
-# model, ranks 8 and 32, 4 bucket sizes: 76 s in a Jupyter kernel, engine start included
-# (`bash scripts/gpu_notebooks.sh`; figures in `benchmarks/results/gpu/notebook02_sglang_*.png`).
-# Tiny-model refreshes there take 7-14 ms (inplace fastest); merged pushes 12-95 ms, by bucket size.
+# **How long.** On a CPU (2 cores), these defaults: about 15 seconds (14 s measured for Run All in
+# a fresh kernel; 12 s with an empty model cache: a refresh needs no trained model, so the tiny
+# model is built without warm-start, in about a second). On a GPU: not yet measured on a GPU (the
+# GPU results of the last section come from the benchmark scripts, not from this notebook).
 
 # %%
 # setup
@@ -41,103 +42,144 @@
 # %autoreload 2
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
+from lorabench import explain, viz
 from lorabench import refresh_bench as rb
 from lorabench.config import Config
+from lorabench.engines import make_engine
 from lorabench.models import resolve_model_path
-from lorabench.viz import plot_refresh_summary, refresh_sweep_figure
+from lorabench.widgets import setup_notebook
+
+setup_notebook()
 
 # %% tags=["parameters"]
-ENGINE = "hf"                 # "hf" (CPU or GPU) | "sglang" (GPU)
-MODEL = "tiny"                # "tiny" | "Qwen/Qwen3-0.6B"
-RANKS = [4, 16]               # adapter ranks; the tiny model's r=16 adapter is 1 MB, its full weights ~10 MB
-BUCKETS_MB = [0.01, 0.1, 1, 16, 512]   # e.g. rb.BUCKETS_MB for the full log-spaced sweep
-REPEATS = 3                   # timed refreshes per point (the median is kept), after one untimed
-GPU_RESULTS = "../benchmarks/results/gpu"
-SAVE_TO = ""                  # e.g. "../runs/refresh_cpu.json" to keep the rows
-EXTRA = []                    # engine overrides, e.g. "engine.attention_backend=triton"
+ENGINE = "hf"         # "hf": transformers + PEFT, CPU or GPU | "sglang": in-process sglang.Engine (GPU)
+MODEL = "tiny"        # "tiny" (weights ~10 MB) | "Qwen/Qwen3-0.6B" or a local model dir
+RANK = 16             # LoRA rank on every linear layer (the demo's lora.r); alpha is twice the rank
+BUCKET_MB = 64        # bucket size for the comparison of modes (the default refresh.bucket_mb)
+MERGED_BUCKETS_MB = [0.01, 0.03, 0.1, 0.3, 1, 4, 16]   # bucket sizes for the merged push
+REPEATS = 10          # timed refreshes per point, after one untimed; figures show the median
+GPU_RESULTS = "../benchmarks/results/gpu"   # committed GPU results, read by the last section
+SAVE_TO = ""          # e.g. "../runs/refresh_cpu.json" to keep the measured rows
+# engine settings, e.g. ["engine.attention_backend=triton"]
+OVERRIDES = []
 
 # %%
 if ENGINE == "sglang":
     import nest_asyncio
-    nest_asyncio.apply()
-from lorabench.engines import make_engine
+    nest_asyncio.apply()  # sglang.Engine runs its own event loop inside the kernel's
 
-# the refresh cost does not depend on what the model learned: no warm-start needed
+# what the adapter has learned does not change what a refresh costs: no warm-start needed
 cfg = Config.load(None, [f"engine.backend={ENGINE}", f"model.name_or_path={MODEL}", "warmstart.steps=0",
-                         f"lora.r={max(RANKS)}", *EXTRA])
+                         f"lora.r={RANK}", *OVERRIDES])
 model_path = resolve_model_path(cfg)
-engine = make_engine(cfg, model_path)   # a scratch engine: merged refresh overwrites its base weights
+engine = make_engine(cfg, model_path)  # a scratch engine: a merged refresh overwrites its base weights
+trainer_model = rb.adapter_model(model_path, RANK, dtype=cfg.model.dtype, device=str(engine.device))
 label = rb.engine_label(engine)
-bandwidth = rb.measure_bandwidth(str(getattr(engine, "device", "cpu")))
+bandwidth = rb.measure_bandwidth(str(engine.device))
 print(f"{label}; measured copy bandwidth {bandwidth:.1f} GB/s")
 
 # %% [markdown]
-# ## The sweep
-# One row per (mode, rank, bucket size): the median refresh and its parts.
+# ## 1. Which mode is fastest end to end?
+# Each mode refreshes the same rank-`RANK` adapter `REPEATS` times (merged last: it overwrites the
+# engine's base weights). Left: the median refresh call, fastest on top, with each mode's floor as
+# a black tick (far left: too short to see at this scale). Right: the same calls split into their
+# parts, on a linear axis so that the parts' lengths compare. The engine serves the new adapter
+# when the call returns; on SGLang the first request after it pays a little more (section 3).
 
 # %%
-rows = rb.sweep(engine, model_path, ranks=RANKS, buckets_mb=BUCKETS_MB, repeats=REPEATS)
-table = pd.DataFrame([{**{k: r[k] for k in ("mode", "rank", "bucket_mb", "buckets")}, "MB": r["bytes"] / 2**20,
-                       **{f"{p} ms": 1e3 * s for p, s in r["parts"].items()}, "total ms": 1e3 * r["total_s"],
-                       "x floor": r["total_s"] / rb.floor_seconds(r["bytes"], bandwidth)} for r in rows])
-table.round(3)
-
-# %% [markdown]
-# ## Latency per bucket size, parts stacked, against the floor
-# Rows of panels are adapter ranks, columns are modes. The dashed line is the floor: the bytes
-# moved once at the measured copy bandwidth. The y axis is logarithmic (so the floor is visible):
-# bar tops are the totals; segment heights are not proportional to their share (see the table).
+rows = [rb.measure_refresh(engine, trainer_model, mode, BUCKET_MB, REPEATS) for mode in rb.MODES]
+fig = viz.refresh_modes_figure(rows, bandwidth, label=f"{label}: LoRA r={RANK}, {BUCKET_MB:g} MB buckets")
 
 # %%
-fig = refresh_sweep_figure(rows, bandwidth, label=label)
+pd.DataFrame([{"mode": r["mode"], "MB moved": r["bytes"] / 2**20, "median ms": 1e3 * r["total_s"], "floor ms": 1e3 * rb.floor_seconds(r["bytes"], bandwidth),
+               "× floor": r["total_s"] / rb.floor_seconds(r["bytes"], bandwidth)} for r in rows]).set_index("mode").round(3)
 
 # %% [markdown]
 # What to read off it:
-# - `file` and `tensor` move the adapter only (MB scale); `merged` moves every weight, so its
-#   floor is higher and its cost grows with the model, not the rank;
-# - the bucket size changes the number of pushes (merged) or staging copies (tensor); `file`
-#   writes one file whatever the bucket size, so its bars are flat;
-# - on the `hf` engine, load (PEFT re-wrapping the model) dominates and sits orders of magnitude
-#   above the floor: the overhead is software, not bytes.
-#
-# Checks on the measurements themselves (physics and bookkeeping), so a broken sweep fails here:
+# - `file` and `tensor` end the same way, with an unload and a load: the engine builds the adapter
+#   anew every step, and that load is most of their time (on the `hf` engine: PEFT wrapping the
+#   model's linear layers again). `file` also writes a directory and the engine reads it back.
+# - `inplace` skips both: the engine keeps the adapter it loaded first and only the values change.
+# - `merged` moves every weight of the model, not only the adapter, so its bytes grow with the
+#   model; afterwards the engine has no base model left (it serves W + ΔW as its base). With the
+#   tiny model that is ~10 MB and cheap; section 3 shows it at 0.6B scale.
+# - `× floor` says how far each mode is from moving its bytes once. Every mode is well above it:
+#   what costs is software (Python calls, per-tensor work, the engine's bookkeeping), not bytes.
+
+# %% [markdown]
+# ## 2. How does the bucket size change a merged push?
+# A merged refresh pushes the weights in buckets of at most `bucket_mb` MB (whole tensors, sorted
+# by name; the cache is flushed once, after the last). Each bucket is one engine call. Left: the
+# median merged refresh per bucket size (the number above each point is the pushes it took).
+# Right: the same points against the number of pushes, with a straight-line fit.
 
 # %%
-for r in rows:
-    assert abs(sum(r["parts"].values()) - r["total_s"]) < 1e-9, r          # the parts make the total
-    assert r["total_s"] > rb.floor_seconds(r["bytes"], bandwidth), r       # nothing beats the floor
-adapter_mb = {r["rank"]: r["bytes"] for r in rows if r["mode"] == "tensor"}
-assert all(r["bytes"] > max(adapter_mb.values()) for r in rows if r["mode"] == "merged")
-assert sorted(adapter_mb) == sorted(RANKS) and adapter_mb[max(RANKS)] > adapter_mb[min(RANKS)]
-for r in rows:
-    if r["mode"] != "file" and r["bucket_mb"] * 2**20 < r["bytes"]:
-        assert r["buckets"] > 1, f"a {r['bucket_mb']} MB bucket must split {r['bytes']} bytes: {r}"
+merged = [rb.measure_refresh(engine, trainer_model, "merged", mb, REPEATS) for mb in MERGED_BUCKETS_MB]
+fig = viz.merged_buckets_figure(merged, bandwidth, label=f"{label}: {merged[0]['bytes'] / 2**20:.1f} MB of weights")
+
+# %% [markdown]
+# The bytes are the same at every bucket size; what changes is the number of pushes, and the time
+# follows it along a line. Its slope is what one engine call costs (on the `hf` engine: a walk
+# over the model's parameter names and a checked copy per tensor; on SGLang: a request round trip
+# and `load_weights` over the bucket). The intercept is what does not depend on the pushes: the
+# snapshot, the merge and the bytes themselves. With the tiny model on a CPU the pushes are cheap
+# next to the merge, so the line is shallow; with a 0.6B model on a GPU (section 3) the pushes are
+# most of the time. Either way the best bucket is the largest: the whole model in one or two pushes.
+
+# %%
 if SAVE_TO:
-    print(rb.save_results(SAVE_TO, rows, bandwidth, engine=label))
+    print(rb.save_results(SAVE_TO, rows + merged, bandwidth, engine=label))
 engine.close()
 
 # %% [markdown]
-# ## The GPU results committed by the benchmarks
-# Refresh sweeps in this notebook's format (`"kind": "refresh_sweep"`) are plotted like the one
-# above; per-step refresh records of the committed GRPO runs (SGLang 0.5.17 on an H200) are
-# summarised as medians per file and mode. These were measured on the GPU machine, not here.
+# ## 3. The same questions on a GPU: SGLang on an H200
+# Measured by the benchmark scripts on a random-init model of Qwen3-0.6B's shape in bf16 (the
+# refresh cost depends on the shapes, not on the values), LoRA r=32 on the 7 projections (38 MB),
+# next to the naive calls a user would write first (`naive tensor`: PEFT's state dict, unload,
+# load from tensors; `naive file`: `save_pretrained`, unload, load by path). On SGLang the first
+# request after a refresh also pays for it (the new adapter's first use, a cache flush), so it is
+# stacked on the call. The floor (38 MB at ~2 TB/s: ~0.02 ms) would not be visible.
 
 # %%
-gpu_dir = Path(GPU_RESULTS)
-for path in sorted(gpu_dir.glob("*.json")):
-    sweep_file = rb.load_results(path)
-    if sweep_file:
-        refresh_sweep_figure(sweep_file["rows"], sweep_file.get("bandwidth_gbps"),
-                             label=f"{path.name}: {sweep_file.get('engine', '')}")
-summary = rb.gpu_refresh_summary(gpu_dir)
-if summary:
-    ax = plot_refresh_summary(summary)
-    ax.set_title(f"Committed GPU results: {summary[0].get('gpu', 'GPU')}, SGLang {summary[0].get('sglang', '')} "
-                 "(median per step)", fontsize=9)
-    plt.show()
-pd.DataFrame([{"source": s["source"], "mode": s["mode"], "steps": s["steps"], "MB": s["bytes"] / 2**20,
-               **{f"{p} ms": 1e3 * v for p, v in s["parts"].items()}, "total ms": 1e3 * s["total_s"]}
-              for s in summary]).round(2)
+gpu_rows, gpu = viz.gpu_refresh_rows(Path(GPU_RESULTS) / "refresh_tp1.json")
+s = gpu["setting"]
+fig = viz.refresh_modes_figure(gpu_rows, label=f"{gpu['gpu']}, sglang {gpu['sglang']}: {s['model']}, "
+                                                f"LoRA {s['lora']}; p50 of {s['n']} refreshes")
+
+# %% [markdown]
+# As on the CPU, `inplace` is the fastest end to end, then `tensor`, then `file`. Most of the
+# in-place refresh's time is the first request: the adapter keeps its name, so the engine flushes
+# its prefix cache (KV computed with the old values must not be reused) and that request is a full
+# prefill. `tensor` and `file` pay for SGLang building the adapter anew inside the call (for
+# `tensor`, its load copies each tensor to the host and stacks q/k/v there). Each lorabench path is faster than the naive
+# call it replaces. The parts of the naive calls were not timed separately (grey).
+#
+# The merged push of the whole 0.6B-shape model (1.2 GB in bf16) by bucket size, from the same
+# GPU (`benchmarks/results/gpu/perf.json`, from an earlier benchmark run):
+
+# %%
+gpu_merged, perf = viz.gpu_merged_rows(Path(GPU_RESULTS) / "perf.json")
+fig = viz.merged_buckets_figure(gpu_merged, perf["device_copy_gbps"],
+                                label=f"{perf['gpu']}, sglang {perf['sglang']}: Qwen3-0.6B shape, bf16, "
+                                      f"{gpu_merged[0]['bytes'] / 2**30:.2f} GiB of weights")
+
+# %% [markdown]
+# ## Self-check
+# The collapsed cell below checks the measurements themselves (bookkeeping and physics), so a
+# broken measurement does not pass for a result.
+
+# %% tags=["self-check"] jupyter={"source_hidden": true}
+measured = rows + merged
+adapter_bytes = max(r["bytes"] for r in rows if r["mode"] != "merged")
+explain.self_check({
+    "each refresh's parts add up to its total": all(abs(sum(r["parts"].values()) - r["total_s"]) < 1e-9 for r in measured),
+    "no refresh beats the floor": all(r["total_s"] > rb.floor_seconds(r["bytes"], bandwidth) for r in measured),
+    "merged moves more bytes than the adapter": all(r["bytes"] > adapter_bytes for r in merged),
+    "the same bytes at every bucket size": len({r["bytes"] for r in merged}) == 1,
+    "a bucket smaller than the weights splits the push":
+        all(r["buckets"] > 1 for r in merged if r["bucket_mb"] * 2**20 < r["bytes"]),
+    "the GPU results hold file, tensor, inplace and the naive calls":
+        {"file", "tensor", "inplace", "naive_tensor", "naive_file"} <= {r["mode"] for r in gpu_rows},
+})

@@ -26,7 +26,7 @@ LORA_R, LORA_ALPHA = 4, 8
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random-init tiny Qwen3 model + its BPE tokenizer, saved as an ordinary HF model dir."""
-    from lorabench.models import build_tiny_model, build_tiny_tokenizer
+    from lorabench.tiny import build_tiny_model, build_tiny_tokenizer
     out = tmp_path_factory.mktemp("tiny-model")
     tokenizer = build_tiny_tokenizer(out)
     model = build_tiny_model(tokenizer)
@@ -53,6 +53,7 @@ def perturb_lora_B(model, seed: int = 0, scale: float = 0.2) -> None:
 def make_peft_model(tiny_model_dir):
     """Factory: a fresh PEFT-wrapped trainer model (LoRA on all linear layers), lora_B perturbed."""
     from peft import LoraConfig, get_peft_model
+
     from lorabench.models import load_model
 
     def make(seed: int = 0, perturb: bool = True, target_modules="all-linear", r: int = LORA_R):
@@ -80,8 +81,7 @@ def engine(tiny_model_dir):
 @pytest.fixture(scope="session")
 def sample_sequences(tokenizer):
     """Two chat prompts of different lengths followed by their reference answers: (seqs, prompt_lens)."""
-    from lorabench.data import synthetic_problems
-    from lorabench.models import prompt_ids
+    from lorabench.data import prompt_ids, synthetic_problems
     seqs, lens = [], []
     for p in synthetic_problems(2, "test-seqs"):
         prompt = prompt_ids(tokenizer, p.messages)
@@ -108,3 +108,49 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     for x, y in zip(a, b):
         assert x.shape == y.shape, (x.shape, y.shape)
     return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+class CoreOnlyEngine:
+    """A real engine with only the core RolloutEngine protocol (generate, score, load/unload by name,
+    versions): it serves through an HFEngine it owns but has none of the optional capabilities (no
+    in-place update, no weight push, no memory release), as a minimal third-party backend would."""
+    name = "core-only"
+    help = "the core protocol and nothing else (tests)"
+    max_lora_rank = None
+    adapter_dtype = None
+
+    def __init__(self, model_path: str):
+        from lorabench.engines.hf import HFEngine
+        self._inner = HFEngine(model_path, device="cpu", dtype="float32")
+        self.device = self._inner.device
+
+    def generate(self, prompt_ids, sampling, adapter):
+        return self._inner.generate(prompt_ids, sampling, adapter)
+
+    def score(self, sequences, prompt_lens, adapter, temperature: float = 1.0):
+        return self._inner.score(sequences, prompt_lens, adapter, temperature)
+
+    def load_adapter(self, name, path, version: int = 0):
+        self._inner.load_adapter(name, path, version)
+
+    def load_adapter_tensors(self, name, adapter):
+        self._inner.load_adapter_tensors(name, adapter)
+
+    def unload_adapter(self, name):
+        self._inner.unload_adapter(name)
+
+    def loaded_adapters(self):
+        return self._inner.loaded_adapters()
+
+    def served_version(self, adapter):
+        return self._inner.served_version(adapter)
+
+    def close(self):
+        self._inner.close()
+
+
+@pytest.fixture
+def core_engine(tiny_model_dir):
+    eng = CoreOnlyEngine(str(tiny_model_dir))
+    yield eng
+    eng.close()

@@ -1,16 +1,29 @@
 """Shared by the notebook tests: where the notebooks are, a kernelspec that runs this interpreter,
-and papermill-style parameter injection (a cell after the one tagged `parameters`)."""
+the small parameters the tests inject (papermill's convention: a cell tagged `injected-parameters`
+after the one tagged `parameters`; the notebooks themselves hold the learner's values), and the
+checks on executed outputs (no stderr, no library progress bars, figure text size)."""
 from __future__ import annotations
 
+import base64
 import json
 import sys
 from pathlib import Path
 
-import nbformat
-
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+MIN_TEXT_PX = 8.0
+
+# a short warm-start (shared by 01 and 03, so the tiny model is built once), small steps, and a
+# format bonus so that a barely trained model still gets a learning signal
+SMALL_RUN = ["warmstart.steps=40", "warmstart.batch_size=16", "warmstart.lr=1e-2",
+             "warmstart.strict_format_fraction=0.5", "grpo.prompts_per_step=2", "grpo.group_size=8",
+             "grpo.max_new_tokens=40", "grpo.lr=3e-3", "grpo.format_bonus=0.5", "data.eval_size=8"]
+SMALL = {
+    "01_step_through": {"STEPS": 3, "OVERRIDES": SMALL_RUN},
+    "02_refresh_methods": {"RANK": 4, "REPEATS": 2, "MERGED_BUCKETS_MB": [0.1, 1, 16]},
+    "03_how_hotswap_works": {"STEPS": 3, "STALE_STEPS": 3, "OVERRIDES": SMALL_RUN},
+}
 
 
 def write_kernelspec(jupyter_dir: Path) -> Path:
@@ -31,9 +44,46 @@ def parameters_index(nb) -> int:
     return tagged[0]
 
 
-def inject_parameters(nb, **values):
-    """Insert a cell assigning `values` right after the `parameters` cell (as papermill does)."""
-    source = "\n".join(f"{k} = {v!r}" for k, v in values.items())
-    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
-    nb.cells.insert(parameters_index(nb) + 1, cell)
-    return nb
+def parameterized(path: Path, **values):
+    """The notebook at `path` with `values` injected the way papermill does it."""
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+    return parameterize_notebook(load_notebook_node(str(path)), values)
+
+
+def code_outputs(nb):
+    return [(i, o) for i, c in enumerate(nb.cells) if c.cell_type == "code" for o in c.get("outputs", [])]
+
+
+def noise(nb) -> list[str]:
+    """What a lesson must not show: stderr text (warnings, logs) and library progress bars (tqdm's
+    widgets, or its text bars on stderr)."""
+    found = []
+    for i, out in code_outputs(nb):
+        if out.get("output_type") == "stream" and out.get("name") == "stderr":
+            found.append(f"cell {i} stderr: {out['text'][:300]!r}")
+        text = str(out.get("data", {}).get("text/plain", ""))
+        if "application/vnd.jupyter.widget-view+json" in out.get("data", {}) and "it/s" in text + str(out):
+            found.append(f"cell {i}: a progress bar widget")
+    return found
+
+
+def figures(nb) -> list[tuple[int | str, dict]]:
+    """Each image/png output (cell index) and each PNG image widget in the saved widget state
+    ('widget'): viz.png_text_info of the PNG plus its pixel width."""
+    pngs = [(i, base64.b64decode(out["data"]["image/png"])) for i, out in code_outputs(nb)
+            if "image/png" in out.get("data", {})]
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    pngs += [("widget", base64.b64decode(buffer["data"])) for model in state.values()
+             if model["model_name"] == "ImageModel" for buffer in model.get("buffers", [])
+             if buffer["path"] == ["value"]]
+    return [(where, describe_png(png)) for where, png in pngs]
+
+
+def describe_png(png: bytes) -> dict:
+    import io
+
+    from PIL import Image
+
+    from lorabench.viz import png_text_info
+    return {**png_text_info(png), "width": Image.open(io.BytesIO(png)).width}

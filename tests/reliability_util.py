@@ -14,8 +14,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # the tiny CLI run of the crash and security tests (seconds on 2 cores)
-TINY_RUN = ["grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.max_new_tokens=8", "grpo.micro_batch=8",
-            "data.eval_size=4", "grpo.steps=6", "refresh.mode=file", "run.threads=1"]
+TINY_RUN = ["grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.max_new_tokens=8", "data.eval_size=4",
+            "grpo.steps=6", "refresh.mode=file", "run.threads=1"]
+# the smallest CLI run (a second or two of work once the model is loaded), for the process tests
+QUICK_RUN = ["grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.max_new_tokens=4",
+             "warmstart.steps=0", "data.eval_size=4", "run.threads=1"]
 
 
 def rss_mb() -> float:
@@ -77,6 +80,21 @@ def cli(*args, cwd=None, env_extra=None, **popen) -> subprocess.Popen:
                             start_new_session=True, **popen)
 
 
+def one_line_error(err: str) -> str:
+    """The CLI's refusal: exactly one 'lorabench: ...' line on stderr (library warnings aside), and
+    no traceback."""
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("lorabench: ")]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def dir_bytes(root: Path) -> dict[str, bytes]:
+    """Every file under `root` with its bytes (and every dir, as None): equal before and after
+    means nothing was written, truncated, added or removed."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
 @pytest.fixture
 def make_trainer(tiny_model_dir, tokenizer, tmp_path):
     """Factory: a GRPOTrainer on a real HFEngine, logging to `run_dir` (None: no run dir), with the
@@ -87,14 +105,14 @@ def make_trainer(tiny_model_dir, tokenizer, tmp_path):
     from lorabench.runlog import RunLog
     made = []
 
-    def make(run_dir, *extra):
+    def make(run_dir, *extra, log=lambda *a: None):
         cfg = Config.load(overrides=[o for o in TINY_RUN if not o.startswith("run.threads")] +
                           ["engine.device=cpu", "grpo.steps=3", "grpo.lr=5e-2", f"refresh.tmp_dir={tmp_path}",
                            *extra])
-        engine = HFEngine(str(tiny_model_dir), cfg)
+        engine = HFEngine.from_config(cfg, str(tiny_model_dir))
         made.append(engine)
-        trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, RunLog(run_dir) if run_dir else None,
-                              tokenizer=tokenizer, log=lambda *a: None)
+        trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, RunLog(run_dir, log=log) if run_dir else None,
+                              tokenizer=tokenizer, log=log)
         made.append(trainer)
         return trainer
     yield make

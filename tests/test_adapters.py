@@ -1,16 +1,32 @@
-"""Adapter snapshots: plain-JSON config, private atomic PEFT dirs, validation, name mapping, merging."""
+"""Flat adapters: the layout codec, plain-JSON config, private atomic PEFT dirs written by our own
+safetensors writer, validation, name mapping, merging, and the policy's fast snapshot (LoraLayers)."""
 import copy
 import json
+import math
 import os
 import stat
 
 import pytest
 import torch
+from conftest import max_abs_diff, model_logprobs, perturb_lora_B
 
-from conftest import max_abs_diff, model_logprobs
-from lorabench.adapters import (CONFIG_NAME, PEFT_PREFIX, WEIGHTS_NAME, AdapterError, AdapterSnapshot,
-                                base_param_name, linear_shapes, merged_state_dict, plain_config,
-                                split_lora_key, validate)
+from lorabench.adapters import (
+    CONFIG_NAME,
+    PEFT_PREFIX,
+    WEIGHTS_NAME,
+    AdapterError,
+    AdapterLayout,
+    FlatAdapter,
+    base_param_name,
+    base_weights,
+    linear_shapes,
+    merge_weights,
+    merged_state_dict,
+    plain_config,
+    split_lora_key,
+    validate,
+    validate_config,
+)
 
 PROJECTIONS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
@@ -25,13 +41,85 @@ def peft_model(make_peft_model):
 
 
 @pytest.fixture
-def snapshot(peft_model):
-    return AdapterSnapshot.from_peft(peft_model, step=3)
+def adapter(peft_model) -> FlatAdapter:
+    return FlatAdapter.from_peft(peft_model, version=3)
 
 
-# --- config ---------------------------------------------------------------------------------------
-def test_from_peft_config_is_plain_json(snapshot, peft_model):
-    cfg = snapshot.config
+@pytest.fixture
+def tensors(adapter) -> dict[str, torch.Tensor]:
+    """The adapter's tensors as separate clones: a dict a test may change freely."""
+    return {k: v.clone() for k, v in adapter.tensors.items()}
+
+
+@pytest.fixture
+def config(adapter) -> dict:
+    return copy.deepcopy(adapter.config)
+
+
+# --- the layout codec -------------------------------------------------------------------------------
+def _toy_tensors():
+    gen = torch.Generator().manual_seed(0)
+    return {"b.lora_B.weight": torch.randn(5, 2, generator=gen), "a.lora_A.weight": torch.randn(2, 3, generator=gen),
+            "c.scalar": torch.randn(1, generator=gen), "a.lora_B.weight": torch.randn(4, 2, generator=gen)}
+
+
+def test_layout_orders_by_name_and_offsets_add_up():
+    tensors = _toy_tensors()
+    layout = AdapterLayout.of(tensors)
+    assert list(layout.names) == sorted(tensors)
+    assert layout.shapes == tuple(tuple(tensors[n].shape) for n in layout.names)
+    sizes = [tensors[n].numel() for n in layout.names]
+    assert list(layout.offsets) == [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    assert layout.numel == sum(sizes) == 6 + 8 + 10 + 1
+
+
+def test_layout_flatten_and_views_round_trip_without_copy():
+    tensors = _toy_tensors()
+    layout = AdapterLayout.of(tensors)
+    flat = layout.flatten(tensors)
+    assert flat.shape == (layout.numel,)
+    views = layout.views(flat)
+    assert list(views) == list(layout.names)
+    assert all(torch.equal(views[n], tensors[n]) for n in tensors)
+    for view in views.values():                        # views share the buffer's storage
+        assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    views["b.lora_B.weight"][0, 0] = 123.0
+    assert flat[layout.offsets[layout.names.index("b.lora_B.weight")]] == 123.0
+    out = torch.empty(layout.numel)
+    assert layout.flatten(tensors, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, layout.flatten(tensors))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(24), torch.zeros(26), torch.zeros(5, 5)])
+def test_layout_views_refuse_wrong_buffer(bad):
+    layout = AdapterLayout.of(_toy_tensors())
+    with pytest.raises(AdapterError, match=f"{layout.numel} elements"):
+        layout.views(bad)
+
+
+def test_layout_json_round_trip_and_refusal():
+    layout = AdapterLayout.of(_toy_tensors())
+    text = layout.to_json()
+    assert json.loads(text) == [[n, list(s)] for n, s in zip(layout.names, layout.shapes)]
+    back = AdapterLayout.from_json(text)
+    assert back == layout and back.offsets == layout.offsets
+    assert AdapterLayout.from_json(text) != AdapterLayout.from_json(text.replace("[5,2]", "[2,5]"))
+    for bad in ("[[", '{"a": 1}', "[[1]]", '[["a", ["x"]]]'):
+        with pytest.raises(AdapterError, match="layout"):
+            AdapterLayout.from_json(bad)
+
+
+def test_real_adapter_layout_matches_peft_state_dict(peft_model, adapter):
+    from peft import get_peft_model_state_dict
+    state = get_peft_model_state_dict(peft_model)
+    assert list(adapter.layout.names) == sorted(state)
+    assert adapter.buffer.dim() == 1 and adapter.buffer.numel() == sum(t.numel() for t in state.values())
+    assert all(torch.equal(adapter.tensors[k], state[k]) for k in state)
+
+
+# --- config -----------------------------------------------------------------------------------------
+def test_from_peft_config_is_plain_json(adapter, peft_model):
+    cfg = adapter.config
     assert json.loads(json.dumps(cfg)) == cfg
     assert cfg["peft_type"] == "LORA" and type(cfg["peft_type"]) is str
     assert "task_type" not in cfg or type(cfg["task_type"]) is str
@@ -39,17 +127,18 @@ def test_from_peft_config_is_plain_json(snapshot, peft_model):
     assert cfg["lora_alpha"] == peft_model.peft_config["default"].lora_alpha
     # 'all-linear' resolved by PEFT: the leaf names the adapter really covers, as a list
     assert cfg["target_modules"] == PROJECTIONS
-    assert snapshot.step == 3
-    assert snapshot.rank == cfg["r"] and snapshot.scaling == cfg["lora_alpha"] / cfg["r"]
+    assert adapter.version == 3
+    assert adapter.rank == cfg["r"] and adapter.scaling == cfg["lora_alpha"] / cfg["r"]
 
 
 def test_from_peft_task_type_becomes_string(tiny_model_dir):
     from peft import LoraConfig, TaskType, get_peft_model
+
     from lorabench.models import load_model
     model = get_peft_model(load_model(str(tiny_model_dir)),
                            LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
                                       task_type=TaskType.CAUSAL_LM))
-    cfg = AdapterSnapshot.from_peft(model).config
+    cfg = FlatAdapter.from_peft(model).config
     assert cfg["task_type"] == "CAUSAL_LM" and type(cfg["task_type"]) is str
     assert cfg["peft_type"] == "LORA" and type(cfg["peft_type"]) is str
     assert cfg["target_modules"] == ["q_proj", "v_proj"]
@@ -72,55 +161,127 @@ def test_plain_config_sets_to_sorted_leaf_names():
     assert cfg["target_modules"] == ["q_proj", "v_proj"]
 
 
-def test_snapshot_tensors_are_detached_copies(peft_model, snapshot):
-    assert all(not t.requires_grad for t in snapshot.tensors.values())
+# --- the flat adapter -------------------------------------------------------------------------------
+def test_adapter_is_a_detached_copy(peft_model, adapter):
+    assert not adapter.buffer.requires_grad and all(not t.requires_grad for t in adapter.tensors.values())
     name = next(n for n, _ in peft_model.named_parameters() if "lora_B" in n)
     key = name.replace(".default.", ".")
-    before = snapshot.tensors[key].clone()
+    before = adapter.tensors[key].clone()
     with torch.no_grad():
         dict(peft_model.named_parameters())[name].add_(1.0)
-    assert torch.equal(snapshot.tensors[key], before)   # training on does not change a snapshot
-    assert snapshot.nbytes == sum(t.numel() * 4 for t in snapshot.tensors.values())
-    assert snapshot.delta_norm() > 0
+    assert torch.equal(adapter.tensors[key], before)   # training on does not change a published adapter
+    assert adapter.nbytes == adapter.buffer.numel() * 4 == sum(t.numel() * 4 for t in adapter.tensors.values())
+    assert adapter.delta_norm() > 0
 
 
 def test_fresh_adapter_has_zero_delta(make_peft_model):
-    assert AdapterSnapshot.from_peft(make_peft_model(perturb=False)).delta_norm() == 0.0
+    assert FlatAdapter.from_peft(make_peft_model(perturb=False)).delta_norm() == 0.0
 
 
-# --- files ----------------------------------------------------------------------------------------
-def test_save_peft_dir_private_and_atomic(snapshot, tmp_path):
+def test_delta_norm_is_the_merged_weight_change(peft_model, adapter):
+    base = base_weights(peft_model)
+    merged = merged_state_dict(peft_model)
+    by_hand = math.sqrt(sum(float((merged[n] - base[n]).pow(2).sum()) for n in base))
+    assert adapter.delta_norm() == pytest.approx(by_hand, rel=1e-4)
+
+
+def test_from_tensors_refuses_empty_and_mixed_dtypes(tensors, config):
+    with pytest.raises(AdapterError, match="no tensors"):
+        FlatAdapter.from_tensors({}, config)
+    first = next(iter(tensors))
+    tensors[first] = tensors[first].to(torch.bfloat16)
+    with pytest.raises(AdapterError, match="mix dtypes"):
+        FlatAdapter.from_tensors(tensors, config)
+
+
+def test_from_tensors_copies_and_keeps_version(tensors, config):
+    flat = FlatAdapter.from_tensors(tensors, config, version=9)
+    assert flat.version == 9 and flat.config == config and flat.config is not config
+    key = next(iter(tensors))
+    tensors[key].add_(1.0)                             # the caller's tensors are not the buffer
+    assert not torch.equal(flat.tensors[key], tensors[key])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_to_casts_one_copy_and_keeps_identity(adapter, dtype):
+    cast = adapter.to(dtype=dtype)
+    assert cast.buffer.dtype == dtype and cast.nbytes == adapter.nbytes // 2
+    assert (cast.layout, cast.config, cast.version) == (adapter.layout, adapter.config, adapter.version)
+    assert all(torch.equal(cast.tensors[k], v.to(dtype)) for k, v in adapter.tensors.items())
+    assert cast.buffer.data_ptr() != adapter.buffer.data_ptr()
+
+
+def test_check_finite_names_the_culprit(adapter):
+    adapter.check_finite()
+    key = sorted(adapter.tensors)[5]
+    broken = FlatAdapter(adapter.buffer.clone(), adapter.layout, adapter.config, adapter.version)
+    broken.tensors[key].view(-1)[-1] = float("inf")
+    with pytest.raises(AdapterError, match="NaN/Inf") as info:
+        broken.check_finite()
+    assert key in str(info.value)
+
+
+# --- files ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_safetensors_writer_reads_back_with_safetensors(adapter, tmp_path, dtype):
+    """Our hand-written .safetensors (the flat buffer as it is) is what safetensors' own reader expects."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    flat = adapter.to(dtype=dtype)
+    path = flat.save_peft_dir(tmp_path / "a")
+    loaded = load_file(str(path / WEIGHTS_NAME))
+    assert sorted(loaded) == list(flat.layout.names)
+    for name, tensor in flat.tensors.items():
+        assert loaded[name].dtype == dtype and torch.equal(loaded[name], tensor), name
+    with safe_open(str(path / WEIGHTS_NAME), "pt") as fh:
+        assert fh.metadata() == {"format": "pt"}
+    header_len = int.from_bytes((path / WEIGHTS_NAME).read_bytes()[:8], "little")
+    assert header_len % 8 == 0                         # the data section starts 8-byte aligned
+    assert (path / WEIGHTS_NAME).stat().st_size == 8 + header_len + flat.nbytes
+    back = FlatAdapter.load_peft_dir(path, version=4)
+    assert back.version == 4 and back.layout == flat.layout and back.config == flat.config
+    assert back.buffer.dtype == dtype and torch.equal(back.buffer, flat.buffer)
+
+
+def test_safetensors_writer_refuses_other_dtypes(adapter, tmp_path):
+    with pytest.raises(AdapterError, match="float64"):
+        adapter.to(dtype=torch.float64).save_peft_dir(tmp_path / "a")
+    assert not (tmp_path / "a").exists() and os.listdir(tmp_path) == []   # no torn dir left
+
+
+def test_save_peft_dir_private_and_atomic(adapter, tmp_path):
     parent = tmp_path / "adapters"
-    path = snapshot.save_peft_dir(parent / "policy")
+    path = adapter.save_peft_dir(parent / "policy")
     assert _mode(path) == 0o700
     assert sorted(os.listdir(path)) == sorted([CONFIG_NAME, WEIGHTS_NAME])
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         assert _mode(path / name) == 0o600
     assert os.listdir(parent) == ["policy"]            # no temp dirs left next to it
-    back = AdapterSnapshot.load_peft_dir(path)
-    assert back.config == snapshot.config
-    assert back.tensors.keys() == snapshot.tensors.keys()
-    assert all(torch.equal(back.tensors[k], snapshot.tensors[k]) for k in snapshot.tensors)
+    back = FlatAdapter.load_peft_dir(path)
+    assert back.config == adapter.config
+    assert back.tensors.keys() == adapter.tensors.keys()
+    assert all(torch.equal(back.tensors[k], adapter.tensors[k]) for k in adapter.tensors)
 
 
-def test_save_peft_dir_overwrites_existing(snapshot, tmp_path, make_peft_model):
-    path = snapshot.save_peft_dir(tmp_path / "policy")
+def test_save_peft_dir_overwrites_existing(adapter, tmp_path, make_peft_model):
+    path = adapter.save_peft_dir(tmp_path / "policy")
     (path / "stale.txt").write_text("from an older write")
-    other = AdapterSnapshot.from_peft(make_peft_model(seed=1))
+    other = FlatAdapter.from_peft(make_peft_model(seed=1))
     other.save_peft_dir(path)
     assert sorted(os.listdir(path)) == sorted([CONFIG_NAME, WEIGHTS_NAME])
     assert os.listdir(tmp_path) == ["policy"]
     assert _mode(path) == 0o700
-    back = AdapterSnapshot.load_peft_dir(path)
+    back = FlatAdapter.load_peft_dir(path)
     assert all(torch.equal(back.tensors[k], other.tensors[k]) for k in other.tensors)
-    assert not all(torch.equal(back.tensors[k], snapshot.tensors[k]) for k in other.tensors)
+    assert not all(torch.equal(back.tensors[k], adapter.tensors[k]) for k in other.tensors)
 
 
-def test_saved_dir_loads_in_peft_with_identical_logits(tiny_model_dir, peft_model, snapshot, tmp_path,
+def test_saved_dir_loads_in_peft_with_identical_logits(tiny_model_dir, peft_model, adapter, tmp_path,
                                                        sample_sequences):
     from peft import PeftModel
+
     from lorabench.models import load_model
-    path = snapshot.save_peft_dir(tmp_path / "policy")
+    path = adapter.save_peft_dir(tmp_path / "policy")
     loaded = PeftModel.from_pretrained(load_model(str(tiny_model_dir)), str(path)).eval()
     ids = torch.tensor([sample_sequences[0][0]])
     with torch.no_grad():
@@ -135,7 +296,8 @@ def test_saved_dir_loads_in_peft_with_identical_logits(tiny_model_dir, peft_mode
 
 def test_peft_save_pretrained_loads_into_engine(engine, peft_model, tmp_path, sample_sequences):
     peft_model.save_pretrained(str(tmp_path / "peft-saved"))
-    engine.load_adapter("policy", tmp_path / "peft-saved")
+    engine.load_adapter("policy", tmp_path / "peft-saved", version=2)
+    assert engine.served_version("policy") == 2
     seqs, lens = sample_sequences
     got = engine.score(seqs, lens, "policy")
     want = model_logprobs(peft_model, seqs, lens)
@@ -145,123 +307,146 @@ def test_peft_save_pretrained_loads_into_engine(engine, peft_model, tmp_path, sa
     assert max_abs_diff(got, base) > 1e-3
 
 
-def test_load_peft_dir_errors(snapshot, tmp_path):
+def test_load_peft_dir_errors(adapter, tmp_path):
     with pytest.raises(AdapterError, match="does not exist"):
-        AdapterSnapshot.load_peft_dir(tmp_path / "missing")
-    path = snapshot.save_peft_dir(tmp_path / "a")
+        FlatAdapter.load_peft_dir(tmp_path / "missing")
+    path = adapter.save_peft_dir(tmp_path / "a")
     (path / CONFIG_NAME).unlink()
     with pytest.raises(AdapterError, match=CONFIG_NAME):
-        AdapterSnapshot.load_peft_dir(path)
+        FlatAdapter.load_peft_dir(path)
 
-    path = snapshot.save_peft_dir(tmp_path / "b")
+    path = adapter.save_peft_dir(tmp_path / "b")
     (path / WEIGHTS_NAME).unlink()
     with pytest.raises(AdapterError, match=WEIGHTS_NAME):
-        AdapterSnapshot.load_peft_dir(path)
+        FlatAdapter.load_peft_dir(path)
 
-    path = snapshot.save_peft_dir(tmp_path / "c")
+    path = adapter.save_peft_dir(tmp_path / "c")
     (path / CONFIG_NAME).write_text("{not json")
     with pytest.raises(AdapterError, match="not valid JSON"):
-        AdapterSnapshot.load_peft_dir(path)
+        FlatAdapter.load_peft_dir(path)
 
 
-def test_load_peft_dir_truncated_weights(snapshot, tmp_path):
-    path = snapshot.save_peft_dir(tmp_path / "a")
+def test_load_peft_dir_truncated_weights(adapter, tmp_path):
+    path = adapter.save_peft_dir(tmp_path / "a")
     data = (path / WEIGHTS_NAME).read_bytes()
     (path / WEIGHTS_NAME).write_bytes(data[: len(data) // 2])
     with pytest.raises(AdapterError, match="truncated or corrupt") as info:
-        AdapterSnapshot.load_peft_dir(path)
+        FlatAdapter.load_peft_dir(path)
     assert str(path / WEIGHTS_NAME) in str(info.value)
 
 
-def test_engine_refuses_truncated_dir(engine, snapshot, tmp_path):
-    path = snapshot.save_peft_dir(tmp_path / "a")
+def test_engine_refuses_truncated_dir(engine, adapter, tmp_path):
+    path = adapter.save_peft_dir(tmp_path / "a")
     data = (path / WEIGHTS_NAME).read_bytes()
     (path / WEIGHTS_NAME).write_bytes(data[:100])
     with pytest.raises(AdapterError):
-        engine.load_adapter("policy", path)
-    assert engine.loaded_adapters() == []
+        engine.load_adapter("policy", path, version=1)
+    assert engine.loaded_adapters() == [] and engine.served_version("policy") is None
 
 
-# --- validation -----------------------------------------------------------------------------------
-def _first_key(snapshot, half="lora_A"):
-    return next(k for k in sorted(snapshot.tensors) if k.endswith(f"{half}.weight"))
+# --- validation -------------------------------------------------------------------------------------
+def _first_key(tensors, half="lora_A"):
+    return next(k for k in sorted(tensors) if k.endswith(f"{half}.weight"))
 
 
-def test_validate_accepts_real_snapshot(snapshot, peft_model):
-    validate(snapshot, linear_shapes(peft_model), max_rank=snapshot.rank)
-    validate(snapshot)
+def test_validate_accepts_real_adapter(adapter, peft_model):
+    validate(adapter.tensors, adapter.config, linear_shapes(peft_model), max_rank=adapter.rank)
+    validate(adapter.tensors, adapter.config)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_validate_refuses_non_finite(snapshot, bad):
-    key = _first_key(snapshot, "lora_B")
-    snapshot.tensors[key][0, 0] = bad
+def test_validate_refuses_non_finite(tensors, config, bad):
+    key = _first_key(tensors, "lora_B")
+    tensors[key][0, 0] = bad
     with pytest.raises(AdapterError, match="NaN/Inf") as info:
-        validate(snapshot)
+        validate(tensors, config)
     assert key in str(info.value)
 
 
-def test_validate_rank_mismatch(snapshot):
-    snapshot.config["r"] = snapshot.rank + 1
+def test_validate_rank_mismatch(tensors, config):
+    config["r"] += 1
     with pytest.raises(AdapterError, match="rank"):
-        validate(snapshot)
+        validate(tensors, config)
 
 
-def test_validate_missing_lora_B(snapshot):
-    key = _first_key(snapshot, "lora_B")
-    del snapshot.tensors[key]
+def test_validate_missing_lora_B(tensors, config):
+    key = _first_key(tensors, "lora_B")
+    del tensors[key]
     with pytest.raises(AdapterError, match="lora_B") as info:
-        validate(snapshot)
+        validate(tensors, config)
     assert split_lora_key(key)[0] in str(info.value)
 
 
-def test_validate_module_not_in_model(snapshot, peft_model):
-    a = snapshot.tensors[_first_key(snapshot, "lora_A")]
-    b = snapshot.tensors[_first_key(snapshot, "lora_B")]
-    snapshot.tensors[f"{PEFT_PREFIX}model.layers.99.self_attn.q_proj.lora_A.weight"] = a.clone()
-    snapshot.tensors[f"{PEFT_PREFIX}model.layers.99.self_attn.q_proj.lora_B.weight"] = b.clone()
-    validate(snapshot)  # nothing wrong without the model's shapes
+def test_validate_module_not_in_model(tensors, config, peft_model):
+    a, b = tensors[_first_key(tensors, "lora_A")], tensors[_first_key(tensors, "lora_B")]
+    tensors[f"{PEFT_PREFIX}model.layers.99.self_attn.q_proj.lora_A.weight"] = a.clone()
+    tensors[f"{PEFT_PREFIX}model.layers.99.self_attn.q_proj.lora_B.weight"] = b.clone()
+    validate(tensors, config)  # nothing wrong without the model's shapes
     with pytest.raises(AdapterError, match="layers.99") as info:
-        validate(snapshot, linear_shapes(peft_model))
+        validate(tensors, config, linear_shapes(peft_model))
     assert "does not have" in str(info.value)
 
 
-def test_validate_shape_mismatch(snapshot, peft_model):
-    key = _first_key(snapshot, "lora_A")
-    r, n_in = snapshot.tensors[key].shape
-    snapshot.tensors[key] = torch.zeros(r, n_in + 1)
+def test_validate_shape_mismatch(tensors, config, peft_model):
+    key = _first_key(tensors, "lora_A")
+    r, n_in = tensors[key].shape
+    tensors[key] = torch.zeros(r, n_in + 1)
     with pytest.raises(AdapterError, match="another model"):
-        validate(snapshot, linear_shapes(peft_model))
+        validate(tensors, config, linear_shapes(peft_model))
 
 
-def test_validate_rank_above_engine_max(snapshot):
-    with pytest.raises(AdapterError, match="max_lora_rank"):
-        validate(snapshot, max_rank=snapshot.rank - 1)
+def test_validate_rank_above_engine_max(adapter):
+    """The engine's max_lora_rank check (SGLang holds adapters up to a fixed rank; hf has no limit)."""
+    with pytest.raises(AdapterError, match="max_lora_rank") as info:
+        validate(adapter.tensors, adapter.config, max_rank=adapter.rank - 1)
+    assert f"r={adapter.rank}" in str(info.value)
+    validate(adapter.tensors, adapter.config, max_rank=adapter.rank)
 
 
-def test_validate_target_modules_split_into_characters(snapshot):
-    snapshot.config["target_modules"] = list("all-linear")
+def test_validate_target_modules_split_into_characters(tensors, config):
+    config["target_modules"] = list("all-linear")
     with pytest.raises(AdapterError, match="characters"):
-        validate(snapshot)
+        validate(tensors, config)
 
 
-def test_validate_module_outside_target_modules(snapshot):
-    snapshot.config["target_modules"] = ["q_proj"]
+def test_validate_module_outside_target_modules(tensors, config):
+    config["target_modules"] = ["q_proj"]
     with pytest.raises(AdapterError, match="target_modules"):
-        validate(snapshot)
+        validate(tensors, config)
 
 
-def test_validate_non_lora_and_empty(snapshot):
-    bad = AdapterSnapshot(dict(snapshot.tensors), {**snapshot.config, "peft_type": "IA3"})
+def test_validate_non_lora_and_empty(tensors, config):
     with pytest.raises(AdapterError, match="LORA"):
-        validate(bad)
+        validate(tensors, {**config, "peft_type": "IA3"})
     with pytest.raises(AdapterError, match="no tensors"):
-        validate(AdapterSnapshot({}, dict(snapshot.config)))
+        validate({}, config)
     with pytest.raises(AdapterError, match="not a LoRA weight"):
-        validate(AdapterSnapshot({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, dict(snapshot.config)))
+        validate({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, config)
 
 
-# --- names ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("alpha", [0, -8, float("nan"), float("inf"), None, "8", True])
+def test_validate_config_requires_positive_finite_alpha(config, alpha):
+    """PEFT silently falls back to its default alpha for a missing one: that changes alpha/r."""
+    if alpha is None:
+        config.pop("lora_alpha")
+    else:
+        config["lora_alpha"] = alpha
+    with pytest.raises(AdapterError, match="lora_alpha"):
+        validate_config(config)
+
+
+@pytest.mark.parametrize("alpha", [1, 8, 0.5, 64.0])
+def test_validate_config_accepts_alpha_and_returns_rank(config, alpha):
+    assert validate_config({**config, "lora_alpha": alpha}) == config["r"]
+
+
+@pytest.mark.parametrize("rank", [0, -1, 2.0, True, None])
+def test_validate_config_requires_positive_integer_rank(config, rank):
+    with pytest.raises(AdapterError, match="r="):
+        validate_config({**config, "r": rank})
+
+
+# --- names ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key, expected", [
     ("base_model.model.model.layers.0.mlp.up_proj.lora_A.weight", ("model.layers.0.mlp.up_proj", "lora_A")),
     ("base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight",
@@ -296,14 +481,14 @@ def test_base_param_names_match_plain_model(peft_model, tiny_model_dir):
     mapped = {base_param_name(n) for n, _ in peft_model.named_parameters() if ".lora_" not in n}
     assert mapped == plain
     # and the engine-facing adapter names cover exactly the plain model's Linear layers (no lm_head)
-    modules = AdapterSnapshot.from_peft(peft_model).modules
+    modules = FlatAdapter.from_peft(peft_model).modules
     shapes = linear_shapes(peft_model)
     assert shapes == linear_shapes(load_model(str(tiny_model_dir)))  # PEFT wrappers unwrapped
     assert set(modules) <= set(shapes)
     assert set(shapes) - set(modules) == {"lm_head"}
 
 
-# --- merging --------------------------------------------------------------------------------------
+# --- merging ----------------------------------------------------------------------------------------
 def test_merged_state_dict_equals_peft_merge(peft_model):
     base_before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if ".lora_" not in n}
     merged = merged_state_dict(peft_model)
@@ -315,11 +500,31 @@ def test_merged_state_dict_equals_peft_merge(peft_model):
         assert tensor.dtype == reference[name].dtype
         assert torch.allclose(tensor, reference[name], atol=1e-6, rtol=0), name
         changed += not torch.equal(tensor, base_before[next(n for n in base_before if base_param_name(n) == name)])
-    assert changed == len(AdapterSnapshot.from_peft(peft_model).modules)   # every adapted layer moved
+    assert changed == len(FlatAdapter.from_peft(peft_model).modules)   # every adapted layer moved
     # the trainer's base weights are untouched (bit-identical) and still not merged
     after = {n: p.detach() for n, p in peft_model.named_parameters() if ".lora_" not in n}
     assert all(torch.equal(after[n], base_before[n]) for n in base_before)
     assert not any(getattr(m, "merged", False) for m in peft_model.modules())
+
+
+def test_merge_weights_from_base_weights_and_adapter(peft_model, adapter):
+    """merge_weights(base_weights(model), adapter) is merged_state_dict; base_weights are views."""
+    base = base_weights(peft_model)
+    params = dict(peft_model.named_parameters())
+    name = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert base["model.layers.0.self_attn.q_proj.weight"].data_ptr() == params[name].data_ptr()   # no copy
+    merged = merge_weights(base, adapter)
+    reference = merged_state_dict(peft_model)
+    assert merged.keys() == reference.keys()
+    assert all(torch.equal(merged[k], reference[k]) for k in merged)
+    assert merged["model.norm.weight"] is base["model.norm.weight"]   # unadapted weights pass through
+    # another adapter gives other weights: the merge follows the adapter, not the model's own LoRA
+    other = FlatAdapter(adapter.buffer * 2, adapter.layout, adapter.config, adapter.version)
+    twice = merge_weights(base, other)
+    key = "model.layers.1.mlp.up_proj.weight"
+    assert torch.allclose(twice[key] - base[key], 4 * (merged[key] - base[key]), atol=1e-5)   # (2B)(2A)
+    with pytest.raises(AdapterError, match="base weights do not have"):
+        merge_weights({k: v for k, v in base.items() if k != key}, adapter)
 
 
 def test_merged_weights_give_adapter_logits(peft_model, tiny_model_dir, sample_sequences):
@@ -329,3 +534,42 @@ def test_merged_weights_give_adapter_logits(peft_model, tiny_model_dir, sample_s
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to embed_tokens
     seqs, lens = sample_sequences
     assert max_abs_diff(model_logprobs(plain, seqs, lens), model_logprobs(peft_model, seqs, lens)) < 1e-5
+
+
+# --- the policy's snapshot (LoraLayers) ---------------------------------------------------------------
+def test_lora_layers_snapshot_equals_peft_state_dict(make_peft_model, tmp_path):
+    """One cat of the LoRA weights equals PEFT's state dict; it is a copy, carries the version, and its
+    file (our safetensors writer) loads in PEFT's own loader."""
+    from peft import PeftModel
+
+    from lorabench.models import load_model
+    from lorabench.policy import LoraLayers
+    model = make_peft_model(seed=2)
+    perturb_lora_B(model, seed=3)
+    reference = FlatAdapter.from_peft(model)
+    layers = LoraLayers(model)
+    snap = layers.snapshot(7)
+    assert snap.version == 7 and snap.layout == reference.layout and snap.config == reference.config
+    assert torch.equal(snap.buffer, reference.buffer)
+    with torch.no_grad():                                  # a copy, not a view of the trainer's parameters
+        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(1.0)
+    assert torch.equal(snap.buffer, reference.buffer)
+    assert not torch.equal(layers.snapshot(8).buffer, reference.buffer)   # the next snapshot sees the change
+    path = snap.save_peft_dir(tmp_path / "a")
+    loaded = PeftModel.from_pretrained(load_model(model.peft_config["default"].base_model_name_or_path), path)
+    state = {n.replace(".default.", "."): p for n, p in loaded.named_parameters() if ".lora_" in n}
+    assert all(torch.equal(state[k], reference.tensors[k]) for k in reference.tensors)
+
+
+def test_lora_layers_snapshot_refuses_nan(make_peft_model):
+    """A diverged update never becomes an adapter: the policy's snapshot checks it finite."""
+    from lorabench.policy import LoraLayers
+    model = make_peft_model()
+    layers = LoraLayers(model)
+    layers.snapshot(1)
+    name, param = next((n, p) for n, p in model.named_parameters() if "lora_A" in n)
+    with torch.no_grad():
+        param[0, 0] = float("nan")
+    with pytest.raises(AdapterError, match="NaN/Inf") as info:
+        layers.snapshot(2)
+    assert name.replace(".default.", ".") in str(info.value)

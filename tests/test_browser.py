@@ -1,9 +1,17 @@
-"""The step-through notebook in a real browser: JupyterLab served on 127.0.0.1 (random port, random
-token), notebook 01 opened in headless Chromium (Playwright driving Debian's /usr/bin/chromium),
-Run All, the widget panel rendered, one Step clicked, a screenshot saved and checked for the
-rendered reward plot. The server (and its kernel) are shut down in the fixture's teardown."""
+"""The three notebooks in a real browser, as a learner meets them: JupyterLab served on 127.0.0.1
+(random port, random token) and driven in headless Chromium (Playwright, Debian's /usr/bin/chromium)
+at 1400 px wide. Each notebook, with the tests' small parameters injected, is run from the Run
+menu; notebook 01 is run up to its "Continue from the CLI" section, its panel's Step button is
+clicked, then the rest is run. Fails on any visible stderr box (a warning, a log line, a traceback)
+or widget error, and on figure text under 8 px as rendered: each figure's PNG records its smallest
+text in pixels at its own size (viz.figure_png), scaled here by the width the browser gave it.
+Each figure is saved as a screenshot. With LORABENCH_RECORD=1 the notebooks run at their learner
+defaults instead (what a learner sees; ~4 minutes on 2 cores with the tiny model cached) and the
+screenshots are copied to benchmarks/results/browser_<notebook>_<figure>.png.
+The server and its kernels are shut down in the fixture's teardown."""
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -15,17 +23,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import nbformat
+import papermill
 import pytest
-
-from notebook_helpers import NOTEBOOK_DIR, ROOT, inject_parameters, write_kernelspec
+from notebook_helpers import MIN_TEXT_PX, NOTEBOOKS, ROOT, SMALL, describe_png, parameterized, write_kernelspec
 
 CHROMIUM = "/usr/bin/chromium"
-RECORD = ROOT / "benchmarks" / "results" / "browser_step_through.png"
+RECORD_DIR = ROOT / "benchmarks" / "results"
+RECORD = bool(os.environ.get("LORABENCH_RECORD"))
+PARAMETERS = {p.stem: {} if RECORD else SMALL[p.stem] for p in NOTEBOOKS}   # injected; {} = the learner's
 REWARD_BLUE = (0x4C, 0x72, 0xB0)   # viz.plot_rewards' line colour
-STEPS = 1                          # Run All runs one step; the test clicks Step for the second
+VIEWPORT = {"width": 1400, "height": 1800}   # tall enough for notebook 01's whole panel in one screenshot
+RUN_TIMEOUT_MS = int(os.environ.get("LB_BROWSER_RUN_TIMEOUT_MS", 300_000))
+STDERR = "[data-mime-type='application/vnd.jupyter.stderr']"   # stderr streams and tracebacks
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 if not os.access(CHROMIUM, os.X_OK):
@@ -45,28 +56,32 @@ def api(url: str, token: str, method: str = "GET"):
         return json.loads(body) if body else None
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """JupyterLab on 127.0.0.1 with a random token, serving a temp dir that holds notebook 01
-    (its runs go to the temp dir too); isolated config, settings and workspaces."""
-    root = tmp_path / "root"
-    root.mkdir()
-    nb = inject_parameters(nbformat.read(NOTEBOOK_DIR / "01_step_through.ipynb", as_version=4),
-                           RUN_ROOT=str(tmp_path / "runs"), STEPS=STEPS)
-    nbformat.write(nb, root / "01_step_through.ipynb")
-    settings = tmp_path / "lab-settings"
-    for plugin, values in {"notebook-extension/tracker": {"windowingMode": "none",    # every cell in the DOM
-                                                           "autoStartDefaultKernel": True},
+def lab_settings(settings_dir) -> None:
+    """Every cell in the DOM (no virtual scrolling), the default kernel started, no news fetched."""
+    for plugin, values in {"notebook-extension/tracker": {"windowingMode": "none", "autoStartDefaultKernel": True},
                            "apputils-extension/notification": {"fetchNews": "false"}}.items():
-        path = settings / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+        path = settings_dir / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
-    jupyter_dir = write_kernelspec(tmp_path / "jupyter")
-    env = {**os.environ, "JUPYTER_PATH": str(jupyter_dir), "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "JUPYTERLAB_SETTINGS_DIR": str(settings),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces")}
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab on 127.0.0.1 with a random token, serving a temp dir holding the three notebooks
+    with the small parameters injected (01's runs go to the temp dir); isolated config."""
+    tmp = tmp_path_factory.mktemp("lab")
+    root = tmp / "root"
+    root.mkdir()
+    for path in NOTEBOOKS:
+        extra = {"01_step_through": {"RUN_ROOT": str(tmp / "runs")},
+                 "02_refresh_methods": {"GPU_RESULTS": str(ROOT / "benchmarks" / "results" / "gpu")}}.get(path.stem, {})
+        nbformat.write(parameterized(path, **PARAMETERS[path.stem], **extra), root / path.name)
+    lab_settings(tmp / "lab-settings")
+    env = {**os.environ, "JUPYTER_PATH": str(write_kernelspec(tmp / "jupyter")),
+           "JUPYTER_CONFIG_DIR": str(tmp / "config"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp / "lab-settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces")}
     port, token = free_port(), secrets.token_hex(24)
-    log = open(tmp_path / "jupyter.log", "w")
+    log = open(tmp / "jupyter.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
          "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
@@ -81,17 +96,13 @@ def lab(tmp_path):
                 api(f"{base}/api/status", token)
                 break
             except OSError:
-                assert server.poll() is None, (tmp_path / "jupyter.log").read_text()[-3000:]
+                assert server.poll() is None, (tmp / "jupyter.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "jupyter lab did not answer within 90 s"
                 time.sleep(0.5)
-        yield {"base": base, "token": token, "pid": server.pid, "log": tmp_path / "jupyter.log",
-               "runs": tmp_path / "runs", "tmp": tmp_path}
+        yield {"base": base, "token": token, "pid": server.pid, "log": tmp / "jupyter.log", "runs": tmp / "runs",
+               "tmp": tmp}
     finally:
-        try:
-            for kernel in api(f"{base}/api/kernels", token) or []:
-                api(f"{base}/api/kernels/{kernel['id']}", token, method="DELETE")
-        except OSError:
-            pass
+        shutdown_kernels(base, token)
         server.terminate()
         try:
             server.wait(timeout=30)
@@ -101,11 +112,105 @@ def lab(tmp_path):
         log.close()
 
 
+def shutdown_kernels(base: str, token: str) -> None:
+    try:
+        for kernel in api(f"{base}/api/kernels", token) or []:
+            api(f"{base}/api/kernels/{kernel['id']}", token, method="DELETE")
+    except OSError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser(lab):
+    with sync_api.sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(lab["tmp"] / "chromium-profile"), executable_path=CHROMIUM, headless=True,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+            viewport=VIEWPORT)
+        try:
+            yield context
+        finally:
+            context.close()
+
+
 def listening_addresses(pid: int) -> set[str]:
     import psutil
     procs = [psutil.Process(pid)]
     procs += procs[0].children(recursive=True)
     return {c.laddr.ip for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+
+# --- driving JupyterLab ---------------------------------------------------------------------------
+def open_notebook(browser, lab, name: str):
+    page = browser.new_page()
+    # a workspace of its own, reset: only this notebook is open
+    page.goto(f"{lab['base']}/lab/workspaces/{name.split('.')[0]}/tree/{name}?reset&token={lab['token']}")
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
+    select_kernel = page.locator(".jp-Dialog button", has_text="Select")
+    try:  # JupyterLab may still ask which kernel to start; the notebook's own is preselected
+        select_kernel.wait_for(timeout=5_000)
+        select_kernel.click()
+    except sync_api.TimeoutError:
+        pass
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)
+    return page
+
+
+def run_menu(page, item: str) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text=item).first.click()
+
+
+def wait_for_code_cells(page, count: int) -> None:
+    """Until the first `count` code cells show an execution count, or a stderr box appears."""
+    page.wait_for_function(
+        """([n, stderr]) => document.querySelector(stderr) !== null ||
+             [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].slice(0, n)
+               .every(e => /\\[\\d+\\]/.test(e.textContent))""", arg=[count, STDERR], timeout=RUN_TIMEOUT_MS)
+
+
+def wait_for_self_check(page) -> None:
+    page.get_by_text("self-check: all").or_(page.locator(STDERR)).first.wait_for(timeout=RUN_TIMEOUT_MS)
+
+
+def visible_problems(page) -> list[str]:
+    """Stderr boxes (warnings, logs, tracebacks) and widget errors on the page."""
+    problems = [f"stderr box: {t[:500]!r}" for t in page.locator(STDERR).all_inner_texts()]
+    for text in ("Error displaying widget", "Error rendering output item", "model not found"):
+        if page.get_by_text(text).count():
+            problems.append(f"widget error: {text}")
+    return problems
+
+
+# the PNG bytes behind an <img> (a data: URL for inline figures, a blob: URL for an image widget)
+PNG_OF_IMG = """async (img) => {
+    const bytes = new Uint8Array(await (await fetch(img.src)).arrayBuffer());
+    let text = "";
+    for (const b of bytes) text += String.fromCharCode(b);
+    return [btoa(text), img.naturalWidth, img.getBoundingClientRect().width];
+}"""
+
+
+def check_figures(page, stem: str, shots_dir) -> list[dict]:
+    """Every figure on the page: its text size as rendered (>= 8 px asserted by the caller), and a
+    screenshot named after the notebook and the figure."""
+    seen: dict[str, int] = {}
+    found = []
+    for img in page.locator(".jp-RenderedImage img, .lorabench-step-panel img").all():
+        img.scroll_into_view_if_needed()
+        page.wait_for_function("(img) => img.complete && img.naturalWidth > 0", arg=img.element_handle())
+        png, natural, shown = img.evaluate(PNG_OF_IMG)
+        info = describe_png(base64.b64decode(png))
+        name = info["figure"] or "unnamed"
+        seen[name] = seen.get(name, 0) + 1
+        shot = shots_dir / f"browser_{stem}_{name}{'' if seen[name] == 1 else f'_{seen[name]}'}.png"
+        panel = img.locator("xpath=ancestor::div[contains(@class, 'lorabench-step-panel')]")
+        (panel if panel.count() else img).screenshot(path=str(shot))   # the whole panel: buttons, lines, tables
+        scale = shown / natural
+        found.append({**info, "shot": shot, "scale": scale,
+                      "text_px": info["min_text_px"] * scale if info["min_text_px"] is not None else None})
+    return found
 
 
 def blue_pixels(png: bytes) -> tuple[int, float]:
@@ -117,64 +222,71 @@ def blue_pixels(png: bytes) -> tuple[int, float]:
     return near, float(rgb.mean(-1).std())
 
 
-def test_step_through_notebook_in_chromium(lab):
+def code_cells_before(name: str, heading: str) -> int:
+    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    index = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and heading in c.source)
+    return sum(c.cell_type == "code" for c in nb.cells[:index]) + 1   # + the injected parameters cell
+
+
+def step_through(page, lab) -> dict:
+    """Notebook 01: run up to "Continue from the CLI", click Step once, then run the rest."""
+    steps = PARAMETERS["01_step_through"].get("STEPS") or int(papermill.inspect_notebook(
+        str(ROOT / "notebooks" / "01_step_through.ipynb"))["STEPS"]["default"])
+    continue_cell = page.locator(".jp-MarkdownCell", has_text="Continue from the CLI")
+    continue_cell.click()
+    run_menu(page, "Run All Above Selected Cell")
+    wait_for_code_cells(page, code_cells_before("01_step_through.ipynb", "## Continue from the CLI"))
+    assert visible_problems(page) == []
+    panel = page.locator(".lorabench-step-panel")
+    panel.get_by_text(f"steps done: {steps}").wait_for(timeout=30_000)
+    plot = panel.locator("img").first
+    before = plot.get_attribute("src")
+    panel.locator("button", has_text="Step").first.click()
+    panel.get_by_text(f"steps done: {steps + 1}").wait_for(timeout=120_000)
+    page.wait_for_function("(img) => img.complete && img.naturalWidth > 0", arg=plot.element_handle())
+    assert plot.get_attribute("src") != before, "the plot was not redrawn after Step"
+    near, spread = blue_pixels(plot.screenshot())
+    assert near > 100 and spread > 10, f"no reward line in the rendered plot ({near} pixels of its colour)"
+    continue_cell.click()
+    run_menu(page, "Run Selected Cell and All Below")
+    wait_for_self_check(page)
+    assert panel.locator("button", has_text="Step").first.is_disabled(), "the closed session's panel still steps"
+    rows = [json.loads(line) for line in next(lab["runs"].iterdir()).joinpath("metrics.jsonl").read_text().splitlines()]
+    return {"steps": [r["step"] for r in rows], "expected": list(range(1, steps + 2))}
+
+
+def test_server_listens_on_loopback_with_a_token(lab):
     assert listening_addresses(lab["pid"]) == {"127.0.0.1"}, "the server must listen on loopback only"
     with pytest.raises(urllib.error.HTTPError):   # no token, no access
         urllib.request.urlopen(f"{lab['base']}/api/contents", timeout=10)
 
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch_persistent_context(
-            str(lab["tmp"] / "chromium-profile"), executable_path=CHROMIUM, headless=True,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-            viewport={"width": 1400, "height": 1100})
-        try:
-            page = browser.new_page()
-            page.goto(f"{lab['base']}/lab/tree/01_step_through.ipynb?token={lab['token']}")
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
-            select_kernel = page.locator(".jp-Dialog button", has_text="Select")
-            try:  # JupyterLab may still ask which kernel to start; the notebook's own is preselected
-                select_kernel.wait_for(timeout=5_000)
-                select_kernel.click()
-            except sync_api.TimeoutError:
-                pass
-            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
-            # Run All done: the last code cell printed its check
-            page.get_by_text(f"metrics.jsonl has {STEPS} rows").wait_for(timeout=int(os.environ.get("LB_BROWSER_RUN_TIMEOUT_MS", 300_000)))
-            panel = page.locator(".lorabench-step-panel")
-            panel.wait_for(timeout=30_000)
-            label = panel.get_by_text(f"steps done: {STEPS}")
-            label.wait_for(timeout=30_000)
-            plot = panel.locator("img").first
-            before = plot.get_attribute("src")
-
-            panel.locator("button", has_text="Step").first.click()
-            panel.get_by_text(f"steps done: {STEPS + 1}").wait_for(timeout=120_000)
-            page.wait_for_function("(img) => img.complete && img.naturalWidth > 0", arg=plot.element_handle())
-            panel.scroll_into_view_if_needed()
-            shot = lab["tmp"] / "browser_step_through.png"
-            panel.screenshot(path=str(shot))
-            size = plot.evaluate("img => [img.naturalWidth, img.naturalHeight]")
-            after = plot.get_attribute("src")
-            plot_png = plot.screenshot()
-        except Exception:
-            failure = lab["tmp"] / "failure.png"
-            page.screenshot(path=str(failure), full_page=True)
-            print(f"screenshot at failure: {failure}\nserver log tail:\n{lab['log'].read_text()[-2000:]}")
-            raise
-        finally:
-            browser.close()
-
-    assert size[0] > 300 and size[1] > 200, f"reward plot not rendered: natural size {size}"
-    assert after != before, "the plot was not redrawn after Step"
-    near, spread = blue_pixels(plot_png)
-    assert near > 100, f"no reward line in the rendered plot ({near} pixels of its colour)"
-    assert spread > 10, "the plot area is blank"
-    if os.environ.get("LORABENCH_RECORD"):  # refresh the committed record only on request
-        RECORD.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(shot, RECORD)
-    rows = [json.loads(line) for line in next(lab["runs"].iterdir()).joinpath("metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 2)), "the clicked step did not reach the run dir"
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_in_chromium(lab, browser, path):
+    page = open_notebook(browser, lab, path.name)
+    try:
+        if path.stem == "01_step_through":
+            run = step_through(page, lab)
+            assert run["steps"] == run["expected"], "the clicked step did not reach the run dir"
+        else:
+            run_menu(page, "Run All Cells")
+            wait_for_self_check(page)
+        assert visible_problems(page) == []
+        shots = lab["tmp"] / "shots"
+        shots.mkdir(exist_ok=True)
+        shown = check_figures(page, path.stem, shots)
+    except Exception:
+        failure = lab["tmp"] / f"failure_{path.stem}.png"
+        page.screenshot(path=str(failure), full_page=True)
+        print(f"screenshot at failure: {failure}\nserver log tail:\n{lab['log'].read_text()[-2000:]}")
+        raise
+    finally:
+        page.close()
+        shutdown_kernels(lab["base"], lab["token"])
+    assert shown, f"{path.name}: no figure rendered"
+    small = [(f["figure"], f["text_px"]) for f in shown if f["text_px"] is None or f["text_px"] < MIN_TEXT_PX]
+    assert small == [], f"figure text under {MIN_TEXT_PX} px at {VIEWPORT['width']} px: {small}"
+    print({f["shot"].name: f"text >= {f['text_px']:.1f} px (scale {f['scale']:.2f})" for f in shown})
+    if RECORD:  # refresh the committed screenshots only on request
+        for f in shown:
+            shutil.copyfile(f["shot"], RECORD_DIR / f["shot"].name)

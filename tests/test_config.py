@@ -1,6 +1,7 @@
 """Config: defaults, typed overrides, .json/.toml files, and errors that name the field and the fix."""
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -60,11 +61,11 @@ def test_override_value_may_contain_equals_sign():
 
 def test_json_file(tmp_path):
     path = tmp_path / "cfg.json"
-    path.write_text(json.dumps({"grpo": {"steps": 3, "lr": 0.01, "group_size": 4, "micro_batch": 32},
+    path.write_text(json.dumps({"grpo": {"steps": 3, "lr": 0.01, "group_size": 4, "micro_batch_tokens": 32},
                                 "lora": {"target_modules": ["q_proj", "v_proj"], "r": 8},
                                 "refresh": {"mode": "merged"}}))
     cfg = Config.load(path)
-    assert (cfg.grpo.steps, cfg.grpo.lr, cfg.grpo.group_size) == (3, 0.01, 4)
+    assert (cfg.grpo.steps, cfg.grpo.lr, cfg.grpo.group_size, cfg.grpo.micro_batch_tokens) == (3, 0.01, 4, 32)
     assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.lora.r == 8
     assert cfg.refresh.mode == "merged"
     assert cfg.grpo.prompts_per_step == Config().grpo.prompts_per_step  # untouched default
@@ -100,6 +101,25 @@ def test_unknown_key_names_key_and_valid_keys():
     assert "valid keys" in msg and "'lr'" in msg
 
 
+@pytest.mark.parametrize("override, suggestion", [
+    ("grpo.learning_rate=1e-3", "did you mean grpo.lr?"),        # another tool's name for it
+    ("grpo.micro_batch=8", "did you mean grpo.micro_batch_tokens?"),  # the field before its rename
+    ("grpo.tempreature=0.5", "did you mean grpo.temperature?"),  # a typo
+    ("grpo.seed=3", "did you mean run.seed?"),                   # the right key in another section
+    ("lora.rank=8", "did you mean lora.r?"),
+])
+def test_unknown_key_did_you_mean(override, suggestion):
+    assert suggestion in _error([override])
+
+
+def test_unknown_section_did_you_mean(tmp_path):
+    assert "(did you mean 'lora'?)" in _error(["lroa.r=8"])
+    path = tmp_path / "c.toml"
+    path.write_text("[grpoo]\nsteps = 3\n")
+    msg = _error(path=path)
+    assert str(path) in msg and "(did you mean 'grpo'?)" in msg
+
+
 def test_unknown_section_names_section_and_valid_sections():
     msg = _error(["optim.lr=1e-3"])
     assert "optim" in msg and "valid sections" in msg and "grpo" in msg
@@ -126,16 +146,67 @@ def test_wrong_type_in_file(tmp_path):
 
 
 def test_group_size_one():
-    msg = _error(["grpo.group_size=1", "grpo.micro_batch=8"])
+    msg = _error(["grpo.group_size=1"])
     assert "grpo.group_size=1" in msg and "group_size=8" in msg
 
 
-def test_micro_batch_must_divide_batch():
-    msg = _error(["grpo.prompts_per_step=3", "grpo.group_size=4", "grpo.micro_batch=5"])
-    assert "grpo.micro_batch=5" in msg and "12" in msg and "divisor" in msg
-    # a divisor or anything >= the batch is fine
-    assert Config.load(overrides=["grpo.prompts_per_step=3", "grpo.group_size=4", "grpo.micro_batch=6"])
-    assert Config.load(overrides=["grpo.prompts_per_step=3", "grpo.group_size=4", "grpo.micro_batch=64"])
+def test_micro_batch_tokens_must_be_positive():
+    msg = _error(["grpo.micro_batch_tokens=0"])
+    assert "grpo.micro_batch_tokens=0" in msg and ">= 1" in msg and "8192" in msg
+    # any positive budget is fine: a sequence longer than it forms its own micro-batch
+    assert Config.load(overrides=["grpo.micro_batch_tokens=1"]).grpo.micro_batch_tokens == 1
+
+
+@pytest.mark.parametrize("override, field_name", [
+    ("grpo.lr=inf", "grpo.lr"), ("grpo.lr=-inf", "grpo.lr"), ("grpo.max_grad_norm=nan", "grpo.max_grad_norm"),
+    ("grpo.temperature=nan", "grpo.temperature"), ("refresh.bucket_mb=inf", "refresh.bucket_mb"),
+    ("grpo.kl_beta=nan", "grpo.kl_beta"), ("warmstart.lr=inf", "warmstart.lr"),
+])
+def test_non_finite_numbers_refused(override, field_name):
+    """inf/nan parse as floats; each is refused at config time naming the field and the default
+    (max_grad_norm=nan used to pass and fail at step 1 blaming the lr)."""
+    msg = _error([override])
+    assert msg.startswith(f"{field_name}=") and "finite number" in msg and "default is" in msg
+
+
+def test_non_finite_in_toml_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[grpo]\nlr = inf\n")           # TOML has inf and nan literals
+    msg = _error(path=path)
+    assert "grpo.lr=inf" in msg and "finite" in msg
+    assert math.isfinite(Config().grpo.lr)
+
+
+@pytest.mark.parametrize("override, needle, fix", [
+    ("data.eval_size=0", "data.eval_size=0", "data.eval_size=128"),
+    ("lora.dropout=1.5", "lora.dropout=1.5", "[0, 1)"),
+    ("lora.dropout=-0.1", "lora.dropout=-0.1", "[0, 1)"),
+    ("grpo.max_grad_norm=0", "grpo.max_grad_norm=0.0", "> 0"),
+    ("data.max_prompt_tokens=-1", "data.max_prompt_tokens=-1", ">= 0"),
+])
+def test_values_that_failed_late_are_refused_at_config_time(override, needle, fix):
+    msg = _error([override])
+    assert needle in msg and fix in msg
+
+
+def test_bom_accepted_in_config_files(tmp_path):
+    toml, js = tmp_path / "c.toml", tmp_path / "c.json"
+    toml.write_bytes("\ufeff[grpo]\nsteps = 5\n".encode())
+    js.write_bytes("\ufeff".encode() + json.dumps({"grpo": {"steps": 6}}).encode())
+    assert Config.load(toml).grpo.steps == 5 and Config.load(js).grpo.steps == 6
+
+
+def test_config_file_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_bytes("[grpo]\n# sch\xf6n\nsteps = 5\n".encode("latin-1"))
+    msg = _error(path=path)
+    assert str(path) in msg and "not UTF-8" in msg and "0xf6" in msg and "save it as UTF-8" in msg
+
+
+def test_bad_extra_args_json_is_a_config_error():
+    msg = _error(["engine.backend=sglang", "engine.extra_args={bad"])
+    assert "engine.extra_args" in msg and "not JSON" in msg and "enable_memory_saver" in msg
+    assert "JSON object" in _error(["engine.extra_args=[1, 2]"])
 
 
 @pytest.mark.parametrize("value", [".*proj", "model.*q_proj", r"q_proj|v_proj"])
@@ -166,15 +237,15 @@ def test_bad_refresh_mode():
     ("grpo.top_p=1.5", "grpo.top_p"),
     ("grpo.reward_mode=loose", "grpo.reward_mode"),
     ("engine.backend=vllm", "engine.backend"),
-    ("engine.max_loras_per_batch=1", "engine.max_loras_per_batch"),
-    ("engine.mem_fraction_static=1.5", "engine.mem_fraction_static"),
+    ("engine.backend=sglang engine.max_loras_per_batch=1", "engine.max_loras_per_batch"),
+    ("engine.backend=sglang engine.mem_fraction_static=1.5", "engine.mem_fraction_static"),
     ("refresh.bucket_mb=0", "refresh.bucket_mb"),
     ("model.dtype=float8", "model.dtype"),
     ("lora.r=0", "lora.r"),
     ("engine.cuda_graph_max_bs=-1", "engine.cuda_graph_max_bs"),
 ])
 def test_other_invalid_values_name_the_field(override, field_name):
-    assert field_name in _error([override])
+    assert field_name in _error(override.split())
 
 
 @pytest.mark.parametrize("overrides, names, fix", [
@@ -194,7 +265,7 @@ def test_tensor_parallel_engine_accepted():
 
 
 def test_max_lora_rank_below_r():
-    msg = _error(["engine.max_lora_rank=8", "lora.r=16"])
+    msg = _error(["engine.backend=sglang", "engine.max_lora_rank=8", "lora.r=16"])
     assert "engine.max_lora_rank=8" in msg and "lora.r=16" in msg
 
 

@@ -5,7 +5,11 @@
 - disk full (a real, tiny tmpfs) during a file refresh: a clear error, the engine keeps serving
   the previous adapter;
 - `lorabench run` killed -9 at random steps, then `lorabench resume`: every step row exactly once,
-  and every metric (timings aside) equal to an uninterrupted run's.
+  and every metric (timings aside) equal to an uninterrupted run's;
+- the exact states a kill can leave inside a commit, built in-process: resume repairs them from
+  the checkpoint (and says so) and continues as the uninterrupted run.
+What resume refuses (corrupt lines, a missing checkpoint, two writers, refused overrides) is
+tests/test_rundir.py.
 """
 from __future__ import annotations
 
@@ -21,16 +25,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import max_abs_diff, model_logprobs, perturb_lora_B
 from reliability_util import TINY_RUN, FullDisk, cli, make_trainer  # noqa: F401 (fixture)
-from lorabench.adapters import CONFIG_NAME, PEFT_PREFIX, WEIGHTS_NAME, AdapterSnapshot, AdapterWriteError
+
+from lorabench.adapters import CONFIG_NAME, PEFT_PREFIX, WEIGHTS_NAME, AdapterWriteError, FlatAdapter
 from lorabench.refresh import FileRefresh
 from lorabench.runlog import _clean, read_jsonl
 
 
 # --- atomic adapter writes under SIGKILL ---------------------------------------------------------
-def _versions(n: int = 4) -> list[AdapterSnapshot]:
+def _versions(n: int = 4) -> list[FlatAdapter]:
     """Distinct adapters of ~2 MB (long enough writes that kills land inside them); each config
     names its version, so a dir mixing one version's config with another's weights is caught."""
     versions = []
@@ -47,7 +51,7 @@ def _versions(n: int = 4) -> list[AdapterSnapshot]:
             tensors[f"{m}.lora_B.weight"] = torch.randn(256, 8, generator=gen)
         config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["down_proj", "up_proj"],
                   "revision": v}
-        versions.append(AdapterSnapshot(tensors, config))
+        versions.append(FlatAdapter.from_tensors(tensors, config, v))
     return versions
 
 
@@ -88,7 +92,7 @@ def _check_dir_tree(parent: Path, versions) -> dict:
             found["hidden_temps"] += 1
             continue
         assert sorted(p.name for p in entry.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME], entry
-        loaded = AdapterSnapshot.load_peft_dir(entry)          # raises on a torn file
+        loaded = FlatAdapter.load_peft_dir(entry)              # raises on a torn file
         want = versions[loaded.config["revision"]]
         assert loaded.config == want.config
         assert loaded.tensors.keys() == want.tensors.keys()
@@ -145,13 +149,13 @@ def test_disk_full_file_refresh_keeps_previous_adapter(engine, make_peft_model, 
     seqs, lens = sample_sequences
     refresher = FileRefresh(engine, "policy", tmp_dir=str(full_disk.path))
     try:
-        refresher.refresh(model, 1)
+        refresher.refresh(FlatAdapter.from_peft(model, version=1))
         serving = engine.score(seqs, lens, "policy")
         dirs_before = sorted(refresher.root.iterdir())
         assert full_disk.fill() > 0
         perturb_lora_B(model, seed=7)
         with pytest.raises(AdapterWriteError) as info:
-            refresher.refresh(model, 2)
+            refresher.refresh(FlatAdapter.from_peft(model, version=2))
         err = info.value
         assert err.errno == errno.ENOSPC and isinstance(err, OSError)
         msg = str(err)
@@ -163,7 +167,7 @@ def test_disk_full_file_refresh_keeps_previous_adapter(engine, make_peft_model, 
         assert sorted(refresher.root.iterdir()) == dirs_before           # no partial dir left
         assert refresher.refreshes == 1
         full_disk.free()
-        refresher.refresh(model, 3)                                       # space again: refresh works
+        refresher.refresh(FlatAdapter.from_peft(model, version=3))       # space again: refresh works
         assert max_abs_diff(engine.score(seqs, lens, "policy"), model_logprobs(model, seqs, lens)) < 1e-5
     finally:
         refresher.close()
@@ -224,7 +228,7 @@ def _check_against_reference(run_dir: Path, reference: Path, context) -> None:
     for g, w in zip(got, want):  # ...and equal to the uninterrupted run's, timings aside
         assert _comparable(g) == _comparable(w), (g["step"], context)
     assert read_jsonl(run_dir / "rollouts.jsonl") == read_jsonl(reference / "rollouts.jsonl"), context
-    final, ref_final = (AdapterSnapshot.load_peft_dir(d / "adapters" / "step_6") for d in (run_dir, reference))
+    final, ref_final = (FlatAdapter.load_peft_dir(d / "adapters" / "step_6") for d in (run_dir, reference))
     assert all(torch.equal(final.tensors[k], ref_final.tensors[k]) for k in ref_final.tensors), context
 
 
@@ -235,18 +239,18 @@ def _killed_and_resumed(reference: Path, tiny_model_dir: Path, work: Path, kill_
     checkpoint), resumed after each kill, then resumed to the end; checked against the reference."""
     shm, run_dir, log = work / "shm", work / "run", work / "log.txt"
     shm.mkdir()
-    kills, finished = [], False
+    kills = []
     for k in kill_points:
         launched = bool(kills)
         proc = _start(["resume", str(run_dir)] if launched else _run_args(tiny_model_dir, work, "run", shm), log)
-        # a resumed run first drops rows past its checkpoint: wait for a row it writes itself
+        # a resumed run may first append rows its checkpoint holds: wait for a row of a step it runs
         target = max(k, max(_steps(run_dir), default=0) + 1) if launched else k
         if target > 5:
             break
         if target == 0:
             _wait_for(lambda: len(read_jsonl(run_dir / "evals.jsonl")) >= 2, proc)
         else:
-            _wait_for(lambda: target in _steps(run_dir), proc)
+            _wait_for(lambda target=target: target in _steps(run_dir), proc)
         time.sleep(rng.uniform(0.0, 0.6))  # a step takes ~0.5 s: anywhere in the next step
         if proc.poll() is not None or 6 in _steps(run_dir):
             break  # training is over: the final evaluation is tested separately
@@ -326,48 +330,84 @@ def test_resume_after_kill_between_before_evaluations(reference_run, tiny_model_
     _check_against_reference(run_dir, reference_run, "kill between before-evaluations")
 
 
-# --- the exact states a kill can leave inside a step, built in-process -----------------------------
-@pytest.mark.parametrize("window", ["adapter_dir_ahead", "adapter_dir_missing"])
-def test_checkpoint_is_one_commit(make_trainer, tmp_path, window):
-    """A kill inside save_checkpoint, after checkpoint/adapter was replaced (or while it was
-    swapped out) but before trainer_state.pt was: resume restores step 2's adapter and
-    optimizer from the state file, and step 3 equals the uninterrupted run's."""
+# --- the exact states a kill can leave inside a commit, built in-process ---------------------------
+def _three_steps(make_trainer, tmp_path):
+    """The uninterrupted 3-step run, and a run dir of the same run stopped after step 2."""
     reference = make_trainer(tmp_path / "reference")
     ref = [r.metrics for r in reference.run(progress=False)]
     run = tmp_path / "run"
-    first = make_trainer(run)
-    first.run(2, progress=False)
-    at_step2 = first.snapshot()
-    ahead = first.snapshot()
-    perturb_lora_B_tensors = {k: v + 0.5 if "lora_B" in k else v for k, v in ahead.tensors.items()}
-    if window == "adapter_dir_ahead":
-        AdapterSnapshot(perturb_lora_B_tensors, ahead.config).save_peft_dir(run / "checkpoint" / "adapter")
-    else:
-        shutil.rmtree(run / "checkpoint" / "adapter")
-    first.runlog.log_metrics({"step": 3, "reward/mean": 0.0})   # step 3's row was written before the kill
+    make_trainer(run).run(2, progress=False)
+    return ref, run
 
-    resumed = make_trainer(run)
-    assert resumed.step_count == 2 and _steps(run) == [1, 2]
-    restored = resumed.snapshot()
-    assert all(torch.equal(restored.tensors[k], at_step2.tensors[k]) for k in at_step2.tensors)
-    rec = resumed.step()
-    assert _comparable(rec.metrics) == _comparable(ref[2])
+
+def _cut_rows_of_step(run: Path, step: int, names=("metrics.jsonl", "sync.jsonl", "rollouts.jsonl")) -> None:
+    """Remove `step`'s rows from the end of the files: what a kill between that step's checkpoint
+    and its appends leaves."""
+    for name in names:
+        lines = (run / name).read_text().splitlines(keepends=True)
+        (run / name).write_text("".join(x for x in lines if json.loads(x)["step"] != step))
+
+
+@pytest.mark.parametrize("window", ["before_sync_rows", "before_metrics_row", "mid_sync_append_torn"])
+def test_kill_after_checkpoint_rows_come_from_it(make_trainer, tmp_path, window):
+    """Killed after step 2's checkpoint, before (some of) its rows reached the files: resume appends
+    exactly the missing rows from the checkpoint, saying so; a torn last line is cut, saying so;
+    the rows end equal to the uninterrupted run's and step 3 is the uninterrupted step 3."""
+    ref, run = _three_steps(make_trainer, tmp_path)
+    whole = {n: read_jsonl(run / n) for n in ("metrics.jsonl", "sync.jsonl", "rollouts.jsonl")}
+    if window == "before_sync_rows":
+        _cut_rows_of_step(run, 2)
+    elif window == "before_metrics_row":
+        _cut_rows_of_step(run, 2, names=("metrics.jsonl",))
+    else:
+        _cut_rows_of_step(run, 2)
+        with open(run / "sync.jsonl", "a") as fh:
+            fh.write(json.dumps(whole["sync.jsonl"][-1])[:25])       # the kill cut this row short
+    said = []
+    resumed = make_trainer(run, log=said.append)
+    assert resumed.step_count == 2
+    assert any("metrics.jsonl: appending the 1 row(s) of step(s) [2]" in line for line in said), said
+    assert any("torn last line" in line for line in said) == (window == "mid_sync_append_torn"), said
+    for name, rows in whole.items():
+        got = read_jsonl(run / name)
+        assert [r["step"] for r in got] == [r["step"] for r in rows], name
+        timeless = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+        assert [{k: v for k, v in r.items() if not k.startswith("time/")} for r in got] == timeless, name
+    assert [h["step"] for h in resumed.history] == [1, 2]
+    assert _comparable(resumed.step().metrics) == _comparable(ref[2])
     assert _steps(run) == [1, 2, 3]
 
 
+def test_kill_between_adapter_dir_and_checkpoint(make_trainer, tmp_path):
+    """adapters/step_3 written, its checkpoint not: resume restores step 2 (its checkpoint), redoes
+    step 3 equal to the uninterrupted run, and rewrites adapters/step_3 with the same values."""
+    ref, run = _three_steps(make_trainer, tmp_path)
+    trainer = make_trainer(run)
+    step2 = trainer.policy.adapter()
+    ahead = FlatAdapter.from_tensors({k: v + 0.5 for k, v in step2.tensors.items()}, step2.config, 3)
+    ahead.save_peft_dir(run / "adapters" / "step_3")              # the kill came right after this
+    resumed = make_trainer(run, "run.save_adapter_every=1")
+    restored = resumed.policy.adapter()
+    assert resumed.step_count == 2 and torch.equal(restored.buffer, step2.buffer)
+    assert _comparable(resumed.step().metrics) == _comparable(ref[2])
+    redone = FlatAdapter.load_peft_dir(run / "adapters" / "step_3")
+    assert torch.equal(redone.buffer, resumed.policy.adapter().buffer)
+
+
 def test_kill_in_first_step_before_any_checkpoint(make_trainer, tmp_path):
-    """Rows of a step 1 that never reached its checkpoint (one whole, one torn) are dropped: the
-    run starts over at step 1 and writes each row once."""
+    """Killed during step 1 (the run dir holds its config and step-0 evaluations, one of them torn):
+    no step was committed, so the run starts at step 1 and writes each row once."""
     reference = make_trainer(tmp_path / "reference")
     ref = reference.step().metrics
     run = tmp_path / "run"
     from lorabench.runlog import RunLog
-    RunLog(run).log_metrics({"step": 1, "reward/mean": 0.5})
-    with open(run / "metrics.jsonl", "a") as fh:
-        fh.write('{"step": 1, "rew')                           # torn by the kill
-    (run / "sync.jsonl").write_text('{"step": 1, "row": "refresh"}\n')
+    RunLog(run).log_eval({"step": 0, "greedy": False, "strict": 0.0})
+    with open(run / "evals.jsonl", "a") as fh:
+        fh.write('{"step": 0, "gree')                               # torn by the kill
     trainer = make_trainer(run)
-    assert trainer.step_count == 0 and _steps(run) == [] and _steps(run, "sync.jsonl") == []
+    assert trainer.step_count == 0 and _steps(run) == []
+    assert read_jsonl(run / "evals.jsonl") == [{"step": 0, "greedy": False, "strict": 0.0}]
+    assert (run / "evals.jsonl").read_text().endswith("}\n")        # the torn line was cut, not glued onto
     rec = trainer.step()
     assert _steps(run) == [1] and _steps(run, "sync.jsonl", "refresh") == [1]
     assert _comparable(rec.metrics) == _comparable(ref)

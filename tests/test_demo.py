@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lorabench.config import Config
-from lorabench.engines.hf import HFEngine
+from lorabench.engines import make_engine
 from lorabench.grpo import GRPOTrainer
 from lorabench.models import resolve_model_path
 
@@ -29,7 +29,7 @@ def warm_model() -> str:
 
 def run_steps(model_path: str, mode: str, steps: int) -> list[dict]:
     cfg = Config.load(None, [f"refresh.mode={mode}", f"grpo.steps={steps}"])
-    engine = HFEngine(model_path, cfg)
+    engine = make_engine(cfg, model_path)
     trainer = GRPOTrainer(cfg, model_path, engine, log=lambda *a: None)
     rows = [trainer.step().metrics for _ in range(steps)]
     trainer.close()
@@ -45,6 +45,8 @@ def test_refresh_on_keeps_engine_exact_and_learns_refresh_off_stalls(warm_model)
     fresh = run_steps(warm_model, "tensor", steps)
     stale = run_steps(warm_model, "none", steps)
     assert max(r["mismatch/max"] for r in fresh) < 1e-3
+    assert [r["adapter/served_version"] for r in fresh] == list(range(steps))      # every step saw the last
+    assert {r["adapter/served_version"] for r in stale} == {0}                       # never refreshed
     assert stale[0]["mismatch/max"] < 1e-3            # step 1: nothing trained yet, both agree
     assert stale[-1]["mismatch/mean"] > 20 * max(r["mismatch/mean"] for r in fresh)
     assert stale[-1]["mismatch/mean"] > stale[1]["mismatch/mean"]  # and it keeps growing
@@ -72,7 +74,8 @@ def test_cli_demo_writes_run_dir_and_resume_continues(warm_model, tmp_path):
         assert (run / name).exists(), name
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    assert {"reward/mean", "mismatch/max", "refresh/total_s", "refresh/write_s", "time/step_s"} <= set(rows[0])
+    assert {"reward/mean", "mismatch/max", "refresh/total_s", "refresh/write_s", "time/step_s",
+            "adapter/served_version"} <= set(rows[0])
     oct_mode = (run.stat().st_mode & 0o777)
     assert not oct_mode & 0o002, f"run dir is world-writable: {oct(oct_mode)}"
     resumed = lorabench("resume", str(run), "grpo.steps=3", cwd=tmp_path)

@@ -2,19 +2,28 @@
 covers. Each asserts the error type, that the message names the culprit (file, field or value)
 and the fix, and where it matters that nothing was lost (the engine keeps serving, the trainer
 keeps its state). The whole catalogue, with the cases tested elsewhere, is the table in
-docs/reliability.md."""
+docs/reliability.md.
+
+The `lorabench` command line cases run `cli.main` in this process (the process tests are in
+tests/test_rundir.py): each asserts exit code 2, one 'lorabench: ...' line on stderr naming the
+thing and the fix, no traceback, and that nothing was created (the checks run before the run dir
+or the model exists)."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from reliability_util import QUICK_RUN, ROOT, FullDisk, cli, make_trainer, one_line_error  # noqa: F401 (fixture)
 
-from conftest import perturb_lora_B
-from reliability_util import FullDisk, make_trainer  # noqa: F401 (fixture)
-from lorabench.adapters import AdapterError, AdapterSnapshot, AdapterWriteError, linear_shapes, validate
+from lorabench.adapters import CONFIG_NAME, AdapterError, AdapterWriteError, FlatAdapter, validate
 from lorabench.config import Config, ConfigError
 from lorabench.data import DataError, ProblemSource
 from lorabench.engines.base import EngineError
@@ -62,12 +71,12 @@ def test_regex_target_modules_for_sglang(target):
     """Config validation refuses these already (tests/test_config.py); the SGLang engine's own
     mapping refuses them too, so a Config built some other way cannot reach the engine."""
     from lorabench.engines.sglang import sglang_target_modules  # importable without sglang
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(EngineError) as info:
         sglang_target_modules(target)
     msg = str(info.value)
     assert repr(target) in msg and "regular expression" in msg and "q_proj" in msg
     assert sglang_target_modules("all-linear") == ["all"]
-    with pytest.raises(ConfigError, match="not module names"):
+    with pytest.raises(EngineError, match="not module names"):
         sglang_target_modules(["q_proj", target])
 
 
@@ -91,6 +100,7 @@ def test_engine_refuses_model_of_another_shape(make_trainer, tiny_model_dir, tmp
     """Trainer and engine loaded from different models: the engine's own check refuses the
     adapter at the first refresh, and the error carries the engine's message."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     from lorabench.engines.hf import HFEngine
     from lorabench.grpo import GRPOTrainer
     other = tmp_path / "other-model"
@@ -100,7 +110,7 @@ def test_engine_refuses_model_of_another_shape(make_trainer, tiny_model_dir, tmp
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(other)
     cfg = Config.load(overrides=["engine.device=cpu", "refresh.mode=tensor", "lora.r=4", "lora.alpha=8"])
-    engine = HFEngine(str(other), cfg)
+    engine = HFEngine.from_config(cfg, str(other))
     try:
         with pytest.raises(AdapterError) as info:
             GRPOTrainer(cfg, str(tiny_model_dir), engine, log=lambda *a: None)
@@ -117,13 +127,13 @@ def test_engine_refusal_keeps_previous_adapter(engine, make_peft_model, sample_s
     while the tensors cover every layer: the engine's own load refuses it with its message, and
     the adapter loaded before is served unchanged."""
     seqs, lens = sample_sequences
-    good = AdapterSnapshot.from_peft(make_peft_model(seed=0))
-    engine.load_adapter_tensors("policy", good.tensors, good.config)
+    good = FlatAdapter.from_peft(make_peft_model(seed=0))
+    engine.load_adapter_tensors("policy", good)
     serving = engine.score(seqs, lens, "policy")
     bad_config = dict(good.config, layers_to_transform=[0])
-    validate(AdapterSnapshot(good.tensors, bad_config), engine._shapes)  # nothing wrong on its face
+    validate(good.tensors, bad_config, engine._shapes)  # nothing wrong on its face
     with pytest.raises(EngineError) as info:
-        engine.load_adapter_tensors("candidate", good.tensors, bad_config)
+        engine.load_adapter_tensors("candidate", FlatAdapter(good.buffer, good.layout, bad_config))
     msg = str(info.value)
     assert "'candidate'" in msg and "model.layers.1." in msg and "unexpected" in msg   # culprit
     assert "layers_to_transform" in msg and "target_modules" in msg                     # the fix
@@ -131,25 +141,39 @@ def test_engine_refusal_keeps_previous_adapter(engine, make_peft_model, sample_s
     assert all(torch.equal(a, b) for a, b in zip(serving, engine.score(seqs, lens, "policy")))
 
 
-def test_nan_adapter_never_reaches_engine(engine, make_peft_model, sample_sequences, tmp_path):
-    """Inf (NaN is tests/test_refresh.py) in the trainer's adapter: the refresh is refused
-    before the engine is called, naming the tensor; the engine serves the previous adapter."""
-    from lorabench.refresh import TensorRefresh
+def test_inf_adapter_never_reaches_engine(make_trainer, sample_sequences):
+    """Inf (NaN is tests/test_refresh.py) in the trainer's adapter: the policy refuses to publish it,
+    naming the tensor; the step is rolled back and the engine serves the previous adapter."""
     seqs, lens = sample_sequences
-    model = make_peft_model(seed=0)
-    refresher = TensorRefresh(engine, "policy", device="cpu")
-    refresher.refresh(model, 1)
-    serving = engine.score(seqs, lens, "policy")
-    name, param = next((n, p) for n, p in model.named_parameters() if "lora_A" in n)
+    trainer = make_trainer(None)
+    serving = trainer.engine.score(seqs, lens, "policy")
+    before = trainer.policy.adapter()
+    owner = trainer.policy.lora_layers.owners[0]
     with torch.no_grad():
-        param[0, 0] = float("inf")
+        owner.weight[0, 0] = float("inf")
     with pytest.raises(AdapterError) as info:
-        refresher.refresh(model, 2)
+        trainer.step()
     msg = str(info.value)
     assert "NaN/Inf" in msg and "grpo.lr" in msg and "not sent to the engine" in msg
-    assert name.replace(".default", "").split("lora_A")[0] in msg
-    assert all(torch.equal(a, b) for a, b in zip(serving, engine.score(seqs, lens, "policy")))
-    assert refresher.refreshes == 1
+    assert trainer.policy.layout.names[0] in msg
+    assert any("rolled back" in note for note in info.value.__notes__)
+    assert trainer.step_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(serving, trainer.engine.score(seqs, lens, "policy")))
+    assert trainer.engine.served_version("policy") == before.version
+
+
+def test_adapter_config_without_lora_alpha_refused(engine, make_peft_model, tmp_path):
+    """A PEFT dir whose adapter_config.json lacks lora_alpha (PEFT would silently use its default
+    and change the scaling alpha/r): the engine refuses it naming the field and the fix."""
+    adapter_dir = FlatAdapter.from_peft(make_peft_model(seed=0)).save_peft_dir(tmp_path / "no-alpha")
+    config = json.loads((adapter_dir / CONFIG_NAME).read_text())
+    del config["lora_alpha"]
+    (adapter_dir / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(AdapterError) as info:
+        engine.load_adapter("policy", adapter_dir)
+    msg = str(info.value)
+    assert "lora_alpha=None" in msg and "PEFT would silently use its default" in msg and "write the alpha" in msg
+    assert engine.loaded_adapters() == []
 
 
 # --- a refresh that fails mid-run: the trainer keeps its state -------------------------------------
@@ -171,7 +195,8 @@ def test_failed_refresh_rolls_the_step_back(make_trainer, small_disk, tmp_path, 
     reference = [r.metrics for r in make_trainer(tmp_path / "reference").run(progress=False)]
     trainer = make_trainer(tmp_path / "run", f"refresh.tmp_dir={small_disk.path}")
     trainer.step()
-    state = (trainer.snapshot(), json.dumps(trainer.optimizer.state_dict()["state"], default=lambda t: t.tolist()))
+    state = (trainer.policy.adapter(), json.dumps(trainer.policy.optimizer.state_dict()["state"],
+                                                  default=lambda t: t.tolist()))
     serving = trainer.engine.score(seqs, lens, "policy")
     small_disk.fill()
     with pytest.raises(AdapterWriteError) as info:
@@ -182,9 +207,8 @@ def test_failed_refresh_rolls_the_step_back(make_trainer, small_disk, tmp_path, 
     assert any("rolled back" in note and "step 1" in note for note in err.__notes__)
     # nothing lost, nothing half-done
     assert trainer.step_count == 1 and len(trainer.history) == 1
-    snap = trainer.snapshot()
-    assert all(torch.equal(snap.tensors[k], state[0].tensors[k]) for k in snap.tensors)
-    assert json.dumps(trainer.optimizer.state_dict()["state"], default=lambda t: t.tolist()) == state[1]
+    assert torch.equal(trainer.policy.adapter().buffer, state[0].buffer)
+    assert json.dumps(trainer.policy.optimizer.state_dict()["state"], default=lambda t: t.tolist()) == state[1]
     assert [r["step"] for r in trainer.runlog.metrics()] == [1]
     assert torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 1
     assert all(torch.equal(a, b) for a, b in zip(serving, trainer.engine.score(seqs, lens, "policy")))
@@ -214,7 +238,7 @@ def test_dataset_bad_row_fails_at_start(tmp_path):
     with pytest.raises(DataError) as info:
         ProblemSource(str(path), seed=0)
     msg = str(info.value)
-    assert str(path) in msg and "row 2" in msg and "####" in msg and "'it is 4'" in msg
+    assert str(path) in msg and "line 2" in msg and "####" in msg and "'it is 4'" in msg
 
 
 def test_dataset_non_string_field_and_bad_json_line(tmp_path):
@@ -224,7 +248,7 @@ def test_dataset_non_string_field_and_bad_json_line(tmp_path):
     with pytest.raises(DataError) as info:
         load_gsm8k("train", str(path))
     msg = str(info.value)
-    assert str(path) in msg and "row 1" in msg and "'answer' is a int (4)" in msg and "write it as text" in msg
+    assert str(path) in msg and "line 1" in msg and "'answer' is a int (4)" in msg and "write it as text" in msg
     path.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n" + '{"question": "3+3?", \n')
     with pytest.raises(DataError) as info:
         load_gsm8k("train", str(path))
@@ -232,9 +256,199 @@ def test_dataset_non_string_field_and_bad_json_line(tmp_path):
     assert str(path) in msg and "line 2" in msg and "fix or remove that line" in msg
 
 
-# --- resume ------------------------------------------------------------------------------------------
-def test_resume_of_a_dir_that_is_not_a_run(tmp_path, capsys):
-    from lorabench.cli import main
-    assert main(["resume", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert str(tmp_path) in err and "config.json" in err and "run dir written by lorabench" in err
+# --- the command line: one line, exit 2, nothing created --------------------------------------------
+@pytest.fixture
+def run_cli(tiny_model_dir, tmp_path, capsys):
+    """`lorabench run` in this process on the tiny model with QUICK_RUN settings plus `extra`; returns
+    the error line of a refusal after checking exit code 2, no traceback and that run.out_dir was
+    never created."""
+    out = tmp_path / "out"
+
+    def refused(*extra, model=str(tiny_model_dir), command="run") -> str:
+        from lorabench.cli import main
+        args = [command] if command == "resume" else [command, f"model.name_or_path={model}",
+                                                      f"run.out_dir={out}", "run.name=r", *QUICK_RUN]
+        assert main([*args, *extra]) == 2, capsys.readouterr()
+        line = one_line_error(capsys.readouterr().err)
+        assert not out.exists(), sorted(out.rglob("*"))
+        return line
+    return refused
+
+
+def test_resume_of_a_dir_that_is_not_a_run(tmp_path, run_cli):
+    line = run_cli(str(tmp_path), command="resume")
+    assert str(tmp_path) in line and "no config.json" in line and "run dir written by lorabench" in line
+    line = run_cli(str(tmp_path / "nope"), command="resume")
+    assert f"{tmp_path / 'nope'} does not exist" in line and "that `lorabench run` wrote" in line
+
+
+@pytest.mark.parametrize("override, needle, fix", [
+    ("data.eval_size=0", "data.eval_size=0", "data.eval_size=128"),
+    ("lora.dropout=1.5", "lora.dropout=1.5", "[0, 1)"),
+    ("grpo.lr=inf", "grpo.lr=inf", "finite number"),
+    ("grpo.max_grad_norm=nan", "grpo.max_grad_norm=nan", "finite number"),
+    ("grpo.micro_batch=8", "'micro_batch'", "did you mean grpo.micro_batch_tokens?"),
+])
+def test_config_values_refused_on_the_command_line(run_cli, override, needle, fix):
+    line = run_cli(override)
+    assert line.startswith("lorabench: config error: ") and needle in line and fix in line
+
+
+def test_config_file_not_utf8_on_the_command_line(run_cli, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_bytes("[grpo]\n# gr\xfc\xdfe\nsteps = 2\n".encode("latin-1"))
+    line = run_cli("--config", str(path))
+    assert str(path) in line and "not UTF-8" in line and "save it as UTF-8" in line
+
+
+def test_mistyped_relative_model_dir_fails_fast(run_cli, tmp_path, monkeypatch):
+    """A relative dir that does not exist: as a hub name it is looked up once with a short timeout
+    (here an endpoint that refuses at once, as an offline machine's DNS does), not for 49 s."""
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    t0 = time.monotonic()
+    line = run_cli(model="modles/tiny-qwen")
+    assert time.monotonic() - t0 < 15
+    assert "model.name_or_path='modles/tiny-qwen'" in line and f"relative to {os.getcwd()}" in line
+    assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line and "existing model dir" in line
+    line = run_cli(model="models/a/b")                # cannot be a hub name: refused without asking
+    assert "does not exist" in line and "existing model dir" in line
+
+
+def test_hub_model_and_dataset_without_network(run_cli, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    t0 = time.monotonic()
+    line = run_cli(model="Qwen/Qwen3-0.6B")
+    assert "Qwen/Qwen3-0.6B" in line and "http://127.0.0.1:9" in line and "cannot be reached" in line
+    line = run_cli("data.source=hub")
+    assert line.startswith("lorabench: error: data.source='hub'") and "cannot be reached" in line
+    assert "HF_HUB_OFFLINE=1" in line
+    assert time.monotonic() - t0 < 20
+
+
+def test_hub_offline_mode_needs_a_cached_copy(tiny_model_dir, tmp_path):
+    """HF_HUB_OFFLINE=1 with an empty Hugging Face cache, in real processes (the libraries read the
+    variable when imported): the model and the dataset are refused at once, naming the cache."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    out = tmp_path / "out"
+    base = ["run", f"run.out_dir={out}", "run.name=r", *QUICK_RUN]
+    for extra, needles in ((["model.name_or_path=Qwen/Qwen3-0.6B"], ["not in the Hugging Face cache", "hf download"]),
+                           ([f"model.name_or_path={tiny_model_dir}", "data.source=hub"],
+                            ["not in the datasets cache", "data/gsm8k_sample.jsonl"])):
+        proc = cli(*base, *extra, env_extra=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err[-2000:]
+        line = one_line_error(err)
+        assert all(n in line for n in needles), line
+    assert not out.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_sglang_backend_without_sglang(run_cli):
+    line = run_cli("engine.backend=sglang")
+    assert "engine.backend='sglang'" in line and "sglang package" in line and "engine.backend=hf" in line
+
+
+def test_engine_device_cuda_without_gpu(run_cli):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    line = run_cli("engine.device=cuda")
+    assert "engine.device='cuda'" in line and "no CUDA GPU" in line and "engine.device=cpu" in line
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A real read-only filesystem (root writes anywhere else, whatever the modes say)."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True,
+                          check=False)
+    if done.returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root and CAP_SYS_ADMIN)")
+    yield path
+    subprocess.run(["umount", str(path)], capture_output=True, check=False)
+
+
+@pytest.mark.parametrize("field_name", ["run.out_dir", "model.cache_dir", "refresh.tmp_dir"])
+def test_read_only_dirs(run_cli, read_only_dir, tiny_model_dir, field_name):
+    """Each dir a run writes, on a read-only filesystem: refused before anything is built (the
+    tiny model's cache only matters while the model is not cached yet)."""
+    target = read_only_dir / "sub"
+    model = "tiny" if field_name == "model.cache_dir" else str(tiny_model_dir)
+    line = run_cli(f"{field_name}={target}", model=model)
+    assert f"{field_name}='{target}'" in line and f"{read_only_dir} is on a read-only filesystem" in line
+    assert f"point {field_name} at a writable directory" in line
+
+
+# --- data on the command line: found before the run dir or the model exists ------------------------
+def test_dataset_not_utf8_on_the_command_line(run_cli, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes('{"question": "Ren\xe9e has 2 pens?", "answer": "#### 2"}\n'.encode("latin-1"))
+    line = run_cli(f"data.source={path}")
+    assert f"{path} line 1: not UTF-8" in line and "0xe9" in line and "save the file as UTF-8" in line
+
+
+def test_dataset_bad_row_on_the_command_line(run_cli, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"question": "q?", "answer": "#### 1"}) + "\n" + '{"question": "3+3?", \n')
+    line = run_cli(f"data.source={path}")
+    assert f"{path} line 2: not valid JSON" in line and "fix or remove that line" in line
+
+
+def test_prompts_longer_than_the_context(run_cli, tmp_path):
+    """Rows whose prompt does not fit (the tiny model: 512 positions minus grpo.max_new_tokens=4):
+    refused with the count and the first offending row, found by tokens or, for a question too
+    long in bytes to fit however it tokenises, by its length alone."""
+    path = tmp_path / "d.jsonl"
+    rows = [{"question": f"Tom has {i} apples. How many?", "answer": f"#### {i}"} for i in range(5)]
+    rows[2]["question"] = "Tom has one apple and " * 150 + "how many?"     # ~750 tokens, 3 KB
+    rows[4]["question"] = "z" * 50_000                                        # too long in bytes alone
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = run_cli(f"data.source={path}")
+    assert "data.source=" in line and "2 of 5 prompts are longer than 508 tokens" in line
+    assert "the model's context of 512 minus grpo.max_new_tokens=4" in line
+    assert f"the first is {path} line 3 (" in line and "tokens)" in line and "Shorten or remove those rows" in line
+    line = run_cli(f"data.source={path}", "data.max_prompt_tokens=600")
+    assert "data.max_prompt_tokens=600 plus grpo.max_new_tokens=4 exceeds the model's context of 512" in line
+    rows[2]["question"] = "short?"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = run_cli(f"data.source={path}", "data.max_prompt_tokens=100")
+    assert "1 of 5 prompts are longer than 100 tokens (data.max_prompt_tokens=100)" in line
+    assert f"{path} line 5 (50,000 bytes, so more than 100 tokens; not tokenised)" in line
+    assert "raise data.max_prompt_tokens" in line
+
+
+def test_fifty_megabyte_row_refused_with_bounded_memory(tiny_model_dir, tmp_path):
+    """The row that ran 130 s, reached 10 GB and died asking for 214 GB: now refused in seconds by
+    its length, read in 1 MiB pieces; the whole process stays far below the row's size."""
+    path = tmp_path / "huge.jsonl"
+    huge = '{"question": "' + "7" * (50 << 20) + '", "answer": "#### 7"}\n'
+    with open(path, "w") as fh:
+        fh.write(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+        fh.write(huge)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    # the CLI runs as a grandchild, forked from a small launcher: a child forked straight from this
+    # test process would start with pytest's whole resident memory counted in its ru_maxrss
+    launcher = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:]); _, st, ru = os.wait4(p.pid, 0); "
+                "sys.stdout.write(str(ru.ru_maxrss)); sys.exit(os.waitstatus_to_exitcode(st))")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", launcher, sys.executable, "-m", "lorabench.cli", "run",
+                           f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", f"data.source={path}",
+                           *QUICK_RUN], cwd=ROOT, env=env, capture_output=True, text=True)
+    err = proc.stderr
+    assert proc.returncode == 2, err[-2000:]
+    line = one_line_error(err)
+    assert f"{path}: 1 line(s) longer than 1,048,576 bytes" in line and f"line 2 ({len(huge):,} bytes)" in line
+    peak_mb = int(proc.stdout.strip().splitlines()[-1]) / 1024
+    print(f"\n50 MB row: refused in {time.monotonic() - t0:.1f} s, peak RSS {peak_mb:.0f} MB")
+    assert peak_mb < 1500 and not out.exists()   # torch and transformers alone are ~400 MB
+
+
+def test_dataset_file_missing_on_the_command_line(run_cli, tmp_path):
+    line = run_cli(f"data.eval_source={tmp_path / 'test.jsonl'}")
+    assert f"data.eval_source='{tmp_path / 'test.jsonl'}': dataset file" in line and "does not exist" in line
+    assert "'synthetic'" in line

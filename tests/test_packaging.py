@@ -1,5 +1,12 @@
-"""Packaging: environment.yml and pyproject.toml agree with each other."""
+"""Packaging: environment.yml and pyproject.toml agree with each other; the package has the layout of
+the re-cut (every module imports, none of the removed ones is left); the repository tracks no stray
+binaries or logs and its docs point at what exists."""
+import ast
+import importlib
 import re
+import shlex
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -8,47 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _parse_env_minimal(text: str) -> dict:
-    """Enough YAML for environment.yml (top-level keys, '- item' lists, one nested 'pip:' list),
-    used only when PyYAML is not installed."""
-    data: dict = {}
-    key = None
-    pip_list = None
-    for raw in text.splitlines():
-        line = re.sub(r"(^|\s)#.*$", "", raw).rstrip()   # comments
-        if not line.strip():
-            continue
-        indent = len(line) - len(line.lstrip())
-        item = line.strip()
-        if indent == 0 and item.endswith(":"):
-            key, pip_list = item[:-1], None
-            data[key] = []
-        elif indent == 0 and ":" in item:
-            k, v = item.split(":", 1)
-            data[k.strip()] = v.strip()
-        elif item.startswith("- ") and pip_list is not None and indent > pip_indent:
-            pip_list.append(item[2:].strip())
-        elif item.startswith("- "):
-            value = item[2:].strip()
-            if value.endswith(":"):
-                pip_list, pip_indent = [], indent
-                data[key].append({value[:-1]: pip_list})
-            else:
-                pip_list = None
-                data[key].append(value)
-    return data
-
-
 @pytest.fixture(scope="module")
 def env() -> dict:
-    text = (ROOT / "environment.yml").read_text()
-    try:
-        import yaml
-    except ImportError:
-        return _parse_env_minimal(text)
-    data = yaml.safe_load(text)
-    assert _parse_env_minimal(text) == data   # keep the fallback honest while yaml is available
-    return data
+    import yaml  # PyYAML: a dependency of transformers, so always installed with lorabench
+    return yaml.safe_load((ROOT / "environment.yml").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +42,7 @@ def test_channels(env):
 
 
 def test_python_and_pip_from_conda(env, pyproject):
-    names = [re.split(r"[=<>! ]", d, 1)[0] for d in _conda_deps(env)]
+    names = [re.split(r"[=<>! ]", d, maxsplit=1)[0] for d in _conda_deps(env)]
     assert "python" in names and "pip" in names
     python = next(d for d in _conda_deps(env) if d.startswith("python"))
     version = re.search(r"(\d+)\.(\d+)", python)
@@ -112,3 +82,219 @@ def test_version_agrees(pyproject):
 def test_pytest_markers_declared(pyproject):
     markers = " ".join(pyproject["tool"]["pytest"]["ini_options"]["markers"])
     assert "gpu:" in markers and "slow:" in markers
+
+
+def test_requires_python(pyproject):
+    assert pyproject["project"]["requires-python"] == ">=3.11"   # tomllib and BaseException.add_note
+    import sys
+    assert sys.version_info >= (3, 11)
+
+
+def _minimum_python(pyproject) -> tuple[int, int]:
+    return tuple(map(int, re.search(r">=\s*(\d+)\.(\d+)", pyproject["project"]["requires-python"]).groups()))
+
+
+@pytest.mark.parametrize("doc", ["Makefile", "README.md"])
+def test_docs_state_the_minimum_python(doc, pyproject):
+    """Where a doc says 'Python X.Y+', it is the minimum pyproject.toml requires."""
+    stated = [tuple(map(int, m)) for m in re.findall(r"Python (\d+)\.(\d+)\+", (ROOT / doc).read_text())]
+    assert all(v == _minimum_python(pyproject) for v in stated), (doc, stated)
+
+
+# --- the package layout ----------------------------------------------------------------------------
+MODULES = ["__init__", "adapters", "cli", "compat", "config", "data", "datafiles", "explain", "fsutil", "grpo", "hub",
+           "loss", "models", "policy", "preflight", "refresh", "refresh_bench", "rewards", "rollout", "rundir",
+           "runlog",
+           "session", "shapes", "tiny", "viz", "widgets", "engines/__init__", "engines/base", "engines/hf",
+           "engines/loopback", "engines/sglang", "engines/sglang_pool"]
+REMOVED = ["warmstart", "engines/sglang_inplace"]
+
+
+def test_package_has_the_modules_of_the_recut():
+    present = {p.relative_to(ROOT / "lorabench").with_suffix("").as_posix()
+               for p in (ROOT / "lorabench").rglob("*.py")}
+    assert set(MODULES) <= present, sorted(set(MODULES) - present)
+    assert not present & set(REMOVED), f"removed modules are still in the tree: {sorted(present & set(REMOVED))}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_module_imports_without_optional_dependencies(module):
+    """sglang is imported only when an SGLang engine starts, so every module imports on a CPU box."""
+    importlib.import_module("lorabench." + module.replace("/", ".").removesuffix(".__init__"))
+
+
+def test_nothing_refers_to_removed_modules():
+    names = [m.replace("/", ".") for m in REMOVED]
+    for path in (ROOT / "lorabench").rglob("*.py"):
+        if path.relative_to(ROOT / "lorabench").with_suffix("").as_posix() in REMOVED:
+            continue
+        text = path.read_text()
+        for name in names:
+            leaf = name.rsplit(".", 1)[-1]
+            assert not re.search(rf"(import|from)\s+[.\w]*\b{leaf}\b", text), f"{path} imports {name}"
+            assert f"lorabench.{name}" not in text, f"{path} names lorabench.{name}"
+
+
+# --- the repository -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tracked() -> list[Path]:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    return [ROOT / name for name in out.decode().split("\0") if name]
+
+
+def test_dev_tooling_moved_out_of_scripts(tracked):
+    rel = [p.relative_to(ROOT).as_posix() for p in tracked]
+    assert not [r for r in rel if r.startswith("scripts/")]
+    assert "dev/gpu_suite.sh" in rel and "dev/run_notebooks_gpu.py" in rel
+
+
+def test_no_stray_wheels_logs_or_build_outputs_tracked(tracked):
+    stray = [p.relative_to(ROOT).as_posix() for p in tracked
+             if p.suffix in (".whl", ".log", ".pyc", ".egg", ".so", ".pt", ".safetensors", ".bin", ".tgz", ".zip")
+             or any(part in ("__pycache__", ".pytest_cache", ".ipynb_checkpoints", "runs", "dist", "build")
+                    or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts)]
+    assert stray == []
+
+
+MAX_TRACKED_BYTES = 5 * 2**20
+BINARY_ALLOWED = (".png",)   # committed figures of measured results
+
+
+def test_no_tracked_file_is_a_large_or_unexpected_binary(tracked):
+    large, binary = [], []
+    for path in tracked:
+        if not path.is_file():   # deleted in the working tree, not yet committed
+            continue
+        if path.stat().st_size > MAX_TRACKED_BYTES:
+            large.append((path.relative_to(ROOT).as_posix(), path.stat().st_size))
+        with open(path, "rb") as fh:
+            if b"\0" in fh.read(8192) and path.suffix not in BINARY_ALLOWED:
+                binary.append(path.relative_to(ROOT).as_posix())
+    assert large == [], f"tracked files over {MAX_TRACKED_BYTES} bytes: {large}"
+    assert binary == [], f"tracked binary files: {binary}"
+
+
+DOCS = ["README.md", "Makefile", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_point_at_existing_tooling(doc):
+    """The dev tooling lives in dev/ (scripts/ is gone): every dev/ or scripts/ file a doc names exists."""
+    text = (ROOT / doc).read_text()
+    named = set(re.findall(r"(?<![\w/.])((?:scripts|dev)/[\w./-]*\w\.(?:sh|py))", text))
+    missing = sorted(n for n in named if not (ROOT / n).is_file())
+    assert missing == [], f"{doc} names {missing}"
+
+
+def test_readme_module_table_names_existing_modules():
+    table = (ROOT / "README.md").read_text().split("## What is inside", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([\w/]+\.py)`", table))
+    assert named, "README has no module table"
+    missing = sorted(n for n in named if not (ROOT / "lorabench" / n).is_file())
+    assert missing == [], f"README's module table names modules that do not exist: {missing}"
+
+
+def _readme_commands() -> list[list[str]]:
+    """`lorabench demo|run ...` command lines in README code blocks (continuation lines joined)."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash)?\n(.*?)```", text, re.S)
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0]
+            if re.match(r"\s*lorabench (demo|run)\b", line):
+                commands.append(shlex.split(line))
+    return commands
+
+
+def test_readme_commands_use_valid_config_keys():
+    """The commands README tells people to run must pass config validation (no renamed keys)."""
+    from lorabench.config import Config
+    commands = _readme_commands()
+    assert commands, "README shows no lorabench command"
+    for args in commands:
+        overrides = [a for a in args if re.match(r"^[a-z_]+\.[a-z_]+=", a)]
+        Config.load(overrides=overrides)
+
+
+# --- the shape of the code (what the re-cut promised, measured on the tree) ------------------------------
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """lorabench modules `path` imports anywhere (module level or inside functions)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - max(node.level - 1, 0)] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                hit = next((c for c in (f"{target}.{alias.name}", target) if c in modules), None)
+                if hit and hit != name:
+                    found.add(hit)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules and a.name != name}
+    return found
+
+
+def test_no_import_cycle_in_the_package():
+    paths = {_module_name(p): p for p in (ROOT / "lorabench").rglob("*.py")}
+    graph = {name: _imports(path, name, set(paths)) for name, path in paths.items()}
+    done, stack = set(), []
+
+    def visit(name):
+        if name in stack:
+            pytest.fail(f"import cycle: {' -> '.join(stack[stack.index(name):] + [name])}")
+        if name in done:
+            return
+        stack.append(name)
+        for target in sorted(graph[name]):
+            visit(target)
+        stack.pop()
+        done.add(name)
+    for name in sorted(graph):
+        visit(name)
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.end_lineno - node.lineno + 1
+
+
+def test_no_function_over_60_lines():
+    long = [(p.relative_to(ROOT).as_posix(), name, n) for p in (ROOT / "lorabench").rglob("*.py")
+            for name, n in _functions(p) if n > 60]
+    assert long == [], f"functions over 60 lines: {long}"
+
+
+def test_the_grpo_step_reads_as_the_algorithm():
+    lengths = dict(_functions(ROOT / "lorabench" / "grpo.py"))
+    assert lengths["step"] <= 40, f"GRPOTrainer.step is {lengths['step']} lines"
+
+
+def test_readme_is_for_users_and_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 120, f"README.md has {len(lines)} lines; results go to docs/results.md"
+
+
+# the design card's entries, plus the folders and files a repository of this kind needs
+TOP_LEVEL = {"notebooks", "lorabench", "data", "environment.yml", "pyproject.toml", "README.md",
+             "tests", "benchmarks", "docs", "dev", "Makefile"}
+
+
+def test_top_level_holds_only_the_design_cards_entries(tracked):
+    top = {p.relative_to(ROOT).parts[0] for p in tracked}
+    extra = sorted(t for t in top - TOP_LEVEL if not t.startswith("."))
+    assert extra == [], f"unexpected top-level entries: {extra}"
+    assert TOP_LEVEL - {"Makefile"} <= top, sorted(TOP_LEVEL - top)
+
+
+def test_data_folder_holds_a_data_file(tracked):
+    data = [p for p in tracked if p.relative_to(ROOT).parts[0] == "data" and p.suffix in (".jsonl", ".parquet")]
+    assert data, "data/ holds no data file"

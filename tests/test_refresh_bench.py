@@ -9,17 +9,19 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 import torch
-
 from conftest import LORA_R
+
 from lorabench import explain
 from lorabench import refresh_bench as rb
-from lorabench.adapters import AdapterSnapshot, merged_state_dict
+from lorabench.adapters import FlatAdapter, merged_state_dict
 from lorabench.refresh import pack_buckets
 from lorabench.viz import plot_refresh_summary, refresh_sweep_figure
 
 ROOT = Path(__file__).resolve().parents[1]
+# the refresher's parts, after the policy's snapshot (LoraLayers -> FlatAdapter) timed as `snapshot`; the timed
+# in-place refreshes come after the untimed loading one, so they are writes
 PARTS = {"file": {"snapshot", "stage", "write", "unload", "load"}, "tensor": {"snapshot", "stage", "unload", "load"},
-         "inplace": {"snapshot", "stage", "write"}, "merged": {"merge", "push"}}
+         "inplace": {"snapshot", "write"}, "merged": {"snapshot", "merge", "push"}}
 
 
 def test_bandwidth_is_measured():
@@ -31,7 +33,7 @@ def test_bandwidth_is_measured():
 @pytest.mark.parametrize("mode", ["file", "tensor", "inplace", "merged"])
 def test_measure_refresh_row(engine, tiny_model_dir, mode):
     model = rb.adapter_model(str(tiny_model_dir), LORA_R)
-    snapshot = AdapterSnapshot.from_peft(model)
+    adapter = FlatAdapter.from_peft(model)
     bucket_mb = 0.01
     row = rb.measure_refresh(engine, model, mode, bucket_mb, repeats=3, warmup=1)
     assert (row["mode"], row["rank"], row["bucket_mb"], row["engine"]) == (mode, LORA_R, bucket_mb, "hf")
@@ -44,10 +46,14 @@ def test_measure_refresh_row(engine, tiny_model_dir, mode):
         assert row["bytes"] == sum(t.numel() * t.element_size() for t in merged.values())
         assert row["buckets"] == len(pack_buckets(list(merged.items()), bucket_bytes))
     else:
-        assert row["bytes"] == snapshot.nbytes
-        expected = len(pack_buckets(list(snapshot.tensors.items()), bucket_bytes))
-        assert row["buckets"] == expected and expected > 1  # every adapter mode stages bucket by bucket
+        assert row["bytes"] == adapter.nbytes
+        expected = len(pack_buckets(list(adapter.tensors.items()), bucket_bytes))
+        if mode == "inplace":
+            assert row["buckets"] == 0                 # one write into the resident adapter, no staging
+        else:
+            assert row["buckets"] == expected and expected > 1  # file and tensor stage bucket by bucket
         assert engine.loaded_adapters() == []          # the scratch adapter is gone afterwards
+        assert engine.served_version("bench") is None
     assert row["total_s"] > rb.floor_seconds(row["bytes"], rb.measure_bandwidth(megabytes=32))
 
 
@@ -59,16 +65,21 @@ def test_merged_refresh_really_reaches_the_engine(engine, tiny_model_dir, sample
     model = rb.adapter_model(str(tiny_model_dir), LORA_R)
     with model.disable_adapter():
         base = model_logprobs(model, seqs, lens)
-    rb.measure_refresh(engine, model, "merged", 1.0, repeats=1, warmup=0)
+    rb.measure_refresh(engine, model, "merged", 1.0, repeats=2, warmup=1)
     assert max_abs_diff(engine.score(seqs, lens, None), model_logprobs(model, seqs, lens)) < 1e-4
+    assert engine.served_version(None) == 2                 # the last of versions 0, 1, 2 pushed
     explain.restore_base_weights(engine, model)
     assert max_abs_diff(engine.score(seqs, lens, None), base) < 1e-5
+    assert engine.served_version(None) == 0                 # the plain base weights again
 
 
 def test_measure_refresh_rejects_bad_arguments(engine, tiny_model_dir):
     model = rb.adapter_model(str(tiny_model_dir), LORA_R)
     with pytest.raises(ValueError, match="mode"):
         rb.measure_refresh(engine, model, "carrier-pigeon", 1.0)
+    with pytest.raises(ValueError, match="mode"):
+        rb.measure_refresh(engine, model, "none", 1.0)   # the stale control does not refresh: nothing to time
+    assert rb.MODES == ("file", "tensor", "inplace", "merged")
     with pytest.raises(ValueError, match="repeats"):
         rb.measure_refresh(engine, model, "file", 1.0, repeats=0)
 
@@ -144,8 +155,7 @@ def test_topk_and_logprob_difference(make_peft_model, tokenizer, engine, sample_
     assert 5 <= len(topk["tokens"]) <= 10
     assert torch.all(topk["adapter"][:-1] >= topk["adapter"][1:])              # sorted by the adapter
     assert not torch.allclose(topk["base"], topk["adapter"])
-    snapshot = AdapterSnapshot.from_peft(model)
-    engine.load_adapter_tensors("a", snapshot.tensors, snapshot.config)
+    engine.load_adapter_tensors("a", FlatAdapter.from_peft(model))
     diff = explain.logprob_difference(engine, seqs[0], lens[0], "a")
     assert diff.shape == (len(seqs[0]) - lens[0],) and diff.abs().max() > 1e-3
     with model.disable_adapter():
@@ -156,7 +166,8 @@ def test_topk_and_logprob_difference(make_peft_model, tokenizer, engine, sample_
 
 
 def test_refresh_timeline_lays_parts_end_to_end():
-    rows = [{"mode": "file", "bytes": 2**20, "total_s": 0.006, "parts": {"write": 0.001, "unload": 0.002, "load": 0.003}}]
+    rows = [{"mode": "file", "bytes": 2**20, "total_s": 0.006,
+             "parts": {"write": 0.001, "unload": 0.002, "load": 0.003}}]
     ax = explain.plot_refresh_timeline(rows)
     bars = sorted(ax.patches, key=lambda p: p.get_x())
     assert [round(b.get_x(), 6) for b in bars] == [0.0, 1.0, 3.0] and bars[-1].get_width() == pytest.approx(3.0)

@@ -1,8 +1,25 @@
-"""Answer extraction and GSM8K rewards: one definition of "correct" for training and evaluation."""
-import pytest
+"""Answer extraction and GSM8K rewards: one definition of "correct" for training and evaluation, and
+the pluggable reward functions (one signature) the trainer sums per completion."""
+import doctest
+import inspect
 
-from lorabench.rewards import (correctness_reward, extract_answer, gsm8k_reward, has_strict_format,
-                               normalize_number)
+import pytest
+import torch
+
+from lorabench import rewards as rewards_module
+from lorabench.data import Problem
+from lorabench.engines.base import Completion
+from lorabench.rewards import (
+    correct_flexible,
+    correct_strict,
+    extract_answer,
+    gsm8k_reward,
+    has_strict_format,
+    normalize_number,
+    reward_functions,
+    strict_format,
+)
+from lorabench.rollout import Rollouts, score
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -114,9 +131,63 @@ def test_non_numeric_ground_truth_raises(truth):
         gsm8k_reward("#### 18", truth)
 
 
-def test_batch_reward_matches_single_reward():
-    completions = ["#### 5", "#### 6", "The answer is 5."]
-    answers = ["5", "5", "5"]
-    assert correctness_reward(["q"] * 3, completions, answers) == [
-        gsm8k_reward(c, a) for c, a in zip(completions, answers)]
-    assert correctness_reward(["q"] * 3, completions, answers) == [1.0, 0.0, 0.0]
+COMPLETIONS = ["#### 5", "#### 6", "The answer is 5.", "so 5 + 1 = 6\n#### 6.0", "", "#### 1,000"]
+ANSWERS = ["5", "5", "5", "6", "5", "1000"]
+
+
+def test_reward_functions_match_single_reward():
+    prompts = ["q"] * len(COMPLETIONS)
+    assert correct_strict(prompts, COMPLETIONS, answers=ANSWERS) == [
+        gsm8k_reward(c, a, "strict") for c, a in zip(COMPLETIONS, ANSWERS)] == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert correct_flexible(prompts, COMPLETIONS, answers=ANSWERS) == [
+        gsm8k_reward(c, a, "flexible") for c, a in zip(COMPLETIONS, ANSWERS)] == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    assert strict_format(prompts, COMPLETIONS, answers=ANSWERS) == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("fn", [correct_strict, correct_flexible, strict_format])
+def test_reward_function_signature(fn):
+    """fn(prompts, completions, answers=..., **kwargs) -> list[float], one value per completion;
+    keyword arguments a function does not use are accepted and ignored."""
+    params = list(inspect.signature(fn).parameters.values())
+    assert [p.name for p in params[:2]] == ["prompts", "completions"]
+    assert params[-1].kind is inspect.Parameter.VAR_KEYWORD
+    out = fn(["q"] * len(COMPLETIONS), COMPLETIONS, answers=ANSWERS, step=3, questions=["x"])
+    assert isinstance(out, list) and len(out) == len(COMPLETIONS) and all(type(v) is float for v in out)
+    assert fn([], [], answers=[]) == []
+
+
+def test_reward_functions_by_mode():
+    assert reward_functions("strict") == [("correct", correct_strict, 1.0)]
+    assert reward_functions("flexible") == [("correct", correct_flexible, 1.0)]
+    assert reward_functions("strict", format_bonus=0.1) == [("correct", correct_strict, 1.0),
+                                                            ("format", strict_format, 0.1)]
+    with pytest.raises(ValueError, match="lenient"):
+        reward_functions("lenient")
+
+
+def test_score_sums_weighted_rewards_and_reports_each_mean():
+    """rollout.score: the step's reward per completion is the weighted sum of the functions, each
+    function's mean is logged as rewards/<name>/mean, and answers travel with their group."""
+    problems = [Problem("q0", "#### 5", "5"), Problem("q1", "#### 6", "6")]
+    texts = ["#### 5", "The answer is 5.", "#### 7", "6"]                 # 2 prompts x 2 completions
+    completions = [Completion([1], [2], [-0.5], "stop") for _ in texts]
+    rollouts = Rollouts(problems, completions, texts, adapter="policy", served_version=0)
+    assert rollouts.group_size == 2 and rollouts.answers == ["5", "5", "6", "6"]
+    total, means = score(rollouts, reward_functions("strict", format_bonus=0.25))
+    assert torch.equal(total, torch.tensor([1.25, 0.0, 0.25, 0.0]))
+    assert means == {"rewards/correct/mean": 0.25, "rewards/format/mean": 0.5}
+    total, means = score(rollouts, reward_functions("flexible"))
+    assert torch.equal(total, torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    assert means == {"rewards/correct/mean": 0.75}
+
+    def length_penalty(prompts, completions, **kwargs):     # a user's own function plugs in the same way
+        assert prompts == ["q0", "q0", "q1", "q1"] and kwargs["answers"] == rollouts.answers
+        return [-float(len(c)) for c in completions]
+    total, means = score(rollouts, [("length", length_penalty, 0.5)])
+    assert torch.equal(total, torch.tensor([-3.0, -8.0, -3.0, -0.5]))
+    assert means == {"rewards/length/mean": pytest.approx(-7.25)}
+
+
+def test_rewards_docstring_examples():
+    result = doctest.testmod(rewards_module)
+    assert result.attempted >= 6 and result.failed == 0

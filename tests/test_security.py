@@ -12,7 +12,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from reliability_util import TINY_RUN, make_trainer  # noqa: F401 (fixture)
 
 
@@ -99,9 +98,11 @@ def test_sglang_rendezvous_store_listens_on_loopback_only(monkeypatch):
     joining as torch would (agent-store client), sets its variables only while the engine starts,
     and stops with the engine. A user's own rendezvous (the override variable) is left alone."""
     import datetime
+
     from torch.distributed import TCPStore
     from torch.distributed.rendezvous import _create_c10d_store
-    from lorabench.engines.sglang import _LoopbackStore
+
+    from lorabench.engines.loopback import LoopbackStore as _LoopbackStore
     monkeypatch.delenv("SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE", raising=False)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     plain = TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10))  # the check can fail:
@@ -156,9 +157,10 @@ def test_file_refresh_dirs_private_on_tmpfs(engine, make_peft_model, umask_zero)
     refresher = FileRefresh(engine, "policy")                   # the default: /dev/shm when writable
     try:
         assert refresher.root.parent == Path("/dev/shm") and _fs_type(refresher.root) == "tmpfs"
+        from lorabench.adapters import FlatAdapter
         model = make_peft_model()
         for step in (1, 2):
-            refresher.refresh(model, step)
+            refresher.refresh(FlatAdapter.from_peft(model, version=step))
             modes = _modes(refresher.root)
             assert len(modes) == 1 + 1 + 2                        # root, one adapter dir, its two files
             for path, mode in modes.items():
@@ -169,11 +171,18 @@ def test_file_refresh_dirs_private_on_tmpfs(engine, make_peft_model, umask_zero)
 
 
 def test_run_dir_never_world_writable(make_trainer, tmp_path, umask_zero):
+    from lorabench.runlog import RunLog
     trainer = make_trainer(tmp_path / "run", "run.save_adapter_every=1")
     trainer.runlog.write_config(trainer.cfg.to_dict())
     trainer.run(2, progress=False)
-    trainer.runlog.truncate_after(2)                              # the rewrite resume does
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().splitlines(keepends=True)[0])   # step 2's row lost to a kill
+    resumed = RunLog(tmp_path / "run", log=lambda *a: None, lock=True)      # the lock file, and...
+    resumed.load_checkpoint()                                      # ...the repair resume makes
+    assert [r["step"] for r in resumed.metrics()] == [1, 2]
     modes = _modes(tmp_path / "run")
+    assert modes[tmp_path / "run" / "lock"] == 0o640
+    resumed.close()
     assert len(modes) > 15                                        # files, adapters, checkpoint
     assert modes[tmp_path / "run"] == 0o750                       # others: no access at all
     bad = {str(p): oct(m) for p, m in modes.items() if m & 0o002}

@@ -1,4 +1,4 @@
-"""The SGLang backend against real SGLang on a GPU (marker `gpu`; run: bash scripts/gpu_suite.sh).
+"""The SGLang backend against real SGLang on a GPU (marker `gpu`; run: bash dev/gpu_suite.sh).
 
 Skips with the reason on machines without CUDA or sglang. Figures go to $LORABENCH_GPU_OUT
 (JSON per test) so a device run can bring them back.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -21,24 +22,26 @@ try:
 except ImportError:
     _SGLANG = False
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (run scripts/gpu_suite.sh on the GPU machine)", allow_module_level=True)
+    pytest.skip("needs a CUDA GPU (run dev/gpu_suite.sh on the GPU machine)", allow_module_level=True)
 if not _SGLANG:
     pytest.skip("needs sglang (pip install -e .[sglang], or .sglang/with-sglang.sh on the GPU machine)",
                 allow_module_level=True)
 
-from lorabench.adapters import AdapterSnapshot  # noqa: E402
+from lorabench.adapters import FlatAdapter  # noqa: E402
 from lorabench.config import Config  # noqa: E402
-from lorabench.data import synthetic_problems  # noqa: E402
+from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
 from lorabench.engines.base import AdapterNotLoaded, EngineError, Sampling  # noqa: E402
 from lorabench.engines.hf import HFEngine  # noqa: E402
 from lorabench.engines.sglang import SGLangEngine  # noqa: E402
-from lorabench.models import load_tokenizer, prompt_ids, tiny_model_dir  # noqa: E402
+from lorabench.models import load_tokenizer  # noqa: E402
+from lorabench.tiny import tiny_model_dir  # noqa: E402
 
 OUT = Path(os.environ.get("LORABENCH_GPU_OUT", "gpu_results"))
 RUNS = os.environ.get("LORABENCH_GPU_RUNS", "/tmp/lorabench-gpu-runs")  # run dirs: many files, kept out of OUT
-# the offline GPU stack lacks FlashInfer/FA3/xgrammar; a full install needs none of these
+# the offline GPU stack lacks FlashInfer/FA3/xgrammar; a full install needs none of these. Prefill
+# CUDA graphs off: faster starts; decode graphs stay on (the refresh benchmark keeps SGLang's defaults)
 STACK = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
-         'engine.extra_args={"disable_prefill_cuda_graph": true}']  # faster starts; decode graphs stay on
+         'engine.extra_args={"disable_prefill_cuda_graph": true}']
 
 
 def record(name: str, data: dict) -> None:
@@ -63,9 +66,10 @@ def tiny_path():
     return str(tiny_model_dir(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"), cfg.warmstart, 0))
 
 
-def random_adapter(model_path: str, seed: int, r: int = 16, scale: float = 0.1) -> AdapterSnapshot:
-    """A LoRA adapter with non-trivial B (PEFT initialises B = 0), saved as a snapshot."""
+def random_adapter(model_path: str, seed: int, r: int = 16, scale: float = 0.1, version: int = 0) -> FlatAdapter:
+    """A LoRA adapter with non-trivial B (PEFT initialises B = 0), as a FlatAdapter."""
     from peft import LoraConfig, get_peft_model
+
     from lorabench.models import load_model
     torch.manual_seed(seed)
     model = get_peft_model(load_model(model_path), LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
@@ -73,7 +77,7 @@ def random_adapter(model_path: str, seed: int, r: int = 16, scale: float = 0.1) 
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, scale)
-    return AdapterSnapshot.from_peft(model)
+    return FlatAdapter.from_peft(model, version=version)
 
 
 def probe_sequences(model_path: str, n: int = 8) -> tuple[list[list[int]], list[int]]:
@@ -98,7 +102,7 @@ def parity_run(model_path: str, tmp_path: Path, cfg, check_greedy: bool) -> dict
     a, b = random_adapter(model_path, 1), random_adapter(model_path, 2)
     dir_a, dir_b = a.save_peft_dir(tmp_path / "A"), b.save_peft_dir(tmp_path / "B")
     seqs, plens = probe_sequences(model_path)
-    hf = HFEngine(model_path, cfg, device="cuda", dtype="bfloat16")
+    hf = HFEngine(model_path, device="cuda", dtype="bfloat16")
     hf.load_adapter("A", dir_a)
     hf.load_adapter("B", dir_b)
     ref = {"base": hf.score(seqs, plens, None), "A": hf.score(seqs, plens, "A"), "B": hf.score(seqs, plens, "B")}
@@ -107,7 +111,7 @@ def parity_run(model_path: str, tmp_path: Path, cfg, check_greedy: bool) -> dict
     prompts = [s[:p] for s, p in zip(seqs, plens)]
     greedy = Sampling(max_new_tokens=24, temperature=0.0)
     results, out = {}, {}
-    with SGLangEngine(model_path, cfg) as eng:
+    with SGLangEngine.from_config(cfg, model_path) as eng:
         results["base"] = diff(eng.score(seqs, plens, None), ref["base"])
         eng.load_adapter("policy", dir_a)
         got_a = eng.score(seqs, plens, "policy")
@@ -124,34 +128,35 @@ def parity_run(model_path: str, tmp_path: Path, cfg, check_greedy: bool) -> dict
         greedy_dynamic_b = [c.token_ids for c in eng.generate(prompts, greedy, "policy")]
         greedy_base = [c.token_ids for c in eng.generate(prompts, greedy, None)]
         eng.unload_adapter("policy")
-        eng.load_adapter_tensors("policy", {k: v.cuda() for k, v in a.tensors.items()}, a.config)
+        eng.load_adapter_tensors("policy", a.to("cuda"))
         results["A_by_tensor_refresh"] = diff(eng.score(seqs, plens, "policy"), ref["A"])
-        # in place (SGLang's GPU LoRA pool written by the in-engine loader): A -> B, then B -> A
-        eng.update_adapter_in_place("policy", {k: v.cuda() for k, v in b.tensors.items()}, b.config)
+        # in place (the adapter's pool slot mapped once, then written by the copy plan): A -> B -> A
+        eng.update_adapter_in_place("policy", FlatAdapter(b.buffer.cuda(), b.layout, b.config, 1))
         results["B_in_place"] = diff(eng.score(seqs, plens, "policy"), ref["B"])
         out["greedy_in_place_equals_file_refresh"] = greedy_dynamic_b == [
             c.token_ids for c in eng.generate(prompts, greedy, "policy")]
-        eng.update_adapter_in_place("policy", {k: v.cuda().to(torch.bfloat16) for k, v in a.tensors.items()},
-                                    a.config)
+        eng.update_adapter_in_place("policy", FlatAdapter(a.buffer.cuda().bfloat16(), a.layout, a.config, 2))
         results["A_in_place_bf16"] = diff(eng.score(seqs, plens, "policy"), ref["A"])
-        bad = dict(a.tensors)
-        bad[next(iter(bad))] = torch.zeros(3, 3)
-        with pytest.raises(EngineError, match="shape|GPU"):
-            eng.update_adapter_in_place("policy", {k: v.cuda() for k, v in bad.items()}, a.config)
+        out["served_version_after_in_place"] = eng.served_version("policy")
+        wrong = random_adapter(model_path, 3, r=8)  # another rank: refused before anything is written
+        with pytest.raises(EngineError, match="lora_alpha|r:"):
+            eng.update_adapter_in_place("policy", FlatAdapter(wrong.buffer.cuda(), wrong.layout, wrong.config, 3))
         results["A_after_refused_in_place"] = diff(eng.score(seqs, plens, "policy"), ref["A"])
+        out["served_version_after_refused"] = eng.served_version("policy")
         with pytest.raises(AdapterNotLoaded):
             eng.unload_adapter("never-loaded")
         with pytest.raises(AdapterNotLoaded):
             eng.generate(prompts[:1], greedy, "never-loaded")
         # generate's own log-probs agree with score on the same tokens
         sampled = eng.generate(prompts, Sampling(24, 1.0, 1.0, seed=3), "policy")
-        rescored = eng.score([c.prompt_ids + c.token_ids for c in sampled], [len(c.prompt_ids) for c in sampled], "policy")
+        rescored = eng.score([c.prompt_ids + c.token_ids for c in sampled], [len(c.prompt_ids) for c in sampled],
+                             "policy")
         out["generate_vs_score"] = diff([torch.tensor(c.logprobs) for c in sampled], rescored)
     out.update(max_mean_abs_diff=results, adapter_effect_A=diff(ref["A"], ref["base"]),
                adapter_effect_B=diff(ref["B"], ref["base"]),
                greedy_adapter_differs_from_base=greedy_dynamic_b != greedy_base)
     if check_greedy:
-        with SGLangEngine(model_path, cfg, lora_paths=[f"policy={dir_b}"]) as static:
+        with SGLangEngine.from_config(cfg, model_path, lora_paths=[f"policy={dir_b}"]) as static:
             static._adapters.add("policy")  # loaded at start by the engine itself
             out["greedy_dynamic_equals_static"] = greedy_dynamic_b == [
                 c.token_ids for c in static.generate(prompts, greedy, "policy")]
@@ -165,6 +170,7 @@ def assert_parity(out: dict, max_tol: float, mean_tol: float = 0.02) -> None:
     assert out["adapter_effect_A"][1] > 5 * worst_mean, "the adapter's own effect must dwarf the engine error"
     assert out["base_while_loaded_vs_adapter"][1] > 5 * out["max_mean_abs_diff"]["base_while_adapter_loaded"][1]
     assert out["greedy_adapter_differs_from_base"]
+    assert out["served_version_after_in_place"] == 2 and out["served_version_after_refused"] == 2, out
 
 
 def test_parity_and_refresh_semantics_tiny(tiny_path, tmp_path):
@@ -201,7 +207,7 @@ def grpo_per_mode(engine, model_path, modes, steps: int, *overrides, name: str =
     reward, mismatch per step, refresh and step time."""
     summary = {}
     for mode in modes:
-        cfg = gpu_config(*overrides, f"refresh.mode={mode}", f"run.name={name}-{mode}", "grpo.micro_batch=128")
+        cfg = gpu_config(*overrides, f"refresh.mode={mode}", f"run.name={name}-{mode}")
         t0 = time.perf_counter()
         before, rows, after = run_grpo(cfg, model_path, engine, steps)
         summary[mode] = {
@@ -211,6 +217,8 @@ def grpo_per_mode(engine, model_path, modes, steps: int, *overrides, name: str =
             "reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / 5,
             "mismatch_active_mean_per_step": [r["mismatch/active_mean"] for r in rows],
             "mismatch_max_per_step": [r["mismatch/max"] for r in rows],
+            "mismatch_p99_per_step": [r["mismatch/p99"] for r in rows],
+            "served_versions": [r["adapter/served_version"] for r in rows],
             "refresh_ms_p50": sorted(1e3 * r["refresh/total_s"] for r in rows)[len(rows) // 2],
             "step_s_p50": sorted(r["time/step_s"] for r in rows)[len(rows) // 2],
             "rows": rows,
@@ -222,12 +230,15 @@ def test_grpo_with_sglang_rollouts(tiny_path):
     """Reward rises with file and tensor refresh; mismatch stays at the parity level on every step
     with non-zero advantages; with refresh off (stale adapter) the mismatch grows."""
     steps = int(os.environ.get("LORABENCH_GPU_STEPS", "40"))
-    with SGLangEngine(tiny_path, gpu_config()) as engine:
+    with SGLangEngine.from_config(gpu_config(), tiny_path) as engine:
         summary = grpo_per_mode(engine, tiny_path, ("inplace", "tensor", "file", "none"), steps)
     record("grpo_sglang", summary)
+    for mode in ("inplace", "tensor", "file"):   # every rollout was served by the trainer's version
+        assert summary[mode]["served_versions"] == list(range(steps)), (mode, summary[mode]["served_versions"])
     for mode in ("inplace", "tensor", "file"):
         s = summary[mode]
-        assert s["heldout_strict_after"] - s["heldout_strict_before"] >= 0.2, (mode, s["heldout_strict_before"], s["heldout_strict_after"])
+        gain = s["heldout_strict_after"] - s["heldout_strict_before"]
+        assert gain >= 0.2, (mode, s["heldout_strict_before"], s["heldout_strict_after"])
         active = [m for m in s["mismatch_active_mean_per_step"] if m == m and m is not None]
         assert active and max(active) < 0.05, (mode, max(active))
     stale = [m for m in summary["none"]["mismatch_active_mean_per_step"] if m == m and m is not None]
@@ -238,34 +249,8 @@ def test_grpo_with_sglang_rollouts(tiny_path):
 @pytest.fixture(scope="session")
 def q06_model(tiny_path, tmp_path_factory):
     """A random-init model of Qwen3-0.6B's shape (bf16), with the tiny tokenizer, in a local dir."""
-    from lorabench.models import random_qwen3_dir
+    from lorabench.shapes import random_qwen3_dir
     return random_qwen3_dir("0.6B", tiny_path, tmp_path_factory.mktemp("q06") / "qwen3-0.6b-random")
-
-
-def test_qwen3_06b_shape_grpo_steps(q06_model, tmp_path):
-    """The same code path on a random-init model of Qwen3-0.6B's shape, GSM8K-format local data."""
-    model_dir, root = q06_model, tmp_path
-    n_params = int((model_dir / "n_params.txt").read_text())
-    data = root / "gsm8k_train.jsonl"
-    data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
-                            for p in synthetic_problems(256, "q06")))
-    out = {"params": n_params}
-    for mode in ("inplace", "tensor", "file"):
-        cfg = gpu_config(f"refresh.mode={mode}", "lora.r=32", "model.dtype=bfloat16", f"data.source={data}",
-                         "grpo.prompts_per_step=8", "grpo.group_size=8", "grpo.max_new_tokens=64",
-                         "grpo.micro_batch=16", f"run.name=q06-{mode}", "run.save_adapter_every=100")
-        with SGLangEngine(str(model_dir), cfg) as engine:
-            from lorabench.grpo import GRPOTrainer
-            from lorabench.runlog import RunLog
-            trainer = GRPOTrainer(cfg, str(model_dir), engine, RunLog(root / f"run-{mode}"))
-            rows = [trainer.step().metrics for _ in range(4)]
-            trainer.close()
-        out[mode] = [{k: v for k, v in r.items() if k.startswith(("time/", "refresh/", "mismatch/", "reward/mean"))}
-                     for r in rows]
-        for r in rows:
-            assert r["time/rollout_s"] > 0 and r["time/train_s"] > 0 and r["refresh/total_s"] > 0
-            assert r["refresh/bytes"] > 30e6  # rank 32 on 7 projections x 28 layers, bf16: ~40 MB
-    record("qwen3_06b_shape", out)
 
 
 def tree_rss_bytes(root: int) -> int:
@@ -294,7 +279,8 @@ def tree_rss_bytes(root: int) -> int:
 def test_soak_sglang_refresh_cycles(tiny_path):
     """>= 300 refresh cycles per mode (file, tensor, inplace) with generation between them: no failure,
     and neither host RSS (this process + engine processes) nor GPU memory grows beyond noise."""
-    from lorabench.refresh import FileRefresh, InPlaceRefresh, TensorRefresh
+    from lorabench.policy import LoraLayers
+    from lorabench.refresh import make_refresher
     from lorabench.refresh_bench import adapter_model
     cycles = int(os.environ.get("LORABENCH_GPU_SOAK", "300"))
     model = adapter_model(tiny_path, 16, device="cuda")
@@ -302,17 +288,16 @@ def test_soak_sglang_refresh_cycles(tiny_path):
     prompts = [s[:p] for s, p in zip(*probe_sequences(tiny_path))]
     sampling = Sampling(max_new_tokens=16, temperature=1.0, seed=0)
     out = {"cycles_per_mode": cycles, "rows": []}
-    with SGLangEngine(tiny_path, gpu_config()) as eng:
-        kw = dict(transfer_dtype=torch.bfloat16)
-        for mode, refresher in (("file", FileRefresh(eng, "soak", **kw)),
-                                ("tensor", TensorRefresh(eng, "soak", device="cuda", **kw)),
-                                ("inplace", InPlaceRefresh(eng, "soak", device="cuda", **kw))):
+    layers = LoraLayers(model)
+    with SGLangEngine.from_config(gpu_config(), tiny_path) as eng:
+        for mode in ("file", "tensor", "inplace"):
+            refresher = make_refresher(mode, eng, "soak")
             t0 = time.perf_counter()
             for cycle in range(cycles):
                 with torch.no_grad():
                     for p in lora_b:
                         p.mul_(0.999).add_(1e-4)
-                record_ = refresher.refresh(model, cycle)
+                record_ = refresher.refresh(layers.snapshot(cycle))
                 done = eng.generate(prompts, sampling, "soak")
                 assert len(done) == len(prompts) and all(c.token_ids for c in done)
                 if cycle % 10 == 0 or cycle == cycles - 1:
@@ -352,14 +337,14 @@ def release_resume_run(model_path: str, gpus: int, *overrides, name: str = "grpo
     prompts = [s[:p] for s, p in zip(*probe_sequences(model_path))]
     greedy = Sampling(max_new_tokens=24, temperature=0.0)
     out = {}
-    with SGLangEngine(model_path, gpu_config(*saver)) as eng:
-        eng.load_adapter_tensors("policy", {k: v.cuda() for k, v in a.tensors.items()}, a.config)
+    with SGLangEngine.from_config(gpu_config(*saver), model_path) as eng:
+        eng.load_adapter_tensors("policy", a.to("cuda"))
         before = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
         free0 = free_per_gpu(gpus)
-        eng.release_memory()  # the KV cache (the default)
+        eng.release_memory(["kv_cache"])
         free1 = free_per_gpu(gpus)
         with pytest.raises(EngineError, match="already released"):
-            eng.release_memory()
+            eng.release_memory(["kv_cache"])
         eng.resume_memory()
         free2 = free_per_gpu(gpus)
         with pytest.raises(EngineError, match="without release_memory"):
@@ -391,6 +376,105 @@ def test_release_resume_memory(tiny_path):
     assert active and max(active) < 0.05, active
 
 
+# --- the in-place pool writer: versions and hazards ----------------------------------------------
+def _versions_and_references(model_path: str, n: int):
+    """n different adapters (versions 0..n-1) and transformers+PEFT (bf16) log-probs of each."""
+    seqs, plens = probe_sequences(model_path)
+    # scale 0.3: versions far enough apart that the >= 10x staleness margin is a real test
+    versions = [random_adapter(model_path, 10 + v, scale=0.3, version=v) for v in range(n)]
+    hf = HFEngine(model_path, device="cuda", dtype="bfloat16")
+    refs = []
+    for v, a in enumerate(versions):
+        hf.load_adapter_tensors(f"v{v}", a.to("cuda"))
+        refs.append(hf.score(seqs, plens, f"v{v}"))
+    hf.close()
+    torch.cuda.empty_cache()
+    return versions, refs, seqs, plens
+
+
+def test_inplace_versions_and_hazards(tiny_path):
+    """The in-place path end to end: after every write the engine matches the trainer's weights and
+    is >= 10x further from the previous version; versions follow the writes; the pinned adapter is
+    never evicted (so SGLang never reloads its stale host copy) while other adapters churn the pool;
+    a write while requests run is refused and changes nothing; a plan the engine lost is re-mapped;
+    a new engine gets a full load; a refresher that skips its write is caught by the version check."""
+    from lorabench.refresh import InPlaceRefresh, make_refresher
+    versions, refs, seqs, plens = _versions_and_references(tiny_path, 6)
+    out = {"parity": [], "previous": []}
+
+    def check(eng, v):
+        got = eng.score(seqs, plens, "policy")
+        out["parity"].append(diff(got, refs[v]))
+        out["previous"].append(diff(got, refs[v - 1]) if v else (float("nan"), float("nan")))
+        assert eng.served_version("policy") == v, (eng.served_version("policy"), v)
+
+    cfg = gpu_config("engine.max_loras_per_batch=3")
+    with SGLangEngine.from_config(cfg, tiny_path) as eng:
+        refresher = make_refresher("inplace", eng, "policy")
+        for v in (0, 1):                                  # a full load, then the first in-place write (map)
+            refresher.refresh(versions[v].to("cuda"))
+            check(eng, v)
+        for k in range(3):                                # churn: every other slot is taken and evicted
+            eng.load_adapter_tensors(f"other{k}", random_adapter(tiny_path, 50 + k).to("cuda"))
+            eng.score(seqs[:2], plens[:2], f"other{k}")
+        refresher.refresh(versions[2].to("cuda"))
+        check(eng, 2)
+        for k in range(3):
+            eng.score(seqs[:2], plens[:2], f"other{k}")
+        check(eng, 2)                                     # still v2 after more churn: not reloaded from host
+        prompts = [s[:p] for s, p in zip(seqs, plens)] * 16
+        worker = threading.Thread(target=eng.generate, args=(prompts, Sampling(256, 1.0, seed=1), "policy"))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not eng._in_flight and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(EngineError, match="in flight"):
+            refresher.refresh(versions[3].to("cuda"))
+        worker.join()
+        check(eng, 2)
+        eng.pool._send("forget", eng.pool.mapped["policy"], [], flush_cache=False)  # the engine loses the plan
+        record_ = refresher.refresh(versions[3].to("cuda"))
+        out["remapped"] = record_.engine_ms.get("remapped")
+        check(eng, 3)
+
+        class SkipsWrites(InPlaceRefresh):                # a refresh that silently does nothing
+            def _refresh(self, adapter, record):
+                if self.adapter_name not in self.engine.loaded_adapters():
+                    super()._refresh(adapter, record)
+        out["stale_caught"] = _stale_adapter_caught(eng, tiny_path, SkipsWrites)
+    with SGLangEngine.from_config(cfg, tiny_path) as eng:  # a new engine: nothing mapped, a full load first
+        refresher = make_refresher("inplace", eng, "policy")
+        for v in (4, 5):
+            refresher.refresh(versions[v].to("cuda"))
+            check(eng, v)
+    record("inplace_hazards", out)
+    assert out["remapped"] == 1.0 and out["stale_caught"], out
+    for (_, mean), (_, prev) in zip(out["parity"], out["previous"]):
+        # the mean bar: with these strong adapters single tokens of the tiny model's peaked vocabulary
+        # move by up to ~0.5 in bf16 (both engines round), so the per-token max is recorded, not judged
+        assert mean < 0.02, out
+        assert not prev == prev or prev > 10 * mean, out  # the previous version is >= 10x further
+
+
+def _stale_adapter_caught(engine, model_path, refresher_cls) -> bool:
+    """A GRPO run whose refresher skips its writes fails at the next rollout with StaleAdapter, at a
+    learning rate so small that the log-prob mismatch alone would not show it."""
+    from lorabench.engines.base import StaleAdapter
+    from lorabench.grpo import GRPOTrainer
+    cfg = gpu_config("refresh.mode=inplace", "grpo.lr=1e-7", "engine.adapter_name=skipper", "run.name=skipper")
+    trainer = GRPOTrainer(cfg, model_path, engine)    # loads version 0 into the engine
+    trainer.refresher = refresher_cls(engine, "skipper")
+    trainer.step()                                     # served version 0 = the trainer's: fine
+    try:
+        trainer.step()                                 # the engine still holds version 0, the trainer 1
+    except StaleAdapter:
+        return True
+    finally:
+        trainer.close()
+        engine.unload_adapter("skipper")
+    return False
+
+
 # --- no open doors: the engine's sockets ------------------------------------------------------------
 def socket_summary(watch) -> dict:
     """What a SocketWatch saw listen, split into loopback and not, and any peer off the host."""
@@ -411,9 +495,9 @@ def socket_check(model_path: str, cfg) -> dict:
     a, b = random_adapter(model_path, 1), random_adapter(model_path, 2)
     prompts = [s[:p] for s, p in zip(*probe_sequences(model_path))]
     with SocketWatch(interval=0.02) as watch:
-        with SGLangEngine(model_path, cfg) as eng:
-            eng.load_adapter_tensors("policy", {k: v.cuda() for k, v in a.tensors.items()}, a.config)
-            eng.update_adapter_in_place("policy", {k: v.cuda() for k, v in b.tensors.items()}, b.config)
+        with SGLangEngine.from_config(cfg, model_path) as eng:
+            eng.load_adapter_tensors("policy", a.to("cuda"))
+            eng.update_adapter_in_place("policy", FlatAdapter(b.buffer.cuda(), b.layout, b.config, 1))
             eng.generate(prompts, Sampling(max_new_tokens=16, temperature=1.0, seed=0), "policy")
             eng.score(*probe_sequences(model_path), "policy")
     return socket_summary(watch)
@@ -437,9 +521,11 @@ def test_scheduler_death_mid_run(tiny_path, tmp_path):
     (no hang), no engine process survives, the GPU memory comes back, the run dir holds whole step
     rows up to its last committed checkpoint, and `lorabench resume` on a new engine finishes the
     run with every step exactly once."""
-    import psutil
     import subprocess
     import sys
+
+    import psutil
+
     from lorabench.runlog import read_jsonl
     steps, run_dir, log = 8, tmp_path / "runs" / "killed", tmp_path / "log.txt"
     args = ["run", f"model.name_or_path={tiny_path}", "engine.backend=sglang", *STACK, "engine.dtype=bfloat16",
@@ -454,7 +540,8 @@ def test_scheduler_death_mid_run(tiny_path, tmp_path):
                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def step_rows():
-        return [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+        path = run_dir / "metrics.jsonl"
+        return [r["step"] for r in read_jsonl(path)] if path.exists() else []
 
     proc = start(*args)
     t0 = time.monotonic()

@@ -1,40 +1,138 @@
-"""The in-place loader's CPU-side plumbing (sglang_inplace): the status reply it writes for the
-caller, with its phase timings, and the flat-buffer layout it unpacks. The loader itself runs
-inside SGLang's scheduler and is tested on the GPU (test_sglang_gpu.py)."""
+"""The in-place refresh's CPU-side plumbing (engines/sglang_pool, which replaced sglang_inplace): the
+copy plan's strided blocks, the status reply each scheduler rank writes and the trainer reads, the
+command protocol around a mapped adapter, and the layout as it crosses to the engine. The pool
+writes themselves run inside SGLang's scheduler and are tested on the GPU (test_sglang_gpu.py)."""
 from __future__ import annotations
+
+import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lorabench.engines import sglang_inplace as ip
+from lorabench.adapters import AdapterLayout
+from lorabench.engines import sglang_pool as pool
 
 
-def test_status_round_trip_with_phase_timings():
-    status = ip.status_tensor("cpu")
-    assert ip.read_status(status) == ""                       # the loader never ran
-    ip._write_status(status, 'OK {"check": 1.5, "pool": 2.25}')
-    accepted, phases = ip.parse_reply(ip.read_status(status))
-    assert accepted and phases == {"check": 1.5, "pool": 2.25}
-    ip._write_status(status, "refused: q_proj has shape (3, 3)")
-    assert ip.parse_reply(ip.read_status(status)) == (False, {})
-    assert ip.read_status(status) == "refused: q_proj has shape (3, 3)"   # no leftovers of the longer reply
-    assert ip.parse_reply("OK") == (True, {})                # a loader without timings
+# --- the copy plan: index maps -> strided blocks of the staging buffer ---------------------------------
+def _plan(idx: torch.Tensor, staging: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Run the plan for one pool block whose elements come from staging[idx]; (block, number of copies)."""
+    dst = torch.zeros(idx.shape, dtype=staging.dtype)
+    dsts, srcs = [], []
+    pool._add_blocks(idx, dst, staging, dsts, srcs)
+    torch._foreach_copy_(dsts, srcs)
+    return dst, len(dsts)
 
 
-def test_long_refusal_is_cut_to_the_buffer():
-    status = ip.status_tensor("cpu")
-    ip._write_status(status, "refused: " + "x" * 5000)
-    assert len(ip.read_status(status)) == ip.STATUS_BYTES - 1
+@pytest.mark.parametrize("idx, blocks", [
+    (torch.arange(24).view(4, 6), 1),                                         # a whole tensor, row-major
+    (torch.arange(48).view(8, 6)[2:6], 1),                                    # a contiguous slice of rows
+    (torch.arange(48).view(8, 6)[::2], 1),                                    # every other row: one strided view
+    (torch.cat([torch.arange(12).view(2, 6), torch.arange(30, 48).view(3, 6)]), 2),   # stacked q/k pieces
+    (torch.arange(40).view(4, 10)[:, 3:7], 1),                                # a column slice (tensor parallel, A)
+    (torch.tensor([[7, 8, 9]]), 1),                                           # one row
+    (torch.tensor([[5], [9], [13], [30]]), 2),                                # single column, then a jump
+])
+def test_blocks_copy_exactly_what_the_index_map_says(idx, blocks):
+    staging = torch.randn(64)
+    dst, n = _plan(idx, staging)
+    assert torch.equal(dst, staging[idx])
+    assert n == blocks                                                        # as few copies as the map allows
 
 
-def test_flat_layout_round_trip_and_refusal():
-    a, b = torch.arange(6.0).view(2, 3), torch.arange(4.0).view(4, 1)
-    layout = [["x.lora_A.weight", [2, 3]], ["x.lora_B.weight", [4, 1]]]
-    name = ip.flat_name("id7", layout)
-    assert name.startswith(ip.PREFIX + "id7/" + ip.FLAT)
-    views = ip._unflatten(name.split(ip.FLAT, 1)[1], torch.cat([a.flatten(), b.flatten()]))
-    assert torch.equal(views["x.lora_A.weight"], a) and torch.equal(views["x.lora_B.weight"], b)
-    with pytest.raises(ip.InPlaceRefused, match="layout 10 elements"):
-        ip._unflatten(name.split(ip.FLAT, 1)[1], torch.zeros(9))
-    with pytest.raises(ip.InPlaceRefused, match="not JSON"):
-        ip._unflatten("[[", torch.zeros(9))
+def test_blocks_refuse_a_shape_mismatch_and_gathers():
+    staging = torch.randn(64)
+    with pytest.raises(pool.Refused, match="max_lora_rank"):
+        pool._add_blocks(torch.arange(12).view(3, 4), torch.zeros(4, 3), staging, [], [])
+    gather = torch.tensor([[0, 2, 3], [4, 5, 6]])                             # a row that skips an element
+    with pytest.raises(pool.Refused, match="non-adjacent"):
+        pool._add_blocks(gather, torch.zeros(2, 3), staging, [], [])
+
+
+def test_plan_of_a_real_layout_round_trips_every_tensor():
+    """Index maps made from an AdapterLayout's views (as _build_plan makes them) copy each tensor back."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{h}.weight": torch.randn(
+        (4, 16) if h == "A" else (8, 4), generator=gen) for i in range(2) for m in ("q_proj", "v_proj") for h in "AB"}
+    layout = AdapterLayout.of(tensors)
+    staging = layout.flatten(tensors)
+    index = layout.views(torch.arange(layout.numel))
+    for name, idx in index.items():
+        dst, n = _plan(idx, staging)
+        assert torch.equal(dst, tensors[name]) and n == 1
+
+
+# --- the layout as it travels to the engine --------------------------------------------------------
+def test_layout_crosses_as_uint8_and_back():
+    layout = AdapterLayout(("a.lora_A.weight", "a.lora_B.weight"), ((2, 3), (4, 2)))
+    sent = torch.frombuffer(bytearray(layout.to_json().encode()), dtype=torch.uint8)   # as PoolWriter._map sends it
+    received = AdapterLayout.from_json(sent.cpu().numpy().tobytes().decode())           # as pool._map reads it
+    assert received == layout and received.numel == 14
+
+
+# --- status replies and the command protocol ------------------------------------------------------
+@pytest.fixture
+def on_rank0(monkeypatch):
+    """handle() runs inside a scheduler process on its GPU: here device 0 is the CPU, and the stream
+    it synchronises before returning has nothing to wait for."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(synchronize=lambda: None))
+    saved = dict(pool._plans)
+    pool._plans.clear()
+    yield
+    pool._plans.clear()
+    pool._plans.update(saved)
+
+
+def _send(command: str, lora_id: str = "id7") -> dict:
+    status = torch.zeros(pool.STATUS_BYTES, dtype=torch.uint8)
+    pool.handle(None, [(f"{pool.PREFIX}{command}/{lora_id}/status/0", status)])
+    return pool.read_status(status)
+
+
+def test_empty_status_means_no_reply():
+    assert pool.read_status(torch.zeros(pool.STATUS_BYTES, dtype=torch.uint8)) == {}
+
+
+def test_commands_on_an_unmapped_adapter_are_refused_with_reasons(on_rank0):
+    reply = _send("apply")
+    assert reply["refused"].startswith("remap:")          # the trainer maps again: a full write
+    assert "not mapped" in _send("version")["refused"]
+    forget = _send("forget")                               # forgetting nothing is fine (before an unload)
+    assert forget["version"] == -1 and set(forget["ms"]) == {"forget"}
+
+
+def test_commands_on_a_mapped_adapter(on_rank0):
+    version = torch.tensor([5])
+    pool._plans["id7"] = pool._Plan(slot=1, buffers=[], dsts=[], srcs=[], version=version,
+                                    version_src=torch.tensor([6]), staging=torch.zeros(4))
+    reply = _send("version")
+    assert reply["version"] == 5 and set(reply["ms"]) == {"version"} and reply["ms"]["version"] >= 0
+    assert "id7" in pool._plans
+    assert _send("forget")["version"] == 5
+    assert "id7" not in pool._plans and _send("version")["refused"]
+
+
+def test_a_long_refusal_still_reads_as_a_refusal(on_rank0):
+    """The reply buffer is fixed-size: a refusal longer than it must still reach the trainer as a
+    refusal (cut short), not as unparseable bytes."""
+    reply = _send("version", lora_id="x" * (2 * pool.STATUS_BYTES))
+    assert reply["refused"].startswith("adapter id xxx")
+
+
+def test_foreign_tensor_names_are_refused(on_rank0):
+    with pytest.raises(ValueError, match="only takes"):
+        pool.handle(None, [("model.layers.0.self_attn.q_proj.weight", torch.zeros(1))])
+
+
+def test_a_refusal_without_a_status_buffer_fails_loudly(on_rank0):
+    """No status buffer: nobody would read the reply, so the refusal becomes an exception in the engine."""
+    with pytest.raises(RuntimeError, match="not mapped"):
+        pool.handle(None, [(f"{pool.PREFIX}version/id9/status/3", torch.zeros(pool.STATUS_BYTES, dtype=torch.uint8))])
+
+
+def test_status_reply_is_json_of_known_shape(on_rank0):
+    status = torch.zeros(pool.STATUS_BYTES, dtype=torch.uint8)
+    pool.handle(None, [(f"{pool.PREFIX}apply/id1/status/0", status)])
+    text = bytes(status.numpy()).rstrip(b"\0").decode()
+    assert json.loads(text) == pool.read_status(status) and set(json.loads(text)) == {"refused"}

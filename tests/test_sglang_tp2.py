@@ -1,6 +1,6 @@
-"""The SGLang engine with tensor parallelism (engine.tp_size=2) on two GPUs: issue 7.
+"""The SGLang engine with tensor parallelism (engine.tp_size=2) on two GPUs.
 Marker `gpu`; run on the two-GPU machine (nvidia-h200-x2) with
-    bash .sglang/with-sglang.sh bash scripts/gpu_suite.sh tests/test_sglang_tp2.py
+    bash .sglang/with-sglang.sh bash dev/gpu_suite.sh tests/test_sglang_tp2.py
 Skips with the reason on machines with fewer than two GPUs. The trainer (and the hf reference)
 stays on cuda:0, which it shares with TP rank 0; rank 1 is on cuda:1. Figures go to
 $LORABENCH_GPU_OUT as tp2_*.json.
@@ -19,8 +19,18 @@ if torch.cuda.device_count() < 2:
                 allow_module_level=True)
 
 # the single-GPU suite's helpers and fixtures (that module skips itself without sglang)
-from test_sglang_gpu import (assert_parity, gpu_config, grpo_per_mode, parity_run, q06_model,  # noqa: E402,F401
-                             record, release_resume_run, socket_summary, tiny_path)
+from test_sglang_gpu import (  # noqa: E402,F401
+    assert_parity,
+    gpu_config,
+    grpo_per_mode,
+    parity_run,
+    q06_model,
+    record,
+    release_resume_run,
+    socket_summary,
+    tiny_path,
+)
+
 from lorabench.engines.sglang import SGLangEngine  # noqa: E402
 
 TP2 = ["engine.backend=sglang", "engine.tp_size=2"]
@@ -53,7 +63,7 @@ def test_tp2_grpo_reward_rises_no_open_door(tiny_path):
     (SGLangEngine points their bootstrap at loopback) or connects off the host."""
     from test_security import SocketWatch
     steps = int(os.environ.get("LORABENCH_GPU_STEPS", "30"))
-    with SocketWatch(interval=0.02) as watch, SGLangEngine(tiny_path, gpu_config(*TP2)) as engine:
+    with SocketWatch(interval=0.02) as watch, SGLangEngine.from_config(gpu_config(*TP2), tiny_path) as engine:
         summary = grpo_per_mode(engine, tiny_path, ("inplace", "tensor", "file"), steps, *TP2, name="tp2-grpo")
     sockets = socket_summary(watch)
     sockets["env"] = {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}

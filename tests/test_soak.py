@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import max_abs_diff, model_logprobs
-from reliability_util import ROOT, TINY_RUN, make_trainer, rss_mb  # noqa: F401 (fixture)
+from reliability_util import ROOT, rss_mb
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +38,7 @@ def _growth(series: list[dict], key: str = "rss_mb") -> dict:
 def _save(key: str, record: dict) -> None:
     """Merge this test's record into cpu_soak.json (atomically) and redraw cpu_soak.png — only with
     LORABENCH_RECORD=1, so an ordinary test run leaves the committed record alone."""
-    from lorabench.runlog import atomic_write
+    from lorabench.fsutil import atomic_write
     if not os.environ.get("LORABENCH_RECORD"):
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -56,7 +55,7 @@ def _plot(data: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
     panels = [(k, data[k]) for k in ("refresh_cycles", "grpo_long_run") if k in data]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.2), squeeze=False)
-    for ax, (key, rec) in zip(axes[0], panels):
+    for ax, (_, rec) in zip(axes[0], panels):
         xs = [s[rec["x"]] for s in rec["series"]]
         ax.plot(xs, [s["rss_mb"] for s in rec["series"]], lw=1.2, color="tab:blue")
         ax.axvline(xs[int(len(xs) * WARMUP)], color="grey", ls=":", lw=1, label="end of warm-up (20%)")
@@ -80,13 +79,15 @@ def test_refresh_soak_1000_cycles(tiny_model_dir, make_peft_model, sample_sequen
     adapter into one HF engine, a 4-token generation after each; exact every 100 cycles."""
     from lorabench.engines.base import Sampling
     from lorabench.engines.hf import HFEngine
+    from lorabench.policy import LoraLayers
     from lorabench.refresh import FileRefresh, TensorRefresh
     cycles, every = 1000, 10
     seqs, lens = sample_sequences
     model = make_peft_model(seed=0, target_modules=["q_proj", "v_proj"])
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    layers = LoraLayers(model)
     engine = HFEngine(str(tiny_model_dir), device="cpu", dtype="float32")
-    refreshers = [FileRefresh(engine, "policy"), TensorRefresh(engine, "policy", device="cpu")]
+    refreshers = [FileRefresh(engine, "policy"), TensorRefresh(engine, "policy")]
     prompt = seqs[0][: lens[0]]
     series, objects, t0 = [], [], time.perf_counter()
     try:
@@ -94,8 +95,8 @@ def test_refresh_soak_1000_cycles(tiny_model_dir, make_peft_model, sample_sequen
             with torch.no_grad():
                 for p in lora_b:
                     p.mul_(0.9).add_(0.01 * torch.randn_like(p))  # a new adapter every cycle
-            record = refreshers[cycle % 2].refresh(model, cycle)
-            assert record.nbytes > 0
+            record = refreshers[cycle % 2].refresh(layers.snapshot(cycle))
+            assert record.nbytes > 0 and engine.served_version("policy") == cycle
             out = engine.generate([prompt], Sampling(4, 1.0, 1.0, seed=cycle), adapter="policy")
             assert len(out[0].token_ids) >= 1 and all(map(torch.isfinite, map(torch.tensor, out[0].logprobs)))
             if cycle % 100 == 0:
@@ -126,17 +127,36 @@ def test_refresh_soak_1000_cycles(tiny_model_dir, make_peft_model, sample_sequen
     assert summary["python_objects_growth_after_warmup"] < 800
 
 
-def test_grpo_long_run_200_steps(make_trainer, tmp_path):
+@pytest.fixture
+def long_run_trainer(tiny_model_dir, tokenizer, tmp_path):
+    """A GRPOTrainer on a real HFEngine writing a run dir: 1 prompt x 2 completions of 4 tokens, tensor
+    refresh, a checkpoint every step, an adapter dir every 50."""
+    from lorabench.config import Config
+    from lorabench.engines import make_engine
+    from lorabench.grpo import GRPOTrainer
+    from lorabench.runlog import RunLog
+    cfg = Config.load(overrides=[
+        "grpo.steps=200", "grpo.prompts_per_step=1", "grpo.group_size=2", "grpo.max_new_tokens=4",
+        "grpo.micro_batch_tokens=128", "refresh.mode=tensor", 'lora.target_modules=["q_proj","v_proj"]',
+        "lora.r=4", "lora.alpha=8", "run.save_adapter_every=50", "grpo.lr=1e-3", "engine.device=cpu",
+        "data.eval_size=4"])
+    engine = make_engine(cfg, str(tiny_model_dir))
+    trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, RunLog(tmp_path / "run"), tokenizer=tokenizer,
+                          log=lambda *a: None)
+    yield trainer
+    trainer.close()
+    engine.close()
+
+
+def test_grpo_long_run_200_steps(long_run_trainer, tmp_path):
     """200 GRPO steps (1 prompt x 2 completions, 4 tokens, tensor refresh, run dir with a
     checkpoint every step): no failure, exact refresh every step, RSS flat after warm-up."""
-    trainer = make_trainer(tmp_path / "run", "grpo.steps=200", "grpo.prompts_per_step=1", "grpo.group_size=2",
-                           "grpo.max_new_tokens=4", "grpo.micro_batch=2", "refresh.mode=tensor",
-                           'lora.target_modules=["q_proj","v_proj"]', "lora.r=4", "lora.alpha=8",
-                           "run.save_adapter_every=50", "grpo.lr=1e-3")
+    trainer = long_run_trainer
     series, t0 = [], time.perf_counter()
     for _ in range(200):
         rec = trainer.step()
         assert rec.metrics["mismatch/max"] < 1e-4        # the engine served the current adapter
+        assert rec.metrics["adapter/served_version"] == rec.step - 1
         if rec.step % 5 == 0 or rec.step == 1:
             series.append({"step": rec.step, "rss_mb": round(rss_mb(), 2),
                            "seconds": round(time.perf_counter() - t0, 2)})

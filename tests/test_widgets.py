@@ -11,22 +11,24 @@ import time
 
 import matplotlib.pyplot as plt
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lorabench.config import Config
-from lorabench.engines.base import AdapterNotLoaded
-from lorabench.engines.hf import HFEngine
+from lorabench.engines import make_engine
+from lorabench.engines.base import AdapterNotLoaded, StaleAdapter
 from lorabench.grpo import GRPOTrainer
 from lorabench.runlog import RunLog, read_jsonl
 from lorabench.session import RunSession
-from lorabench.widgets import StepPanel, completions_table, refresh_table
+from lorabench.viz import MIN_FONT_PT, png_text_info
+from lorabench.widgets import StepPanel, completions_table, refresh_table, status_lines
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def tiny_config(tmp_path, *extra) -> Config:
     return Config.load(overrides=[
-        "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.max_new_tokens=6", "grpo.micro_batch=4",
+        "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.max_new_tokens=6", "grpo.micro_batch_tokens=256",
         "data.eval_size=2", "lora.r=4", "lora.alpha=8", "engine.device=cpu", f"refresh.tmp_dir={tmp_path}",
         "warmstart.steps=0", f"run.out_dir={tmp_path / 'runs'}", *extra])
 
@@ -34,7 +36,7 @@ def tiny_config(tmp_path, *extra) -> Config:
 @pytest.fixture
 def trainer(tiny_model_dir, tokenizer, tmp_path):
     cfg = tiny_config(tmp_path)
-    engine = HFEngine(str(tiny_model_dir), cfg)
+    engine = make_engine(cfg, str(tiny_model_dir))
     trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, tokenizer=tokenizer, log=lambda *a: None)
     yield trainer
     trainer.close()
@@ -51,7 +53,8 @@ def test_panel_shows_a_starting_state(trainer):
     assert bytes(panel.plot.value).startswith(PNG)
     assert panel.step_label.value == "steps done: 0"
     assert "click Step" in panel.status.value and "no step yet" in panel.completions.value
-    assert [b.description for b in (panel.step_button, panel.run_button, panel.stop_button)] == ["Step", "Run N", "Stop"]
+    buttons = (panel.step_button, panel.run_button, panel.stop_button)
+    assert [b.description for b in buttons] == ["Step", "Run N", "Stop"]
     assert not panel.step_button.disabled and panel.stop_button.disabled
     bundle = panel._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
@@ -113,10 +116,39 @@ def test_views_show_the_last_step(trainer):
     for part, seconds in record.refresh.parts.items():
         assert f"<td>{part}</td><td>{1e3 * seconds:.2f}</td>" in panel.refresh.value
     assert f"{1e3 * record.refresh.total_s:.2f}" in panel.refresh.value
-    m = record.metrics
-    assert f"max {m['mismatch/max']:.1e}" in panel.status.value
-    assert f"‖ΔW‖ {m['adapter/delta_norm']:.4f}" in panel.status.value
+    assert f"adapter version {record.refresh.version}" in panel.refresh.value and record.refresh.version == 1
+    m, status = record.metrics, panel.status.value
+    assert "sampled from adapter v0 → trained to v1 → v1 refreshed into the engine" in status
+    assert f"mean {m['mismatch/mean']:.1e}, p99 {m['mismatch/p99']:.1e} (max {m['mismatch/max']:.1e})" in status
+    assert f"<b>probe gap</b> {m['probe/adapter_gap']:.3g}" in status
+    assert f"<b>reward</b> {m['reward/mean']:.3f}" in status
+    assert "no format bonus in this run" in status
+    assert f"‖ΔW‖ {m['adapter/delta_norm']:.4f}" in status
     assert panel.step_label.value == "steps done: 1"
+    info = png_text_info(bytes(panel.plot.value))
+    assert info["figure"] == "step_panel" and info["min_text_px"] >= MIN_FONT_PT * panel.dpi / 72
+
+
+def test_status_explains_a_format_bonus():
+    cfg = Config.load(overrides=["grpo.format_bonus=0.5"])
+    row = {"step": 3, "adapter/version": 3, "adapter/served_version": 2, "refresh/total_s": 0.01,
+           "refresh/mode": "file", "time/step_s": 1.0, "adapter/delta_norm": 0.5, "reward/mean": 0.75,
+           "rewards/correct/mean": 0.5, "rewards/format/mean": 0.5, "probe/adapter_gap": 0.1, "mismatch/mean": 1e-6,
+           "mismatch/p99": 2e-6, "mismatch/max": 3e-6}
+    status = status_lines(row, cfg.grpo)
+    assert "reward</b> 0.750 = correct 0.500" in status and "+ 0.5 × share ending '#### N' (0.50)" in status
+    assert "sampled from adapter v2 → trained to v3" in status
+
+
+def test_end_disables_the_panel(trainer):
+    panel = StepPanel(trainer)
+    panel.start(1)
+    panel.end("closed")
+    assert trainer.step_count == 1 and not panel.busy
+    assert panel.step_button.disabled and panel.run_button.disabled and panel.stop_button.disabled
+    assert not panel.start(1) and trainer.step_count == 1
+    assert any("closed" in o.get("text", "") for o in panel.log.outputs)
+    assert "steps done: 1" == panel.step_label.value           # the views stay
 
 
 def test_a_failing_step_is_shown_and_reraised(trainer):
@@ -128,6 +160,24 @@ def test_a_failing_step_is_shown_and_reraised(trainer):
     assert isinstance(info.value.__cause__, AdapterNotLoaded)
     assert any("AdapterNotLoaded" in o.get("text", "") for o in panel.log.outputs)
     assert not panel.busy and not panel.step_button.disabled and trainer.step_count == 0
+
+
+def test_a_stale_engine_stops_the_run_with_the_reason(trainer):
+    """An engine serving an older adapter than the trainer's (here: someone reloaded version 0 behind
+    the trainer's back) fails the next step with StaleAdapter, shown in the panel, and nothing is
+    trained on those rollouts."""
+    panel = StepPanel(trainer)
+    old = trainer.policy.adapter()
+    panel.start(1)
+    panel.wait(timeout=60)
+    trainer.engine.unload_adapter("policy")
+    trainer.engine.load_adapter_tensors("policy", old)
+    panel.start(1)
+    with pytest.raises(RuntimeError, match="GRPO step failed") as info:
+        panel.wait(timeout=60)
+    assert isinstance(info.value.__cause__, StaleAdapter)
+    assert any("StaleAdapter" in o.get("text", "") for o in panel.log.outputs)
+    assert trainer.step_count == 1 and len(trainer.history) == 1
 
 
 def test_twenty_steps_open_no_figures_and_redraws_leak_nothing(trainer):
@@ -184,3 +234,102 @@ def test_session_writes_a_run_dir_the_cli_can_resume(tiny_model_dir, tmp_path):
         assert [m["step"] for m in RunLog(again.run_dir).metrics()] == [1, 2]
     finally:
         again.close()
+
+
+# --- the figures' readability ----------------------------------------------------------------------
+def _refresh_rows():
+    parts = {"file": {"snapshot": 1e-3, "stage": 2e-4, "write": 3e-3, "unload": 8e-3, "load": 4e-2},
+             "tensor": {"snapshot": 1e-3, "stage": 2e-4, "unload": 8e-3, "load": 3.5e-2},
+             "inplace": {"snapshot": 1e-3, "write": 1e-3}, "merged": {"snapshot": 1e-3, "merge": 6e-3, "push": 3e-3}}
+    return [{"mode": m, "bytes": 2**20 if m != "merged" else 10 * 2**20, "parts": p, "total_s": sum(p.values()),
+             **({"first_request_s": 0.01} if m == "tensor" else {})} for m, p in parts.items()]
+
+
+def _merged_rows():
+    return [{"mode": "merged", "bucket_mb": mb, "buckets": n, "bytes": 10 * 2**20,
+             "parts": {"push": 1e-3 * (5 + 0.2 * n)}, "total_s": 1e-3 * (5 + 0.2 * n)}
+            for mb, n in ((0.01, 42), (0.1, 40), (1, 11), (16, 1))]
+
+
+def _run_rows(n=6):
+    return [{"step": s, "reward/mean": 0.1 * s, "reward/strict_format": 0.15 * s, "refresh/mode": "tensor",
+             "refresh/stage_s": 1e-4, "refresh/unload_s": 0.01, "refresh/load_s": 0.04, "refresh/total_s": 0.0501,
+             "mismatch/mean": 5e-7, "mismatch/p99": 3e-6, "probe/adapter_gap": 0.01 * s, "adapter/delta_norm": 0.3 * s}
+            for s in range(1, n + 1)]
+
+
+def _figures():
+    import torch
+
+    from lorabench import explain, viz
+    f = {"module": "model.layers.0.self_attn.q_proj", "A": torch.randn(4, 32), "B": torch.randn(32, 4), "scaling": 2.0,
+         "W": torch.randn(32, 32)}
+    f["delta"] = 2.0 * f["B"] @ f["A"]
+    topk = {"tokens": ["'####'", "'The'", "' 4'"], "base": torch.tensor([0.1, 0.3, 0.2]),
+            "adapter": torch.tensor([0.8, 0.05, 0.0])}
+    rows = _run_rows()
+    panel = Figure(figsize=(11, 6.6), layout="constrained")
+    FigureCanvasAgg(panel)
+    for ax, plot in zip(panel.subplots(2, 2).ravel(), (viz.plot_rewards, viz.plot_refresh, viz.plot_mismatch,
+                                                         viz.plot_delta_norm)):
+        plot(rows, ax=ax)
+    return {"panel": panel, "refresh_modes": viz.refresh_modes_figure(_refresh_rows(), 10.0, "hf engine, CPU"),
+            "merged_buckets": viz.merged_buckets_figure(_merged_rows(), 10.0, "hf engine, CPU"),
+            "lora_factors": explain.plot_lora_factors(f), "topk": explain.plot_topk(topk).figure,
+            "effect": explain.plot_logprob_difference(["Max", " has", "####"], torch.tensor([0.1, -0.5, 2.0])).figure,
+            "timeline": explain.plot_refresh_timeline(_refresh_rows()).figure}
+
+
+def _overlaps(a, b, margin=1.0) -> bool:
+    return a.x0 < b.x1 - margin and b.x0 < a.x1 - margin and a.y0 < b.y1 - margin and b.y0 < a.y1 - margin
+
+
+def test_figures_are_readable_and_legends_sit_outside_the_data():
+    """Every notebook figure, drawn from small made-up rows in the notebooks' style: text >= 8 pt (11 px
+    at 100 dpi), each legend outside its axes and clear of the title, the parts of a refresh on a linear
+    axis, and a name for the browser test's screenshots."""
+    import matplotlib
+
+    from lorabench.viz import STYLE, smallest_text_pt
+    with matplotlib.rc_context(STYLE):
+        figs = _figures()
+        try:
+            for name, fig in figs.items():
+                fig.canvas.draw()
+                assert smallest_text_pt(fig) >= MIN_FONT_PT, (name, smallest_text_pt(fig))
+                renderer = fig.canvas.get_renderer()
+                for ax in fig.axes:
+                    legend = ax.get_legend()
+                    if legend is None:
+                        continue
+                    box = legend.get_window_extent(renderer)
+                    assert not _overlaps(box, ax.get_window_extent(renderer)), f"{name}: a legend over the data"
+                    for title in (ax.title, ax._left_title):
+                        if title.get_text():
+                            assert not _overlaps(box, title.get_window_extent(renderer)), f"{name}: legend on title"
+            assert {ax.get_xscale() for ax in figs["refresh_modes"].axes} == {"linear"}
+            assert figs["refresh_modes"].get_label() == "refresh_modes"
+            assert figs["timeline"].get_label() == "refresh_timeline"
+        finally:
+            for fig in figs.values():
+                plt.close(fig)
+
+
+def test_push_cost_fit_recovers_the_cost_per_push():
+    from lorabench.viz import push_cost_fit
+    fixed, per_push = push_cost_fit(_merged_rows())
+    assert fixed == pytest.approx(5.0) and per_push == pytest.approx(0.2)
+
+
+def test_committed_gpu_results_read_as_rows():
+    from pathlib import Path
+
+    from lorabench.viz import gpu_merged_rows, gpu_refresh_rows
+    gpu = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu"
+    rows, header = gpu_refresh_rows(gpu / "refresh_tp1.json")
+    assert header["gpu"] == "NVIDIA H200" and {"inplace", "tensor", "file"} <= {r["mode"] for r in rows}
+    for r in rows:   # the parts (the call's time not in a named part is "snapshot & rest") make the call
+        assert sum(r["parts"].values()) == pytest.approx(r["total_s"]) and r["first_request_s"] > 0
+    merged, perf = gpu_merged_rows(gpu / "perf.json")
+    assert perf["device_copy_gbps"] > 0 and len({r["bytes"] for r in merged}) == 1
+    assert [r["buckets"] for r in merged] == sorted((r["buckets"] for r in merged), reverse=True)

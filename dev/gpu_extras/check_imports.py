@@ -164,7 +164,7 @@ def tms_child(mode: str) -> str:
     try:
         import torch
     except ImportError as e:
-        raise SkipCheck(f"no torch: {e}")
+        raise SkipCheck(f"no torch: {e}") from e
     if "--no-gpu" in sys.argv or not torch.cuda.is_available():
         raise SkipCheck("--no-gpu or no CUDA")
     env = dict(os.environ)

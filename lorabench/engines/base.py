@@ -1,20 +1,27 @@
-"""The engine protocol, with SGLang's semantics, that every rollout engine implements.
+"""What a rollout engine is: a small core every engine implements, plus optional capabilities that
+a refresher or the trainer checks once (`require`), never by the engine's name.
 
-- A request is adapted only if it names an adapter; `adapter=None` runs the base model.
-- Loading a name that is already loaded is an error (`AdapterAlreadyLoaded`): refresh is
-  unload, then load.
-- Unloading a name that is not loaded raises `AdapterNotLoaded`, the one benign case during a
-  refresh (the first refresh has nothing to unload); callers catch exactly that.
-- Log-probs are of the sampling distribution (logits / temperature, before top-p), as SGLang
-  returns them.
+Semantics are SGLang's:
+- a request is adapted only if it names an adapter; `adapter=None` runs the base model;
+- loading a name that is already loaded is an error (`AdapterAlreadyLoaded`): refresh is unload,
+  then load; unloading a name that is not loaded raises `AdapterNotLoaded`, the one benign case
+  during a refresh (the first refresh has nothing to unload), which callers catch exactly;
+- log-probs are of the sampling distribution (logits / temperature, before top-p);
+- every adapter an engine holds carries a version (the policy step whose weights it is), written
+  by the same call that writes the weights, so a skipped or failed write cannot bump it;
+  `served_version(name)` reports it (for `None`: the version of the base weights, which a merged
+  refresh overwrites).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from ..adapters import FlatAdapter
 
 
 class EngineError(RuntimeError):
@@ -29,16 +36,8 @@ class AdapterAlreadyLoaded(EngineError):
     """Load named an adapter that is already loaded; unload it first."""
 
 
-IN_PLACE_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
-
-
-def check_same_lora_config(name: str, loaded: dict, new: dict) -> None:
-    """An in-place update keeps the engine's scaling and layout: refuse a config that changes them."""
-    changed = [k for k in IN_PLACE_KEYS if loaded.get(k) != new.get(k)]
-    if changed:
-        what = ", ".join(f"{k}: {loaded.get(k)!r} -> {new.get(k)!r}" for k in changed)
-        raise EngineError(f"in-place update of adapter {name!r} changes {what}; an in-place update keeps the "
-                          f"loaded config. Unload and load the adapter (refresh.mode=tensor) to change it")
+class StaleAdapter(EngineError):
+    """A rollout was served by another adapter version than the trainer's."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,13 @@ class Completion:
     finish_reason: str         # 'stop' | 'length'
 
 
+@runtime_checkable
 class RolloutEngine(Protocol):
+    """The core: generate, score, load and unload adapters by name, report their versions."""
     name: str
+    device: str
+    max_lora_rank: int | None          # the largest rank the engine can hold (None: no limit)
+    adapter_dtype: torch.dtype | None  # the dtype the engine keeps adapters in (None: as sent)
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None) -> list[Completion]: ...
 
@@ -67,24 +71,60 @@ class RolloutEngine(Protocol):
         """Log-probs of sequences[i][prompt_lens[i]:] given the tokens before them."""
         ...
 
-    def load_adapter(self, name: str, path: Path) -> None: ...
+    def load_adapter(self, name: str, path: Path, version: int = 0) -> None: ...
 
-    def load_adapter_tensors(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None: ...
+    def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None: ...
 
     def unload_adapter(self, name: str) -> None: ...
 
-    def update_adapter_in_place(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
-        """Overwrite the values of loaded adapter `name` (same names, shapes and LoRA config)."""
-        ...
-
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
-        """Overwrite base weights by plain-model name (the merged-refresh baseline)."""
-        ...
-
     def loaded_adapters(self) -> list[str]: ...
 
-    def release_memory(self) -> None: ...
+    def served_version(self, adapter: str | None) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class UpdatesAdapterInPlace(Protocol):
+    """Overwrite a loaded adapter's values where the engine keeps them: no unload, no reload."""
+
+    def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
+        """Same names, shapes and LoRA config as loaded; returns the engine's own timings in ms."""
+        ...
+
+
+@runtime_checkable
+class PushesWeights(Protocol):
+    """Overwrite base weights by plain-model name (the merged-refresh baseline)."""
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True,
+                       version: int | None = None) -> None: ...
+
+
+@runtime_checkable
+class ReleasesMemory(Protocol):
+    """Give GPU memory back while the trainer runs; resume exactly what was released."""
+
+    def release_memory(self, tags: list[str]) -> None: ...
 
     def resume_memory(self) -> None: ...
 
-    def close(self) -> None: ...
+
+def require(engine, capability: type, who: str) -> None:
+    """Refuse once, up front, an engine that lacks a capability `who` needs."""
+    if not isinstance(engine, capability):
+        raise EngineError(f"{who} needs an engine that {capability.__doc__.splitlines()[0].rstrip('.').lower()} "
+                          f"({capability.__name__}); the {getattr(engine, 'name', type(engine).__name__)} engine "
+                          f"cannot. Pick another refresh.mode or engine.backend")
+
+
+IN_PLACE_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
+
+
+def check_same_lora_config(name: str, loaded: dict, new: dict) -> None:
+    """An in-place update keeps the engine's scaling and layout: refuse a config that changes them."""
+    changed = [k for k in IN_PLACE_KEYS if loaded.get(k) != new.get(k)]
+    if changed:
+        what = ", ".join(f"{k}: {loaded.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        raise EngineError(f"in-place update of adapter {name!r} changes {what}; an in-place update keeps the "
+                          f"loaded config. Unload and load the adapter (refresh.mode=tensor) to change it")

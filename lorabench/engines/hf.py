@@ -2,20 +2,21 @@
 
 It is a real engine with its own copy of the base weights (loaded from the same model dir as the
 trainer), adapters installed under names through PEFT, and SGLang's semantics (see base.py). It is
-the offline default and the reference the SGLang backend's log-probs are checked against.
+the offline default and the reference the SGLang backend's log-probs are checked against. It has
+every optional capability: in-place adapter updates, base-weight pushes and (no-op) memory release.
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from ..adapters import AdapterSnapshot, base_param_name, linear_shapes, validate
+from ..adapters import FlatAdapter, base_param_name, linear_shapes, validate
 from ..models import load_model, pick_device
-from .base import (AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling,
-                   check_same_lora_config)
+from .base import AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling, check_same_lora_config
 
 
 def lora_config_from_dict(config: dict):
@@ -42,16 +43,20 @@ def _copy_checked(params: dict[str, torch.Tensor], named_tensors, what: str, nam
 
 class HFEngine:
     name = "hf"
+    help = "transformers + PEFT in this process (CPU or GPU): the offline default and the reference"
+    max_lora_rank = None     # PEFT holds any rank
+    adapter_dtype = None     # keeps what it is sent: the trainer's dtype, so its weights equal the trainer's
 
-    def __init__(self, model_path: str, cfg=None, device: str = "", dtype: str = "", generate_batch: int = 128):
-        self.device = pick_device(device or (cfg.engine.device if cfg else ""))
-        self.dtype = dtype or (cfg.model.dtype if cfg else "float32")
+    def __init__(self, model_path: str, device: str = "", dtype: str = "float32", generate_batch: int = 128):
+        self.device = pick_device(device)
+        self.dtype = dtype
         self.model_path = model_path
         self._base = load_model(model_path, self.dtype, self.device)
         for p in self._base.parameters():
             p.requires_grad_(False)
         self._peft = None                      # PeftModel once an adapter is installed
         self._adapters: dict[str, dict] = {}  # name -> config
+        self._versions: dict[str | None, int] = {None: 0}  # adapter name (None: base weights) -> version
         self._shapes = linear_shapes(self._base)
         self._released = False
         self.generate_batch = generate_batch
@@ -59,22 +64,43 @@ class HFEngine:
         self.eos_ids = set(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else next(iter(self.eos_ids))
 
+    @classmethod
+    def config_problems(cls, cfg) -> list[str]:
+        """What in a run config this engine cannot do (config.validate reports it)."""
+        if cfg.engine.tp_size != 1:
+            return [f"engine.tp_size={cfg.engine.tp_size} needs engine.backend='sglang'; the hf engine runs "
+                    f"on one device"]
+        return []
+
+    @staticmethod
+    def check_available(cfg) -> None:
+        """transformers and PEFT are dependencies of lorabench: nothing to check beyond the device."""
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str, **overrides) -> HFEngine:
+        return cls(model_path, **{"device": cfg.engine.device, "dtype": cfg.model.dtype, **overrides})
+
     # -- adapters ---------------------------------------------------------------------------
     def loaded_adapters(self) -> list[str]:
         return sorted(self._adapters)
 
-    def load_adapter(self, name: str, path: Path) -> None:
-        snapshot = AdapterSnapshot.load_peft_dir(path)
-        self.load_adapter_tensors(name, snapshot.tensors, snapshot.config)
+    def served_version(self, adapter: str | None) -> int | None:
+        return self._versions.get(adapter)
 
-    def load_adapter_tensors(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    def load_adapter(self, name: str, path: Path, version: int = 0) -> None:
+        self.load_adapter_tensors(name, FlatAdapter.load_peft_dir(path, version))
+
+    def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
         from peft import get_peft_model, set_peft_model_state_dict
         if name in self._adapters:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
-        validate(AdapterSnapshot(tensors, config), self._shapes)
+        tensors, config = adapter.tensors, adapter.config
+        validate(tensors, config, self._shapes)
         lora_config = lora_config_from_dict(config)
         if self._peft is None:
-            self._peft = get_peft_model(self._base, lora_config, adapter_name=name)
+            with warnings.catch_warnings():  # PEFT calls a transformers attribute deprecated in 5.x; not ours
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                self._peft = get_peft_model(self._base, lora_config, adapter_name=name)
         else:
             self._peft.add_adapter(name, lora_config)
         result = set_peft_model_state_dict(self._peft, tensors, adapter_name=name)
@@ -87,23 +113,29 @@ class HFEngine:
                               f"the tensors and the config's target_modules / layers_to_transform must name the "
                               f"same modules, with PEFT state-dict names ('base_model.model.<module>.lora_A.weight')")
         self._adapters[name] = config
+        self._versions[name] = adapter.version
         self._peft.eval()
 
     @torch.no_grad()
-    def update_adapter_in_place(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         """Copy new values into adapter `name`'s PEFT parameters (all checked before any is written)."""
         if name not in self._adapters:
             raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()}); load it "
                                    f"before updating it in place")
-        check_same_lora_config(name, self._adapters[name], config)
+        check_same_lora_config(name, self._adapters[name], adapter.config)
+        adapter.check_finite()  # a direct caller gets the load path's refusal of NaN/Inf too
+        tensors = adapter.tensors
         tag = f".{name}."
-        params = {pname.replace(tag, ".", 1): param for pname, param in self._peft.named_parameters()
+        params = {pname.replace(".lora_A" + tag, ".lora_A.").replace(".lora_B" + tag, ".lora_B."): param
+                  for pname, param in self._peft.named_parameters()
                   if ".lora_A" + tag in pname or ".lora_B" + tag in pname}
         if len(tensors) != len(params):
             raise EngineError(f"in-place update of {name!r}: got {len(tensors)} tensors for {len(params)} LoRA "
                               f"parameters; send the whole adapter")
         _copy_checked(params, tensors.items(), f"in-place update of {name!r}",
                       "send PEFT state-dict names ('base_model.model.<module>.lora_A.weight') of the loaded adapter")
+        self._versions[name] = adapter.version
+        return {}
 
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
@@ -112,6 +144,7 @@ class HFEngine:
 
     def _drop(self, name: str) -> None:
         self._adapters.pop(name, None)
+        self._versions.pop(name, None)
         if not self._adapters:
             # PEFT cannot run with zero adapters; strip the LoRA layers and serve the plain model
             self._base = self._peft.unload()
@@ -131,11 +164,13 @@ class HFEngine:
 
     # -- base weights -------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, named_tensors, flush_cache: bool = True) -> None:
+    def update_weights(self, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
         params = {base_param_name(n): p for n, p in self._base.named_parameters() if ".lora_" not in n}
         _copy_checked(params, named_tensors, "update_weights",
                       "send plain-model names such as 'model.layers.0.self_attn.q_proj.weight'")
         # flush_cache: this engine keeps no prefix cache between calls, nothing to flush
+        if version is not None:
+            self._versions[None] = version
 
     # -- generation and scoring -------------------------------------------------------------
     @torch.no_grad()
@@ -196,7 +231,7 @@ class HFEngine:
         return [token_lp[i, prompt_lens[i] - 1: len(s) - 1] for i, s in enumerate(sequences)]
 
     # -- memory -------------------------------------------------------------------------------
-    def release_memory(self, tags: list[str] | None = None) -> None:
+    def release_memory(self, tags: list[str]) -> None:
         if self._released:
             raise EngineError("release_memory called twice; resume_memory first")
         self._released = True  # weights stay resident: on a CPU there is nothing worth releasing

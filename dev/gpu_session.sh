@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call of our offline GPU machine: what a session measures, into $OUT (the device tool's
+# result folder). From the checkout's root, inside the offline sglang stack:
+#   CACHE_OUT=$OUT bash .sglang/with-sglang.sh bash dev/gpu_session.sh PART [PART...]
+# PARTS: tests (the GPU test files in $LORABENCH_GPU_TESTS, default the single-GPU suite, -k $LORABENCH_GPU_K),
+#        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
+#        notebooks (the three notebooks with SGLang in a Jupyter kernel; needs .gpu-extras).
+# Results (JSON, PNG, one log per part) are packed into $OUT/results.tgz (the device tool brings
+# back at most 8 files); one failing part does not stop the others.
+set -uo pipefail
+OUT=${OUT:-gpu_results}
+RES=$(mktemp -d /tmp/gpu-results-XXXX)
+export LORABENCH_GPU_OUT=$RES LORABENCH_CACHE=${LORABENCH_CACHE:-/tmp/lorabench-cache}
+export LORABENCH_COMMIT=${LORABENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu.txt" 2>&1
+status=0
+for part in "$@"; do
+  start=$(date +%s)
+  case $part in
+    tests) python -m pytest -m gpu -v -p no:cacheprovider ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
+             ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py} ;;
+    refresh) python benchmarks/refresh_gpu.py --out "$RES/refresh_tp${LORABENCH_TP:-1}.json" --tp "${LORABENCH_TP:-1}" \
+               ${LORABENCH_REFRESH_ARGS:-} ;;
+    step) python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;
+    notebooks) bash .gpu-extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
+    *) echo "unknown part $part"; false ;;
+  esac > "$RES/$part.log" 2>&1
+  rc=$?
+  echo "== $part: exit $rc in $(( $(date +%s) - start )) s"
+  grep -E "PASSED|FAILED|ERROR|passed|failed|Error|^\{" "$RES/$part.log" | grep -v "Warning" | tail -25
+  if [ $rc -ne 0 ]; then status=$rc; tail -60 "$RES/$part.log"; fi
+done
+mkdir -p "$OUT" && tar -czf "$OUT/results.tgz" -C "$RES" .
+exit $status

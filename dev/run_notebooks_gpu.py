@@ -1,0 +1,141 @@
+"""Run the three notebooks with the SGLang engine in a real Jupyter kernel on our GPU machine, and
+keep what they showed:
+
+    bash .sglang/with-sglang.sh bash .gpu-extras/with-extras.sh python dev/run_notebooks_gpu.py OUT_DIR
+
+(dev/gpu_session.sh's `notebooks` part). Each notebook gets its learner defaults plus ENGINE="sglang"
+and the offline stack's engine settings, injected after its `parameters` cell (papermill's
+convention); 01 and 03 use the tiny model (warm-started, cached in $LORABENCH_CACHE), 02 measures a
+random-init model of Qwen3-0.6B's shape (lorabench.shapes). Into OUT_DIR go: the executed notebook
+(<name>.ipynb, also when a cell failed), each figure as PNG (<name>_<figure>.png: the inline figures
+and notebook 01's panel, named by the figure's label), notebook 02's measured rows
+(refresh_notebook02_sglang.json) and notebooks_gpu.json: per notebook the wall time, the injected
+parameters, the figures with their smallest text in pixels, and the error if any. Exit status 1 if
+a notebook failed.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+NOTEBOOKS = ROOT / "notebooks"
+CACHE = Path(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
+CELL_TIMEOUT_S = 1200
+# the offline GPU stack has no FlashInfer/FA3 or xgrammar (README, "Running the real configuration")
+ENGINE_ARGS = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
+               "engine.dtype=bfloat16", "engine.mem_fraction_static=0.3"]
+
+
+def qwen3_06b_shape_dir(out: Path) -> str:
+    """A random-init model of Qwen3-0.6B's shape in bf16 with the tiny tokenizer, cached where the
+    GPU benchmarks keep theirs."""
+    from lorabench.shapes import random_qwen3_dir
+    from lorabench.tiny import build_tiny_tokenizer
+    tokenizer = out / "tiny-tokenizer"
+    build_tiny_tokenizer(tokenizer)
+    return str(random_qwen3_dir("0.6B", str(tokenizer), CACHE / "qwen3-0.6b-random"))
+
+
+def parameters(out: Path) -> dict[str, callable]:
+    """Per notebook: the values injected on top of its learner defaults (made when it runs)."""
+    return {
+        "01_step_through": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(out / "runs"),
+                                    "OVERRIDES": ENGINE_ARGS},
+        "02_refresh_methods": lambda: {"ENGINE": "sglang", "MODEL": qwen3_06b_shape_dir(out), "RANK": 32, "REPEATS": 10,
+                               "MERGED_BUCKETS_MB": [1, 4, 16, 64, 256, 1024, 2048],
+                               "SAVE_TO": str(out / "refresh_notebook02_sglang.json"),
+                               "OVERRIDES": [*ENGINE_ARGS, "model.dtype=bfloat16"]},
+        "03_how_hotswap_works": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "OVERRIDES": ENGINE_ARGS},
+    }
+
+
+def parameterized(path: Path, values: dict):
+    """The notebook at `path` with `values` injected by papermill where it is installed. The GPU
+    machine's extras bundle (dev/gpu_extras/build.sh) ships nbclient but not papermill; there the
+    same convention by hand: a cell tagged `injected-parameters` right after the cell tagged
+    `parameters`."""
+    try:
+        from papermill.iorw import load_notebook_node
+        from papermill.parameterize import parameterize_notebook
+    except ImportError:
+        nb = nbformat.read(path, as_version=4)
+        index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+        cell = nbformat.v4.new_code_cell("# Parameters\n" + "\n".join(f"{k} = {v!r}" for k, v in values.items()),
+                                         metadata={"tags": ["injected-parameters"]})
+        nb.cells.insert(index + 1, cell)
+        return nb
+    return parameterize_notebook(load_notebook_node(str(path)), values)
+
+
+def figure_pngs(nb) -> list[bytes]:
+    """Every image/png output, then every PNG image widget in the saved widget state (the panel)."""
+    pngs = [base64.b64decode(out["data"]["image/png"]) for cell in nb.cells if cell.cell_type == "code"
+            for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    pngs += [base64.b64decode(b["data"]) for model in state.values() if model["model_name"] == "ImageModel"
+             for b in model.get("buffers", []) if b["path"] == ["value"]]
+    return pngs
+
+
+def save_figures(nb, stem: str, out: Path) -> list[dict]:
+    from lorabench.viz import png_text_info
+    seen: dict[str, int] = {}
+    saved = []
+    for png in figure_pngs(nb):
+        info = png_text_info(png)
+        name = info["figure"] or "figure"
+        seen[name] = seen.get(name, 0) + 1
+        path = out / f"{stem}_{name}{'' if seen[name] == 1 else f'_{seen[name]}'}.png"
+        path.write_bytes(png)
+        saved.append({"file": path.name, "min_text_px": info["min_text_px"]})
+    return saved
+
+
+def run_notebook(stem: str, values: dict, out: Path) -> dict:
+    nb = parameterized(NOTEBOOKS / f"{stem}.ipynb", values)
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    record = {"notebook": stem, "parameters": values, "error": None}
+    t0 = time.perf_counter()
+    try:
+        client.execute()
+    except (CellExecutionError, CellTimeoutError, DeadKernelError, RuntimeError, TimeoutError) as err:
+        # a failing cell (its traceback), a cell over the time limit, a dead kernel or one that did not
+        # start: recorded, and the other notebooks still run
+        record["error"] = f"{type(err).__name__}: {str(err)[-4000:]}"
+    finally:
+        record["seconds"] = round(time.perf_counter() - t0, 1)
+        nbformat.write(nb, out / f"{stem}.ipynb")
+        record["figures"] = save_figures(nb, stem, out)
+    return record
+
+
+def main() -> int:
+    out = Path(sys.argv[1]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for stem, values in parameters(out).items():
+        record = run_notebook(stem, values(), out)
+        records.append(record)
+        print(f"{stem}: {record.get('seconds', '?')} s, {len(record.get('figures', []))} figures"
+              + (f", FAILED: {record['error'][-600:]}" if record["error"] else ""), flush=True)
+    import torch
+    summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+               "commit": os.environ.get("LORABENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d %H:%M"),
+               "notebooks": records}
+    (out / "notebooks_gpu.json").write_text(json.dumps(summary, indent=1))
+    return 1 if any(r["error"] for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Reading dataset rows from local .jsonl / .parquet files and from the hub, with bounded memory and
+errors that name the file, the line (or row) and the fix. data.py turns the rows into problems.
+
+Why jsonl is parsed here line by line (stdlib `json`) rather than by `datasets.load_dataset("json")`
+or `pyarrow.json`: those report a bad line as a byte offset or a block, not as "line 7"; they
+accept a 50 MB line whole; and `datasets` first copies the file into its Arrow cache (a side effect
+before anything was validated). Each line is checked in this order, each with its own message:
+bounded length (a longer line is skipped in pieces, never held whole), UTF-8 (a BOM on the first
+line is accepted), JSON, a JSON object. Parquet is read with pyarrow (the library `datasets` reads
+it with), column by column in batches, and a value's byte length is checked before it becomes a
+Python string. The hub split comes through `datasets` (its cache: HF_DATASETS_CACHE or HF_HOME).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+MAX_ROW_BYTES = 1 << 20   # 1 MiB per row: GSM8K rows are < 2 KB; a 50 MB row must not reach the tokenizer
+FIELDS = ("question", "answer")
+HUB_DATASET = ("openai/gsm8k", "main")
+
+
+class DataError(ValueError):
+    """A dataset file or row is unusable; the message names the file, row and field."""
+
+
+def read_rows(source: str, split: str) -> list[tuple[str, dict]]:
+    """(location, row) pairs of a local .jsonl/.parquet file or of the hub's GSM8K `split`;
+    location reads 'FILE line 7' / 'FILE row 7' / 'openai/gsm8k[test] row 7'."""
+    if source == "hub":
+        return hub_rows(split)
+    path = Path(source)
+    if not path.is_file():
+        raise DataError(f"dataset file {path} does not exist; pass a .jsonl or .parquet file with "
+                        f"question/answer fields, 'hub' or 'synthetic'")
+    if path.suffix == ".jsonl":
+        return jsonl_rows(path)
+    if path.suffix == ".parquet":
+        return parquet_rows(path)
+    raise DataError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl or .parquet")
+
+
+def _too_long(where: str, lines: list[tuple[int, int]], unit: str) -> DataError:
+    number, nbytes = lines[0]
+    return DataError(f"{where}: {len(lines)} {unit}(s) longer than {MAX_ROW_BYTES:,} bytes (1 MiB), the first is "
+                     f"{unit} {number} ({nbytes:,} bytes); GSM8K rows are under 2 KB: remove or shorten those rows")
+
+
+def bounded_lines(fh, limit: int):
+    """(line number, bytes) of a binary file, or (line number, length) for a line over `limit`
+    bytes, which is skipped in pieces of `limit` bytes so memory stays bounded."""
+    number = 0
+    while line := fh.readline(limit + 1):
+        number += 1
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield number, line
+            continue
+        length = len(line)
+        while not line.endswith(b"\n") and (line := fh.readline(limit)):
+            length += len(line)
+        yield number, length
+
+
+def jsonl_rows(path: Path) -> list[tuple[str, dict]]:
+    import json
+    rows, too_long = [], []
+    with open(path, "rb") as fh:
+        for number, line in bounded_lines(fh, MAX_ROW_BYTES):
+            if isinstance(line, int):
+                too_long.append((number, line))
+                continue
+            if number == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM, as some editors write
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path} line {number}: not UTF-8 (byte {line[err.start]:#04x} at column "
+                                f"{err.start + 1}); save the file as UTF-8") from err
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {number}: not valid JSON ({err}); fix or remove that line (one "
+                                f"JSON object per line)") from err
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {number}: a {type(row).__name__}, not a JSON object; write one "
+                                f'{{"question": ..., "answer": ...}} object per line')
+            rows.append((f"{path} line {number}", row))
+    if too_long:
+        raise _too_long(str(path), too_long, "line")
+    return rows
+
+
+def parquet_rows(path: Path) -> list[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DataError(f"{path} is not a readable parquet file ({err}); write it with pandas.DataFrame.to_parquet "
+                        f"or use .jsonl") from err
+    missing = [f for f in FIELDS if f not in pf.schema_arrow.names]
+    if missing:
+        raise DataError(f"{path}: no column {missing[0]!r}; the columns are {pf.schema_arrow.names}, each row needs "
+                        f"'question' and 'answer'")
+    for name in FIELDS:
+        typ = pf.schema_arrow.field(name).type
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+            raise DataError(f"{path}: column {name!r} holds {typ}, not text; write it as strings")
+    rows, too_long, offset = [], [], 0
+    for batch in pf.iter_batches(batch_size=1024, columns=list(FIELDS)):
+        # byte lengths first: a huge value is counted, never turned into a Python string
+        lengths = pc.add(*(pc.fill_null(pc.binary_length(batch.column(f)), 0) for f in FIELDS))
+        for i, nbytes in enumerate(lengths.to_pylist()):
+            if nbytes > MAX_ROW_BYTES:
+                too_long.append((offset + i + 1, nbytes))
+            else:
+                rows.append((f"{path} row {offset + i + 1}", {f: batch.column(f)[i].as_py() for f in FIELDS}))
+        offset += batch.num_rows
+    if too_long:
+        raise _too_long(str(path), too_long, "row")
+    return rows
+
+
+def hub_rows(split: str) -> list[tuple[str, dict]]:
+    """openai/gsm8k (config 'main') through `datasets`; refused fast when the hub cannot be reached."""
+    from .hub import dataset_unavailable
+    name, config = HUB_DATASET
+    reason = dataset_unavailable(name)
+    if reason:
+        raise DataError(f"data.source='hub': {reason}")
+    import datasets  # imported here: only the hub path needs it
+    try:
+        table = datasets.load_dataset(name, config, split=split)
+    except ConnectionError as err:  # HF_HUB_OFFLINE=1 and not in the datasets cache
+        raise DataError(f"data.source='hub': {name} is not in the datasets cache ({err}); run once with network "
+                        f"access (without HF_HUB_OFFLINE) or use a local file such as "
+                        f"data/gsm8k_sample.jsonl") from err
+    where = f"{name}[{split}]"
+    rows, too_long = [], []
+    for i, row in enumerate(table):
+        nbytes = sum(len(str(row.get(f, "")).encode()) for f in FIELDS)
+        if nbytes > MAX_ROW_BYTES:
+            too_long.append((i + 1, nbytes))
+        else:
+            rows.append((f"{where} row {i + 1}", row))
+    if too_long:
+        raise _too_long(where, too_long, "row")
+    return rows

@@ -1,0 +1,427 @@
+"""In-place adapter refresh for SGLang: write the trainer's flat adapter straight into the engine's
+GPU LoRA pool (the buffers its LoRA kernels read), one batched device copy per refresh.
+
+Why: SGLang's public path (`unload_lora_adapter` + `load_lora_adapter_from_tensors`) copies every
+tensor to the host (`.cpu()`), stacks q/k/v and gate/up there, and copies the result back into the
+pool when a batch first uses the new adapter id. For data that starts on the GPU that is two host
+round trips and ~400 small copies per step.
+
+How (two commands, both carried by `update_weights_from_tensor(..., load_format=LOADER)`, which runs
+`handle(model, named_tensors)` inside every scheduler process, one per tensor-parallel rank):
+ - map (once per adapter): the trainer lends the engine a persistent staging buffer per GPU (CUDA
+   IPC; the scheduler keeps the mapping) and the adapter's layout. The scheduler pins the adapter
+   in a pool slot (never evicted, so SGLang's host copy is never reloaded over it), then computes
+   where every pool element comes from by running SGLang's own stacking (q/k/v, gate/up) and
+   tensor-parallel slicing on tensors of *source indices* instead of values. The index maps
+   reduce to a few hundred strided blocks: the copy plan. It writes the adapter once with SGLang's
+   own loader, once with the plan, and refuses the plan unless the two are bit-identical.
+ - apply (every refresh): the trainer copies the new values into its staging buffers (one cast
+   copy per GPU); the scheduler runs the plan (`torch._foreach_copy_`) and copies the new version
+   into an engine-owned version tensor in the same batch of copies, so a skipped or failed write
+   cannot bump the version. The request flushes the prefix cache: the adapter keeps its id, and KV
+   computed with the old values would otherwise be reused.
+The reply of each rank travels back in a small GPU status buffer on that rank's device.
+
+Hazards and what guards them: a slot that moved (eviction, unload, memory release) or a scheduler
+that lost its plan (engine restart) -> apply is refused, the writer maps again (a full write);
+a write while requests are in flight -> refused by SGLangEngine before anything is sent; a model
+or adapter this plan does not cover (MoE, embedding/lm_head LoRA, missing k/v/up halves) -> map is
+refused with the reason, and refresh.mode=tensor is the public fallback.
+
+Errors: SGLang calls custom loaders without a try/except and an exception in a scheduler kills the
+whole process tree (a notebook kernel included), so every check raises `Refused`, which the loader
+turns into a status reply; nothing is written before all checks pass.
+
+Tied to SGLang internals verified on 0.5.17: LoRAManager (loras, lora_refs, num_pinned_loras,
+memory_pool, lora_modules, fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool
+(A_buffer, B_buffer, uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils
+(get_target_module_name, get_stacked_multiply) and the layers' slice_lora_{a,b}_weights.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from ..adapters import AdapterLayout, FlatAdapter
+from .base import EngineError
+
+LOADER = "lorabench.engines.sglang_pool.handle"
+PREFIX = "lorabench-pool/"         # tensor names: PREFIX + <command>/<lora id>/<what>[/<device>]
+STATUS_BYTES = 4096
+
+
+class Refused(ValueError):
+    """The command does not fit this engine, adapter or SGLang; nothing was written."""
+
+
+# === the trainer's side ==========================================================================
+@dataclass
+class _Mapping:
+    lora_id: str
+    layout: AdapterLayout
+    staging: dict[int, torch.Tensor]     # device -> [numel] in the pool's dtype, lent to the engine
+    version: dict[int, torch.Tensor]     # device -> [1] int64, the version the next apply writes
+    status: dict[int, torch.Tensor] = field(default_factory=dict)  # device -> [STATUS_BYTES] uint8
+
+
+class PoolWriter:
+    """One per SGLangEngine: maps adapters into the engine's pool and applies new values."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.mapped: dict[str, _Mapping] = {}
+        args = engine.engine.server_args
+        self.devices = [args.base_gpu_id + i * args.gpu_id_step for i in range(args.tp_size)]
+        self.dtype = engine.adapter_dtype or torch.bfloat16
+
+    def write(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
+        """New values for adapter `name`; returns the engine's own timings (ms)."""
+        mapping = self.mapped.get(name)
+        if mapping is not None and mapping.layout != adapter.layout:
+            self.forget(name)
+            mapping = None
+        if mapping is None:
+            return self._map(name, adapter)
+        self._stage(mapping, adapter)
+        reply = self._send("apply", mapping, [], flush_cache=True)
+        if reply.get("refused", "").startswith("remap:"):  # the slot moved or the engine lost the plan
+            self.mapped.pop(name, None)
+            return {**self._map(name, adapter), "remapped": 1.0}
+        return self._accept(reply, name, adapter.version)
+
+    def version(self, name: str) -> int:
+        """The version the engine holds beside its copy of adapter `name` (asked, not remembered)."""
+        mapping = self.mapped[name]
+        reply = self._send("version", mapping, [], flush_cache=False)
+        if "refused" in reply:
+            raise EngineError(f"asking the engine for adapter {name!r}'s version failed: {reply['refused']}")
+        return int(reply["version"])
+
+    def forget(self, name: str) -> None:
+        """Drop the mapping (before an unload): the engine releases the staging buffers it holds."""
+        mapping = self.mapped.pop(name, None)
+        if mapping is not None and self.engine.engine is not None:
+            self._send("forget", mapping, [], flush_cache=False)
+
+    def forget_all(self) -> None:
+        for name in list(self.mapped):
+            self.forget(name)
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _map(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
+        mapping = _Mapping(self.engine.lora_id(name), adapter.layout,
+                           {d: torch.empty(adapter.layout.numel, dtype=self.dtype, device=d) for d in self.devices},
+                           {d: torch.zeros(1, dtype=torch.int64, device=d) for d in self.devices})
+        self._stage(mapping, adapter)
+        # on a GPU: CUDA tensors cross to the engine as IPC handles (CPU tensors would need fd passing)
+        layout = torch.frombuffer(bytearray(adapter.layout.to_json().encode()), dtype=torch.uint8).to(self.devices[0])
+        extra = [(f"layout/{mapping.lora_id}", layout)]
+        extra += [(f"staging/{mapping.lora_id}/{d}", t) for d, t in mapping.staging.items()]
+        extra += [(f"version/{mapping.lora_id}/{d}", t) for d, t in mapping.version.items()]
+        reply = self._send("map", mapping, extra, flush_cache=True)
+        timings = self._accept(reply, name, adapter.version)
+        self.mapped[name] = mapping
+        return timings
+
+    def _stage(self, mapping: _Mapping, adapter: FlatAdapter) -> None:
+        for device in self.devices:
+            mapping.staging[device].copy_(adapter.buffer, non_blocking=True)   # cast to the pool's dtype
+            mapping.version[device].fill_(adapter.version)
+        for device in self.devices:  # the engine reads these from another process: finish writing first
+            torch.cuda.synchronize(device)
+
+    def _send(self, command: str, mapping: _Mapping, extra: list, flush_cache: bool) -> dict:
+        if not mapping.status:
+            mapping.status = {d: torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=d) for d in self.devices}
+        for status in mapping.status.values():
+            status.zero_()
+        named = [(f"{PREFIX}{command}/{mapping.lora_id}/status/{d}", s) for d, s in mapping.status.items()]
+        named += [(f"{PREFIX}{name}", t) for name, t in extra]
+        result = self.engine.engine.update_weights_from_tensor(named, load_format=LOADER, flush_cache=flush_cache)
+        ok, message = (result if isinstance(result, tuple) else (result.success, result.error_message))[:2]
+        if not ok:
+            raise EngineError(f"in-place {command} of adapter id {mapping.lora_id} failed; engine says: {message}")
+        replies = [read_status(s) for s in mapping.status.values()]
+        refused = [r["refused"] for r in replies if "refused" in r]
+        if refused:
+            return {"refused": refused[0]}
+        missing = [d for d, r in zip(self.devices, replies) if not r]
+        if missing:
+            return {"refused": f"no reply from the engine's loader on GPU(s) {missing}"}
+        return replies[0]  # tensor-parallel ranks run the same checks and copies: rank 0 speaks for all
+
+    def _accept(self, reply: dict, name: str, version: int) -> dict[str, float]:
+        if "refused" in reply:
+            raise EngineError(f"in-place update of adapter {name!r} refused by the engine: {reply['refused']}. "
+                              f"The engine still serves the previous values; refresh.mode=tensor is the public "
+                              f"fallback")
+        if int(reply["version"]) != version:
+            raise EngineError(f"in-place update of adapter {name!r}: the engine reports version {reply['version']}, "
+                              f"{version} was written; the adapter in the engine is not the trainer's")
+        return reply.get("ms", {})
+
+
+def read_status(status: torch.Tensor) -> dict:
+    """A rank's reply: {} (no reply), {'refused': reason} or {'version': v, 'ms': {...}}."""
+    text = status.cpu().numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
+    return json.loads(text) if text else {}
+
+
+# === the engine's side (runs inside each scheduler process) ======================================
+@dataclass
+class _Plan:
+    slot: int
+    buffers: list[int]                 # data_ptr of each pool buffer the plan writes (moved = remap)
+    dsts: list[torch.Tensor]           # pool views
+    srcs: list[torch.Tensor]           # strided views of the staging buffer
+    version: torch.Tensor              # [1] int64, engine-owned
+    version_src: torch.Tensor          # [1] int64, the trainer's (lent)
+    staging: torch.Tensor              # kept so the mapping stays open
+    notify: list = field(default_factory=list)  # modules caching derived operands per slot
+
+
+_plans: dict[str, _Plan] = {}          # lora id -> plan, per scheduler process
+_managers: dict[int, object] = {}      # id(model) -> its LoRAManager
+
+
+@torch.no_grad()
+def handle(model, named_tensors) -> None:
+    """The loader SGLang calls; never raises for a refused command (see the module docstring)."""
+    device = torch.cuda.current_device()
+    parts = {}
+    for name, tensor in named_tensors:
+        if not name.startswith(PREFIX):
+            raise ValueError(f"lorabench's pool loader got tensor {name!r}; it only takes {PREFIX}* names")
+        parts[name[len(PREFIX):]] = tensor
+    command, lora_id = next(iter(parts)).split("/")[:2]
+    status = parts.get(f"{command}/{lora_id}/status/{device}")
+    t0 = time.perf_counter()
+    try:
+        version = _COMMANDS[command](model, lora_id, parts, device)
+        reply = {"version": version, "ms": {command: 1e3 * (time.perf_counter() - t0)}}
+    except Refused as err:
+        reply = {"refused": str(err)}
+    if status is None:
+        if "refused" in reply:
+            raise RuntimeError(f"lorabench pool loader: {reply['refused']}")  # nobody to tell: fail loudly
+        return
+    data = json.dumps(reply).encode()
+    if len(data) >= STATUS_BYTES:  # cut the reason, keep the reply valid JSON
+        data = json.dumps({"refused": reply.get("refused", "reply too long")[: STATUS_BYTES // 8]}).encode()
+    status.zero_()
+    status[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    torch.cuda.current_stream().synchronize()  # the sender reads the reply once the call returns
+
+
+def _apply(model, lora_id: str, parts: dict, device: int) -> int:
+    plan = _plans.get(lora_id)
+    if plan is None:
+        raise Refused(f"remap: adapter id {lora_id} is not mapped in this engine (restarted, or never mapped)")
+    manager = _lora_manager(model)
+    pool = manager.memory_pool
+    if pool.uid_to_buffer_id.get(lora_id) != plan.slot or _buffer_ptrs(pool) != plan.buffers:
+        _plans.pop(lora_id, None)
+        raise Refused(f"remap: adapter id {lora_id} left pool slot {plan.slot} or the pool moved")
+    torch._foreach_copy_(plan.dsts, plan.srcs)
+    plan.version.copy_(plan.version_src)
+    for notify in plan.notify:
+        notify({plan.slot})
+    return int(plan.version.item())   # .item() waits for the copies
+
+
+def _version(model, lora_id: str, parts: dict, device: int) -> int:
+    plan = _plans.get(lora_id)
+    if plan is None:
+        raise Refused(f"adapter id {lora_id} is not mapped in this engine")
+    return int(plan.version.item())
+
+
+def _forget(model, lora_id: str, parts: dict, device: int) -> int:
+    plan = _plans.pop(lora_id, None)
+    return -1 if plan is None else int(plan.version.item())
+
+
+def _map(model, lora_id: str, parts: dict, device: int) -> int:
+    from sglang.srt.lora.lora import LoRAAdapter
+    manager = _lora_manager(model)
+    adapter = manager.loras.get(lora_id)
+    if adapter is None:
+        raise Refused(f"adapter id {lora_id} is not loaded in this engine; load it first")
+    layout = AdapterLayout.from_json(parts[f"layout/{lora_id}"].cpu().numpy().tobytes().decode())
+    staging, version_src = parts[f"staging/{lora_id}/{device}"], parts[f"version/{lora_id}/{device}"]
+    if staging.dtype != manager.memory_pool.dtype or staging.numel() != layout.numel:
+        raise Refused(f"staging buffer is {staging.dtype} x {staging.numel()}, the pool keeps "
+                      f"{manager.memory_pool.dtype} and the layout has {layout.numel} elements")
+    _pin_and_load(manager, lora_id)
+    plan = _build_plan(manager, adapter, layout, staging, version_src)
+    # SGLang's own write, then ours: refuse the plan unless they agree bit for bit
+    view = _AdapterView(adapter, _by_layer(layout.views(staging), len(adapter.layers)))
+    LoRAAdapter._normalize_weights(view)
+    pool = manager.memory_pool
+    pool.load_lora_weight_to_buffer(lora_id, plan.slot, view, manager.lora_modules,
+                                    manager.embed_tokens_module, manager.lm_head_module)
+    reference = [d.clone() for d in plan.dsts]
+    for d in plan.dsts:
+        d.zero_()
+    torch._foreach_copy_(plan.dsts, plan.srcs)
+    bad = [i for i, (d, r) in enumerate(zip(plan.dsts, reference)) if not torch.equal(d, r)]
+    if bad:
+        pool.load_lora_weight_to_buffer(lora_id, plan.slot, view, manager.lora_modules,
+                                        manager.embed_tokens_module, manager.lm_head_module)
+        raise Refused(f"the copy plan disagrees with SGLang's own loader on {len(bad)} of {len(plan.dsts)} "
+                      f"blocks (first: {tuple(plan.dsts[bad[0]].shape)}); this SGLang lays out its pool "
+                      f"differently (verified on 0.5.17): use refresh.mode=tensor")
+    _keep_host_copy(adapter, view)
+    plan.version.copy_(version_src)
+    _plans[lora_id] = plan
+    return int(plan.version.item())
+
+
+_COMMANDS = {"map": _map, "apply": _apply, "version": _version, "forget": _forget}
+
+
+def _lora_manager(model):
+    manager = _managers.get(id(model))
+    if manager is not None and manager.base_model is model:
+        return manager
+    from sglang.srt.lora.lora_manager import LoRAManager
+    with warnings.catch_warnings():  # isinstance on every live object touches deprecated torch aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():  # once per process: the model holds no reference to its manager
+            if isinstance(obj, LoRAManager) and obj.base_model is model:
+                _managers[id(model)] = obj
+                return obj
+    raise Refused("this engine has no LoRAManager for its model; start it with enable_lora=True")
+
+
+def _pin_and_load(manager, lora_id: str) -> None:
+    """Pin the adapter (the pool never evicts it, so its host copy is never reloaded over our
+    writes) and make it resident in a slot."""
+    ref = manager.lora_refs.get(lora_id)
+    if ref is None:
+        raise Refused(f"adapter id {lora_id} has no LoRA ref in this engine")
+    if not ref.pinned:
+        import msgspec
+        if manager.num_pinned_loras >= manager.max_loras_per_batch - 1:
+            raise Refused(f"cannot pin another adapter: {manager.num_pinned_loras} of max_loras_per_batch="
+                          f"{manager.max_loras_per_batch} slots are pinned and one must stay free; raise "
+                          f"engine.max_loras_per_batch")
+        manager.lora_refs[lora_id] = msgspec.structs.replace(ref, pinned=True)  # LoRARef is frozen
+        manager.num_pinned_loras += 1
+    if lora_id not in manager.memory_pool.uid_to_buffer_id:
+        manager.fetch_new_loras({lora_id})
+
+
+def _by_layer(tensors: dict[str, torch.Tensor], n_layers: int) -> list[dict[str, torch.Tensor]]:
+    from sglang.srt.layers.utils import get_layer_id
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(n_layers)]
+    for name, tensor in tensors.items():
+        layer_id = get_layer_id(name)
+        if layer_id is None or layer_id >= n_layers:
+            raise Refused(f"{name} is not in a decoder layer; embed_tokens and lm_head adapters need the full "
+                          f"load path (refresh.mode=tensor)")
+        layers[layer_id][name] = tensor
+    return layers
+
+
+class _AdapterView:
+    """A loaded LoRAAdapter seen with other per-layer weights: SGLang's normalisation and pool copy
+    read `.layers[i].weights` (and `.pinned_weights`) and the adapter's config and scaling."""
+
+    def __init__(self, adapter, layer_weights: list[dict]):
+        self._adapter = adapter
+        self.layers = [SimpleNamespace(weights=w, pinned_weights={}) for w in layer_weights]
+        self.embedding_layers, self.pinned_embedding_layers = {}, {}
+        self.added_tokens_embeddings, self.pinned_added_tokens_embeddings = {}, {}
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+
+def _build_plan(manager, adapter, layout: AdapterLayout, staging: torch.Tensor, version_src) -> _Plan:
+    """Where each pool element of the adapter's slot comes from, as strided blocks of `staging`:
+    SGLang's own stacking and slicing run on tensors holding source indices."""
+    from sglang.srt.lora.layers import FusedMoEWithLoRA
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.lora.utils import get_stacked_multiply, get_target_module_name
+    pool, rank = manager.memory_pool, adapter.config.r
+    slot = pool.uid_to_buffer_id.get(adapter.uid)
+    if slot is None:
+        raise Refused("the adapter has no pool slot after loading it")
+    index = torch.arange(layout.numel, dtype=torch.int64)
+    view = _AdapterView(adapter, _by_layer(layout.views(index), len(adapter.layers)))
+    LoRAAdapter._normalize_weights(view)
+    dsts, srcs, notify = [], [], []
+    for layer_id, (layer, modules) in enumerate(zip(view.layers, manager.lora_modules)):
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        for name, idx in layer.weights.items():
+            target = get_target_module_name(name, pool.target_modules)
+            halves.setdefault(target, {})["A" if ".lora_A." in name else "B"] = idx
+        for module_name, module in modules.items():
+            if isinstance(module, FusedMoEWithLoRA):
+                raise Refused("mixture-of-experts LoRA layers are not covered by the copy plan; use "
+                              "refresh.mode=tensor")
+            if callable(getattr(module, "on_lora_slots_updated", None)):
+                notify.append(module.on_lora_slots_updated)
+            target = get_target_module_name(module_name, pool.target_modules)
+            pair = halves.pop(target, None)
+            if pair is None:
+                continue  # not adapted: SGLang's own write zeroed its rows, and they stay zero
+            c = get_stacked_multiply(target, manager.base_model)
+            a_dst = pool.A_buffer[target][layer_id][slot, :rank * c, :]   # SGLang's standard layout
+            b_dst = pool.B_buffer[target][layer_id][slot, :, :rank]
+            for idx, dst in ((module.slice_lora_a_weights(pair["A"]), a_dst),
+                             (module.slice_lora_b_weights(pair["B"]), b_dst)):
+                _add_blocks(idx, dst, staging, dsts, srcs)
+        if halves:
+            raise Refused(f"layer {layer_id}: adapter modules {sorted(halves)} have no LoRA layer in this engine")
+    version = torch.zeros(1, dtype=torch.int64, device=staging.device)
+    return _Plan(slot, _buffer_ptrs(pool), dsts, srcs, version, version_src, staging, notify)
+
+
+def _add_blocks(idx: torch.Tensor, dst: torch.Tensor, staging: torch.Tensor, dsts: list, srcs: list) -> None:
+    """Split an index map [R, C] into row runs that are one strided view of `staging` each."""
+    if tuple(idx.shape) != tuple(dst.shape):
+        raise Refused(f"pool block {tuple(dst.shape)} does not match the adapter's {tuple(idx.shape)}; the engine "
+                      f"was started with another max_lora_rank or target modules")
+    rows, cols = idx.shape
+    if cols > 1 and not bool((idx[:, 1:] - idx[:, :-1] == 1).all()):
+        raise Refused("a pool row gathers non-adjacent adapter elements; this SGLang's layout is not covered")
+    starts = idx[:, 0].tolist()
+    begin = 0
+    while begin < rows:
+        end = begin + 1
+        stride = starts[begin + 1] - starts[begin] if begin + 1 < rows else cols
+        if stride < cols:  # rows that overlap or run backwards cannot share one view: a row alone
+            stride = cols
+        else:
+            while end < rows and starts[end] - starts[end - 1] == stride:
+                end += 1
+        dsts.append(dst[begin:end])
+        srcs.append(staging.as_strided((end - begin, cols), (stride, 1), starts[begin]))
+        begin = end
+
+
+def _buffer_ptrs(pool) -> list[int]:
+    return [t.data_ptr() for buffers in (pool.A_buffer, pool.B_buffer) for name in sorted(buffers)
+            for t in buffers[name]]
+
+
+def _keep_host_copy(adapter, view) -> None:
+    """SGLang's host copy of the adapter (what the pool would reload from) gets the mapped values.
+    The adapter is pinned, so later applies need not touch it; this keeps it truthful at map time."""
+    for loaded, new in zip(adapter.layers, view.layers):
+        for key, tensor in new.weights.items():
+            host = loaded.weights.get(key)
+            if host is None or host.shape != tensor.shape:
+                raise Refused(f"{key}: the loaded adapter has {None if host is None else tuple(host.shape)}, the "
+                              f"update {tuple(tensor.shape)}; send the modules and rank the adapter was loaded with")
+            host.copy_(tensor.to(host.dtype), non_blocking=False)
+        if getattr(loaded, "pinned_weights", None):
+            loaded.pinned_weights.clear()  # pinned copies of the old values (overlap loading)

@@ -1,0 +1,74 @@
+"""Is a hub model or dataset usable *now*? Answered in seconds, before anything is built or written.
+
+Without this, an unreachable hub shows up deep inside transformers or datasets after minutes of
+retries (49 s for a mistyped model dir looked up as a hub name, then a traceback). The rule:
+- HF_HUB_OFFLINE=1 (the libraries' own switch): only the local cache counts;
+- otherwise the hub's API is asked once, with a short timeout (stdlib urllib, so the usual
+  https_proxy variables apply); offline, that fails at once (no DNS) or after TIMEOUT_S.
+A cached copy is not used silently when the hub cannot be reached: the message says to set
+HF_HUB_OFFLINE=1 for it, so that the libraries do not retry the network for minutes.
+"""
+from __future__ import annotations
+
+import urllib.error
+import urllib.parse
+import urllib.request
+
+TIMEOUT_S = 5.0
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+    return constants.ENDPOINT.rstrip("/")
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def model_cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def ask_hub(kind: str, repo_id: str) -> str | None:
+    """None if `repo_id` exists on the hub ('models' or 'datasets'), else why it cannot be used."""
+    from huggingface_hub import get_token
+    url = f"{endpoint()}/api/{kind}/{urllib.parse.quote(repo_id, safe='/')}"
+    request = urllib.request.Request(url, method="GET")
+    token = get_token()
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S):
+            return None  # 200: the repo exists and this user may read it
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            return (f"{repo_id} on {endpoint()} is private or gated (HTTP {err.code}); accept its license on the "
+                    f"hub and log in (hf auth login)")
+        if err.code == 404:
+            return f"there is no {kind[:-1]} {repo_id} on {endpoint()}"
+        return f"{endpoint()} answered HTTP {err.code} for {repo_id}"
+    except (urllib.error.URLError, OSError) as err:  # no DNS, refused, timeout, proxy
+        reason = getattr(err, "reason", err)
+        return (f"the hub ({endpoint()}) cannot be reached ({reason}); connect to the network, or set "
+                f"HF_HUB_OFFLINE=1 to use a copy in the Hugging Face cache")
+
+
+def model_unavailable(repo_id: str) -> str | None:
+    """None if the hub model can be loaded now (cached under HF_HUB_OFFLINE=1, or on the hub)."""
+    if offline():
+        if model_cached(repo_id):
+            return None
+        return (f"HF_HUB_OFFLINE=1 and {repo_id} is not in the Hugging Face cache (HF_HOME / HF_HUB_CACHE); "
+                f"download it once with network access (hf download {repo_id})")
+    return ask_hub("models", repo_id)
+
+
+def dataset_unavailable(repo_id: str) -> str | None:
+    """None if the hub dataset can be loaded now; under HF_HUB_OFFLINE=1 `datasets` itself answers
+    at once whether it is in its cache, so nothing is asked here."""
+    if offline():
+        return None
+    return ask_hub("datasets", repo_id)

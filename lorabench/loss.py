@@ -1,0 +1,201 @@
+"""The GRPO math as pure functions (no trainer state): advantages, the clipped loss, per-token
+log-probs, token-budget micro-batching and a FLOPs-per-token estimate.
+
+Why a memory-lean `token_logprobs`
+----------------------------------
+The straightforward log-prob (`plain_token_logprobs`) runs the full causal LM, gets logits
+[N, L, V], and takes an fp32 `log_softmax` over the vocabulary. Autograd keeps several [N, L-1, V]
+fp32 tensors for backward (the logits, the tempered logits, the log-softmax output); with Qwen3's
+V = 151,936 that is ~0.6 MB per token per copy, which took 47 GB for 512 sequences of ~330 tokens
+and ran out of memory at micro_batch=64.
+
+`token_logprobs` computes the same numbers without that: it runs only the transformer body (whose
+activations scale with N*L*H, not N*L*V), then applies the output head to `chunk_size` positions at
+a time, and takes logit[target] - logsumexp(logits) per chunk. With gradients enabled each chunk is
+wrapped in a non-reentrant activation checkpoint, so autograd keeps only the chunk's inputs (hidden
+rows and targets) and backward recomputes the chunk's logits: the extra peak memory is about one
+[chunk_size, V] fp32 block instead of N*(L-1)*V. The price is one more head matmul per chunk in
+backward (~2*H*V FLOPs per token).
+
+The lean path reproduces what the model's own forward does to logits only when that is just the
+output head (true for Qwen3, Llama, Mistral, Qwen2). Models that soft-cap or rescale logits after
+the head (Gemma 2/3, Cohere, Granite, ...) are refused with an error naming the setting.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Config settings that make a causal LM's forward change logits after lm_head, with the value at
+# which they do nothing: the lean path (body + head) would silently differ from the model on those.
+LOGIT_TRANSFORM_SETTINGS = {
+    "final_logit_softcapping": None,   # Gemma 2/3: cap * tanh(logits / cap)
+    "logit_softcapping": None,
+    "logit_scale": None,               # Cohere: logits * scale (only neutral when absent)
+    "logits_scaling": 1.0,             # Granite: logits / scaling
+    "unpadded_vocab_size": None,       # head wider than the vocabulary, trimmed after the head
+}
+
+
+# --- advantages and loss -----------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """(r - group mean) / (group std + eps), rewards laid out group by group: [P*G] -> [P*G]."""
+    r = rewards.view(-1, group_size)                    # [P, G]
+    std = r.std(dim=1, keepdim=True, unbiased=False)    # population std: a group of equal rewards -> 0
+    return ((r - r.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
+
+
+def grpo_loss(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=None, kl_beta: float = 0.0):
+    """Returns (loss, metrics). logp, old_logp, ref_logp, mask: [n, L-1]; advantages: [n]."""
+    ratio = torch.exp(logp - old_logp)                                          # [n, L-1]
+    adv = advantages[:, None]                                                   # [n, 1]
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    metrics = {"clip_fraction": ((ratio - 1).abs() > clip_eps).float()[mask.bool()].mean().item()}
+    if ref_logp is not None and kl_beta > 0:
+        diff = ref_logp - logp
+        kl = torch.exp(diff) - diff - 1                                         # k3, >= 0
+        per_token = per_token + kl_beta * kl
+        metrics["kl"] = (kl * mask).sum().item() / mask.sum().clamp(min=1).item()
+    per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)              # [n] token mean
+    return per_seq.mean(), metrics
+
+
+# --- per-token log-probs -----------------------------------------------------------------------
+def plain_token_logprobs(model, input_ids, attention_mask, temperature: float) -> torch.Tensor:
+    """Reference: full forward, fp32 log_softmax over the vocabulary, gather. [N, L] -> [N, L-1].
+    Keeps several [N, L-1, V] fp32 tensors for backward; use `token_logprobs` for training."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # [N, L-1, V]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+def body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(transformer body returning last_hidden_state, output head) of a causal LM, PEFT-wrapped or not.
+
+    LoRA layers are injected into the base model's modules, so calling them directly applies the
+    active adapter (and `disable_adapter()` still works); PEFT methods that instead change the
+    inputs in PeftModel.forward (prompt/prefix tuning) would be skipped, so they are refused."""
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        raise NotImplementedError(f"token_logprobs: PEFT {peft_config.peft_type} changes the inputs in "
+                                  f"PeftModel.forward, which the lean path skips; use plain_token_logprobs")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
+    head = base.get_output_embeddings()
+    if decoder is None or decoder is base or head is None:
+        raise NotImplementedError(f"token_logprobs: cannot split {type(base).__name__} into a decoder and an "
+                                  f"output head; use plain_token_logprobs")
+    _refuse_logit_transforms(base)
+    return decoder, head
+
+
+def _refuse_logit_transforms(base) -> None:
+    configs = [base.config]
+    if hasattr(base.config, "get_text_config"):  # multimodal configs keep the LM settings in a sub-config
+        configs.append(base.config.get_text_config())
+    for config in configs:
+        for name, neutral in LOGIT_TRANSFORM_SETTINGS.items():
+            value = getattr(config, name, neutral)
+            if value != neutral:
+                raise NotImplementedError(f"token_logprobs: {type(base).__name__} has {name}={value!r}, so its "
+                                          f"forward changes logits after the output head and the lean path "
+                                          f"would differ from it; use plain_token_logprobs")
+    if hasattr(base, "final_logits_bias"):
+        raise NotImplementedError(f"token_logprobs: {type(base).__name__} adds final_logits_bias after the "
+                                  f"head; use plain_token_logprobs")
+
+
+def _chunk_logprobs(head, hidden_rows, target_rows, temperature: float) -> torch.Tensor:
+    """log softmax(head(h) / T)[target] for a block of rows: [c, H], [c] -> [c]."""
+    logits = head(hidden_rows).float() / temperature                            # [c, V] fp32
+    # logit[target] - logsumexp(logits) == log_softmax(logits)[target], without a second [c, V] tensor
+    return logits.gather(-1, target_rows[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 1024) -> torch.Tensor:
+    """Log-prob of each next token under logits / temperature, [N, L] -> [N, L-1], equal to
+    `plain_token_logprobs` but without full-vocabulary logits for the batch (module docstring).
+
+    chunk_size: positions per head call; peak extra memory is ~chunk_size * V * 4 bytes (plus the
+    same again while a chunk's backward runs)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: log-probs of logits / temperature need temperature > 0")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size}: must be >= 1")
+    decoder, head = body_and_head(model)
+    # use_cache=False: a KV cache is useless for one full-sequence pass and costs memory
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    n, length, width = hidden.shape                                             # [N, L, H]
+    # position t predicts token t+1: drop the last position, flatten to rows
+    hidden_rows = hidden[:, :-1].reshape(-1, width)                             # [N*(L-1), H]
+    target_rows = input_ids[:, 1:].reshape(-1)                                  # [N*(L-1)]
+    # Checkpointing only matters when autograd would record the chunk; under no_grad nothing is kept.
+    recompute_in_backward = torch.is_grad_enabled()
+    pieces = []
+    for start in range(0, hidden_rows.shape[0], chunk_size):
+        rows, targets = hidden_rows[start:start + chunk_size], target_rows[start:start + chunk_size]
+        if recompute_in_backward:
+            pieces.append(checkpoint(_chunk_logprobs, head, rows, targets, temperature, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(head, rows, targets, temperature))
+    if not pieces:  # L == 1: no next token anywhere
+        return hidden.new_zeros((n, 0), dtype=torch.float32)
+    return torch.cat(pieces).view(n, length - 1)                                # [N, L-1]
+
+
+# --- micro-batching ----------------------------------------------------------------------------
+def token_budget_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Split sequence indices into micro-batches whose padded size, len(batch) * longest length in
+    it, is <= token_budget. Longest sequences first (ties by index), so batches hold similar lengths
+    (little padding) and the biggest batch runs first (an out-of-memory shows at once). A sequence
+    longer than the budget gets a batch of its own. Every index appears exactly once.
+
+    >>> token_budget_batches([3, 10, 4, 10, 2], token_budget=20)
+    [[1, 3], [2, 0, 4]]
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget={token_budget}: must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        # lengths only decrease along `order`, so a batch's first index is its longest sequence
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+# --- FLOPs -------------------------------------------------------------------------------------
+def _config_value(config, name: str, default=None):
+    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+    value = default if value is None else value   # e.g. Llama configs may say head_dim=None
+    if value is None:
+        raise ValueError(f"model config has no {name}")
+    return value
+
+
+def matmul_params(model_config) -> int:
+    """Weights that take part in a matmul for every token, from a Qwen3/Llama-style config (an
+    object or a dict): attention q/k/v/o and the gated MLP in each layer, plus the output head.
+    The input embedding is a lookup (no FLOPs) and is left out, tied or not; norms and biases are
+    negligible and left out too."""
+    hidden = _config_value(model_config, "hidden_size")
+    heads = _config_value(model_config, "num_attention_heads")
+    kv_heads = _config_value(model_config, "num_key_value_heads", heads)
+    head_dim = _config_value(model_config, "head_dim", hidden // heads)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)                 # q, o: heads; k, v: kv_heads
+    mlp = 3 * hidden * _config_value(model_config, "intermediate_size")        # gate, up, down
+    layers = _config_value(model_config, "num_hidden_layers")
+    return layers * (attention + mlp) + hidden * _config_value(model_config, "vocab_size")
+
+
+def model_flops_per_token(model_config, seq_len: int = 0) -> float:
+    """Forward + backward FLOPs per trained token (PaLM, Chowdhery et al. 2022, appendix B):
+    6 * matmul_params (2 per weight forward, 4 backward) + 12 * layers * heads * head_dim * seq_len
+    for the attention scores and weighted sum (counted over the full, not causal-halved, context).
+    Use for model FLOPs utilisation; activation recomputation (checkpointing) is deliberately not
+    counted, as MFU convention has it."""
+    heads = _config_value(model_config, "num_attention_heads")
+    head_dim = _config_value(model_config, "head_dim", _config_value(model_config, "hidden_size") // heads)
+    layers = _config_value(model_config, "num_hidden_layers")
+    return 6.0 * matmul_params(model_config) + 12.0 * layers * heads * head_dim * seq_len

@@ -1,0 +1,122 @@
+"""Checks that need the environment, run before a run dir is created or a model is built, so a
+bad input costs seconds and leaves nothing behind: the engine is installed (and its device exists),
+the dirs a run writes are writable, the model is a local model dir, 'tiny' or a hub id usable now,
+and every dataset row is readable and its prompt fits the model (data.max_prompt_tokens, or the
+model's context minus grpo.max_new_tokens). Config-only checks are config.validate's.
+
+Side effects: none in the run dir or the model cache. A hub model's tokenizer files are fetched
+into the Hugging Face cache (to count prompt tokens); the hub dataset is fetched into the datasets
+cache, as the run would.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .config import Config, ConfigError
+from .data import check_source_paths, load_gsm8k, overlong_prompts, step_problems, synthetic_problems
+from .datafiles import DataError
+from .engines import engine_class
+from .models import ModelRef, model_context, model_ref, model_tokenizer
+
+
+# packages an engine needs at run time, for engines that do not check it themselves (a
+# `check_available()` classmethod on the engine class is used when it has one)
+def preflight(cfg: Config, run_dir: Path | None = None, log=print) -> ModelRef:
+    """Everything below, in order; returns what model.name_or_path names. `run_dir`: an existing
+    run dir being continued (else a new one goes under run.out_dir)."""
+    check_engine(cfg)
+    check_dirs(cfg, run_dir)
+    ref = model_ref(cfg)
+    check_prompts(cfg, ref, log)
+    return ref
+
+
+def check_engine(cfg: Config) -> None:
+    backend = cfg.engine.backend
+    engine_class(backend).check_available(cfg)   # each engine knows what it needs (packages, a GPU)
+    device = cfg.engine.device
+    if device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError(f"engine.device={device!r}, but torch sees no CUDA GPU here (torch {torch.__version__}); "
+                              f"use engine.device=cpu or '' (= cuda if available, else cpu)")
+
+
+def _writable(path: str | Path, field: str) -> None:
+    """`path` (or the nearest existing parent, where it would be created) must be a writable dir."""
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{field}={str(path)!r}: {probe} is a file, not a directory; point {field} at a directory")
+    read_only = os.statvfs(probe).f_flag & os.ST_RDONLY
+    if read_only or not os.access(probe, os.W_OK | os.X_OK):
+        why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+        raise ConfigError(f"{field}={str(path)!r}: {probe} {why}; point {field} at a writable directory")
+
+
+def check_dirs(cfg: Config, run_dir: Path | None = None) -> None:
+    _writable(run_dir or cfg.run.out_dir, "run.out_dir")
+    if cfg.model.name_or_path == "tiny":
+        from .tiny import cache_root, tiny_cache_path
+        if not (tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file():
+            _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
+    if cfg.refresh.tmp_dir:
+        _writable(cfg.refresh.tmp_dir, "refresh.tmp_dir")
+
+
+def prompt_limit(cfg: Config, context: int) -> tuple[int, str]:
+    """(longest prompt in tokens, why): data.max_prompt_tokens, or what the context leaves."""
+    g, d = cfg.grpo, cfg.data
+    room = context - g.max_new_tokens
+    if room < 1:
+        raise ConfigError(f"grpo.max_new_tokens={g.max_new_tokens} leaves no room for a prompt in the model's "
+                          f"context of {context} tokens; lower grpo.max_new_tokens")
+    if d.max_prompt_tokens > room:
+        raise ConfigError(f"data.max_prompt_tokens={d.max_prompt_tokens} plus grpo.max_new_tokens={g.max_new_tokens} "
+                          f"exceeds the model's context of {context} tokens; set data.max_prompt_tokens <= {room}")
+    if d.max_prompt_tokens:
+        return d.max_prompt_tokens, f"data.max_prompt_tokens={d.max_prompt_tokens}"
+    return room, f"the model's context of {context} minus grpo.max_new_tokens={g.max_new_tokens}"
+
+
+def _problem_sets(cfg: Config, log) -> list[tuple[str, str, list]]:
+    """(field, source, problems) the run will prompt with: every row of a file or hub split; for the
+    synthetic generator the held-out set and step 1 (its prompts are all alike: 40-80 tokens)."""
+    d, seed = cfg.data, cfg.run.seed
+    check_source_paths(d.source, d.eval_source)
+    train = (step_problems(seed, 1, cfg.grpo.prompts_per_step) if d.source == "synthetic"
+             else load_gsm8k("train", d.source))
+    source = d.eval_source or d.source
+    if source == "synthetic":
+        held_out = synthetic_problems(d.eval_size, f"eval-{seed}")
+    else:
+        held_out = train if source == d.source and source != "hub" else load_gsm8k(
+            "test" if source == "hub" else "train", source)
+        held_out = held_out[:d.eval_size]
+        if len(held_out) < d.eval_size:
+            log(f"note: {source} has {len(held_out)} rows, fewer than data.eval_size={d.eval_size}; all are used")
+        if not d.eval_source and d.source not in ("synthetic", "hub"):
+            log(f"note: data.eval_source is '': the held-out rows are the first {len(held_out)} rows of the training "
+                f"file {d.source}, which training draws from too; set data.eval_source to a separate file")
+    return [("data.source", d.source, train), ("data.eval_source" if d.eval_source else "data.source", source,
+                                                held_out)]
+
+
+def check_prompts(cfg: Config, ref: ModelRef, log=print) -> None:
+    """Every prompt the run will use fits: a count and the first offending row otherwise."""
+    context = model_context(ref)
+    limit, why = prompt_limit(cfg, context)
+    sets = _problem_sets(cfg, log)   # reads and checks the files first: a bad row is found without a tokenizer
+    tokenizer = model_tokenizer(ref, cfg)
+    for field, source, problems in sets:
+        over = overlong_prompts(problems, tokenizer, limit, cfg.model.enable_thinking)
+        if not over:
+            continue
+        first, length = over[0]
+        where = first.where or f"the synthetic problem {first.question[:40]!r}"
+        fix = ("raise data.max_prompt_tokens (up to the model's context minus grpo.max_new_tokens), or lower "
+               "grpo.max_new_tokens") if cfg.data.max_prompt_tokens else "lower grpo.max_new_tokens"
+        raise DataError(f"{field}={source!r}: {len(over)} of {len(problems)} prompts are longer than {limit} tokens "
+                        f"({why}); the first is {where} ({length}). Shorten or remove those rows, or {fix}")

@@ -1,0 +1,107 @@
+"""Rollout: prompts -> the engine's completions -> rewards -> one typed, padded training batch.
+
+    rollouts = sample(engine, tokenizer, problems, group_size=8, sampling=..., adapter="policy")
+    rewards, parts = score(rollouts, reward_functions("strict", format_bonus=0.0))
+    batch = collate(rollouts, rewards, group_size=8, pad_id=tokenizer.pad_token_id)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .data import Problem, prompt_ids
+from .engines.base import Completion, Sampling
+from .loss import group_advantages
+
+
+@dataclass
+class Rollouts:
+    """What the engine returned for one step's prompts, group by group."""
+    problems: list[Problem]           # P prompts
+    completions: list[Completion]     # P * G, the G samples of prompt p at [p*G, (p+1)*G)
+    texts: list[str]                  # the completions decoded
+    adapter: str | None               # the adapter the requests named (None: base weights)
+    served_version: int | None        # the version the engine reported for that adapter
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions) // len(self.problems)
+
+    @property
+    def answers(self) -> list[str]:
+        """Ground truth per completion."""
+        return [p.ground_truth for p in self.problems for _ in range(self.group_size)]
+
+    @property
+    def questions(self) -> list[str]:
+        return [p.question for p in self.problems for _ in range(self.group_size)]
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollouts as tensors, right-padded to L = longest prompt + completion."""
+    input_ids: torch.Tensor        # [N, L] prompt + completion tokens, N = P * G
+    attention_mask: torch.Tensor   # [N, L] 1 on real tokens
+    completion_mask: torch.Tensor  # [N, L-1] 1 where token t+1 is a completion token (log-prob targets)
+    engine_logprobs: torch.Tensor  # [N, L-1] the engine's log-prob of token t+1 (0 off the mask)
+    rewards: torch.Tensor          # [N]
+    advantages: torch.Tensor       # [N]
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.attention_mask.sum(1).tolist()
+
+    def to(self, device) -> RolloutBatch:
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def rows(self, index: list[int]) -> RolloutBatch:
+        """Rows `index`, trimmed to their own longest sequence (less padding per micro-batch)."""
+        idx = torch.tensor(index, device=self.input_ids.device)
+        width = int(self.attention_mask[idx].sum(1).max())
+        return RolloutBatch(self.input_ids[idx, :width], self.attention_mask[idx, :width],
+                            self.completion_mask[idx, :width - 1], self.engine_logprobs[idx, :width - 1],
+                            self.rewards[idx], self.advantages[idx])
+
+
+def sample(engine, tokenizer, problems: list[Problem], group_size: int, sampling: Sampling,
+           adapter: str | None, enable_thinking: bool = False) -> Rollouts:
+    """G completions per problem from the engine, with the adapter named on every request."""
+    prompts = [prompt_ids(tokenizer, p.messages, enable_thinking) for p in problems]
+    repeated = [p for p in prompts for _ in range(group_size)]  # group by group
+    completions = engine.generate(repeated, sampling, adapter=adapter)
+    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    return Rollouts(problems, completions, texts, adapter, engine.served_version(adapter))
+
+
+def score(rollouts: Rollouts, reward_fns: list[tuple[str, object, float]]) -> tuple[torch.Tensor, dict[str, float]]:
+    """The summed reward per completion [N] and each function's mean (`rewards/<name>/mean`)."""
+    total = torch.zeros(len(rollouts.texts))
+    means = {}
+    for name, fn, weight in reward_fns:
+        values = torch.tensor(fn(rollouts.questions, rollouts.texts, answers=rollouts.answers), dtype=torch.float32)
+        total += weight * values
+        means[f"rewards/{name}/mean"] = values.mean().item()
+    return total, means
+
+
+def collate(rollouts: Rollouts, rewards: torch.Tensor, pad_id: int) -> RolloutBatch:
+    """Right-padded token tensors, completion mask and the engine's log-probs aligned with it."""
+    completions = rollouts.completions
+    seqs = [c.prompt_ids + c.token_ids for c in completions]
+    n, width = len(seqs), max(map(len, seqs))
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    cmask = torch.zeros((n, width - 1))
+    elp = torch.zeros((n, width - 1))
+    for i, (c, s) in enumerate(zip(completions, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        attn[i, :len(s)] = 1
+        start = len(c.prompt_ids) - 1  # log-prob row t predicts token t+1
+        cmask[i, start:start + len(c.token_ids)] = 1
+        elp[i, start:start + len(c.token_ids)] = torch.tensor(c.logprobs)
+    return RolloutBatch(ids, attn, cmask, elp, rewards, group_advantages(rewards, rollouts.group_size))

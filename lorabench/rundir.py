@@ -1,0 +1,351 @@
+"""Reading a run directory back without changing it, and the one-writer lock.
+
+`inspect(run_dir)` reads everything resume depends on and either refuses, naming the file, the
+line and a way to recover, or returns the repairs that make the files agree with the checkpoint.
+It writes nothing, so a refusal leaves the run dir byte for byte as it was. What it accepts:
+
+- a torn last line (no newline, not JSON: a kill mid-append) is cut off, the one silent repair
+  (it is said in the log); a whole last row missing only its newline gets the newline;
+- rows the checkpoint holds but the files lack (a kill between the checkpoint and the appends)
+  are appended from the checkpoint;
+- one adapters/step_<n> dir past the checkpoint (a kill between that dir and the checkpoint): the
+  step is redone and the dir rewritten with the same values.
+What it refuses: any other bad line; a checkpoint that cannot be read; no checkpoint while rows,
+later evaluations or several adapter dirs show that steps were done; rows past the checkpoint or
+differing from the rows it holds; a step logged twice (two writers). Nothing is truncated or
+rewritten to make such a dir fit.
+
+`RunLock`: one writer per run dir, an fcntl.flock on RUN/lock, which holds the writer's PID while
+it runs (emptied on a clean exit); a lock left by a killed writer is free again (the kernel drops
+a dead process's flock) and is reclaimed with a note. Local filesystems only (flock on NFS is
+emulated and not relied on here).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import pickle
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .fsutil import pid_alive
+
+ROW_FILES = ("sync.jsonl", "rollouts.jsonl", "metrics.jsonl")   # the rows a checkpoint vouches for
+CHECKPOINT = Path("checkpoint") / "trainer_state.pt"
+LOCK_NAME = "lock"
+_CHECKPOINT_KEYS = ("step", "version", "optimizer", "torch_rng", "adapter_buffer", "adapter_layout",
+                    "adapter_config", "rows")
+_RECOVER = "nothing in the run dir was changed"
+
+
+class RunDirError(ValueError):
+    """A run dir cannot be continued as it is; the message says what and how to recover."""
+
+
+def clean(value):
+    """JSON-safe: tensors to numbers, NaN/Inf to None (JSON has neither)."""
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return value
+
+
+def row_line(row: dict) -> str:
+    return json.dumps(clean(row)) + "\n"
+
+
+# --- JSONL files ---------------------------------------------------------------------------------------
+def _parse_row(raw: bytes) -> tuple[dict | None, str]:
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        return None, f"not UTF-8 at byte {err.start}"
+    except json.JSONDecodeError as err:
+        return None, f"not JSON: {err}"
+    return (row, "") if isinstance(row, dict) else (None, f"a JSON {type(row).__name__}, not an object")
+
+
+@dataclass
+class JsonlFile:
+    """The rows of one run-dir JSONL file and what a kill may have left at its end."""
+    path: Path
+    rows: list[dict] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)   # line number of each row
+    end: int = 0              # bytes up to the end of the last whole line
+    tail: bytes = b""         # after the last newline: b"" normally
+    tail_is_row: bool = False  # the tail is a whole row that only lacks its newline
+
+    @property
+    def torn(self) -> bool:
+        return bool(self.tail) and not self.tail_is_row
+
+
+def scan_jsonl(path: Path) -> JsonlFile:
+    """Every row of `path` (a missing file has none). A bad line that is not the last raises
+    RunDirError; a bad last line without its newline is the torn line a kill leaves."""
+    scan = JsonlFile(Path(path))
+    if not scan.path.is_file():
+        return scan
+    data = scan.path.read_bytes()
+    scan.end = data.rfind(b"\n") + 1
+    number = 0
+    for number, raw in enumerate(data[:scan.end].split(b"\n")[:-1], 1):
+        if not raw.strip():
+            continue
+        row, why = _parse_row(raw)
+        if row is None:
+            raise RunDirError(f"{path} line {number} is not a whole row ({why}); {_RECOVER}. The rows after it are "
+                              f"intact: repair that line (from a backup) or delete it, then run the command again")
+        scan.rows.append(row)
+        scan.lines.append(number)
+    scan.tail = data[scan.end:]
+    if scan.tail.strip():
+        row, _ = _parse_row(scan.tail)
+        if row is not None:
+            scan.rows.append(row)
+            scan.lines.append(number + 1)
+            scan.tail_is_row = True
+    return scan
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a run-dir JSONL file, for readers (notebooks, plots): a torn last line is left
+    out; any other bad line raises RunDirError naming it."""
+    return scan_jsonl(path).rows
+
+
+# --- the checkpoint --------------------------------------------------------------------------------------
+def read_checkpoint(run_dir: Path) -> dict | None:
+    """checkpoint/trainer_state.pt, or None when there is none. weights_only: a run dir from
+    someone else cannot run code when it is resumed."""
+    path = Path(run_dir) / CHECKPOINT
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
+        raise RunDirError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}); {_RECOVER}. Restore it "
+                          f"from a backup and resume, or start a new run (adapters/step_<n> hold the trained "
+                          f"adapters as PEFT dirs)") from err
+    missing = [k for k in _CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise RunDirError(f"{path} lacks {missing} (written by another lorabench version?); {_RECOVER}. Resume it "
+                          f"with the lorabench that wrote it, or start a new run")
+    return state
+
+
+def _step(row: dict) -> int:
+    step = row.get("step", 0)
+    return step if isinstance(step, int) else 0
+
+
+def _adapter_steps(run_dir: Path) -> list[int]:
+    root = Path(run_dir) / "adapters"
+    names = [p.name for p in root.iterdir()] if root.is_dir() else []
+    return sorted(int(m.group(1)) for m in map(re.compile(r"^step_(\d+)$").match, names) if m)
+
+
+# --- inspection ------------------------------------------------------------------------------------------
+@dataclass
+class Repair:
+    """One change that makes a file agree with the checkpoint; `note` is what the log says."""
+    path: Path
+    kind: str                  # 'cut_torn_tail' | 'add_newline' | 'append_rows'
+    note: str
+    rows: list[dict] = field(default_factory=list)
+    end: int = 0               # cut_torn_tail: the size the file is cut to
+
+
+@dataclass
+class RunDirState:
+    """What `inspect` found: the checkpoint (None: the run has not committed a step) and what to do
+    before continuing. Nothing has been changed."""
+    dir: Path
+    checkpoint: dict | None
+    repairs: list[Repair] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)   # warnings worth a line in the log
+
+    @property
+    def step(self) -> int:
+        return int(self.checkpoint["step"]) if self.checkpoint else 0
+
+
+def inspect(run_dir: Path) -> RunDirState:
+    """Read the run dir and decide whether it can be continued (see the module docstring)."""
+    run_dir = Path(run_dir)
+    files = {name: scan_jsonl(run_dir / name) for name in (*ROW_FILES, "evals.jsonl", "config_changes.jsonl")}
+    state = RunDirState(run_dir, read_checkpoint(run_dir))
+    for scan in files.values():
+        state.repairs += _tail_repairs(scan)
+    adapters_ahead = [s for s in _adapter_steps(run_dir) if s > state.step]
+    if state.checkpoint is None:
+        _refuse_work_without_checkpoint(run_dir, files, adapters_ahead)
+        return state
+    if len(adapters_ahead) > 1:
+        raise RunDirError(f"{run_dir / 'adapters'} holds step_{adapters_ahead[0]} and step_{adapters_ahead[1]}, "
+                          f"past the checkpoint's step {state.step} (a kill between an adapter dir and its checkpoint "
+                          f"leaves one); {_RECOVER}. Was {CHECKPOINT} restored from an older backup? Restore the "
+                          f"matching one, or start a new run")
+    for name in ROW_FILES:
+        missing = _rows_missing(files[name], state.checkpoint["rows"].get(name, []), state.step)
+        if missing:
+            steps = sorted({_step(r) for r in missing})
+            state.repairs.append(Repair(files[name].path, "append_rows", rows=missing, note=(
+                f"{name}: appending the {len(missing)} row(s) of step(s) {steps} that the checkpoint holds (the run "
+                f"was stopped between its checkpoint and these rows)")))
+    state.notes += _metrics_gaps(files["metrics.jsonl"], state.checkpoint["rows"].get("metrics.jsonl", []))
+    return state
+
+
+def _tail_repairs(scan: JsonlFile) -> list[Repair]:
+    if scan.torn:
+        return [Repair(scan.path, "cut_torn_tail", end=scan.end, note=(
+            f"{scan.path.name}: removing a torn last line ({len(scan.tail)} bytes without a newline, cut off by a kill "
+            f"mid-write): {scan.tail[:60]!r}"))]
+    if scan.tail_is_row:
+        return [Repair(scan.path, "add_newline", note=f"{scan.path.name}: ending its last row with a newline")]
+    return []
+
+
+def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[int]) -> None:
+    """No checkpoint is fine for a run stopped before its first commit; with the work of committed
+    steps beside it, starting at step 0 would mix two runs in one dir."""
+    evidence = [f"{name}: {len(files[name].rows)} rows" for name in ROW_FILES if files[name].rows]
+    later_evals = [r for r in files["evals.jsonl"].rows if _step(r) > 0]
+    if later_evals:
+        evidence.append(f"evals.jsonl: evaluations at step {_step(later_evals[-1])}")
+    if len(adapters) > 1:
+        evidence.append(f"adapters/step_{adapters[0]}..step_{adapters[-1]}")
+    if (run_dir / "summary.json").is_file():
+        evidence.append("summary.json")
+    if evidence:
+        raise RunDirError(f"{run_dir} has no checkpoint ({CHECKPOINT} is missing) but holds the work of earlier steps "
+                          f"({'; '.join(evidence)}); continuing would start again at step 0 beside them, so "
+                          f"{_RECOVER}. Restore {CHECKPOINT} from a backup and resume, or start a new run "
+                          f"(adapters/step_<n> hold the trained adapters as PEFT dirs)")
+
+
+def _vouches(held: dict, row: dict) -> bool:
+    """A file row matches the checkpoint's copy (as JSON) on every key the copy has; the metrics row
+    gains its step timings (time/*) only after the checkpoint was written."""
+    held = json.loads(row_line(held))
+    return all(k in row and row[k] == v for k, v in held.items())
+
+
+def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
+    """The checkpoint's rows that `scan` lacks at its end. Refuses rows past the checkpoint, rows
+    that differ from its copies, and steps out of order or logged twice (two writers)."""
+    steps = [_step(r) for r in scan.rows]
+    for i in range(1, len(steps)):
+        if steps[i] < steps[i - 1] or (scan.path.name == "metrics.jsonl" and steps[i] == steps[i - 1]):
+            first = scan.lines[steps.index(steps[i])]
+            raise RunDirError(f"{scan.path} line {scan.lines[i]} repeats or goes back to step {steps[i]} (first at "
+                              f"line {first}): two processes wrote this run dir, or rows were copied in; {_RECOVER}. "
+                              f"Keep one copy of each step's rows (by hand), or start a new run")
+    past = [(line, s) for line, s in zip(scan.lines, steps) if s > step]
+    if past:
+        raise RunDirError(f"{scan.path} line {past[0][0]} holds step {past[0][1]}, past the checkpoint's step {step}: "
+                          f"the checkpoint is older than the rows (restored from a backup?); {_RECOVER}. Restore the "
+                          f"matching {CHECKPOINT}, or start a new run")
+    first_held = min((_step(r) for r in held), default=step + 1)
+    window = [(line, row) for line, row in zip(scan.lines, scan.rows) if _step(row) >= first_held]
+    for (line, row), copy in zip(window, held):
+        if not _vouches(copy, row):
+            raise RunDirError(f"{scan.path} line {line} (step {_step(row)}) differs from the row the checkpoint holds "
+                              f"for it; {_RECOVER}. Restore the file or the checkpoint from a backup, or start a new "
+                              f"run")
+    if len(window) > len(held):
+        line, row = window[len(held)]
+        raise RunDirError(f"{scan.path} line {line} (step {_step(row)}) is one row more than the checkpoint holds for "
+                          f"its steps; {_RECOVER}. Remove the extra rows by hand, or start a new run")
+    return held[len(window):]
+
+
+def _metrics_gaps(scan: JsonlFile, held: list[dict]) -> list[str]:
+    """Steps without a metrics row (a corrupt line deleted by hand): noted, not refused."""
+    have = {_step(r) for r in scan.rows} | {_step(r) for r in held}
+    last = max(have, default=0)
+    gaps = [s for s in range(1, last + 1) if s not in have]
+    if not gaps:
+        return []
+    shown = f"{gaps[:10]}{' ...' if len(gaps) > 10 else ''}"
+    return [f"{scan.path.name} has no row for step(s) {shown}; plots and the summary skip them"]
+
+
+# --- the one-writer lock ---------------------------------------------------------------------------------
+def _lock_holder(fd: int) -> int | None:
+    text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    return int(text) if text.isdigit() else None
+
+
+def _in_use(run_dir: Path, pid: int | None) -> RunDirError:
+    who = f"process {pid}" if pid else "another process (its PID is not written yet)"
+    if pid == os.getpid():
+        who += ", this process: close the other RunSession on this run dir first"
+    stop = f"stop it (kill {pid})" if pid else "stop it"
+    return RunDirError(f"{run_dir} is in use by {who}; one writer per run dir (two would interleave their rows). "
+                       f"Wait for it to finish, or {stop}, then run the command again")
+
+
+def lock_holder(run_dir: Path) -> RunDirError | None:
+    """Whether another writer holds the run dir's lock (read-only: the lock file is not changed)."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        return RunDirError(f"{Path(run_dir) / LOCK_NAME} is not readable by this user (another user's run dir?); "
+                           f"continue it as its owner, or copy it and continue the copy")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return _in_use(run_dir, _lock_holder(fd))
+    finally:
+        os.close(fd)
+
+
+class RunLock:
+    """Held by the one process writing a run dir; `release()` (or the process's death) frees it."""
+
+    def __init__(self, run_dir: Path, log=print, patience_s: float = 1.0):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o640)
+        deadline = time.monotonic() + patience_s   # rides out another process's read-only probe
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    err = _in_use(Path(run_dir), _lock_holder(self.fd))
+                    os.close(self.fd)
+                    raise err from None
+                time.sleep(0.05)
+        previous = _lock_holder(self.fd)   # a clean exit empties the file: a PID here was killed
+        if previous and previous != os.getpid():
+            state = "no longer running" if not pid_alive(previous) else "no longer holding it"
+            log(f"{run_dir}: reclaimed the lock of process {previous} ({state}; killed?)")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        os.fsync(self.fd)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        os.ftruncate(self.fd, 0)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None

@@ -1,0 +1,42 @@
+"""Random-init models of a real model's shape, for measuring refresh and step costs at that size
+without downloading weights (the GPU tests and benchmarks use them): Qwen3's published shapes with
+vocab 151936, tied embeddings and 8 KV heads of 128, in bf16, with any tokenizer (the tiny one)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .fsutil import atomic_dir
+from .models import ModelError, load_tokenizer
+
+QWEN3_SHAPES = {
+    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),
+    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16),
+    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
+}
+
+
+def random_qwen3_dir(shape: str, tokenizer_path: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """A random-init bf16 model of Qwen3-`shape`'s architecture with the tokenizer at
+    `tokenizer_path`, saved in `out_dir` (reused if complete)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    if shape not in QWEN3_SHAPES:
+        raise ModelError(f"shape={shape!r}: use one of {sorted(QWEN3_SHAPES)}")
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").is_file() and (out_dir / "n_params.txt").is_file():
+        return out_dir
+    tok = load_tokenizer(tokenizer_path)
+    config = Qwen3Config(vocab_size=151936, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                         torch_dtype="bfloat16", **QWEN3_SHAPES[shape])
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "n_params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
+    return out_dir

@@ -1,0 +1,160 @@
+"""The tiny offline model: a real Qwen3-architecture causal LM (~2.5M params: hidden 256, 4 layers,
+GQA 4/2 heads) with a byte-level BPE tokenizer trained here on generated GSM8K-style text and Qwen's
+chat special tokens (<|im_start|>, <|im_end|>, <|endoftext|>), warm-started (SFT) on generated
+problems so GRPO starts from rewards that are neither 0 nor 1.
+
+It is saved as an ordinary Hugging Face model dir, so transformers, PEFT and SGLang load it like
+Qwen/Qwen3-0.6B, and cached by its recipe (architecture, tokenizer, seed, warm-start settings):
+`tiny_model_dir()` builds it once, atomically, then returns the cached dir. Every call first removes
+the build temps of killed builders (any recipe's), so a SIGKILLed build leaves nothing for good.
+
+The warm-start teaches the arithmetic but mostly ends answers with 'The answer is N.', '= N' or the
+bare number; only `strict_format_fraction` of targets end with '#### N', so the strict reward has
+a format for GRPO to discover.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from .data import INSTRUCTION, final_line_variants, prompt_ids, synthetic_problems, warmstart_completion
+from .fsutil import atomic_dir, remove_dead_dir_temps
+
+TINY_ARCH = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rope_theta=10000.0,
+                 tie_word_embeddings=True, rms_norm_eps=1e-6)
+TINY_VOCAB = 640  # a multiple of 64; byte-level BPE: 256 bytes + merges + 3 specials
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    return Path(cache_dir or os.environ.get("LORABENCH_CACHE", Path.home() / ".cache" / "lorabench"))
+
+
+def build_tiny_tokenizer(out_dir: Path | None = None, seed: int = 0):
+    """Train a byte-level BPE on generated problems (0.3 s) as a PreTrainedTokenizerFast; saved
+    into `out_dir` when given (preflight checks prompt lengths with one kept in memory)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = []
+    for p in synthetic_problems(4000, f"tokenizer-{seed}"):
+        corpus += [p.question, INSTRUCTION, p.answer, *final_line_variants(p.ground_truth)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_tiny_model(tokenizer, seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    vocab = -(-len(tokenizer) // 64) * 64
+    config = Qwen3Config(vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **TINY_ARCH)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def tiny_recipe(warmstart, seed: int) -> dict:
+    from . import __version__
+    return {"arch": TINY_ARCH, "vocab": TINY_VOCAB, "template": CHAT_TEMPLATE, "seed": seed,
+            "warmstart": vars(warmstart), "version": __version__}
+
+
+def tiny_cache_path(cache_dir: str, warmstart, seed: int) -> Path:
+    """Where the tiny model of this recipe is (or will be) cached."""
+    digest = hashlib.sha256(json.dumps(tiny_recipe(warmstart, seed), sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root(cache_dir) / f"tiny-qwen3-{digest}"
+
+
+def tiny_tokenizer(cache_dir: str, warmstart, seed: int):
+    """The tiny model's tokenizer without building the model: the cached one, else built in memory
+    (the same training run on the same corpus)."""
+    final = tiny_cache_path(cache_dir, warmstart, seed)
+    if (final / "config.json").is_file():
+        from transformers import AutoTokenizer  # not models.load_tokenizer: models imports this module
+        return AutoTokenizer.from_pretrained(str(final))
+    return build_tiny_tokenizer(None, seed)
+
+
+def tiny_model_dir(cache_dir: str, warmstart, seed: int, log=print) -> Path:
+    """Path of the warm-started tiny model, built on first use and cached by its recipe."""
+    recipe = tiny_recipe(warmstart, seed)
+    final = tiny_cache_path(cache_dir, warmstart, seed)
+    remove_dead_dir_temps(final.parent)
+    if (final / "config.json").is_file():
+        return final
+    with atomic_dir(final) as tmp:
+        tokenizer = build_tiny_tokenizer(tmp, seed)
+        model = build_tiny_model(tokenizer, seed)
+        if warmstart.steps:
+            warm_start(model, tokenizer, warmstart, seed, log=log)
+        model.save_pretrained(tmp)
+        (tmp / "lorabench_recipe.json").write_text(json.dumps(recipe, indent=1))
+    return final
+
+
+# --- warm-start (SFT) ------------------------------------------------------------------------------
+def sft_batch(tokenizer, problems, rng, strict_fraction):
+    """Right-padded (input_ids, labels, attention) with the loss only on completion tokens + <|im_end|>."""
+    seqs, labels = [], []
+    for p in problems:
+        prompt = prompt_ids(tokenizer, p.messages)
+        completion = tokenizer(warmstart_completion(p, rng, strict_fraction), add_special_tokens=False)["input_ids"]
+        completion = completion + [tokenizer.eos_token_id]
+        seqs.append(prompt + completion)
+        labels.append([-100] * len(prompt) + completion)
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    lab = torch.full((len(seqs), width), -100)
+    for i, (s, lab_row) in enumerate(zip(seqs, labels)):
+        ids[i, :len(s)] = torch.tensor(s)
+        lab[i, :len(lab_row)] = torch.tensor(lab_row)
+    return ids, lab, (lab != -100) | (torch.arange(width)[None] < torch.tensor([len(s) for s in seqs])[:, None])
+
+
+def warm_start(model, tokenizer, cfg, seed: int, log=print) -> list[float]:
+    """Full-parameter SFT for cfg.steps steps (AdamW, linear warm-up, cosine decay). Returns the loss curve."""
+    rng = random.Random(f"warmstart-{seed}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    warmup = max(1, cfg.steps // 15)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    losses, t0 = [], time.perf_counter()
+    for step in range(cfg.steps):
+        problems = synthetic_problems(cfg.batch_size, f"warmstart-{seed}-{step}")
+        ids, labels, attn = sft_batch(tokenizer, problems, rng, cfg.strict_format_fraction)
+        loss = model(input_ids=ids.to(device), attention_mask=attn.long().to(device), labels=labels.to(device)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if (step + 1) % 50 == 0 or step == 0:
+            log(f"warm-start step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  "
+                f"({time.perf_counter() - t0:.0f}s)")
+    model.to("cpu").eval()
+    return losses

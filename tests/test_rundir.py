@@ -1,0 +1,336 @@
+"""Run directories that never lose, mix or silently change steps (issue 13).
+
+- continuing a run: refused overrides (model, adapter shape, data stream, seed, objective) leave the
+  run dir byte for byte as it was; allowed ones (grpo.steps, evaluation, logging, engine) are
+  appended to config_changes.jsonl and config.json is never rewritten;
+- what resume cannot match is refused, never truncated or rewritten: a corrupt middle line, a
+  missing or unreadable checkpoint beside the rows of committed steps, rows past the checkpoint,
+  a step logged twice;
+- one writer per run dir (real processes): a second `lorabench run`/`resume` is refused naming the
+  first one's PID, and a lock left by a killed writer is reclaimed;
+- SIGTERM during the tiny model's build cleans up; a SIGKILLed build's temp is removed by the next
+  access to the cache.
+The repairs resume does make (rows from the checkpoint, a torn last line) are in tests/test_crash.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from reliability_util import QUICK_RUN, cli, dir_bytes, one_line_error
+
+from lorabench import compat
+from lorabench.cli import main
+from lorabench.config import Config
+from lorabench.rundir import RunDirError, inspect, read_jsonl
+from lorabench.runlog import RunLog
+
+
+# --- the two lists -----------------------------------------------------------------------------------
+def test_every_config_field_is_decided_once():
+    """A new Config field must be put in one list; until then resume refuses changing it."""
+    fields = [f"{section}.{f.name}" for section in Config().to_dict()
+              for f in dataclasses.fields(type(getattr(Config(), section)))]
+    decided = [*compat.REFUSED, *compat.ALLOWED, *compat.LOCATION]
+    assert sorted(decided) == sorted(fields)
+    assert not set(compat.REFUSED) & set(compat.ALLOWED)
+    for must_refuse in ("run.seed", "lora.r", "model.name_or_path", "data.source", "grpo.lr", "warmstart.steps"):
+        assert must_refuse in compat.REFUSED
+    for may_change in ("grpo.steps", "data.eval_size", "run.save_adapter_every", "engine.backend", "refresh.mode"):
+        assert may_change in compat.ALLOWED
+
+
+def test_changes_and_refusals_in_process(tmp_path):
+    old = Config.load(overrides=["grpo.steps=4"])
+    assert compat.changes(old, old) == {}
+    moved = Config.load(overrides=["grpo.steps=4", "run.out_dir=/elsewhere", "run.name=x"])
+    assert compat.changes(old, moved) == {}                      # where a run dir is, is not its config
+    more = Config.load(overrides=["grpo.steps=9", "data.eval_size=8"])
+    assert compat.check_continuation(tmp_path, old, more, at_step=2) == {"grpo.steps": (4, 9),
+                                                                        "data.eval_size": (128, 8)}
+    with pytest.raises(RunDirError, match=r"grpo.steps=1 would end it before that.*grpo.steps >= 2"):
+        compat.check_continuation(tmp_path, old, Config.load(overrides=["grpo.steps=1"]), at_step=2)
+    with pytest.raises(RunDirError) as info:
+        compat.check_continuation(tmp_path, old, Config.load(overrides=["grpo.steps=4", "run.seed=5"]), at_step=2)
+    msg = str(info.value)
+    assert "run.seed 0 -> 5" in msg and "seeds the data, the sampling, the LoRA init" in msg
+    assert "run.name=NEW run.seed=5" in msg and "continue without those overrides" in msg
+
+
+# --- a finished run dir, copied per test --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(tiny_model_dir, tmp_path_factory):
+    """A 2-step `lorabench run` (in this process), the run dir every test below starts from."""
+    out = tmp_path_factory.mktemp("finished")
+    assert main(["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", "run.name=run",
+                 f"refresh.tmp_dir={out}", *QUICK_RUN]) == 0
+    return out / "run"
+
+
+@pytest.fixture
+def run_dir(finished_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(finished_run, copy)
+    return copy
+
+
+def _refused(capsys, *argv) -> str:
+    """cli.main exits 2 with one line and no traceback; returns the line."""
+    assert main(list(argv)) == 2
+    return one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["run.seed=5"], ["run.seed 0 -> 5", "seeds the data, the sampling, the LoRA init and (tiny) the base model"]),
+    (["lora.r=8"], ["lora.r 16 -> 8", "adapter's shape"]),
+    (["grpo.lr=0.1"], ["grpo.lr 0.001 -> 0.1", "optimizer state: a new value would silently not apply"]),
+    (["data.source=data/gsm8k_sample.jsonl"], ["data.source 'synthetic' -> 'data/gsm8k_sample.jsonl'", "data stream"]),
+])
+def test_resume_with_a_forbidden_override(run_dir, capsys, overrides, needles):
+    """Refused before anything is written (config.json used to be rewritten first, leaving the run
+    unresumable); a plain resume is still possible afterwards."""
+    before = dir_bytes(run_dir)
+    line = _refused(capsys, "resume", str(run_dir), *overrides)
+    assert all(n in line for n in needles), line
+    assert f"lorabench run --config {run_dir / 'config.json'} run.name=NEW" in line
+    assert "continue without those overrides" in line and "nothing was changed" in line
+    assert dir_bytes(run_dir) == before
+    assert compat.effective_config(run_dir) == Config.load(run_dir / "config.json")
+
+
+def test_run_naming_an_existing_run_is_checked_like_resume(run_dir, tiny_model_dir, capsys):
+    before = dir_bytes(run_dir)
+    line = _refused(capsys, "run", "--config", str(run_dir / "config.json"), f"run.out_dir={run_dir.parent}",
+                    "run.name=run", "lora.r=8")
+    assert f"name the existing run {run_dir}, which `lorabench run` continues" in line
+    assert "lora.r 16 -> 8" in line and "run.name=NEW" in line
+    assert dir_bytes(run_dir) == before
+
+
+def test_run_naming_an_existing_run_continues_it(run_dir, capsys):
+    """The same command again (here: the run's own config) continues the run instead of starting a
+    second one in its dir: no step is redone, nothing is recorded as changed."""
+    config_bytes = (run_dir / "config.json").read_bytes()
+    assert main(["run", "--config", str(run_dir / "config.json"), f"run.out_dir={run_dir.parent}",
+                 "run.name=run"]) == 0
+    out = capsys.readouterr().out
+    assert f"name the existing run {run_dir}: continuing it like `lorabench resume`" in out
+    assert "continued at step 2" in out
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
+    assert (run_dir / "config.json").read_bytes() == config_bytes
+    assert not (run_dir / "config_changes.jsonl").exists()
+
+
+def test_run_naming_a_dir_that_is_not_a_run(tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "out" / "notes").mkdir(parents=True)
+    (tmp_path / "out" / "notes" / "todo.txt").write_text("mine")
+    before = dir_bytes(tmp_path / "out")
+    line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
+                    "run.name=notes", *QUICK_RUN)
+    assert "notes exists and is not a lorabench run dir" in line and "todo.txt" in line
+    assert "choose another run.name" in line
+    assert dir_bytes(tmp_path / "out") == before
+
+
+def test_resume_with_allowed_overrides_is_recorded_append_only(run_dir, capsys):
+    """grpo.steps and data.eval_size may change: recorded in config_changes.jsonl, config.json
+    untouched, and the changed values stay in effect for a later plain resume."""
+    config_bytes = (run_dir / "config.json").read_bytes()
+    assert main(["resume", str(run_dir), "grpo.steps=3", "data.eval_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert "continued at step 2" in out and "grpo.steps: 2 -> 3 (recorded in config_changes.jsonl)" in out
+    assert (run_dir / "config.json").read_bytes() == config_bytes
+    rows = read_jsonl(run_dir / "config_changes.jsonl")
+    assert len(rows) == 1 and rows[0]["step"] == 2
+    assert rows[0]["changes"] == {"data.eval_size": [4, 2], "grpo.steps": [2, 3]}
+    effective = compat.effective_config(run_dir)
+    assert (effective.grpo.steps, effective.data.eval_size) == (3, 2)
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert [(e["step"], e["n"]) for e in read_jsonl(run_dir / "evals.jsonl")] == [
+        (0, 8), (0, 4), (2, 8), (2, 4), (3, 4), (3, 2)]        # each row carries its own n
+
+
+# --- what resume refuses to rewrite ---------------------------------------------------------------------
+def test_corrupt_middle_line_is_refused_and_kept(run_dir, capsys):
+    """A bad line that is not the last: resume used to rewrite the file from the rows before it."""
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_bytes().splitlines(keepends=True)
+    metrics.write_bytes(lines[0][:40] + b"\x00garbage\n" + lines[1])
+    before = dir_bytes(run_dir)
+    line = _refused(capsys, "resume", str(run_dir))
+    assert f"{metrics} line 1 is not a whole row" in line and "The rows after it are intact" in line
+    assert "repair that line (from a backup) or delete it" in line
+    assert dir_bytes(run_dir) == before
+    metrics.write_bytes(lines[1])                                   # the recovery the message names
+    state = inspect(run_dir)
+    assert state.step == 2 and state.repairs == [] and "no row for step(s) [1]" in state.notes[0]
+
+
+def test_missing_checkpoint_with_rows_is_refused(run_dir, capsys):
+    """Resume used to start again at step 0, delete every row and leave the old adapters beside the
+    new ones."""
+    (run_dir / "checkpoint" / "trainer_state.pt").unlink()
+    before = dir_bytes(run_dir)
+    line = _refused(capsys, "resume", str(run_dir))
+    assert f"{run_dir} has no checkpoint (checkpoint/trainer_state.pt is missing)" in line
+    assert "metrics.jsonl: 2 rows" in line and "evals.jsonl: evaluations at step 2" in line
+    assert "Restore checkpoint/trainer_state.pt from a backup" in line and "start a new run" in line
+    assert dir_bytes(run_dir) == before
+
+
+def test_truncated_checkpoint_is_refused(run_dir, capsys):
+    state = run_dir / "checkpoint" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    before = dir_bytes(run_dir)
+    line = _refused(capsys, "resume", str(run_dir))
+    assert f"{state} cannot be read" in line and "Restore it from a backup" in line
+    assert dir_bytes(run_dir) == before
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("step_twice", "line 3 repeats or goes back to step 2 (first at line 2): two processes wrote this run dir"),
+    ("row_past", "line 3 holds step 3, past the checkpoint's step 2"),
+    ("row_differs", "line 2 (step 2) differs from the row the checkpoint holds for it"),
+])
+def test_rows_the_checkpoint_cannot_vouch_for_are_refused(run_dir, capsys, damage, needle):
+    metrics = run_dir / "metrics.jsonl"
+    rows = read_jsonl(metrics)
+    if damage == "step_twice":        # what two writers used to leave
+        rows.append(rows[1])
+    elif damage == "row_past":
+        rows.append(dict(rows[1], step=3))
+    else:
+        rows[1]["reward/mean"] = 0.123456
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = dir_bytes(run_dir)
+    line = _refused(capsys, "resume", str(run_dir))
+    assert needle in line and "nothing in the run dir was changed" in line
+    assert dir_bytes(run_dir) == before
+
+
+# --- one writer per run dir ------------------------------------------------------------------------------
+def test_second_writer_in_this_process_is_refused(tmp_path):
+    first = RunLog(tmp_path / "run", lock=True)
+    try:
+        with pytest.raises(RunDirError) as info:
+            RunLog(tmp_path / "run", lock=True, log=lambda *a: None)
+        msg = str(info.value)
+        assert f"in use by process {os.getpid()}, this process: close the other RunSession" in msg
+        assert (tmp_path / "run" / "lock").read_text() == f"{os.getpid()}\n"
+    finally:
+        first.close()
+    assert (tmp_path / "run" / "lock").read_text() == ""             # a clean exit empties it
+    RunLog(tmp_path / "run", lock=True).close()                       # free again
+
+
+def test_lock_of_a_killed_writer_is_reclaimed(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from lorabench.rundir import RunLock
+        RunLock({str(run)!r}); print("locked", flush=True); time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(RunDirError, match=f"in use by process {holder.pid};"):
+        RunLog(run, lock=True, log=lambda *a: None)
+    holder.kill()
+    holder.wait()
+    said = []
+    runlog = RunLog(run, lock=True, log=said.append)
+    runlog.close()
+    assert said == [f"{run}: reclaimed the lock of process {holder.pid} (no longer running; killed?)"]
+
+
+def _wait(cond, proc, what: str, timeout: float = 180) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert proc.poll() is None, f"the first writer ended (rc {proc.returncode}) before {what}"
+        assert time.monotonic() - t0 < timeout, f"no {what} in {timeout} s"
+        time.sleep(0.05)
+
+
+def test_two_writers_on_one_run_dir(tiny_model_dir, tmp_path):
+    """Two `lorabench run` on one run dir used to both exit 0 with every step twice in
+    metrics.jsonl. Now the second (run or resume) is refused naming the first's PID, and the first
+    finishes with every step once."""
+    out, log = tmp_path / "out", tmp_path / "first.log"
+    args = ["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", "run.name=run",
+            f"refresh.tmp_dir={tmp_path}", *QUICK_RUN, "grpo.steps=30"]  # long enough to meet the others
+    with open(log, "wb") as fh:
+        first = cli(*args, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        lock = out / "run" / "lock"
+        _wait(lambda: lock.is_file() and lock.read_text().strip() == str(first.pid), first, "the lock")
+        seconds = [cli(*second, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for second in (args, ["resume", str(out / "run")])]   # both at once, while the first runs
+        for second in seconds:
+            _, err = second.communicate(timeout=120)
+            assert second.returncode == 2, err[-2000:]
+            line = one_line_error(err)
+            assert f"{out / 'run'} is in use by process {first.pid}" in line and f"kill {first.pid}" in line
+            assert "one writer per run dir" in line
+        assert first.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert [r["step"] for r in read_jsonl(out / "run" / "metrics.jsonl")] == list(range(1, 31))
+    assert [r["step"] for r in read_jsonl(out / "run" / "sync.jsonl") if r["row"] == "refresh"] == list(range(1, 31))
+    assert (out / "run" / "lock").read_text() == ""
+
+
+def test_timestamped_run_dirs_never_collide(tmp_path):
+    made = [RunLog.create(str(tmp_path), "") for _ in range(3)]   # within one second
+    assert len({m.dir for m in made}) == 3 and all(m.dir.parent == tmp_path for m in made)
+
+
+# --- the tiny model's cache under signals ----------------------------------------------------------------
+def _build_then_signal(tmp_path: Path, sig: int) -> tuple[subprocess.Popen, Path, str]:
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    proc = cli("run", "model.name_or_path=tiny", f"run.out_dir={out}", *QUICK_RUN, "warmstart.steps=200",
+               env_extra={"LORABENCH_CACHE": str(cache)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait(lambda: cache.is_dir() and any(".tmp-" in p.name for p in cache.iterdir()), proc, "the build's temp dir")
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=120)
+    assert not out.exists()                # the run dir is made after the model, never for a failed build
+    return proc, cache, err
+
+
+def test_sigterm_during_tiny_build_leaves_no_temp(tmp_path):
+    proc, cache, err = _build_then_signal(tmp_path, signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM" in one_line_error(err)
+    assert list(cache.iterdir()) == []
+
+
+def test_sigkilled_tiny_build_temp_removed_by_next_access(tmp_path):
+    from lorabench.config import WarmStartConfig
+    from lorabench.tiny import tiny_model_dir
+    proc, cache, _ = _build_then_signal(tmp_path, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    temps = [p.name for p in cache.iterdir()]
+    assert len(temps) == 1 and ".tmp-" in temps[0]           # what a kill -9 cannot clean up itself...
+    built = tiny_model_dir(str(cache), WarmStartConfig(steps=0), seed=1, log=lambda *a: None)
+    assert [p.name for p in cache.iterdir()] == [built.name]  # ...the next access (another recipe) does
+
+
+def test_adapter_dirs_past_the_checkpoint(run_dir, capsys):
+    """One adapters/step_<n> past the checkpoint is what a kill between it and its checkpoint leaves
+    (tests/test_crash.py redoes that step); two cannot come from one kill."""
+    for step in (3, 4):
+        shutil.copytree(run_dir / "adapters" / "step_2", run_dir / "adapters" / f"step_{step}")
+    before = dir_bytes(run_dir)
+    line = _refused(capsys, "resume", str(run_dir))
+    assert "holds step_3 and step_4, past the checkpoint's step 2" in line and "Restore the matching one" in line
+    assert dir_bytes(run_dir) == before
+    shutil.rmtree(run_dir / "adapters" / "step_4")
+    assert inspect(run_dir).step == 2                               # one is accepted
