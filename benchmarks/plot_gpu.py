@@ -1,10 +1,16 @@
-"""Figures from the committed GPU results (benchmarks/results/gpu/*.json), drawn here, on any machine:
+"""Figures from the GPU benchmarks' JSON (refresh_gpu.py, step_gpu.py), one question each:
 
-    python benchmarks/plot_gpu.py        # writes benchmarks/results/gpu/*.png
+    python benchmarks/plot_gpu.py [benchmarks/results/gpu]
+
+refresh_floor.png  which refresh is fastest end to end, at tp=1 and tp=2 (the call and the first
+                   request after it, stacked on a linear axis; p95 as a whisker)
+step_parts.png     where a GRPO step's time goes at each rollout size, next to SGLang's own decode
+                   of the same batch and the physical estimates
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -12,122 +18,92 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-GPU = Path(__file__).resolve().parent / "results" / "gpu"
-HOW = ["naive_tensor", "naive_file", "tensor", "file", "inplace"]
+COLORS = {"call": "#4c72b0", "first": "#dd8452", "rollout": "#55a868", "train": "#c44e52", "other": "#8172b2"}
 
 
-def refresh_figure(perf: dict) -> None:
-    rows = {r["how"]: r for r in perf["refresh"]}
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    hows = [h for h in HOW if h in rows]
-    only = [rows[h]["refresh_only"]["p50_ms"] for h in hows]
-    e2e = [rows[h]["end_to_end"]["p50_ms"] for h in hows]
-    ax.bar(hows, only, color="tab:blue", label="refresh call(s)")
-    ax.bar(hows, [b - a for a, b in zip(only, e2e)], bottom=only, color="tab:gray", label="first request after it")
-    for i, h in enumerate(hows):
-        ax.text(i, e2e[i] + 3, f"{e2e[i]:.0f}", ha="center", fontsize=8)
-    ax.axhline(rows[hows[-1]]["request_steady_ms"], ls="--", color="k", lw=1, label="the same request, steady")
-    ax.set(ylabel="ms, p50 of 20", title=f"Refresh end to end, Qwen3-0.6B shape, r=32 ({perf['adapter_mb_bf16']:.0f} MB bf16)")
-    ax.legend(fontsize=8)
-    ranks = sorted({r["rank"] for r in perf["ranks"]})
-    for h in ("naive_tensor", "tensor", "file", "inplace"):
-        ys = [next(r["end_to_end"]["p50_ms"] for r in perf["ranks"] if r["rank"] == k and r["how"] == h) for k in ranks]
-        ax2.plot(ranks, ys, "o-", label=h)
-    ax2.set(xscale="log", xticks=ranks, xticklabels=ranks, xlabel="LoRA rank", ylabel="ms end to end, p50",
-            title="vs adapter rank (0.6B shape)")
-    ax2.legend(fontsize=8)
-    fig.suptitle(f"{perf['gpu']}, SGLang {perf['sglang']}, commit {perf['commit']}", fontsize=9)
+def refresh_figure(results: Path) -> Path | None:
+    paths = {tp: results / f"refresh_tp{tp}.json" for tp in (1, 2)}
+    runs = [(f"tp={tp}", json.loads(p.read_text())) for tp, p in paths.items() if p.is_file()]
+    if not runs:
+        return None
+    modes = [r["mode"] for r in runs[0][1]["settings"]["prefill_graphs_on"]["rows"]]
+    fig, ax = plt.subplots(figsize=(11, 0.6 + 0.55 * len(modes) * len(runs)), dpi=110)
+    labels, y = [], 0.0
+    for mode in modes:
+        for label, data in runs:
+            row = next((r for r in data["settings"]["prefill_graphs_on"]["rows"] if r["mode"] == mode), None)
+            if row is None:
+                continue
+            call, e2e = row["call_ms"]["p50"], row["end_to_end_ms"]["p50"]
+            ax.barh(y, call, color=COLORS["call"], label="refresh call" if y == 0 else None)
+            ax.barh(y, e2e - call, left=call, color=COLORS["first"], label="first request after it" if y == 0 else None)
+            ax.errorbar(row["end_to_end_ms"]["p95"], y, xerr=[[row["end_to_end_ms"]["p95"] - e2e], [0]], fmt="none",
+                        ecolor="#333333", capsize=3)
+            ax.text(row["end_to_end_ms"]["p95"] + 3, y, f"{e2e:.1f} ms (call {call:.1f})", va="center", fontsize=9)
+            labels.append((y, f"{mode}, {label}"))
+            y += 1
+        y += 0.5
+    ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms, p50 of 20 refreshes (whisker: p95)", fontsize=10)
+    meta = runs[0][1]
+    ax.set_title(f"Adapter refresh end to end, {meta['setting']['model']}, {meta['setting']['lora']}\n"
+                 f"{meta['gpu']}, sglang {meta['sglang']}, SGLang's default CUDA graphs", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=9, frameon=False)
+    ax.set_xlim(0, 1.25 * max(r["end_to_end_ms"]["p95"] for _, d in runs
+                                for r in d["settings"]["prefill_graphs_on"]["rows"]))
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(GPU / "refresh_end_to_end.png", dpi=110)
+    out = results / "refresh_floor.png"
+    fig.savefig(out)
     plt.close(fig)
+    return out
 
 
-def merged_figure(perf: dict) -> None:
-    rows = perf["merged"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["bucket_mb"] for r in rows], [r["p50_ms"] for r in rows], "o-", label="merged push, p50")
-    floor = 1e3 * rows[0]["bytes"] / (perf["device_copy_gbps"] * 1e9)
-    ax.axhline(floor, ls="--", color="k", lw=1, label=f"floor: {rows[0]['bytes'] / 2**30:.2f} GB at "
-               f"{perf['device_copy_gbps']:.0f} GB/s")
-    for r in rows:
-        ax.annotate(str(r["buckets"]), (r["bucket_mb"], r["p50_ms"]), fontsize=7, xytext=(2, 4),
-                    textcoords="offset points")
-    ax.set(xscale="log", yscale="log", xlabel="bucket size (MB); labels: pushes", ylabel="ms",
-           title="Merged full-weight push, Qwen3-0.6B shape")
-    ax.legend(fontsize=8)
+def step_figure(results: Path) -> Path | None:
+    path = results / "step.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    sizes = data["sizes"]
+    fig, ax = plt.subplots(figsize=(11, 4.2), dpi=110)
+    x = range(len(sizes))
+    for i, s in enumerate(sizes):
+        parts = s["parts_s_p50"]
+        rollout, train = parts["rollout"], parts["train"]
+        other = sum(v for k, v in parts.items() if k not in ("rollout", "train", "step"))
+        ax.bar(i - 0.2, rollout, 0.38, color=COLORS["rollout"], label="rollout (with the adapter)" if i == 0 else None)
+        ax.bar(i - 0.2, train, 0.38, bottom=rollout, color=COLORS["train"], label="train" if i == 0 else None)
+        ax.bar(i - 0.2, other, 0.38, bottom=rollout + train, color=COLORS["other"],
+               label="reward, refresh, probe, logs" if i == 0 else None)
+        ax.text(i - 0.2, rollout + train + other + 0.2, f"wall {s['step_wall_s_p50']:.1f} s", ha="center", fontsize=9)
+        base = s["sglang_base_decode"]["seconds"]
+        est = s["estimate"]
+        ax.bar(i + 0.2, base, 0.38, color="#bbbbbb", label="SGLang's own base decode, same batch" if i == 0 else None)
+        ax.plot([i + 0.01, i + 0.39], [est["decode_s_at_hbm_peak"]] * 2, color="k", lw=1.5,
+                label="decode at HBM peak (estimate)" if i == 0 else None)
+        ax.plot([i - 0.39, i - 0.01], [rollout + est["train_s_at_bf16_peak"]] * 2, color="k", ls="--", lw=1.2,
+                label="rollout + train at bf16 peak (estimate)" if i == 0 else None)
+    ax.set_xticks(list(x), [s["size"] for s in sizes], fontsize=9)
+    ax.set_xlabel("rollout size: prompts x samples x new tokens (left bar: the step; right: SGLang alone)",
+                  fontsize=10)
+    ax.set_ylabel("seconds (each part: p50 of steps 2-4)", fontsize=10)
+    setting = data["setting"].replace(", inplace", ",\ninplace")
+    ax.set_title(f"A GRPO step by rollout size ({data['gpu']}, sglang {data['sglang']})\n{setting}", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(GPU / "merged_push_buckets.png", dpi=110)
+    out = results / "step_parts.png"
+    fig.savefig(out)
     plt.close(fig)
-
-
-def soak_figure(soak: dict) -> None:
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for mode in ("file", "tensor", "inplace"):
-        rows = [r for r in soak["rows"] if r["mode"] == mode]
-        ax.plot([r["cycle"] for r in rows], [r["host_rss_mb"] for r in rows], label=mode)
-        ax2.plot([r["cycle"] for r in rows], [r["gpu_used_mb"] for r in rows], label=mode)
-    ax.set(xlabel="refresh cycle", ylabel="MB", title="host RSS (trainer + engine processes)")
-    ax2.set(xlabel="refresh cycle", ylabel="MB", title="GPU memory in use (device-wide)")
-    ax.legend(fontsize=8)
-    fig.suptitle(f"SGLang soak: {soak['cycles_per_mode']} refresh + generate cycles per mode, tiny model, "
-                 f"{soak['gpu']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(GPU / "soak_sglang.png", dpi=110)
-    plt.close(fig)
-
-
-def tp_and_floor_figure(tp: dict, floor: dict) -> None:
-    """Left: refresh end to end at tp=1 vs tp=2 (call + first request). Right: where an in-place
-    refresh's time goes, by engine setting (prefill CUDA graphs off / on)."""
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    width = 0.38
-    for k, (tp_size, color) in enumerate(((1, "tab:blue"), (2, "tab:orange"))):
-        rows = {r["how"]: r for r in tp["tp"] if r.get("tp") == tp_size and "how" in r}
-        hows = [h for h in HOW if h in rows]
-        xs = [i + (k - 0.5) * width for i in range(len(hows))]
-        only = [rows[h]["refresh_only"]["p50_ms"] for h in hows]
-        e2e = [rows[h]["end_to_end"]["p50_ms"] for h in hows]
-        ax.bar(xs, only, width, color=color, label=f"tp={tp_size}: refresh call(s)")
-        ax.bar(xs, [b - a for a, b in zip(only, e2e)], width, bottom=only, color=color, alpha=0.35,
-               label=f"tp={tp_size}: first request after it")
-        for x, y in zip(xs, e2e):
-            ax.text(x, y + 3, f"{y:.0f}", ha="center", fontsize=7)
-    ax.set_xticks(range(len(HOW)), HOW)
-    ax.set(ylabel="ms, p50 of 20", title="Refresh end to end, 0.6B shape r=32: engine on 1 vs 2 GPUs")
-    ax.legend(fontsize=7)
-    labels, parts = [], {}
-    for row in floor["floor"]:
-        if "inplace" not in row:
-            continue
-        r = row["inplace"]
-        labels.append(row["variant"].replace("lora_", "").replace("_", " "))
-        loader = r["engine_loader_p50_ms"]
-        steps = {"snapshot": r["parts_p50_ms"]["snapshot"], "stage (bf16)": r["parts_p50_ms"]["stage"],
-                 **{f"loader: {k}": v for k, v in loader.items() if k != "total"},
-                 "round trip + flush": r["parts_p50_ms"]["write"] - loader["total"],
-                 "first request": r["end_to_end"]["p50_ms"] - r["refresh_only"]["p50_ms"]}
-        for name, value in steps.items():
-            parts.setdefault(name, []).append(value)
-    bottom = [0.0] * len(labels)
-    for name, values in parts.items():
-        ax2.barh(labels, values, left=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax2.set(xlabel="ms, p50 of 20", title="One in-place refresh, end to end, by engine setting")
-    ax2.legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"{tp['gpu']} (two-GPU machine for tp), SGLang {tp['sglang']}; tp commits "
-                 f"{sorted({r['commit'] for r in tp['tp']})}, floor commit {floor['commit']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(GPU / "refresh_tp_and_floor.png", dpi=110)
-    plt.close(fig)
+    return out
 
 
 def main() -> None:
-    perf = json.loads((GPU / "perf.json").read_text())
-    refresh_figure(perf)
-    merged_figure(perf)
-    soak_figure(json.loads((GPU / "soak_sglang.json").read_text()))
-    tp_and_floor_figure(json.loads((GPU / "perf_tp.json").read_text()), json.loads((GPU / "perf_floor.json").read_text()))
-    print("wrote", sorted(p.name for p in GPU.glob("*.png")))
+    results = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results" / "gpu")
+    for out in (refresh_figure(results), step_figure(results)):
+        if out:
+            print(out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""A GRPO step near the engine's limit: step parts, tokens/s, MFU and trainer memory per phase at
+several rollout sizes, next to SGLang's own decode of the same batch, in one run.
+
+    python benchmarks/step_gpu.py --out results/step.json [--sizes 16x8x128,32x8x256,64x8x256,128x8x256]
+
+Setting: a random-init model of Qwen3-0.6B's shape in bf16 (trainer and engine), LoRA r=32 on the
+7 projections, GSM8K-format local data (generated), refresh.mode=inplace, the whole `trainer.step()`
+timed from outside, p50 of steps 2-4 (step 1 warms up). For each size, the same prompts are also
+decoded by SGLang directly (`sglang.Engine.generate`, no log-probs), with the base model and with
+the adapter: the reference a rollout is compared with, and the split of any gap into the LoRA
+kernels' share and the log-prob return's share.
+A second part checks that the defaults fit a 24 GB GPU next to the engine: the trainer process is
+capped with torch.cuda.set_per_process_memory_fraction and the engine gets the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lorabench.config import Config  # noqa: E402
+from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
+from lorabench.engines.sglang import SGLangEngine  # noqa: E402
+from lorabench.grpo import GRPOTrainer  # noqa: E402
+from lorabench.loss import model_flops_per_token  # noqa: E402
+from lorabench.models import load_tokenizer  # noqa: E402
+from lorabench.shapes import random_qwen3_dir  # noqa: E402
+from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
+
+STACK = ["engine.backend=sglang", "engine.attention_backend=triton", "engine.sampling_backend=pytorch",
+         "engine.grammar_backend=none", "engine.dtype=bfloat16", "model.dtype=bfloat16"]
+PEAK_BF16_TFLOPS = 989.0     # H200 SXM dense bf16, the vendor's figure (a large matmul measured ~790 here)
+HBM_TBPS = 4.8               # H200 HBM3e, the vendor's figure
+
+
+def now() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def config(data: Path, size: tuple[int, int, int], *extra) -> Config:
+    p, g, t = size
+    return Config.load(None, [*STACK, "lora.r=32", "lora.alpha=64", f"data.source={data}", "data.eval_size=4",
+                              f"grpo.prompts_per_step={p}", f"grpo.group_size={g}", f"grpo.max_new_tokens={t}",
+                              "grpo.temperature=1.0", "refresh.mode=inplace", "run.save_adapter_every=1000",
+                              *extra])
+
+
+def decode_reference(engine, tokenizer, problems, group: int, new_tokens: int, adapter) -> dict:
+    """SGLang's own decode of the step's batch: no log-probs, fixed length, tokens/s."""
+    ids = [prompt_ids(tokenizer, p.messages) for p in problems for _ in range(group)]
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    t0 = now()
+    outs = engine.engine.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids))
+    seconds = now() - t0
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+
+
+def decode_bytes_estimate(model_config, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Bytes read per decode step, summed over the steps: the weights (bf16) once per step plus
+    every sequence's KV cache so far (the physical floor of a memory-bound decode)."""
+    c = model_config
+    weights = 2 * sum(p for p in _param_counts(c))
+    kv_per_token = 2 * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim  # K and V, bf16
+    return sum(weights + batch * kv_per_token * (prompt_len + t) for t in range(new_tokens))
+
+
+def _param_counts(c):
+    h, i, n = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    yield n * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    yield c.vocab_size * h   # embeddings (tied with the head)
+
+
+def measure_size(engine, model_dir: str, data: Path, size, tokenizer, steps: int = 4) -> dict:
+    cfg = config(data, size, f"run.name=step-{'x'.join(map(str, size))}")
+    trainer = GRPOTrainer(cfg, model_dir, engine, log=lambda *a: None)
+    walls, rows = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        record = trainer.step()
+        walls.append(time.perf_counter() - t0)
+        rows.append(record.metrics)
+    timed = rows[1:]
+    p, g, t = size
+    problems = trainer.source.train_batch(99, p)
+    base = decode_reference(engine, tokenizer, problems, g, t, None)
+    adapter = decode_reference(engine, tokenizer, problems, g, t, trainer.refresher.serving_adapter)
+    trainer.close()
+    engine.unload_adapter(cfg.engine.adapter_name)
+    med = {k: statistics.median(r[k] for r in timed) for k in timed[-1] if isinstance(timed[-1][k], (int, float))}
+    rollout_tokens = p * g * med["completions/mean_length"]
+    train_tokens = med["train/tokens"]
+    mc = trainer.policy.model.get_base_model().config
+    flops = model_flops_per_token(mc, int(train_tokens / (p * g))) * train_tokens
+    prompt_len = int(train_tokens / (p * g) - med["completions/mean_length"])
+    est_decode_s = decode_bytes_estimate(mc, p * g, prompt_len, t) / (HBM_TBPS * 1e12)
+    return {
+        "size": "x".join(map(str, size)), "step_wall_s_p50": statistics.median(walls[1:]), "step_wall_s": walls,
+        "parts_s_p50": {k[5:-2]: v for k, v in med.items() if k.startswith("time/")},
+        "memory_peak_gb_p50": {k[7:-8]: v for k, v in med.items() if k.startswith("memory/")},
+        "rollout_tok_s": rollout_tokens / med["time/rollout_s"],
+        "sglang_base_decode": base, "sglang_adapter_decode": adapter,
+        "rollout_vs_base_decode": rollout_tokens / med["time/rollout_s"] / base["tok_s"],
+        "adapter_decode_vs_base": adapter["tok_s"] / base["tok_s"],
+        "train_tokens": train_tokens, "train_tok_s": train_tokens / med["time/train_s"],
+        "train_mfu": flops / med["time/train_s"] / (PEAK_BF16_TFLOPS * 1e12),
+        "estimate": {"decode_s_at_hbm_peak": est_decode_s, "train_s_at_bf16_peak": flops / (PEAK_BF16_TFLOPS * 1e12)},
+        "mismatch_mean_p50": med["mismatch/mean"], "mismatch_p99_max": max(r["mismatch/p99"] for r in timed),
+        "served_versions": [r["adapter/served_version"] for r in rows],
+    }
+
+
+def fits_24gb(model_dir: str, data: Path, trainer_gb: float, engine_gb: float, size) -> dict:
+    """The trainer capped at `trainer_gb`, the engine given `engine_gb`: do two steps run?"""
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    torch.cuda.set_per_process_memory_fraction(trainer_gb / total_gb)
+    cfg = config(data, size, f"engine.mem_fraction_static={engine_gb / total_gb:.4f}", "run.name=fit24",
+                 "engine.cuda_graph_max_bs=0")
+    out = {"trainer_cap_gb": trainer_gb, "engine_gb": engine_gb, "size": "x".join(map(str, size))}
+    try:
+        with SGLangEngine.from_config(cfg, model_dir) as engine:
+            trainer = GRPOTrainer(cfg, model_dir, engine, log=lambda *a: None)
+            rows = [trainer.step().metrics for _ in range(2)]
+            trainer.close()
+        out.update(ok=True, memory_peak_gb={k: v for k, v in rows[-1].items() if k.startswith("memory/")},
+                   step_s=rows[-1]["time/step_s"])
+    except torch.OutOfMemoryError as err:
+        out.update(ok=False, error=str(err)[:500])
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sizes", default="16x8x128,32x8x256,64x8x256,128x8x256")
+    parser.add_argument("--mem", type=float, default=0.5, help="engine mem_fraction_static for the size sweep")
+    parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
+    parser.add_argument("--skip-24gb", action="store_true")
+    args = parser.parse_args()
+    import sglang
+    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="step-gpu-"))
+    build_tiny_tokenizer(root / "tok")
+    model_dir = str(random_qwen3_dir("0.6B", str(root / "tok"), Path(args.cache) / "qwen3-0.6b-random"))
+    data = root / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                            for p in synthetic_problems(4096, "step-bench")))
+    tokenizer = load_tokenizer(model_dir)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sglang": sglang.__version__,
+              "commit": os.environ.get("LORABENCH_COMMIT", ""), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "setting": "Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections, inplace refresh, "
+                         "temperature 1.0, p50 of steps 2-4", "peak_bf16_tflops": PEAK_BF16_TFLOPS,
+              "hbm_tbps": HBM_TBPS, "sizes": []}
+    largest = max(p * g for p, g, _ in sizes)
+    cfg = config(data, sizes[0], f"engine.mem_fraction_static={args.mem}", f"engine.cuda_graph_max_bs={largest}")
+    with SGLangEngine.from_config(cfg, model_dir) as engine:
+        for size in sizes:
+            row = measure_size(engine, model_dir, data, size, tokenizer)
+            result["sizes"].append(row)
+            print(json.dumps({k: row[k] for k in ("size", "step_wall_s_p50", "rollout_vs_base_decode",
+                                                  "train_mfu", "memory_peak_gb_p50")}), flush=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    if not args.skip_24gb:
+        result["fits_24gb"] = [fits_24gb(model_dir, data, 12.0, 10.0, (32, 8, 512))]
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
