@@ -34,18 +34,13 @@ from lorabench.engines.sglang import SGLangEngine, SGLangSettings, check_reply  
 from lorabench.loss import plain_token_logprobs  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
 from lorabench.policy import LoraLayers  # noqa: E402
-from lorabench.refresh import make_refresher  # noqa: E402
+from lorabench.refresh import make_refresher, synced_time  # noqa: E402
 from lorabench.refresh_bench import adapter_model  # noqa: E402
 from lorabench.shapes import random_qwen3_dir  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
 MODES = ("inplace", "tensor", "file", "naive_tensor", "naive_file")
 STACK = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")  # the offline stack
-
-
-def now() -> float:
-    torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def stats(values: list[float]) -> dict:
@@ -132,14 +127,14 @@ def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict
     last = probe.trainer_logprobs(model)
     for i in range(warmup + n):
         nudge(model, 1000 * len(how) + i)
-        t0 = now()
+        t0 = synced_time()
         if refresher is not None:
             record = refresher.refresh(layers.snapshot(i + 1))
         else:
             naive_refresh(engine, model, name, how, root, i)
-        t1 = now()
+        t1 = synced_time()
         probe.request(name)
-        t2 = now()
+        t2 = synced_time()
         current, got = probe.trainer_logprobs(model), probe.engine_logprobs(name)
         if i >= warmup:
             calls.append(1e3 * (t1 - t0))
@@ -152,8 +147,7 @@ def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict
         last = current
     if refresher is not None:
         refresher.close()
-    engine.unload_adapter(name) if name in engine.loaded_adapters() else check_reply(
-        engine.engine.unload_lora_adapter(name), "unload")
+    engine.unload_adapter(name)  # every mode, the naive ones too, loaded `name` through the wrapper first
     row = {"mode": how, "call_ms": stats(calls), "end_to_end_ms": stats(e2e), "first_request_ms":
            stats([b - a for a, b in zip(calls, e2e)]), "parity_max": max(p[0] for p in parity),
            "parity_mean_worst": max(p[1] for p in parity), "previous_mean_min": min(previous)}
@@ -176,10 +170,10 @@ def request_study(engine, model, probe: Probe, n: int = 20) -> dict:
         for i in range(n + 2):
             if before:
                 before(i)
-            t0 = now()
+            t0 = synced_time()
             fn(i)
             if i >= 2:
-                ms.append(1e3 * (now() - t0))
+                ms.append(1e3 * (synced_time() - t0))
         return stats(ms)
 
     out["steady_adapter"] = timed(lambda i: probe.request("study"))

@@ -33,6 +33,7 @@ from lorabench.engines.sglang import SGLangEngine  # noqa: E402
 from lorabench.grpo import GRPOTrainer  # noqa: E402
 from lorabench.loss import model_flops_per_token  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
+from lorabench.refresh import synced_time  # noqa: E402
 from lorabench.shapes import random_qwen3_dir  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
@@ -40,11 +41,6 @@ STACK = ["engine.backend=sglang", "engine.attention_backend=triton", "engine.sam
          "engine.grammar_backend=none", "engine.dtype=bfloat16", "model.dtype=bfloat16"]
 PEAK_BF16_TFLOPS = 989.0     # H200 SXM dense bf16, the vendor's figure (a large matmul measured ~790 here)
 HBM_TBPS = 4.8               # H200 HBM3e, the vendor's figure
-
-
-def now() -> float:
-    torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def config(data: Path, size: tuple[int, int, int], *extra) -> Config:
@@ -59,9 +55,9 @@ def decode_reference(engine, tokenizer, problems, group: int, new_tokens: int, a
     """SGLang's own decode of the step's batch: no log-probs, fixed length, tokens/s."""
     ids = [prompt_ids(tokenizer, p.messages) for p in problems for _ in range(group)]
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
-    t0 = now()
+    t0 = synced_time()
     outs = engine.engine.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids))
-    seconds = now() - t0
+    seconds = synced_time() - t0
     tokens = sum(len(o["output_ids"]) for o in outs)
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
 

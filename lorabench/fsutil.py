@@ -31,29 +31,37 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(parent: Path, prefixes: tuple[str, ...]) -> list[Path]:
-    """Remove entries of `parent` named `<prefix><pid>-...` (or `<prefix><pid>.`) whose writer
-    process `pid` is dead: the garbage a killed atomic write leaves. A live writer's temps (this
-    process's included) are never touched. Returns what was removed."""
+def _remove_dead(parent: Path, writer_pid, dirs_only: bool = False) -> list[Path]:
+    """Remove the entries of `parent` for which `writer_pid(name)` names a dead process (never this
+    one's or a live one's temps). Returns what was removed."""
     removed = []
     try:
         entries = list(os.scandir(parent))
     except FileNotFoundError:
         return removed
     for entry in entries:
-        prefix = next((p for p in prefixes if entry.name.startswith(p)), None)
-        if prefix is None:
-            continue
-        head = entry.name[len(prefix):].replace(".", "-").split("-", 1)[0]
-        if not head.isdigit() or int(head) == os.getpid() or pid_alive(int(head)):
+        is_dir = entry.is_dir(follow_symlinks=False)
+        pid = writer_pid(entry.name)
+        if pid is None or (dirs_only and not is_dir) or pid == os.getpid() or pid_alive(pid):
             continue
         target = Path(entry.path)
-        if entry.is_dir(follow_symlinks=False):
+        if is_dir:
             shutil.rmtree(target, ignore_errors=True)
         else:
             target.unlink(missing_ok=True)
         removed.append(target)
     return removed
+
+
+def remove_stale_temps(parent: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    """Remove entries of `parent` named `<prefix><pid>-...` (or `<prefix><pid>.`) whose writer
+    process `pid` is dead: the garbage a killed atomic write leaves. A live writer's temps (this
+    process's included) are never touched. Returns what was removed."""
+    def writer_pid(name: str) -> int | None:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        head = name[len(prefix):].replace(".", "-").split("-", 1)[0] if prefix is not None else ""
+        return int(head) if head.isdigit() else None
+    return _remove_dead(parent, writer_pid)
 
 
 # `.NAME.tmp-PID-xxxx` / `.NAME.old-PID-xxxx`: the temp dirs atomic_dir makes (any NAME)
@@ -65,21 +73,10 @@ def remove_dead_dir_temps(parent: Path) -> list[Path]:
     for. A cache needs this: a writer killed while building one entry leaves a temp that the next
     build of *that* entry would remove, but that build may never come (another process finished
     the entry, or the recipe changed)."""
-    removed = []
-    try:
-        entries = list(os.scandir(parent))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        match = _DIR_TEMP.match(entry.name)
-        if match is None or not entry.is_dir(follow_symlinks=False):
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or pid_alive(pid):
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(Path(entry.path))
-    return removed
+    def writer_pid(name: str) -> int | None:
+        match = _DIR_TEMP.match(name)
+        return int(match.group(1)) if match else None
+    return _remove_dead(parent, writer_pid, dirs_only=True)
 
 
 def fsync_path(path: Path) -> None:

@@ -26,7 +26,6 @@ refresh.py (modes), runlog.py (the run directory). This module wires them into `
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +34,7 @@ from .data import ProblemSource, prompt_ids
 from .engines.base import ReleasesMemory, Sampling, StaleAdapter, require
 from .models import load_tokenizer
 from .policy import Policy
-from .refresh import RefreshRecord, make_refresher
+from .refresh import RefreshRecord, make_refresher, synced_time
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, sample, score
 from .runlog import NullRunLog
@@ -55,19 +54,14 @@ class StepClock:
 
     def __init__(self):
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self.start = self.last = self._now()
+        self.start = self.last = synced_time()
         self.parts: dict[str, float] = {}
         self.peak_gb: dict[str, float] = {}
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
 
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
     def lap(self, part: str) -> None:
-        now = self._now()
+        now = synced_time()
         self.parts[part] = self.parts.get(part, 0.0) + now - self.last
         self.last = now
         if self.cuda:

@@ -109,3 +109,14 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
 
 def pick_device(requested: str = "") -> str:
     return requested or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def with_lora(base, lora_config, adapter_name: str = "default"):
+    """PEFT's get_peft_model, without the FutureWarning it triggers by calling a transformers
+    attribute deprecated in 5.x (PEFT's to fix, not ours; it would show in every notebook)."""
+    import warnings
+
+    from peft import get_peft_model
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(base, lora_config, adapter_name=adapter_name)

@@ -11,14 +11,13 @@ and rollouts are checked against it.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
 
 from .adapters import AdapterError, AdapterLayout, FlatAdapter, base_weights, linear_shapes, plain_config, validate
 from .config import ConfigError
 from .loss import grpo_loss, token_budget_batches, token_logprobs
-from .models import load_model, pick_device
+from .models import load_model, pick_device, with_lora
 from .rollout import RolloutBatch
 
 
@@ -112,9 +111,9 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
     """|trainer - engine| log-prob on the sampled tokens, before the update. The robust statistics
     (mean, p99) are the refresh check; the max is reported but is a bf16 tail, not an alarm."""
     mask = batch.completion_mask.bool()
-    diff = (trainer_logp - batch.engine_logprobs).abs()[mask].float()    # [tokens]
-    active = (mask & (batch.advantages != 0)[:, None])
-    active_diff = (trainer_logp - batch.engine_logprobs).abs()[active]
+    gap = (trainer_logp - batch.engine_logprobs).abs().float()           # [N, L-1]
+    diff = gap[mask]                                                      # [tokens]
+    active_diff = gap[mask & (batch.advantages != 0)[:, None]]
     if diff.numel() == 0:
         return {"mismatch_mean": float("nan"), "mismatch_p99": float("nan"), "mismatch_max": float("nan"),
                 "mismatch_active_mean": float("nan")}
@@ -124,7 +123,7 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
 
 
 def _peft_model(base, lora, model_path: str, adapter_name: str):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     targets = lora.target_modules
     if isinstance(targets, str) and targets != "all-linear":
         targets = [targets]  # one module name; PEFT would treat a bare string as a full-name regex
@@ -136,9 +135,7 @@ def _peft_model(base, lora, model_path: str, adapter_name: str):
                               f"named {missing}; its linear modules are {have} (or use 'all-linear')")
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
                         bias="none")
-    with warnings.catch_warnings():  # PEFT calls a transformers attribute deprecated in 5.x; not ours to fix
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(base, config, adapter_name=adapter_name)
+    return with_lora(base, config, adapter_name)
 
 
 class LoraLayers:

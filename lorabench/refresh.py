@@ -72,21 +72,23 @@ def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> li
     return buckets
 
 
+def synced_time() -> float:
+    """perf_counter after the GPU's queued work (if this process uses CUDA), so that work is timed
+    where it was issued."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class _Clock:
-    """Wall-clock parts; synchronises CUDA before each reading so GPU work is counted."""
+    """Wall-clock parts of one refresh, read with synced_time."""
 
     def __init__(self, record: RefreshRecord):
         self.record = record
-        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self.t = self.now()
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        self.t = synced_time()
 
     def lap(self, part: str) -> float:
-        t = self.now()
+        t = synced_time()
         dt, self.t = t - self.t, t
         self.record.parts[part] = self.record.parts.get(part, 0.0) + dt
         return dt

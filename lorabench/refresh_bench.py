@@ -22,14 +22,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 from .adapters import base_weights
 from .engines.base import AdapterNotLoaded
-from .refresh import REFRESH_MODES, make_refresher
+from .refresh import REFRESH_MODES, make_refresher, synced_time
 
 MODES = tuple(m for m, cls in REFRESH_MODES.items() if cls.keeps_engine_fresh)   # every mode but the stale control
 BUCKETS_MB = (0.01, 0.03, 0.1, 0.3, 1.0, 4.0, 16.0, 64.0, 512.0)   # log-spaced; the tiny adapter is ~1 MB
@@ -63,14 +62,12 @@ def adapter_model(model_path: str, rank: int, seed: int = 0, target_modules="all
                   dtype: str = "float32", device: str = "cpu"):
     """A trainer-side PEFT model with a rank-`rank` LoRA on `target_modules` and a non-zero lora_B
     (seeded noise), i.e. an adapter of the size a trained one has."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
-    from .models import load_model
+    from .models import load_model, with_lora
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target_modules, lora_dropout=0.0, bias="none")
-    with warnings.catch_warnings():  # PEFT calls a transformers attribute deprecated in 5.x; not ours
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        model = get_peft_model(load_model(model_path, dtype, device), config)
+    model = with_lora(load_model(model_path, dtype, device), config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -104,9 +101,9 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
     records = []
     try:
         for version in range(warmup + repeats):
-            t0 = _now()
+            t0 = synced_time()
             adapter = layers.snapshot(version)
-            snapshot_s = _now() - t0
+            snapshot_s = synced_time() - t0
             record = refresher.refresh(adapter)
             record.parts = {"snapshot": snapshot_s, **record.parts}
             if version >= warmup:
@@ -120,12 +117,6 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
             "mode": mode, "rank": int(peft_model.peft_config["default"].r), "bucket_mb": bucket_mb,
             "bytes": median.nbytes, "buckets": len(median.buckets), "parts": dict(median.parts),
             "total_s": median.total_s, "min_s": min(r.total_s for r in records), "repeats": repeats}
-
-
-def _now() -> float:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def sweep(engine, model_path: str, modes=MODES, ranks=(4, 16, 64), buckets_mb=BUCKETS_MB, repeats: int = 3,

@@ -8,14 +8,13 @@ every optional capability: in-place adapter updates, base-weight pushes and (no-
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from ..adapters import FlatAdapter, base_param_name, linear_shapes, validate
-from ..models import load_model, pick_device
+from ..models import load_model, pick_device, with_lora
 from .base import AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling, check_same_lora_config
 
 
@@ -91,16 +90,14 @@ class HFEngine:
         self.load_adapter_tensors(name, FlatAdapter.load_peft_dir(path, version))
 
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
-        from peft import get_peft_model, set_peft_model_state_dict
+        from peft import set_peft_model_state_dict
         if name in self._adapters:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
         tensors, config = adapter.tensors, adapter.config
         validate(tensors, config, self._shapes)
         lora_config = lora_config_from_dict(config)
         if self._peft is None:
-            with warnings.catch_warnings():  # PEFT calls a transformers attribute deprecated in 5.x; not ours
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-                self._peft = get_peft_model(self._base, lora_config, adapter_name=name)
+            self._peft = with_lora(self._base, lora_config, adapter_name=name)
         else:
             self._peft.add_adapter(name, lora_config)
         result = set_peft_model_state_dict(self._peft, tensors, adapter_name=name)
