@@ -290,8 +290,15 @@ def test_saved_dir_loads_in_peft_with_identical_logits(tiny_model_dir, peft_mode
         base = loaded.get_base_model()
         with loaded.disable_adapter():
             base_logits = base(input_ids=ids).logits
-    assert torch.allclose(got, want, atol=1e-6, rtol=0)
-    assert (got - base_logits).abs().max() > 1e-3      # the adapter is not a no-op
+    from peft import get_peft_model_state_dict
+    loaded_state = get_peft_model_state_dict(loaded)
+    assert sorted(loaded_state) == sorted(adapter.tensors)
+    assert all(torch.equal(loaded_state[k], adapter.tensors[k]) for k in loaded_state)   # bit for bit
+    # The logits of two separately built fp32 models may differ in the last bits: CPU kernels may sum
+    # in another order (CI saw differences just over 1e-6 on another CPU). 1e-4 is >10,000x below
+    # the adapter's own effect, checked next.
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    assert (got - base_logits).abs().max() > 1e-1      # the adapter is not a no-op
 
 
 def test_peft_save_pretrained_loads_into_engine(engine, peft_model, tmp_path, sample_sequences):
