@@ -81,19 +81,23 @@ class PoolWriter:
         self.dtype = engine.adapter_dtype or torch.bfloat16
 
     def write(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """New values for adapter `name`; returns the engine's own timings (ms)."""
+        """New values for adapter `name`; returns timings in ms: the engine's own (`apply`, or `map`)
+        and ours around it (`stage`: the cast copy into the staging buffers; `request`: the engine
+        call, its apply included; `reply`: reading the ranks' status buffers)."""
         mapping = self.mapped.get(name)
         if mapping is not None and mapping.layout != adapter.layout:
             self.forget(name)
             mapping = None
         if mapping is None:
             return self._map(name, adapter)
+        t0 = time.perf_counter()
         self._stage(mapping, adapter)
-        reply = self._send("apply", mapping, [], flush_cache=True)
+        ours = {"stage": time.perf_counter() - t0}
+        reply = self._send("apply", mapping, [], flush_cache=True, timings=ours)
         if reply.get("refused", "").startswith("remap:"):  # the slot moved or the engine lost the plan
             self.mapped.pop(name, None)
             return {**self._map(name, adapter), "remapped": 1.0}
-        return self._accept(reply, name, adapter.version)
+        return {**{k: 1e3 * v for k, v in ours.items()}, **self._accept(reply, name, adapter.version)}
 
     def version(self, name: str) -> int:
         """The version the engine holds beside its copy of adapter `name` (asked, not remembered)."""
@@ -136,18 +140,23 @@ class PoolWriter:
         for device in self.devices:  # the engine reads these from another process: finish writing first
             torch.cuda.synchronize(device)
 
-    def _send(self, command: str, mapping: _Mapping, extra: list, flush_cache: bool) -> dict:
+    def _send(self, command: str, mapping: _Mapping, extra: list, flush_cache: bool,
+              timings: dict | None = None) -> dict:
         if not mapping.status:
             mapping.status = {d: torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=d) for d in self.devices}
         for status in mapping.status.values():
             status.zero_()
         named = [(f"{PREFIX}{command}/{mapping.lora_id}/status/{d}", s) for d, s in mapping.status.items()]
         named += [(f"{PREFIX}{name}", t) for name, t in extra]
+        t0 = time.perf_counter()
         result = self.engine.engine.update_weights_from_tensor(named, load_format=LOADER, flush_cache=flush_cache)
+        t1 = time.perf_counter()
         ok, message = (result if isinstance(result, tuple) else (result.success, result.error_message))[:2]
         if not ok:
             raise EngineError(f"in-place {command} of adapter id {mapping.lora_id} failed; engine says: {message}")
         replies = [read_status(s) for s in mapping.status.values()]
+        if timings is not None:
+            timings.update(request=t1 - t0, reply=time.perf_counter() - t1)
         refused = [r["refused"] for r in replies if "refused" in r]
         if refused:
             return {"refused": refused[0]}
@@ -184,6 +193,7 @@ class _Plan:
     version_src: torch.Tensor          # [1] int64, the trainer's (lent)
     staging: torch.Tensor              # kept so the mapping stays open
     notify: list = field(default_factory=list)  # modules caching derived operands per slot
+    status: torch.Tensor | None = None  # kept too: while it lives, torch reuses its open IPC handle
 
 
 _plans: dict[str, _Plan] = {}          # lora id -> plan, per scheduler process
@@ -278,6 +288,9 @@ def _map(model, lora_id: str, parts: dict, device: int) -> int:
                       f"blocks (first: {tuple(plan.dsts[bad[0]].shape)}); this SGLang lays out its pool "
                       f"differently (verified on 0.5.17): use refresh.mode=tensor")
     _keep_host_copy(adapter, view)
+    # The trainer sends the same status buffer with every command; while this process holds it,
+    # torch finds the open IPC mapping in its cache instead of opening the handle again per apply.
+    plan.status = parts.get(f"map/{lora_id}/status/{device}")
     plan.version.copy_(version_src)
     _plans[lora_id] = plan
     return int(plan.version.item())
