@@ -9,8 +9,10 @@ timed from outside, p50 of steps 2-4 (step 1 warms up). For each size, the same 
 decoded by SGLang directly (`sglang.Engine.generate`, no log-probs), with the base model and with
 the adapter: the reference a rollout is compared with, and the split of any gap into the LoRA
 kernels' share and the log-prob return's share.
-A second part checks that the defaults fit a 24 GB GPU next to the engine: the trainer process is
-capped with torch.cuda.set_per_process_memory_fraction and the engine gets the rest.
+A second part checks that the README's real-model command and the 64x8x256 setting fit a 24 GB GPU
+next to the engine: each in a fresh process whose trainer is capped (--trainer-cap-gb, 12) with
+torch.cuda.set_per_process_memory_fraction, the engine at the README's mem_fraction_static=0.4 of
+24 GB; device-wide use (all processes) is read after each step and must stay <= 24 GB.
 """
 from __future__ import annotations
 
@@ -117,25 +119,52 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, steps: int
     }
 
 
-def fits_24gb(model_dir: str, data: Path, trainer_gb: float, engine_gb: float, size) -> dict:
-    """The trainer capped at `trainer_gb`, the engine given `engine_gb`: do two steps run?"""
+# The README's real-model command, less what needs the hub (model, data) and the run length.
+README_COMMAND = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.max_new_tokens=512",
+                  "grpo.prompts_per_step=32", "grpo.group_size=8", "grpo.micro_batch_tokens=4096",
+                  "grpo.temperature=1.0", "engine.mem_fraction_static=0.4"]
+FITS = {"readme_command": (32, 8, 512), "step_benchmark": (64, 8, 256)}
+GPU_GB = 24.0
+
+
+def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float) -> dict:
+    """In a fresh process (nothing reserved yet): the trainer capped at `trainer_gb` with
+    set_per_process_memory_fraction, the engine at the README's mem_fraction_static of a 24 GB GPU,
+    two steps. Device-wide use (every process: the engine's too) is read after each phase."""
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
     torch.cuda.set_per_process_memory_fraction(trainer_gb / total_gb)
-    cfg = config(data, size, f"engine.mem_fraction_static={engine_gb / total_gb:.4f}", "run.name=fit24",
-                 "engine.cuda_graph_max_bs=0")
-    out = {"trainer_cap_gb": trainer_gb, "engine_gb": engine_gb, "size": "x".join(map(str, size))}
+    engine_fraction = 0.4 * GPU_GB / total_gb        # the README's 0.4, of a 24 GB GPU
+    cfg = config(data, FITS[which], *README_COMMAND, f"engine.mem_fraction_static={engine_fraction:.4f}",
+                 f"run.name=fit24-{which}")
+    out = {"which": which, "size": "x".join(map(str, FITS[which])), "trainer_cap_gb": trainer_gb,
+           "engine_mem_fraction_static_gb": 0.4 * GPU_GB, "gpu_gb": GPU_GB}
+    used = []
     try:
         with SGLangEngine.from_config(cfg, model_dir) as engine:
             trainer = GRPOTrainer(cfg, model_dir, engine, log=lambda *a: None)
-            rows = [trainer.step().metrics for _ in range(2)]
+            rows = []
+            for _ in range(2):
+                rows.append(trainer.step().metrics)
+                free, total = torch.cuda.mem_get_info()
+                used.append((total - free) / 1e9)
             trainer.close()
-        out.update(ok=True, memory_peak_gb={k: v for k, v in rows[-1].items() if k.startswith("memory/")},
+        out.update(ok=max(used) <= GPU_GB, device_used_gb_after_steps=used,
+                   trainer_peak_gb={k: v for k, v in rows[-1].items() if k.startswith("memory/")},
                    step_s=rows[-1]["time/step_s"])
     except torch.OutOfMemoryError as err:
-        out.update(ok=False, error=str(err)[:500])
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
+        out.update(ok=False, error=str(err)[:500], device_used_gb_after_steps=used)
     return out
+
+
+def fits_24gb(model_dir: str, data: Path, which: str, trainer_gb: float) -> dict:
+    """fits_24gb_child in a new process: a cap set after memory was reserved checks nothing."""
+    import subprocess
+    proc = subprocess.run([sys.executable, __file__, "--fit-child", f"{model_dir},{data},{which},{trainer_gb}"],
+                          capture_output=True, text=True, timeout=400)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("FIT ")]
+    if not lines:
+        return {"which": which, "ok": False, "error": f"child exited {proc.returncode}: {proc.stderr[-800:]}"}
+    return json.loads(lines[-1][4:])
 
 
 def main() -> None:
@@ -145,7 +174,13 @@ def main() -> None:
     parser.add_argument("--mem", type=float, default=0.5, help="engine mem_fraction_static for the size sweep")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--skip-24gb", action="store_true")
+    parser.add_argument("--trainer-cap-gb", type=float, default=12.0, help="the trainer's share of a 24 GB GPU")
+    parser.add_argument("--fit-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.fit_child:
+        model_dir, data, which, cap = args.fit_child.split(",")
+        print("FIT " + json.dumps(fits_24gb_child(model_dir, Path(data), which, float(cap))), flush=True)
+        return
     import sglang
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
     root = Path(tempfile.mkdtemp(prefix="step-gpu-"))
@@ -170,8 +205,11 @@ def main() -> None:
                                                   "train_mfu", "memory_peak_gb_p50")}), flush=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.skip_24gb:
-        result["fits_24gb"] = [fits_24gb(model_dir, data, 12.0, 10.0, (32, 8, 512))]
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        result["fits_24gb"] = []
+        for which in FITS:
+            result["fits_24gb"].append(fits_24gb(model_dir, data, which, args.trainer_cap_gb))
+            print(json.dumps(result["fits_24gb"][-1]), flush=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

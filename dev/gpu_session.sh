@@ -4,6 +4,8 @@
 #   CACHE_OUT=$OUT bash .sglang/with-sglang.sh bash dev/gpu_session.sh PART [PART...]
 # PARTS: tests (the GPU test files in $LORABENCH_GPU_TESTS, default the single-GPU suite, -k $LORABENCH_GPU_K),
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
+#        train (benchmarks/train_gpu.py, the training settings alone, with a profile; no engine),
+#        memory (benchmarks/activation_memory.py on the GPU),
 #        notebooks (the three notebooks with SGLang in a Jupyter kernel; needs .gpu-extras).
 # Results (JSON, PNG, one log per part) are packed into $OUT/results.tgz (the device tool brings
 # back at most 8 files); one failing part does not stop the others.
@@ -24,6 +26,9 @@ for part in "$@"; do
     refresh) python benchmarks/refresh_gpu.py --out "$RES/refresh_tp${LORABENCH_TP:-1}.json" --tp "${LORABENCH_TP:-1}" \
                ${LORABENCH_REFRESH_ARGS:-} ;;
     step) python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;
+    train) python benchmarks/train_gpu.py --out "$RES/train.json" --profile-out "$RES/train_profile.txt" \
+             ${LORABENCH_TRAIN_ARGS:-} ;;
+    memory) python benchmarks/activation_memory.py --device cuda --out "$RES/activation_memory_gpu.json" ;;
     notebooks) bash .gpu-extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
     *) echo "unknown part $part"; false ;;
   esac > "$RES/$part.log" 2>&1

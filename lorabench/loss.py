@@ -106,17 +106,20 @@ def _refuse_logit_transforms(base) -> None:
 
 def _chunk_logprobs(head, hidden_rows, target_rows, temperature: float) -> torch.Tensor:
     """log softmax(head(h) / T)[target] for a block of rows: [c, H], [c] -> [c]."""
-    logits = head(hidden_rows).float() / temperature                            # [c, V] fp32
+    logits = head(hidden_rows).float()                                          # [c, V] fp32
+    if temperature != 1.0:  # skip a second [c, V] fp32 block where it changes nothing
+        logits = logits / temperature
     # logit[target] - logsumexp(logits) == log_softmax(logits)[target], without a second [c, V] tensor
     return logits.gather(-1, target_rows[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 1024) -> torch.Tensor:
+def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512) -> torch.Tensor:
     """Log-prob of each next token under logits / temperature, [N, L] -> [N, L-1], equal to
     `plain_token_logprobs` but without full-vocabulary logits for the batch (module docstring).
 
     chunk_size: positions per head call; peak extra memory is ~chunk_size * V * 4 bytes (plus the
-    same again while a chunk's backward runs)."""
+    same again while a chunk's backward runs): 0.3 GB per copy at Qwen3's vocabulary, while a
+    [512, H] x [H, V] matmul still fills the GPU."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: log-probs of logits / temperature need temperature > 0")
     if chunk_size < 1:

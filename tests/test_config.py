@@ -152,7 +152,7 @@ def test_group_size_one():
 
 def test_micro_batch_tokens_must_be_positive():
     msg = _error(["grpo.micro_batch_tokens=0"])
-    assert "grpo.micro_batch_tokens=0" in msg and ">= 1" in msg and "8192" in msg
+    assert "grpo.micro_batch_tokens=0" in msg and ">= 1" in msg and "4096" in msg
     # any positive budget is fine: a sequence longer than it forms its own micro-batch
     assert Config.load(overrides=["grpo.micro_batch_tokens=1"]).grpo.micro_batch_tokens == 1
 
