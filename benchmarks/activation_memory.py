@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,7 +92,13 @@ def main() -> None:
                          "gib_at_4096_tokens": per_token * 4096 / 2**30})
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     if args.out:
-        meta = SimpleNamespace(torch=torch.__version__, device=args.device, tokens=args.tokens,
+        import peft
+        import transformers
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+        meta = SimpleNamespace(torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
+                               device=args.device, machine=platform.processor() or platform.machine(),
+                               tokens=args.tokens, commit=os.environ.get("LORABENCH_COMMIT", commit),
                                date=time.strftime("%Y-%m-%d %H:%M"))
         Path(args.out).write_text(json.dumps({**vars(meta), "rows": rows}, indent=1))
 

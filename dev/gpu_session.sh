@@ -6,6 +6,7 @@
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
 #        train (benchmarks/train_gpu.py, the training settings alone, with a profile; no engine),
 #        memory (benchmarks/activation_memory.py on the GPU),
+#        lora_decode (benchmarks/lora_decode_gpu.py: SGLang decode with/without LoRA per kernel backend),
 #        notebooks (the three notebooks with SGLang in a Jupyter kernel; needs .gpu-extras).
 # Results (JSON, PNG, one log per part) are packed into $OUT/results.tgz (the device tool brings
 # back at most 8 files); one failing part does not stop the others.
@@ -28,6 +29,7 @@ for part in "$@"; do
     step) python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;
     train) python benchmarks/train_gpu.py --out "$RES/train.json" --profile-out "$RES/train_profile.txt" \
              ${LORABENCH_TRAIN_ARGS:-} ;;
+    lora_decode) python benchmarks/lora_decode_gpu.py --out "$RES/lora_decode.json" ${LORABENCH_DECODE_ARGS:-} ;;
     memory) python benchmarks/activation_memory.py --device cuda --out "$RES/activation_memory_gpu.json" ;;
     notebooks) bash .gpu-extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
     *) echo "unknown part $part"; false ;;

@@ -1,0 +1,94 @@
+"""SGLang's decode with a LoRA adapter vs without, per LoRA kernel backend: where the rollout's gap
+to base decode comes from, and which engine setting closes it.
+
+    python benchmarks/lora_decode_gpu.py --out results/lora_decode.json [--batches 512] [--variants ...]
+
+Setting: a random-init model of Qwen3-0.6B's shape in bf16, a LoRA r=32 on the 7 projections (B
+non-zero), GSM8K-format prompts (generated), `batch` sequences x 256 new tokens, ignore_eos,
+temperature 1.0, SGLang's own `Engine.generate` (no log-probs). One engine per variant (its
+arguments go to sglang.Engine as engine.extra_args would pass them); per batch: one warm-up
+generate, then the p50 of 3 for the base model and for the adapter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lorabench.adapters import FlatAdapter  # noqa: E402
+from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
+from lorabench.engines.sglang import SGLangEngine, SGLangSettings  # noqa: E402
+from lorabench.models import load_tokenizer  # noqa: E402
+from lorabench.refresh import synced_time  # noqa: E402
+from lorabench.refresh_bench import adapter_model  # noqa: E402
+from lorabench.shapes import random_qwen3_dir  # noqa: E402
+from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
+
+STACK = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")  # the offline stack
+VARIANTS = {  # name -> extra sglang.Engine arguments
+    "default (csgmv, chunk 16)": {},
+    "csgmv, chunk 64": {"max_lora_chunk_size": 64},
+    "csgmv, chunk 128": {"max_lora_chunk_size": 128},
+    "triton": {"lora_backend": "triton"},
+}
+
+
+def decode(engine, ids: list[list[int]], new_tokens: int, adapter) -> float:
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    t0 = synced_time()
+    engine.engine.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids))
+    return synced_time() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batches", default="512")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="names from VARIANTS, comma-separated")
+    parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
+    args = parser.parse_args()
+    import sglang
+    root = Path(tempfile.mkdtemp(prefix="lora-decode-"))
+    build_tiny_tokenizer(root / "tok")
+    q06 = str(random_qwen3_dir("0.6B", str(root / "tok"), Path(args.cache) / "qwen3-0.6b-random"))
+    tok = load_tokenizer(q06)
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = [prompt_ids(tok, p.messages) for p in synthetic_problems(max(batches), "lora-decode")]
+    adapter = FlatAdapter.from_peft(adapter_model(q06, 32, dtype="bfloat16", device="cuda")).to("cuda", torch.bfloat16)
+    torch.cuda.empty_cache()
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sglang": sglang.__version__,
+              "commit": os.environ.get("LORABENCH_COMMIT", ""), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "setting": f"Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections, {args.new_tokens} new "
+                         f"tokens, ignore_eos, T=1.0, p50 of 3 after 1 warm-up", "rows": []}
+    for name in args.variants.split(","):
+        settings = SGLangSettings(max_lora_rank=32, mem_fraction_static=0.5, dtype="bfloat16",
+                                  cuda_graph_max_bs=max(batches), **STACK, extra_args=VARIANTS[name])
+        with SGLangEngine(q06, settings) as engine:
+            engine.load_adapter_tensors("a", adapter)
+            for batch in batches:
+                ids = prompts[:batch]
+                times = {}
+                for which, lora in (("base", None), ("adapter", "a")):
+                    decode(engine, ids, args.new_tokens, lora)
+                    times[which] = statistics.median(decode(engine, ids, args.new_tokens, lora) for _ in range(3))
+                tokens = batch * args.new_tokens
+                row = {"variant": name, "extra_args": VARIANTS[name], "batch": batch,
+                       "base_tok_s": tokens / times["base"], "adapter_tok_s": tokens / times["adapter"],
+                       "adapter_vs_base": times["base"] / times["adapter"]}
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
