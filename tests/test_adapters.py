@@ -294,10 +294,12 @@ def test_saved_dir_loads_in_peft_with_identical_logits(tiny_model_dir, peft_mode
     loaded_state = get_peft_model_state_dict(loaded)
     assert sorted(loaded_state) == sorted(adapter.tensors)
     assert all(torch.equal(loaded_state[k], adapter.tensors[k]) for k in loaded_state)   # bit for bit
-    # The logits of two separately built fp32 models may differ in the last bits: CPU kernels may sum
-    # in another order (CI saw differences just over 1e-6 on another CPU). 1e-4 is >10,000x below
-    # the adapter's own effect, checked next.
-    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    # Equal weights, yet the logits of two separately built fp32 models are not always bit-equal:
+    # in some processes (it varies with the run, e.g. with PYTHONHASHSEED) positions after the first
+    # differ by up to 1.6e-4, i.e. the attention path took another CPU kernel. 2e-3 is still ~1,000x
+    # below the adapter's own effect (~1.6 here; > 0.1 checked next), which a wrong scaling or a
+    # missing tensor would change by O(1).
+    assert torch.allclose(got, want, atol=2e-3, rtol=0)
     assert (got - base_logits).abs().max() > 1e-1      # the adapter is not a no-op
 
 
