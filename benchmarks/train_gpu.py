@@ -137,7 +137,7 @@ def profile(model_dir: str, batch: RolloutBatch, setting, out: Path) -> dict:
         policy.train(batch, grpo)
         wall = synced_time() - t0
     averages = prof.key_averages()
-    out.write_text(averages.table(sort_by="cuda_time_total", row_limit=40))
+    out.write_text(averages.table(sort_by="device_time_total", row_limit=40))
     kernel_us = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
     del policy
     torch.cuda.empty_cache()
