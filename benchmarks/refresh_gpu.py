@@ -134,13 +134,15 @@ def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict
     if refresher is None:
         from lorabench.adapters import FlatAdapter
         engine.load_adapter_tensors(name, FlatAdapter.from_peft(model).to("cuda", torch.bfloat16))
-    calls, e2e, parts, engine_ms, parity, previous = [], [], [], [], [], []
+    calls, e2e, parts, engine_ms, parity, previous, snapshots = [], [], [], [], [], [], []
     last = probe.trainer_logprobs(model)
     for i in range(warmup + n):
         nudge(model, 1000 * len(how) + i)
         t0 = synced_time()
         if refresher is not None:
-            record = refresher.refresh(layers.snapshot(i + 1))
+            adapter = layers.snapshot(i + 1)
+            t_snapshot = synced_time()
+            record = refresher.refresh(adapter)
         else:
             naive_refresh(engine, model, name, how, root, i)
         t1 = synced_time()
@@ -153,6 +155,7 @@ def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict
             parity.append([(got - current).abs().max().item(), (got - current).abs().mean().item()])
             previous.append((got - last).abs().mean().item())
             if refresher is not None:
+                snapshots.append(1e3 * (t_snapshot - t0))
                 parts.append({k: 1e3 * v for k, v in record.parts.items()})
                 engine_ms.append(record.engine_ms)
         last = current
@@ -163,6 +166,8 @@ def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict
            stats([b - a for a, b in zip(calls, e2e)]), "parity_max": max(p[0] for p in parity),
            "parity_mean_worst": max(p[1] for p in parity), "previous_mean_min": min(previous),
            "previous_vs_parity": min(previous) / max(p[1] for p in parity)}  # the goal: >= 10x
+    if snapshots:
+        row["snapshot_ms"] = stats(snapshots)   # the policy's part of the call: clone + finite check
     if parts:
         row["parts_p50_ms"] = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in parts[-1]}
     if engine_ms and engine_ms[-1]:
