@@ -31,7 +31,8 @@ for part in "$@"; do
              ${LORABENCH_TRAIN_ARGS:-} ;;
     lora_decode) python benchmarks/lora_decode_gpu.py --out "$RES/lora_decode.json" ${LORABENCH_DECODE_ARGS:-} ;;
     memory) python benchmarks/activation_memory.py --device cuda --out "$RES/activation_memory_gpu.json" ;;
-    notebooks) bash .gpu-extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
+    notebooks) extras=.gpu-extras; [ -d $extras ] || extras=../.gpu-extras   # run from a snapshot dir too
+               bash $extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
     *) echo "unknown part $part"; false ;;
   esac > "$RES/$part.log" 2>&1
   rc=$?
