@@ -22,15 +22,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lorabench.config import GRPOConfig, LoraSettings  # noqa: E402
-from lorabench.loss import token_logprobs  # noqa: E402
+from lorabench.loss import saved_activation_bytes, token_logprobs  # noqa: E402
 from lorabench.policy import Policy  # noqa: E402
+from lorabench.shapes import QWEN3_SHAPES  # noqa: E402
 
 LAYERS_OF_THE_REAL_MODEL = 28
 SETTINGS = [("float32", False), ("bfloat16", False), ("float32", True), ("bfloat16", True)]
@@ -39,8 +39,8 @@ SETTINGS = [("float32", False), ("bfloat16", False), ("float32", True), ("bfloat
 def model_dir(root: Path, layers: int) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
     out = root / f"layers-{layers}"
-    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    shape = {**QWEN3_SHAPES["0.6B"], "num_hidden_layers": layers}
+    config = Qwen3Config(vocab_size=151936, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, **shape)
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     return out
@@ -48,22 +48,14 @@ def model_dir(root: Path, layers: int) -> Path:
 
 def saved_bytes(policy: Policy, tokens: int, device: str) -> int:
     """Bytes autograd keeps for backward in one training forward of `tokens` tokens (2 sequences)."""
-    params = {p.untyped_storage().data_ptr() for p in policy.model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = max(kept.get(storage.data_ptr(), 0), storage.nbytes())
-        return t
-
     ids = torch.randint(0, 1000, (2, tokens // 2), device=device)
     policy.model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), policy.compute():
-        logp = token_logprobs(policy.model, ids, torch.ones_like(ids), 1.0, chunk_size=256)
+    with policy.compute():
+        kept, logp = saved_activation_bytes(
+            policy.model, lambda: token_logprobs(policy.model, ids, torch.ones_like(ids), 1.0, chunk_size=256))
     logp.sum().backward()  # what was kept must serve a real backward
     policy.model.eval()
-    return sum(kept.values())
+    return kept
 
 
 def main() -> None:
@@ -96,11 +88,10 @@ def main() -> None:
         import transformers
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()
-        meta = SimpleNamespace(torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
-                               device=args.device, machine=platform.processor() or platform.machine(),
-                               tokens=args.tokens, commit=os.environ.get("LORABENCH_COMMIT", commit),
-                               date=time.strftime("%Y-%m-%d %H:%M"))
-        Path(args.out).write_text(json.dumps({**vars(meta), "rows": rows}, indent=1))
+        meta = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+                "device": args.device, "machine": platform.processor() or platform.machine(), "tokens": args.tokens,
+                "commit": os.environ.get("LORABENCH_COMMIT", commit), "date": time.strftime("%Y-%m-%d %H:%M")}
+        Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

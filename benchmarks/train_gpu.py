@@ -14,6 +14,7 @@ are from the fp32-LoRA ones: bf16 LoRA matmuls must stay well inside the trainer
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -100,7 +101,7 @@ def measure(model_dir: str, batch: RolloutBatch, setting, repeats: int, referenc
            "mfu": flops / statistics.median(seconds) / (PEAK_BF16_TFLOPS * 1e12),
            "peak_allocated_gb": max(peaks), "peak_reserved_gb": max(reserved)}
     if reference is not None:
-        gap = mismatch(first_logp, _with_engine_logprobs(batch, reference))
+        gap = mismatch(first_logp, dataclasses.replace(batch, engine_logprobs=reference))
         row["vs_fp32_lora_logprobs"] = {"mean": gap["mismatch_mean"], "p99": gap["mismatch_p99"],
                                         "max": gap["mismatch_max"]}
     del policy
@@ -120,11 +121,6 @@ def _trainer_logprobs(policy: Policy, batch: RolloutBatch, grpo) -> torch.Tensor
             logp = token_logprobs(policy.model, part.input_ids, part.attention_mask, grpo.temperature)
         out[start:start + 32, :logp.shape[1]] = logp.float().cpu()
     return out
-
-
-def _with_engine_logprobs(batch: RolloutBatch, logp: torch.Tensor) -> RolloutBatch:
-    return RolloutBatch(batch.input_ids, batch.attention_mask, batch.completion_mask, logp, batch.rewards,
-                        batch.advantages)
 
 
 def profile(model_dir: str, batch: RolloutBatch, setting, out: Path) -> dict:
@@ -169,11 +165,10 @@ def main() -> None:
               "setting": f"Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections, synthetic {args.size} "
                          f"batch, Policy.train alone, p50 of {args.repeats} after 1 warm-up",
               "peak_bf16_tflops": PEAK_BF16_TFLOPS, "rows": []}
-    reference = None
+    reference = None   # the first setting's log-probs (fp32 LoRA, the old default): the others are compared
     for setting in SETTINGS:
-        row, logp = measure(model_dir, batch, setting, args.repeats, reference if setting[0] != "float32" else None)
-        if reference is None and setting[0] == "float32":
-            reference = logp
+        row, logp = measure(model_dir, batch, setting, args.repeats, reference)
+        reference = logp if reference is None else reference
         result["rows"].append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "train_s"}),
               flush=True)

@@ -145,6 +145,24 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     return torch.cat(pieces).view(n, length - 1)                                # [N, L-1]
 
 
+def saved_activation_bytes(model, fn) -> tuple[int, object]:
+    """Bytes of distinct tensor storages autograd saves for backward while fn() runs, parameters
+    excluded (they are resident anyway); returns (bytes, fn's result). What grows with the tokens
+    of a micro-batch (benchmarks/activation_memory.py)."""
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            saved[storage.data_ptr()] = storage.nbytes()  # views of one storage count once
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return sum(saved.values()), result
+
+
 # --- micro-batching ----------------------------------------------------------------------------
 def token_budget_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Split sequence indices into micro-batches whose padded size, len(batch) * longest length in

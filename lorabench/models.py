@@ -1,7 +1,9 @@
 """Models and tokenizers: load by hub name or local path, or the tiny offline default (tiny.py)."""
 from __future__ import annotations
 
+import contextlib
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,12 +113,17 @@ def pick_device(requested: str = "") -> str:
     return requested or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def with_lora(base, lora_config, adapter_name: str = "default"):
-    """PEFT's get_peft_model, without the FutureWarning it triggers by calling a transformers
-    attribute deprecated in 5.x (PEFT's to fix, not ours; it would show in every notebook)."""
-    import warnings
-
-    from peft import get_peft_model
+@contextlib.contextmanager
+def quiet_peft():
+    """Hides the FutureWarning PEFT triggers by reading a transformers attribute deprecated in 5.x
+    (`is_gradient_checkpointing`): PEFT's to fix, not ours, and it would show in every notebook."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def with_lora(base, lora_config, adapter_name: str = "default"):
+    """PEFT's get_peft_model, quietly (quiet_peft)."""
+    from peft import get_peft_model
+    with quiet_peft():
         return get_peft_model(base, lora_config, adapter_name=adapter_name)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 
 import torch
 
 from .adapters import AdapterError, AdapterLayout, FlatAdapter, base_weights, linear_shapes, plain_config, validate
 from .config import ConfigError
 from .loss import grpo_loss, token_budget_batches, token_logprobs
-from .models import load_model, pick_device, with_lora
+from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch
 
 
@@ -134,8 +133,7 @@ def _enable_activation_checkpointing(model) -> None:
     transformers >= 5.2x names it activation_checkpointing_enable; older 5.x gradient_checkpointing_enable."""
     base = model.get_base_model()
     enable = getattr(base, "activation_checkpointing_enable", None)
-    with warnings.catch_warnings():  # PEFT reads is_gradient_checkpointing, deprecated in transformers 5.x
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_peft():
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:

@@ -13,6 +13,7 @@ from lorabench.loss import (
     matmul_params,
     model_flops_per_token,
     plain_token_logprobs,
+    saved_activation_bytes,
     token_budget_batches,
     token_logprobs,
 )
@@ -51,23 +52,6 @@ def tiny_plain_qwen3(vocab_size: int, hidden_size: int = 64, seed: int = 0):
                          eos_token_id=0, pad_token_id=0)
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(config).eval()
-
-
-def saved_activation_bytes(model, fn) -> tuple[int, object]:
-    """Bytes of distinct tensor storages autograd saves for backward while fn() runs, parameters
-    excluded (they are resident anyway); returns (bytes, fn's result)."""
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameter_storages:
-            saved[storage.data_ptr()] = storage.nbytes()  # views of one storage count once
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        result = fn()
-    return sum(saved.values()), result
 
 
 # --- token_logprobs: values ------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 from conftest import perturb_lora_B
 
 from lorabench.config import Config, ConfigError
-from lorabench.loss import token_logprobs
+from lorabench.loss import saved_activation_bytes, token_logprobs
 from lorabench.policy import Policy, lora_compute_dtype
 
 LORA = ["lora.r=4", "lora.alpha=8"]
@@ -28,22 +28,13 @@ def _batch(tokenizer):
 
 def _forward_backward(policy: Policy, ids, mask) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     """Log-probs, the LoRA gradients and the bytes autograd kept (parameters excluded) for one pass."""
-    params = {p.untyped_storage().data_ptr() for p in policy.model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = max(kept.get(storage.data_ptr(), 0), storage.nbytes())
-        return t
-
     policy.model.train()
     policy.optimizer.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), policy.compute():
-        logp = token_logprobs(policy.model, ids, mask, 1.0)
+    with policy.compute():
+        kept, logp = saved_activation_bytes(policy.model, lambda: token_logprobs(policy.model, ids, mask, 1.0))
     (logp * mask[:, 1:]).sum().backward()
     policy.model.eval()
-    return logp.detach().float(), [p.grad.clone() for p in policy.params], sum(kept.values())
+    return logp.detach().float(), [p.grad.clone() for p in policy.params], kept
 
 
 def test_auto_follows_the_model_dtype():
