@@ -9,7 +9,7 @@
 #        lora_decode (benchmarks/lora_decode_gpu.py: SGLang decode with/without LoRA per kernel backend),
 #        notebooks (the three notebooks with SGLang in a Jupyter kernel; needs .gpu-extras).
 # Results (JSON, PNG, one log per part) are packed into $OUT/results.tgz (the device tool brings
-# back at most 8 files); one failing part does not stop the others.
+# back at most 8 files), re-packed after each part; one failing part does not stop the others.
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 RES=$(mktemp -d /tmp/gpu-results-XXXX)
@@ -39,6 +39,6 @@ for part in "$@"; do
   echo "== $part: exit $rc in $(( $(date +%s) - start )) s"
   grep -E "PASSED|FAILED|ERROR|passed|failed|Error|^\{" "$RES/$part.log" | grep -v "Warning" | tail -25
   if [ $rc -ne 0 ]; then status=$rc; tail -60 "$RES/$part.log"; fi
+  tar -czf "$OUT/results.tgz" -C "$RES" .   # after every part: a call cut off by its time limit keeps what ran
 done
-mkdir -p "$OUT" && tar -czf "$OUT/results.tgz" -C "$RES" .
 exit $status
