@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batches", default="512")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="names from VARIANTS, comma-separated")
+    parser.add_argument("--variants", default=";".join(VARIANTS), help="names from VARIANTS, separated by ; (names hold commas)")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     args = parser.parse_args()
     import sglang
@@ -70,7 +70,7 @@ def main() -> None:
               "commit": os.environ.get("LORABENCH_COMMIT", ""), "date": time.strftime("%Y-%m-%d %H:%M"),
               "setting": f"Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections, {args.new_tokens} new "
                          f"tokens, ignore_eos, T=1.0, p50 of 3 after 1 warm-up", "rows": []}
-    for name in args.variants.split(","):
+    for name in args.variants.split(";"):
         settings = SGLangSettings(max_lora_rank=32, mem_fraction_static=0.5, dtype="bfloat16",
                                   cuda_graph_max_bs=max(batches), **STACK, extra_args=VARIANTS[name])
         with SGLangEngine(q06, settings) as engine:

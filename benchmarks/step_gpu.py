@@ -169,7 +169,7 @@ def fits_24gb(model_dir: str, data: Path, which: str, trainer_gb: float) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default="", help="the JSON to write (required, except in a --fit-child)")
     parser.add_argument("--sizes", default="16x8x128,32x8x256,64x8x256,128x8x256")
     parser.add_argument("--mem", type=float, default=0.5, help="engine mem_fraction_static for the size sweep")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
@@ -181,6 +181,8 @@ def main() -> None:
         model_dir, data, which, cap = args.fit_child.split(",")
         print("FIT " + json.dumps(fits_24gb_child(model_dir, Path(data), which, float(cap))), flush=True)
         return
+    if not args.out:    # checked here: the fit child is started without --out
+        parser.error("--out is required: the JSON file to write, e.g. --out results/step.json")
     import sglang
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
     root = Path(tempfile.mkdtemp(prefix="step-gpu-"))

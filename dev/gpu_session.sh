@@ -8,6 +8,8 @@
 #        memory (benchmarks/activation_memory.py on the GPU),
 #        lora_decode (benchmarks/lora_decode_gpu.py: SGLang decode with/without LoRA per kernel backend),
 #        notebooks (the three notebooks with SGLang in a Jupyter kernel; needs .gpu-extras).
+# Carry .gpu-extras (its lean tarball and with-extras.sh) for `tests` too: its torch_memory_saver
+# runs the release/resume test, which skips without it.
 # Results (JSON, PNG, one log per part) are packed into $OUT/results.tgz (the device tool brings
 # back at most 8 files), re-packed after each part; one failing part does not stop the others.
 set -uo pipefail
@@ -19,10 +21,12 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu.txt" 2>&1
 status=0
+extras=.gpu-extras; [ -d $extras ] || extras=../.gpu-extras   # run from a snapshot dir too
+with_extras=(); [ -f $extras/with-extras.sh ] && with_extras=(bash $extras/with-extras.sh)
 for part in "$@"; do
   start=$(date +%s)
   case $part in
-    tests) python -m pytest -m gpu -v -p no:cacheprovider ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
+    tests) "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
              ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py} ;;
     refresh) python benchmarks/refresh_gpu.py --out "$RES/refresh_tp${LORABENCH_TP:-1}.json" --tp "${LORABENCH_TP:-1}" \
                ${LORABENCH_REFRESH_ARGS:-} ;;
@@ -31,8 +35,7 @@ for part in "$@"; do
              ${LORABENCH_TRAIN_ARGS:-} ;;
     lora_decode) python benchmarks/lora_decode_gpu.py --out "$RES/lora_decode.json" ${LORABENCH_DECODE_ARGS:-} ;;
     memory) python benchmarks/activation_memory.py --device cuda --out "$RES/activation_memory_gpu.json" ;;
-    notebooks) extras=.gpu-extras; [ -d $extras ] || extras=../.gpu-extras   # run from a snapshot dir too
-               bash $extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
+    notebooks) bash $extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
     *) echo "unknown part $part"; false ;;
   esac > "$RES/$part.log" 2>&1
   rc=$?

@@ -178,13 +178,14 @@ def greedy_completions(trainer, problems, adapter: str | None = "serving") -> li
 def trainer_vs_engine(trainer, sequences: list[list[int]], prompt_lens: list[int], adapter: str | None) -> dict:
     """|trainer log-prob − engine log-prob| over the completion tokens (mean, p99, max): the check that
     a request ran the trainer's current policy (GRPO logs it every step as mismatch/mean, /p99, /max).
-    The mean and p99 are the robust figures; the max of one token is a rounding tail in bf16."""
-    temperature = trainer.cfg.grpo.temperature
-    engine_lp = trainer.engine.score(sequences, prompt_lens, adapter, temperature=temperature)
+    The mean and p99 are the robust figures; the max of one token is a rounding tail in bf16.
+    Both sides score at temperature 1 whatever the run samples at: the check is about the weights, a
+    temperature divides both sides' logits alike, and SGLang's prefill scores at temperature 1 only."""
+    engine_lp = trainer.engine.score(sequences, prompt_lens, adapter)
     diffs = []
     for seq, plen, lp in zip(sequences, prompt_lens, engine_lp):
         ids = torch.tensor([seq], device=trainer.device)
-        mine = token_logprobs(trainer.model, ids, torch.ones_like(ids), temperature)[0, plen - 1:].cpu()
+        mine = token_logprobs(trainer.model, ids, torch.ones_like(ids), 1.0)[0, plen - 1:].cpu()
         diffs.append((mine - lp).abs())
     diffs = torch.cat(diffs)
     return {"mean": diffs.mean().item(), "p99": diffs.quantile(0.99).item(), "max": diffs.max().item()}
