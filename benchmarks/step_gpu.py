@@ -121,8 +121,8 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, steps: int
 
 # The README's real-model command, less what needs the hub (model, data) and the run length.
 README_COMMAND = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.max_new_tokens=512",
-                  "grpo.prompts_per_step=32", "grpo.group_size=8", "grpo.micro_batch_tokens=4096",
-                  "grpo.temperature=1.0", "engine.mem_fraction_static=0.4"]
+                  "grpo.prompts_per_step=32", "grpo.group_size=8", "grpo.temperature=1.0",
+                  "engine.mem_fraction_static=0.4"]
 FITS = {"readme_command": (32, 8, 512), "step_benchmark": (64, 8, 256)}
 GPU_GB = 24.0
 

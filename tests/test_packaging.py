@@ -7,6 +7,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -217,6 +218,22 @@ def test_readme_commands_use_valid_config_keys():
     for args in commands:
         overrides = [a for a in args if re.match(r"^[a-z_]+\.[a-z_]+=", a)]
         Config.load(overrides=overrides)
+
+
+def test_step_benchmark_checks_the_readme_real_model_command():
+    """benchmarks/step_gpu.py's 24 GB check runs README's real-model command less the hub parts; the
+    two must not drift apart (a README edit would leave the check measuring another setting)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_gpu import README_COMMAND
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    real = [args for args in _readme_commands() if "model.name_or_path=Qwen/Qwen3-0.6B" in args]
+    assert len(real) == 1, "README should show one real-model command"
+    overrides = {a for a in real[0] if re.match(r"^[a-z_]+\.[a-z_]+=", a)}
+    hub_or_length = {"model.", "data.", "engine.backend", "engine.dtype", "grpo.steps"}
+    expected = {a for a in overrides if not a.startswith(tuple(hub_or_length))}
+    assert set(README_COMMAND) == expected, (set(README_COMMAND) ^ expected)
 
 
 # --- the shape of the code (what the re-cut promised, measured on the tree) ------------------------------

@@ -45,9 +45,10 @@ def test_auto_follows_the_model_dtype():
 
 def test_bf16_lora_compute_keeps_less_and_stays_close(tiny_model_dir, tokenizer):
     ids, mask = _batch(tokenizer)
-    fp32_lp, fp32_grads, fp32_kept = _forward_backward(_policy(tiny_model_dir, "bfloat16", "grpo.lora_compute=float32"),
-                                                       ids, mask)
-    bf16_policy = _policy(tiny_model_dir, "bfloat16")                       # auto -> bfloat16
+    keep = "grpo.activation_checkpointing=false"       # what autograd keeps is what this test compares
+    fp32_lp, fp32_grads, fp32_kept = _forward_backward(
+        _policy(tiny_model_dir, "bfloat16", "grpo.lora_compute=float32", keep), ids, mask)
+    bf16_policy = _policy(tiny_model_dir, "bfloat16", keep)                 # auto -> bfloat16
     assert bf16_policy.bf16_lora
     assert all(p.dtype == torch.float32 for p in bf16_policy.params)        # the adapter stays fp32
     bf16_lp, bf16_grads, bf16_kept = _forward_backward(bf16_policy, ids, mask)
@@ -62,8 +63,9 @@ def test_bf16_lora_compute_keeps_less_and_stays_close(tiny_model_dir, tokenizer)
 
 def test_activation_checkpointing_same_gradients_far_less_kept(tiny_model_dir, tokenizer):
     ids, mask = _batch(tokenizer)
-    plain_lp, plain_grads, plain_kept = _forward_backward(_policy(tiny_model_dir, "float32"), ids, mask)
-    ckpt = _policy(tiny_model_dir, "float32", "grpo.activation_checkpointing=true")
+    plain = _policy(tiny_model_dir, "float32", "grpo.activation_checkpointing=false")
+    plain_lp, plain_grads, plain_kept = _forward_backward(plain, ids, mask)
+    ckpt = _policy(tiny_model_dir, "float32")                               # the default: checkpointing on
     ckpt_lp, ckpt_grads, ckpt_kept = _forward_backward(ckpt, ids, mask)
     assert torch.allclose(ckpt_lp, plain_lp, atol=1e-6, rtol=0)
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(ckpt_grads, plain_grads))
