@@ -54,7 +54,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batches", default="512")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--variants", default=";".join(VARIANTS), help="names from VARIANTS, separated by ; (names hold commas)")
+    parser.add_argument("--variants", default=";".join(VARIANTS),
+                        help="names from VARIANTS, separated by ; (the names hold commas)")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     args = parser.parse_args()
     import sglang
