@@ -10,8 +10,8 @@ random-init model of Qwen3-0.6B's shape (lorabench.shapes). Into OUT_DIR go: the
 (<name>.ipynb, also when a cell failed), each figure as PNG (<name>_<figure>.png: the inline figures
 and notebook 01's panel, named by the figure's label), notebook 02's measured rows
 (refresh_notebook02_sglang.json) and notebooks_gpu.json: per notebook the wall time, the injected
-parameters, the figures with their smallest text in pixels, and the error if any. Exit status 1 if
-a notebook failed.
+parameters, the figures with their smallest text in pixels, what the cells wrote to stderr, and the
+error if any. Exit status 1 if a notebook failed or showed anything on stderr.
 """
 from __future__ import annotations
 
@@ -101,6 +101,14 @@ def save_figures(nb, stem: str, out: Path) -> list[dict]:
     return saved
 
 
+def stderr_outputs(nb) -> list[str]:
+    """The start of every stderr stream a cell showed: in JupyterLab each is a red box the learner
+    sees (library progress bars, warnings), so any is a failure of the lesson."""
+    return [f"cell {i}: {''.join(o.get('text', ''))[:200]}" for i, cell in enumerate(nb.cells)
+            if cell.cell_type == "code" for o in cell.get("outputs", [])
+            if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+
+
 def run_notebook(stem: str, values: dict, out: Path) -> dict:
     nb = parameterized(NOTEBOOKS / f"{stem}.ipynb", values)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
@@ -117,6 +125,7 @@ def run_notebook(stem: str, values: dict, out: Path) -> dict:
         record["seconds"] = round(time.perf_counter() - t0, 1)
         nbformat.write(nb, out / f"{stem}.ipynb")
         record["figures"] = save_figures(nb, stem, out)
+        record["stderr"] = stderr_outputs(nb)
     return record
 
 
@@ -127,14 +136,15 @@ def main() -> int:
     for stem, values in parameters(out).items():
         record = run_notebook(stem, values(), out)
         records.append(record)
-        print(f"{stem}: {record.get('seconds', '?')} s, {len(record.get('figures', []))} figures"
+        print(f"{stem}: {record.get('seconds', '?')} s, {len(record.get('figures', []))} figures, "
+              f"{len(record['stderr'])} stderr outputs" + (f": {record['stderr'][0]}" if record["stderr"] else "")
               + (f", FAILED: {record['error'][-600:]}" if record["error"] else ""), flush=True)
     import torch
     summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                "commit": os.environ.get("LORABENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d %H:%M"),
                "notebooks": records}
     (out / "notebooks_gpu.json").write_text(json.dumps(summary, indent=1))
-    return 1 if any(r["error"] for r in records) else 0
+    return 1 if any(r["error"] or r["stderr"] for r in records) else 0
 
 
 if __name__ == "__main__":

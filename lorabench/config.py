@@ -130,6 +130,9 @@ class EngineConfig:
                       "the trainer stays on cuda:0 (docs/multi_gpu.md).")
     extra_args: str = _f("", "sglang: JSON object of further sglang.Engine arguments, e.g. "
                          '\'{"enable_memory_saver": true}\'.')
+    log_file: str = _f("", "sglang: a file (appended) for the output of the engine's own processes: its "
+                       "progress bars and logs; '' = this process's stdout/stderr. The notebooks send it to "
+                       "their run dir, so their output is the lesson's alone.")
 
 
 @dataclass

@@ -64,6 +64,12 @@ def check_dirs(cfg: Config, run_dir: Path | None = None) -> None:
             _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
     if cfg.refresh.tmp_dir:
         _writable(cfg.refresh.tmp_dir, "refresh.tmp_dir")
+    if cfg.engine.log_file:     # opened, not created, when the engine starts: its directory must exist
+        parent = Path(cfg.engine.log_file).expanduser().absolute().parent
+        if not parent.is_dir():
+            raise ConfigError(f"engine.log_file={cfg.engine.log_file!r}: the directory {parent} does not exist; "
+                              f"create it, or name a file in an existing directory")
+        _writable(parent, "engine.log_file")
 
 
 def prompt_limit(cfg: Config, context: int) -> tuple[int, str]:

@@ -30,6 +30,7 @@ import html
 import threading
 import traceback
 import warnings
+from pathlib import Path
 
 import ipywidgets as widgets
 import matplotlib
@@ -62,6 +63,14 @@ def setup_notebook() -> None:
         show_figures_with_text_size(shell)
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
+def sglang_in_notebook() -> list[str]:
+    """The config overrides a notebook adds to run the sglang engine in its kernel: the output of the
+    engine's own processes (SGLang's progress bars while it loads weights and captures CUDA graphs)
+    goes to a log file, since a kernel shows whatever they write in the notebook."""
+    import tempfile
+    return [f"engine.log_file={Path(tempfile.gettempdir()) / 'lorabench-sglang.log'}"]
 
 
 _TABLE_STYLE = ("<style>.lb-table td,.lb-table th{padding:2px 8px;text-align:left;font-size:12px;"

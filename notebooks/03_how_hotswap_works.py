@@ -27,7 +27,7 @@
 # **How long.** On a CPU (2 cores), these defaults: about 1 minute (62 s measured for Run All in a
 # fresh kernel) once the tiny model is cached, as after notebook 01 or `lorabench demo`; about
 # 3.5 minutes (200 s) the first time, which builds the model and warm-starts it.
-# On a GPU: not yet measured on a GPU.
+# On a GPU: not yet measured end to end (the H200 run of this notebook stopped at section 4; fixed since).
 
 # %%
 # setup
@@ -49,7 +49,7 @@ from lorabench.engines import make_engine
 from lorabench.grpo import GRPOTrainer
 from lorabench.models import resolve_model_path
 from lorabench.refresh import make_refresher
-from lorabench.widgets import setup_notebook
+from lorabench.widgets import setup_notebook, sglang_in_notebook
 
 setup_notebook()
 
@@ -63,9 +63,8 @@ LAYER = "model.layers.0.self_attn.q_proj"   # the layer section 1 looks into
 OVERRIDES = []
 
 # %%
-if ENGINE == "sglang":
-    import nest_asyncio
-    nest_asyncio.apply()  # sglang.Engine runs its own event loop inside the kernel's
+if ENGINE == "sglang":   # its progress bars go to a log file, not here
+    OVERRIDES = [*sglang_in_notebook(), *OVERRIDES]
 cfg = Config.load(None, [f"engine.backend={ENGINE}", f"model.name_or_path={MODEL}", "refresh.mode=tensor",
                          *OVERRIDES])
 model_path = resolve_model_path(cfg)

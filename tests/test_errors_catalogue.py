@@ -383,6 +383,16 @@ def test_read_only_dirs(run_cli, read_only_dir, tiny_model_dir, field_name):
     assert f"point {field_name} at a writable directory" in line
 
 
+def test_engine_log_file_in_a_missing_directory(run_cli, tmp_path):
+    """engine.log_file is opened, not created, when the engine starts: a missing directory is found
+    before the run dir or the model exists (the engine's own check is in test_sglang_inplace_unit)."""
+    target = tmp_path / "no-such-dir" / "engine.log"
+    line = run_cli(f"engine.log_file={target}")
+    assert f"engine.log_file='{target}'" in line and f"the directory {target.parent} does not exist" in line
+    assert "create it, or name a file in an existing directory" in line
+    assert not target.parent.exists()
+
+
 # --- data on the command line: found before the run dir or the model exists ------------------------
 def test_dataset_not_utf8_on_the_command_line(run_cli, tmp_path):
     path = tmp_path / "d.jsonl"

@@ -136,3 +136,41 @@ def test_status_reply_is_json_of_known_shape(on_rank0):
     pool.handle(None, [(f"{pool.PREFIX}apply/id1/status/0", status)])
     text = bytes(status.numpy()).rstrip(b"\0").decode()
     assert json.loads(text) == pool.read_status(status) and set(json.loads(text)) == {"refused"}
+
+
+# --- engine.log_file: where the engine's own processes write ---------------------------------------------
+def test_engine_processes_write_to_the_log_file_and_this_process_gets_its_output_back(tmp_path, capfd):
+    """What a child started inside the block writes (stdout and stderr, for its whole life) goes to the
+    file; this process's own descriptors are restored after it."""
+    import subprocess
+    import sys
+
+    from lorabench.engines.sglang import child_output_to
+    log = tmp_path / "engine.log"
+    script = ("import sys, time; print('child out', flush=True); time.sleep(0.3); "
+              "print('child err late', file=sys.stderr)")
+    with child_output_to(str(log)):
+        child = subprocess.Popen([sys.executable, "-c", script])      # inherits descriptors 1 and 2
+    print("parent after", flush=True)
+    child.wait(timeout=30)
+    written = log.read_text()
+    assert "child out" in written and "child err late" in written      # also after the block ended
+    captured = capfd.readouterr()
+    assert "parent after" in captured.out and "child" not in captured.out + captured.err
+
+
+def test_engine_log_file_in_a_missing_dir_is_refused_with_the_fix(tmp_path):
+    from lorabench.engines.base import EngineError
+    from lorabench.engines.sglang import child_output_to
+    path = tmp_path / "no-such-dir" / "engine.log"
+    with pytest.raises(EngineError, match=r"engine.log_file=.*no-such-dir.*existing, writable directory"):
+        with child_output_to(str(path)):
+            pass
+    assert not path.parent.exists()
+
+
+def test_empty_log_file_changes_nothing(capfd):
+    from lorabench.engines.sglang import child_output_to
+    with child_output_to(""):
+        print("here", flush=True)
+    assert "here" in capfd.readouterr().out

@@ -27,8 +27,10 @@ If the scheduler dies, SGLang kills its whole process tree, the parent included.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +79,7 @@ class SGLangSettings:
     cuda_graph_max_bs: int = 0
     tp_size: int = 1
     extra_args: dict = field(default_factory=dict)
+    log_file: str = ""          # where the engine's processes write; '' = inherit this process's
 
     @classmethod
     def from_config(cls, cfg) -> SGLangSettings:
@@ -90,7 +93,8 @@ class SGLangSettings:
                    dtype=e.dtype, seed=cfg.run.seed, attention_backend=e.attention_backend,
                    sampling_backend=e.sampling_backend, grammar_backend=e.grammar_backend,
                    disable_cuda_graph=e.disable_cuda_graph, cuda_graph_max_bs=e.cuda_graph_max_bs or largest_batch,
-                   tp_size=e.tp_size, extra_args=json.loads(e.extra_args) if e.extra_args else {})
+                   tp_size=e.tp_size, extra_args=json.loads(e.extra_args) if e.extra_args else {},
+                   log_file=e.log_file)
 
     def engine_kwargs(self, model_path: str) -> dict:
         kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True,
@@ -162,6 +166,37 @@ def check_reply(result, what: str):
     raise EngineError(f"{what} failed; engine says: {message}")
 
 
+@contextlib.contextmanager
+def child_output_to(path: str):
+    """While the engine's processes start, this process's stdout and stderr (file descriptors 1 and
+    2) point at `path`: the children inherit it and write there for their whole life (SGLang's
+    progress bars would otherwise land in a notebook's output, which captures those descriptors);
+    this process gets its own back when the block ends. '' changes nothing."""
+    if not path:
+        yield
+        return
+    try:
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError as err:
+        raise EngineError(f"engine.log_file={path!r}: cannot open it for writing ({err.strerror}); name a "
+                          f"file in an existing, writable directory, or set engine.log_file='' to keep the "
+                          f"engine's output here") from err
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, target):
+            os.close(fd)
+
+
 def _start(model_path: str, settings: SGLangSettings, overrides: dict):
     """sglang.Engine with our settings, its rendezvous store on loopback, or an EngineError saying why not."""
     try:
@@ -181,7 +216,7 @@ def _start(model_path: str, settings: SGLangSettings, overrides: dict):
         torch.cuda.empty_cache()
     store = LoopbackStore.for_engine(tp_size)
     try:
-        with store.environment():
+        with store.environment(), child_output_to(settings.log_file):
             return sglang.Engine(**kwargs), store
     except (ValueError, RuntimeError, AssertionError) as err:
         store.close()
