@@ -8,7 +8,9 @@ next to the physical floor: the bytes moved divided by the measured copy bandwid
 
 Each row is the median of `repeats` refreshes of the same adapter after `warmup` untimed ones:
     {"engine", "device", "mode", "rank", "bucket_mb", "bytes", "buckets", "parts": {part: s},
-     "total_s", "min_s", "repeats"}
+     "total_s", "min_s", "first_request_s", "repeats"}
+`first_request_s` is the median of the request right after each refresh (one prompt, one greedy
+token, with the refreshed adapter): with the call, the refresh end to end as a rollout sees it.
 Parts are the refresher's own (refresh.py), after the policy's snapshot (timed here as `snapshot`):
 file = stage (per bucket, to the host) + write + unload + load; tensor = stage (per bucket) + unload +
 load; inplace = write (after its first, loading refresh); merged = merge + push (per bucket).
@@ -27,11 +29,12 @@ from pathlib import Path
 import torch
 
 from .adapters import base_weights
-from .engines.base import AdapterNotLoaded
+from .engines.base import AdapterNotLoaded, Sampling
 from .refresh import REFRESH_MODES, make_refresher, synced_time
 
 MODES = tuple(m for m, cls in REFRESH_MODES.items() if cls.keeps_engine_fresh)   # every mode but the stale control
 BUCKETS_MB = (0.01, 0.03, 0.1, 0.3, 1.0, 4.0, 16.0, 64.0, 512.0)   # log-spaced; the tiny adapter is ~1 MB
+FIRST_REQUEST = list(range(10, 42))   # 32 prompt token ids every model's vocabulary has
 
 
 def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
@@ -98,7 +101,7 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
     layers = LoraLayers(peft_model, flatten=True)  # as the policy keeps them
     refresher = make_refresher(mode, engine, adapter_name, bucket_mb=bucket_mb,
                                base_weights=base_weights(peft_model) if mode == "merged" else None)
-    records = []
+    records, first_requests = [], []
     try:
         for version in range(warmup + repeats):
             t0 = synced_time()
@@ -106,8 +109,11 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
             snapshot_s = synced_time() - t0
             record = refresher.refresh(adapter)
             record.parts = {"snapshot": snapshot_s, **record.parts}
+            t0 = synced_time()
+            engine.generate([FIRST_REQUEST], Sampling(max_new_tokens=1, temperature=0.0), refresher.serving_adapter)
             if version >= warmup:
                 records.append(record)
+                first_requests.append(synced_time() - t0)
     finally:
         refresher.close()
         if mode != "merged":
@@ -116,7 +122,8 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
     return {"engine": getattr(engine, "name", type(engine).__name__), "device": str(getattr(engine, "device", "")),
             "mode": mode, "rank": int(peft_model.peft_config["default"].r), "bucket_mb": bucket_mb,
             "bytes": median.nbytes, "buckets": len(median.buckets), "parts": dict(median.parts),
-            "total_s": median.total_s, "min_s": min(r.total_s for r in records), "repeats": repeats}
+            "total_s": median.total_s, "min_s": min(r.total_s for r in records),
+            "first_request_s": statistics.median(first_requests), "repeats": repeats}
 
 
 def sweep(engine, model_path: str, modes=MODES, ranks=(4, 16, 64), buckets_mb=BUCKETS_MB, repeats: int = 3,

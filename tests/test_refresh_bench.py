@@ -31,11 +31,15 @@ def test_bandwidth_is_measured():
 
 
 @pytest.mark.parametrize("mode", ["file", "tensor", "inplace", "merged"])
-def test_measure_refresh_row(engine, tiny_model_dir, mode):
+def test_measure_refresh_row(engine, tiny_model_dir, mode, monkeypatch):
     model = rb.adapter_model(str(tiny_model_dir), LORA_R)
     adapter = FlatAdapter.from_peft(model)
     bucket_mb = 0.01
+    served, generate = [], engine.generate
+    monkeypatch.setattr(engine, "generate", lambda p, s, a: served.append((a, s.max_new_tokens)) or generate(p, s, a))
     row = rb.measure_refresh(engine, model, mode, bucket_mb, repeats=3, warmup=1)
+    # after each refresh one 1-token request with what the refresh made current (merged: the base)
+    assert served == [(None if mode == "merged" else "bench", 1)] * 4 and row["first_request_s"] > 0
     assert (row["mode"], row["rank"], row["bucket_mb"], row["engine"]) == (mode, LORA_R, bucket_mb, "hf")
     assert set(row["parts"]) == PARTS[mode]
     assert row["total_s"] == pytest.approx(sum(row["parts"].values()))
