@@ -183,6 +183,21 @@ def test_two_adapters_are_independent(engine, make_peft_model, base_model, sampl
     assert engine.served_version("one") is None and engine.served_version("two") == 2
 
 
+def test_unloading_the_active_adapter_is_quiet_and_keeps_the_other(engine, make_peft_model, sample_sequences):
+    """Unloading the adapter the last request used: no PEFT warning (it reached notebook 03's output
+    as a red box) and the other adapter still serves its own weights."""
+    import warnings
+    seqs, lens = sample_sequences
+    m1, m2 = make_peft_model(seed=1), make_peft_model(seed=2)
+    engine.load_adapter_tensors("one", FlatAdapter.from_peft(m1))
+    engine.load_adapter_tensors("two", FlatAdapter.from_peft(m2))
+    engine.score(seqs, lens, "two")                            # "two" is PEFT's active adapter now
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.unload_adapter("two")
+    assert max_abs_diff(engine.score(seqs, lens, "one"), model_logprobs(m1, seqs, lens)) < 1e-5
+
+
 def test_invalid_adapter_refused_before_install(engine, adapter, sample_sequences):
     _, flat = adapter
     bad = FlatAdapter(flat.buffer.clone(), flat.layout, flat.config, 1)

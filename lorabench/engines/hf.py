@@ -147,6 +147,8 @@ class HFEngine:
             self._base = self._peft.unload()
             self._peft = None
         else:
+            if name in self._peft.active_adapters:   # PEFT warns when the active one goes; any other will do
+                self._peft.set_adapter(next(iter(self._adapters)))
             self._peft.delete_adapter(name)
 
     def _model_for(self, adapter: str | None):
