@@ -24,9 +24,9 @@
 # before and after, the same problems answered before and after, and the command that continues
 # the run from a shell.
 #
-# **How long.** On a CPU (2 cores), these defaults: about 2 minutes (107 s measured for Run All in
-# a fresh kernel) once the tiny model is cached; about 4 minutes (225 s) the first time, which
-# builds the model and warm-starts it (400 steps) into `~/.cache/lorabench` (or
+# **How long.** On a CPU (2 cores), these defaults: about 1.5 minutes (85-99 s measured in two runs
+# of Run All in a fresh kernel) once the tiny model is cached; about 4 minutes (244 s) the first
+# time, which builds the model and warm-starts it (400 steps) into `~/.cache/lorabench` (or
 # `$LORABENCH_CACHE`), where notebook 03 and `lorabench demo` find it too.
 # On a GPU (one H200, `ENGINE = "sglang"`, Run All in a Jupyter kernel, the tiny model cached): about
 # 1.5 minutes (96 s measured, the engine's start included).

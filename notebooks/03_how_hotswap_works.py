@@ -24,9 +24,9 @@
 # 2. `'all-linear'` passed through `list()` becomes characters;
 # 3. a stale adapter after a training step.
 #
-# **How long.** On a CPU (2 cores), these defaults: about 1 minute (62 s measured for Run All in a
-# fresh kernel) once the tiny model is cached, as after notebook 01 or `lorabench demo`; about
-# 3.5 minutes (200 s) the first time, which builds the model and warm-starts it.
+# **How long.** On a CPU (2 cores), these defaults: about 1 minute (51-72 s measured in three runs
+# of Run All in a fresh kernel) once the tiny model is cached, as after notebook 01 or `lorabench
+# demo`; about 3 minutes (166 s) the first time, which builds the model and warm-starts it.
 # On a GPU: not yet measured end to end (the H200 run of this notebook stopped at section 4; fixed since).
 
 # %%
