@@ -132,7 +132,7 @@ class EngineConfig:
                          '\'{"enable_memory_saver": true}\'.')
     log_file: str = _f("", "sglang: a file (appended) for the output of the engine's own processes: its "
                        "progress bars and logs; '' = this process's stdout/stderr. The notebooks send it to "
-                       "their run dir, so their output is the lesson's alone.")
+                       "lorabench-sglang.log in the temp dir, so their output is the lesson's alone.")
 
 
 @dataclass

@@ -226,6 +226,8 @@ def _start(model_path: str, settings: SGLangSettings, overrides: dict):
             hint = (f"; with engine.tp_size={tp_size} SGLang also refuses GPUs whose free memory differs by more "
                     f"than 10% (this process holds {held:.1f} GB on its current GPU, which rank 0 shares): start "
                     f"the engine before the trainer, or see docs/multi_gpu.md")
+        if settings.log_file:
+            hint += f"; the engine's own output is in {settings.log_file}"
         raise EngineError(f"sglang.Engine failed to start ({type(err).__name__}: {err}); check "
                           f"engine.mem_fraction_static (now {settings.mem_fraction_static}) and the model path "
                           f"{model_path}{hint}") from err
