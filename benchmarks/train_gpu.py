@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from step_gpu import PEAK_BF16_TFLOPS  # noqa: E402  (this directory: the H200's vendor peak, one place)
+
 from lorabench.config import GRPOConfig, LoraSettings  # noqa: E402
 from lorabench.loss import model_flops_per_token  # noqa: E402
 from lorabench.policy import Policy, mismatch  # noqa: E402
@@ -35,7 +37,6 @@ from lorabench.rollout import RolloutBatch  # noqa: E402
 from lorabench.shapes import random_qwen3_dir  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
-PEAK_BF16_TFLOPS = 989.0     # H200 SXM dense bf16, the vendor's figure
 # (lora_compute, activation_checkpointing, micro_batch_tokens): PEFT's fp32 LoRA first (the reference
 # of the log-prob gap), the default second (profiled). The sixth session's grid found training bound
 # by kernel launches per micro-batch, so the budget goes up to 65536 with checkpointing

@@ -28,8 +28,11 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))   # notebook_helpers: the notebook tests' checks of executed outputs
 NOTEBOOKS = ROOT / "notebooks"
 CACHE = Path(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
+from notebook_helpers import noise  # noqa: E402
+
 CELL_TIMEOUT_S = 1200
 # the offline GPU stack has no FlashInfer/FA3 or xgrammar (README, "Running the real configuration")
 ENGINE_ARGS = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
@@ -101,14 +104,6 @@ def save_figures(nb, stem: str, out: Path) -> list[dict]:
     return saved
 
 
-def stderr_outputs(nb) -> list[str]:
-    """The start of every stderr stream a cell showed: in JupyterLab each is a red box the learner
-    sees (library progress bars, warnings), so any is a failure of the lesson."""
-    return [f"cell {i}: {''.join(o.get('text', ''))[:200]}" for i, cell in enumerate(nb.cells)
-            if cell.cell_type == "code" for o in cell.get("outputs", [])
-            if o.get("output_type") == "stream" and o.get("name") == "stderr"]
-
-
 def run_notebook(stem: str, values: dict, out: Path) -> dict:
     nb = parameterized(NOTEBOOKS / f"{stem}.ipynb", values)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
@@ -125,7 +120,7 @@ def run_notebook(stem: str, values: dict, out: Path) -> dict:
         record["seconds"] = round(time.perf_counter() - t0, 1)
         nbformat.write(nb, out / f"{stem}.ipynb")
         record["figures"] = save_figures(nb, stem, out)
-        record["stderr"] = stderr_outputs(nb)
+        record["stderr"] = noise(nb)      # what a lesson must not show: stderr, library progress bars
     return record
 
 
@@ -137,7 +132,7 @@ def main() -> int:
         record = run_notebook(stem, values(), out)
         records.append(record)
         print(f"{stem}: {record.get('seconds', '?')} s, {len(record.get('figures', []))} figures, "
-              f"{len(record['stderr'])} stderr outputs" + (f": {record['stderr'][0]}" if record["stderr"] else "")
+              f"{len(record['stderr'])} noisy outputs" + (f": {record['stderr'][0]}" if record["stderr"] else "")
               + (f", FAILED: {record['error'][-600:]}" if record["error"] else ""), flush=True)
     import torch
     summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
