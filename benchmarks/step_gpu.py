@@ -175,6 +175,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--skip-24gb", action="store_true")
     parser.add_argument("--trainer-cap-gb", type=float, default=12.0, help="the trainer's share of a 24 GB GPU")
+    parser.add_argument("--engine-extra", default="", help="engine.extra_args for the size sweep's engine (JSON), "
+                        "e.g. '{\"lora_backend\": \"triton\"}': a LoRA kernel setting measured inside the step")
     parser.add_argument("--fit-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit_child:
@@ -198,7 +200,10 @@ def main() -> None:
                          "temperature 1.0, p50 of steps 2-4", "peak_bf16_tflops": PEAK_BF16_TFLOPS,
               "hbm_tbps": HBM_TBPS, "sizes": []}
     largest = max(p * g for p, g, _ in sizes)
-    cfg = config(data, sizes[0], f"engine.mem_fraction_static={args.mem}", f"engine.cuda_graph_max_bs={largest}")
+    extra = [f"engine.extra_args={args.engine_extra}"] if args.engine_extra else []
+    result["engine_extra_args"] = args.engine_extra
+    cfg = config(data, sizes[0], f"engine.mem_fraction_static={args.mem}", f"engine.cuda_graph_max_bs={largest}",
+                 *extra)
     with SGLangEngine.from_config(cfg, model_dir) as engine:
         for size in sizes:
             row = measure_size(engine, model_dir, data, size, tokenizer)

@@ -151,6 +151,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--model", default="", help="a bf16 model dir instead of the random 0.6B shape")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--settings", default=",".join(str(i) for i in range(len(SETTINGS))),
+                        help="indices into SETTINGS to measure, e.g. 0,1,5 (keep 0: the log-prob gap's reference)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -167,7 +169,8 @@ def main() -> None:
                          f"batch, Policy.train alone, p50 of {args.repeats} after 1 warm-up",
               "peak_bf16_tflops": PEAK_BF16_TFLOPS, "rows": []}
     reference = None   # the first setting's log-probs (fp32 LoRA, the old default): the others are compared
-    for setting in SETTINGS:
+    chosen = [SETTINGS[int(i)] for i in args.settings.split(",")]
+    for setting in chosen:
         row, logp = measure(model_dir, batch, setting, args.repeats, reference)
         reference = logp if reference is None else reference
         result["rows"].append(row)
