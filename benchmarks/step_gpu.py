@@ -10,13 +10,16 @@ decoded by SGLang directly (`sglang.Engine.generate`, no log-probs), with the ba
 the adapter: the reference a rollout is compared with, and the split of any gap into the LoRA
 kernels' share and the log-prob return's share.
 A second part checks that the README's real-model command and the 64x8x256 setting fit a 24 GB GPU
-next to the engine: each in a fresh process whose trainer is capped (--trainer-cap-gb, 12) with
-torch.cuda.set_per_process_memory_fraction, the engine at the README's mem_fraction_static=0.4 of
-24 GB; device-wide use (all processes) is read after each step and must stay <= 24 GB.
+next to the engine: each in a fresh process that finds only 24 GB of the device free (this process
+holds the rest as ballast), the engine at the README's mem_fraction_static=0.4 (of the memory free
+when it starts), the trainer capped (--trainer-cap-gb, 12) with
+torch.cuda.set_per_process_memory_fraction; two steps must run without running out of memory, and
+device-wide use less the ballast is read after each step.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -127,28 +130,33 @@ FITS = {"readme_command": (32, 8, 512), "step_benchmark": (64, 8, 256)}
 GPU_GB = 24.0
 
 
-def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float) -> dict:
-    """In a fresh process (nothing reserved yet): the trainer capped at `trainer_gb` with
-    set_per_process_memory_fraction, the engine at the README's mem_fraction_static of a 24 GB GPU,
-    two steps. Device-wide use (every process: the engine's too) is read after each phase."""
+def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float, ballast_gb: float) -> dict:
+    """In a fresh process, on a GPU of which only GPU_GB is free (the parent holds the rest as
+    ballast): the README's engine settings (mem_fraction_static=0.4: sglang 0.5.17 sizes its static
+    memory from what is free when it starts, so 0.4 means 0.4 of this 24 GB), the trainer capped at
+    `trainer_gb` with set_per_process_memory_fraction, two steps. A process that outgrows the 24 GB
+    gets a real out-of-memory error. Device-wide use less the ballast is read after each step."""
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
     torch.cuda.set_per_process_memory_fraction(trainer_gb / total_gb)
-    engine_fraction = 0.4 * GPU_GB / total_gb        # the README's 0.4, of a 24 GB GPU
-    cfg = config(data, FITS[which], *README_COMMAND, f"engine.mem_fraction_static={engine_fraction:.4f}",
-                 f"run.name=fit24-{which}")
+    cfg = config(data, FITS[which], *README_COMMAND, f"run.name=fit24-{which}")
+    free_gb = torch.cuda.mem_get_info()[0] / 1e9
     out = {"which": which, "size": "x".join(map(str, FITS[which])), "trainer_cap_gb": trainer_gb,
-           "engine_mem_fraction_static_gb": 0.4 * GPU_GB, "gpu_gb": GPU_GB}
+           "engine_mem_fraction_static": 0.4, "gpu_gb": GPU_GB, "ballast_gb": ballast_gb,
+           "free_gb_at_start": free_gb}
     used = []
     try:
         with SGLangEngine.from_config(cfg, model_dir) as engine:
+            free, total = torch.cuda.mem_get_info()
+            out["engine_gb_after_start"] = (total - free) / 1e9 - ballast_gb
             trainer = GRPOTrainer(cfg, model_dir, engine, log=lambda *a: None)
             rows = []
             for _ in range(2):
                 rows.append(trainer.step().metrics)
                 free, total = torch.cuda.mem_get_info()
-                used.append((total - free) / 1e9)
+                used.append((total - free) / 1e9 - ballast_gb)
+            trainer_reserved = torch.cuda.max_memory_reserved() / 1e9
             trainer.close()
-        out.update(ok=max(used) <= GPU_GB, device_used_gb_after_steps=used,
+        out.update(ok=max(used) <= GPU_GB, device_used_gb_after_steps=used, trainer_max_reserved_gb=trainer_reserved,
                    trainer_peak_gb={k: v for k, v in rows[-1].items() if k.startswith("memory/")},
                    step_s=rows[-1]["time/step_s"])
     except torch.OutOfMemoryError as err:
@@ -157,10 +165,20 @@ def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float) -
 
 
 def fits_24gb(model_dir: str, data: Path, which: str, trainer_gb: float) -> dict:
-    """fits_24gb_child in a new process: a cap set after memory was reserved checks nothing."""
+    """fits_24gb_child in a new process (a cap set after memory was reserved checks nothing), with
+    all but GPU_GB of the device held here as ballast, so that the engine (which sizes itself from
+    free memory) and every allocation in both processes meet a 24 GB device."""
     import subprocess
-    proc = subprocess.run([sys.executable, __file__, "--fit-child", f"{model_dir},{data},{which},{trainer_gb}"],
-                          capture_output=True, text=True, timeout=400)
+    torch.cuda.empty_cache()
+    ballast_bytes = torch.cuda.mem_get_info()[0] - int(GPU_GB * 1e9)
+    ballast = torch.empty(ballast_bytes, dtype=torch.uint8, device="cuda")
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--fit-child",
+                               f"{model_dir},{data},{which},{trainer_gb},{ballast_bytes / 1e9}"],
+                              capture_output=True, text=True, timeout=400)
+    finally:
+        del ballast
+        torch.cuda.empty_cache()
     lines = [line for line in proc.stdout.splitlines() if line.startswith("FIT ")]
     if not lines:
         return {"which": which, "ok": False, "error": f"child exited {proc.returncode}: {proc.stderr[-800:]}"}
@@ -174,14 +192,16 @@ def main() -> None:
     parser.add_argument("--mem", type=float, default=0.5, help="engine mem_fraction_static for the size sweep")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--skip-24gb", action="store_true")
+    parser.add_argument("--fits-only", action="store_true", help="only the 24 GB check, no size sweep")
     parser.add_argument("--trainer-cap-gb", type=float, default=12.0, help="the trainer's share of a 24 GB GPU")
     parser.add_argument("--engine-extra", default="", help="engine.extra_args for the size sweep's engine (JSON), "
                         "e.g. '{\"lora_backend\": \"triton\"}': a LoRA kernel setting measured inside the step")
     parser.add_argument("--fit-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit_child:
-        model_dir, data, which, cap = args.fit_child.split(",")
-        print("FIT " + json.dumps(fits_24gb_child(model_dir, Path(data), which, float(cap))), flush=True)
+        model_dir, data, which, cap, ballast = args.fit_child.split(",")
+        print("FIT " + json.dumps(fits_24gb_child(model_dir, Path(data), which, float(cap), float(ballast))),
+              flush=True)
         return
     if not args.out:    # checked here: the fit child is started without --out
         parser.error("--out is required: the JSON file to write, e.g. --out results/step.json")
@@ -204,8 +224,8 @@ def main() -> None:
     result["engine_extra_args"] = args.engine_extra
     cfg = config(data, sizes[0], f"engine.mem_fraction_static={args.mem}", f"engine.cuda_graph_max_bs={largest}",
                  *extra)
-    with SGLangEngine.from_config(cfg, model_dir) as engine:
-        for size in sizes:
+    with contextlib.nullcontext() if args.fits_only else SGLangEngine.from_config(cfg, model_dir) as engine:
+        for size in [] if args.fits_only else sizes:
             row = measure_size(engine, model_dir, data, size, tokenizer)
             result["sizes"].append(row)
             print(json.dumps({k: row[k] for k in ("size", "step_wall_s_p50", "rollout_vs_base_decode",

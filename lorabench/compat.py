@@ -57,7 +57,7 @@ ALLOWED = {
     "model.cache_dir": "where the tiny model is cached; its recipe names the model",
     **{f"engine.{k}": "how rollouts are served; the adapter is the same" for k in (
         "backend", "device", "adapter_name", "max_lora_rank", "max_loras_per_batch", "mem_fraction_static",
-        "attention_backend", "sampling_backend", "grammar_backend", "disable_cuda_graph",
+        "attention_backend", "sampling_backend", "grammar_backend", "lora_backend", "disable_cuda_graph",
         "release_memory_during_training", "dtype", "cuda_graph_max_bs", "tp_size", "extra_args", "log_file")},
     "refresh.mode": "how the adapter reaches the engine", "refresh.bucket_mb": "how the adapter reaches the engine",
     "refresh.tmp_dir": "where file refresh writes",

@@ -239,6 +239,7 @@ def test_bad_refresh_mode():
     ("engine.backend=vllm", "engine.backend"),
     ("engine.backend=sglang engine.max_loras_per_batch=1", "engine.max_loras_per_batch"),
     ("engine.backend=sglang engine.mem_fraction_static=1.5", "engine.mem_fraction_static"),
+    ("engine.backend=sglang engine.lora_backend=cutlass", "engine.lora_backend"),
     ("refresh.bucket_mb=0", "refresh.bucket_mb"),
     ("model.dtype=float8", "model.dtype"),
     ("lora.r=0", "lora.r"),

@@ -75,6 +75,7 @@ class SGLangSettings:
     attention_backend: str = ""
     sampling_backend: str = ""
     grammar_backend: str = ""
+    lora_backend: str = ""          # '' = SGLang's default (csgmv in 0.5.17)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 0
     tp_size: int = 1
@@ -92,7 +93,8 @@ class SGLangSettings:
                    max_loras_per_batch=e.max_loras_per_batch, mem_fraction_static=e.mem_fraction_static,
                    dtype=e.dtype, seed=cfg.run.seed, attention_backend=e.attention_backend,
                    sampling_backend=e.sampling_backend, grammar_backend=e.grammar_backend,
-                   disable_cuda_graph=e.disable_cuda_graph, cuda_graph_max_bs=e.cuda_graph_max_bs or largest_batch,
+                   lora_backend=e.lora_backend, disable_cuda_graph=e.disable_cuda_graph,
+                   cuda_graph_max_bs=e.cuda_graph_max_bs or largest_batch,
                    tp_size=e.tp_size, extra_args=json.loads(e.extra_args) if e.extra_args else {},
                    log_file=e.log_file)
 
@@ -102,7 +104,7 @@ class SGLangSettings:
                       max_loras_per_batch=self.max_loras_per_batch, mem_fraction_static=self.mem_fraction_static,
                       dtype=self.dtype, random_seed=self.seed, log_level="error",
                       custom_weight_loader=[sglang_pool.LOADER])
-        for key in ("attention_backend", "sampling_backend", "grammar_backend"):
+        for key in ("attention_backend", "sampling_backend", "grammar_backend", "lora_backend"):
             if getattr(self, key):
                 kwargs[key] = getattr(self, key)
         if self.disable_cuda_graph:
@@ -112,6 +114,9 @@ class SGLangSettings:
         if self.cuda_graph_max_bs:
             kwargs["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs
         return {**kwargs, **self.extra_args}
+
+
+LORA_BACKENDS = {"", "triton", "csgmv", "torch_native"}   # sglang 0.5.17's GPU choices
 
 
 def config_problems(cfg) -> list[str]:
@@ -128,6 +133,9 @@ def config_problems(cfg) -> list[str]:
                         f"(= lora.r)")
     if e.dtype not in DTYPES:
         problems.append(f"engine.dtype={e.dtype!r}: use one of {sorted(DTYPES)}")
+    if e.lora_backend not in LORA_BACKENDS:
+        problems.append(f"engine.lora_backend={e.lora_backend!r}: use one of {sorted(LORA_BACKENDS)} ('' = SGLang's "
+                        f"default)")
     try:
         sglang_target_modules(lora.target_modules)
     except EngineError as err:
