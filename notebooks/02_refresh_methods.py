@@ -35,7 +35,7 @@
 # a fresh kernel; 12 s with an empty model cache: a refresh needs no trained model, so the tiny
 # model is built without warm-start, in about a second). On a GPU (one H200, `ENGINE = "sglang"`,
 # Run All in a Jupyter kernel) with a model of Qwen3-0.6B's shape, `RANK = 32` and merged buckets
-# from 1 MB to 2 GB: about 2 minutes (114 s measured).
+# from 1 MB to 2 GB: 1.5-2 minutes (80 and 114 s measured in two sessions; about 40 s of it starts the engine).
 
 # %%
 # setup
