@@ -113,13 +113,18 @@ def _chunk_logprobs(head, hidden_rows, target_rows, temperature: float) -> torch
     return logits.gather(-1, target_rows[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512) -> torch.Tensor:
+def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """Log-prob of each next token under logits / temperature, [N, L] -> [N, L-1], equal to
     `plain_token_logprobs` but without full-vocabulary logits for the batch (module docstring).
 
     chunk_size: positions per head call; peak extra memory is ~chunk_size * V * 4 bytes (plus the
     same again while a chunk's backward runs): 0.3 GB per copy at Qwen3's vocabulary, while a
-    [512, H] x [H, V] matmul still fills the GPU."""
+    [512, H] x [H, V] matmul still fills the GPU.
+    positions: optional [N, L-1] bool, the positions whose log-prob is wanted (training: the
+    completion tokens). Only those rows go through the head and the log-sum-exp, the step's largest
+    single cost on the GPU (docs/results.md, section 2); the others are 0 in the result. A GRPO
+    rollout's prompts and padding are ~30% of its positions."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: log-probs of logits / temperature need temperature > 0")
     if chunk_size < 1:
@@ -128,9 +133,15 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     # use_cache=False: a KV cache is useless for one full-sequence pass and costs memory
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     n, length, width = hidden.shape                                             # [N, L, H]
+    if positions is not None and tuple(positions.shape) != (n, length - 1):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}; it must be [N, L-1] = {(n, length - 1)}")
     # position t predicts token t+1: drop the last position, flatten to rows
     hidden_rows = hidden[:, :-1].reshape(-1, width)                             # [N*(L-1), H]
     target_rows = input_ids[:, 1:].reshape(-1)                                  # [N*(L-1)]
+    picked = None
+    if positions is not None:
+        picked = positions.reshape(-1).nonzero()[:, 0]                          # [R] rows wanted
+        hidden_rows, target_rows = hidden_rows.index_select(0, picked), target_rows[picked]
     # Checkpointing only matters when autograd would record the chunk; under no_grad nothing is kept.
     recompute_in_backward = torch.is_grad_enabled()
     pieces = []
@@ -140,9 +151,12 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
             pieces.append(checkpoint(_chunk_logprobs, head, rows, targets, temperature, use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(head, rows, targets, temperature))
-    if not pieces:  # L == 1: no next token anywhere
-        return hidden.new_zeros((n, 0), dtype=torch.float32)
-    return torch.cat(pieces).view(n, length - 1)                                # [N, L-1]
+    if not pieces:  # L == 1 (no next token anywhere) or no position wanted
+        return hidden.new_zeros((n, length - 1), dtype=torch.float32)
+    values = torch.cat(pieces)                                                  # [R] or [N*(L-1)]
+    if picked is not None:  # back to every position, 0 where none was wanted (differentiable)
+        values = values.new_zeros(n * (length - 1)).index_put((picked,), values)
+    return values.view(n, length - 1)                                           # [N, L-1]
 
 
 def saved_activation_bytes(model, fn) -> tuple[int, object]:

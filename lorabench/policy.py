@@ -58,7 +58,9 @@ class Policy:
             for index in micro:
                 part = batch.rows(index)
                 with self.compute():
-                    logp = token_logprobs(self.model, part.input_ids, part.attention_mask, grpo.temperature)
+                    # the head only at completion tokens: prompts and padding carry no loss
+                    logp = token_logprobs(self.model, part.input_ids, part.attention_mask, grpo.temperature,
+                                          positions=part.completion_mask.bool())
                 width = logp.shape[1]
                 if epoch == 0:
                     old_logp[index, :width] = logp.detach()
@@ -66,7 +68,8 @@ class Policy:
                 loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
                                     grpo.clip_eps, ref, grpo.kl_beta)
                 share = len(index) / batch.size
-                (loss * share).backward()                           # micro-batches sum to the batch mean
+                if loss.requires_grad:   # not when no completion in the micro-batch has a token
+                    (loss * share).backward()                       # micro-batches sum to the batch mean
                 stats["loss"] += loss.item() * share / grpo.epochs
                 stats["clip_fraction"] += m["clip_fraction"] * share / grpo.epochs
                 stats["kl"] += m.get("kl", 0.0) * share / grpo.epochs
@@ -80,7 +83,8 @@ class Policy:
     @torch.no_grad()
     def _reference_logprobs(self, part: RolloutBatch, temperature: float) -> torch.Tensor:
         with self.model.disable_adapter(), self.compute():
-            return token_logprobs(self.model, part.input_ids, part.attention_mask, temperature)
+            return token_logprobs(self.model, part.input_ids, part.attention_mask, temperature,
+                                  positions=part.completion_mask.bool())
 
     @contextlib.contextmanager
     def compute(self):

@@ -373,7 +373,9 @@ def test_micro_batches_sum_to_the_full_batch_gradient(tiny_model_dir, engine, to
         perturb_lora_B(policy.model, seed=2)                     # non-zero B: A gets gradients too
         stats.append(policy.train(batch, cfg.grpo))
         grads.append([p.grad.clone() for p in policy.params])
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-8) for a, b in zip(*grads))
+    # float32 sums in another order (other padding widths, other head chunks): ~1e-6 relative
+    for a, b in zip(*grads):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
     assert sum(float(g.abs().sum()) for g in grads[0]) > 0
     for key in ("loss", "grad_norm", "tokens", "mismatch_mean", "mismatch_max"):
         assert stats[0][key] == pytest.approx(stats[1][key], rel=1e-4, abs=1e-7), key

@@ -149,6 +149,55 @@ def test_lora_gradients_equal_plain(make_peft_model, batch):
         assert relative_error < 1e-5, (name, relative_error)
 
 
+def completion_positions(attn: torch.Tensor, prompt_len: int = 5) -> torch.Tensor:
+    """[N, L-1] bool: the targets after the first `prompt_len` tokens that are not padding, as a
+    rollout's completion mask marks them (the prompts here are the first tokens of each sequence)."""
+    positions = attn[:, 1:].bool().clone()
+    positions[:, :prompt_len - 1] = False
+    return positions
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_positions_give_the_same_values_there_and_zero_elsewhere(make_peft_model, batch, temperature):
+    model = make_peft_model()
+    ids, attn = batch
+    positions = completion_positions(attn)
+    assert 0 < positions.sum() < positions.numel()
+    with torch.no_grad():
+        expected = plain_token_logprobs(model, ids, attn, temperature)
+        for chunk_size in (1, 7, 512):
+            got = token_logprobs(model, ids, attn, temperature, chunk_size=chunk_size, positions=positions)
+            assert got.shape == expected.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got[positions], expected[positions], atol=ATOL, rtol=RTOL)
+            assert torch.all(got[~positions] == 0)
+        nothing = token_logprobs(model, ids, attn, temperature, positions=torch.zeros_like(positions))
+    assert nothing.shape == expected.shape and torch.all(nothing == 0)
+
+
+def test_positions_give_the_same_lora_gradients(make_peft_model, batch):
+    """What training uses: the head only at completion positions, the same gradients as the plain
+    path's under the completion mask."""
+    model = make_peft_model()
+    ids, attn = batch
+    positions = completion_positions(attn)
+    mask = positions.float()
+    expected = lora_gradients(model, lambda: plain_token_logprobs(model, ids, attn, 0.7), mask)
+    got = lora_gradients(model, lambda: token_logprobs(model, ids, attn, 0.7, chunk_size=7, positions=positions),
+                         mask)
+    assert expected.keys() == got.keys() and len(got) > 0
+    for name, grad in expected.items():
+        assert grad.norm() > 0, name
+        relative_error = ((got[name] - grad).norm() / grad.norm()).item()
+        assert relative_error < 1e-5, (name, relative_error)
+
+
+def test_positions_of_the_wrong_shape_are_refused(make_peft_model, batch):
+    model = make_peft_model()
+    ids, attn = batch
+    with pytest.raises(ValueError, match=r"positions has shape .* must be \[N, L-1\]"):
+        token_logprobs(model, ids, attn, 1.0, positions=attn.bool())
+
+
 def head_saved_bytes(model, ids, attn) -> tuple[int, int]:
     """Bytes saved for backward beyond what the transformer body saves: (lean path, plain path)."""
     decoder, _ = body_and_head(model)
