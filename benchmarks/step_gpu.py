@@ -130,7 +130,8 @@ FITS = {"readme_command": (32, 8, 512), "step_benchmark": (64, 8, 256)}
 GPU_GB = 24.0
 
 
-def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float, ballast_gb: float) -> dict:
+def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float, ballast_gb: float,
+                    overrides: list[str]) -> dict:
     """In a fresh process, on a GPU of which only GPU_GB is free (the parent holds the rest as
     ballast): the README's engine settings (mem_fraction_static=0.4: sglang 0.5.17 sizes its static
     memory from what is free when it starts, so 0.4 means 0.4 of this 24 GB), the trainer capped at
@@ -138,11 +139,11 @@ def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float, b
     gets a real out-of-memory error. Device-wide use less the ballast is read after each step."""
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
     torch.cuda.set_per_process_memory_fraction(trainer_gb / total_gb)
-    cfg = config(data, FITS[which], *README_COMMAND, f"run.name=fit24-{which}")
+    cfg = config(data, FITS[which], *README_COMMAND, *overrides, f"run.name=fit24-{which}")
     free_gb = torch.cuda.mem_get_info()[0] / 1e9
     out = {"which": which, "size": "x".join(map(str, FITS[which])), "trainer_cap_gb": trainer_gb,
            "engine_mem_fraction_static": 0.4, "gpu_gb": GPU_GB, "ballast_gb": ballast_gb,
-           "free_gb_at_start": free_gb}
+           "free_gb_at_start": free_gb, "overrides": overrides}
     used = []
     try:
         with SGLangEngine.from_config(cfg, model_dir) as engine:
@@ -164,7 +165,7 @@ def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float, b
     return out
 
 
-def fits_24gb(model_dir: str, data: Path, which: str, trainer_gb: float) -> dict:
+def fits_24gb(model_dir: str, data: Path, which: str, trainer_gb: float, overrides: list[str]) -> dict:
     """fits_24gb_child in a new process (a cap set after memory was reserved checks nothing), with
     all but GPU_GB of the device held here as ballast, so that the engine (which sizes itself from
     free memory) and every allocation in both processes meet a 24 GB device."""
@@ -174,7 +175,8 @@ def fits_24gb(model_dir: str, data: Path, which: str, trainer_gb: float) -> dict
     ballast = torch.empty(ballast_bytes, dtype=torch.uint8, device="cuda")
     try:
         proc = subprocess.run([sys.executable, __file__, "--fit-child",
-                               f"{model_dir},{data},{which},{trainer_gb},{ballast_bytes / 1e9}"],
+                               f"{model_dir},{data},{which},{trainer_gb},{ballast_bytes / 1e9}",
+                               "--fit-overrides", " ".join(overrides)],
                               capture_output=True, text=True, timeout=400)
     finally:
         del ballast
@@ -193,6 +195,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--skip-24gb", action="store_true")
     parser.add_argument("--fits-only", action="store_true", help="only the 24 GB check, no size sweep")
+    parser.add_argument("--fit-overrides", default="", help="config overrides on top of the README's command "
+                        "for the 24 GB check, space-separated, e.g. 'engine.mem_fraction_static=0.3'")
     parser.add_argument("--trainer-cap-gb", type=float, default=12.0, help="the trainer's share of a 24 GB GPU")
     parser.add_argument("--engine-extra", default="", help="engine.extra_args for the size sweep's engine (JSON), "
                         "e.g. '{\"lora_backend\": \"triton\"}': a LoRA kernel setting measured inside the step")
@@ -200,8 +204,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.fit_child:
         model_dir, data, which, cap, ballast = args.fit_child.split(",")
-        print("FIT " + json.dumps(fits_24gb_child(model_dir, Path(data), which, float(cap), float(ballast))),
-              flush=True)
+        print("FIT " + json.dumps(fits_24gb_child(model_dir, Path(data), which, float(cap), float(ballast),
+                                                  args.fit_overrides.split())), flush=True)
         return
     if not args.out:    # checked here: the fit child is started without --out
         parser.error("--out is required: the JSON file to write, e.g. --out results/step.json")
@@ -234,7 +238,8 @@ def main() -> None:
     if not args.skip_24gb:
         result["fits_24gb"] = []
         for which in FITS:
-            result["fits_24gb"].append(fits_24gb(model_dir, data, which, args.trainer_cap_gb))
+            result["fits_24gb"].append(fits_24gb(model_dir, data, which, args.trainer_cap_gb,
+                                                 args.fit_overrides.split()))
             print(json.dumps(result["fits_24gb"][-1]), flush=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -5,7 +5,8 @@
 # PARTS: tests (the GPU test files in $LORABENCH_GPU_TESTS, default the single-GPU suite, -k $LORABENCH_GPU_K),
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
 #        step_variant (step_gpu.py at 64x8x256 only, with $LORABENCH_STEP_VARIANT_ARGS, e.g. an --engine-extra),
-#        fits (step_gpu.py --fits-only: the 24 GB check alone),
+#        fits (step_gpu.py --fits-only: the 24 GB check alone; on top of the README's command:
+#        LORABENCH_FIT_OVERRIDES="engine.mem_fraction_static=0.3 grpo.micro_batch_tokens=16384"),
 #        train (benchmarks/train_gpu.py, the training settings alone, with a profile; no engine),
 #        memory (benchmarks/activation_memory.py on the GPU),
 #        lora_decode (benchmarks/lora_decode_gpu.py: SGLang decode with/without LoRA per kernel backend),
@@ -35,7 +36,7 @@ for part in "$@"; do
     step) python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;
     step_variant) python benchmarks/step_gpu.py --out "$RES/step_variant.json" --skip-24gb --sizes 64x8x256 \
                     ${LORABENCH_STEP_VARIANT_ARGS:-} ;;
-    fits) python benchmarks/step_gpu.py --out "$RES/step_fits.json" --fits-only ;;
+    fits) python benchmarks/step_gpu.py --out "$RES/step_fits.json" --fits-only --fit-overrides "${LORABENCH_FIT_OVERRIDES:-}" ;;
     train) python benchmarks/train_gpu.py --out "$RES/train.json" --profile-out "$RES/train_profile.txt" \
              ${LORABENCH_TRAIN_ARGS:-} ;;
     lora_decode) python benchmarks/lora_decode_gpu.py --out "$RES/lora_decode.json" ${LORABENCH_DECODE_ARGS:-} ;;
