@@ -83,8 +83,8 @@ def _param_counts(c):
     yield c.vocab_size * h   # embeddings (tied with the head)
 
 
-def measure_size(engine, model_dir: str, data: Path, size, tokenizer, steps: int = 4) -> dict:
-    cfg = config(data, size, f"run.name=step-{'x'.join(map(str, size))}")
+def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides: list[str], steps: int = 4) -> dict:
+    cfg = config(data, size, *overrides, f"run.name=step-{'x'.join(map(str, size))}")
     trainer = GRPOTrainer(cfg, model_dir, engine, log=lambda *a: None)
     walls, rows = [], []
     for _ in range(steps):
@@ -200,6 +200,8 @@ def main() -> None:
     parser.add_argument("--trainer-cap-gb", type=float, default=12.0, help="the trainer's share of a 24 GB GPU")
     parser.add_argument("--engine-extra", default="", help="engine.extra_args for the size sweep's engine (JSON), "
                         "e.g. '{\"lora_backend\": \"triton\"}': a LoRA kernel setting measured inside the step")
+    parser.add_argument("--overrides", nargs="*", default=[], help="config overrides for the sweep's trainers, "
+                        "e.g. grpo.compile=true (step 1, the warm-up, then holds the compile)")
     parser.add_argument("--fit-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit_child:
@@ -225,12 +227,12 @@ def main() -> None:
               "hbm_tbps": HBM_TBPS, "sizes": []}
     largest = max(p * g for p, g, _ in sizes)
     extra = [f"engine.extra_args={args.engine_extra}"] if args.engine_extra else []
-    result["engine_extra_args"] = args.engine_extra
+    result["engine_extra_args"], result["overrides"] = args.engine_extra, args.overrides
     cfg = config(data, sizes[0], f"engine.mem_fraction_static={args.mem}", f"engine.cuda_graph_max_bs={largest}",
                  *extra)
     with contextlib.nullcontext() if args.fits_only else SGLangEngine.from_config(cfg, model_dir) as engine:
         for size in [] if args.fits_only else sizes:
-            row = measure_size(engine, model_dir, data, size, tokenizer)
+            row = measure_size(engine, model_dir, data, size, tokenizer, args.overrides)
             result["sizes"].append(row)
             print(json.dumps({k: row[k] for k in ("size", "step_wall_s_p50", "rollout_vs_base_decode",
                                                   "train_mfu", "memory_peak_gb_p50")}), flush=True)

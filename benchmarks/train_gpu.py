@@ -37,12 +37,14 @@ from lorabench.rollout import RolloutBatch  # noqa: E402
 from lorabench.shapes import random_qwen3_dir  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
-# (lora_compute, activation_checkpointing, micro_batch_tokens): PEFT's fp32 LoRA first (the reference
-# of the log-prob gap), the default second (profiled). The sixth session's grid found training bound
-# by kernel launches per micro-batch, so the budget goes up to 65536 with checkpointing
-# (docs/results.md, section 2).
-SETTINGS = [("float32", False, 8192), ("bfloat16", True, 32768), ("bfloat16", False, 4096),
-            ("bfloat16", False, 16384), ("bfloat16", True, 16384), ("bfloat16", True, 65536)]
+# (lora_compute, activation_checkpointing, micro_batch_tokens, compile): PEFT's fp32 LoRA first (the
+# reference of the log-prob gap), the default second (profiled). The sixth session's grid found
+# training bound by kernel launches per micro-batch, so the budget goes up to 65536 with
+# checkpointing; the seventh's profile of the default found the GPU busy with elementwise work and the
+# head's log-sum-exp, hence grpo.compile (docs/results.md, section 2).
+SETTINGS = [("float32", False, 8192, False), ("bfloat16", True, 32768, False), ("bfloat16", False, 4096, False),
+            ("bfloat16", False, 16384, False), ("bfloat16", True, 16384, False), ("bfloat16", True, 65536, False),
+            ("bfloat16", True, 32768, True), ("bfloat16", True, 16384, True)]
 
 
 def synthetic_batch(n: int, new_tokens: int, seed: int = 0) -> RolloutBatch:
@@ -66,10 +68,11 @@ def synthetic_batch(n: int, new_tokens: int, seed: int = 0) -> RolloutBatch:
 DEVICE = "cuda"  # --device cpu runs the same code on a small model, as a smoke test
 
 
-def make_policy(model_dir: str, compute: str, checkpointing: bool, budget: int) -> tuple[Policy, GRPOConfig]:
+def make_policy(model_dir: str, compute: str, checkpointing: bool, budget: int,
+                compiled: bool) -> tuple[Policy, GRPOConfig]:
     torch.manual_seed(0)
     grpo = GRPOConfig(lr=1e-5, temperature=1.0, micro_batch_tokens=budget, lora_compute=compute,
-                      activation_checkpointing=checkpointing)
+                      activation_checkpointing=checkpointing, compile=compiled)
     policy = Policy(model_dir, LoraSettings(r=32, alpha=64, target_modules="all-linear", dropout=0.0), grpo,
                     "bfloat16", DEVICE)
     with torch.no_grad():  # a non-trivial adapter, the same for every setting
@@ -79,8 +82,8 @@ def make_policy(model_dir: str, compute: str, checkpointing: bool, budget: int) 
 
 
 def measure(model_dir: str, batch: RolloutBatch, setting, repeats: int, reference) -> tuple[dict, torch.Tensor]:
-    compute, checkpointing, budget = setting
-    policy, grpo = make_policy(model_dir, compute, checkpointing, budget)
+    compute, checkpointing, budget, compiled = setting
+    policy, grpo = make_policy(model_dir, compute, checkpointing, budget, compiled)
     seconds, peaks, reserved = [], [], []
     first_logp = _trainer_logprobs(policy, batch, grpo)   # before any update
     for i in range(1 + repeats):
@@ -89,7 +92,9 @@ def measure(model_dir: str, batch: RolloutBatch, setting, repeats: int, referenc
         t0 = synced_time()
         stats = policy.train(batch, grpo)
         dt = synced_time() - t0
-        if i > 0:
+        if i == 0:
+            first_call = dt          # the warm-up: with compile, the compile's time is here
+        else:
             seconds.append(dt)
             peaks.append(torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else float("nan"))
             reserved.append(torch.cuda.max_memory_reserved() / 1e9 if DEVICE == "cuda" else float("nan"))
@@ -97,6 +102,7 @@ def measure(model_dir: str, batch: RolloutBatch, setting, repeats: int, referenc
     mc = policy.model.get_base_model().config
     flops = model_flops_per_token(mc, int(tokens / batch.size)) * tokens
     row = {"lora_compute": compute, "activation_checkpointing": checkpointing, "micro_batch_tokens": budget,
+           "compile": compiled, "first_call_s": first_call,
            "train_s_p50": statistics.median(seconds), "train_s": seconds, "tokens": tokens,
            "train_tok_s": tokens / statistics.median(seconds),
            "mfu": flops / statistics.median(seconds) / (PEAK_BF16_TFLOPS * 1e12),
@@ -178,7 +184,7 @@ def main() -> None:
               flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.profile_out:
-        result["profile"] = profile(model_dir, batch, SETTINGS[1][:3], Path(args.profile_out))
+        result["profile"] = profile(model_dir, batch, SETTINGS[1], Path(args.profile_out))
         print(json.dumps(result["profile"]), flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
 

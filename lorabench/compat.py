@@ -50,6 +50,7 @@ ALLOWED = {
     "grpo.steps": "how long the run goes (not below the steps already done)",
     "grpo.micro_batch_tokens": "memory only: the same gradients, summed in other groups",
     "grpo.activation_checkpointing": "memory and speed only: the same gradients, recomputed",
+    "grpo.compile": "speed only: the same computation, compiled",
     "grpo.lora_compute": "the precision of the LoRA matmuls in training; objective, data and adapter are the same",
     "data.eval_size": "evaluation only (each evals.jsonl row carries its n)",
     "data.eval_samples": "evaluation only (each evals.jsonl row carries its n)",

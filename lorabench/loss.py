@@ -113,8 +113,18 @@ def _chunk_logprobs(head, hidden_rows, target_rows, temperature: float) -> torch
     return logits.gather(-1, target_rows[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
+_COMPILED_CHUNK = []
+
+
+def compiled_chunk_logprobs():
+    """_chunk_logprobs through torch.compile, made once per process (dynamic: chunks vary in rows)."""
+    if not _COMPILED_CHUNK:
+        _COMPILED_CHUNK.append(torch.compile(_chunk_logprobs, dynamic=True))
+    return _COMPILED_CHUNK[0]
+
+
 def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, compiled_head: bool = False) -> torch.Tensor:
     """Log-prob of each next token under logits / temperature, [N, L] -> [N, L-1], equal to
     `plain_token_logprobs` but without full-vocabulary logits for the batch (module docstring).
 
@@ -124,7 +134,9 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     positions: optional [N, L-1] bool, the positions whose log-prob is wanted (training: the
     completion tokens). Only those rows go through the head and the log-sum-exp, the step's largest
     single cost on the GPU (docs/results.md, section 2); the others are 0 in the result. A GRPO
-    rollout's prompts and padding are ~30% of its positions."""
+    rollout's prompts and padding are ~30% of its positions.
+    compiled_head: run each chunk's log-sum-exp through torch.compile (grpo.compile), one fused pass
+    over the logits instead of ATen's several."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: log-probs of logits / temperature need temperature > 0")
     if chunk_size < 1:
@@ -144,13 +156,14 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
         hidden_rows, target_rows = hidden_rows.index_select(0, picked), target_rows[picked]
     # Checkpointing only matters when autograd would record the chunk; under no_grad nothing is kept.
     recompute_in_backward = torch.is_grad_enabled()
+    chunk_logprobs = compiled_chunk_logprobs() if compiled_head else _chunk_logprobs
     pieces = []
     for start in range(0, hidden_rows.shape[0], chunk_size):
         rows, targets = hidden_rows[start:start + chunk_size], target_rows[start:start + chunk_size]
         if recompute_in_backward:
-            pieces.append(checkpoint(_chunk_logprobs, head, rows, targets, temperature, use_reentrant=False))
+            pieces.append(checkpoint(chunk_logprobs, head, rows, targets, temperature, use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(head, rows, targets, temperature))
+            pieces.append(chunk_logprobs(head, rows, targets, temperature))
     if not pieces:  # L == 1 (no next token anywhere) or no position wanted
         return hidden.new_zeros((n, length - 1), dtype=torch.float32)
     values = torch.cat(pieces)                                                  # [R] or [N*(L-1)]

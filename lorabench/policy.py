@@ -31,6 +31,9 @@ class Policy:
         self.bf16_lora = lora_compute_dtype(grpo.lora_compute, dtype) == "bfloat16"
         if grpo.activation_checkpointing:
             _enable_activation_checkpointing(self.model)
+        self.compiled = grpo.compile
+        if grpo.compile:
+            _compile_decoder_layers(self.model, model_path)
         self.layout = self.lora_layers.layout
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=grpo.lr, weight_decay=0.0)
@@ -60,7 +63,7 @@ class Policy:
                 with self.compute():
                     # the head only at completion tokens: prompts and padding carry no loss
                     logp = token_logprobs(self.model, part.input_ids, part.attention_mask, grpo.temperature,
-                                          positions=part.completion_mask.bool())
+                                          positions=part.completion_mask.bool(), compiled_head=self.compiled)
                 width = logp.shape[1]
                 if epoch == 0:
                     old_logp[index, :width] = logp.detach()
@@ -142,6 +145,19 @@ def _enable_activation_checkpointing(model) -> None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _compile_decoder_layers(model, model_path: str) -> None:
+    """torch.compile every decoder layer in place (grpo.compile). Layers, not the whole model: one
+    graph shared by all layers (same code, parameters as inputs), compiled once; the embedding, the
+    head's chunking and PEFT's wrapper stay eager. dynamic=True: micro-batches vary in width."""
+    decoder = model.get_base_model().get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ConfigError(f"grpo.compile=true: the model {model_path} ({type(decoder).__name__}) has no list of "
+                          f"decoder layers to compile; set grpo.compile=false")
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def lora_compute_dtype(setting: str, model_dtype: str) -> str:

@@ -1,0 +1,73 @@
+"""grpo.compile: the compiled decoder layers and log-sum-exp compute what the eager ones do. On the
+CPU, in float32, one GRPO update of a compiled policy gives the eager policy's loss, log-probs and
+LoRA gradients up to float32 rounding (inductor fuses and reorders sums). Its speed is the GPU's
+question (benchmarks/train_gpu.py), not a test's."""
+import shutil
+
+import pytest
+import torch
+from conftest import perturb_lora_B
+
+from lorabench.config import Config, ConfigError
+from lorabench.policy import Policy
+from lorabench.rollout import RolloutBatch
+
+# torch.compile on the CPU generates C++ and needs a compiler
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="torch.compile on the CPU needs a C++ compiler (g++ or c++); none on PATH")
+
+
+def synthetic_batch(n: int = 6, seed: int = 0) -> RolloutBatch:
+    """[n, L] right-padded sequences of varied length with completion masks and advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(6, 10, (n,), generator=g)
+    completions = torch.randint(4, 12, (n,), generator=g)
+    width = int((prompts + completions).max())
+    ids = torch.randint(10, 400, (n, width), generator=g)
+    attn = torch.zeros(n, width, dtype=torch.long)
+    cmask = torch.zeros(n, width - 1)
+    for i, (p, c) in enumerate(zip(prompts.tolist(), completions.tolist())):
+        attn[i, :p + c] = 1
+        cmask[i, p - 1:p - 1 + c] = 1
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0][:n])
+    return RolloutBatch(ids * attn, attn, cmask, torch.zeros(n, width - 1), rewards, rewards - rewards.mean())
+
+
+def trained(model_dir, compiled: bool) -> tuple[dict, list[torch.Tensor]]:
+    cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.micro_batch_tokens=48",
+                                 f"grpo.compile={str(compiled).lower()}"])
+    torch.manual_seed(0)
+    policy = Policy(str(model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
+    perturb_lora_B(policy.model, seed=3)                   # non-zero B: A gets gradients too
+    stats = policy.train(synthetic_batch(), cfg.grpo)
+    return stats, [p.grad.clone() for p in policy.params]
+
+
+def test_compiled_update_equals_eager(tiny_model_dir):
+    from torch._dynamo.utils import counters
+    eager_stats, eager_grads = trained(tiny_model_dir, compiled=False)
+    counters.clear()
+    compiled_stats, compiled_grads = trained(tiny_model_dir, compiled=True)
+    # it did compile: the decoder layer and the head's chunk, each one whole graph
+    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"], dict(counters)
+    assert len(eager_grads) == len(compiled_grads) > 0
+    for eager, compiled in zip(eager_grads, compiled_grads):
+        assert eager.norm() > 0
+        assert ((compiled - eager).norm() / eager.norm()).item() < 1e-5
+    for key in ("loss", "grad_norm", "tokens"):
+        assert compiled_stats[key] == pytest.approx(eager_stats[key], rel=1e-5, abs=1e-7), key
+
+
+def test_compile_without_decoder_layers_is_refused():
+    """A model whose decoder keeps no `layers` list: a clear error naming the model and the fix."""
+    from lorabench.policy import _compile_decoder_layers
+
+    class NoLayers(torch.nn.Module):          # what PEFT and transformers expose, and nothing more
+        def get_base_model(self):
+            return self
+
+        def get_decoder(self):
+            return torch.nn.Linear(2, 2)
+
+    with pytest.raises(ConfigError, match=r"grpo.compile=true: the model models/odd \(Linear\) .* grpo.compile=false"):
+        _compile_decoder_layers(NoLayers(), "models/odd")
