@@ -102,7 +102,7 @@ class GRPOConfig:
                                         "training compute; the memory buys micro-batches large enough to be "
                                         "faster overall on a GPU (docs/results.md). false: keep them.")
     compile: bool = _f(False, "torch.compile each decoder layer and the head's log-sum-exp for training, to fuse "
-                       "the elementwise work (norms, rotary, LoRA scale and add, the log-sum-exp: ~2/3 of the "
+                       "the elementwise work (norms, rotary, LoRA scale and add, the log-sum-exp: most of the "
                        "GPU's training time at the defaults). The first micro-batches pay the compile (~40 s on "
                        "2 CPU cores for the tiny model). Same values to float32 rounding; its speed on a GPU is "
                        "not yet measured (docs/results.md, section 2).")
