@@ -19,7 +19,6 @@ device-wide use less the ballast is read after each step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -230,13 +229,14 @@ def main() -> None:
     result["engine_extra_args"], result["overrides"] = args.engine_extra, args.overrides
     cfg = config(data, sizes[0], f"engine.mem_fraction_static={args.mem}", f"engine.cuda_graph_max_bs={largest}",
                  *extra)
-    with contextlib.nullcontext() if args.fits_only else SGLangEngine.from_config(cfg, model_dir) as engine:
-        for size in [] if args.fits_only else sizes:
-            row = measure_size(engine, model_dir, data, size, tokenizer, args.overrides)
-            result["sizes"].append(row)
-            print(json.dumps({k: row[k] for k in ("size", "step_wall_s_p50", "rollout_vs_base_decode",
-                                                  "train_mfu", "memory_peak_gb_p50")}), flush=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+    if not args.fits_only:
+        with SGLangEngine.from_config(cfg, model_dir) as engine:
+            for size in sizes:
+                row = measure_size(engine, model_dir, data, size, tokenizer, args.overrides)
+                result["sizes"].append(row)
+                print(json.dumps({k: row[k] for k in ("size", "step_wall_s_p50", "rollout_vs_base_decode",
+                                                      "train_mfu", "memory_peak_gb_p50")}), flush=True)
+                Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.skip_24gb:
         result["fits_24gb"] = []
         for which in FITS:

@@ -33,7 +33,7 @@ from lorabench.config import GRPOConfig, LoraSettings  # noqa: E402
 from lorabench.loss import model_flops_per_token  # noqa: E402
 from lorabench.policy import Policy, mismatch  # noqa: E402
 from lorabench.refresh import synced_time  # noqa: E402
-from lorabench.rollout import RolloutBatch  # noqa: E402
+from lorabench.rollout import RolloutBatch, random_tokens_like_rollouts  # noqa: E402
 from lorabench.shapes import random_qwen3_dir  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
@@ -48,21 +48,14 @@ SETTINGS = [("float32", False, 8192, False), ("bfloat16", True, 32768, False), (
 
 
 def synthetic_batch(n: int, new_tokens: int, seed: int = 0) -> RolloutBatch:
-    """[n, L] right-padded sequences shaped like GSM8K rollouts, with group-normalised advantages."""
+    """[n, L] right-padded sequences shaped like GSM8K rollouts, with group-centred advantages."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(60, 101, (n,), generator=g)
     completions = torch.randint(new_tokens // 2, new_tokens + 1, (n,), generator=g)
-    width = int((prompts + completions).max())
-    ids = torch.randint(10, 1000, (n, width), generator=g)
-    attn = torch.zeros(n, width, dtype=torch.long)
-    cmask = torch.zeros(n, width - 1)
-    for i, (p, c) in enumerate(zip(prompts.tolist(), completions.tolist())):
-        attn[i, :p + c] = 1
-        cmask[i, p - 1:p - 1 + c] = 1
-    ids = ids * attn
+    ids, attn, cmask = random_tokens_like_rollouts(prompts.tolist(), completions.tolist(), (10, 1000), g)
     rewards = torch.randint(0, 2, (n,), generator=g).float()
     advantages = (rewards - rewards.view(-1, 8).mean(1).repeat_interleave(8))
-    return RolloutBatch(ids, attn, cmask, torch.zeros(n, width - 1), rewards, advantages)
+    return RolloutBatch(ids, attn, cmask, torch.zeros(cmask.shape), rewards, advantages)
 
 
 DEVICE = "cuda"  # --device cpu runs the same code on a small model, as a smoke test

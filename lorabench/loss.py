@@ -23,6 +23,8 @@ the head (Gemma 2/3, Cohere, Granite, ...) are refused with an error naming the 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -113,14 +115,10 @@ def _chunk_logprobs(head, hidden_rows, target_rows, temperature: float) -> torch
     return logits.gather(-1, target_rows[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
-_COMPILED_CHUNK = []
-
-
+@functools.cache
 def compiled_chunk_logprobs():
     """_chunk_logprobs through torch.compile, made once per process (dynamic: chunks vary in rows)."""
-    if not _COMPILED_CHUNK:
-        _COMPILED_CHUNK.append(torch.compile(_chunk_logprobs, dynamic=True))
-    return _COMPILED_CHUNK[0]
+    return torch.compile(_chunk_logprobs, dynamic=True)
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512,

@@ -10,7 +10,7 @@ from conftest import perturb_lora_B
 
 from lorabench.config import Config, ConfigError
 from lorabench.policy import Policy
-from lorabench.rollout import RolloutBatch
+from lorabench.rollout import RolloutBatch, random_tokens_like_rollouts
 
 # torch.compile on the CPU generates C++ and needs a compiler
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -22,15 +22,9 @@ def synthetic_batch(n: int = 6, seed: int = 0) -> RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(6, 10, (n,), generator=g)
     completions = torch.randint(4, 12, (n,), generator=g)
-    width = int((prompts + completions).max())
-    ids = torch.randint(10, 400, (n, width), generator=g)
-    attn = torch.zeros(n, width, dtype=torch.long)
-    cmask = torch.zeros(n, width - 1)
-    for i, (p, c) in enumerate(zip(prompts.tolist(), completions.tolist())):
-        attn[i, :p + c] = 1
-        cmask[i, p - 1:p - 1 + c] = 1
+    ids, attn, cmask = random_tokens_like_rollouts(prompts.tolist(), completions.tolist(), (10, 400), g)
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0][:n])
-    return RolloutBatch(ids * attn, attn, cmask, torch.zeros(n, width - 1), rewards, rewards - rewards.mean())
+    return RolloutBatch(ids, attn, cmask, torch.zeros(cmask.shape), rewards, rewards - rewards.mean())
 
 
 def trained(model_dir, compiled: bool) -> tuple[dict, list[torch.Tensor]]:
