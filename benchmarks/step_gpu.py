@@ -6,9 +6,9 @@ several rollout sizes, next to SGLang's own decode of the same batch, in one run
 Setting: a random-init model of Qwen3-0.6B's shape in bf16 (trainer and engine), LoRA r=32 on the
 7 projections, GSM8K-format local data (generated), refresh.mode=inplace, the whole `trainer.step()`
 timed from outside, p50 of steps 2-4 (step 1 warms up). For each size, the same prompts are also
-decoded by SGLang directly (`sglang.Engine.generate`, no log-probs), with the base model and with
-the adapter: the reference a rollout is compared with, and the split of any gap into the LoRA
-kernels' share and the log-prob return's share.
+decoded by SGLang directly (`sglang.Engine.generate`): with the base model, with the adapter, and
+with the adapter returning log-probs as a rollout does: the reference a rollout is compared with,
+and the split of any gap into the LoRA kernels' share, the log-prob return's share and ours.
 A second part checks that the README's real-model command and the 64x8x256 setting fit a 24 GB GPU
 next to the engine: each in a fresh process that finds only 24 GB of the device free (this process
 holds the rest as ballast), the engine at the README's mem_fraction_static=0.4 (of the memory free
@@ -55,12 +55,15 @@ def config(data: Path, size: tuple[int, int, int], *extra) -> Config:
                               *extra])
 
 
-def decode_reference(engine, tokenizer, problems, group: int, new_tokens: int, adapter) -> dict:
-    """SGLang's own decode of the step's batch: no log-probs, fixed length, tokens/s."""
+def decode_reference(engine, tokenizer, problems, group: int, new_tokens: int, adapter,
+                     logprobs: bool = False) -> dict:
+    """SGLang's own decode of the step's batch: fixed length, tokens/s; with `logprobs` it also
+    returns each sampled token's log-prob, as a rollout asks (the log-prob return's share)."""
     ids = [prompt_ids(tokenizer, p.messages) for p in problems for _ in range(group)]
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     t0 = synced_time()
-    outs = engine.engine.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids))
+    outs = engine.engine.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids),
+                                  return_logprob=logprobs)
     seconds = synced_time() - t0
     tokens = sum(len(o["output_ids"]) for o in outs)
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
@@ -96,6 +99,8 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
     problems = trainer.source.train_batch(99, p)
     base = decode_reference(engine, tokenizer, problems, g, t, None)
     adapter = decode_reference(engine, tokenizer, problems, g, t, trainer.refresher.serving_adapter)
+    adapter_logprobs = decode_reference(engine, tokenizer, problems, g, t, trainer.refresher.serving_adapter,
+                                        logprobs=True)
     trainer.close()
     engine.unload_adapter(cfg.engine.adapter_name)
     med = {k: statistics.median(r[k] for r in timed) for k in timed[-1] if isinstance(timed[-1][k], (int, float))}
@@ -111,8 +116,10 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
         "memory_peak_gb_p50": {k[7:-8]: v for k, v in med.items() if k.startswith("memory/")},
         "rollout_tok_s": rollout_tokens / med["time/rollout_s"],
         "sglang_base_decode": base, "sglang_adapter_decode": adapter,
+        "sglang_adapter_decode_logprobs": adapter_logprobs,
         "rollout_vs_base_decode": rollout_tokens / med["time/rollout_s"] / base["tok_s"],
         "adapter_decode_vs_base": adapter["tok_s"] / base["tok_s"],
+        "adapter_logprobs_decode_vs_base": adapter_logprobs["tok_s"] / base["tok_s"],
         "train_tokens": train_tokens, "train_tok_s": train_tokens / med["time/train_s"],
         "train_mfu": flops / med["time/train_s"] / (PEAK_BF16_TFLOPS * 1e12),
         "estimate": {"decode_s_at_hbm_peak": est_decode_s, "train_s_at_bf16_peak": flops / (PEAK_BF16_TFLOPS * 1e12)},

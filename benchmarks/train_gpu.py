@@ -150,6 +150,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--model", default="", help="a bf16 model dir instead of the random 0.6B shape")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile-setting", type=int, default=1, help="index into SETTINGS to profile "
+                        "(default 1, the default setting)")
     parser.add_argument("--settings", default=",".join(str(i) for i in range(len(SETTINGS))),
                         help="indices into SETTINGS to measure, e.g. 0,1,5 (keep 0: the log-prob gap's reference)")
     args = parser.parse_args()
@@ -177,7 +179,7 @@ def main() -> None:
               flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.profile_out:
-        result["profile"] = profile(model_dir, batch, SETTINGS[1], Path(args.profile_out))
+        result["profile"] = profile(model_dir, batch, SETTINGS[args.profile_setting], Path(args.profile_out))
         print(json.dumps(result["profile"]), flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
 
