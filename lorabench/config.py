@@ -74,6 +74,7 @@ class DataConfig:
 
 
 LORA_COMPUTE = ("auto", "float32", "bfloat16")
+COMPILE = ("off", "head", "all", "auto")
 
 
 @dataclass
@@ -101,15 +102,21 @@ class GRPOConfig:
                                         "of keeping them: training memory per token drops ~30x for ~25% more "
                                         "training compute; the memory buys micro-batches large enough to be "
                                         "faster overall on a GPU (docs/results.md). false: keep them.")
-    compile: bool = _f(False, "torch.compile each decoder layer and the head's log-sum-exp for training, to fuse "
-                       "the elementwise work (norms, rotary, LoRA scale and add, the log-sum-exp: most of the "
-                       "GPU's training time at the defaults). The first micro-batches pay the compile (~40 s on "
-                       "2 CPU cores for the tiny model). Same values to float32 rounding; its speed on a GPU is "
-                       "not yet measured (docs/results.md, section 2).")
+    compile: str = _f("off", "torch.compile in training, to fuse the elementwise work that takes most of the GPU's "
+                      "training time (docs/results.md, section 2): 'head' (the output head's two passes over the "
+                      "vocabulary, each one kernel), 'all' (the head and every decoder layer, with "
+                      "activation_checkpointing inside the compiled layer), 'auto' ('head' on a CUDA GPU, else "
+                      "'off') or 'off'. The same values to float32 rounding; the first micro-batches pay the "
+                      "compile (~40 s on 2 CPU cores for the tiny model).")
     reward_mode: str = _f("strict", "'strict' (last '#### N') or 'flexible' (last number).")
     format_bonus: float = _f(0.0, "Added to the reward when '#### N' is present, right or wrong.")
     max_grad_norm: float = _f(1.0, "Gradient clipping.")
     epochs: int = _f(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).")
+
+    def __post_init__(self):
+        # grpo.compile was a boolean before 'head' and 'auto' (true compiled the head and the layers)
+        if str(self.compile).lower() in ("true", "false"):
+            self.compile = "all" if str(self.compile).lower() == "true" else "off"
 
 
 @dataclass
@@ -395,6 +402,7 @@ def _validate_grpo(g: GRPOConfig) -> None:
     _require(g.kl_beta >= 0, f"grpo.kl_beta={g.kl_beta}: must be >= 0 (0 = no KL term)")
     _require(g.epochs >= 1, f"grpo.epochs={g.epochs}: must be >= 1")
     _require(g.lora_compute in LORA_COMPUTE, f"grpo.lora_compute={g.lora_compute!r}: use one of {list(LORA_COMPUTE)}")
+    _require(g.compile in COMPILE, f"grpo.compile={g.compile!r}: use one of {list(COMPILE)}")
     _require(g.reward_mode in ("strict", "flexible"),
              f"grpo.reward_mode={g.reward_mode!r}: use 'strict' or 'flexible'")
 

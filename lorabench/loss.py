@@ -107,7 +107,8 @@ def _refuse_logit_transforms(base) -> None:
 
 
 def _chunk_logprobs(head, hidden_rows, target_rows, temperature: float) -> torch.Tensor:
-    """log softmax(head(h) / T)[target] for a block of rows: [c, H], [c] -> [c]."""
+    """log softmax(head(h) / T)[target] for a block of rows through autograd: [c, H], [c] -> [c].
+    The reference for HeadLogprobs, and the path for heads it does not cover (a bias)."""
     logits = head(hidden_rows).float()                                          # [c, V] fp32
     if temperature != 1.0:  # skip a second [c, V] fp32 block where it changes nothing
         logits = logits / temperature
@@ -115,10 +116,56 @@ def _chunk_logprobs(head, hidden_rows, target_rows, temperature: float) -> torch
     return logits.gather(-1, target_rows[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
+def _log_normaliser(logits, temperature: float):
+    """logsumexp(logits / T) over the vocabulary in fp32: [c, V] -> [c]."""
+    return torch.logsumexp(logits.float() / temperature, dim=-1)
+
+
+def _logits_grad(logits, log_normaliser, targets, grad_out, temperature: float):
+    """d logp[target] / d logits times the incoming gradient, in the logits' dtype: [c, V] ->
+    [c, V] = grad_out * (onehot(target) - softmax(logits / T)) / T."""
+    probs = torch.exp(logits.float() / temperature - log_normaliser[:, None])             # [c, V]
+    onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+    return ((onehot.float() - probs) * (grad_out / temperature)[:, None]).to(logits.dtype)
+
+
 @functools.cache
-def compiled_chunk_logprobs():
-    """_chunk_logprobs through torch.compile, made once per process (dynamic: chunks vary in rows)."""
-    return torch.compile(_chunk_logprobs, dynamic=True)
+def _compiled(fn):
+    """fn through torch.compile, made once per process (dynamic: chunks vary in rows). Plain tensor
+    functions, no autograd inside: inductor turns each into one fused pass over the logits."""
+    return torch.compile(fn, dynamic=True)
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """log softmax(h W^T / T)[target] for a chunk of rows, [c, H] -> [c], with a hand-written
+    backward. Autograd through `_chunk_logprobs` keeps or recomputes the [c, V] fp32 logits and
+    runs the log-sum-exp again in backward; this keeps only the rows and one fp32 normaliser per
+    row, and backward is one head matmul, one pass over the logits (softmax minus the one-hot,
+    written in the logits' dtype) and one matmul back. `fused`: the two passes over the logits go
+    through torch.compile (grpo.compile), one kernel each instead of ATen's several."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, targets, temperature: float, fused: bool):
+        device = rows.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else rows.dtype
+        with torch.autocast(device, enabled=False):
+            logits = rows.to(dtype) @ weight.to(dtype).T                                  # [c, V]
+            normaliser = (_compiled(_log_normaliser) if fused else _log_normaliser)(logits, temperature)
+            picked = logits.gather(-1, targets[:, None])[:, 0].float() / temperature     # [c]
+        ctx.save_for_backward(rows, weight, targets, normaliser)
+        ctx.temperature, ctx.fused, ctx.dtype = temperature, fused, dtype
+        return picked - normaliser
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, weight, targets, normaliser = ctx.saved_tensors
+        w = weight.to(ctx.dtype)
+        logits = rows.to(ctx.dtype) @ w.T                                                 # [c, V] again
+        grad_fn = _compiled(_logits_grad) if ctx.fused else _logits_grad
+        grad_logits = grad_fn(logits, normaliser, targets, grad_out.float(), ctx.temperature)
+        grad_rows = (grad_logits @ w).to(rows.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad_logits.T @ rows.to(ctx.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_rows, grad_weight, None, None, None
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512,
@@ -133,8 +180,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     completion tokens). Only those rows go through the head and the log-sum-exp, the step's largest
     single cost on the GPU (docs/results.md, section 2); the others are 0 in the result. A GRPO
     rollout's prompts and padding are ~30% of its positions.
-    compiled_head: run each chunk's log-sum-exp through torch.compile (grpo.compile), one fused pass
-    over the logits instead of ATen's several."""
+    compiled_head: the head's two passes over the logits through torch.compile (HeadLogprobs)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: log-probs of logits / temperature need temperature > 0")
     if chunk_size < 1:
@@ -152,16 +198,19 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     if positions is not None:
         picked = positions.reshape(-1).nonzero()[:, 0]                          # [R] rows wanted
         hidden_rows, target_rows = hidden_rows.index_select(0, picked), target_rows[picked]
-    # Checkpointing only matters when autograd would record the chunk; under no_grad nothing is kept.
+    # HeadLogprobs needs a plain linear head; anything else goes through autograd, each chunk
+    # checkpointed so that only its inputs are kept (under no_grad nothing is kept anyway)
+    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
     recompute_in_backward = torch.is_grad_enabled()
-    chunk_logprobs = compiled_chunk_logprobs() if compiled_head else _chunk_logprobs
     pieces = []
     for start in range(0, hidden_rows.shape[0], chunk_size):
         rows, targets = hidden_rows[start:start + chunk_size], target_rows[start:start + chunk_size]
-        if recompute_in_backward:
-            pieces.append(checkpoint(chunk_logprobs, head, rows, targets, temperature, use_reentrant=False))
+        if plain_head:
+            pieces.append(HeadLogprobs.apply(rows, head.weight, targets, temperature, compiled_head))
+        elif recompute_in_backward:
+            pieces.append(checkpoint(_chunk_logprobs, head, rows, targets, temperature, use_reentrant=False))
         else:
-            pieces.append(chunk_logprobs(head, rows, targets, temperature))
+            pieces.append(_chunk_logprobs(head, rows, targets, temperature))
     if not pieces:  # L == 1 (no next token anywhere) or no position wanted
         return hidden.new_zeros((n, length - 1), dtype=torch.float32)
     values = torch.cat(pieces)                                                  # [R] or [N*(L-1)]

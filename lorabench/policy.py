@@ -14,6 +14,7 @@ import contextlib
 import copy
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .adapters import AdapterError, AdapterLayout, FlatAdapter, base_weights, linear_shapes, plain_config, validate
 from .config import ConfigError
@@ -29,11 +30,11 @@ class Policy:
         self.model = _peft_model(load_model(model_path, dtype, self.device), lora, model_path, adapter_name)
         self.lora_layers = LoraLayers(self.model, adapter_name, flatten=True)  # before the optimizer sees them
         self.bf16_lora = lora_compute_dtype(grpo.lora_compute, dtype) == "bfloat16"
-        if grpo.activation_checkpointing:
+        self.compile = compile_mode(grpo.compile, self.device)
+        if self.compile == "all":   # checkpointing goes inside each compiled layer
+            _compile_decoder_layers(self.model, model_path, grpo.activation_checkpointing)
+        elif grpo.activation_checkpointing:
             _enable_activation_checkpointing(self.model)
-        self.compiled = grpo.compile
-        if grpo.compile:
-            _compile_decoder_layers(self.model, model_path)
         self.layout = self.lora_layers.layout
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=grpo.lr, weight_decay=0.0)
@@ -63,7 +64,7 @@ class Policy:
                 with self.compute():
                     # the head only at completion tokens: prompts and padding carry no loss
                     logp = token_logprobs(self.model, part.input_ids, part.attention_mask, grpo.temperature,
-                                          positions=part.completion_mask.bool(), compiled_head=self.compiled)
+                                          positions=part.completion_mask.bool(), compiled_head=self.compile != "off")
                 width = logp.shape[1]
                 if epoch == 0:
                     old_logp[index, :width] = logp.detach()
@@ -147,17 +148,40 @@ def _enable_activation_checkpointing(model) -> None:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _compile_decoder_layers(model, model_path: str) -> None:
-    """torch.compile every decoder layer in place (grpo.compile). Layers, not the whole model: one
-    graph shared by all layers (same code, parameters as inputs), compiled once; the embedding, the
-    head's chunking and PEFT's wrapper stay eager. dynamic=True: micro-batches vary in width."""
+def compile_mode(setting: str, device: str) -> str:
+    """grpo.compile resolved: 'auto' compiles the head on a CUDA GPU (where its fused passes pay off
+    within a step) and nothing elsewhere."""
+    if setting == "auto":
+        return "head" if torch.device(device).type == "cuda" else "off"
+    return setting
+
+
+def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None:
+    """torch.compile every decoder layer in place (grpo.compile=all). Layers, not the whole model:
+    one graph shared by all layers (same code, parameters as inputs), compiled once; the embedding,
+    the head and PEFT's wrapper stay eager. dynamic=True: micro-batches vary in width.
+
+    Activation checkpointing is called inside the compiled forward, so the compiler plans the
+    recompute into its backward graph. Checkpointing around a compiled layer (transformers' way)
+    failed on the GPU: the recompute saved other tensors than the forward had (CheckpointError)."""
     decoder = model.get_base_model().get_decoder()
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
-        raise ConfigError(f"grpo.compile=true: the model {model_path} ({type(decoder).__name__}) has no list of "
-                          f"decoder layers to compile; set grpo.compile=false")
+        raise ConfigError(f"grpo.compile=all: the model {model_path} ({type(decoder).__name__}) has no list of "
+                          f"decoder layers to compile; set grpo.compile=head or off")
     for layer in layers:
+        if checkpointing:
+            layer.forward = _checkpointed(layer, layer.forward)
         layer.compile(dynamic=True)
+
+
+def _checkpointed(layer, forward):
+    """forward, recomputed in backward when it runs with gradients in training mode."""
+    def run(*args, **kwargs):
+        if layer.training and torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+    return run
 
 
 def lora_compute_dtype(setting: str, model_dtype: str) -> str:

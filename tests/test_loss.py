@@ -340,3 +340,26 @@ def test_matmul_params_match_an_instantiated_model():
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert matmul_params(model.config) == linear
     assert matmul_params(model.config.to_dict()) == linear  # a plain dict works too
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_function_equals_autograd(temperature):
+    """HeadLogprobs' hand-written backward against autograd through the plain chunk, for the rows
+    and (were the head trained, e.g. tied embeddings) its weight: fp32, to 1e-6."""
+    from lorabench.loss import HeadLogprobs, _chunk_logprobs
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(50, 16, generator=g))
+    rows = torch.randn(7, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (7,), generator=g)
+    weights = torch.randn(7, generator=g)
+    expected = _chunk_logprobs(head, rows, targets, temperature)
+    (expected * weights).sum().backward()
+    rows_grad, head_grad = rows.grad.clone(), head.weight.grad.clone()
+    rows.grad, head.weight.grad = None, None
+    got = HeadLogprobs.apply(rows, head.weight, targets, temperature, False)
+    (got * weights).sum().backward()
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    assert torch.allclose(rows.grad, rows_grad, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(head.weight.grad, head_grad, atol=1e-6, rtol=1e-6)

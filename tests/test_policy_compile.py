@@ -1,4 +1,4 @@
-"""grpo.compile: the compiled decoder layers and log-sum-exp compute what the eager ones do. On the
+"""grpo.compile: the compiled head passes and decoder layers compute what the eager ones do. On the
 CPU, in float32, one GRPO update of a compiled policy gives the eager policy's loss, log-probs and
 LoRA gradients up to float32 rounding (inductor fuses and reorders sums). Its speed is the GPU's
 question (benchmarks/train_gpu.py), not a test's."""
@@ -27,9 +27,9 @@ def synthetic_batch(n: int = 6, seed: int = 0) -> RolloutBatch:
     return RolloutBatch(ids, attn, cmask, torch.zeros(cmask.shape), rewards, rewards - rewards.mean())
 
 
-def trained(model_dir, compiled: bool) -> tuple[dict, list[torch.Tensor]]:
+def trained(model_dir, compile_mode: str) -> tuple[dict, list[torch.Tensor]]:
     cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.micro_batch_tokens=48",
-                                 f"grpo.compile={str(compiled).lower()}"])
+                                 f"grpo.compile={compile_mode}"])
     torch.manual_seed(0)
     policy = Policy(str(model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
     perturb_lora_B(policy.model, seed=3)                   # non-zero B: A gets gradients too
@@ -37,13 +37,15 @@ def trained(model_dir, compiled: bool) -> tuple[dict, list[torch.Tensor]]:
     return stats, [p.grad.clone() for p in policy.params]
 
 
-def test_compiled_update_equals_eager(tiny_model_dir):
+@pytest.mark.parametrize("mode, graphs", [("head", 2), ("all", 3)])
+def test_compiled_update_equals_eager(tiny_model_dir, mode, graphs):
     from torch._dynamo.utils import counters
-    eager_stats, eager_grads = trained(tiny_model_dir, compiled=False)
+    eager_stats, eager_grads = trained(tiny_model_dir, "off")
     counters.clear()
-    compiled_stats, compiled_grads = trained(tiny_model_dir, compiled=True)
-    # it did compile: the decoder layer and the head's chunk, each one whole graph
-    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"], dict(counters)
+    compiled_stats, compiled_grads = trained(tiny_model_dir, mode)
+    # it did compile, each piece one whole graph: the head's two passes (and the decoder layer,
+    # its checkpoint inside)
+    assert counters["stats"]["unique_graphs"] >= graphs and not counters["graph_break"], dict(counters)
     assert len(eager_grads) == len(compiled_grads) > 0
     for eager, compiled in zip(eager_grads, compiled_grads):
         assert eager.norm() > 0
@@ -63,5 +65,6 @@ def test_compile_without_decoder_layers_is_refused():
         def get_decoder(self):
             return torch.nn.Linear(2, 2)
 
-    with pytest.raises(ConfigError, match=r"grpo.compile=true: the model models/odd \(Linear\) .* grpo.compile=false"):
-        _compile_decoder_layers(NoLayers(), "models/odd")
+    with pytest.raises(ConfigError,
+                       match=r"grpo.compile=all: the model models/odd \(Linear\) .* grpo.compile=head or off"):
+        _compile_decoder_layers(NoLayers(), "models/odd", checkpointing=True)
