@@ -12,7 +12,7 @@ and the split of any gap into the LoRA kernels' share, the log-prob return's sha
 (three rounds, interleaved; the median of each).
 A second part checks that the README's real-model command and the 64x8x256 setting fit a 24 GB GPU
 next to the engine: each in a fresh process that finds only 24 GB of the device free (this process
-holds the rest as ballast), the engine at the README's mem_fraction_static=0.4 (of the memory free
+holds the rest as ballast), the engine at the README's mem_fraction_static=0.3 (of the memory free
 when it starts), the trainer capped (--trainer-cap-gb, 12) with
 torch.cuda.set_per_process_memory_fraction; two steps must run without running out of memory, and
 device-wide use less the ballast is read after each step.
@@ -141,7 +141,7 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
 # The README's real-model command, less what needs the hub (model, data) and the run length.
 README_COMMAND = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.max_new_tokens=512",
                   "grpo.prompts_per_step=32", "grpo.group_size=8", "grpo.temperature=1.0",
-                  "engine.mem_fraction_static=0.4"]
+                  "engine.mem_fraction_static=0.3"]
 FITS = {"readme_command": (32, 8, 512), "step_benchmark": (64, 8, 256)}
 GPU_GB = 24.0
 
@@ -149,8 +149,8 @@ GPU_GB = 24.0
 def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float, ballast_gb: float,
                     overrides: list[str]) -> dict:
     """In a fresh process, on a GPU of which only GPU_GB is free (the parent holds the rest as
-    ballast): the README's engine settings (mem_fraction_static=0.4: sglang 0.5.17 sizes its static
-    memory from what is free when it starts, so 0.4 means 0.4 of this 24 GB), the trainer capped at
+    ballast): the README's engine settings (mem_fraction_static=0.3: sglang 0.5.17 sizes its static
+    memory from what is free when it starts, so 0.3 means 0.3 of this 24 GB), the trainer capped at
     `trainer_gb` with set_per_process_memory_fraction, two steps. A process that outgrows the 24 GB
     gets a real out-of-memory error. Device-wide use less the ballast is read after each step."""
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
@@ -158,7 +158,7 @@ def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float, b
     cfg = config(data, FITS[which], *README_COMMAND, *overrides, f"run.name=fit24-{which}")
     free_gb = torch.cuda.mem_get_info()[0] / 1e9
     out = {"which": which, "size": "x".join(map(str, FITS[which])), "trainer_cap_gb": trainer_gb,
-           "engine_mem_fraction_static": 0.4, "gpu_gb": GPU_GB, "ballast_gb": ballast_gb,
+           "engine_mem_fraction_static": cfg.engine.mem_fraction_static, "gpu_gb": GPU_GB, "ballast_gb": ballast_gb,
            "free_gb_at_start": free_gb, "overrides": overrides}
     used = []
     try:

@@ -149,10 +149,11 @@ def _enable_activation_checkpointing(model) -> None:
 
 
 def compile_mode(setting: str, device: str) -> str:
-    """grpo.compile resolved: 'auto' compiles the head on a CUDA GPU (where its fused passes pay off
-    within a step) and nothing elsewhere."""
+    """grpo.compile resolved: 'auto' compiles everything on a CUDA GPU, where the compile (~80 s for
+    the 0.6B shape on an H200) pays off within a few steps, and nothing elsewhere (a CPU run is
+    short, and compiling there needs a C++ compiler)."""
     if setting == "auto":
-        return "head" if torch.device(device).type == "cuda" else "off"
+        return "all" if torch.device(device).type == "cuda" else "off"
     return setting
 
 

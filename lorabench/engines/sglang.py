@@ -69,7 +69,7 @@ class SGLangSettings:
     max_lora_rank: int = 16
     target_modules: list[str] = field(default_factory=lambda: ["all"])
     max_loras_per_batch: int = 4
-    mem_fraction_static: float = 0.4
+    mem_fraction_static: float = 0.3
     dtype: str = "auto"
     seed: int = 0
     attention_backend: str = ""
@@ -126,7 +126,7 @@ def config_problems(cfg) -> list[str]:
         problems.append(f"engine.max_loras_per_batch={e.max_loras_per_batch}: base-model requests take a slot "
                         f"too; use >= 2")
     if not 0 < e.mem_fraction_static < 1:
-        problems.append(f"engine.mem_fraction_static={e.mem_fraction_static}: must be between 0 and 1 (e.g. 0.4 "
+        problems.append(f"engine.mem_fraction_static={e.mem_fraction_static}: must be between 0 and 1 (e.g. 0.3 "
                         f"when the trainer shares the GPU)")
     if e.max_lora_rank and e.max_lora_rank < lora.r:
         problems.append(f"engine.max_lora_rank={e.max_lora_rank} is below lora.r={lora.r}; raise it or set 0 "
