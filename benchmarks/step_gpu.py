@@ -213,6 +213,8 @@ def main() -> None:
     parser.add_argument("--fits-only", action="store_true", help="only the 24 GB check, no size sweep")
     parser.add_argument("--fit-overrides", default="", help="config overrides on top of the README's command "
                         "for the 24 GB check, space-separated, e.g. 'engine.mem_fraction_static=0.3'")
+    parser.add_argument("--fits-which", default=",".join(FITS), help="which settings the 24 GB check runs, "
+                        f"comma-separated, of {list(FITS)}")
     parser.add_argument("--trainer-cap-gb", type=float, default=12.0, help="the trainer's share of a 24 GB GPU")
     parser.add_argument("--engine-extra", default="", help="engine.extra_args for the size sweep's engine (JSON), "
                         "e.g. '{\"lora_backend\": \"triton\"}': a LoRA kernel setting measured inside the step")
@@ -256,7 +258,7 @@ def main() -> None:
                 Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.skip_24gb:
         result["fits_24gb"] = []
-        for which in FITS:
+        for which in args.fits_which.split(","):
             result["fits_24gb"].append(fits_24gb(model_dir, data, which, args.trainer_cap_gb,
                                                  args.fit_overrides.split()))
             print(json.dumps(result["fits_24gb"][-1]), flush=True)

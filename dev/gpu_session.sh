@@ -36,7 +36,8 @@ for part in "$@"; do
     step) python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;
     step_variant) python benchmarks/step_gpu.py --out "$RES/step_variant.json" --skip-24gb --sizes 64x8x256 \
                     ${LORABENCH_STEP_VARIANT_ARGS:-} ;;
-    fits) python benchmarks/step_gpu.py --out "$RES/step_fits.json" --fits-only --fit-overrides "${LORABENCH_FIT_OVERRIDES:-}" ;;
+    fits) python benchmarks/step_gpu.py --out "$RES/step_fits.json" --fits-only --fit-overrides "${LORABENCH_FIT_OVERRIDES:-}" \
+            ${LORABENCH_FIT_WHICH:+--fits-which "$LORABENCH_FIT_WHICH"} ;;
     train) python benchmarks/train_gpu.py --out "$RES/train.json" --profile-out "$RES/train_profile.txt" \
              ${LORABENCH_TRAIN_ARGS:-} ;;
     lora_decode) python benchmarks/lora_decode_gpu.py --out "$RES/lora_decode.json" ${LORABENCH_DECODE_ARGS:-} ;;
