@@ -89,11 +89,12 @@ class GRPOConfig:
     lr: float = _f(1e-3, "AdamW learning rate for the LoRA parameters.")
     clip_eps: float = _f(0.2, "PPO-style ratio clip.")
     kl_beta: float = _f(0.0, "Weight of the k3 KL to the base model (adapter disabled); 0 = off.")
-    micro_batch_tokens: int = _f(32768, "Padded tokens per forward/backward pass (gradient accumulation): "
+    micro_batch_tokens: int = _f(16384, "Padded tokens per forward/backward pass (gradient accumulation): "
                                  "sequences are grouped by length into micro-batches under this budget, so "
-                                 "trainer memory does not grow with the rollout size. Larger is faster (a small "
-                                 "model's training is bound by kernel launches per micro-batch); with "
-                                 "checkpointing, the Qwen3-0.6B shape peaks at ~7 GB at 32768 (docs/results.md).")
+                                 "trainer memory does not grow with the rollout size. With checkpointing and "
+                                 "compile the Qwen3-0.6B shape peaks at ~4.6 GB at 16384 (fits a 24 GB GPU next to "
+                                 "the engine at mem_fraction_static=0.3; 32768 did not) and ~7.3 GB at 32768, "
+                                 "which is a little faster on a larger GPU (docs/results.md, section 2).")
     lora_compute: str = _f("auto", "Precision of the LoRA matmuls in training: 'bfloat16' (autocast; the adapter "
                            "and its optimizer state stay fp32, and no fp32 copy of each LoRA layer's input is "
                            "kept for backward), 'float32' (PEFT's default) or 'auto' (bfloat16 when model.dtype "
