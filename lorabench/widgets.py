@@ -68,9 +68,11 @@ def setup_notebook() -> None:
 def sglang_in_notebook() -> list[str]:
     """The config overrides a notebook adds to run the sglang engine in its kernel: the output of the
     engine's own processes (SGLang's progress bars while it loads weights and captures CUDA graphs)
-    goes to a log file, since a kernel shows whatever they write in the notebook."""
+    goes to a log file, since a kernel shows whatever they write in the notebook; and training
+    uncompiled: a lesson's steps are small, and the compile (~1 min at the first step on a GPU,
+    grpo.compile=auto) would be most of the wait for the first Step."""
     import tempfile
-    return [f"engine.log_file={Path(tempfile.gettempdir()) / 'lorabench-sglang.log'}"]
+    return [f"engine.log_file={Path(tempfile.gettempdir()) / 'lorabench-sglang.log'}", "grpo.compile=off"]
 
 
 _TABLE_STYLE = ("<style>.lb-table td,.lb-table th{padding:2px 8px;text-align:left;font-size:12px;"
