@@ -30,7 +30,7 @@ for part in "$@"; do
   start=$(date +%s)
   case $part in
     tests) "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
-             ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py} ;;
+             ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py tests/test_policy_compile_gpu.py} ;;
     refresh) python benchmarks/refresh_gpu.py --out "$RES/refresh_tp${LORABENCH_TP:-1}.json" --tp "${LORABENCH_TP:-1}" \
                ${LORABENCH_REFRESH_ARGS:-} ;;
     step) python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;

@@ -11,5 +11,5 @@ export LORABENCH_COMMIT=${LORABENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$LORABENCH_GPU_OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LORABENCH_GPU_OUT/gpu.txt" 2>&1
-python -m pytest -m gpu -v -p no:cacheprovider -s "$@" ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py} 2>&1 | tee "$LORABENCH_GPU_OUT/pytest.log"
+python -m pytest -m gpu -v -p no:cacheprovider -s "$@" ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py tests/test_policy_compile_gpu.py} 2>&1 | tee "$LORABENCH_GPU_OUT/pytest.log"
 exit ${PIPESTATUS[0]}

@@ -27,14 +27,14 @@ def synthetic_batch(n: int = 6, seed: int = 0) -> RolloutBatch:
     return RolloutBatch(ids, attn, cmask, torch.zeros(cmask.shape), rewards, rewards - rewards.mean())
 
 
-def trained(model_dir, compile_mode: str) -> tuple[dict, list[torch.Tensor]]:
+def trained(model_dir, compile_mode: str, device: str = "cpu", *overrides: str) -> tuple[dict, list[torch.Tensor]]:
     cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.micro_batch_tokens=48",
-                                 f"grpo.compile={compile_mode}"])
+                                 f"grpo.compile={compile_mode}", *overrides])
     torch.manual_seed(0)
-    policy = Policy(str(model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
+    policy = Policy(str(model_dir), cfg.lora, cfg.grpo, "float32", device)
     perturb_lora_B(policy.model, seed=3)                   # non-zero B: A gets gradients too
     stats = policy.train(synthetic_batch(), cfg.grpo)
-    return stats, [p.grad.clone() for p in policy.params]
+    return stats, [p.grad.clone().cpu() for p in policy.params]
 
 
 @pytest.mark.parametrize("mode, graphs", [("head", 2), ("all", 3)])
