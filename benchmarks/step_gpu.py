@@ -56,11 +56,10 @@ def config(data: Path, size: tuple[int, int, int], *extra) -> Config:
                               *extra])
 
 
-def decode_reference(engine, tokenizer, problems, group: int, new_tokens: int, adapter,
-                     logprobs: bool = False) -> dict:
-    """SGLang's own decode of the step's batch: fixed length, tokens/s; with `logprobs` it also
-    returns each sampled token's log-prob, as a rollout asks (the log-prob return's share)."""
-    ids = [prompt_ids(tokenizer, p.messages) for p in problems for _ in range(group)]
+def decode_reference(engine, ids: list[list[int]], new_tokens: int, adapter, logprobs: bool = False) -> dict:
+    """SGLang's own decode of the step's batch (`ids`: one prompt per sequence): fixed length,
+    tokens/s; with `logprobs` it also returns each sampled token's log-prob, as a rollout asks (the
+    log-prob return's share)."""
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     t0 = synced_time()
     outs = engine.engine.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids),
@@ -107,9 +106,9 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
     # SGLang's own decode moved 15% between back-to-back engines (docs/results.md): three rounds,
     # the three references interleaved, the median of each
     served = trainer.refresher.serving_adapter
-    rounds = [(decode_reference(engine, tokenizer, problems, g, t, None),
-               decode_reference(engine, tokenizer, problems, g, t, served),
-               decode_reference(engine, tokenizer, problems, g, t, served, logprobs=True)) for _ in range(3)]
+    ids = [prompt_ids(tokenizer, p.messages) for p in problems for _ in range(g)]
+    rounds = [(decode_reference(engine, ids, t, None), decode_reference(engine, ids, t, served),
+               decode_reference(engine, ids, t, served, logprobs=True)) for _ in range(3)]
     base, adapter, adapter_logprobs = (_median_run([r[i] for r in rounds]) for i in range(3))
     trainer.close()
     engine.unload_adapter(cfg.engine.adapter_name)
@@ -219,7 +218,7 @@ def main() -> None:
     parser.add_argument("--engine-extra", default="", help="engine.extra_args for the size sweep's engine (JSON), "
                         "e.g. '{\"lora_backend\": \"triton\"}': a LoRA kernel setting measured inside the step")
     parser.add_argument("--overrides", nargs="*", default=[], help="config overrides for the sweep's trainers, "
-                        "e.g. grpo.compile=true (step 1, the warm-up, then holds the compile)")
+                        "e.g. grpo.compile=head (step 1, the warm-up, then holds the compile)")
     parser.add_argument("--fit-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit_child:

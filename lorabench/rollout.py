@@ -120,4 +120,3 @@ def random_tokens_like_rollouts(prompt_lens: list[int], completion_lens: list[in
         attn[i, :p + c] = 1
         cmask[i, p - 1:p - 1 + c] = 1   # log-prob row t predicts token t+1
     return ids * attn, attn, cmask
-

@@ -46,12 +46,18 @@ def test_compiled_update_equals_eager(tiny_model_dir, mode, graphs):
     # it did compile, each piece one whole graph: the head's two passes (and the decoder layer,
     # its checkpoint inside)
     assert counters["stats"]["unique_graphs"] >= graphs and not counters["graph_break"], dict(counters)
+    assert_same_update((eager_stats, eager_grads), (compiled_stats, compiled_grads), rel=1e-5, abs_stats=1e-7)
+
+
+def assert_same_update(eager, compiled, rel: float, abs_stats: float) -> None:
+    """Two `trained` results agree: every LoRA gradient to `rel` in norm, loss, grad norm, tokens."""
+    (eager_stats, eager_grads), (compiled_stats, compiled_grads) = eager, compiled
     assert len(eager_grads) == len(compiled_grads) > 0
-    for eager, compiled in zip(eager_grads, compiled_grads):
-        assert eager.norm() > 0
-        assert ((compiled - eager).norm() / eager.norm()).item() < 1e-5
+    for e, c in zip(eager_grads, compiled_grads):
+        assert e.norm() > 0
+        assert ((c - e).norm() / e.norm()).item() < rel
     for key in ("loss", "grad_norm", "tokens"):
-        assert compiled_stats[key] == pytest.approx(eager_stats[key], rel=1e-5, abs=1e-7), key
+        assert compiled_stats[key] == pytest.approx(eager_stats[key], rel=rel, abs=abs_stats), key
 
 
 def test_compile_without_decoder_layers_is_refused():
