@@ -388,12 +388,14 @@ def _check_module(module: str, pair: dict, rank: int, target, shapes) -> None:
 
 # --- merged weights (the full-weight baseline) ---------------------------------------------------
 @torch.no_grad()
-def merge_weights(base: dict[str, torch.Tensor], adapter: FlatAdapter) -> dict[str, torch.Tensor]:
+def merge_weights(base: dict[str, torch.Tensor], adapter: FlatAdapter,
+                  adapted_only: bool = False) -> dict[str, torch.Tensor]:
     """Plain-model state dict with W + (α/r)·B·A for every adapted layer, computed out of place from
     the frozen base weights (plain names) and the step's adapter. Equivalent to PEFT's
     merge_adapter() / read / unmerge_adapter(), but leaves the trainer's base weights bit-identical
-    (merge + unmerge in bf16 drifts them a little every step)."""
-    merged = dict(base)
+    (merge + unmerge in bf16 drifts them a little every step). `adapted_only`: the adapted layers'
+    weights alone, the only ones that differ from `base`."""
+    merged = {} if adapted_only else dict(base)
     for module in adapter.modules:
         name = f"{module}.weight"
         if name not in base:
@@ -401,7 +403,7 @@ def merge_weights(base: dict[str, torch.Tensor], adapter: FlatAdapter) -> dict[s
         w = base[name]
         a = adapter.tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"].to(w.device).float()
         b = adapter.tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"].to(w.device).float()
-        merged[name] = (w.float() + adapter.scaling * (b @ a)).to(w.dtype)
+        merged[name] = torch.addmm(w.float(), b, a, alpha=adapter.scaling).to(w.dtype)  # one fp32 rounding
     return merged
 
 
@@ -410,6 +412,6 @@ def base_weights(peft_model) -> dict[str, torch.Tensor]:
     return {base_param_name(n): p.detach() for n, p in peft_model.named_parameters() if ".lora_" not in n}
 
 
-def merged_state_dict(peft_model, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+def merged_state_dict(peft_model, adapter_name: str = "default", adapted_only: bool = False) -> dict[str, torch.Tensor]:
     """W + (α/r)·B·A for every layer of a PEFT model, out of place (see merge_weights)."""
-    return merge_weights(base_weights(peft_model), FlatAdapter.from_peft(peft_model, adapter_name))
+    return merge_weights(base_weights(peft_model), FlatAdapter.from_peft(peft_model, adapter_name), adapted_only)

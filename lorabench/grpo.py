@@ -165,11 +165,13 @@ class GRPOTrainer:
         if not self.cfg.engine.release_memory_during_training:
             yield
             return
-        self.engine.release_memory(list(self.refresher.release_tags))
+        tags = list(self.refresher.release_tags)
+        self.engine.release_memory(tags)
         try:
             yield
         finally:
             self.engine.resume_memory()
+            self.refresher.engine_memory_resumed(tags)
 
     def _commit(self, record: StepRecord, adapter, clock: StepClock) -> None:
         """Rows of the steps since the last checkpoint are published with it, so the run dir never

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import CoreOnlyEngine, perturb_lora_B
 
-from lorabench.adapters import FlatAdapter
+from lorabench.adapters import FlatAdapter, merged_state_dict
 from lorabench.config import Config
 from lorabench.data import Problem
 from lorabench.engines import EngineError, StaleAdapter, make_engine
@@ -313,6 +313,19 @@ def test_release_memory_during_training(make_trainer, tiny_model_dir, tokenizer)
         assert "engine.release_memory_during_training" in str(info.value)
     finally:
         core.close()
+
+
+def test_merged_pushes_every_weight_again_after_the_engine_released_them(make_trainer):
+    """Merged refreshes after the first push only the adapted layers, unless the engine released its
+    weights for the update (they come back with undefined contents on SGLang): then every weight."""
+    kept = make_trainer("merged")
+    released = make_trainer("merged", "engine.release_memory_during_training=true")
+    every = sum(t.numel() * t.element_size() for t in kept.policy.base_weights().values())
+    adapted = sum(t.numel() * t.element_size() for t in merged_state_dict(kept.model, adapted_only=True).values())
+    assert adapted < every
+    for _ in range(2):
+        assert kept.step().metrics["refresh/bytes"] == adapted
+        assert released.step().metrics["refresh/bytes"] == every
 
 
 def test_policy_gradient_moves_adapter_towards_rewarded_completions(make_trainer):
