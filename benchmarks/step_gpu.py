@@ -4,8 +4,8 @@ several rollout sizes, next to SGLang's own decode of the same batch, in one run
     python benchmarks/step_gpu.py --out results/step.json [--sizes 16x8x128,32x8x256,64x8x256,128x8x256]
 
 Setting: a random-init model of Qwen3-0.6B's shape in bf16 (trainer and engine), LoRA r=32 on the
-7 projections, GSM8K-format local data (generated), refresh.mode=inplace, the whole `trainer.step()`
-timed from outside, p50 of steps 2-4 (step 1 warms up). For each size, the same prompts are also
+7 projections, GSM8K-format local data (generated), refresh.mode=inplace (or each of --modes), the
+whole `trainer.step()` timed from outside, p50 of steps 2-4 (step 1 warms up). For each size, the same prompts are also
 decoded by SGLang directly (`sglang.Engine.generate`): with the base model, with the adapter, and
 with the adapter returning log-probs as a rollout does: the reference a rollout is compared with,
 and the split of any gap into the LoRA kernels' share, the log-prob return's share and ours
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lorabench.config import Config  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
 from lorabench.engines.sglang import SGLangEngine  # noqa: E402
+from lorabench.explain import restore_base_weights  # noqa: E402
 from lorabench.grpo import GRPOTrainer  # noqa: E402
 from lorabench.loss import model_flops_per_token  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
@@ -110,8 +111,11 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
     rounds = [(decode_reference(engine, ids, t, None), decode_reference(engine, ids, t, served),
                decode_reference(engine, ids, t, served, logprobs=True)) for _ in range(3)]
     base, adapter, adapter_logprobs = (_median_run([r[i] for r in rounds]) for i in range(3))
+    if served is None:      # merged: the engine's base weights are the policy; put the base back
+        restore_base_weights(engine, trainer.model)
+    else:
+        engine.unload_adapter(cfg.engine.adapter_name)
     trainer.close()
-    engine.unload_adapter(cfg.engine.adapter_name)
     med = {k: statistics.median(r[k] for r in timed) for k in timed[-1] if isinstance(timed[-1][k], (int, float))}
     rollout_tokens = p * g * med["completions/mean_length"]
     train_tokens = med["train/tokens"]
@@ -120,7 +124,8 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
     prompt_len = int(train_tokens / (p * g) - med["completions/mean_length"])
     est_decode_s = decode_bytes_estimate(mc, p * g, prompt_len, t) / (HBM_TBPS * 1e12)
     return {
-        "size": "x".join(map(str, size)), "step_wall_s_p50": statistics.median(walls[1:]), "step_wall_s": walls,
+        "size": "x".join(map(str, size)), "refresh_mode": cfg.refresh.mode,
+        "step_wall_s_p50": statistics.median(walls[1:]), "step_wall_s": walls,
         "parts_s_p50": {k[5:-2]: v for k, v in med.items() if k.startswith("time/")},
         "memory_peak_gb_p50": {k[7:-8]: v for k, v in med.items() if k.startswith("memory/")},
         "rollout_tok_s": rollout_tokens / med["time/rollout_s"],
@@ -219,6 +224,11 @@ def main() -> None:
                         "e.g. '{\"lora_backend\": \"triton\"}': a LoRA kernel setting measured inside the step")
     parser.add_argument("--overrides", nargs="*", default=[], help="config overrides for the sweep's trainers, "
                         "e.g. grpo.compile=head (step 1, the warm-up, then holds the compile)")
+    parser.add_argument("--modes", default="inplace", help="refresh modes to measure at each size, comma-separated, "
+                        "e.g. inplace,merged (merged serves W + BA as the base weights: no LoRA kernels in decode; "
+                        "its pushes use --merged-bucket-mb)")
+    parser.add_argument("--merged-bucket-mb", type=float, default=1024.0,
+                        help="refresh.bucket_mb for merged rows (perf.json: 108 ms at 64 MB, 60 ms at 1024)")
     parser.add_argument("--fit-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit_child:
@@ -239,7 +249,7 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sglang": sglang.__version__,
               "commit": os.environ.get("LORABENCH_COMMIT", ""), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "setting": "Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections, inplace refresh, "
+              "setting": "Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections, refresh mode per row, "
                          "temperature 1.0, p50 of steps 2-4", "peak_bf16_tflops": PEAK_BF16_TFLOPS,
               "hbm_tbps": HBM_TBPS, "sizes": []}
     largest = max(p * g for p, g, _ in sizes)
@@ -250,11 +260,14 @@ def main() -> None:
     if not args.fits_only:
         with SGLangEngine.from_config(cfg, model_dir) as engine:
             for size in sizes:
-                row = measure_size(engine, model_dir, data, size, tokenizer, args.overrides)
-                result["sizes"].append(row)
-                print(json.dumps({k: row[k] for k in ("size", "step_wall_s_p50", "rollout_vs_base_decode",
-                                                      "train_mfu", "memory_peak_gb_p50")}), flush=True)
-                Path(args.out).write_text(json.dumps(result, indent=1))
+                for mode in args.modes.split(","):
+                    mode_args = [f"refresh.mode={mode}"] + ([f"refresh.bucket_mb={args.merged_bucket_mb}"]
+                                                           if mode == "merged" else [])
+                    row = measure_size(engine, model_dir, data, size, tokenizer, [*args.overrides, *mode_args])
+                    result["sizes"].append(row)
+                    print(json.dumps({k: row[k] for k in ("size", "refresh_mode", "step_wall_s_p50",
+                                                          "rollout_vs_base_decode", "parts_s_p50")}), flush=True)
+                    Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.skip_24gb:
         result["fits_24gb"] = []
         for which in args.fits_which.split(","):

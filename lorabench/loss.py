@@ -237,15 +237,27 @@ def saved_activation_bytes(model, fn) -> tuple[int, object]:
     return sum(saved.values()), result
 
 
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[N, L] 1 on real tokens -> [N, 1, L, L] bool, True where query t may attend key s: s <= t and
+    s is a real token. What transformers builds for SDPA from a padded 2-D mask, built always."""
+    length = attention_mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]
+
+
 # --- micro-batching ----------------------------------------------------------------------------
 def token_budget_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Split sequence indices into micro-batches whose padded size, len(batch) * longest length in
     it, is <= token_budget. Longest sequences first (ties by index), so batches hold similar lengths
     (little padding) and the biggest batch runs first (an out-of-memory shows at once). A sequence
-    longer than the budget gets a batch of its own. Every index appears exactly once.
+    longer than the budget gets a batch of its own. Every index appears exactly once. A last batch
+    of one sequence takes one more from the batch before when that one has three or more: compiled
+    layers (grpo.compile=all) compile again for a batch of one (torch.compile specialises size 1).
 
     >>> token_budget_batches([3, 10, 4, 10, 2], token_budget=20)
     [[1, 3], [2, 0, 4]]
+    >>> token_budget_batches([5, 5, 5, 5], token_budget=15)
+    [[0, 1], [2, 3]]
     """
     if token_budget < 1:
         raise ValueError(f"token_budget={token_budget}: must be >= 1")
@@ -257,6 +269,9 @@ def token_budget_batches(lengths: list[int], token_budget: int) -> list[list[int
             batches[-1].append(i)
         else:
             batches.append([i])
+    if len(batches) > 1 and len(batches[-1]) == 1 and len(batches[-2]) >= 3:
+        # the moved sequence fit a batch of three at its length, so a batch of two holds it
+        batches[-1].insert(0, batches[-2].pop())
     return batches
 
 

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .adapters import AdapterError, AdapterLayout, FlatAdapter, base_weights, linear_shapes, plain_config, validate
 from .config import ConfigError
-from .loss import grpo_loss, token_budget_batches, token_logprobs
+from .loss import causal_padding_mask, grpo_loss, token_budget_batches, token_logprobs
 from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch
 
@@ -63,7 +63,7 @@ class Policy:
                 part = batch.rows(index)
                 with self.compute():
                     # the head only at completion tokens: prompts and padding carry no loss
-                    logp = token_logprobs(self.model, part.input_ids, part.attention_mask, grpo.temperature,
+                    logp = token_logprobs(self.model, part.input_ids, self._layer_mask(part), grpo.temperature,
                                           positions=part.completion_mask.bool(), compiled_head=self.compile != "off")
                 width = logp.shape[1]
                 if epoch == 0:
@@ -84,10 +84,18 @@ class Policy:
         self.version += 1
         return {**stats, **mismatch(old_logp, batch)}
 
+    def _layer_mask(self, part: RolloutBatch) -> torch.Tensor:
+        """The attention mask the decoder gets. Compiled layers with SDPA get the full [N, 1, L, L]
+        mask always: transformers drops a 2-D mask that pads nothing, and the compiled layer would
+        compile again (~30 s on the H200) for the first micro-batch without padding."""
+        if self.compile == "all" and self.model.config._attn_implementation == "sdpa":
+            return causal_padding_mask(part.attention_mask)
+        return part.attention_mask
+
     @torch.no_grad()
     def _reference_logprobs(self, part: RolloutBatch, temperature: float) -> torch.Tensor:
         with self.model.disable_adapter(), self.compute():
-            return token_logprobs(self.model, part.input_ids, part.attention_mask, temperature,
+            return token_logprobs(self.model, part.input_ids, self._layer_mask(part), temperature,
                                   positions=part.completion_mask.bool())
 
     @contextlib.contextmanager

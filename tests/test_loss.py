@@ -275,6 +275,20 @@ def test_budget_batches_edge_cases():
         token_budget_batches([1], 0)
 
 
+def test_budget_batches_avoid_a_last_batch_of_one():
+    """A batch of one compiles the layers again (grpo.compile=all): the last one borrows a sequence
+    when the batch before can spare one and still hold two."""
+    assert check_batches([5, 5, 5, 5], 15) == [[0, 1], [2, 3]]
+    assert check_batches([5, 5, 4, 3, 2], 15) == [[0, 1, 2], [3, 4]]                # no batch of one at all
+    assert check_batches([9, 5, 5], 15) == [[0], [1, 2]]                            # a long one stays alone
+    assert check_batches([6, 6, 5], 12) == [[0, 1], [2]]                            # two cannot spare one
+    gen = torch.Generator().manual_seed(1)
+    for n in range(2, 120):
+        lengths = torch.randint(200, 340, (n,), generator=gen).tolist()
+        batches = check_batches(lengths, 16384)
+        assert len(batches) == 1 or len(batches[-1]) > 1
+
+
 # --- moved advantage and loss ----------------------------------------------------------------------
 def test_advantages_equal_groups_zero_and_group_layout():
     assert torch.equal(group_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), 2), torch.zeros(4))

@@ -41,6 +41,7 @@ def trained(model_dir, compile_mode: str, device: str = "cpu", *overrides: str) 
 def test_compiled_update_equals_eager(tiny_model_dir, mode, graphs):
     from torch._dynamo.utils import counters
     eager_stats, eager_grads = trained(tiny_model_dir, "off")
+    torch._dynamo.reset()           # count this mode's graphs, not reuse of an earlier test's
     counters.clear()
     compiled_stats, compiled_grads = trained(tiny_model_dir, mode)
     # it did compile, each piece one whole graph: the head's two passes (and the decoder layer,
@@ -58,6 +59,27 @@ def assert_same_update(eager, compiled, rel: float, abs_stats: float) -> None:
         assert ((c - e).norm() / e.norm()).item() < rel
     for key in ("loss", "grad_norm", "tokens"):
         assert compiled_stats[key] == pytest.approx(eager_stats[key], rel=rel, abs=abs_stats), key
+
+
+def test_a_micro_batch_without_padding_reuses_the_compiled_layers(tiny_model_dir):
+    """transformers drops a 2-D mask that pads nothing, and a layer compiled for a mask would compile
+    again (~30 s on the H200); the policy hands compiled layers the full mask always."""
+    from torch._dynamo.utils import counters
+
+    def batch(prompts, completions):
+        generator = torch.Generator().manual_seed(0)
+        ids, attn, cmask = random_tokens_like_rollouts(prompts, completions, (10, 400), generator)
+        rewards = torch.tensor([1.0, 0.0, 0.0])
+        return RolloutBatch(ids, attn, cmask, torch.zeros(cmask.shape), rewards, rewards - rewards.mean())
+
+    torch._dynamo.reset()           # graphs of earlier tests must not stand in for this one's
+    cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.micro_batch_tokens=60", "grpo.compile=all"])
+    policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
+    policy.train(batch([6, 7, 8], [8, 9, 10]), cfg.grpo)           # one micro-batch of 3, padded
+    counters.clear()
+    policy.train(batch([7, 7, 7], [10, 10, 10]), cfg.grpo)         # one micro-batch of 3, no padding
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters)
+    assert policy.version == 2
 
 
 def test_compile_without_decoder_layers_is_refused():
