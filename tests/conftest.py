@@ -46,7 +46,7 @@ def perturb_lora_B(model, seed: int = 0, scale: float = 0.2) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.add_(torch.randn(param.shape, generator=gen) * scale)
+                param.add_(torch.randn(param.shape, generator=gen).to(param.device) * scale)
 
 
 @pytest.fixture
