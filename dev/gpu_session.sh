@@ -15,6 +15,8 @@
 # runs the release/resume test, which skips without it.
 # Results (JSON, PNG, one log per part) are packed into $OUT/results.tgz (the device tool brings
 # back at most 8 files), re-packed after each part; one failing part does not stop the others.
+# Each part's log is written to $OUT/PART.log as it runs, so a call cut off by its limit still
+# shows how far the part got; LORABENCH_PART_TIMEOUT (seconds) stops a part in time to pack.
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 RES=$(mktemp -d /tmp/gpu-results-XXXX)
@@ -28,24 +30,26 @@ extras=.gpu-extras; [ -d $extras ] || extras=../.gpu-extras   # run from a snaps
 with_extras=(); [ -f $extras/with-extras.sh ] && with_extras=(bash $extras/with-extras.sh)
 for part in "$@"; do
   start=$(date +%s)
+  part_timeout=(); [ -n "${LORABENCH_PART_TIMEOUT:-}" ] && part_timeout=(timeout -k 10 "$LORABENCH_PART_TIMEOUT")
   case $part in
-    tests) "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
+    tests) "${part_timeout[@]}" "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
              ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py tests/test_policy_compile_gpu.py} ;;
-    refresh) python benchmarks/refresh_gpu.py --out "$RES/refresh_tp${LORABENCH_TP:-1}.json" --tp "${LORABENCH_TP:-1}" \
+    refresh) "${part_timeout[@]}" python benchmarks/refresh_gpu.py --out "$RES/refresh_tp${LORABENCH_TP:-1}.json" --tp "${LORABENCH_TP:-1}" \
                ${LORABENCH_REFRESH_ARGS:-} ;;
-    step) python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;
-    step_variant) python benchmarks/step_gpu.py --out "$RES/step_variant.json" --skip-24gb --sizes 64x8x256 \
+    step) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;
+    step_variant) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step_variant.json" --skip-24gb --sizes 64x8x256 \
                     ${LORABENCH_STEP_VARIANT_ARGS:-} ;;
-    fits) python benchmarks/step_gpu.py --out "$RES/step_fits.json" --fits-only --fit-overrides "${LORABENCH_FIT_OVERRIDES:-}" \
+    fits) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step_fits.json" --fits-only --fit-overrides "${LORABENCH_FIT_OVERRIDES:-}" \
             ${LORABENCH_FIT_WHICH:+--fits-which "$LORABENCH_FIT_WHICH"} ;;
-    train) python benchmarks/train_gpu.py --out "$RES/train.json" --profile-out "$RES/train_profile.txt" \
+    train) "${part_timeout[@]}" python benchmarks/train_gpu.py --out "$RES/train.json" --profile-out "$RES/train_profile.txt" \
              ${LORABENCH_TRAIN_ARGS:-} ;;
-    lora_decode) python benchmarks/lora_decode_gpu.py --out "$RES/lora_decode.json" ${LORABENCH_DECODE_ARGS:-} ;;
-    memory) python benchmarks/activation_memory.py --device cuda --out "$RES/activation_memory_gpu.json" ;;
-    notebooks) bash $extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
+    lora_decode) "${part_timeout[@]}" python benchmarks/lora_decode_gpu.py --out "$RES/lora_decode.json" ${LORABENCH_DECODE_ARGS:-} ;;
+    memory) "${part_timeout[@]}" python benchmarks/activation_memory.py --device cuda --out "$RES/activation_memory_gpu.json" ;;
+    notebooks) "${part_timeout[@]}" bash $extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
     *) echo "unknown part $part"; false ;;
-  esac > "$RES/$part.log" 2>&1
+  esac > "$OUT/$part.log" 2>&1
   rc=$?
+  cp "$OUT/$part.log" "$RES/"
   echo "== $part: exit $rc in $(( $(date +%s) - start )) s"
   grep -E "PASSED|FAILED|ERROR|passed|failed|Error|^\{" "$RES/$part.log" | grep -v "Warning" | tail -25
   if [ $rc -ne 0 ]; then status=$rc; tail -60 "$RES/$part.log"; fi
