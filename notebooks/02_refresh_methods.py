@@ -103,9 +103,10 @@ pd.DataFrame([{"mode": r["mode"], "MB moved": r["bytes"] / 2**20, "call ms": 1e3
 #   anew every step, and that load is most of their time (on the `hf` engine: PEFT wrapping the
 #   model's linear layers again). `file` also writes a directory and the engine reads it back.
 # - `inplace` skips both: the engine keeps the adapter it loaded first and only the values change.
-# - `merged` moves every weight of the model, not only the adapter, so its bytes grow with the
-#   model; afterwards the engine has no base model left (it serves W + ΔW as its base). With the
-#   tiny model that is ~10 MB and cheap; section 3 shows it at 0.6B scale.
+# - `merged` moves the full weights of every adapted layer, not only the adapter, so its bytes grow
+#   with the model (every weight on its first push; after that the rest never changes); afterwards
+#   the engine has no base model left (it serves W + ΔW as its base, and decodes without LoRA
+#   kernels). With the tiny model that is a few MB and cheap; section 3 shows it at 0.6B scale.
 # - `× floor` says how far each mode is from moving its bytes once. Every mode is well above it:
 #   what costs is software (Python calls, per-tensor work, the engine's bookkeeping), not bytes.
 
