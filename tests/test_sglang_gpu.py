@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -196,10 +197,20 @@ def run_grpo(cfg, model_path, engine, steps):
     from lorabench.runlog import RunLog
     trainer = GRPOTrainer(cfg, model_path, engine, RunLog(Path(cfg.run.out_dir) / cfg.run.name), log=print)
     before = trainer.evaluate()
-    rows = [trainer.step().metrics for _ in range(steps)]
+    rows = []
+    for _ in range(steps):
+        rows.append(trainer.step().metrics)
+        progress(f"{cfg.run.name} step {len(rows)}: {rows[-1]['time/step_s']:.2f} s "
+                 f"(train {rows[-1]['time/train_s']:.2f} s)")
     after = trainer.evaluate()
     trainer.close()
     return before, rows, after
+
+
+def progress(line: str) -> None:
+    """Past pytest's capture, so a device call cut off by its limit still shows how far a test got
+    (dev/gpu_session.sh writes each part's log under $OUT as it runs)."""
+    print(line, file=sys.__stderr__, flush=True)
 
 
 def grpo_per_mode(engine, model_path, modes, steps: int, *overrides, name: str = "grpo") -> dict:
