@@ -28,9 +28,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu
 status=0
 extras=.gpu-extras; [ -d $extras ] || extras=../.gpu-extras   # run from a snapshot dir too
 with_extras=(); [ -f $extras/with-extras.sh ] && with_extras=(bash $extras/with-extras.sh)
+part_timeout=(); [ -n "${LORABENCH_PART_TIMEOUT:-}" ] && part_timeout=(timeout -k 10 "$LORABENCH_PART_TIMEOUT")
 for part in "$@"; do
   start=$(date +%s)
-  part_timeout=(); [ -n "${LORABENCH_PART_TIMEOUT:-}" ] && part_timeout=(timeout -k 10 "$LORABENCH_PART_TIMEOUT")
   case $part in
     tests) "${part_timeout[@]}" "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
              ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py tests/test_policy_compile_gpu.py} ;;

@@ -61,14 +61,15 @@ class Policy:
             self.optimizer.zero_grad(set_to_none=True)
             for index in micro:
                 part = batch.rows(index)
+                mask = self._layer_mask(part)
                 with self.compute():
                     # the head only at completion tokens: prompts and padding carry no loss
-                    logp = token_logprobs(self.model, part.input_ids, self._layer_mask(part), grpo.temperature,
+                    logp = token_logprobs(self.model, part.input_ids, mask, grpo.temperature,
                                           positions=part.completion_mask.bool(), compiled_head=self.compile != "off")
                 width = logp.shape[1]
                 if epoch == 0:
                     old_logp[index, :width] = logp.detach()
-                ref = self._reference_logprobs(part, grpo.temperature) if grpo.kl_beta > 0 else None
+                ref = self._reference_logprobs(part, mask, grpo.temperature) if grpo.kl_beta > 0 else None
                 loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
                                     grpo.clip_eps, ref, grpo.kl_beta)
                 share = len(index) / batch.size
@@ -93,9 +94,9 @@ class Policy:
         return part.attention_mask
 
     @torch.no_grad()
-    def _reference_logprobs(self, part: RolloutBatch, temperature: float) -> torch.Tensor:
+    def _reference_logprobs(self, part: RolloutBatch, mask: torch.Tensor, temperature: float) -> torch.Tensor:
         with self.model.disable_adapter(), self.compute():
-            return token_logprobs(self.model, part.input_ids, self._layer_mask(part), temperature,
+            return token_logprobs(self.model, part.input_ids, mask, temperature,
                                   positions=part.completion_mask.bool())
 
     @contextlib.contextmanager

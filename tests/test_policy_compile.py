@@ -17,14 +17,19 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
                                 reason="torch.compile on the CPU needs a C++ compiler (g++ or c++); none on PATH")
 
 
+def batch_of(prompts: list[int], completions: list[int], rewards: list[float], g: torch.Generator) -> RolloutBatch:
+    """Random sequences of these prompt and completion lengths, right-padded, advantages centred."""
+    ids, attn, cmask = random_tokens_like_rollouts(prompts, completions, (10, 400), g)
+    r = torch.tensor(rewards)
+    return RolloutBatch(ids, attn, cmask, torch.zeros(cmask.shape), r, r - r.mean())
+
+
 def synthetic_batch(n: int = 6, seed: int = 0) -> RolloutBatch:
     """[n, L] right-padded sequences of varied length with completion masks and advantages."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(6, 10, (n,), generator=g)
     completions = torch.randint(4, 12, (n,), generator=g)
-    ids, attn, cmask = random_tokens_like_rollouts(prompts.tolist(), completions.tolist(), (10, 400), g)
-    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0][:n])
-    return RolloutBatch(ids, attn, cmask, torch.zeros(cmask.shape), rewards, rewards - rewards.mean())
+    return batch_of(prompts.tolist(), completions.tolist(), [1.0, 0.0, 1.0, 0.0, 0.0, 1.0][:n], g)
 
 
 def trained(model_dir, compile_mode: str, device: str = "cpu", *overrides: str) -> tuple[dict, list[torch.Tensor]]:
@@ -67,10 +72,7 @@ def test_a_micro_batch_without_padding_reuses_the_compiled_layers(tiny_model_dir
     from torch._dynamo.utils import counters
 
     def batch(prompts, completions):
-        generator = torch.Generator().manual_seed(0)
-        ids, attn, cmask = random_tokens_like_rollouts(prompts, completions, (10, 400), generator)
-        rewards = torch.tensor([1.0, 0.0, 0.0])
-        return RolloutBatch(ids, attn, cmask, torch.zeros(cmask.shape), rewards, rewards - rewards.mean())
+        return batch_of(prompts, completions, [1.0, 0.0, 0.0], torch.Generator().manual_seed(0))
 
     torch._dynamo.reset()           # graphs of earlier tests must not stand in for this one's
     cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.micro_batch_tokens=60", "grpo.compile=all"])
