@@ -108,8 +108,10 @@ class GRPOConfig:
                       "compiled layer, and the output head's two passes over the vocabulary), 'head' (the head "
                       "only), 'off', or 'auto' ('all' on a CUDA GPU, 'off' elsewhere). On the H200 'all' took "
                       "the 64x8x256 training phase from 4.5 to 1.7 s; the first step pays the compile (~80 s "
-                      "there), and a micro-batch of one sequence (only when unavoidable) compiles once more. The "
-                      "same values to float32 rounding (docs/results.md, section 2).")
+                      "there), and a micro-batch of one sequence (only when unavoidable) compiles once more. "
+                      "Micro-batch widths round up to a multiple of 8 (masked columns), or a width turning "
+                      "from aligned to not compiles again. The same values to float32 rounding "
+                      "(docs/results.md, section 2).")
     reward_mode: str = _f("strict", "'strict' (last '#### N') or 'flexible' (last number).")
     format_bonus: float = _f(0.0, "Added to the reward when '#### N' is present, right or wrong.")
     max_grad_norm: float = _f(1.0, "Gradient clipping.")

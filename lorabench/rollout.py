@@ -59,13 +59,26 @@ class RolloutBatch:
     def to(self, device) -> RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
-    def rows(self, index: list[int]) -> RolloutBatch:
-        """Rows `index`, trimmed to their own longest sequence (less padding per micro-batch)."""
+    def rows(self, index: list[int], width_multiple: int = 1) -> RolloutBatch:
+        """Rows `index`, trimmed to their own longest sequence (less padding per micro-batch), that
+        width rounded up to a multiple of `width_multiple` (never past this batch's own width)."""
         idx = torch.tensor(index, device=self.input_ids.device)
-        width = int(self.attention_mask[idx].sum(1).max())
+        longest = int(self.attention_mask[idx].sum(1).max())
+        width = min(-(-longest // width_multiple) * width_multiple, self.input_ids.shape[1])
         return RolloutBatch(self.input_ids[idx, :width], self.attention_mask[idx, :width],
                             self.completion_mask[idx, :width - 1], self.engine_logprobs[idx, :width - 1],
                             self.rewards[idx], self.advantages[idx])
+
+    def padded_to_multiple(self, multiple: int) -> RolloutBatch:
+        """This batch with masked columns added on the right until L is a multiple of `multiple`
+        (token 0 there: no mask, no loss and no log-prob ever looks at it)."""
+        extra = -self.input_ids.shape[1] % multiple
+        if extra == 0:
+            return self
+        def pad(t):
+            return torch.nn.functional.pad(t, (0, extra))
+        return RolloutBatch(pad(self.input_ids), pad(self.attention_mask), pad(self.completion_mask),
+                            pad(self.engine_logprobs), self.rewards, self.advantages)
 
 
 def sample(engine, tokenizer, problems: list[Problem], group_size: int, sampling: Sampling,

@@ -104,6 +104,21 @@ def test_batch_rows_trim_to_their_own_longest_sequence():
     assert torch.equal(batch.to("cpu").input_ids, batch.input_ids)
 
 
+def test_batch_rows_round_their_width_up_to_a_multiple_within_the_batch():
+    """Compiled layers get micro-batch widths in multiples of 8: the batch gets masked columns on the
+    right first, and a micro-batch's width rounds up, never past the batch's own."""
+    batch = collate(_hand_rollouts(), torch.tensor([1.0, 0.0, 0.0, 1.0]), pad_id=0)   # L = 5
+    padded = batch.padded_to_multiple(4)
+    assert padded.input_ids.tolist()[3] == [5, 6, 14, 0, 0, 0, 0, 0]
+    assert padded.attention_mask[:, 5:].sum() == 0 and padded.lengths == batch.lengths
+    assert torch.equal(padded.completion_mask[:, :4], batch.completion_mask) and padded.completion_mask.shape == (4, 7)
+    assert padded.engine_logprobs[:, 4:].abs().sum() == 0
+    assert padded.padded_to_multiple(4) is padded
+    assert padded.rows([3], width_multiple=4).input_ids.shape == (1, 4)    # 3 tokens -> 4
+    assert padded.rows([0, 3], width_multiple=4).input_ids.shape == (2, 8)  # 5 -> 8
+    assert batch.rows([0, 3], width_multiple=4).input_ids.shape == (2, 5)   # not past the batch's 5
+
+
 # --- the trainer ----------------------------------------------------------------------------------------
 METRIC_KEYS = {
     "step", "reward/mean", "reward/std", "rewards/correct/mean", "reward/strict_format", "advantage/abs_mean",
@@ -378,20 +393,24 @@ def test_micro_batches_sum_to_the_full_batch_gradient(tiny_model_dir, engine, to
     rollouts = sample(engine, tokenizer, problems, 4, Sampling(8, 1.0, 1.0, seed=4), None)
     batch = collate(rollouts, torch.tensor([len(t) / 40.0 for t in rollouts.texts]), tokenizer.pad_token_id)
     assert batch.advantages.abs().sum() > 0
+    # and masked columns on the right (compiled layers get widths in multiples of 8) change nothing
+    padded = batch.padded_to_multiple(8)
+    assert batch.input_ids.shape[1] % 8 and padded.input_ids.shape[1] % 8 == 0
     grads, stats = [], []
-    for budget in (1, 10**6):
+    for budget, data in ((1, batch), (10**6, batch), (10**6, padded)):
         cfg = small_config(tmp_path, "tensor", f"grpo.micro_batch_tokens={budget}")
         torch.manual_seed(0)
         policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
         perturb_lora_B(policy.model, seed=2)                     # non-zero B: A gets gradients too
-        stats.append(policy.train(batch, cfg.grpo))
+        stats.append(policy.train(data, cfg.grpo))
         grads.append([p.grad.clone() for p in policy.params])
     # float32 sums in another order (other padding widths, other head chunks): ~1e-6 relative
-    for a, b in zip(*grads):
-        assert ((a - b).norm() / b.norm()).item() < 1e-5
+    for other in (0, 2):
+        for a, b in zip(grads[other], grads[1]):
+            assert ((a - b).norm() / b.norm()).item() < 1e-5
+        for key in ("loss", "grad_norm", "tokens", "mismatch_mean", "mismatch_max"):
+            assert stats[other][key] == pytest.approx(stats[1][key], rel=1e-4, abs=1e-7), key
     assert sum(float(g.abs().sum()) for g in grads[0]) > 0
-    for key in ("loss", "grad_norm", "tokens", "mismatch_mean", "mismatch_max"):
-        assert stats[0][key] == pytest.approx(stats[1][key], rel=1e-4, abs=1e-7), key
 
 
 def test_single_target_module_name(make_trainer):

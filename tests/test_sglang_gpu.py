@@ -38,7 +38,10 @@ from lorabench.models import load_tokenizer  # noqa: E402
 from lorabench.tiny import tiny_model_dir  # noqa: E402
 
 OUT = Path(os.environ.get("LORABENCH_GPU_OUT", "gpu_results"))
-RUNS = os.environ.get("LORABENCH_GPU_RUNS", "/tmp/lorabench-gpu-runs")  # run dirs: many files, kept out of OUT
+# run dirs: many files, kept out of OUT; one folder per pytest process, because a run dir an earlier
+# session left (a warm GPU machine keeps /tmp) is resumed at its last step, not started afresh
+RUNS = str(Path(os.environ.get("LORABENCH_GPU_RUNS", "/tmp/lorabench-gpu-runs"))
+           / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 # the offline GPU stack lacks FlashInfer/FA3/xgrammar; a full install needs none of these. Prefill
 # CUDA graphs off: faster starts; decode graphs stay on (the refresh benchmark keeps SGLang's defaults)
 STACK = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
