@@ -16,7 +16,9 @@
 # Results (JSON, PNG, one log per part) are packed into $OUT/results.tgz (the device tool brings
 # back at most 8 files), re-packed after each part; one failing part does not stop the others.
 # Each part's log is written to $OUT/PART.log as it runs, so a call cut off by its limit still
-# shows how far the part got; LORABENCH_PART_TIMEOUT (seconds) stops a part in time to pack.
+# shows how far the part got; LORABENCH_PART_TIMEOUT (seconds) stops a part in time to pack. pytest
+# runs with --capture=tee-sys: its default fd capture held back every line (the tests' progress too)
+# of a test until the test ended, so a part stopped mid-test logged nothing of it.
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 RES=$(mktemp -d /tmp/gpu-results-XXXX)
@@ -32,7 +34,7 @@ part_timeout=(); [ -n "${LORABENCH_PART_TIMEOUT:-}" ] && part_timeout=(timeout -
 for part in "$@"; do
   start=$(date +%s)
   case $part in
-    tests) "${part_timeout[@]}" "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
+    tests) "${part_timeout[@]}" "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider --capture=tee-sys ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
              ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py tests/test_policy_compile_gpu.py} ;;
     refresh) "${part_timeout[@]}" python benchmarks/refresh_gpu.py --out "$RES/refresh_tp${LORABENCH_TP:-1}.json" --tp "${LORABENCH_TP:-1}" \
                ${LORABENCH_REFRESH_ARGS:-} ;;

@@ -211,8 +211,9 @@ def run_grpo(cfg, model_path, engine, steps):
 
 
 def progress(line: str) -> None:
-    """Past pytest's capture, so a device call cut off by its limit still shows how far a test got
-    (dev/gpu_session.sh writes each part's log under $OUT as it runs)."""
+    """To the real stderr, so a device call cut off by its limit still shows how far a test got
+    (dev/gpu_session.sh runs pytest with --capture=tee-sys and writes each part's log under $OUT
+    as it runs; under pytest's default fd capture the line waits for the test's end)."""
     print(line, file=sys.__stderr__, flush=True)
 
 
