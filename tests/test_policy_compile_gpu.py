@@ -2,11 +2,14 @@
 one in float32, with checkpointing inside the compiled layer and without it. The CPU test
 (test_policy_compile.py) passed for a version that failed on the GPU (checkpointing around a
 compiled layer: CheckpointError in backward), so the GPU gets its own. The batch's micro-batches
-include one sequence alone (no padding: transformers passes no mask), so the layer's other graph
-variant runs too. bf16's gap is benchmarks/train_gpu.py's figure, not a test's."""
+include single sequences and pairs (torch.compile specialises a batch of one), so both of the
+layer's graph variants run. bf16's gap is benchmarks/train_gpu.py's figure, not a test's."""
 import pytest
 import torch
-from test_policy_compile import assert_same_update, trained
+from test_policy_compile import assert_same_update, synthetic_batch, trained
+
+from lorabench.loss import token_budget_batches
+from lorabench.policy import COMPILED_WIDTH_MULTIPLE
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -17,9 +20,13 @@ if not torch.cuda.is_available():
 def test_compiled_update_equals_eager_on_gpu(tiny_model_dir, checkpointing):
     from torch._dynamo.utils import counters
     setting = f"grpo.activation_checkpointing={str(checkpointing).lower()}"
-    # a 30-token budget: the longest sequence (up to 21 tokens) gets a micro-batch of its own
-    eager_stats, eager_grads = trained(tiny_model_dir, "off", "cuda", setting, "grpo.micro_batch_tokens=30")
+    # a 40-token budget: compiled widths round up to 16 or 24 here, so the two 24-wide sequences get a
+    # micro-batch each and the 16-wide ones go in pairs (a 30-token budget gave only batches of one
+    # once widths rounded up, and the check on graphs below failed for it on the H200)
+    widths = [-(-n // COMPILED_WIDTH_MULTIPLE) * COMPILED_WIDTH_MULTIPLE for n in synthetic_batch().lengths]
+    assert sorted(map(len, token_budget_batches(widths, 40))) == [1, 1, 2, 2], widths
+    eager_stats, eager_grads = trained(tiny_model_dir, "off", "cuda", setting, "grpo.micro_batch_tokens=40")
     counters.clear()
-    compiled_stats, compiled_grads = trained(tiny_model_dir, "all", "cuda", setting, "grpo.micro_batch_tokens=30")
+    compiled_stats, compiled_grads = trained(tiny_model_dir, "all", "cuda", setting, "grpo.micro_batch_tokens=40")
     assert counters["stats"]["unique_graphs"] >= 3 and not counters["graph_break"], dict(counters)
     assert_same_update((eager_stats, eager_grads), (compiled_stats, compiled_grads), rel=1e-4, abs_stats=1e-6)
