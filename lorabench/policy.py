@@ -20,7 +20,7 @@ from .adapters import AdapterError, AdapterLayout, FlatAdapter, base_weights, li
 from .config import ConfigError
 from .loss import causal_padding_mask, grpo_loss, token_budget_batches, token_logprobs
 from .models import load_model, pick_device, quiet_peft, with_lora
-from .rollout import RolloutBatch
+from .rollout import RolloutBatch, round_up
 
 COMPILED_WIDTH_MULTIPLE = 8   # micro-batch widths under grpo.compile=all (Policy.train)
 
@@ -58,7 +58,7 @@ class Policy:
         # (an alignment guard of inductor's; 15 s at step 12 of the GPU GRPO test): widths stay multiples
         multiple = COMPILED_WIDTH_MULTIPLE if self.compile == "all" else 1
         batch = batch.to(self.device).padded_to_multiple(multiple)
-        micro = token_budget_batches([-(-n // multiple) * multiple for n in batch.lengths], grpo.micro_batch_tokens)
+        micro = token_budget_batches([round_up(n, multiple) for n in batch.lengths], grpo.micro_batch_tokens)
         old_logp = torch.zeros_like(batch.engine_logprobs)          # [N, L-1] π_old: before the update
         stats = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "tokens": 0}
         self.model.train()

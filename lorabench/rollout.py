@@ -64,7 +64,7 @@ class RolloutBatch:
         width rounded up to a multiple of `width_multiple` (never past this batch's own width)."""
         idx = torch.tensor(index, device=self.input_ids.device)
         longest = int(self.attention_mask[idx].sum(1).max())
-        width = min(-(-longest // width_multiple) * width_multiple, self.input_ids.shape[1])
+        width = min(round_up(longest, width_multiple), self.input_ids.shape[1])
         return RolloutBatch(self.input_ids[idx, :width], self.attention_mask[idx, :width],
                             self.completion_mask[idx, :width - 1], self.engine_logprobs[idx, :width - 1],
                             self.rewards[idx], self.advantages[idx])
@@ -79,6 +79,11 @@ class RolloutBatch:
             return torch.nn.functional.pad(t, (0, extra))
         return RolloutBatch(pad(self.input_ids), pad(self.attention_mask), pad(self.completion_mask),
                             pad(self.engine_logprobs), self.rewards, self.advantages)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
 
 
 def sample(engine, tokenizer, problems: list[Problem], group_size: int, sampling: Sampling,

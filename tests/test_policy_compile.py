@@ -86,7 +86,7 @@ def test_a_micro_batch_without_padding_reuses_the_compiled_layers(tiny_model_dir
 
 def test_compiled_layers_get_widths_in_multiples_of_8(tiny_model_dir, monkeypatch):
     """On the H200 a compiled layer compiled again mid-run (15 s) when a micro-batch's width turned
-    from a multiple of 8 to not (an alignment guard of inductor's, which the CPU does not raise):
+    from a multiple of 8 to not (an alignment guard of inductor's, not seen on the CPU):
     under compile=all every micro-batch reaches the layers padded to a multiple of 8 (masked columns;
     that they change nothing: test_grpo's micro-batch test, and compiled = eager above)."""
     import lorabench.policy as policy_module

@@ -10,6 +10,7 @@ from test_policy_compile import assert_same_update, synthetic_batch, trained
 
 from lorabench.loss import token_budget_batches
 from lorabench.policy import COMPILED_WIDTH_MULTIPLE
+from lorabench.rollout import round_up
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -23,7 +24,7 @@ def test_compiled_update_equals_eager_on_gpu(tiny_model_dir, checkpointing):
     # a 40-token budget: compiled widths round up to 16 or 24 here, so the two 24-wide sequences get a
     # micro-batch each and the 16-wide ones go in pairs (a 30-token budget gave only batches of one
     # once widths rounded up, and the check on graphs below failed for it on the H200)
-    widths = [-(-n // COMPILED_WIDTH_MULTIPLE) * COMPILED_WIDTH_MULTIPLE for n in synthetic_batch().lengths]
+    widths = [round_up(n, COMPILED_WIDTH_MULTIPLE) for n in synthetic_batch().lengths]
     assert sorted(map(len, token_budget_batches(widths, 40))) == [1, 1, 2, 2], widths
     eager_stats, eager_grads = trained(tiny_model_dir, "off", "cuda", setting, "grpo.micro_batch_tokens=40")
     counters.clear()
