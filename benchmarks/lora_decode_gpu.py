@@ -45,7 +45,7 @@ VARIANTS = {  # name -> extra sglang.Engine arguments
 def decode(engine, ids: list[list[int]], new_tokens: int, adapter) -> float:
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     t0 = synced_time()
-    engine.engine.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids))
+    engine.call_sglang(lambda e: e.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids)))
     return synced_time() - t0
 
 

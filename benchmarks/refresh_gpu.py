@@ -93,8 +93,8 @@ class Probe:
             self.plens.append(len(prompt))
 
     def request(self, adapter, ids=None):
-        return self.engine.engine.generate(input_ids=[ids or self.request_ids], lora_path=[adapter],
-                                           sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        return self.engine.call_sglang(lambda e: e.generate(input_ids=[ids or self.request_ids], lora_path=[adapter],
+                                                            sampling_params={"max_new_tokens": 1, "temperature": 0.0}))
 
     def engine_logprobs(self, adapter) -> torch.Tensor:
         return torch.cat(self.engine.score(self.seqs, self.plens, adapter))
@@ -117,13 +117,14 @@ def naive_refresh(engine, model, name: str, how: str, root: Path, i: int) -> Non
     config = json.loads(json.dumps(config, default=str))
     if how == "naive_tensor":
         tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-        check_reply(engine.engine.unload_lora_adapter(name), "unload")
-        check_reply(engine.engine.load_lora_adapter_from_tensors(name, tensors, config), "load from tensors")
+        check_reply(engine.call_sglang(lambda e: e.unload_lora_adapter(name)), "unload")
+        check_reply(engine.call_sglang(lambda e: e.load_lora_adapter_from_tensors(name, tensors, config)),
+                    "load from tensors")
     else:
         path = root / f"naive-{i}"
         model.save_pretrained(path)
-        check_reply(engine.engine.unload_lora_adapter(name), "unload")
-        check_reply(engine.engine.load_lora_adapter(name, str(path)), "load")
+        check_reply(engine.call_sglang(lambda e: e.unload_lora_adapter(name)), "unload")
+        check_reply(engine.call_sglang(lambda e: e.load_lora_adapter(name, str(path))), "load")
 
 
 def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict:

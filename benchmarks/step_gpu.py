@@ -63,8 +63,8 @@ def decode_reference(engine, ids: list[list[int]], new_tokens: int, adapter, log
     log-prob return's share)."""
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     t0 = synced_time()
-    outs = engine.engine.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids),
-                                  return_logprob=logprobs)
+    outs = engine.call_sglang(lambda e: e.generate(input_ids=ids, sampling_params=params,
+                                                   lora_path=[adapter] * len(ids), return_logprob=logprobs))
     seconds = synced_time() - t0
     tokens = sum(len(o["output_ids"]) for o in outs)
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}

@@ -411,10 +411,11 @@ def test_inplace_versions_and_hazards(tiny_path):
     """The in-place path end to end: after every write the engine matches the trainer's weights and
     is >= 10x further from the previous version; versions follow the writes; the pinned adapter is
     never evicted (so SGLang never reloads its stale host copy) while other adapters churn the pool;
-    a write while requests run is refused and changes nothing; a plan the engine lost is re-mapped;
+    a write sent while a request runs waits for it (calls run one at a time on the engine's thread); a
+    plan the engine lost is re-mapped;
     a new engine gets a full load; a refresher that skips its write is caught by the version check."""
     from lorabench.refresh import InPlaceRefresh, make_refresher
-    versions, refs, seqs, plens = _versions_and_references(tiny_path, 6)
+    versions, refs, seqs, plens = _versions_and_references(tiny_path, 7)
     out = {"parity": [], "previous": []}
 
     def check(eng, v):
@@ -438,19 +439,27 @@ def test_inplace_versions_and_hazards(tiny_path):
             eng.score(seqs[:2], plens[:2], f"other{k}")
         check(eng, 2)                                     # still v2 after more churn: not reloaded from host
         prompts = [s[:p] for s, p in zip(seqs, plens)] * 16
-        worker = threading.Thread(target=eng.generate, args=(prompts, Sampling(256, 1.0, seed=1), "policy"))
+        finished = {}
+
+        def generate_then_note():
+            eng.generate(prompts, Sampling(256, 1.0, seed=1), "policy")
+            finished["generate"] = time.monotonic()
+        worker = threading.Thread(target=generate_then_note)
         worker.start()
         deadline = time.monotonic() + 10
-        while not eng._in_flight and time.monotonic() < deadline:
+        while not eng._thread.running_call and time.monotonic() < deadline:
             time.sleep(0.001)
-        with pytest.raises(EngineError, match="in flight"):
-            refresher.refresh(versions[3].to("cuda"))
+        out["write_during_generate_waited"] = bool(eng._thread.running_call)
+        refresher.refresh(versions[3].to("cuda"))          # handed to the engine thread: runs after the request
+        finished["write"] = time.monotonic()
         worker.join()
-        check(eng, 2)
-        eng.pool._send("forget", eng.pool.mapped["policy"], [], flush_cache=False)  # the engine loses the plan
-        record_ = refresher.refresh(versions[3].to("cuda"))
-        out["remapped"] = record_.engine_ms.get("remapped")
+        out["write_after_generate"] = finished["write"] > finished["generate"]
         check(eng, 3)
+        # the engine loses the plan
+        eng.call_sglang(lambda _: eng.pool._send("forget", eng.pool.mapped["policy"], [], flush_cache=False))
+        record_ = refresher.refresh(versions[4].to("cuda"))
+        out["remapped"] = record_.engine_ms.get("remapped")
+        check(eng, 4)
 
         class SkipsWrites(InPlaceRefresh):                # a refresh that silently does nothing
             def _refresh(self, adapter, record):
@@ -459,11 +468,12 @@ def test_inplace_versions_and_hazards(tiny_path):
         out["stale_caught"] = _stale_adapter_caught(eng, tiny_path, SkipsWrites)
     with SGLangEngine.from_config(cfg, tiny_path) as eng:  # a new engine: nothing mapped, a full load first
         refresher = make_refresher("inplace", eng, "policy")
-        for v in (4, 5):
+        for v in (5, 6):
             refresher.refresh(versions[v].to("cuda"))
             check(eng, v)
     record("inplace_hazards", out)
     assert out["remapped"] == 1.0 and out["stale_caught"], out
+    assert out["write_during_generate_waited"] and out["write_after_generate"], out
     for (_, mean), (_, prev) in zip(out["parity"], out["previous"]):
         # the mean bar: with these strong adapters single tokens of the tiny model's peaked vocabulary
         # move by up to ~0.5 in bf16 (both engines round), so the per-token max is recorded, not judged
@@ -531,11 +541,11 @@ def test_engine_opens_no_door(tiny_path):
 # --- the scheduler dies mid-run -------------------------------------------------------------------
 def test_scheduler_death_mid_run(tiny_path, tmp_path):
     """SGLang's scheduler killed (SIGKILL, as an OOM kill or a fatal CUDA error ends it) during a
-    `lorabench run`: SGLang's watchdog takes the whole process tree down, the lorabench process
-    included, as it would a notebook kernel (docs/reliability.md). Checked: the run process ends
-    (no hang), no engine process survives, the GPU memory comes back, the run dir holds whole step
-    rows up to its last committed checkpoint, and `lorabench resume` on a new engine finishes the
-    run with every step exactly once."""
+    `lorabench run`: SGLang's watchdog signals the lorabench process, which fails the engine instead
+    of dying (a notebook kernel would live on): the run ends with one line naming the failed process
+    (exit 2, no hang), no engine process survives, the GPU memory comes back, the run dir holds whole
+    step rows up to its last committed checkpoint, and `lorabench resume` on a new engine finishes
+    the run with every step exactly once."""
     import subprocess
     import sys
 
@@ -576,11 +586,12 @@ def test_scheduler_death_mid_run(tiny_path, tmp_path):
         proc.kill()
         pytest.fail("the run process did not end within 120 s of its scheduler's death")
     died_after_s = time.monotonic() - t_kill
+    death_log = log.read_text()[-2000:]
     _, survivors = psutil.wait_procs(tree, timeout=30)
     time.sleep(2)
     free_after = torch.cuda.mem_get_info()[0]
     rows_after = step_rows()
-    out = {"rows_at_kill": rows_at_kill, "rows_after_death": rows_after, "returncode": rc,
+    out = {"rows_at_kill": rows_at_kill, "rows_after_death": rows_after, "returncode": rc, "death_log": death_log,
            "died_after_s": died_after_s, "survivors": [p.pid for p in survivors],
            "gpu_free_gb_before_after": [free_before / 1e9, free_after / 1e9],
            "checkpoint_committed": (run_dir / "checkpoint" / "trainer_state.pt").is_file()}
@@ -591,9 +602,10 @@ def test_scheduler_death_mid_run(tiny_path, tmp_path):
         proc.kill()
         pytest.fail("resume did not finish in 400 s")
     out["rows_final"] = step_rows()
-    out["log_tail"] = log.read_text()[-1500:]
+    out["log_tail"] = log.read_text()[-3000:]
     record("scheduler_death", out)
-    assert rc != 0 and survivors == [], out
+    assert rc == 2 and survivors == [], out
+    assert "the SGLang engine failed: process" in death_log and "Traceback" not in death_log, out
     assert free_after > free_before - 1e9, out           # the dead engine's ~40 GB came back
     assert rows_after == list(range(1, len(rows_after) + 1)), out   # whole rows, in order
     assert out["resume_returncode"] == 0 and out["rows_final"] == list(range(1, steps + 1)), out

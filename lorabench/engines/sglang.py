@@ -3,35 +3,40 @@ enabled, serving the base weights once and adapters refreshed live by name.
 
 Only public Engine methods are used: generate, load_lora_adapter, load_lora_adapter_from_tensors,
 unload_lora_adapter, update_weights_from_tensor, release/resume_memory_occupation, flush_cache,
-shutdown. Token ids in, token ids and log-probs out (skip_tokenizer_init=True). The one exception is
-the in-place refresh (refresh.mode=inplace): a custom weight loader, registered at start and run
-inside the engine through update_weights_from_tensor, that writes into SGLang's LoRA pool
-(sglang_pool.py); it reads the adapter's engine id from the tokenizer manager's LoRA registry.
+shutdown, get_all_child_pids. Token ids in, token ids and log-probs out (skip_tokenizer_init=True).
+Every use of SGLang internals is in sglang_pool.py, each named with the release it was verified on:
+the in-place refresh (refresh.mode=inplace, a custom weight loader registered at start and run
+inside the engine through update_weights_from_tensor, that writes into SGLang's LoRA pool), and
+three reads of the tokenizer manager (an adapter's id, requests in flight, aborting a request).
 
 What each defect of a known LoRA + SGLang integration (a public RL framework needed each fixed, in
 this order) maps to here:
  1. every request passes `lora_path=[name]*n`, or `[None]*n` for an explicit base request;
  2. 'all-linear' -> SGLang's 'all'; a regex target is refused before the engine starts;
  3. adapter configs are plain JSON (adapters.plain_config);
- 4. sglang >= 0.5.17 (one serialised payload per TP rank, done by Engine itself);
+ 4. sglang 0.5.17, pinned by the `sglang` extra (one serialised payload per TP rank, done by Engine);
  5. tensors are on the GPU before CUDA-IPC serialisation (checked here);
  6. PEFT state-dict names are sent, never trainer parameter names (adapters.FlatAdapter);
  7. release/resume are symmetric: only the tags released are resumed;
  8. a failed call raises EngineError with the engine's own error_message;
  9. multi-bucket merged pushes flush once, after the last bucket.
 
-Scripts that start an Engine need an `if __name__ == "__main__":` guard (SGLang spawns its
-scheduler process). In Jupyter the kernel's event loop is already running: nest_asyncio is applied.
-If the scheduler dies, SGLang kills its whole process tree, the parent included.
+Threads and signals: the Engine is created and driven on a thread of its own (engine_thread.py),
+with its own asyncio loop, so a notebook kernel's loop is never touched; its processes ignore
+Ctrl-C / Kernel -> Interrupt; a failed engine process fails the engine, not this process
+(SGLangEngine's docstring). Scripts that start an Engine need an `if __name__ == "__main__":`
+guard (SGLang spawns its scheduler process).
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import json
 import os
+import signal
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +45,7 @@ import torch
 from ..adapters import FlatAdapter, validate
 from . import sglang_pool
 from .base import AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling, check_same_lora_config
+from .engine_thread import EngineThread
 from .loopback import LoopbackStore
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -151,14 +157,6 @@ def config_problems(cfg) -> list[str]:
     return problems
 
 
-def _in_running_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return False
-
-
 def check_reply(result, what: str):
     """Engine replies carry .success/.error_message (LoRA calls) or (success, message) tuples."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
@@ -241,7 +239,31 @@ def _start(model_path: str, settings: SGLangSettings, overrides: dict):
                           f"{model_path}{hint}") from err
 
 
+def _on_engine_thread(abort_on_interrupt: bool = False):
+    """The method runs on the engine's own thread (engine_thread.py), whoever calls it. A request
+    whose caller is interrupted is aborted in the engine (its results would be dropped anyway)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            if self._thread is None:
+                raise EngineError(f"SGLangEngine.{method.__name__}: the engine is closed; open a new one")
+            return self._thread.call(method, self, *args, on_interrupt=self._abort if abort_on_interrupt else None,
+                                     **kwargs)
+        return call
+    return wrap
+
+
 class SGLangEngine:
+    """An in-process sglang.Engine, created and driven on a thread of its own (engine_thread.py):
+    its asyncio loop is its own, never a notebook kernel's; every method runs there, in order.
+
+    Its processes (scheduler, detokenizer) are started with Ctrl-C / Kernel -> Interrupt ignored
+    (SIGINT reaches a kernel's whole process group): an interrupt stops the caller, never the
+    engine. If one of them dies, SGLang signals this process (SIGQUIT); instead of SGLang's own
+    handler, which kills this process (a notebook's kernel), the engine is marked failed: its other
+    processes are stopped, the call in progress and every later one raise EngineError, and the
+    process goes on (close the session, open a new one; the run dir resumes from its checkpoint).
+    Both need the engine to be created on the main thread (signal dispositions live there)."""
     name = "sglang"
     help = "an in-process sglang.Engine on the GPU(s), no HTTP server"
     config_problems = staticmethod(config_problems)
@@ -254,6 +276,8 @@ class SGLangEngine:
             raise EngineError("engine.backend='sglang' needs the sglang package, which is not installed for this "
                               "Python; install it on a GPU machine (pip install 'lorabench[sglang]') or use "
                               "engine.backend=hf")
+        if cfg.refresh.mode == "inplace":
+            sglang_pool.check_version()
         if not torch.cuda.is_available():
             raise EngineError(f"engine.backend='sglang' needs a CUDA GPU; torch {torch.__version__} sees none here. "
                               f"Use engine.backend=hf on this machine")
@@ -262,17 +286,25 @@ class SGLangEngine:
         self.settings = settings = settings or SGLangSettings()
         self.max_lora_rank = settings.max_lora_rank
         self.adapter_dtype = DTYPES.get(settings.dtype)  # None for 'auto': the model's own dtype
-        if _in_running_loop():  # Jupyter: the engine's sync methods need to re-enter the kernel's loop
-            import nest_asyncio
-            nest_asyncio.apply()
-        self.engine, self._store = _start(model_path, settings, engine_overrides)
         self.device = "cuda"
+        self.engine = self._store = None
+        self._thread = EngineThread("lorabench-sglang")
+        try:
+            with _interrupts_ignored_by_children():
+                self._thread.call(self._start, model_path, settings, engine_overrides)
+        except BaseException:
+            self._thread.close("the engine did not start")
+            self._thread = None
+            raise
+        _watch_for_failed_children(self)
+
+    def _start(self, model_path: str, settings: SGLangSettings, overrides: dict) -> None:
+        self.engine, self._store = _start(model_path, settings, overrides)
+        self._thread.use_loop(self.engine.loop)   # the loop sglang.Engine made on this thread, its own
         self._adapters: set[str] = set()
         self._configs: dict[str, dict] = {}   # name -> config it was loaded with (tensor loads)
         self._versions: dict[str | None, int] = {None: 0}
         self._released: list[str] = []
-        self._in_flight = 0                   # our own requests running now (a write then is refused)
-        self._lock = threading.Lock()
         self.pool = sglang_pool.PoolWriter(self)
         self.eos_ids = _eos_ids(model_path)
 
@@ -281,14 +313,17 @@ class SGLangEngine:
         return cls(model_path, SGLangSettings.from_config(cfg), **engine_overrides)
 
     # -- adapters ---------------------------------------------------------------------------
+    @_on_engine_thread()
     def loaded_adapters(self) -> list[str]:
         return sorted(self._adapters)
 
+    @_on_engine_thread()
     def served_version(self, adapter: str | None) -> int | None:
         if adapter is not None and adapter in self.pool.mapped:
             return self.pool.version(adapter)  # kept in the engine, beside its copy of the adapter
         return self._versions.get(adapter)
 
+    @_on_engine_thread()
     def load_adapter(self, name: str, path: Path, version: int = 0) -> None:
         if name in self._adapters:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
@@ -297,6 +332,7 @@ class SGLangEngine:
         self._configs.pop(name, None)
         self._versions[name] = version
 
+    @_on_engine_thread()
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
         if name in self._adapters:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
@@ -310,40 +346,34 @@ class SGLangEngine:
         self._configs[name] = dict(adapter.config)
         self._versions[name] = adapter.version
 
+    @_on_engine_thread()
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """Overwrite loaded adapter `name` inside the engine's GPU LoRA pool (sglang_pool.PoolWriter)."""
+        """Overwrite loaded adapter `name` inside the engine's GPU LoRA pool (sglang_pool.PoolWriter).
+        Calls run one at a time on the engine thread, so none of ours is in flight now; a request
+        someone else sent through `self.engine` would read a half-written adapter, so that refuses."""
         if name not in self._adapters:
-            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()}); load it "
+            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)}); load it "
                                    f"before updating it in place")
         if name not in self._configs:
             raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
                               f"first (load_adapter_tensors), so its config is known")
         check_same_lora_config(name, self._configs[name], adapter.config)
-        with self._lock:
-            if self._in_flight or self._engine_busy():
-                raise EngineError(f"in-place update of adapter {name!r} refused: requests are in flight, and they "
-                                  f"would read a half-written adapter; update between generate calls")
-            return self.pool.write(name, adapter)
+        if sglang_pool.requests_in_flight(self.engine):
+            raise EngineError(f"in-place update of adapter {name!r} refused: requests are in flight, and they "
+                              f"would read a half-written adapter; update between generate calls")
+        return self.pool.write(name, adapter)
 
-    def _engine_busy(self) -> bool:
-        """Requests the engine is serving now, ours or anyone's (the tokenizer manager's open requests)."""
-        return bool(getattr(self.engine.tokenizer_manager, "rid_to_state", None))
-
-    def lora_id(self, name: str) -> str:
-        ref = self.engine.tokenizer_manager.lora_registry.get_all_adapters().get(name)
-        if ref is None:
-            raise AdapterNotLoaded(f"adapter {name!r} is not in the engine's LoRA registry")
-        return ref.lora_id
-
+    @_on_engine_thread()
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
-            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()})")
+            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)})")
         self.pool.forget(name)
         check_reply(self.engine.unload_lora_adapter(name), f"unload_lora_adapter({name!r})")
         self._adapters.discard(name)
         self._configs.pop(name, None)
         self._versions.pop(name, None)
 
+    @_on_engine_thread()
     def update_weights(self, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
         check_reply(self.engine.update_weights_from_tensor(list(named_tensors), flush_cache=flush_cache),
                     "update_weights_from_tensor")
@@ -354,18 +384,10 @@ class SGLangEngine:
     def _lora(self, adapter: str | None, n: int) -> list[str | None]:
         if adapter is not None and adapter not in self._adapters:
             raise AdapterNotLoaded(f"request names adapter {adapter!r}, which is not loaded "
-                                   f"(loaded: {self.loaded_adapters()})")
+                                   f"(loaded: {sorted(self._adapters)})")
         return [adapter] * n  # explicit, also for the base model: [None] * n
 
-    def _request(self, **kwargs) -> list[dict]:
-        with self._lock:
-            self._in_flight += 1
-        try:
-            return self.engine.generate(**kwargs)
-        finally:
-            with self._lock:
-                self._in_flight -= 1
-
+    @_on_engine_thread(abort_on_interrupt=True)
     def generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
         params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                   "top_p": sampling.top_p if sampling.temperature > 0 else 1.0}
@@ -373,8 +395,8 @@ class SGLangEngine:
             params["top_k"] = 1
         if sampling.seed is not None and sampling.temperature > 0:
             params["sampling_seed"] = sampling.seed
-        outs = self._request(input_ids=[list(p) for p in prompt_ids], sampling_params=params,
-                             return_logprob=True, lora_path=self._lora(adapter, len(prompt_ids)))
+        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=params,
+                                    return_logprob=True, lora_path=self._lora(adapter, len(prompt_ids)))
         completions = []
         for p, out in zip(prompt_ids, outs):
             meta = out["meta_info"]
@@ -384,22 +406,43 @@ class SGLangEngine:
                                           "stop" if reason == "stop" else "length"))
         return completions
 
+    @_on_engine_thread(abort_on_interrupt=True)
     def score(self, sequences, prompt_lens, adapter, temperature: float = 1.0) -> list[torch.Tensor]:
         if temperature != 1.0:
             raise EngineError("SGLangEngine.score returns log-probs at temperature 1 only")
-        outs = self._request(input_ids=[list(s) for s in sequences], sampling_params={"max_new_tokens": 0},
-                             return_logprob=True, logprob_start_len=[max(0, p - 1) for p in prompt_lens],
-                             lora_path=self._lora(adapter, len(sequences)))
+        outs = self.engine.generate(input_ids=[list(s) for s in sequences], sampling_params={"max_new_tokens": 0},
+                                    return_logprob=True, logprob_start_len=[max(0, p - 1) for p in prompt_lens],
+                                    lora_path=self._lora(adapter, len(sequences)))
         result = []
         for seq, plen, out in zip(sequences, prompt_lens, outs):
             lps = [lp for lp, *_ in out["meta_info"]["input_token_logprobs"] if lp is not None]
             result.append(torch.tensor(lps[len(lps) - (len(seq) - plen):], dtype=torch.float32))
         return result
 
+    def _abort(self, call_id: int) -> None:
+        """A caller stopped waiting for request `call_id`: end it early if it is still the one running
+        (checked on the engine's loop, where the request runs; a later request is never touched)."""
+        engine, thread = self.engine, self._thread
+        if engine is None or thread is None or thread.loop is None or thread.loop.is_closed():
+            return
+
+        def abort_if_still_running():
+            if thread.running_call == call_id:
+                sglang_pool.abort_requests(engine)
+        thread.loop.call_soon_threadsafe(abort_if_still_running)
+
+    @_on_engine_thread(abort_on_interrupt=True)
+    def call_sglang(self, fn, *args, **kwargs):
+        """fn(sglang_engine, *args, **kwargs) on the engine's thread: for benchmarks that time
+        SGLang's own calls (its sync methods must run where the engine's loop lives)."""
+        return fn(self.engine, *args, **kwargs)
+
+    @_on_engine_thread()
     def flush_cache(self) -> None:
         check_reply(self.engine.flush_cache(), "flush_cache")
 
     # -- memory -------------------------------------------------------------------------------
+    @_on_engine_thread()
     def release_memory(self, tags: list[str]) -> None:
         """Release GPU memory for training. Tags: 'kv_cache', 'weights' (SGLang's). Released weights
         come back with undefined contents unless the engine keeps a CPU backup, so only release
@@ -411,6 +454,7 @@ class SGLangEngine:
         self.engine.release_memory_occupation(tags=list(tags))
         self._released = list(tags)
 
+    @_on_engine_thread()
     def resume_memory(self) -> None:
         if not self._released:
             raise EngineError("resume_memory without release_memory; only what was released is resumed")
@@ -419,20 +463,127 @@ class SGLangEngine:
             self.pool.forget_all()  # the LoRA pool may come back elsewhere or empty: map again
         self._released = []
 
+    # -- life cycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        if getattr(self, "engine", None) is not None:
-            self.pool.forget_all()
-            self.engine.shutdown()
+        """Stop the engine's processes (their GPU memory comes back) and its thread. Waits for the
+        call in progress, if any; a failed engine's remaining processes are stopped at once."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        _LIVE.discard(self)
+        try:
+            if not thread.failure:
+                thread.call(self._shutdown)
+            elif self.engine is not None:
+                self.engine.shutdown()   # its processes died or were stopped: what is left goes now
+        finally:
+            thread.close()
             self.engine = None
-        if getattr(self, "_store", None) is not None:
-            self._store.close()
-            self._store = None
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+    def _shutdown(self) -> None:
+        self.pool.forget_all()
+        self.engine.shutdown()
+
+    def _children_failed(self, reason: str) -> None:
+        """One of the engine's processes failed (SIGQUIT, main thread): stop the others, fail the calls."""
+        log = f"; its output is in {self.settings.log_file}" if self.settings.log_file else ""
+        self._thread.fail(f"the SGLang engine failed: {reason}{log}. Its processes were stopped; close the "
+                          f"session and open a new one (a run dir continues from its last checkpoint: "
+                          f"lorabench resume)")
+        _stop_processes(self.engine)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def _interrupts_ignored_by_children():
+    """While the engine starts, SIGINT is ignored on the main thread, so the processes SGLang
+    spawns inherit 'ignore' (a disposition survives exec; a handler does not): Jupyter sends
+    Kernel -> Interrupt to the kernel's whole process group, and a scheduler stopped by it would
+    take the engine down. The start itself cannot be interrupted (it takes ~30 s)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+_LIVE: weakref.WeakSet[SGLangEngine] = weakref.WeakSet()   # engines whose failed children we watch for
+_previous_sigquit = None
+
+
+def _watch_for_failed_children(engine: SGLangEngine) -> None:
+    """SGLang's processes send SIGQUIT to this one when one of them fails (its watchdog too, when one
+    dies). Handled here, on the main thread, if the engine was started there."""
+    global _previous_sigquit
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGQUIT) is not _on_sigquit:
+        _previous_sigquit = signal.signal(signal.SIGQUIT, _on_sigquit)
+    _LIVE.add(engine)
+
+
+def _on_sigquit(signum, frame) -> None:
+    engines = [e for e in list(_LIVE) if e._thread is not None and not e._thread.failure]
+    if not engines:   # not from an engine of ours: what SIGQUIT did before
+        signal.signal(signal.SIGQUIT, _previous_sigquit or signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGQUIT)
+        return
+    dead = {e: _exited_processes(e.engine) for e in engines}
+    # a process that failed signals before it exits: if none has exited yet, it is one of these
+    for engine in [e for e, d in dead.items() if d] or engines:
+        names = ", ".join(dead[engine]) or "a scheduler or detokenizer process signalled a failure"
+        engine._children_failed(names)
+
+
+def _engine_processes(engine) -> list:
+    """The engine's scheduler and detokenizer processes and theirs (psutil, which SGLang requires)."""
+    import psutil
+    found = []
+    for pid in engine.get_all_child_pids():
+        try:
+            proc = psutil.Process(pid)
+            found += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _exited_processes(engine) -> list[str]:
+    """Those of the engine's processes that have exited, as 'process N exited (...)'. Read from
+    /proc without reaping them (multiprocessing, which started them, reaps its own)."""
+    exited = []
+    for pid in engine.get_all_child_pids():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            exited.append(f"process {pid} exited")
+            continue
+        if fields[0] == "Z":   # field 52 of stat: the exit status, as waitpid reports it
+            status = int(fields[49]) if len(fields) > 49 else 0
+            how = f"killed by signal {status & 0x7F}" if status & 0x7F else f"exit code {status >> 8}"
+            exited.append(f"process {pid} exited ({how})")
+    return exited
+
+
+def _stop_processes(engine) -> None:
+    """SIGKILL what is left of a failed engine (its GPU memory comes back when they are gone)."""
+    import psutil
+    for proc in _engine_processes(engine):
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue
 
 
 def _eos_ids(model_path: str) -> set[int]:

@@ -32,10 +32,13 @@ Errors: SGLang calls custom loaders without a try/except and an exception in a s
 whole process tree (a notebook kernel included), so every check raises `Refused`, which the loader
 turns into a status reply; nothing is written before all checks pass.
 
-Tied to SGLang internals verified on 0.5.17: LoRAManager (loras, lora_refs, num_pinned_loras,
-memory_pool, lora_modules, fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool
-(A_buffer, B_buffer, uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils
-(get_target_module_name, get_stacked_multiply) and the layers' slice_lora_{a,b}_weights.
+Tied to SGLang internals verified on 0.5.17 (VERIFIED_SGLANG; `check_version` refuses others with
+the public fallback): LoRAManager (loras, lora_refs, num_pinned_loras, memory_pool, lora_modules,
+fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer,
+uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils (get_target_module_name,
+get_stacked_multiply) and the layers' slice_lora_{a,b}_weights. In this process, for every refresh
+mode: the tokenizer manager's lora_registry (an adapter's id), rid_to_state (requests in flight)
+and abort_request (an interrupted request ended early); see "SGLang internals in this process".
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ from types import SimpleNamespace
 import torch
 
 from ..adapters import AdapterLayout, FlatAdapter
-from .base import EngineError
+from .base import AdapterNotLoaded, EngineError
 
 LOADER = "lorabench.engines.sglang_pool.handle"
 PREFIX = "lorabench-pool/"         # tensor names: PREFIX + <command>/<lora id>/<what>[/<device>]
@@ -58,6 +61,43 @@ STATUS_BYTES = 4096
 
 class Refused(ValueError):
     """The command does not fit this engine, adapter or SGLang; nothing was written."""
+
+
+VERIFIED_SGLANG = ("0.5.17",)      # the releases whose internals this module was checked against
+
+
+def check_version(installed: str | None = None) -> None:
+    """Refuse an SGLang release this module was not verified on, before anything starts: its
+    internals move between releases, and a wrong write would serve a corrupt adapter."""
+    if installed is None:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            installed = version("sglang")
+        except PackageNotFoundError:
+            return   # not installed: the engine's own check says so
+    if installed not in VERIFIED_SGLANG:
+        raise EngineError(f"refresh.mode=inplace writes into SGLang's LoRA pool through internals verified on sglang "
+                          f"{', '.join(VERIFIED_SGLANG)}; this Python has sglang {installed}. Use refresh.mode=tensor "
+                          f"(public API, any release), or install the tested release: pip install 'lorabench[sglang]'")
+
+
+# === SGLang internals in this process (the engine's tokenizer manager) ===========================
+def lora_id(engine, name: str) -> str:
+    """The engine's internal id of adapter `name` (each load gets a new one)."""
+    ref = engine.tokenizer_manager.lora_registry.get_all_adapters().get(name)
+    if ref is None:
+        raise AdapterNotLoaded(f"adapter {name!r} is not in the engine's LoRA registry")
+    return ref.lora_id
+
+
+def requests_in_flight(engine) -> bool:
+    """Requests the engine is serving now, anyone's (the tokenizer manager's open requests)."""
+    return bool(engine.tokenizer_manager.rid_to_state)
+
+
+def abort_requests(engine) -> None:
+    """End every request in flight early (on the engine's loop): SGLang has no public abort."""
+    engine.tokenizer_manager.abort_request(abort_all=True)
 
 
 # === the trainer's side ==========================================================================
@@ -119,7 +159,7 @@ class PoolWriter:
 
     # -- internals ----------------------------------------------------------------------------------
     def _map(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        mapping = _Mapping(self.engine.lora_id(name), adapter.layout,
+        mapping = _Mapping(lora_id(self.engine.engine, name), adapter.layout,
                            {d: torch.empty(adapter.layout.numel, dtype=self.dtype, device=d) for d in self.devices},
                            {d: torch.zeros(1, dtype=torch.int64, device=d) for d in self.devices})
         self._stage(mapping, adapter)

@@ -1,0 +1,132 @@
+"""One thread, owned by lorabench, that an engine is created on and that runs every call to it.
+
+Why: SGLang's `Engine` is asyncio inside. Its synchronous methods run the event loop that was
+current on the thread that created the engine (`loop.run_until_complete`) until their request
+completes. Created in a Jupyter kernel's main thread, that loop is the kernel's own, which is
+already running: the engine cannot use it, and patching it to be re-entrant (nest_asyncio) lets
+whichever thread calls the engine run the kernel's own tasks, which kills the kernel. Here the
+engine is created on a thread of its own, so its loop is a new one that only this thread runs, and
+every caller, from any thread (a script, a notebook cell, the step panel's worker, a test), hands
+its call over and waits for it. The kernel's loop is never touched.
+
+Invariants:
+- calls run one at a time, in the order they arrived: state an engine keeps about itself (which
+  adapters are loaded, their versions) is only read and written on this thread, so it always
+  matches what the engine did, even when a caller stopped waiting;
+- a caller interrupted while it waits (KeyboardInterrupt: Ctrl-C, Kernel -> Interrupt) gets the
+  interrupt at once; the call itself still finishes here (`on_interrupt` may ask it to end
+  early), and the next call runs after it;
+- a call made from this thread runs at once (an engine method calling another);
+- after `fail(reason)` (the engine's processes died) or `close()`, every call raises EngineError
+  with the reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from .base import EngineError
+
+
+class EngineThread:
+    """Runs calls on one daemon thread with an asyncio event loop of its own (`loop`)."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self.running_call = 0            # id of the call running now (0: none); read by on_interrupt
+        self.failure = ""                # why calls are refused (set by fail / close)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), name=name, daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    def _serve(self, ready: threading.Event) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)   # the loop an engine created here captures
+        ready.set()
+        while (item := self._calls.get()) is not None:
+            call_id, fn, args, kwargs, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            if self.failure:   # handed over before the engine failed or closed
+                future.set_exception(EngineError(self.failure))
+                continue
+            self.running_call = call_id
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as err:  # handed to the caller, whatever it is
+                future.set_exception(self._explained(err))
+            else:
+                future.set_result(result)
+            finally:
+                self.running_call = 0
+        self._finish_tasks()
+        self.loop.close()
+
+    def _finish_tasks(self) -> None:
+        """Cancel what the engine left on the loop (its receive loop) and let the cancellations run."""
+        tasks = asyncio.all_tasks(self.loop)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            self.loop.run_until_complete(asyncio.wait(tasks, timeout=5))
+
+    def _explained(self, err: BaseException) -> BaseException:
+        if self.failure and isinstance(err, asyncio.CancelledError):
+            return EngineError(self.failure)
+        return err
+
+    def use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On this thread: calls run on `loop` from now on (an engine that made its own loop when it
+        was created here, as sglang.Engine does, hands it over), so interrupts and failures reach it."""
+        assert self.on_this_thread, "use_loop runs on the engine thread"
+        if loop is not self.loop:
+            self.loop.close()
+            self.loop = loop
+
+    @property
+    def on_this_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call(self, fn: Callable, *args, on_interrupt: Callable[[int], None] | None = None, **kwargs):
+        """fn(*args, **kwargs) on the engine thread; its result, or its exception re-raised here.
+        If this caller is interrupted while it waits, `on_interrupt(call_id)` runs (here) before
+        the KeyboardInterrupt propagates, and the call goes on."""
+        if self.on_this_thread:
+            return fn(*args, **kwargs)
+        if self.failure:
+            raise EngineError(self.failure)
+        call_id, future = next(self._ids), Future()
+        self._calls.put((call_id, fn, args, kwargs, future))
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            if not future.cancel() and on_interrupt is not None:  # cancel(): it had not started yet
+                on_interrupt(call_id)
+            raise
+
+    def fail(self, reason: str) -> None:
+        """The engine is gone: the running call ends with EngineError(reason) (its loop's tasks are
+        cancelled), and so does every later call."""
+        self.failure = reason
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(_cancel_all, self.loop)
+
+    def close(self, reason: str = "the engine is closed") -> None:
+        """Stop the thread after the calls already handed over; later calls raise EngineError(reason)."""
+        if not self.failure:
+            self.failure = reason
+        self._calls.put(None)
+        if not self.on_this_thread:
+            self._thread.join(timeout=30)
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
