@@ -26,12 +26,14 @@ refresh.py (modes), runlog.py (the run directory). This module wires them into `
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from .data import ProblemSource, prompt_ids
 from .engines.base import ReleasesMemory, Sampling, StaleAdapter, require
+from .interrupts import interrupts_deferred
 from .models import load_tokenizer
 from .policy import Policy
 from .refresh import RefreshRecord, make_refresher, synced_time
@@ -46,6 +48,10 @@ class StepRecord:
     metrics: dict                      # slash-namespaced scalars (one metrics.jsonl row)
     refresh: RefreshRecord
     samples: list[dict] = field(default_factory=list)   # every completion: prompt index, text, reward, advantage
+
+
+class StepInProgress(RuntimeError):
+    """step() was called while another thread's step() runs on the same trainer."""
 
 
 class StepClock:
@@ -92,6 +98,7 @@ class GRPOTrainer:
         self._pending: list[StepRecord] = []   # steps since the last checkpoint (run.checkpoint_every > 1)
         self._probe = self._make_probe()
         self._engine_stale = False             # a failed step was rolled back: re-send the adapter first
+        self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
         self._restore()
         self.refresher.refresh(self.policy.adapter())  # the engine starts with the trainer's adapter
 
@@ -109,6 +116,15 @@ class GRPOTrainer:
 
     def step(self) -> StepRecord:
         """Rollout -> reward -> update -> publish the adapter -> refresh the engine -> log."""
+        if not self._stepping.acquire(blocking=False):
+            raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
+                                 f"Run N?); Stop it or wait for it (panel.wait()), then step again")
+        try:
+            return self._step()
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> StepRecord:
         g, step, clock = self.cfg.grpo, self.policy.version + 1, StepClock()
         if self._engine_stale:
             self.refresher.refresh(self.policy.adapter())
@@ -121,18 +137,20 @@ class GRPOTrainer:
         rewards, reward_means = score(rollouts, self.rewards)
         batch = collate(rollouts, rewards, self.tokenizer.pad_token_id)
         clock.lap("reward")
-        with self._whole_step(step):
-            with self._engine_memory_released():
-                stats = self.policy.train(batch, g)
-            clock.lap("train")
-            adapter = self.policy.adapter()
-            refresh = self.refresher.refresh(adapter)
-            clock.lap("refresh")
-        metrics = step_metrics(step, rollouts, batch, stats, reward_means, refresh, adapter.delta_norm())
-        metrics["probe/adapter_gap"] = self.probe_gap()
-        clock.lap("probe")
-        record = StepRecord(step, metrics, refresh, step_samples(step, rollouts, batch))
-        self._commit(record, adapter, clock)
+        with contextlib.ExitStack() as committing:
+            with self._whole_step(step):
+                with self._engine_memory_released():
+                    stats = self.policy.train(batch, g)
+                clock.lap("train")
+                adapter = self.policy.adapter()
+                refresh = self.refresher.refresh(adapter)
+                clock.lap("refresh")
+                metrics = step_metrics(step, rollouts, batch, stats, reward_means, refresh, adapter.delta_norm())
+                metrics["probe/adapter_gap"] = self.probe_gap()
+                clock.lap("probe")
+                committing.enter_context(interrupts_deferred())   # from here on the step is committed whole
+            record = StepRecord(step, metrics, refresh, step_samples(step, rollouts, batch))
+            self._commit(record, adapter, clock)
         return record
 
     def _check_served(self, rollouts: Rollouts) -> None:
@@ -146,7 +164,8 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def _whole_step(self, step: int):
-        """The update and the refresh happen whole or not at all: a failure rolls the policy back."""
+        """The update, the refresh and the probe happen whole or not at all: a failure or an
+        interrupt (Ctrl-C, Kernel -> Interrupt) rolls the policy back."""
         saved = self.policy.snapshot()
         try:
             yield

@@ -20,6 +20,10 @@ Design:
   registered with pyplot, so stepping opens no figures and nothing accumulates.
 - The status line says what the step did with adapter versions (sampled with v(k-1), trained to
   v(k), v(k) refreshed into the engine) and explains reward, probe gap and mismatch in one line each.
+- Kernel -> Interrupt: while a cell runs, it interrupts that cell as always (a cell waiting in
+  `panel.wait()` also stops the panel after its current step); while the kernel is idle and the
+  panel steps, it acts as Stop. (An idle ipykernel ignores SIGINT; the panel makes its own handler
+  the one the kernel restores between messages, and that handler only stops running panels.)
 
 `setup_notebook()` is the notebooks' setup: figure style, figures displayed with their text size
 recorded, and the libraries' progress bars and one known deprecation warning kept out of the lesson.
@@ -30,6 +34,7 @@ import html
 import threading
 import traceback
 import warnings
+import weakref
 from pathlib import Path
 
 import ipywidgets as widgets
@@ -140,7 +145,10 @@ class StepPanel:
         self.trainer = trainer
         self.last = None                     # the latest StepRecord
         self.error: BaseException | None = None
-        self._worker: threading.Thread | None = None
+        # set when the worker's run ends; waited on instead of Thread.join, which an interrupt can
+        # leave believing a live thread has ended (CPython 3.11, bpo-45274's handling)
+        self._idle = threading.Event()
+        self._idle.set()
         self._stop = threading.Event()
         self._start_lock = threading.Lock()  # one run at a time
         self._ended = False
@@ -197,8 +205,7 @@ class StepPanel:
         """Stop (after the current step), close the panel's widgets and free its figure. ipywidgets
         keeps every open widget alive, so a panel that is replaced should be closed."""
         self.stop()
-        if self._worker is not None:
-            self._worker.join()
+        self._idle.wait()
         for w in (self.step_button, self.steps_input, self.run_button, self.stop_button, self.step_label,
                   self.status, self.plot, self.completions, self.refresh, self.log, *self.widget.children,
                   self.widget):
@@ -211,8 +218,7 @@ class StepPanel:
     def end(self, note: str = "") -> None:
         """Wait for a running step, then disable the buttons and show `note`; the views stay. For when
         the trainer is about to be closed (e.g. before `lorabench resume` continues the run)."""
-        if self._worker is not None:
-            self._worker.join()
+        self._idle.wait()
         for button in (self.step_button, self.run_button, self.stop_button):
             button.disabled = True
         self._ended = True
@@ -222,7 +228,7 @@ class StepPanel:
     # -- running --------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return self._worker is not None and self._worker.is_alive()
+        return not self._idle.is_set()
 
     def start(self, n: int = 1) -> bool:
         """Run `n` steps in the background; False (and a note) if a run is already going."""
@@ -235,21 +241,29 @@ class StepPanel:
                 return False
             self._stop.clear()
             self.error = None
+            _RUNNING.add(self)
+            _stop_panels_on_idle_interrupt()
             self._set_running(True)
-            self._worker = threading.Thread(target=self._run, args=(int(n),), name="lorabench-steps", daemon=True)
-            self._worker.start()
+            self._idle.clear()
+            threading.Thread(target=self._run, args=(int(n),), name="lorabench-steps", daemon=True).start()
             return True
 
-    def stop(self) -> None:
+    def stop(self, note: str = "") -> None:
         """Stop after the step in progress."""
+        if note and self.busy and not self._stop.is_set():
+            self.log.append_stdout(note + "\n")
         self._stop.set()
 
     def wait(self, timeout: float | None = None):
-        """Block until the background run ends; re-raise its error; return the last StepRecord."""
-        if self._worker is not None:
-            self._worker.join(timeout)
-            if self._worker.is_alive():
-                raise TimeoutError(f"the run did not finish within {timeout} s")
+        """Block until the background run ends; re-raise its error; return the last StepRecord.
+        Interrupted (Kernel -> Interrupt), it stops the run after the current step and re-raises."""
+        try:
+            finished = self._idle.wait(timeout)
+        except KeyboardInterrupt:
+            self.stop("interrupted: stopping after the current step")
+            raise
+        if not finished:
+            raise TimeoutError(f"the run did not finish within {timeout} s")
         if self.error is not None:
             raise RuntimeError(f"a GRPO step failed: {self.error!r}") from self.error
         return self.last
@@ -267,8 +281,32 @@ class StepPanel:
             self.error = err
             self.log.append_stderr(traceback.format_exc())
         finally:
+            _RUNNING.discard(self)
             self._set_running(False)
+            self._idle.set()
 
     def _set_running(self, running: bool) -> None:
         self.step_button.disabled = self.run_button.disabled = running or self._ended
         self.stop_button.disabled = not running
+
+
+_RUNNING: weakref.WeakSet[StepPanel] = weakref.WeakSet()   # panels whose steps are running now
+
+
+def _on_idle_interrupt(signum, frame) -> None:
+    """SIGINT while the kernel is idle: the panels that are stepping stop after their current step;
+    with none stepping, nothing happens (what an idle ipykernel does with SIGINT)."""
+    for panel in list(_RUNNING):
+        panel.stop("Kernel -> Interrupt: stopping after the current step")
+
+
+def _stop_panels_on_idle_interrupt() -> None:
+    """Make `_on_idle_interrupt` the SIGINT handler ipykernel restores after each message it handles
+    (its `saved_sigint_handler`, which is SIG_IGN when it starts). Only from the kernel's main
+    thread while it handles a message (a cell, a click), which is where Step and Run N come from."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    from IPython import get_ipython
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is not None and hasattr(kernel, "saved_sigint_handler"):
+        kernel.saved_sigint_handler = _on_idle_interrupt

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..adapters import FlatAdapter, base_param_name, linear_shapes, validate
+from ..interrupts import interrupts_deferred
 from ..models import load_model, pick_device, with_lora
 from .base import AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling, check_same_lora_config
 
@@ -90,12 +91,17 @@ class HFEngine:
         self.load_adapter_tensors(name, FlatAdapter.load_peft_dir(path, version))
 
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
-        from peft import set_peft_model_state_dict
         if name in self._adapters:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
         tensors, config = adapter.tensors, adapter.config
         validate(tensors, config, self._shapes)
         lora_config = lora_config_from_dict(config)
+        with interrupts_deferred():   # PEFT's adapter and this engine's record of it change together
+            self._install(name, lora_config, adapter)
+
+    def _install(self, name: str, lora_config, adapter: FlatAdapter) -> None:
+        from peft import set_peft_model_state_dict
+        tensors, config = adapter.tensors, adapter.config
         if self._peft is None:
             self._peft = with_lora(self._base, lora_config, adapter_name=name)
         else:
@@ -129,15 +135,18 @@ class HFEngine:
         if len(tensors) != len(params):
             raise EngineError(f"in-place update of {name!r}: got {len(tensors)} tensors for {len(params)} LoRA "
                               f"parameters; send the whole adapter")
-        _copy_checked(params, tensors.items(), f"in-place update of {name!r}",
-                      "send PEFT state-dict names ('base_model.model.<module>.lora_A.weight') of the loaded adapter")
-        self._versions[name] = adapter.version
+        with interrupts_deferred():   # never half the new values under the old version
+            _copy_checked(params, tensors.items(), f"in-place update of {name!r}",
+                          "send PEFT state-dict names ('base_model.model.<module>.lora_A.weight') of the loaded "
+                          "adapter")
+            self._versions[name] = adapter.version
         return {}
 
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
             raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()})")
-        self._drop(name)
+        with interrupts_deferred():
+            self._drop(name)
 
     def _drop(self, name: str) -> None:
         self._adapters.pop(name, None)
@@ -165,11 +174,12 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
         params = {base_param_name(n): p for n, p in self._base.named_parameters() if ".lora_" not in n}
-        _copy_checked(params, named_tensors, "update_weights",
-                      "send plain-model names such as 'model.layers.0.self_attn.q_proj.weight'")
-        # flush_cache: this engine keeps no prefix cache between calls, nothing to flush
-        if version is not None:
-            self._versions[None] = version
+        with interrupts_deferred():   # never half the new weights under the old version
+            _copy_checked(params, named_tensors, "update_weights",
+                          "send plain-model names such as 'model.layers.0.self_attn.q_proj.weight'")
+            # flush_cache: this engine keeps no prefix cache between calls, nothing to flush
+            if version is not None:
+                self._versions[None] = version
 
     # -- generation and scoring -------------------------------------------------------------
     @torch.no_grad()

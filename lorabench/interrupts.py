@@ -1,0 +1,27 @@
+"""Critical sections against Ctrl-C / Kernel -> Interrupt in a process that goes on after one (a
+notebook kernel): a change of state that is half made when KeyboardInterrupt arrives (a commit, an
+engine loading an adapter) would leave the trainer, the run dir or the engine disagreeing."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """An interrupt (SIGINT: Ctrl-C, Kernel -> Interrupt) that arrives while the block runs is
+    delivered when it ends, to the handler that was there before: a process that goes on after
+    it (a notebook kernel) never holds half a commit. A killed process is covered by the commit's
+    own order (runlog.py). On the main thread only: no other thread gets KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if arrived:
+            signal.raise_signal(signal.SIGINT)

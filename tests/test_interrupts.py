@@ -1,0 +1,108 @@
+"""Ctrl-C / Kernel -> Interrupt in a process that goes on (a notebook kernel), on the real trainer
+and HFEngine with the tiny model: an interrupt at any moment of a step leaves the trainer at its
+last committed step, its run dir saying the same, and the run that continues equals one that was
+never interrupted; an interrupt during the commit is held until the commit is whole; one step at a
+time per trainer; `panel.wait()` interrupted stops the panel. The same contract in a real kernel
+(with the interrupt arriving as Jupyter sends it) is test_kernel_session.py."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from test_widgets import tiny_config
+
+from lorabench.engines import make_engine
+from lorabench.grpo import GRPOTrainer, StepInProgress, interrupts_deferred
+from lorabench.runlog import RunLog
+from lorabench.widgets import StepPanel
+
+
+def interrupt_after(seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, os.kill, args=(os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def make_trainer(cfg, model_dir, tokenizer, run_dir):
+    engine = make_engine(cfg, str(model_dir))
+    return GRPOTrainer(cfg, str(model_dir), engine, RunLog(run_dir, log=lambda *a: None), tokenizer=tokenizer,
+                       log=lambda *a: None)
+
+
+def test_interrupts_at_random_moments_change_nothing_but_time(tiny_model_dir, tokenizer, tmp_path):
+    steps = 6
+    cfg = tiny_config(tmp_path, f"grpo.steps={steps}")
+    plain = make_trainer(cfg, tiny_model_dir, tokenizer, tmp_path / "plain")
+    t0 = time.perf_counter()
+    plain.run(steps, progress=False)
+    step_s = (time.perf_counter() - t0) / steps
+    interrupted = make_trainer(cfg, tiny_model_dir, tokenizer, tmp_path / "interrupted")
+    rng, notes = random.Random(0), []
+    while interrupted.step_count < steps:
+        timer = interrupt_after(rng.uniform(0.0, 1.5 * step_s))
+        try:
+            interrupted.run(steps - interrupted.step_count, progress=False)
+        except KeyboardInterrupt as stop:
+            notes.append(" ".join(getattr(stop, "__notes__", [])))
+        finally:
+            timer.cancel()
+        rows = interrupted.runlog.metrics()
+        assert [r["step"] for r in rows] == list(range(1, interrupted.step_count + 1))   # committed = in memory
+        assert len(interrupted.history) == interrupted.step_count
+    assert len(notes) >= 3, notes
+    assert any("was rolled back" in n for n in notes), notes    # some landed inside the update or refresh
+    assert torch.equal(interrupted.policy.adapter().buffer, plain.policy.adapter().buffer)
+    rows, plain_rows = interrupted.runlog.metrics(), plain.runlog.metrics()
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in plain_rows]
+    assert [r["adapter/served_version"] for r in rows] == list(range(steps))
+    for trainer in (plain, interrupted):
+        trainer.close()
+        trainer.engine.close()
+
+
+def test_an_interrupt_during_a_commit_is_held_until_it_is_whole():
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)                 # a handler would have run by now
+            seen.append("the block went on")
+    assert seen == ["the block went on"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_one_step_at_a_time_per_trainer(trainer):
+    panel = StepPanel(trainer)
+    panel.start(2)
+    with pytest.raises(StepInProgress, match="another thread"):
+        trainer.step()
+    panel.wait()
+    assert trainer.step_count == 2
+    panel.close()
+
+
+def test_an_interrupted_wait_stops_the_panel(trainer):
+    panel = StepPanel(trainer)
+    panel.start(50)
+    timer = interrupt_after(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        panel.wait()
+    timer.cancel()
+    panel.wait()                             # the step in progress ends, then the run stops
+    assert 1 <= trainer.step_count < 50 and "interrupted" in str(panel.log.outputs)
+    panel.close()
+
+
+@pytest.fixture
+def trainer(tiny_model_dir, tokenizer, tmp_path):
+    cfg = tiny_config(tmp_path)
+    engine = make_engine(cfg, str(tiny_model_dir))
+    trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, tokenizer=tokenizer, log=lambda *a: None)
+    yield trainer
+    trainer.close()
+    engine.close()
