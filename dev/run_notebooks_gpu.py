@@ -1,5 +1,6 @@
-"""Run the three notebooks with the SGLang engine in a real Jupyter kernel on our GPU machine, and
-keep what they showed:
+"""Run the three notebooks with the SGLang engine in a real Jupyter kernel on our GPU machine, from a
+copy of the checkout without `benchmarks/` (as where lorabench is installed without the repository's
+results: a lesson must measure what it shows), and keep what they showed:
 
     bash .sglang/with-sglang.sh bash .gpu-extras/with-extras.sh python dev/run_notebooks_gpu.py OUT_DIR
 
@@ -29,7 +30,6 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))   # notebook_helpers: the notebook tests' checks of executed outputs
-NOTEBOOKS = ROOT / "notebooks"
 CACHE = Path(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
 from notebook_helpers import noise  # noqa: E402
 
@@ -104,10 +104,22 @@ def save_figures(nb, stem: str, out: Path) -> list[dict]:
     return saved
 
 
-def run_notebook(stem: str, values: dict, out: Path) -> dict:
-    nb = parameterized(NOTEBOOKS / f"{stem}.ipynb", values)
+def copy_without_benchmarks(dest: Path) -> Path:
+    """The package, notebooks and data of this checkout in `dest` (no benchmarks/, tests/, dev/, docs/);
+    the kernels import lorabench from there (PYTHONPATH: the checkout's entry replaced by the copy)."""
+    import shutil
+    for part in ("lorabench", "notebooks", "data"):
+        shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ["PYTHONPATH"] = os.pathsep.join(str(dest) if Path(e or ".").resolve() == ROOT else e for e in entries)
+    return dest
+
+
+def run_notebook(stem: str, values: dict, out: Path, notebooks: Path) -> dict:
+    nb = parameterized(notebooks / f"{stem}.ipynb", values)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+                            resources={"metadata": {"path": str(notebooks)}})
     record = {"notebook": stem, "parameters": values, "error": None}
     t0 = time.perf_counter()
     try:
@@ -124,12 +136,24 @@ def run_notebook(stem: str, values: dict, out: Path) -> dict:
     return record
 
 
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    found = {}
+    for name in ("sglang", "torch", "transformers", "peft", "ipykernel", "jupyter_client", "ipywidgets", "nbclient"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def main() -> int:
     out = Path(sys.argv[1]).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    copy = copy_without_benchmarks(out / "checkout-without-benchmarks")
     records = []
     for stem, values in parameters(out).items():
-        record = run_notebook(stem, values(), out)
+        record = run_notebook(stem, values(), out, copy / "notebooks")
         records.append(record)
         print(f"{stem}: {record.get('seconds', '?')} s, {len(record.get('figures', []))} figures, "
               f"{len(record['stderr'])} noisy outputs" + (f": {record['stderr'][0]}" if record["stderr"] else "")
@@ -137,7 +161,8 @@ def main() -> int:
     import torch
     summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                "commit": os.environ.get("LORABENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d %H:%M"),
-               "notebooks": records}
+               "ran_from": "a copy of the checkout without benchmarks/ (lorabench imported from it)",
+               "versions": versions(), "notebooks": records}
     (out / "notebooks_gpu.json").write_text(json.dumps(summary, indent=1))
     return 1 if any(r["error"] or r["stderr"] for r in records) else 0
 

@@ -174,3 +174,46 @@ def test_empty_log_file_changes_nothing(capfd):
     with child_output_to(""):
         print("here", flush=True)
     assert "here" in capfd.readouterr().out
+
+
+# --- the SGLang releases the in-place writer was verified on ------------------------------------------
+def test_inplace_on_an_untested_sglang_names_the_tested_release_and_the_fallback():
+    from lorabench.engines.base import EngineError
+    pool.check_version("0.5.17")
+    with pytest.raises(EngineError) as refused:
+        pool.check_version("0.5.23")
+    message = str(refused.value)
+    assert "\n" not in message and "sglang 0.5.23" in message and "0.5.17" in message
+    assert "refresh.mode=tensor" in message and "lorabench[sglang]" in message
+
+
+def fake_sglang(site, version: str):
+    """A site dir where `import sglang` finds an empty package of the given release: only its
+    version is read before anything else (the engine itself is never started here)."""
+    (site / "sglang").mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text("")
+    dist = site / f"sglang-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+
+
+@pytest.mark.parametrize("mode, refusal", [("inplace", "verified on sglang 0.5.17"), ("tensor", "needs a CUDA GPU")])
+def test_the_cli_checks_the_sglang_release_before_anything_exists(tmp_path, mode, refusal):
+    """On sglang 0.5.23 (faked), `lorabench run` with in-place refresh stops at once with the one-line
+    error; tensor refresh (public API) passes the release check and stops at the next one (no GPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if mode == "tensor" and torch.cuda.is_available():
+        pytest.skip("with a GPU, tensor refresh passes every check and the run starts")
+    fake_sglang(tmp_path / "site", "0.5.23")
+    runs = tmp_path / "runs"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "lorabench.cli", "run", "engine.backend=sglang",
+                           f"refresh.mode={mode}", f"run.out_dir={runs}"], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(root)])})
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and refusal in lines[0] and "Traceback" not in done.stderr, done.stderr
+    assert not runs.exists()
