@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))   # notebook_helpers: the notebook tests' checks of executed outputs
 CACHE = Path(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
-from notebook_helpers import noise  # noqa: E402
+from notebook_helpers import noise, parameterized  # noqa: E402
 
 CELL_TIMEOUT_S = 1200
 # the offline GPU stack has no FlashInfer/FA3 or xgrammar (README, "Running the real configuration")
@@ -60,24 +60,6 @@ def parameters(out: Path) -> dict[str, callable]:
                                "OVERRIDES": [*ENGINE_ARGS, "model.dtype=bfloat16"]},
         "03_how_hotswap_works": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "OVERRIDES": ENGINE_ARGS},
     }
-
-
-def parameterized(path: Path, values: dict):
-    """The notebook at `path` with `values` injected by papermill where it is installed. The GPU
-    machine's extras bundle (dev/gpu_extras/build.sh) ships nbclient but not papermill; there the
-    same convention by hand: a cell tagged `injected-parameters` right after the cell tagged
-    `parameters`."""
-    try:
-        from papermill.iorw import load_notebook_node
-        from papermill.parameterize import parameterize_notebook
-    except ImportError:
-        nb = nbformat.read(path, as_version=4)
-        index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-        cell = nbformat.v4.new_code_cell("# Parameters\n" + "\n".join(f"{k} = {v!r}" for k, v in values.items()),
-                                         metadata={"tags": ["injected-parameters"]})
-        nb.cells.insert(index + 1, cell)
-        return nb
-    return parameterize_notebook(load_notebook_node(str(path)), values)
 
 
 def figure_pngs(nb) -> list[bytes]:
@@ -117,7 +99,7 @@ def copy_without_benchmarks(dest: Path) -> Path:
 
 
 def run_notebook(stem: str, values: dict, out: Path, notebooks: Path) -> dict:
-    nb = parameterized(notebooks / f"{stem}.ipynb", values)
+    nb = parameterized(notebooks / f"{stem}.ipynb", **values)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(notebooks)}})
     record = {"notebook": stem, "parameters": values, "error": None}

@@ -223,9 +223,11 @@ def gpu_apps() -> list[dict]:
 
 
 def run_scenario(engine: str, work: Path, env: dict, overrides: list[str], seed: int = 0,
-                 step_timeout: float = 300) -> dict:
-    """The whole interactive contract on notebook 01 (see the module docstring); returns what was seen."""
-    rng, seen = random.Random(seed), {"engine": engine}
+                 step_timeout: float = 300, seen: dict | None = None) -> dict:
+    """The whole interactive contract on notebook 01 (see the module docstring); returns what was
+    seen, filled into `seen` as it goes (so a failed run still shows how far it got)."""
+    rng, seen = random.Random(seed), seen if seen is not None else {}
+    seen["engine"] = engine
     values = {**SMALL["01_step_through"], "ENGINE": engine, "RUN_ROOT": str(work / "runs"),
               "OVERRIDES": [*SMALL["01_step_through"]["OVERRIDES"], *overrides]}
     cells, run_cell = notebook_cells(values)

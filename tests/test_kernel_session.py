@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,12 +46,18 @@ def test_notebook_01_with_the_kernel_idle_sglang(tmp_path):
         pytest.skip("needs a CUDA GPU and sglang (run dev/gpu_session.sh tests on the GPU machine)")
     # the offline GPU stack lacks FlashInfer/FA3/xgrammar (a full install needs none of these)
     stack = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
-             "engine.dtype=bfloat16", "engine.mem_fraction_static=0.3"]
-    t0 = time.monotonic()
-    seen = run_scenario("sglang", tmp_path, kernel_env(write_kernelspec(tmp_path / "jupyter")), stack,
-                        step_timeout=300)
-    seen.update(seconds=round(time.monotonic() - t0, 1), versions=versions(), gpu=torch.cuda.get_device_name(),
-                commit=os.environ.get("LORABENCH_COMMIT", ""), date=time.strftime("%Y-%m-%d %H:%M"))
+             "engine.dtype=bfloat16", "engine.mem_fraction_static=0.3", "refresh.mode=inplace"]
+    t0, seen = time.monotonic(), {}
     out = Path(os.environ.get("LORABENCH_GPU_OUT", "gpu_results"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kernel_session_sglang.json").write_text(json.dumps(seen, indent=1))
+    try:
+        run_scenario("sglang", tmp_path, kernel_env(write_kernelspec(tmp_path / "jupyter")), stack,
+                     step_timeout=300, seen=seen)
+        seen["passed"] = True
+    finally:   # also what a failed run saw, and the engine's own log (notebooks send it to a file)
+        seen.update(seconds=round(time.monotonic() - t0, 1), versions=versions(), gpu=torch.cuda.get_device_name(),
+                    commit=os.environ.get("LORABENCH_COMMIT", ""), date=time.strftime("%Y-%m-%d %H:%M"))
+        (out / "kernel_session_sglang.json").write_text(json.dumps(seen, indent=1, default=str))
+        log = Path(tempfile.gettempdir()) / "lorabench-sglang.log"
+        if log.is_file():
+            shutil.copy(log, out / "kernel_session_sglang_engine.log")
