@@ -133,20 +133,22 @@ def main() -> int:
     out = Path(sys.argv[1]).resolve()
     out.mkdir(parents=True, exist_ok=True)
     copy = copy_without_benchmarks(out / "checkout-without-benchmarks")
-    records = []
-    for stem, values in parameters(out).items():
-        record = run_notebook(stem, values(), out, copy / "notebooks")
-        records.append(record)
-        print(f"{stem}: {record.get('seconds', '?')} s, {len(record.get('figures', []))} figures, "
-              f"{len(record['stderr'])} noisy outputs" + (f": {record['stderr'][0]}" if record["stderr"] else "")
-              + (f", FAILED: {record['error'][-600:]}" if record["error"] else ""), flush=True)
+    chosen = os.environ.get("LORABENCH_NOTEBOOKS", "").split()   # e.g. "03_how_hotswap_works"; default all
     import torch
     summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                "commit": os.environ.get("LORABENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d %H:%M"),
                "ran_from": "a copy of the checkout without benchmarks/ (lorabench imported from it)",
-               "versions": versions(), "notebooks": records}
-    (out / "notebooks_gpu.json").write_text(json.dumps(summary, indent=1))
-    return 1 if any(r["error"] or r["stderr"] for r in records) else 0
+               "versions": versions(), "notebooks": []}
+    for stem, values in parameters(out).items():
+        if chosen and stem not in chosen:
+            continue
+        record = run_notebook(stem, values(), out, copy / "notebooks")
+        summary["notebooks"].append(record)
+        (out / "notebooks_gpu.json").write_text(json.dumps(summary, indent=1))   # after each: a cut run keeps it
+        print(f"{stem}: {record.get('seconds', '?')} s, {len(record.get('figures', []))} figures, "
+              f"{len(record['stderr'])} noisy outputs" + (f": {record['stderr'][0]}" if record["stderr"] else "")
+              + (f", FAILED: {record['error'][-600:]}" if record["error"] else ""), flush=True)
+    return 1 if any(r["error"] or r["stderr"] for r in summary["notebooks"]) else 0
 
 
 if __name__ == "__main__":
