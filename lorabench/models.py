@@ -63,17 +63,22 @@ def resolve_model_path(cfg, log=print) -> str:
     return ref.name
 
 
+def model_config(ref: ModelRef):
+    """The transformers config of a local or hub model (no weights are read)."""
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(ref.name)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"model.name_or_path={ref.name!r}: its config.json cannot be read ({err}); point it at a "
+                         f"saved Hugging Face model dir") from err
+
+
 def model_context(ref: ModelRef) -> int:
     """The model's context length in tokens, from its config (no weights are read)."""
     if ref.kind == "tiny":
         from .tiny import TINY_ARCH
         return TINY_ARCH["max_position_embeddings"]
-    from transformers import AutoConfig
-    try:
-        config = AutoConfig.from_pretrained(ref.name)
-    except (OSError, ValueError) as err:
-        raise ModelError(f"model.name_or_path={ref.name!r}: its config.json cannot be read ({err}); point it at a "
-                         f"saved Hugging Face model dir") from err
+    config = model_config(ref)
     for key in _CONTEXT_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:

@@ -1,7 +1,8 @@
 """Checks that need the environment, run before a run dir is created or a model is built, so a
 bad input costs seconds and leaves nothing behind: the engine is installed (and its device exists),
-the dirs a run writes are writable, the model is a local model dir, 'tiny' or a hub id usable now,
-and every dataset row is readable and its prompt fits the model (data.max_prompt_tokens, or the
+the dirs a run writes are writable (an existing run dir itself too), the model is a local model dir,
+'tiny' or a hub id usable now, the run's size fits the machine (sizes.py), and every dataset row is
+readable and its prompt fits the model (data.max_prompt_tokens, or the
 model's context minus grpo.max_new_tokens). Config-only checks are config.validate's.
 
 Side effects: none in the run dir or the model cache. A hub model's tokenizer files are fetched
@@ -17,19 +18,36 @@ from .config import Config, ConfigError
 from .data import check_source_paths, load_gsm8k, overlong_prompts, step_problems, synthetic_problems
 from .datafiles import DataError
 from .engines import engine_class
-from .models import ModelRef, model_context, model_ref, model_tokenizer
+from .models import ModelRef, model_config, model_context, model_ref, model_tokenizer, pick_device
+from .sizes import ModelShape, check_sizes
 
 
 # packages an engine needs at run time, for engines that do not check it themselves (a
 # `check_available()` classmethod on the engine class is used when it has one)
-def preflight(cfg: Config, run_dir: Path | None = None, log=print) -> ModelRef:
-    """Everything below, in order; returns what model.name_or_path names. `run_dir`: an existing
-    run dir being continued (else a new one goes under run.out_dir)."""
+def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False, log=print) -> ModelRef:
+    """Everything below, in order; returns what model.name_or_path names. `run_dir`: the run dir
+    the run will write (continued=True: an existing run being continued), None for a new
+    timestamped one under run.out_dir."""
     check_engine(cfg)
-    check_dirs(cfg, run_dir)
+    check_dirs(cfg, run_dir, continued)
     ref = model_ref(cfg)
+    shape = model_shape(ref)
+    if shape is not None:
+        check_sizes(cfg, shape, pick_device(cfg.engine.device))
     check_prompts(cfg, ref, log)
     return ref
+
+
+def model_shape(ref: ModelRef) -> ModelShape | None:
+    """The model's dimensions from its config (no weights are read); None for a config without the
+    usual decoder fields (then sizes are not estimated)."""
+    if ref.kind == "tiny":
+        from .tiny import TINY_ARCH, TINY_VOCAB
+        return ModelShape.of({**TINY_ARCH, "vocab_size": TINY_VOCAB})
+    try:
+        return ModelShape.of(model_config(ref))
+    except (TypeError, ValueError):   # a field missing (None) or not a number
+        return None
 
 
 def check_engine(cfg: Config) -> None:
@@ -56,8 +74,25 @@ def _writable(path: str | Path, field: str) -> None:
         raise ConfigError(f"{field}={str(path)!r}: {probe} {why}; point {field} at a writable directory")
 
 
-def check_dirs(cfg: Config, run_dir: Path | None = None) -> None:
-    _writable(run_dir or cfg.run.out_dir, "run.out_dir")
+def _run_dir_writable(run_dir: Path, continued: bool) -> None:
+    """An existing run dir (a mount point, say) and its folders must be writable themselves."""
+    for folder in (run_dir, *(run_dir / sub for sub in ("adapters", "plots", "checkpoint"))):
+        if not folder.is_dir():   # rundir.check_entries refused links already
+            continue
+        read_only = os.statvfs(folder).f_flag & os.ST_RDONLY
+        if read_only or not os.access(folder, os.W_OK | os.X_OK):
+            why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+            fix = ("copy the run dir to a writable place and resume the copy" if continued else
+                   "choose another run.name or run.out_dir")
+            raise ConfigError(f"the run dir {run_dir}: {folder} {why}, and a run writes its rows and checkpoints "
+                              f"there; {fix}")
+
+
+def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False) -> None:
+    if run_dir is not None and Path(run_dir).is_dir():
+        _run_dir_writable(Path(run_dir), continued)
+    else:   # a new run dir is made in run.out_dir
+        _writable(cfg.run.out_dir, "run.out_dir")
     if cfg.model.name_or_path == "tiny":
         from .tiny import cache_root, tiny_cache_path
         if not (tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file():
