@@ -41,6 +41,9 @@ class AdapterWriteError(OSError):
     cause's (ENOSPC for a full disk) and the message names the dir and the fix. Nothing was
     replaced: the previous dir at that path, if any, is intact."""
 
+    def __str__(self) -> str:   # the message alone: it names the cause itself
+        return str(self.strerror)
+
 
 # --- names -------------------------------------------------------------------------------------
 def split_lora_key(key: str) -> tuple[str, str]:

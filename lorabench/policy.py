@@ -91,22 +91,28 @@ class Policy:
         delta = adapter.scaling * torch.stack(squares).clamp_min(0).sqrt()
         return delta / self.base_norms
 
-    def _check_delta(self, adapter: FlatAdapter) -> None:
+    def _beyond_bound(self, adapter: FlatAdapter) -> tuple[str, float] | None:
+        """(module, ratio) of the largest ||dW||/||W|| if it is non-finite or above grpo.max_delta_ratio."""
         bound = self.grpo.max_delta_ratio
         if not bound:
-            return
+            return None
         ratios = self.delta_ratios(adapter)
         worst = int(ratios.nan_to_num(nan=math.inf).argmax())
         ratio = float(ratios[worst])
-        if math.isfinite(ratio) and ratio <= bound:
+        return None if math.isfinite(ratio) and ratio <= bound else (self.delta_modules[worst], ratio)
+
+    def _check_delta(self, adapter: FlatAdapter) -> None:
+        found = self._beyond_bound(adapter)
+        if found is None:
             return
+        module, ratio = found
         loss, grad = self.last_stats.get("loss", math.nan), self.last_stats.get("grad_norm", math.nan)
         raise UpdateDiverged(
-            f"GRPO step {adapter.version} diverged: its adapter changes {self.delta_modules[worst]} by "
-            f"||dW||/||W|| = {ratio:.3g}, above grpo.max_delta_ratio={bound:g} (loss {loss:.3g}, gradient norm "
-            f"{grad:.3g} before clipping to {self.grpo.max_grad_norm:g}); "
-            f"the update was not served, saved or checkpointed. {_lower_lr(self.grpo)}, or raise "
-            f"grpo.max_delta_ratio if an update this large is intended", f"grpo.lr={self.grpo.lr / 10:g}")
+            f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = {ratio:.3g}, "
+            f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss {loss:.3g}, gradient norm {grad:.3g} "
+            f"before clipping to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed. "
+            f"{_lower_lr(self.grpo)}, or raise grpo.max_delta_ratio if an update this large is intended",
+            f"grpo.lr={self.grpo.lr / 10:g}")
 
     def base_weights(self) -> dict[str, torch.Tensor]:
         return base_weights(self.model)
@@ -212,6 +218,13 @@ class Policy:
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.version = int(state.get("version", state.get("step", adapter.version)))
+        found = self._beyond_bound(adapter)
+        if found:   # a checkpoint written without this bound, or under a larger one
+            raise UpdateDiverged(
+                f"the checkpoint's adapter (step {self.version}) changes {found[0]} by ||dW||/||W|| = {found[1]:.3g}, "
+                f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}: that update diverged, and resuming would "
+                f"serve it; nothing was changed. {_lower_lr(self.grpo)} (adapters/step_<n> hold earlier adapters), or "
+                f"raise grpo.max_delta_ratio if an adapter this large is intended", f"grpo.lr={self.grpo.lr / 10:g}")
 
 
 def _lower_lr(grpo) -> str:

@@ -84,8 +84,8 @@ def _run_dir_writable(run_dir: Path, continued: bool) -> None:
             why = "is on a read-only filesystem" if read_only else "is not writable by this user"
             fix = ("copy the run dir to a writable place and resume the copy" if continued else
                    "choose another run.name or run.out_dir")
-            raise ConfigError(f"the run dir {run_dir}: {folder} {why}, and a run writes its rows and checkpoints "
-                              f"there; {fix}")
+            which = f"the run dir {run_dir}" + ("" if folder == run_dir else f": its folder {folder.name}/")
+            raise ConfigError(f"{which} {why}, and a run writes its rows and checkpoints there; {fix}")
 
 
 def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False) -> None:
@@ -100,7 +100,11 @@ def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False
     if cfg.refresh.tmp_dir:
         _writable(cfg.refresh.tmp_dir, "refresh.tmp_dir")
     if cfg.engine.log_file:     # opened, not created, when the engine starts: its directory must exist
-        parent = Path(cfg.engine.log_file).expanduser().absolute().parent
+        log_file = Path(cfg.engine.log_file).expanduser().absolute()
+        parent = log_file.parent
+        if log_file.exists() and not log_file.is_file():
+            raise ConfigError(f"engine.log_file={cfg.engine.log_file!r} is a directory or another non-file; name a "
+                              f"file to append the engine's output to, e.g. {log_file / 'engine.log'}")
         if not parent.is_dir():
             raise ConfigError(f"engine.log_file={cfg.engine.log_file!r}: the directory {parent} does not exist; "
                               f"create it, or name a file in an existing directory")

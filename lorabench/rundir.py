@@ -359,12 +359,14 @@ def lock_holder(run_dir: Path) -> RunDirError | None:
 
 class RunLock:
     """Held by the one process writing a run dir; `release()` (or the process's death) frees it. The
-    lock file is opened without following a link and must have one name: it is truncated."""
+    lock file is opened without following a link and must have one name: it is truncated. The flock
+    is held on a read-only fd, and the PID written through a short-lived one, so the run keeps no
+    file open for writing between writes (a filesystem can be remounted read-only under it)."""
 
     def __init__(self, run_dir: Path | SafeDir, log=print, patience_s: float = 1.0):
-        root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)
-        self.path = root.path / LOCK_NAME
-        self.fd = root.open_own(LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o640)
+        self.root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)
+        self.path = self.root.path / LOCK_NAME
+        self.fd = self.root.open_own(LOCK_NAME, os.O_RDONLY | os.O_CREAT, 0o640)
         deadline = time.monotonic() + patience_s   # rides out another process's read-only probe
         while True:
             try:
@@ -372,27 +374,40 @@ class RunLock:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    err = _in_use(root.path, _lock_holder(self.fd))
+                    err = _in_use(self.root.path, _lock_holder(self.fd))
                     os.close(self.fd)
                     raise err from None
                 time.sleep(0.05)
         previous = _lock_holder(self.fd)   # a clean exit empties the file: a PID here was killed
         if previous and previous != os.getpid():
             state = "no longer running" if not pid_alive(previous) else "no longer holding it"
-            log(f"{root.path}: reclaimed the lock of process {previous} ({state}; killed?)")
+            log(f"{self.root.path}: reclaimed the lock of process {previous} ({state}; killed?)")
         try:
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-            os.fsync(self.fd)
-        except OSError as err:
+            self._write(f"{os.getpid()}\n".encode())
+        except (OSError, RunDirError):
             self.release()
-            raise write_failure(self.path, err, root.path) from None
+            raise
+
+    def _write(self, data: bytes) -> None:
+        """Replace the lock file's content, through an fd of the very file the flock is on."""
+        fd = self.root.open_own(LOCK_NAME, os.O_WRONLY)
+        try:
+            if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) != (os.fstat(self.fd).st_ino, os.fstat(self.fd).st_dev):
+                raise RunDirError(f"{self.path} was replaced while this process held it; one writer per run dir "
+                                  f"cannot be guaranteed: stop the other writer, then run the command again")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            os.fsync(fd)
+        except OSError as err:
+            raise write_failure(self.path, err, self.root.path) from None
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         if self.fd is None:
             return
-        with contextlib.suppress(OSError):   # a full or read-only disk must not hide why the run stopped
-            os.ftruncate(self.fd, 0)
+        with contextlib.suppress(OSError, RunDirError):   # a full or read-only disk must not hide why a run stopped
+            self._write(b"")
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None

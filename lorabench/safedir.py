@@ -50,6 +50,9 @@ class RunDirWriteError(OSError):
     What the run dir held before is intact: a row is appended whole or left torn at the end (which
     resume cuts), a file is replaced whole or not at all."""
 
+    def __str__(self) -> str:   # the message alone: it names the cause itself
+        return str(self.strerror)
+
 
 def _kind(st: os.stat_result) -> str:
     mode = st.st_mode
@@ -60,8 +63,13 @@ def _kind(st: os.stat_result) -> str:
     return "a device"
 
 
-def refusal(path: Path, st: os.stat_result, wanted: str, target: str = "") -> RunDirError:
+def refusal(path: Path, st: os.stat_result, wanted: str, target: str = "", is_root: bool = False) -> RunDirError:
     """The one-line refusal of an entry that is not what lorabench expects (`wanted`: 'file' or 'dir')."""
+    wanted = "directory" if wanted == "dir" else wanted
+    if stat.S_ISLNK(st.st_mode) and is_root:
+        return RunDirError(f"{path} is a symbolic link (to {target or '?'}), not a run directory; a run dir is entered "
+                           f"only through itself, so lorabench did not follow it. If the directory it points to is "
+                           f"yours, pass that directory itself (its real path: realpath {path})")
     if stat.S_ISLNK(st.st_mode):
         return RunDirError(f"{path} is a symbolic link (to {target or '?'}) where lorabench expects a {wanted}; a run "
                            f"dir is entered only through itself, so nothing a link in it points to is read or "
@@ -85,7 +93,7 @@ def write_failure(path: Path, err: OSError, root: Path | None = None) -> RunDirW
         with contextlib.suppress(OSError):
             cause += f" ({shutil.disk_usage(path.parent).free:,} bytes free)"
     where = root or path.parent
-    fix = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space there",
+    fix = {errno.ENOSPC: "there is space again", errno.EDQUOT: "there is quota again",
            errno.EROFS: "the filesystem is writable again"}.get(err.errno, "that is fixed")
     code = errno.errorcode.get(err.errno, err.errno)
     return RunDirWriteError(err.errno or errno.EIO, f"cannot write {path}: {cause} ({code}); what {where} held "
@@ -154,7 +162,7 @@ class SafeDir:
             if err.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
             st = os.stat(where, dir_fd=dir_fd, follow_symlinks=False)
-            raise refusal(path, st, "dir", _link_target(where, dir_fd)) from None
+            raise refusal(path, st, "dir", _link_target(where, dir_fd), is_root=dir_fd is None) from None
         opened = cls(path, fd, root)
         if mode is not None:
             try:

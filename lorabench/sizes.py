@@ -118,6 +118,6 @@ def check_sizes(cfg: Config, shape: ModelShape, device: str) -> None:
     have, where = machine_memory(device)
     if total <= have:
         return
-    listed = "; ".join(f"{t.what}: {_gb(t.nbytes)}" for t in terms)
+    listed = "; ".join(f"{t.what}: {_gb(t.nbytes)}" for t in terms if t.nbytes >= total / 100)
     raise ConfigError(f"this run needs at least {_gb(total)} of memory ({listed}), more than {where} "
                       f"({_gb(have)}); {terms[0].fix}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,33 @@ def dir_bytes(root: Path) -> dict[str, bytes]:
     """Every file under `root` with its bytes (and every dir, as None): equal before and after
     means nothing was written, truncated, added or removed."""
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def tree_state(root: Path) -> dict[str, tuple]:
+    """Every entry under `root` (root itself included) without following links: a file's bytes and
+    mode, a link's target, a dir's mode, another kind's type. Equal before and after means nothing
+    under `root` was written, truncated, chmod'ed, added or removed, and no link was replaced."""
+    root = Path(root)
+    state = {}
+
+    def record(path: Path, rel: str) -> None:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            state[rel] = ("link", os.readlink(path))
+        elif stat.S_ISREG(st.st_mode):
+            state[rel] = ("file", path.read_bytes(), stat.S_IMODE(st.st_mode), st.st_nlink)
+        elif stat.S_ISDIR(st.st_mode):
+            state[rel] = ("dir", stat.S_IMODE(st.st_mode))
+        else:
+            state[rel] = ("other", stat.S_IFMT(st.st_mode))
+
+    record(root, ".")
+    if os.path.isdir(root) and not os.path.islink(root):
+        for folder, dirs, files in os.walk(root, followlinks=False):
+            for name in sorted(dirs + files):
+                path = Path(folder, name)
+                record(path, str(path.relative_to(root)))
+    return state
 
 
 @pytest.fixture
