@@ -1,9 +1,11 @@
 """Command line: `lorabench demo`, `lorabench run`, `lorabench resume` (each with --help).
 
 Bad input (USER_ERRORS) is one line on stderr and exit code 2, found before anything is written
-(session.py). `lorabench run ... run.name=NAME` on an existing run dir continues that run, with the
-same compatibility check as `lorabench resume` (compat.py). SIGTERM stops a run like Ctrl-C: the
-cleanup runs (temp dirs, the engine, the run dir's lock) and the exit code is 143 (130 for Ctrl-C).
+(session.py); an error during the steps (a diverged update, a full or read-only disk) is one line
+too (RunStopped), saying where the run dir stands and how to continue it. `lorabench run ...
+run.name=NAME` on an existing run dir continues that run, with the same compatibility check as
+`lorabench resume` (compat.py). SIGTERM stops a run like Ctrl-C: the cleanup runs (temp dirs, the
+engine, the run dir's lock) and the exit code is 143 (130 for Ctrl-C).
 """
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ class GRPOConfig:
                                 "saved or checkpointed, and the run stops naming the step and the norms. At 1.0 the "
                                 "adapter changes a layer as much as the whole layer weighs; on the tiny model the "
                                 "default grpo.lr=1e-3 reaches 0.05 in 12 steps, lr=1e-2 crosses 1.0 at step 11 "
-                                "(after the reward collapsed to 0), lr=0.1 at step 2 (docs/reliability.md). "
+                                "(after the reward had collapsed), lr=0.1 at step 2 (docs/reliability.md, 2b). "
                                 "0 = no bound (non-finite values are always refused).")
     epochs: int = _f(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).")
 

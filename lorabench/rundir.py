@@ -15,6 +15,10 @@ later evaluations or several adapter dirs show that steps were done; rows past t
 differing from the rows it holds; a step logged twice (two writers). Nothing is truncated or
 rewritten to make such a dir fit.
 
+Everything is read through the run dir itself (safedir.py): `check_entries` refuses, before
+anything is written, any entry lorabench would open that is a link, of another kind than expected,
+or (if changed in place) a file with a second name.
+
 `RunLock`: one writer per run dir, an fcntl.flock on RUN/lock, which holds the writer's PID while
 it runs (emptied on a clean exit); a lock left by a killed writer is free again (the kernel drops
 a dead process's flock) and is reclaimed with a note. Local filesystems only (flock on NFS is
@@ -133,7 +137,10 @@ def read_jsonl(path: Path) -> list[dict]:
 def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     """checkpoint/trainer_state.pt, or None when there is none. weights_only: a run dir from
     someone else cannot run code when it is resumed; opened without following links."""
-    root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)
+    if not isinstance(run_dir, SafeDir):
+        with SafeDir.open(run_dir) as root:
+            return read_checkpoint(root)
+    root = run_dir
     path = root.path / CHECKPOINT
     if not root.expect("checkpoint", "dir"):
         return None
@@ -180,7 +187,10 @@ def check_entries(run_dir: Path | SafeDir) -> None:
     """Refuse, before anything is written, any entry lorabench would open that is a link, of another
     kind than expected (a FIFO, a dir for a file, ...) or, if changed in place, a file with a second
     name (safedir.py). The run dir itself must not be a link either."""
-    root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)
+    if not isinstance(run_dir, SafeDir):
+        with SafeDir.open(run_dir) as root:
+            return check_entries(root)
+    root = run_dir
     for name in FILES:
         root.expect(name, "file", single=name in CHANGED_IN_PLACE)
     for name, (wanted, ours) in SUBDIRS.items():
@@ -341,10 +351,9 @@ def lock_holder(run_dir: Path) -> RunDirError | None:
     nor opened through a link)."""
     with SafeDir.open(run_dir) as root:
         try:
-            fd = root._open_file(LOCK_NAME, os.O_RDONLY)
-        except PermissionError:
-            return RunDirError(f"{root.path / LOCK_NAME} is not readable by this user (another user's run dir?); "
-                               f"continue it as its owner, or copy it and continue the copy")
+            fd = root.open_file(LOCK_NAME, os.O_RDONLY)
+        except RunDirError as err:   # not readable: another user's run dir
+            return err
     if fd is None:
         return None
     try:

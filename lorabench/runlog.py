@@ -16,6 +16,8 @@ trainer appends the metrics rows last. Rows are flushed and fsynced as they are 
 files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
 `load_checkpoint` appends them from the checkpoint and says so. Anything else that does not fit is
 refused by rundir.inspect, which reads without writing; nothing is truncated but a torn last line.
+Every file and folder is reached through the run dir's fd without following links (safedir.py), and
+each checkpoint records the experiment's fingerprint (fingerprint.py).
 """
 from __future__ import annotations
 

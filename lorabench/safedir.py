@@ -158,6 +158,8 @@ class SafeDir:
             fd = os.open(where, _DIR, dir_fd=dir_fd)
         except FileNotFoundError:
             raise
+        except PermissionError:
+            raise _unreadable(path) from None
         except OSError as err:   # ELOOP (a link), ENOTDIR (not a dir): say which
             if err.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
@@ -212,12 +214,16 @@ class SafeDir:
         return sorted(os.listdir(self.fd))
 
     # -- reading ------------------------------------------------------------------------------------
-    def _open_file(self, name: str, flags: int, mode: int = 0o640, single: bool = False) -> int | None:
+    def open_file(self, name: str, flags: int, mode: int = 0o640, single: bool = False) -> int | None:
         """An fd of the regular file `name` (None when absent and not created), never through a link."""
         try:
             fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=self.fd)
         except FileNotFoundError:
             return None
+        except PermissionError:
+            if flags & os.O_ACCMODE == os.O_RDONLY:
+                raise _unreadable(self.path / name) from None
+            raise
         except OSError as err:
             st = self.entry(name)
             if st is not None and err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EWOULDBLOCK):
@@ -232,7 +238,7 @@ class SafeDir:
 
     def read_bytes(self, name: str) -> bytes | None:
         """The bytes of the file `name`, None when it does not exist."""
-        fd = self._open_file(name, _READ)
+        fd = self.open_file(name, _READ)
         if fd is None:
             return None
         with os.fdopen(fd, "rb") as fh:
@@ -240,12 +246,12 @@ class SafeDir:
 
     def open_read(self, name: str):
         """A binary file object of `name` (None when absent), e.g. for torch.load."""
-        fd = self._open_file(name, _READ)
+        fd = self.open_file(name, _READ)
         return None if fd is None else os.fdopen(fd, "rb")
 
     def last_byte(self, name: str) -> bytes:
         """The file's last byte (b'' when absent or empty)."""
-        fd = self._open_file(name, _READ)
+        fd = self.open_file(name, _READ)
         if fd is None:
             return b""
         try:
@@ -258,7 +264,7 @@ class SafeDir:
     def open_own(self, name: str, flags: int, mode: int = 0o640) -> int:
         """An fd for changing `name` in place (the lock): a regular file of one name, never a link."""
         try:
-            return self._open_file(name, flags, mode, single=True)
+            return self.open_file(name, flags, mode, single=True)
         except RunDirError:
             raise
         except OSError as err:
@@ -385,6 +391,11 @@ class SafeDir:
                 shutil.rmtree(entry.name, dir_fd=self.fd, ignore_errors=True)
             else:
                 self._drop(entry.name)
+
+
+def _unreadable(path: Path) -> RunDirError:
+    return RunDirError(f"{path} is not readable by this user (another user's run dir?); continue it as its owner, "
+                       f"or copy it and continue the copy")
 
 
 def _link_target(name, dir_fd: int | None) -> str:

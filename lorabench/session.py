@@ -9,10 +9,12 @@ The run directory has the CLI's layout (runlog.py). Like the CLI, a fresh run is
 held-out set before its first step (evals.jsonl, sampled then greedy): `lorabench resume` expects
 those step-0 rows.
 
-`open` validates before it writes: the run dir (plan_run: another writer? a config change that is
-refused? a dir that cannot be continued?), then the environment, model and data (preflight.py); only
-then is the model built (tiny: into its cache), and last the run dir is created or continued under
-its one-writer lock. A failure before that leaves the run dir byte for byte as it was, or absent.
+`open` validates before it writes: the run dir (plan_run: a link or an odd entry in it? another
+writer? a dir that cannot be continued? config.json and the data as its checkpoint was trained? a
+config change that is refused?), then the environment, size, model and data (preflight.py); only
+then is the model built (tiny: into its cache) and, for a continued run, compared with the
+checkpoint's fingerprint, and last the run dir is created or continued under its one-writer lock.
+A failure before that leaves the run dir byte for byte as it was, or absent.
 """
 from __future__ import annotations
 

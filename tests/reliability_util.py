@@ -126,7 +126,10 @@ def tree_state(root: Path) -> dict[str, tuple]:
 @pytest.fixture
 def make_trainer(tiny_model_dir, tokenizer, tmp_path):
     """Factory: a GRPOTrainer on a real HFEngine, logging to `run_dir` (None: no run dir), with the
-    tiny run's settings (3 steps, file refresh into tmp_path) plus `extra` overrides."""
+    tiny run's settings (3 steps, file refresh into tmp_path) plus `extra` overrides. The divergence
+    bound is off (grpo.max_delta_ratio=0): these tests perturb adapters and use a learning rate far
+    beyond a real update's size so that every change shows; the bound has its own tests
+    (test_run_dir_trust.py), which set it."""
     from lorabench.config import Config
     from lorabench.engines.hf import HFEngine
     from lorabench.grpo import GRPOTrainer
@@ -135,8 +138,8 @@ def make_trainer(tiny_model_dir, tokenizer, tmp_path):
 
     def make(run_dir, *extra, log=lambda *a: None):
         cfg = Config.load(overrides=[o for o in TINY_RUN if not o.startswith("run.threads")] +
-                          ["engine.device=cpu", "grpo.steps=3", "grpo.lr=5e-2", f"refresh.tmp_dir={tmp_path}",
-                           *extra])
+                          ["engine.device=cpu", "grpo.steps=3", "grpo.lr=5e-2", "grpo.max_delta_ratio=0",
+                           f"refresh.tmp_dir={tmp_path}", *extra])
         engine = HFEngine.from_config(cfg, str(tiny_model_dir))
         made.append(engine)
         trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, RunLog(run_dir, log=log) if run_dir else None,
