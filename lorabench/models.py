@@ -58,8 +58,16 @@ def resolve_model_path(cfg, log=print) -> str:
     as is (transformers downloads it)."""
     ref = model_ref(cfg)
     if ref.kind == "tiny":
-        from .tiny import tiny_model_dir
-        return str(tiny_model_dir(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed, log=log))
+        from safetensors import SafetensorError
+
+        from .tiny import cache_root, tiny_model_dir
+        try:
+            return str(tiny_model_dir(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed, log=log))
+        except (OSError, SafetensorError) as err:   # a full or failing disk: the partial build is removed
+            where = cache_root(cfg.model.cache_dir)
+            raise ModelError(f"model.cache_dir: the tiny model could not be written to {where} "
+                             f"({type(err).__name__}: {str(err)[:160]}); nothing was left there. Free space on that "
+                             f"filesystem, or point model.cache_dir at a writable dir with ~50 MB free") from err
     return ref.name
 
 

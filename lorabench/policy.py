@@ -215,6 +215,7 @@ class Policy:
                                "lora.r, target modules or base model); resume with the run's own config")
         for owner, value in zip(self.lora_layers.owners, adapter.tensors.values()):
             owner.weight.copy_(value.to(owner.weight.device, owner.weight.dtype))
+        _refuse_non_finite_moments(state["optimizer"], int(state.get("step", adapter.version)))
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.version = int(state.get("version", state.get("step", adapter.version)))
@@ -229,6 +230,16 @@ class Policy:
 
 def _lower_lr(grpo) -> str:
     return f"Lower grpo.lr (now {grpo.lr:g}; e.g. grpo.lr={grpo.lr / 10:g}) in a new run"
+
+
+def _refuse_non_finite_moments(optimizer_state: dict, step: int) -> None:
+    """NaN/Inf in the checkpoint's Adam moments would make every later update NaN."""
+    for index, moments in optimizer_state.get("state", {}).items():
+        for key, value in moments.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise UpdateDiverged(f"the checkpoint (step {step}) holds NaN/Inf in its optimizer state (parameter "
+                                     f"{index}, {key}): every update from it would be NaN; nothing was changed. "
+                                     f"Start a new run (adapters/step_<n> hold the trained adapters)")
 
 
 def _diverged_loss(step: int, stats: dict, grpo) -> UpdateDiverged:

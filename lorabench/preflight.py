@@ -59,6 +59,14 @@ def check_engine(cfg: Config) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(f"engine.device={device!r}, but torch sees no CUDA GPU here (torch {torch.__version__}); "
                               f"use engine.device=cpu or '' (= cuda if available, else cpu)")
+        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ConfigError(f"engine.device={device!r}, but torch sees {count} CUDA GPU(s) here (cuda:0 to "
+                              f"cuda:{count - 1}); pick one of those")
+    cpus = len(os.sched_getaffinity(0))
+    if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
+        raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {cpus} CPU(s); set run.threads <= "
+                          f"{cpus}, or 0 (torch's default)")
 
 
 def _writable(path: str | Path, field: str) -> None:

@@ -183,6 +183,17 @@ SUBDIRS = {"adapters": ("dir", _ADAPTER_DIR.match), "checkpoint": ("file", {CHEC
            "plots": ("file", re.compile(r"^[^.].*\.png$").match)}
 
 
+def _refuse_too_large(root: SafeDir, name: str) -> None:
+    """Resume reads these files whole: one larger than half the machine's memory (a sparse file in
+    a shared archive costs its sender nothing) is refused instead of exhausting the memory."""
+    from .sizes import machine_memory
+    size, (memory, where) = root.entry(name).st_size, machine_memory("cpu")
+    if size > memory // 2:
+        raise RunDirError(f"{root.path / name} is {size:,} bytes, more than half {where} ({memory:,} bytes), and "
+                          f"resume reads it whole; {_RECOVER}. Is it this run's file? Restore it from a backup, or "
+                          f"start a new run")
+
+
 def check_entries(run_dir: Path | SafeDir) -> None:
     """Refuse, before anything is written, any entry lorabench would open that is a link, of another
     kind than expected (a FIFO, a dir for a file, ...) or, if changed in place, a file with a second
@@ -192,13 +203,16 @@ def check_entries(run_dir: Path | SafeDir) -> None:
             return check_entries(root)
     root = run_dir
     for name in FILES:
-        root.expect(name, "file", single=name in CHANGED_IN_PLACE)
+        if root.expect(name, "file", single=name in CHANGED_IN_PLACE):
+            _refuse_too_large(root, name)
     for name, (wanted, ours) in SUBDIRS.items():
         if root.expect(name, "dir"):
             with root.sub(name) as sub:
                 for child in sub.names():
                     if ours(child):
                         sub.expect(child, wanted)
+                        if name == "checkpoint":
+                            _refuse_too_large(sub, child)
 
 
 # --- inspection ------------------------------------------------------------------------------------------

@@ -163,10 +163,10 @@ class RunSession:
         from .models import resolve_model_path
         from .preflight import preflight
 
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
         plan = plan_run(cfg, run_dir)
         preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
+        if cfg.run.threads:   # after preflight checked it against this machine's CPUs
+            torch.set_num_threads(cfg.run.threads)
         t0 = time.perf_counter()
         model_path = resolve_model_path(cfg, log=log)
         model_seconds = time.perf_counter() - t0

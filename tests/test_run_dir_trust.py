@@ -321,6 +321,19 @@ def test_checkpoint_holding_a_diverged_adapter_is_not_served(run_dir, capsys):
     assert "grpo.max_delta_ratio" in line and tree_state(run_dir) == before
 
 
+def test_checkpoint_with_non_finite_optimizer_state_is_refused(run_dir, capsys):
+    """NaN in the Adam moments makes every later update NaN: refused on resume, naming it."""
+    path = run_dir / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    moments = next(iter(state["optimizer"]["state"].values()))
+    moments["exp_avg_sq"][0] = float("nan")
+    torch.save(state, path)
+    before = tree_state(run_dir)
+    line = _refused(capsys, "resume", run_dir)
+    assert "the checkpoint (step 2) holds NaN/Inf in its optimizer state" in line and "exp_avg_sq" in line
+    assert tree_state(run_dir) == before
+
+
 # --- 3. resume proves what it continues ------------------------------------------------------------------
 def _edit_config(run_dir: Path, section: str, key: str, value) -> None:
     cfg = json.loads((run_dir / "config.json").read_text())
@@ -490,6 +503,7 @@ def test_sizes_far_beyond_the_machine_are_refused(tiny_model_dir, tmp_path, caps
     ("run.out_dir=", "run.out_dir='': give the parent directory"),
     ("data.source=/dev/zero", "is not a regular file"),
     ("grpo.max_delta_ratio=-1", "grpo.max_delta_ratio=-1.0: must be >= 0"),
+    ("run.threads=100000", "run.threads=100000: this process may use"),    # torch segfaulted at the first matmul
 ])
 def test_more_values_refused_before_anything_exists(tiny_model_dir, tmp_path, capsys, override, needle):
     line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
@@ -510,6 +524,30 @@ def test_data_source_that_is_a_directory(tiny_model_dir, tmp_path, capsys):
                     *QUICK_RUN, f"data.source={tmp_path}")
     assert f"data.source='{tmp_path}': dataset file {tmp_path} is a directory" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_huge_file_in_a_run_dir_is_refused(run_dir, capsys):
+    """A sparse metrics.jsonl of 1 TB costs the sender of a run dir nothing; resume reads it whole."""
+    os.truncate(run_dir / "metrics.jsonl", 10**12)
+    before = tree_state(run_dir)
+    line = _refused(capsys, "resume", run_dir)
+    assert f"{run_dir / 'metrics.jsonl'} is 1,000,000,000,000 bytes, more than half the memory" in line
+    assert tree_state(run_dir) == before
+
+
+def test_tiny_model_build_on_a_full_disk(tmp_path, capsys):
+    """The tiny model's cache on a filesystem too small for it: one line, no run dir, no temp left."""
+    disk = FullDisk(tmp_path / "cache", size_kb=1024)
+    if not disk.mount():
+        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
+    try:
+        line = _refused(capsys, "run", "model.name_or_path=tiny", f"model.cache_dir={disk.path}",
+                        f"run.out_dir={tmp_path / 'out'}", *QUICK_RUN)
+        assert f"model.cache_dir: the tiny model could not be written to {disk.path}" in line, line
+        assert "Free space on that filesystem" in line
+        assert list(disk.path.iterdir()) == [] and not (tmp_path / "out").exists()
+    finally:
+        disk.unmount()
 
 
 def _run_until_step(args, run: Path, step: int, log: Path):
