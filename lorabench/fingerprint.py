@@ -13,7 +13,8 @@ A fingerprint is plain JSON-like data (it travels inside checkpoint/trainer_stat
 - "model": the model dir's files (config, tokenizer, weights; README/LICENSE aside): size and sha256,
   whole for files up to 64 MiB, sampled above (16 blocks of 1 MiB spread evenly, the start and the end
   included: a different checkpoint of the same shape differs in every block, an edit of a few bytes
-  elsewhere in a large file is not seen); a hub model also by its repo id and the cached commit.
+  elsewhere in a large file is not seen); a hub model by its repo id and the commit of its cached
+  snapshot.
 A difference is refused with one line naming the field or file and both values; paths are recorded
 for the message only (a moved file with the same bytes is the same data).
 """
@@ -77,20 +78,18 @@ def data_fingerprint(cfg) -> dict:
 
 
 def model_fingerprint(cfg, model_path: str) -> dict:
-    """The model's identity: its files (a local or tiny model dir, or a hub model's cached snapshot)."""
+    """The model's identity: a local or tiny model dir's files; a hub model's repo id and the commit
+    its cached snapshot is at (its files arrive one by one as they are first used, so they are not
+    listed: the commit names them all)."""
     name = cfg.model.name_or_path
     folder = Path(model_path).expanduser()
-    identity: dict = {"name": name}
-    if not folder.is_dir():   # a hub id: its cached snapshot, if any
+    if not folder.is_dir():
         from huggingface_hub import try_to_load_from_cache
         cached = try_to_load_from_cache(name, "config.json")
-        folder = Path(cached).parent if isinstance(cached, str) else None
-        identity["revision"] = folder.name if folder else None
-    if folder is not None:
-        identity["files"] = {p.name: {k: v for k, v in file_fingerprint(p).items() if k != "path"}
-                             for p in sorted(folder.iterdir())
-                             if p.is_file() and not p.name.lower().startswith(_NOT_MODEL)}
-    return identity
+        return {"name": name, "revision": Path(cached).parent.name if isinstance(cached, str) else None}
+    return {"name": name, "files": {p.name: {k: v for k, v in file_fingerprint(p).items() if k != "path"}
+                                    for p in sorted(folder.iterdir())
+                                    if p.is_file() and not p.name.lower().startswith(_NOT_MODEL)}}
 
 
 def experiment_fingerprint(cfg, model_path: str) -> dict:

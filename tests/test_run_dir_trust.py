@@ -448,6 +448,26 @@ def test_checkpoint_without_fingerprint_still_resumes(run_dir, capsys):
     assert set(read_checkpoint(run_dir)["fingerprint"]) == {"config", "data", "model"}
 
 
+def test_hub_model_is_identified_by_its_cached_commit(tmp_path, monkeypatch):
+    """A hub model's files arrive one by one as they are first used, so the commit of its cached
+    snapshot identifies it; another commit is refused naming both."""
+    from huggingface_hub import constants
+
+    from lorabench.fingerprint import check_model, model_fingerprint
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    cfg = Config.load(overrides=["model.name_or_path=org/model"])
+    snapshot = tmp_path / "models--org--model" / "snapshots" / "a1b2c3"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--org--model" / "refs").mkdir()
+    (tmp_path / "models--org--model" / "refs" / "main").write_text("a1b2c3")
+    recorded = model_fingerprint(cfg, "org/model")
+    assert recorded == {"name": "org/model", "revision": "a1b2c3"}
+    check_model(recorded, recorded, cfg, tmp_path, 2)
+    with pytest.raises(RunDirError, match="the hub commit is d4e5f6 now, a1b2c3 then"):
+        check_model(recorded, {"name": "org/model", "revision": "d4e5f6"}, cfg, tmp_path, 2)
+
+
 def test_fingerprint_names_what_defines_the_experiment(finished_run, tiny_model_dir):
     fp = read_checkpoint(finished_run)["fingerprint"]
     assert fp["config"]["grpo.temperature"] == 0.7 and "grpo.steps" not in fp["config"]
