@@ -41,6 +41,9 @@ class AdapterWriteError(OSError):
     cause's (ENOSPC for a full disk) and the message names the dir and the fix. Nothing was
     replaced: the previous dir at that path, if any, is intact."""
 
+    def __str__(self) -> str:   # the message alone: it names the cause itself
+        return str(self.strerror)
+
 
 # --- names -------------------------------------------------------------------------------------
 def split_lora_key(key: str) -> tuple[str, str]:
@@ -232,11 +235,24 @@ class FlatAdapter:
         path = Path(path)
         try:
             with atomic_dir(path, replace=True) as tmp:
-                _write_flat_safetensors(tmp / WEIGHTS_NAME, self.layout, self.buffer)
-                write_new_file(tmp / CONFIG_NAME, json.dumps(self.config, indent=1).encode())
+                self._write_files(str(tmp / WEIGHTS_NAME), str(tmp / CONFIG_NAME))
         except OSError as err:
             raise _write_error(path, err, self.nbytes) from err
         return path
+
+    def save_into(self, parent, name: str) -> Path:
+        """save_peft_dir for a dir inside a run dir: `parent` is a safedir.SafeDir, so nothing on the
+        way is followed through a link (an existing `name` that is a link is refused)."""
+        try:
+            with parent.atomic_subdir(name) as tmp:
+                self._write_files(WEIGHTS_NAME, CONFIG_NAME, dir_fd=tmp.fd)
+        except OSError as err:
+            raise _write_error(parent.path / name, err, self.nbytes) from err
+        return parent.path / name
+
+    def _write_files(self, weights: str, config: str, dir_fd: int | None = None) -> None:
+        _write_flat_safetensors(weights, self.layout, self.buffer, dir_fd)
+        write_new_file(config, json.dumps(self.config, indent=1).encode(), dir_fd=dir_fd)
 
     @classmethod
     def load_peft_dir(cls, path: str | Path, version: int = 0) -> FlatAdapter:
@@ -276,7 +292,8 @@ class FlatAdapter:
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def _write_flat_safetensors(path: Path, layout: AdapterLayout, buffer: torch.Tensor) -> None:
+def _write_flat_safetensors(path: Path | str, layout: AdapterLayout, buffer: torch.Tensor,
+                            dir_fd: int | None = None) -> None:
     """A .safetensors file whose data section is `buffer` as it is (the format is a little-endian
     header length, a JSON header of names, dtypes, shapes and byte offsets, then the bytes)."""
     dtype = _SAFETENSORS_DTYPES.get(buffer.dtype)
@@ -289,7 +306,7 @@ def _write_flat_safetensors(path: Path, layout: AdapterLayout, buffer: torch.Ten
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
     data = buffer.detach().cpu().contiguous().view(torch.uint8).numpy()
-    write_new_file(path, len(blob).to_bytes(8, "little"), blob, memoryview(data))
+    write_new_file(path, len(blob).to_bytes(8, "little"), blob, memoryview(data), dir_fd=dir_fd)
 
 
 def _write_error(path: Path, err: OSError, nbytes: int = 0) -> AdapterWriteError:

@@ -1,14 +1,15 @@
 """Command line: `lorabench demo`, `lorabench run`, `lorabench resume` (each with --help).
 
 Bad input (USER_ERRORS) is one line on stderr and exit code 2, found before anything is written
-(session.py). `lorabench run ... run.name=NAME` on an existing run dir continues that run, with the
-same compatibility check as `lorabench resume` (compat.py). SIGTERM stops a run like Ctrl-C: the
-cleanup runs (temp dirs, the engine, the run dir's lock) and the exit code is 143 (130 for Ctrl-C).
+(session.py); an error during the steps (a diverged update, a full or read-only disk) is one line
+too (RunStopped), saying where the run dir stands and how to continue it. `lorabench run ...
+run.name=NAME` on an existing run dir continues that run, with the same compatibility check as
+`lorabench resume` (compat.py). SIGTERM stops a run like Ctrl-C: the cleanup runs (temp dirs, the
+engine, the run dir's lock) and the exit code is 143 (130 for Ctrl-C).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import signal
 import sys
@@ -21,10 +22,19 @@ from .config import Config, ConfigError, describe
 from .data import DataError
 from .engines.base import EngineError
 from .models import ModelError
+from .policy import UpdateDiverged
 from .runlog import RunDirError
+from .safedir import RunDirWriteError
+
+
+class RunStopped(RuntimeError):
+    """A run that stopped during its steps (a diverged update, a full disk, ...): the cause's message
+    plus where the run dir stands and how to continue it."""
+
 
 # errors whose message already names the culprit and the fix: one line, exit code 2, no traceback
-USER_ERRORS = (ConfigError, DataError, ModelError, AdapterError, AdapterWriteError, EngineError, RunDirError)
+USER_ERRORS = (ConfigError, DataError, ModelError, AdapterError, AdapterWriteError, EngineError, RunDirError,
+               RunDirWriteError, UpdateDiverged, RunStopped)
 
 LESSON = ("What the model learns: the warm-start taught it to solve the problems but to end its answer\n"
           "mostly with 'The answer is N.', '= N' or the bare number; only ~10% of its training answers\n"
@@ -54,11 +64,26 @@ def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=log_line)
     try:
         try:
             timing = _train_and_evaluate(session, log)
+        except USER_ERRORS as err:   # one line, with where the run stands (the cause stays chained)
+            raise RunStopped(stopped_message(err, session.runlog)) from err
         finally:
             session.close_engine()
         return _write_summary(session, timing, t0)
     finally:
         session.runlog.close()
+
+
+def stopped_message(err: Exception, runlog) -> str:
+    """The cause, then what the run dir holds and the command that continues it."""
+    text = str(err)
+    if "lorabench resume" in text:   # RunDirWriteError says it already
+        return text
+    step = runlog.committed_step
+    held = f"{runlog.dir} is intact ({f'its last checkpoint is step {step}' if step else 'no step checkpointed'})"
+    if isinstance(err, UpdateDiverged):   # resuming would repeat the same seeded step
+        return (f"{text}; the run stopped: {held}; a new run from its config: lorabench run --config "
+                f"{runlog.dir / 'config.json'} run.name=NEW {err.override}")
+    return f"{text}; the run stopped: {held} and `lorabench resume {runlog.dir}` continues it"
 
 
 def _train_and_evaluate(session, log) -> dict:
@@ -73,11 +98,10 @@ def _train_and_evaluate(session, log) -> dict:
 
 
 def _write_summary(session, done: dict, t0: float) -> dict:
-    from .fsutil import atomic_write
-    from .viz import save_run_plots
+    from .viz import run_plot_images
     cfg, runlog, before, after = session.cfg, session.runlog, session.before, done["after"]
     rows = runlog.metrics()
-    plots = save_run_plots(rows, done["evals"], runlog.dir / "plots")
+    plots = runlog.save_plots(run_plot_images(rows, done["evals"]))
     refresh_ms = sorted(1e3 * r["refresh/total_s"] for r in rows) or [float("nan")]
     summary = {
         "run_dir": str(runlog.dir), "steps": len(rows), "refresh_mode": cfg.refresh.mode,
@@ -93,7 +117,7 @@ def _write_summary(session, done: dict, t0: float) -> dict:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "plots": [str(p) for p in plots],
     }
-    atomic_write(runlog.dir / "summary.json", json.dumps(summary, indent=1).encode(), 0o640)
+    runlog.write_summary(summary)
     return summary
 
 

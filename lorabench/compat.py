@@ -13,7 +13,8 @@ is never rewritten. The run's effective config is config.json with those rows ap
 plain `lorabench resume` after `resume RUN grpo.steps=80` keeps 80.
 
 run.out_dir and run.name only say where the run dir is: they are not compared (a run dir may be
-moved), and `resume` refuses them as overrides (its argument names the run dir).
+moved), the effective config takes them from where the run dir is now, and `resume` refuses them as
+overrides (its argument names the run dir).
 
 Every Config field is in exactly one list (tests/test_rundir.py checks it), so a new field is
 refused on resume until someone decides otherwise.
@@ -23,8 +24,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import Config, ConfigError, apply_override
-from .rundir import RunDirError, read_jsonl
+from .config import Config, ConfigError, apply_override, parse_config_bytes, path_component_problem
+from .rundir import RunDirError, scan_in
+from .safedir import SafeDir
 
 _MODEL = "it defines the base model, its numerics or its prompts"
 _RECIPE = "it is part of the tiny base model's recipe: another value builds another model"
@@ -55,6 +57,7 @@ ALLOWED = {
     "data.eval_size": "evaluation only (each evals.jsonl row carries its n)",
     "data.eval_samples": "evaluation only (each evals.jsonl row carries its n)",
     "data.max_prompt_tokens": "a guard checked before the run starts",
+    "grpo.max_delta_ratio": "a guard: it decides when a diverged update stops the run, not what a step computes",
     "model.cache_dir": "where the tiny model is cached; its recipe names the model",
     **{f"engine.{k}": "how rollouts are served; the adapter is the same" for k in (
         "backend", "device", "adapter_name", "max_lora_rank", "max_loras_per_batch", "mem_fraction_static",
@@ -68,21 +71,31 @@ ALLOWED = {
 LOCATION = ("run.out_dir", "run.name")
 
 
-def _flat(cfg: Config) -> dict[str, object]:
+def flat_config(cfg: Config) -> dict[str, object]:
     return {f"{section}.{key}": value for section, fields in cfg.to_dict().items() for key, value in fields.items()}
 
 
 def effective_config(run_dir: Path) -> Config:
-    """The run's config now: config.json with the allowed changes of config_changes.jsonl applied."""
+    """The run's config now: config.json with the allowed changes of config_changes.jsonl applied.
+    Both are read through the run dir itself (safedir.py: a link in their place is refused)."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    try:
+        root = SafeDir.open(run_dir)
+    except (FileNotFoundError, NotADirectoryError):
         raise RunDirError(f"{run_dir} does not exist; pass a run dir that `lorabench run` wrote (it prints "
-                          f"'run dir: ...')")
-    if not (run_dir / "config.json").is_file():
-        raise RunDirError(f"{run_dir} is not a lorabench run dir: it has no config.json; pass a run dir written "
-                          f"by lorabench, or start a run there with lorabench run ... run.name=NAME")
-    data = Config.load(run_dir / "config.json").to_dict()
-    for row in read_jsonl(run_dir / "config_changes.jsonl"):
+                          f"'run dir: ...')") from None
+    with root:
+        raw = root.read_bytes("config.json")
+        if raw is None:
+            raise RunDirError(f"{run_dir} is not a lorabench run dir: it has no config.json; pass a run dir written "
+                              f"by lorabench, or start a run there with lorabench run ... run.name=NAME")
+        data = parse_config_bytes(raw, run_dir / "config.json")
+        changes = scan_in(root, "config_changes.jsonl").rows
+    if isinstance(data.get("run"), dict):   # where the run dir is now (it may have been moved or renamed)
+        name_ok = path_component_problem(run_dir.name) is None
+        data["run"].update(out_dir=str(run_dir.parent), name=run_dir.name if name_ok else "")
+    data = Config.from_dict(data, source=str(run_dir / "config.json")).to_dict()
+    for row in changes:
         for key, (_, new) in row.get("changes", {}).items():
             section, _, name = key.partition(".")
             data[section][name] = new
@@ -103,7 +116,7 @@ def resume_config(run_dir: Path, overrides: list[str]) -> Config:
 
 def changes(old: Config, new: Config) -> dict[str, tuple]:
     """{field: (old, new)} for every field that differs, location fields aside."""
-    before, after = _flat(old), _flat(new)
+    before, after = flat_config(old), flat_config(new)
     return {k: (before[k], after[k]) for k in before if k not in LOCATION and before[k] != after[k]}
 
 

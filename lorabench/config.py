@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -115,6 +116,14 @@ class GRPOConfig:
     reward_mode: str = _f("strict", "'strict' (last '#### N') or 'flexible' (last number).")
     format_bonus: float = _f(0.0, "Added to the reward when '#### N' is present, right or wrong.")
     max_grad_norm: float = _f(1.0, "Gradient clipping.")
+    max_delta_ratio: float = _f(1.0, "Divergence bound: an update after which some adapted layer's change "
+                                "||dW|| = ||(alpha/r)·B·A|| exceeds this multiple of its base weight's ||W|| "
+                                "(Frobenius norms) is treated like a non-finite loss: rolled back, never served, "
+                                "saved or checkpointed, and the run stops naming the step and the norms. At 1.0 the "
+                                "adapter changes a layer as much as the whole layer weighs; on the tiny model the "
+                                "default grpo.lr=1e-3 reaches 0.05 in 12 steps, lr=1e-2 crosses 1.0 at step 11 "
+                                "(after the reward had collapsed), lr=0.1 at step 2 (docs/reliability.md, 2b). "
+                                "0 = no bound (non-finite values are always refused).")
     epochs: int = _f(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).")
 
     def __post_init__(self):
@@ -240,7 +249,11 @@ def read_config_file(path: str | Path) -> dict:
         raise ConfigError(f"config file {path} does not exist; pass an existing .json or .toml file")
     if path.suffix not in (".toml", ".json"):
         raise ConfigError(f"config file {path}: unsupported suffix {path.suffix!r}; use .json or .toml")
-    raw = path.read_bytes()
+    return parse_config_bytes(path.read_bytes(), path)
+
+
+def parse_config_bytes(raw: bytes, path: Path) -> dict:
+    """The sections of a config file's bytes (`path` names it and its format by suffix)."""
     try:
         text = raw.decode("utf-8-sig")  # an editor's UTF-8 BOM is not an error
     except UnicodeDecodeError as err:
@@ -375,9 +388,46 @@ def validate(cfg: Config) -> None:
     _require(d.eval_samples >= 1, f"data.eval_samples={d.eval_samples}: must be >= 1")
     _require(d.max_prompt_tokens >= 0, f"data.max_prompt_tokens={d.max_prompt_tokens}: must be >= 0 (0 = the "
              f"model's context minus grpo.max_new_tokens)")
+    _validate_run(cfg.run)
     _require(cfg.run.save_adapter_every >= 1, f"run.save_adapter_every={cfg.run.save_adapter_every}: must be >= 1")
     _require(cfg.run.checkpoint_every >= 1, f"run.checkpoint_every={cfg.run.checkpoint_every}: must be >= 1")
     _require(cfg.run.threads >= 0, f"run.threads={cfg.run.threads}: must be >= 0 (0 = torch default)")
+
+
+def path_component_problem(value: str) -> str | None:
+    """Why `value` cannot be one name inside a directory (a run dir name, an adapter name), or None.
+    A name is a name, not a path: no '/', not '.' or '..', not hidden, printable, UTF-8, <= 255 bytes."""
+    if not value.strip():
+        return "is empty"
+    if "/" in value or "\\" in value:
+        return "is a path, not a name (it contains a slash)"
+    if value.startswith("."):
+        return "starts with '.' ('.', '..' and hidden names are not run names)"
+    if value != value.strip():
+        return "starts or ends with white space"
+    if not value.isprintable():
+        return "contains a control character"
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid UTF-8"
+    return f"is {size} bytes long; a name in a directory has at most 255" if size > 255 else None
+
+
+SEED_LIMIT = 2**32   # sampling seeds are seed x 1,000,003 + step: they stay below 2**63 (torch, SGLang)
+
+
+def _validate_run(r: RunConfig) -> None:
+    problem = path_component_problem(r.name) if r.name else None
+    _require(problem is None, f"run.name={r.name!r} {problem}; give one directory name such as 'gsm8k-r16' (the run "
+             f"dir is run.out_dir/run.name; point run.out_dir at the parent you want)")
+    _require(bool(r.out_dir.strip()), "run.out_dir='': give the parent directory of run dirs, e.g. runs")
+    _require("\0" not in r.out_dir, f"run.out_dir={r.out_dir!r} contains a NUL character; give a directory path")
+    _require(0 <= r.seed < SEED_LIMIT, f"run.seed={r.seed}: must be in [0, 2**32) (e.g. 0; sampling seeds are "
+             f"derived from it and must fit 64 bits)")
+
+
+_DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|mps)?$")
 
 
 def _check_finite(cfg: Config) -> None:
@@ -405,6 +455,8 @@ def _validate_grpo(g: GRPOConfig) -> None:
     _require(0 < g.top_p <= 1, f"grpo.top_p={g.top_p}: must be in (0, 1]")
     _require(g.lr > 0, f"grpo.lr={g.lr}: must be > 0 (e.g. 1e-3)")
     _require(g.max_grad_norm > 0, f"grpo.max_grad_norm={g.max_grad_norm}: must be > 0 (e.g. 1.0)")
+    _require(g.max_delta_ratio >= 0, f"grpo.max_delta_ratio={g.max_delta_ratio}: must be >= 0 (1.0 is the default; "
+             f"0 = no bound)")
     _require(g.clip_eps > 0, f"grpo.clip_eps={g.clip_eps}: must be > 0 (e.g. 0.2)")
     _require(g.kl_beta >= 0, f"grpo.kl_beta={g.kl_beta}: must be >= 0 (0 = no KL term)")
     _require(g.epochs >= 1, f"grpo.epochs={g.epochs}: must be >= 1")
@@ -432,6 +484,10 @@ def _validate_lora(lora: LoraSettings) -> None:
 def _validate_engine(cfg: Config) -> None:
     e = cfg.engine
     _require(e.backend in ENGINES, f"engine.backend={e.backend!r}: use one of {sorted(ENGINES)}")
+    _require(bool(_DEVICE.match(e.device)), f"engine.device={e.device!r}: use '', cpu, cuda, cuda:N or mps")
+    problem = path_component_problem(e.adapter_name)
+    _require(problem is None, f"engine.adapter_name={e.adapter_name!r} {problem}; give a plain name such as 'policy' "
+             f"(file refresh makes a dir named after it)")
     if e.extra_args:  # parsed here first: the engine's own checks read it as JSON
         try:
             extra = json.loads(e.extra_args)

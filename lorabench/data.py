@@ -178,9 +178,13 @@ def step_problems(seed: int, step: int, n: int) -> list[Problem]:
 def check_source_paths(source: str, eval_source: str = "") -> None:
     """A source that is not 'synthetic' or 'hub' must be an existing file; the error names the field."""
     for field_name, value in (("data.source", source), ("data.eval_source", eval_source)):
-        if value and value not in ("synthetic", "hub") and not Path(value).is_file():
-            raise DataError(f"{field_name}={value!r}: dataset file {value} does not exist; pass a .jsonl "
-                            f"or .parquet file with question/answer fields, 'hub' or 'synthetic'")
+        if not value or value in ("synthetic", "hub") or Path(value).is_file():
+            continue
+        path = Path(value)
+        what = ("does not exist" if not path.exists() else "is a directory" if path.is_dir() else
+                "is not a regular file (a FIFO or device would be read without end)")
+        raise DataError(f"{field_name}={value!r}: dataset file {value} {what}; pass a .jsonl or .parquet file with "
+                        f"question/answer fields, 'hub' or 'synthetic'")
 
 
 class ProblemSource:

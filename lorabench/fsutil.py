@@ -88,16 +88,16 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_new_file(path: Path, *chunks, mode: int = 0o600) -> None:
-    """Create `path` (it must not exist) with `mode` whatever the umask, write `chunks` (bytes-like)
-    and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+def write_new_file(path: Path | str, *chunks, mode: int = 0o600, dir_fd: int | None = None) -> None:
+    """Create `path` (it must not exist; relative to `dir_fd` when given) with `mode` whatever the
+    umask, write `chunks` (bytes-like) and fsync it. O_EXCL never follows a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     with os.fdopen(fd, "wb") as fh:
         for chunk in chunks:
             fh.write(chunk)
         fh.flush()
         os.fsync(fh.fileno())
-    os.chmod(path, mode)
+        os.fchmod(fh.fileno(), mode)
 
 
 def atomic_write(path: Path, data: bytes | None = None, mode: int = 0o600,

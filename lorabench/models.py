@@ -58,9 +58,27 @@ def resolve_model_path(cfg, log=print) -> str:
     as is (transformers downloads it)."""
     ref = model_ref(cfg)
     if ref.kind == "tiny":
-        from .tiny import tiny_model_dir
-        return str(tiny_model_dir(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed, log=log))
+        from safetensors import SafetensorError
+
+        from .tiny import cache_root, tiny_model_dir
+        try:
+            return str(tiny_model_dir(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed, log=log))
+        except (OSError, SafetensorError) as err:   # a full or failing disk: the partial build is removed
+            where = cache_root(cfg.model.cache_dir)
+            raise ModelError(f"model.cache_dir: the tiny model could not be written to {where} "
+                             f"({type(err).__name__}: {str(err)[:160]}); nothing was left there. Free space on that "
+                             f"filesystem, or point model.cache_dir at a writable dir with ~50 MB free") from err
     return ref.name
+
+
+def model_config(ref: ModelRef):
+    """The transformers config of a local or hub model (no weights are read)."""
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(ref.name)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"model.name_or_path={ref.name!r}: its config.json cannot be read ({err}); point it at a "
+                         f"saved Hugging Face model dir") from err
 
 
 def model_context(ref: ModelRef) -> int:
@@ -68,12 +86,7 @@ def model_context(ref: ModelRef) -> int:
     if ref.kind == "tiny":
         from .tiny import TINY_ARCH
         return TINY_ARCH["max_position_embeddings"]
-    from transformers import AutoConfig
-    try:
-        config = AutoConfig.from_pretrained(ref.name)
-    except (OSError, ValueError) as err:
-        raise ModelError(f"model.name_or_path={ref.name!r}: its config.json cannot be read ({err}); point it at a "
-                         f"saved Hugging Face model dir") from err
+    config = model_config(ref)
     for key in _CONTEXT_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:

@@ -7,22 +7,48 @@ publishes after each update.
 
 The version is the number of updates taken (= the GRPO step); the adapter carries it to the engine,
 and rollouts are checked against it.
+
+A diverged update is never published: `train` refuses a non-finite loss or gradient norm before the
+optimizer steps, and `adapter()` refuses weights that are non-finite or whose change of some layer,
+||dW|| = ||(alpha/r)·B·A||, exceeds grpo.max_delta_ratio times that layer's base ||W||. Both raise
+UpdateDiverged, and the trainer rolls the step back like any failed step (grpo.py: _whole_step).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .adapters import AdapterError, AdapterLayout, FlatAdapter, base_weights, linear_shapes, plain_config, validate
+from .adapters import (
+    PEFT_PREFIX,
+    AdapterError,
+    AdapterLayout,
+    FlatAdapter,
+    base_weights,
+    linear_shapes,
+    plain_config,
+    split_lora_key,
+    validate,
+)
 from .config import ConfigError
 from .loss import causal_padding_mask, grpo_loss, token_budget_batches, token_logprobs
 from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch, round_up
 
 COMPILED_WIDTH_MULTIPLE = 8   # micro-batch widths under grpo.compile=all (Policy.train)
+
+
+class UpdateDiverged(AdapterError):
+    """A GRPO update is unusable (non-finite, or beyond grpo.max_delta_ratio); the message names the
+    step, the norms and what to lower. Nothing of it was served, saved or checkpointed. `override`:
+    the setting a new run could start with (e.g. 'grpo.lr=0.0001')."""
+
+    def __init__(self, message: str, override: str = ""):
+        super().__init__(message)
+        self.override = override
 
 
 class Policy:
@@ -41,11 +67,52 @@ class Policy:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=grpo.lr, weight_decay=0.0)
         self.version = 0
+        self.grpo = grpo
+        self.last_stats: dict[str, float] = {}
+        self.delta_modules, self.base_norms = _base_norms(self.model, self.layout)
 
     # -- the adapter it publishes ---------------------------------------------------------------------
     def adapter(self) -> FlatAdapter:
-        """The current LoRA weights as one new FlatAdapter carrying the policy's version."""
-        return self.lora_layers.snapshot(self.version)
+        """The current LoRA weights as one new FlatAdapter carrying the policy's version; refused
+        (UpdateDiverged) if they are beyond grpo.max_delta_ratio: such an adapter is never published."""
+        adapter = self.lora_layers.snapshot(self.version)
+        self._check_delta(adapter)
+        return adapter
+
+    @torch.no_grad()
+    def delta_ratios(self, adapter: FlatAdapter) -> torch.Tensor:
+        """[modules] ||dW||_F / ||W||_F, dW = (alpha/r)·B·A, in float64 (1e30 weights stay finite). Cheap:
+        ||BA||_F^2 = sum((B^T B) * (A A^T)), two r x r products per module, never the full dW."""
+        squares = []
+        for module in self.delta_modules:
+            a = adapter.tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"].double()     # [r, in]
+            b = adapter.tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"].double()     # [out, r]
+            squares.append(((b.T @ b) * (a @ a.T)).sum())
+        delta = adapter.scaling * torch.stack(squares).clamp_min(0).sqrt()
+        return delta / self.base_norms
+
+    def _beyond_bound(self, adapter: FlatAdapter) -> tuple[str, float] | None:
+        """(module, ratio) of the largest ||dW||/||W|| if it is non-finite or above grpo.max_delta_ratio."""
+        bound = self.grpo.max_delta_ratio
+        if not bound:
+            return None
+        ratios = self.delta_ratios(adapter)
+        worst = int(ratios.nan_to_num(nan=math.inf).argmax())
+        ratio = float(ratios[worst])
+        return None if math.isfinite(ratio) and ratio <= bound else (self.delta_modules[worst], ratio)
+
+    def _check_delta(self, adapter: FlatAdapter) -> None:
+        found = self._beyond_bound(adapter)
+        if found is None:
+            return
+        module, ratio = found
+        loss, grad = self.last_stats.get("loss", math.nan), self.last_stats.get("grad_norm", math.nan)
+        raise UpdateDiverged(
+            f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = {ratio:.3g}, "
+            f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss {loss:.3g}, gradient norm {grad:.3g} "
+            f"before clipping to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed. "
+            f"{_lower_lr(self.grpo)}, or raise grpo.max_delta_ratio if an update this large is intended",
+            f"grpo.lr={self.grpo.lr / 10:g}")
 
     def base_weights(self) -> dict[str, torch.Tensor]:
         return base_weights(self.model)
@@ -85,6 +152,10 @@ class Policy:
                 stats["kl"] += m.get("kl", 0.0) * share / grpo.epochs
                 stats["tokens"] += int(part.attention_mask.sum())
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, grpo.max_grad_norm))
+            self.last_stats = dict(stats)
+            if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+                self.lora_layers.snapshot(self.version)   # non-finite weights already? it names the tensor
+                raise _diverged_loss(self.version + 1, stats, grpo)   # before a NaN reaches the weights
             self.optimizer.step()
         self.model.eval()
         self.version += 1
@@ -144,9 +215,48 @@ class Policy:
                                "lora.r, target modules or base model); resume with the run's own config")
         for owner, value in zip(self.lora_layers.owners, adapter.tensors.values()):
             owner.weight.copy_(value.to(owner.weight.device, owner.weight.dtype))
+        _refuse_non_finite_moments(state["optimizer"], int(state.get("step", adapter.version)))
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.version = int(state.get("version", state.get("step", adapter.version)))
+        found = self._beyond_bound(adapter)
+        if found:   # a checkpoint written without this bound, or under a larger one
+            raise UpdateDiverged(
+                f"the checkpoint's adapter (step {self.version}) changes {found[0]} by ||dW||/||W|| = {found[1]:.3g}, "
+                f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}: that update diverged, and resuming would "
+                f"serve it; nothing was changed. {_lower_lr(self.grpo)} (adapters/step_<n> hold earlier adapters), or "
+                f"raise grpo.max_delta_ratio if an adapter this large is intended", f"grpo.lr={self.grpo.lr / 10:g}")
+
+
+def _lower_lr(grpo) -> str:
+    return f"Lower grpo.lr (now {grpo.lr:g}; e.g. grpo.lr={grpo.lr / 10:g}) in a new run"
+
+
+def _refuse_non_finite_moments(optimizer_state: dict, step: int) -> None:
+    """NaN/Inf in the checkpoint's Adam moments would make every later update NaN."""
+    for index, moments in optimizer_state.get("state", {}).items():
+        for key, value in moments.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise UpdateDiverged(f"the checkpoint (step {step}) holds NaN/Inf in its optimizer state (parameter "
+                                     f"{index}, {key}): every update from it would be NaN; nothing was changed. "
+                                     f"Start a new run (adapters/step_<n> hold the trained adapters)")
+
+
+def _diverged_loss(step: int, stats: dict, grpo) -> UpdateDiverged:
+    """A non-finite loss or gradient norm: a diverged update, refused before the optimizer steps."""
+    loss, grad = stats["loss"], stats["grad_norm"]
+    return UpdateDiverged(f"GRPO step {step} diverged: loss {loss:.3g}, gradient norm {grad:.3g} (before clipping to "
+                         f"grpo.max_grad_norm={grpo.max_grad_norm:g}); the update was not applied, served, saved or "
+                         f"checkpointed. {_lower_lr(grpo)}", f"grpo.lr={grpo.lr / 10:g}")
+
+
+@torch.no_grad()
+def _base_norms(model, layout: AdapterLayout) -> tuple[list[str], torch.Tensor]:
+    """The adapted modules (plain names, layout order) and ||W||_F of each one's frozen base weight."""
+    modules = sorted({split_lora_key(name)[0] for name in layout.names})
+    weights = base_weights(model)
+    norms = torch.stack([weights[f"{m}.weight"].double().norm() for m in modules])
+    return modules, norms.clamp_min(torch.finfo(torch.float64).tiny)   # a zero weight: any change is infinite
 
 
 def _enable_activation_checkpointing(model) -> None:

@@ -1,7 +1,8 @@
 """Checks that need the environment, run before a run dir is created or a model is built, so a
 bad input costs seconds and leaves nothing behind: the engine is installed (and its device exists),
-the dirs a run writes are writable, the model is a local model dir, 'tiny' or a hub id usable now,
-and every dataset row is readable and its prompt fits the model (data.max_prompt_tokens, or the
+the dirs a run writes are writable (an existing run dir itself too), the model is a local model dir,
+'tiny' or a hub id usable now, the run's size fits the machine (sizes.py), and every dataset row is
+readable and its prompt fits the model (data.max_prompt_tokens, or the
 model's context minus grpo.max_new_tokens). Config-only checks are config.validate's.
 
 Side effects: none in the run dir or the model cache. A hub model's tokenizer files are fetched
@@ -17,19 +18,36 @@ from .config import Config, ConfigError
 from .data import check_source_paths, load_gsm8k, overlong_prompts, step_problems, synthetic_problems
 from .datafiles import DataError
 from .engines import engine_class
-from .models import ModelRef, model_context, model_ref, model_tokenizer
+from .models import ModelRef, model_config, model_context, model_ref, model_tokenizer, pick_device
+from .sizes import ModelShape, check_sizes
 
 
 # packages an engine needs at run time, for engines that do not check it themselves (a
 # `check_available()` classmethod on the engine class is used when it has one)
-def preflight(cfg: Config, run_dir: Path | None = None, log=print) -> ModelRef:
-    """Everything below, in order; returns what model.name_or_path names. `run_dir`: an existing
-    run dir being continued (else a new one goes under run.out_dir)."""
+def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False, log=print) -> ModelRef:
+    """Everything below, in order; returns what model.name_or_path names. `run_dir`: the run dir
+    the run will write (continued=True: an existing run being continued), None for a new
+    timestamped one under run.out_dir."""
     check_engine(cfg)
-    check_dirs(cfg, run_dir)
+    check_dirs(cfg, run_dir, continued)
     ref = model_ref(cfg)
+    shape = model_shape(ref)
+    if shape is not None:
+        check_sizes(cfg, shape, pick_device(cfg.engine.device))
     check_prompts(cfg, ref, log)
     return ref
+
+
+def model_shape(ref: ModelRef) -> ModelShape | None:
+    """The model's dimensions from its config (no weights are read); None for a config without the
+    usual decoder fields (then sizes are not estimated)."""
+    if ref.kind == "tiny":
+        from .tiny import TINY_ARCH, TINY_VOCAB
+        return ModelShape.of({**TINY_ARCH, "vocab_size": TINY_VOCAB})
+    try:
+        return ModelShape.of(model_config(ref))
+    except (TypeError, ValueError):   # a field missing (None) or not a number
+        return None
 
 
 def check_engine(cfg: Config) -> None:
@@ -41,6 +59,14 @@ def check_engine(cfg: Config) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(f"engine.device={device!r}, but torch sees no CUDA GPU here (torch {torch.__version__}); "
                               f"use engine.device=cpu or '' (= cuda if available, else cpu)")
+        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ConfigError(f"engine.device={device!r}, but torch sees {count} CUDA GPU(s) here (cuda:0 to "
+                              f"cuda:{count - 1}); pick one of those")
+    cpus = len(os.sched_getaffinity(0))
+    if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
+        raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {cpus} CPU(s); set run.threads <= "
+                          f"{cpus}, or 0 (torch's default)")
 
 
 def _writable(path: str | Path, field: str) -> None:
@@ -56,8 +82,25 @@ def _writable(path: str | Path, field: str) -> None:
         raise ConfigError(f"{field}={str(path)!r}: {probe} {why}; point {field} at a writable directory")
 
 
-def check_dirs(cfg: Config, run_dir: Path | None = None) -> None:
-    _writable(run_dir or cfg.run.out_dir, "run.out_dir")
+def _run_dir_writable(run_dir: Path, continued: bool) -> None:
+    """An existing run dir (a mount point, say) and its folders must be writable themselves."""
+    for folder in (run_dir, *(run_dir / sub for sub in ("adapters", "plots", "checkpoint"))):
+        if not folder.is_dir():   # rundir.check_entries refused links already
+            continue
+        read_only = os.statvfs(folder).f_flag & os.ST_RDONLY
+        if read_only or not os.access(folder, os.W_OK | os.X_OK):
+            why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+            fix = ("copy the run dir to a writable place and resume the copy" if continued else
+                   "choose another run.name or run.out_dir")
+            which = f"the run dir {run_dir}" + ("" if folder == run_dir else f": its folder {folder.name}/")
+            raise ConfigError(f"{which} {why}, and a run writes its rows and checkpoints there; {fix}")
+
+
+def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False) -> None:
+    if run_dir is not None and Path(run_dir).is_dir():
+        _run_dir_writable(Path(run_dir), continued)
+    else:   # a new run dir is made in run.out_dir
+        _writable(cfg.run.out_dir, "run.out_dir")
     if cfg.model.name_or_path == "tiny":
         from .tiny import cache_root, tiny_cache_path
         if not (tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file():
@@ -65,7 +108,11 @@ def check_dirs(cfg: Config, run_dir: Path | None = None) -> None:
     if cfg.refresh.tmp_dir:
         _writable(cfg.refresh.tmp_dir, "refresh.tmp_dir")
     if cfg.engine.log_file:     # opened, not created, when the engine starts: its directory must exist
-        parent = Path(cfg.engine.log_file).expanduser().absolute().parent
+        log_file = Path(cfg.engine.log_file).expanduser().absolute()
+        parent = log_file.parent
+        if log_file.exists() and not log_file.is_file():
+            raise ConfigError(f"engine.log_file={cfg.engine.log_file!r} is a directory or another non-file; name a "
+                              f"file to append the engine's output to, e.g. {log_file / 'engine.log'}")
         if not parent.is_dir():
             raise ConfigError(f"engine.log_file={cfg.engine.log_file!r}: the directory {parent} does not exist; "
                               f"create it, or name a file in an existing directory")

@@ -15,6 +15,10 @@ later evaluations or several adapter dirs show that steps were done; rows past t
 differing from the rows it holds; a step logged twice (two writers). Nothing is truncated or
 rewritten to make such a dir fit.
 
+Everything is read through the run dir itself (safedir.py): `check_entries` refuses, before
+anything is written, any entry lorabench would open that is a link, of another kind than expected,
+or (if changed in place) a file with a second name.
+
 `RunLock`: one writer per run dir, an fcntl.flock on RUN/lock, which holds the writer's PID while
 it runs (emptied on a clean exit); a lock left by a killed writer is free again (the kernel drops
 a dead process's flock) and is reclaimed with a note. Local filesystems only (flock on NFS is
@@ -22,6 +26,7 @@ emulated and not relied on here).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
@@ -35,6 +40,7 @@ from pathlib import Path
 import torch
 
 from .fsutil import pid_alive
+from .safedir import RunDirError, SafeDir, read_no_follow, write_failure
 
 ROW_FILES = ("sync.jsonl", "rollouts.jsonl", "metrics.jsonl")   # the rows a checkpoint vouches for
 CHECKPOINT = Path("checkpoint") / "trainer_state.pt"
@@ -42,10 +48,6 @@ LOCK_NAME = "lock"
 _CHECKPOINT_KEYS = ("step", "version", "optimizer", "torch_rng", "adapter_buffer", "adapter_layout",
                     "adapter_config", "rows")
 _RECOVER = "nothing in the run dir was changed"
-
-
-class RunDirError(ValueError):
-    """A run dir cannot be continued as it is; the message says what and how to recover."""
 
 
 def clean(value):
@@ -91,13 +93,14 @@ class JsonlFile:
         return bool(self.tail) and not self.tail_is_row
 
 
-def scan_jsonl(path: Path) -> JsonlFile:
-    """Every row of `path` (a missing file has none). A bad line that is not the last raises
-    RunDirError; a bad last line without its newline is the torn line a kill leaves."""
+def scan_jsonl(path: Path, data: bytes | None = None) -> JsonlFile:
+    """Every row of `path` (a missing file has none), or of `data` read from it. A bad line that is
+    not the last raises RunDirError; a bad last line without its newline is the torn line a kill
+    leaves. A link as the file itself is refused, never read."""
     scan = JsonlFile(Path(path))
-    if not scan.path.is_file():
+    data = read_no_follow(scan.path) if data is None else data
+    if not data:
         return scan
-    data = scan.path.read_bytes()
     scan.end = data.rfind(b"\n") + 1
     number = 0
     for number, raw in enumerate(data[:scan.end].split(b"\n")[:-1], 1):
@@ -119,6 +122,11 @@ def scan_jsonl(path: Path) -> JsonlFile:
     return scan
 
 
+def scan_in(root: SafeDir, name: str) -> JsonlFile:
+    """scan_jsonl of the run-dir file `name`, read through the run dir's fd."""
+    return scan_jsonl(root.path / name, root.read_bytes(name) or b"")
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """The rows of a run-dir JSONL file, for readers (notebooks, plots): a torn last line is left
     out; any other bad line raises RunDirError naming it."""
@@ -126,14 +134,23 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # --- the checkpoint --------------------------------------------------------------------------------------
-def read_checkpoint(run_dir: Path) -> dict | None:
+def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     """checkpoint/trainer_state.pt, or None when there is none. weights_only: a run dir from
-    someone else cannot run code when it is resumed."""
-    path = Path(run_dir) / CHECKPOINT
-    if not path.is_file():
+    someone else cannot run code when it is resumed; opened without following links."""
+    if not isinstance(run_dir, SafeDir):
+        with SafeDir.open(run_dir) as root:
+            return read_checkpoint(root)
+    root = run_dir
+    path = root.path / CHECKPOINT
+    if not root.expect("checkpoint", "dir"):
+        return None
+    with root.sub("checkpoint") as folder:
+        fh = folder.open_read(CHECKPOINT.name)
+    if fh is None:
         return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with fh:
+            state = torch.load(fh, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         raise RunDirError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}); {_RECOVER}. Restore it "
                           f"from a backup and resume, or start a new run (adapters/step_<n> hold the trained "
@@ -150,10 +167,52 @@ def _step(row: dict) -> int:
     return step if isinstance(step, int) else 0
 
 
-def _adapter_steps(run_dir: Path) -> list[int]:
-    root = Path(run_dir) / "adapters"
-    names = [p.name for p in root.iterdir()] if root.is_dir() else []
-    return sorted(int(m.group(1)) for m in map(re.compile(r"^step_(\d+)$").match, names) if m)
+def _adapter_steps(root: SafeDir) -> list[int]:
+    if not root.expect("adapters", "dir"):
+        return []
+    with root.sub("adapters") as adapters:
+        names = adapters.names()
+    return sorted(int(m.group(1)) for m in map(_ADAPTER_DIR.match, names) if m)
+
+
+# --- what a run dir may hold ---------------------------------------------------------------------------
+_ADAPTER_DIR = re.compile(r"^step_(\d+)$")
+FILES = ("config.json", "config_changes.jsonl", *ROW_FILES, "evals.jsonl", "summary.json", LOCK_NAME)
+CHANGED_IN_PLACE = ("config_changes.jsonl", *ROW_FILES, "evals.jsonl", LOCK_NAME)   # appended or truncated
+SUBDIRS = {"adapters": ("dir", _ADAPTER_DIR.match), "checkpoint": ("file", {CHECKPOINT.name}.__contains__),
+           "plots": ("file", re.compile(r"^[^.].*\.png$").match)}
+
+
+def _refuse_too_large(root: SafeDir, name: str) -> None:
+    """Resume reads these files whole: one larger than half the machine's memory (a sparse file in
+    a shared archive costs its sender nothing) is refused instead of exhausting the memory."""
+    from .sizes import machine_memory
+    size, (memory, where) = root.entry(name).st_size, machine_memory("cpu")
+    if size > memory // 2:
+        raise RunDirError(f"{root.path / name} is {size:,} bytes, more than half {where} ({memory:,} bytes), and "
+                          f"resume reads it whole; {_RECOVER}. Is it this run's file? Restore it from a backup, or "
+                          f"start a new run")
+
+
+def check_entries(run_dir: Path | SafeDir) -> None:
+    """Refuse, before anything is written, any entry lorabench would open that is a link, of another
+    kind than expected (a FIFO, a dir for a file, ...) or, if changed in place, a file with a second
+    name (safedir.py). The run dir itself must not be a link either."""
+    if not isinstance(run_dir, SafeDir):
+        with SafeDir.open(run_dir) as root:
+            return check_entries(root)
+    root = run_dir
+    for name in FILES:
+        if root.expect(name, "file", single=name in CHANGED_IN_PLACE):
+            _refuse_too_large(root, name)
+    for name, (wanted, ours) in SUBDIRS.items():
+        if root.expect(name, "dir"):
+            with root.sub(name) as sub:
+                for child in sub.names():
+                    if ours(child):
+                        sub.expect(child, wanted)
+                        if name == "checkpoint":
+                            _refuse_too_large(sub, child)
 
 
 # --- inspection ------------------------------------------------------------------------------------------
@@ -184,13 +243,16 @@ class RunDirState:
 def inspect(run_dir: Path) -> RunDirState:
     """Read the run dir and decide whether it can be continued (see the module docstring)."""
     run_dir = Path(run_dir)
-    files = {name: scan_jsonl(run_dir / name) for name in (*ROW_FILES, "evals.jsonl", "config_changes.jsonl")}
-    state = RunDirState(run_dir, read_checkpoint(run_dir))
+    with SafeDir.open(run_dir) as root:
+        check_entries(root)
+        files = {name: scan_in(root, name) for name in (*ROW_FILES, "evals.jsonl", "config_changes.jsonl")}
+        state = RunDirState(run_dir, read_checkpoint(root))
+        adapters_ahead = [s for s in _adapter_steps(root) if s > state.step]
+        has_summary = root.expect("summary.json", "file")
     for scan in files.values():
         state.repairs += _tail_repairs(scan)
-    adapters_ahead = [s for s in _adapter_steps(run_dir) if s > state.step]
     if state.checkpoint is None:
-        _refuse_work_without_checkpoint(run_dir, files, adapters_ahead)
+        _refuse_work_without_checkpoint(run_dir, files, adapters_ahead, has_summary)
         return state
     if len(adapters_ahead) > 1:
         raise RunDirError(f"{run_dir / 'adapters'} holds step_{adapters_ahead[0]} and step_{adapters_ahead[1]}, "
@@ -218,7 +280,7 @@ def _tail_repairs(scan: JsonlFile) -> list[Repair]:
     return []
 
 
-def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[int]) -> None:
+def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[int], has_summary: bool) -> None:
     """No checkpoint is fine for a run stopped before its first commit; with the work of committed
     steps beside it, starting at step 0 would mix two runs in one dir."""
     evidence = [f"{name}: {len(files[name].rows)} rows" for name in ROW_FILES if files[name].rows]
@@ -227,7 +289,7 @@ def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[i
         evidence.append(f"evals.jsonl: evaluations at step {_step(later_evals[-1])}")
     if len(adapters) > 1:
         evidence.append(f"adapters/step_{adapters[0]}..step_{adapters[-1]}")
-    if (run_dir / "summary.json").is_file():
+    if has_summary:
         evidence.append("summary.json")
     if evidence:
         raise RunDirError(f"{run_dir} has no checkpoint ({CHECKPOINT} is missing) but holds the work of earlier steps "
@@ -299,30 +361,35 @@ def _in_use(run_dir: Path, pid: int | None) -> RunDirError:
 
 
 def lock_holder(run_dir: Path) -> RunDirError | None:
-    """Whether another writer holds the run dir's lock (read-only: the lock file is not changed)."""
-    try:
-        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
-    except FileNotFoundError:
+    """Whether another writer holds the run dir's lock (read-only: the lock file is not changed,
+    nor opened through a link)."""
+    with SafeDir.open(run_dir) as root:
+        try:
+            fd = root.open_file(LOCK_NAME, os.O_RDONLY)
+        except RunDirError as err:   # not readable: another user's run dir
+            return err
+    if fd is None:
         return None
-    except PermissionError:
-        return RunDirError(f"{Path(run_dir) / LOCK_NAME} is not readable by this user (another user's run dir?); "
-                           f"continue it as its owner, or copy it and continue the copy")
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     except BlockingIOError:
-        return _in_use(run_dir, _lock_holder(fd))
+        return _in_use(Path(run_dir), _lock_holder(fd))
     finally:
         os.close(fd)
 
 
 class RunLock:
-    """Held by the one process writing a run dir; `release()` (or the process's death) frees it."""
+    """Held by the one process writing a run dir; `release()` (or the process's death) frees it. The
+    lock file is opened without following a link and must have one name: it is truncated. The flock
+    is held on a read-only fd, and the PID written through a short-lived one, so the run keeps no
+    file open for writing between writes (a filesystem can be remounted read-only under it)."""
 
-    def __init__(self, run_dir: Path, log=print, patience_s: float = 1.0):
-        self.path = Path(run_dir) / LOCK_NAME
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o640)
+    def __init__(self, run_dir: Path | SafeDir, log=print, patience_s: float = 1.0):
+        self.root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)
+        self.path = self.root.path / LOCK_NAME
+        self.fd = self.root.open_own(LOCK_NAME, os.O_RDONLY | os.O_CREAT, 0o640)
         deadline = time.monotonic() + patience_s   # rides out another process's read-only probe
         while True:
             try:
@@ -330,22 +397,40 @@ class RunLock:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    err = _in_use(Path(run_dir), _lock_holder(self.fd))
+                    err = _in_use(self.root.path, _lock_holder(self.fd))
                     os.close(self.fd)
                     raise err from None
                 time.sleep(0.05)
         previous = _lock_holder(self.fd)   # a clean exit empties the file: a PID here was killed
         if previous and previous != os.getpid():
             state = "no longer running" if not pid_alive(previous) else "no longer holding it"
-            log(f"{run_dir}: reclaimed the lock of process {previous} ({state}; killed?)")
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-        os.fsync(self.fd)
+            log(f"{self.root.path}: reclaimed the lock of process {previous} ({state}; killed?)")
+        try:
+            self._write(f"{os.getpid()}\n".encode())
+        except (OSError, RunDirError):
+            self.release()
+            raise
+
+    def _write(self, data: bytes) -> None:
+        """Replace the lock file's content, through an fd of the very file the flock is on."""
+        fd = self.root.open_own(LOCK_NAME, os.O_WRONLY)
+        try:
+            if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) != (os.fstat(self.fd).st_ino, os.fstat(self.fd).st_dev):
+                raise RunDirError(f"{self.path} was replaced while this process held it; one writer per run dir "
+                                  f"cannot be guaranteed: stop the other writer, then run the command again")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            os.fsync(fd)
+        except OSError as err:
+            raise write_failure(self.path, err, self.root.path) from None
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         if self.fd is None:
             return
-        os.ftruncate(self.fd, 0)
+        with contextlib.suppress(OSError, RunDirError):   # a full or read-only disk must not hide why a run stopped
+            self._write(b"")
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None

@@ -16,12 +16,13 @@ trainer appends the metrics rows last. Rows are flushed and fsynced as they are 
 files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
 `load_checkpoint` appends them from the checkpoint and says so. Anything else that does not fit is
 refused by rundir.inspect, which reads without writing; nothing is truncated but a torn last line.
+Every file and folder is reached through the run dir's fd without following links (safedir.py), and
+each checkpoint records the experiment's fingerprint (fingerprint.py).
 """
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -29,9 +30,9 @@ from pathlib import Path
 import torch
 
 from .adapters import AdapterLayout, FlatAdapter
-from .fsutil import atomic_write
-from .rundir import RunDirError, RunLock, inspect, read_jsonl, row_line, scan_jsonl
+from .rundir import RunDirError, RunLock, inspect, read_jsonl, row_line, scan_in
 from .rundir import clean as _clean
+from .safedir import SafeDir
 
 __all__ = ["NullRunLog", "RunDirError", "RunLog", "_clean", "read_jsonl", "redact"]
 
@@ -46,17 +47,24 @@ def redact(config: dict) -> dict:
 
 
 class RunLog:
-    """Writes one run dir. With lock=True (RunSession, the CLI) it first takes the run dir's
-    one-writer lock, refusing if another process holds it; `close()` releases it."""
+    """Writes one run dir, entered only through itself (safedir.py: no link in it is followed).
+    With lock=True (RunSession, the CLI) it first takes the run dir's one-writer lock, refusing if
+    another process holds it; `close()` releases it. `fingerprint` (fingerprint.py), when set, is
+    recorded in every checkpoint; `committed_step` is the step of the last checkpoint."""
 
     def __init__(self, run_dir: str | Path, log=print, lock: bool = False):
         self.dir, self.log = Path(run_dir), log
-        self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o750)  # never world-writable (nor world-readable)
-        self._lock = RunLock(self.dir, log) if lock else None
-        for sub in ("adapters", "plots", "checkpoint"):
-            (self.dir / sub).mkdir(exist_ok=True)
-            os.chmod(self.dir / sub, 0o750)  # explicit: whatever the process umask is
+        self.root = SafeDir.open(self.dir, create=True, mode=0o750)  # never world-writable (nor -readable)
+        self._lock, self.sub = None, {}
+        self.fingerprint: dict | None = None
+        self.committed_step = 0
+        try:
+            self._lock = RunLock(self.root, log) if lock else None
+            self.sub = {name: self.root.sub(name, create=True, mode=0o750)  # explicit: whatever the umask is
+                        for name in ("adapters", "plots", "checkpoint")}
+        except (RunDirError, OSError):
+            self.close()
+            raise
 
     @classmethod
     def create(cls, out_dir: str, name: str = "", log=print, lock: bool = False) -> RunLog:
@@ -77,14 +85,18 @@ class RunLog:
     def close(self) -> None:
         if self._lock is not None:
             self._lock.release()
+            self._lock = None
+        for folder in [*self.sub.values(), self.root]:
+            folder.close()
 
     def write_config(self, config: dict) -> None:
         """config.json, once: a run's config is never rewritten (changes go to config_changes.jsonl)."""
-        path = self.dir / "config.json"
-        if path.exists():
-            raise RunDirError(f"{path} exists: a run's config is written once and never rewritten; continue the run "
-                              f"with `lorabench resume {self.dir}` or choose another run.name")
-        atomic_write(path, json.dumps(redact(config), indent=1).encode(), 0o640)
+        try:
+            self.root.write_atomic("config.json", json.dumps(redact(config), indent=1).encode(), mode=0o640,
+                                   exclusive=True)
+        except RunDirError as err:
+            raise RunDirError(f"{err}: a run's config is written once and never rewritten; continue the run with "
+                              f"`lorabench resume {self.dir}` or choose another run.name") from None
 
     def record_config_changes(self, step: int, changes: dict[str, tuple]) -> None:
         """One row of allowed changes ({field: [old, new]}) made when continuing at `step`."""
@@ -92,33 +104,20 @@ class RunLog:
                                                "changes": {k: list(v) for k, v in changes.items()}}])
 
     def _append(self, name: str, rows: list[dict]) -> None:
-        path = self.dir / name
-        self._end_with_newline(path)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)  # not umask-dependent
-        with os.fdopen(fd, "a") as fh:
-            for row in rows:
-                fh.write(row_line(row))
-            fh.flush()
-            os.fsync(fh.fileno())
+        self._end_with_newline(name)
+        self.root.append(name, "".join(map(row_line, rows)).encode(), 0o640)   # not umask-dependent
 
-    def _end_with_newline(self, path: Path) -> None:
+    def _end_with_newline(self, name: str) -> None:
         """Never glue a row onto a torn one: a file not ending in a newline is repaired first."""
-        if not path.is_file() or path.stat().st_size == 0:
+        if self.root.last_byte(name) in (b"", b"\n"):
             return
-        with open(path, "rb") as fh:
-            fh.seek(-1, os.SEEK_END)
-            if fh.read(1) == b"\n":
-                return
-        scan = scan_jsonl(path)
+        scan = scan_in(self.root, name)
         if scan.torn:
-            self.log(f"{path.name}: removing a torn last line ({len(scan.tail)} bytes without a newline, cut off by "
+            self.log(f"{name}: removing a torn last line ({len(scan.tail)} bytes without a newline, cut off by "
                      f"a kill mid-write): {scan.tail[:60]!r}")
-            os.truncate(path, scan.end)
+            self.root.truncate(name, scan.end)
         else:
-            with open(path, "ab") as fh:
-                fh.write(b"\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            self.root.append(name, b"\n")
 
     def log_metrics(self, rows: list[dict]) -> None:
         self._append("metrics.jsonl", rows)
@@ -129,15 +128,17 @@ class RunLog:
     def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
                save_adapter: bool) -> None:
         """The commit point of steps up to `step`: adapters/step_<n> (when due), then one atomic
-        checkpoint holding the trainer state, the adapter and the pending rows, then the sync and
-        rollout rows. The caller appends the metrics rows after this returns."""
+        checkpoint holding the trainer state, the adapter, the pending rows and the experiment's
+        fingerprint, then the sync and rollout rows. The caller appends the metrics rows after this."""
         if save_adapter:
-            adapter.save_peft_dir(self.dir / "adapters" / f"step_{step}")
+            adapter.save_into(self.sub["adapters"], f"step_{step}")
         host = adapter.to("cpu")
         payload = {**state, "step": step, "adapter_buffer": host.buffer, "adapter_layout": host.layout.to_json(),
                    "adapter_config": host.config, "rows": rows}
-        atomic_write(self.dir / "checkpoint" / "trainer_state.pt", mode=0o640,
-                     writer=lambda tmp: torch.save(payload, tmp))
+        if self.fingerprint is not None:
+            payload["fingerprint"] = self.fingerprint
+        self.sub["checkpoint"].write_atomic("trainer_state.pt", writer=lambda fh: torch.save(payload, fh), mode=0o640)
+        self.committed_step = step
         for name in ("sync.jsonl", "rollouts.jsonl"):
             self._append(name, rows.get(name, []))
 
@@ -150,30 +151,40 @@ class RunLog:
         for repair in found.repairs:
             self.log(f"repair: {repair.note}")
             if repair.kind == "cut_torn_tail":
-                os.truncate(repair.path, repair.end)
+                self.root.truncate(repair.path.name, repair.end)
             elif repair.kind == "add_newline":
-                self._end_with_newline(repair.path)
+                self._end_with_newline(repair.path.name)
             else:
                 self._append(repair.path.name, repair.rows)
         state = found.checkpoint
         if state is None:
             return None, None
+        self.committed_step = int(state["step"])
         layout = AdapterLayout.from_json(state["adapter_layout"])
         return state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], int(state["step"]))
 
     def metrics(self) -> list[dict]:
-        return read_jsonl(self.dir / "metrics.jsonl")
+        return scan_in(self.root, "metrics.jsonl").rows
 
     def evals(self) -> list[dict]:
-        return read_jsonl(self.dir / "evals.jsonl")
+        return scan_in(self.root, "evals.jsonl").rows
 
     def set_evals(self, step: int, rows: list[dict]) -> list[dict]:
         """Make `rows` the evaluations of `step`, replacing any a killed or repeated run left there
         (evaluation is seeded, so a repeat gives the same values); returns all rows. The file is
         rewritten only after it was read whole (a bad line raises instead)."""
         kept = [r for r in self.evals() if r.get("step") != step] + rows
-        atomic_write(self.dir / "evals.jsonl", "".join(map(row_line, kept)).encode(), 0o640)
+        self.root.write_atomic("evals.jsonl", "".join(map(row_line, kept)).encode(), mode=0o640)
         return kept
+
+    def write_summary(self, summary: dict) -> None:
+        self.root.write_atomic("summary.json", json.dumps(summary, indent=1).encode(), mode=0o640)
+
+    def save_plots(self, images: dict[str, bytes]) -> list[Path]:
+        """plots/<name>.png for each rendered figure (viz.run_plot_images)."""
+        for name, png in images.items():
+            self.sub["plots"].write_atomic(f"{name}.png", png, mode=0o640)
+        return [self.dir / "plots" / f"{name}.png" for name in images]
 
 
 class NullRunLog:

@@ -9,13 +9,16 @@ The run directory has the CLI's layout (runlog.py). Like the CLI, a fresh run is
 held-out set before its first step (evals.jsonl, sampled then greedy): `lorabench resume` expects
 those step-0 rows.
 
-`open` validates before it writes: the run dir (plan_run: another writer? a config change that is
-refused? a dir that cannot be continued?), then the environment, model and data (preflight.py); only
-then is the model built (tiny: into its cache), and last the run dir is created or continued under
-its one-writer lock. A failure before that leaves the run dir byte for byte as it was, or absent.
+`open` validates before it writes: the run dir (plan_run: a link or an odd entry in it? another
+writer? a dir that cannot be continued? config.json and the data as its checkpoint was trained? a
+config change that is refused?), then the environment, size, model and data (preflight.py); only
+then is the model built (tiny: into its cache) and, for a continued run, compared with the
+checkpoint's fingerprint, and last the run dir is created or continued under its one-writer lock.
+A failure before that leaves the run dir byte for byte as it was, or absent.
 """
 from __future__ import annotations
 
+import os
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -30,6 +33,21 @@ class RunPlan:
     run_dir: Path | None          # None: a new timestamped dir under run.out_dir
     continued: object = None      # rundir.RunDirState of the run being continued, else None
     named_by_config: bool = False  # run.out_dir/run.name chose it (`lorabench run`), not a run_dir argument
+
+    def check_model(self, cfg: Config, model_path: str, log=print) -> dict:
+        """The experiment's fingerprint (fingerprint.py); a continued run's model must be the one its
+        checkpoint was trained on. A checkpoint without a fingerprint (an older lorabench) is noted."""
+        from .fingerprint import check_model, experiment_fingerprint
+        fingerprint = experiment_fingerprint(cfg, model_path)
+        checkpoint = self.continued.checkpoint if self.continued else None
+        if checkpoint and "fingerprint" in checkpoint:
+            check_model(checkpoint["fingerprint"].get("model", {}), fingerprint["model"], cfg, self.run_dir,
+                        self.continued.step)
+        elif checkpoint:
+            log(f"note: {self.run_dir}'s checkpoint (step {self.continued.step}) records no fingerprint of its config, "
+                f"data and model (written by an older lorabench), so they cannot be compared; the next checkpoint "
+                f"records this run's")
+        return fingerprint
 
     def open(self, cfg: Config, log=print):
         """The run dir under its lock: config.json for a new run, config_changes.jsonl for a continued one."""
@@ -65,34 +83,64 @@ class RunPlan:
 
 def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
     """A new run, or the continuation of the run already in `run_dir` (or run.out_dir/run.name),
-    which must be free (no other writer), accept `cfg` (compat.py) and be readable (rundir.inspect)."""
-    from .compat import check_continuation, effective_config
-    from .rundir import RunDirError, inspect, lock_holder
+    which must be entered only through itself (no link, rundir.check_entries), free (no other
+    writer), readable (rundir.inspect), accept `cfg` (compat.py) and still be the experiment its
+    checkpoint was trained on (fingerprint.py: config.json and the data)."""
+    from .rundir import RunDirError, check_entries, lock_holder
     path = Path(run_dir) if run_dir else (Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None)
-    if path is None or not path.exists():
+    if path is None or not os.path.lexists(path):
         return RunPlan(path)
-    if not path.is_dir():
+    if os.path.isfile(path) and not os.path.islink(path):
         raise ConfigError(f"{path} is a file, not a run dir; choose another run.name or run.out_dir")
+    check_entries(path)   # before anything else reads it: refuses links, odd kinds, shared files
     busy = lock_holder(path)
     if busy:
         raise busy
-    if not (path / "config.json").is_file():
-        leftovers = sorted(p.name for p in path.iterdir()
-                           if p.name != "lock" and not (p.name in ("adapters", "plots", "checkpoint")
-                                                        and p.is_dir() and not any(p.iterdir())))
-        if leftovers:
-            raise RunDirError(f"{path} exists and is not a lorabench run dir (no config.json; it holds "
-                              f"{leftovers[:5]}); choose another run.name or run.out_dir")
+    if not (path / "config.json").is_file():   # check_entries: a file, not a link
+        _refuse_leftovers(path)
         return RunPlan(path)   # empty, or left by a run stopped before it wrote its config
     try:
-        state = inspect(path)
-        check_continuation(path, effective_config(path), cfg, state.step)   # refused changes end here
-        return RunPlan(path, state, named_by_config=run_dir is None)
+        return _plan_continuation(cfg, path, named_by_config=run_dir is None)
     except RunDirError as err:
         if run_dir is None:  # `lorabench run` named it: say why a run command talks about continuing
             raise RunDirError(f"run.out_dir/run.name name the existing run {path}, which `lorabench run` continues "
                               f"like `lorabench resume`: {err}") from err
         raise
+
+
+def _refuse_leftovers(path: Path) -> None:
+    """A dir without config.json may only hold what a run stopped before writing it leaves."""
+    from .rundir import RunDirError
+    from .safedir import SafeDir
+    with SafeDir.open(path) as root:
+        leftovers = []
+        for name in root.names():
+            if name in ("adapters", "plots", "checkpoint") and root.expect(name, "dir"):
+                with root.sub(name) as sub:
+                    if not sub.names():
+                        continue
+            if name != "lock":
+                leftovers.append(name)
+    if leftovers:
+        raise RunDirError(f"{path} exists and is not a lorabench run dir (no config.json; it holds "
+                          f"{leftovers[:5]}); choose another run.name or run.out_dir")
+
+
+def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPlan:
+    """Config.json as the checkpoint was trained (a hand edit is refused), then the requested
+    changes (compat.py), then the data's bytes."""
+    from .compat import check_continuation, effective_config
+    from .fingerprint import check_config, check_data
+    from .rundir import inspect
+    state = inspect(path)
+    effective = effective_config(path)
+    recorded = (state.checkpoint or {}).get("fingerprint")
+    if recorded:
+        check_config(recorded, effective, path, state.step)
+    check_continuation(path, effective, cfg, state.step)   # refused changes end here
+    if recorded:
+        check_data(recorded, cfg, path, state.step)
+    return RunPlan(path, state, named_by_config=named_by_config)
 
 
 @dataclass
@@ -115,14 +163,16 @@ class RunSession:
         from .models import resolve_model_path
         from .preflight import preflight
 
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
         plan = plan_run(cfg, run_dir)
-        preflight(cfg, plan.run_dir if plan.continued else None, log=log)
+        preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
+        if cfg.run.threads:   # after preflight checked it against this machine's CPUs
+            torch.set_num_threads(cfg.run.threads)
         t0 = time.perf_counter()
         model_path = resolve_model_path(cfg, log=log)
         model_seconds = time.perf_counter() - t0
+        fingerprint = plan.check_model(cfg, model_path, log)
         runlog = plan.open(cfg, log)
+        runlog.fingerprint = fingerprint
         try:
             return cls._build(cfg, runlog, model_path, model_seconds, log, evaluate_first)
         except BaseException:

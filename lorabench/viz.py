@@ -164,18 +164,28 @@ def plot_delta_norm(rows, ax=None):
     return ax
 
 
-def save_run_plots(rows, evals, out_dir: str | Path) -> list[Path]:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+def run_plot_images(rows, evals) -> dict[str, bytes]:
+    """The run's three figures as PNG bytes (reward, refresh, mismatch), for runlog.RunLog.save_plots."""
+    images = {}
     for name, fn in (("reward", lambda ax: plot_rewards(rows, evals, ax)),
                      ("refresh", lambda ax: plot_refresh(rows, ax)), ("mismatch", lambda ax: plot_mismatch(rows, ax))):
         fig, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
         fn(ax)
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=110)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, dpi=110, format="png")
         plt.close(fig)
-        paths.append(path)
+        images[name] = buffer.getvalue()
+    return images
+
+
+def save_run_plots(rows, evals, out_dir: str | Path) -> list[Path]:
+    """The run's figures as out_dir/<name>.png (a run dir's are written by RunLog.save_plots)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, png in run_plot_images(rows, evals).items():
+        (out_dir / f"{name}.png").write_bytes(png)
+        paths.append(out_dir / f"{name}.png")
     return paths
 
 

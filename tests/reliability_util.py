@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -95,10 +96,41 @@ def dir_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
+def tree_state(root: Path) -> dict[str, tuple]:
+    """Every entry under `root` (root itself included) without following links: a file's bytes and
+    mode, a link's target, a dir's mode, another kind's type. Equal before and after means nothing
+    under `root` was written, truncated, chmod'ed, added or removed, and no link was replaced."""
+    root = Path(root)
+    state = {}
+
+    def record(path: Path, rel: str) -> None:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            state[rel] = ("link", os.readlink(path))
+        elif stat.S_ISREG(st.st_mode):   # a huge (sparse) file by size and time: reading it is not possible
+            content = path.read_bytes() if st.st_size < 64 << 20 else (st.st_size, st.st_mtime_ns)
+            state[rel] = ("file", content, stat.S_IMODE(st.st_mode), st.st_nlink)
+        elif stat.S_ISDIR(st.st_mode):
+            state[rel] = ("dir", stat.S_IMODE(st.st_mode))
+        else:
+            state[rel] = ("other", stat.S_IFMT(st.st_mode))
+
+    record(root, ".")
+    if os.path.isdir(root) and not os.path.islink(root):
+        for folder, dirs, files in os.walk(root, followlinks=False):
+            for name in sorted(dirs + files):
+                path = Path(folder, name)
+                record(path, str(path.relative_to(root)))
+    return state
+
+
 @pytest.fixture
 def make_trainer(tiny_model_dir, tokenizer, tmp_path):
     """Factory: a GRPOTrainer on a real HFEngine, logging to `run_dir` (None: no run dir), with the
-    tiny run's settings (3 steps, file refresh into tmp_path) plus `extra` overrides."""
+    tiny run's settings (3 steps, file refresh into tmp_path) plus `extra` overrides. The divergence
+    bound is off (grpo.max_delta_ratio=0): these tests perturb adapters and use a learning rate far
+    beyond a real update's size so that every change shows; the bound has its own tests
+    (test_run_dir_trust.py), which set it."""
     from lorabench.config import Config
     from lorabench.engines.hf import HFEngine
     from lorabench.grpo import GRPOTrainer
@@ -107,8 +139,8 @@ def make_trainer(tiny_model_dir, tokenizer, tmp_path):
 
     def make(run_dir, *extra, log=lambda *a: None):
         cfg = Config.load(overrides=[o for o in TINY_RUN if not o.startswith("run.threads")] +
-                          ["engine.device=cpu", "grpo.steps=3", "grpo.lr=5e-2", f"refresh.tmp_dir={tmp_path}",
-                           *extra])
+                          ["engine.device=cpu", "grpo.steps=3", "grpo.lr=5e-2", "grpo.max_delta_ratio=0",
+                           f"refresh.tmp_dir={tmp_path}", *extra])
         engine = HFEngine.from_config(cfg, str(tiny_model_dir))
         made.append(engine)
         trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, RunLog(run_dir, log=log) if run_dir else None,

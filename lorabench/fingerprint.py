@@ -1,0 +1,168 @@
+"""What defines an experiment, recorded in every checkpoint, so that resume proves what it continues.
+
+    fp = experiment_fingerprint(cfg, model_path)        # at the start of a run (session.py)
+    check_config(recorded, effective, run_dir, step)    # resume: config.json vs the checkpoint
+    check_data(recorded, cfg, run_dir, step)            # resume: the data files vs the checkpoint
+    check_model(recorded, fp["model"], cfg, run_dir, step)   # resume, once the model is resolved
+
+A fingerprint is plain JSON-like data (it travels inside checkpoint/trainer_state.pt):
+- "config": every field compat.REFUSED lists (what defines the experiment), as trained;
+- "data": per data field in use, a file's resolved absolute path, size and sha256 of its bytes; for
+  the synthetic generator a sha256 of its first problems (a changed generator is caught); for 'hub'
+  the dataset's name only (its rows are not hashed);
+- "model": the model dir's files (config, tokenizer, weights; README/LICENSE aside): size and sha256,
+  whole for files up to 64 MiB, sampled above (16 blocks of 1 MiB spread evenly, the start and the end
+  included: a different checkpoint of the same shape differs in every block, an edit of a few bytes
+  elsewhere in a large file is not seen); a hub model by its repo id and the commit of its cached
+  snapshot.
+A difference is refused with one line naming the field or file and both values; paths are recorded
+for the message only (a moved file with the same bytes is the same data).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .rundir import RunDirError
+
+WHOLE_LIMIT = 64 << 20
+SAMPLES, SAMPLE_BYTES = 16, 1 << 20
+# file name prefixes (lower case) that do not define the model: docs, hidden files, the tiny model's
+# recipe note (its weights and tokenizer are compared; the note names the lorabench version)
+_NOT_MODEL = ("readme", "license", "notice", ".", "lorabench_recipe")
+
+
+def _sha256_file(path: Path, size: int) -> tuple[str, bool]:
+    """(hex digest, sampled?) of the file's bytes: whole up to WHOLE_LIMIT, else SAMPLES blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        if size <= WHOLE_LIMIT:
+            for block in iter(lambda: fh.read(SAMPLE_BYTES), b""):
+                digest.update(block)
+            return digest.hexdigest(), False
+        step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
+        for k in range(SAMPLES):
+            fh.seek(k * step)
+            digest.update(fh.read(SAMPLE_BYTES))
+    return digest.hexdigest(), True
+
+
+def file_fingerprint(path: Path) -> dict | None:
+    """{path, bytes, sha256[, sampled]} of an existing file, None if it is missing."""
+    path = Path(path).expanduser().absolute()
+    if not path.is_file():
+        return None
+    size = path.stat().st_size
+    digest, sampled = _sha256_file(path, size)
+    return {"path": str(path), "bytes": size, "sha256": digest, **({"sampled": True} if sampled else {})}
+
+
+def _problems_sha(problems) -> str:
+    text = json.dumps([[p.question, p.answer] for p in problems], ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def data_fingerprint(cfg) -> dict:
+    from .data import step_problems, synthetic_problems
+    out = {}
+    for field, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
+        if source == "synthetic":
+            seed = cfg.run.seed
+            out[field] = {"synthetic": _problems_sha(step_problems(seed, 1, 4) + synthetic_problems(4, f"eval-{seed}"))}
+        elif source == "hub":
+            out[field] = {"hub": "openai/gsm8k"}
+        elif source:
+            out[field] = file_fingerprint(Path(source))
+    return out
+
+
+def model_fingerprint(cfg, model_path: str) -> dict:
+    """The model's identity: a local or tiny model dir's files; a hub model's repo id and the commit
+    its cached snapshot is at (its files arrive one by one as they are first used, so they are not
+    listed: the commit names them all)."""
+    name = cfg.model.name_or_path
+    folder = Path(model_path).expanduser()
+    if not folder.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+        cached = try_to_load_from_cache(name, "config.json")
+        return {"name": name, "revision": Path(cached).parent.name if isinstance(cached, str) else None}
+    return {"name": name, "files": {p.name: {k: v for k, v in file_fingerprint(p).items() if k != "path"}
+                                    for p in sorted(folder.iterdir())
+                                    if p.is_file() and not p.name.lower().startswith(_NOT_MODEL)}}
+
+
+def experiment_fingerprint(cfg, model_path: str) -> dict:
+    from .compat import REFUSED, flat_config
+    flat = flat_config(cfg)
+    return {"config": {k: flat[k] for k in REFUSED}, "data": data_fingerprint(cfg),
+            "model": model_fingerprint(cfg, model_path)}
+
+
+# --- comparisons ---------------------------------------------------------------------------------------
+def _new_run_hint(run_dir: Path) -> str:
+    return f"start a new run for it (lorabench run --config {Path(run_dir) / 'config.json'} run.name=NEW)"
+
+
+def check_config(recorded: dict, effective, run_dir: Path, step: int) -> None:
+    """The run dir's effective config (config.json + config_changes.jsonl) must be what the checkpoint
+    was trained with, field by field (a hand-edited config.json is refused, not trained on)."""
+    from .compat import flat_config
+    now = flat_config(effective)
+    for key, then in recorded.get("config", {}).items():
+        if key in now and json.dumps(now[key]) != json.dumps(then):
+            raise RunDirError(f"{Path(run_dir) / 'config.json'} has {key}={now[key]!r}, but its checkpoint (step "
+                              f"{step}) was trained with {key}={then!r} (was config.json edited?); nothing was "
+                              f"changed. Put {key} back to {json.dumps(then)} in config.json, or "
+                              f"{_new_run_hint(run_dir)}")
+
+
+def _describe(fp: dict | None) -> str:
+    if fp is None:
+        return "missing"
+    if "sha256" in fp:
+        return f"{fp['bytes']:,} bytes, sha256 {fp['sha256'][:12]}{' (sampled)' if fp.get('sampled') else ''}"
+    return json.dumps(fp)
+
+
+def _without_path(fp: dict | None) -> dict | None:
+    return {k: v for k, v in fp.items() if k != "path"} if isinstance(fp, dict) else fp
+
+
+def _same(a: dict | None, b: dict | None) -> bool:
+    """The same data: equal sizes and digests, wherever the file lies now."""
+    return _without_path(a) == _without_path(b)
+
+
+def check_data(recorded: dict, cfg, run_dir: Path, step: int) -> None:
+    """Each data file must hold the bytes the checkpoint was trained on (wherever it now lies)."""
+    now = data_fingerprint(cfg)
+    for field, then in recorded.get("data", {}).items():
+        current = now.get(field)
+        if _same(current, then):
+            continue
+        value = getattr(cfg.data, field.split(".")[1])
+        where = f" ({current['path']})" if current else f" (relative to {Path.cwd()})"
+        then_where = f" at {then['path']}" if isinstance(then, dict) and "path" in then else ""
+        raise RunDirError(f"{field}={value!r}{where} is not the data the checkpoint (step {step}) of {run_dir} was "
+                          f"trained on: {_describe(current)} now, {_describe(then)} then{then_where}; nothing was "
+                          f"changed. Restore that file (or run from the directory the run was started in), or "
+                          f"{_new_run_hint(run_dir)}")
+
+
+def check_model(recorded: dict, current: dict, cfg, run_dir: Path, step: int) -> None:
+    """The model's files (and a hub model's cached commit) must be the ones the checkpoint was trained on."""
+    then_files, now_files = recorded.get("files"), current.get("files")
+    differences = []
+    if recorded.get("revision") and current.get("revision") and recorded["revision"] != current["revision"]:
+        differences.append(f"the hub commit is {current['revision']} now, {recorded['revision']} then")
+    if then_files is not None and now_files is not None:
+        for name in sorted(set(then_files) | set(now_files)):
+            if then_files.get(name) != now_files.get(name):
+                differences.append(f"{name} is {_describe(now_files.get(name))} now, "
+                                   f"{_describe(then_files.get(name))} then")
+    if differences:
+        more = f" (and {len(differences) - 1} more file(s))" if len(differences) > 1 else ""
+        raise RunDirError(f"model.name_or_path={cfg.model.name_or_path!r} is not the model the checkpoint (step "
+                          f"{step}) of {run_dir} was trained on: {differences[0]}{more}; nothing was changed. "
+                          f"Restore that model, or {_new_run_hint(run_dir)}")

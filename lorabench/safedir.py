@@ -1,0 +1,417 @@
+"""A run directory entered only through itself: nothing in it is followed out of it.
+
+A run dir is something people copy, share and download, so its entries are data, never pointers:
+`SafeDir` holds a file descriptor of the directory, opened without following a link, and opens
+every entry relative to it (`dir_fd`) with O_NOFOLLOW. A symbolic link where a file or folder is
+expected, a FIFO, socket or device, or a file with a second name (a hard link: an append would
+change it under its other name too) is refused with `RunDirError` naming the entry. So nothing
+outside the run dir is read, written, truncated, chmod'ed or deleted through it.
+
+The path *to* the run dir (run.out_dir and its parents, or the path given to `resume`, up to the
+run dir itself) is the user's own choice and is followed as the system resolves it; the run dir
+itself must be a directory, not a link to one.
+
+Writes that fail for a reason outside lorabench (no space left, a read-only or vanished
+filesystem, a quota) raise `RunDirWriteError`, an OSError whose message names the file and the
+cause and says that what the run dir held before is intact.
+
+    root = SafeDir.open(run_dir, create=True)      # refuses a link
+    root.append("metrics.jsonl", b'{"step": 1}\\n')
+    with root.sub("checkpoint", create=True) as ckpt:
+        ckpt.write_atomic("trainer_state.pt", writer=lambda fh: torch.save(state, fh))
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .fsutil import pid_alive
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC   # NONBLOCK: a FIFO never hangs the open
+_CAUSES = {errno.ENOSPC: "no space left on its filesystem", errno.EDQUOT: "the disk quota is exceeded",
+           errno.EROFS: "its filesystem is read-only", errno.EACCES: "it is not writable by this user",
+           errno.EPERM: "it is not writable by this user", errno.EIO: "an I/O error (a failing disk?)",
+           errno.ENOENT: "its directory vanished"}
+
+
+class RunDirError(ValueError):
+    """A run dir cannot be used as it is; the message says what and how to recover."""
+
+
+class RunDirWriteError(OSError):
+    """A write into a run dir failed (disk full, read-only filesystem, ...); `errno` is the cause's.
+    What the run dir held before is intact: a row is appended whole or left torn at the end (which
+    resume cuts), a file is replaced whole or not at all."""
+
+    def __str__(self) -> str:   # the message alone: it names the cause itself
+        return str(self.strerror)
+
+
+def _kind(st: os.stat_result) -> str:
+    mode = st.st_mode
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a file"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a device"
+
+
+def refusal(path: Path, st: os.stat_result, wanted: str, target: str = "", is_root: bool = False) -> RunDirError:
+    """The one-line refusal of an entry that is not what lorabench expects (`wanted`: 'file' or 'dir')."""
+    wanted = "directory" if wanted == "dir" else wanted
+    if stat.S_ISLNK(st.st_mode) and is_root:
+        return RunDirError(f"{path} is a symbolic link (to {target or '?'}), not a run directory; a run dir is entered "
+                           f"only through itself, so lorabench did not follow it. If the directory it points to is "
+                           f"yours, pass that directory itself (its real path: realpath {path})")
+    if stat.S_ISLNK(st.st_mode):
+        return RunDirError(f"{path} is a symbolic link (to {target or '?'}) where lorabench expects a {wanted}; a run "
+                           f"dir is entered only through itself, so nothing a link in it points to is read or "
+                           f"written, and lorabench did not open it. If the link and its target are yours, replace "
+                           f"the link with a copy of the target; otherwise delete the link")
+    return RunDirError(f"{path} is {_kind(st)} where lorabench expects a {wanted}; lorabench did not open it. Put "
+                       f"the run's {wanted} back (from a backup) or remove it, then run the command again")
+
+
+def _hard_linked(path: Path, links: int) -> RunDirError:
+    return RunDirError(f"{path} has {links} names (hard links): appending to it or truncating it would change the "
+                       f"file under its other names too, which may be outside the run dir; lorabench did not "
+                       f"change it. Give it a name of its own (cp -p {path} {path}.copy && mv {path}.copy {path}), "
+                       f"then run the command again")
+
+
+def write_failure(path: Path, err: OSError, root: Path | None = None) -> RunDirWriteError:
+    """A RunDirWriteError naming `path`, the cause (free bytes for ENOSPC) and the way on."""
+    cause = _CAUSES.get(err.errno, err.strerror or str(err))
+    if err.errno == errno.ENOSPC:
+        with contextlib.suppress(OSError):
+            cause += f" ({shutil.disk_usage(path.parent).free:,} bytes free)"
+    where = root or path.parent
+    fix = {errno.ENOSPC: "there is space again", errno.EDQUOT: "there is quota again",
+           errno.EROFS: "the filesystem is writable again"}.get(err.errno, "that is fixed")
+    code = errno.errorcode.get(err.errno, err.errno)
+    return RunDirWriteError(err.errno or errno.EIO, f"cannot write {path}: {cause} ({code}); what {where} held "
+                            f"before is intact: once {fix}, `lorabench resume {where}` continues from its last "
+                            f"checkpoint")
+
+
+class _Sink:
+    """The temp file a writer fills. It keeps the OSError a failed write raised: torch.save reports a
+    full disk as a RuntimeError without errno, chained to this OSError."""
+
+    def __init__(self, fh):
+        self._fh, self.error = fh, None
+
+    def write(self, data) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+
+class SafeDir:
+    """A directory held open by fd; every entry is reached relative to it without following links."""
+
+    def __init__(self, path: Path, fd: int, root: Path | None = None):
+        self.path, self.fd, self.root = Path(path), fd, root or Path(path)
+
+    # -- opening ------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path, create: bool = False, mode: int | None = None) -> SafeDir:
+        """The run dir itself: a directory, not a link (its parents are the user's path, followed).
+        create=True makes it (and its parents); `mode` is set whatever the umask. A missing dir
+        raises FileNotFoundError (create=False)."""
+        path = Path(path)
+        if create:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path, mode or 0o750)
+            except OSError as err:
+                raise write_failure(path, err, path) from None
+        return cls._opened(path, None, mode, path)
+
+    def sub(self, name: str, create: bool = False, mode: int | None = None) -> SafeDir:
+        """The child directory `name` (made when create=True), refused if it is a link."""
+        if create:
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, mode or 0o750, dir_fd=self.fd)
+            except OSError as err:
+                raise write_failure(self.path / name, err, self.root) from None
+        return self._opened(self.path / name, self.fd, mode, self.root, name)
+
+    @classmethod
+    def _opened(cls, path: Path, dir_fd: int | None, mode: int | None, root: Path, name: str | None = None):
+        where = name if dir_fd is not None else path
+        try:
+            fd = os.open(where, _DIR, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise
+        except PermissionError:
+            raise _unreadable(path) from None
+        except OSError as err:   # ELOOP (a link), ENOTDIR (not a dir): say which
+            if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            st = os.stat(where, dir_fd=dir_fd, follow_symlinks=False)
+            raise refusal(path, st, "dir", _link_target(where, dir_fd), is_root=dir_fd is None) from None
+        opened = cls(path, fd, root)
+        if mode is not None:
+            try:
+                os.fchmod(fd, mode)
+            except OSError as err:
+                opened.close()
+                raise write_failure(path, err, root) from None
+        return opened
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> SafeDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            self.close()
+
+    # -- looking ------------------------------------------------------------------------------------
+    def entry(self, name: str) -> os.stat_result | None:
+        """lstat of `name` (a link is reported as a link), None when absent."""
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def expect(self, name: str, wanted: str, single: bool = False) -> bool:
+        """Whether `name` exists, refusing it if it is not a `wanted` ('file' | 'dir'), or (single=True:
+        a file changed in place) a file with a second name."""
+        st = self.entry(name)
+        if st is None:
+            return False
+        ok = stat.S_ISDIR(st.st_mode) if wanted == "dir" else stat.S_ISREG(st.st_mode)
+        if not ok:
+            raise refusal(self.path / name, st, wanted, _link_target(name, self.fd))
+        if single and st.st_nlink > 1:
+            raise _hard_linked(self.path / name, st.st_nlink)
+        return True
+
+    def names(self) -> list[str]:
+        return sorted(os.listdir(self.fd))
+
+    # -- reading ------------------------------------------------------------------------------------
+    def open_file(self, name: str, flags: int, mode: int = 0o640, single: bool = False) -> int | None:
+        """An fd of the regular file `name` (None when absent and not created), never through a link."""
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        except PermissionError:
+            if flags & os.O_ACCMODE == os.O_RDONLY:
+                raise _unreadable(self.path / name) from None
+            raise
+        except OSError as err:
+            st = self.entry(name)
+            if st is not None and err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EWOULDBLOCK):
+                raise refusal(self.path / name, st, "file", _link_target(name, self.fd)) from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (single and st.st_nlink > 1):
+            os.close(fd)
+            raise (_hard_linked(self.path / name, st.st_nlink) if stat.S_ISREG(st.st_mode)
+                   else refusal(self.path / name, st, "file"))
+        return fd
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """The bytes of the file `name`, None when it does not exist."""
+        fd = self.open_file(name, _READ)
+        if fd is None:
+            return None
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read()
+
+    def open_read(self, name: str):
+        """A binary file object of `name` (None when absent), e.g. for torch.load."""
+        fd = self.open_file(name, _READ)
+        return None if fd is None else os.fdopen(fd, "rb")
+
+    def last_byte(self, name: str) -> bytes:
+        """The file's last byte (b'' when absent or empty)."""
+        fd = self.open_file(name, _READ)
+        if fd is None:
+            return b""
+        try:
+            size = os.fstat(fd).st_size
+            return os.pread(fd, 1, size - 1) if size else b""
+        finally:
+            os.close(fd)
+
+    # -- writing ------------------------------------------------------------------------------------
+    def open_own(self, name: str, flags: int, mode: int = 0o640) -> int:
+        """An fd for changing `name` in place (the lock): a regular file of one name, never a link."""
+        try:
+            return self.open_file(name, flags, mode, single=True)
+        except RunDirError:
+            raise
+        except OSError as err:
+            raise write_failure(self.path / name, err, self.root) from None
+
+    def append(self, name: str, data: bytes, mode: int = 0o640) -> None:
+        """Append `data` to `name` (created with `mode`), flushed and fsynced."""
+        fd = self.open_own(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as err:
+            raise write_failure(self.path / name, err, self.root) from None
+        finally:
+            os.close(fd)
+
+    def truncate(self, name: str, size: int) -> None:
+        fd = self.open_own(name, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        except OSError as err:
+            raise write_failure(self.path / name, err, self.root) from None
+        finally:
+            os.close(fd)
+
+    def write_atomic(self, name: str, data: bytes | None = None, *, writer: Callable | None = None,
+                     mode: int = 0o640, exclusive: bool = False) -> None:
+        """Make `name` hold `data` (or what `writer(binary_file)` writes) whole: a fsynced temp file
+        here is renamed onto it (exclusive=True: linked, refusing an existing `name`)."""
+        if (data is None) == (writer is None):
+            raise TypeError("write_atomic needs exactly one of data= or writer=")
+        self.expect(name, "file")
+        self.remove_dead_temps((f".{name}.",))
+        tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=self.fd)
+            sink = _Sink(os.fdopen(fd, "wb"))
+            try:
+                self._fill(sink, data, writer)
+                os.fchmod(fd, mode)
+            finally:
+                sink.close()
+            self._publish(tmp, name, exclusive)
+        except OSError as err:
+            self._drop(tmp)
+            raise write_failure(self.path / name, err, self.root) from None
+        except BaseException:
+            self._drop(tmp)
+            raise
+
+    @staticmethod
+    def _fill(sink: _Sink, data: bytes | None, writer: Callable | None) -> None:
+        try:
+            if data is not None:
+                sink.write(data)
+            else:
+                writer(sink)
+            sink.flush()
+            os.fsync(sink.fileno())
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise sink.error from None   # the disk's own error, not the library's rewording of it
+
+    def _publish(self, tmp: str, name: str, exclusive: bool) -> None:
+        if exclusive:
+            try:
+                os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+            except FileExistsError:
+                raise RunDirError(f"{self.path / name} exists: it is written once and never rewritten") from None
+            os.unlink(tmp, dir_fd=self.fd)
+        else:
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        os.fsync(self.fd)
+
+    def _drop(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=self.fd)
+
+    @contextlib.contextmanager
+    def atomic_subdir(self, name: str, mode: int = 0o700) -> Iterator[SafeDir]:
+        """Yield a fresh hidden temp dir; on success it replaces the dir `name` in one rename (an
+        existing one is swapped out first and removed after; put back if the rename fails)."""
+        self.expect(name, "dir")
+        self.remove_dead_temps((f".{name}.tmp-", f".{name}.old-"))
+        pid = os.getpid()
+        tmp = f".{name}.tmp-{pid}-{secrets.token_hex(4)}"
+        os.mkdir(tmp, mode, dir_fd=self.fd)
+        try:
+            with self.sub(tmp, mode=mode) as inner:
+                yield inner
+                os.fsync(inner.fd)
+            self._swap_in(tmp, name, pid)
+            os.fsync(self.fd)
+        except BaseException:
+            shutil.rmtree(tmp, dir_fd=self.fd, ignore_errors=True)
+            raise
+
+    def _swap_in(self, tmp: str, name: str, pid: int) -> None:
+        if self.entry(name) is None:
+            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            return
+        old = f".{name}.old-{pid}-{secrets.token_hex(4)}"
+        os.rename(name, old, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        try:
+            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except OSError:
+            os.rename(old, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)   # put the previous dir back
+            raise
+        shutil.rmtree(old, dir_fd=self.fd, ignore_errors=True)   # rmtree never follows a link inside it
+
+    def remove_dead_temps(self, prefixes: tuple[str, ...]) -> None:
+        """Remove `<prefix><pid>...` entries whose writer is dead (a link is removed, not followed)."""
+        for entry in os.scandir(self.fd):
+            prefix = next((p for p in prefixes if entry.name.startswith(p)), None)
+            head = entry.name[len(prefix):].replace(".", "-").split("-", 1)[0] if prefix else ""
+            if not head.isdigit() or int(head) == os.getpid() or pid_alive(int(head)):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.name, dir_fd=self.fd, ignore_errors=True)
+            else:
+                self._drop(entry.name)
+
+
+def _unreadable(path: Path) -> RunDirError:
+    return RunDirError(f"{path} is not readable by this user (another user's run dir?); continue it as its owner, "
+                       f"or copy it and continue the copy")
+
+
+def _link_target(name, dir_fd: int | None) -> str:
+    try:
+        return os.readlink(name, dir_fd=dir_fd)
+    except OSError:
+        return ""
+
+
+def read_no_follow(path: str | Path) -> bytes | None:
+    """The bytes of the file at `path` (None when absent), refusing a link as its last component:
+    for readers of one run-dir file (notebooks), whose path up to the file is their own."""
+    path = Path(path)
+    try:
+        parent = SafeDir(path.parent, os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+    except FileNotFoundError:
+        return None
+    with parent:
+        return parent.read_bytes(path.name)

@@ -1,0 +1,123 @@
+"""Is a run's size within what this machine can hold? An estimate before anything is built.
+
+Each term is a lower bound on memory the run certainly allocates (completions only, no prompt
+tokens, no activations), so a refusal is never a false alarm: a run refused here could not have
+fitted. A run that passes may still not fit (activations, allocator slack); that is left to the run.
+
+    needs(cfg, shape) -> [Need]        # the terms, largest first
+    check_sizes(cfg, shape, device)    # refuses (ConfigError) when their sum exceeds the machine
+
+Terms (bytes):
+- sequences held at once: max(prompts_per_step x group_size, eval_size x eval_samples) sequences,
+  each ~1 KiB of Python objects plus 64 bytes per new token (ids, masks, log-probs, Python lists);
+- hf engine logits: it keeps every generated position's logits of a chunk of up to 128 sequences,
+  float32: 128 x max_new_tokens x vocab x 4;
+- LoRA state: every LoRA parameter in float32 eight times (weights, gradients, two Adam moments, the
+  rollback snapshot of those three, the published adapter);
+- base weights: the model's parameters in model.dtype, twice for the hf engine (trainer + engine).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Config, ConfigError
+
+GENERATE_CHUNK = 128          # engines.hf.HFEngine's default generate_batch
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def of(cls, config) -> ModelShape:
+        """From a transformers config (or a dict of its fields), Llama/Qwen naming."""
+        get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
+        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        return cls(hidden, int(get("intermediate_size", 4 * hidden)), int(get("num_hidden_layers")), heads,
+                   int(get("num_key_value_heads") or heads), int(get("head_dim") or hidden // heads),
+                   int(get("vocab_size")), bool(get("tie_word_embeddings", False)))
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each decoder linear, by module name."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def parameters(self) -> int:
+        per_layer = sum(a * b for a, b in self.linear_shapes().values())
+        return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+@dataclass(frozen=True)
+class Need:
+    what: str
+    nbytes: int
+    fix: str
+
+
+def needs(cfg: Config, shape: ModelShape) -> list[Need]:
+    g, d = cfg.grpo, cfg.data
+    train, held_out = g.prompts_per_step * g.group_size, d.eval_size * d.eval_samples
+    sequences = max(train, held_out)
+    fix = (f"lower grpo.prompts_per_step x grpo.group_size (now {g.prompts_per_step} x {g.group_size})"
+           if train >= held_out else f"lower data.eval_size x data.eval_samples (now {d.eval_size} x {d.eval_samples})")
+    terms = [Need(f"{sequences:,} sequences of {g.max_new_tokens} new tokens held at once",
+                  sequences * (1024 + 64 * g.max_new_tokens), fix)]
+    if cfg.engine.backend == "hf":
+        chunk = min(GENERATE_CHUNK, sequences)
+        terms.append(Need(f"the hf engine's logits ({chunk} sequences x {g.max_new_tokens} tokens x {shape.vocab:,} "
+                          f"vocab, float32)", chunk * g.max_new_tokens * shape.vocab * 4,
+                          f"lower grpo.max_new_tokens (now {g.max_new_tokens})"))
+    targets = cfg.lora.target_modules
+    linears = shape.linear_shapes()
+    chosen = linears if targets == "all-linear" else {k: v for k, v in linears.items() if k in targets}
+    lora_params = shape.layers * cfg.lora.r * sum(a + b for a, b in chosen.values())
+    terms.append(Need(f"LoRA state ({lora_params:,} parameters at lora.r={cfg.lora.r}, float32 x 8)",
+                      lora_params * 4 * 8, f"lower lora.r (now {cfg.lora.r})"))
+    copies = 2 if cfg.engine.backend == "hf" else 1
+    terms.append(Need(f"base weights ({shape.parameters():,} parameters in {cfg.model.dtype} x {copies})",
+                      shape.parameters() * _DTYPE_BYTES[cfg.model.dtype] * copies,
+                      "use a smaller model, or model.dtype=bfloat16"))
+    return sorted(terms, key=lambda n: -n.nbytes)
+
+
+def machine_memory(device: str) -> tuple[int, str]:
+    """(bytes, what): the host's memory (or its cgroup limit), plus the GPU's for a CUDA device: the
+    terms are not split by where they live, so the bound is the machine's whole memory."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    where = "the memory of this machine"
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = Path(limit_file).read_text().strip() if Path(limit_file).is_file() else ""
+        if text.isdigit() and int(text) < host:
+            host, where = int(text), "the memory limit of this container (cgroup)"
+    if device.startswith("cuda"):
+        import torch
+        gpu = torch.cuda.get_device_properties(int(device.partition(":")[2] or 0)).total_memory
+        return host + gpu, f"{where} plus the GPU memory of {device}"
+    return host, where
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:,.1f} GB"
+
+
+def check_sizes(cfg: Config, shape: ModelShape, device: str) -> None:
+    terms = needs(cfg, shape)
+    total = sum(t.nbytes for t in terms)
+    have, where = machine_memory(device)
+    if total <= have:
+        return
+    listed = "; ".join(f"{t.what}: {_gb(t.nbytes)}" for t in terms if t.nbytes >= total / 100)
+    raise ConfigError(f"this run needs at least {_gb(total)} of memory ({listed}), more than {where} "
+                      f"({_gb(have)}); {terms[0].fix}")
