@@ -54,6 +54,11 @@ class StepInProgress(RuntimeError):
     """step() was called while another thread's step() runs on the same trainer."""
 
 
+class TrainerStopped(RuntimeError):
+    """A step's commit failed (the disk): this trainer takes no more steps; the run continues from
+    its run dir (lorabench resume), which holds a whole commit."""
+
+
 class StepClock:
     """Wall time of a step's parts; on a GPU also this process's peak memory per part. CUDA is
     synchronised at each lap so GPU work lands in the part that issued it."""
@@ -99,6 +104,7 @@ class GRPOTrainer:
         self._probe = self._make_probe()
         self._engine_stale = False             # a failed step was rolled back: re-send the adapter first
         self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
+        self._uncommitted = ""                 # why no step may follow: a commit failed half way
         self._restore()
         self.refresher.refresh(self.policy.adapter())  # the engine starts with the trainer's adapter
 
@@ -116,6 +122,8 @@ class GRPOTrainer:
 
     def step(self) -> StepRecord:
         """Rollout -> reward -> update -> publish the adapter -> refresh the engine -> log."""
+        if self._uncommitted:
+            raise TrainerStopped(self._uncommitted)
         if not self._stepping.acquire(blocking=False):
             raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
                                  f"Run N?); Stop it or wait for it (panel.wait()), then step again")
@@ -199,15 +207,21 @@ class GRPOTrainer:
         run, step = self.cfg.run, record.step
         self._pending.append(record)
         checkpoint = step % run.checkpoint_every == 0 or step == self.cfg.grpo.steps
-        if checkpoint:
-            save_adapter = step % run.save_adapter_every == 0 or step == self.cfg.grpo.steps
-            self.runlog.commit(step, self.policy.state(), adapter, self._pending_rows(), save_adapter)
-        clock.lap("log")
-        record.metrics.update(clock.metrics())
-        self.history.append(record.metrics)
-        if checkpoint:
-            self.runlog.log_metrics([r.metrics for r in self._pending])
-            self._pending = []
+        try:
+            if checkpoint:
+                save_adapter = step % run.save_adapter_every == 0 or step == self.cfg.grpo.steps
+                self.runlog.commit(step, self.policy.state(), adapter, self._pending_rows(), save_adapter)
+            clock.lap("log")
+            record.metrics.update(clock.metrics())
+            self.history.append(record.metrics)
+            if checkpoint:
+                self.runlog.log_metrics([r.metrics for r in self._pending])
+                self._pending = []
+        except OSError as err:   # the disk: the run dir holds a whole commit or the one before (runlog.py)
+            self._uncommitted = (f"step {step} could not be written to {self.runlog.dir} ({err}); this trainer "
+                                 f"stops, since its memory and the run dir may disagree. Close the session and "
+                                 f"continue the run from the run dir (lorabench resume {self.runlog.dir})")
+            raise
 
     def _pending_rows(self) -> dict[str, list[dict]]:
         k = self.cfg.run.sample_completions

@@ -28,6 +28,7 @@ from reliability_util import QUICK_RUN, FullDisk, cli, make_trainer, one_line_er
 
 from lorabench.cli import main
 from lorabench.config import Config, ConfigError
+from lorabench.grpo import TrainerStopped
 from lorabench.rundir import RunDirError, inspect, read_checkpoint, read_jsonl
 from lorabench.runlog import RunLog
 from lorabench.safedir import RunDirWriteError, SafeDir
@@ -642,7 +643,8 @@ def _remount(path: Path, mode: str) -> None:
 
 def test_disk_full_in_a_commit_keeps_the_run_dir_consistent(make_trainer, small_disk):
     """In process: the checkpoint write of step 2 meets ENOSPC: RunDirWriteError (an OSError with
-    errno ENOSPC) naming the file; the run dir still holds step 1 whole, and resumes."""
+    errno ENOSPC) naming the file; that trainer takes no more steps (TrainerStopped names the way on);
+    the run dir still holds step 1 whole, and resumes."""
     run = small_disk.path / "run"
     trainer = make_trainer(run)
     trainer.step()
@@ -651,6 +653,8 @@ def test_disk_full_in_a_commit_keeps_the_run_dir_consistent(make_trainer, small_
         trainer.step()
     assert info.value.errno == errno.ENOSPC and f"{run}/" in str(info.value) and "no space left" in str(info.value)
     small_disk.free()
+    with pytest.raises(TrainerStopped, match="lorabench resume"):   # memory and run dir may disagree now
+        trainer.step()
     assert inspect(run).step == 1
     resumed = make_trainer(run)
     assert resumed.step_count == 1 and resumed.step().step == 2
