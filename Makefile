@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (Python 3.11+ and pip):  make demo   |   make test
 # Both install into .venv first (once); the CPU build of torch comes first so pip never pulls a
-# multi-GB CUDA build on a CPU machine. On a GPU box: make install TORCH_INDEX= EXTRAS=dev,notebook,sglang
+# multi-GB CUDA build on a CPU machine. On a GPU box: make install TORCH=torch==2.11.0 TORCH_INDEX= EXTRAS=dev,notebook,sglang
+# (sglang 0.5.17, which the sglang extra pins, requires torch 2.11.0)
 PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0

@@ -28,8 +28,9 @@
 # of Run All in a fresh kernel) once the tiny model is cached; about 4 minutes (244 s) the first
 # time, which builds the model and warm-starts it (400 steps) into `~/.cache/lorabench` (or
 # `$LORABENCH_CACHE`), where notebook 03 and `lorabench demo` find it too.
-# On a GPU (one H200, `ENGINE = "sglang"`, Run All in a Jupyter kernel, the tiny model cached): 1-1.5
-# minutes (63 and 96 s measured in two sessions; starting the engine takes about 30 s of it).
+# On a GPU (one H200, `ENGINE = "sglang"`, Run All in a fresh Jupyter kernel): 1-1.5 minutes (63 s
+# with the tiny model cached; 96 s with the model built and warm-started in the kernel), of which
+# starting the engine takes about 30 s.
 
 # %%
 # setup

@@ -35,8 +35,8 @@
 # **How long.** On a CPU (2 cores), these defaults: about 15 seconds (14 s measured for Run All in
 # a fresh kernel; 12 s with an empty model cache: a refresh needs no trained model, so the tiny
 # model is built without warm-start, in about a second). On a GPU (one H200, `ENGINE = "sglang"`,
-# Run All in a Jupyter kernel) with a model of Qwen3-0.6B's shape, `RANK = 32` and merged buckets
-# from 1 MB to 2 GB: 1.5-2 minutes (80 and 114 s measured in two sessions; about 40 s of it starts the engine).
+# Run All in a fresh Jupyter kernel) with a model of Qwen3-0.6B's shape, `RANK = 32` and merged
+# buckets from 1 MB to 2 GB: 1.5-2.5 minutes (80, 114 and 137 s measured; about 40 s of it starts the engine).
 
 # %%
 # setup

@@ -27,8 +27,8 @@
 # **How long.** On a CPU (2 cores), these defaults: about 1 minute (51-72 s measured in three runs
 # of Run All in a fresh kernel) once the tiny model is cached, as after notebook 01 or `lorabench
 # demo`; about 3 minutes (166 s) the first time, which builds the model and warm-starts it.
-# On a GPU (one H200, `ENGINE = "sglang"`, Run All in a Jupyter kernel, the tiny model cached): about
-# 1 minute (58 s measured; starting the engine takes about 35 s of it).
+# On a GPU (one H200, `ENGINE = "sglang"`, Run All in a fresh Jupyter kernel, the tiny model cached):
+# 1-1.5 minutes (58 and 82 s measured; starting the engine takes about 35 s of it).
 
 # %%
 # setup
