@@ -135,10 +135,18 @@ def browser(lab):
 
 
 def listening_addresses(pid: int) -> set[str]:
+    """Where the server and its children listen; a child that ends while it is looked at (the
+    server starts short-lived ones) listens nowhere."""
     import psutil
     procs = [psutil.Process(pid)]
     procs += procs[0].children(recursive=True)
-    return {c.laddr.ip for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    found = set()
+    for proc in procs:
+        try:
+            found |= {c.laddr.ip for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 # --- driving JupyterLab ---------------------------------------------------------------------------
