@@ -27,9 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lorabench.config import GRPOConfig, LoraSettings  # noqa: E402
+from lorabench.grpo import GRPOSettings  # noqa: E402
 from lorabench.loss import saved_activation_bytes, token_logprobs  # noqa: E402
-from lorabench.policy import Policy  # noqa: E402
+from lorabench.policy import (
+    LoraSettings,  # noqa: E402
+    Policy,  # noqa: E402
+)
 from lorabench.shapes import QWEN3_SHAPES  # noqa: E402
 
 LAYERS_OF_THE_REAL_MODEL = 28
@@ -71,7 +74,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {n: model_dir(Path(tmp), n) for n in (1, 3)}
         for compute, checkpointing in SETTINGS:
-            grpo = GRPOConfig(lora_compute=compute, activation_checkpointing=checkpointing)
+            grpo = GRPOSettings(lora_compute=compute, activation_checkpointing=checkpointing)
             per = {n: saved_bytes(Policy(str(d), lora, grpo, "bfloat16", args.device), args.tokens, args.device)
                    for n, d in dirs.items()}
             per_layer = (per[3] - per[1]) / 2 / args.tokens

@@ -6,7 +6,7 @@ to base decode comes from, and which engine setting closes it.
 Setting: a random-init model of Qwen3-0.6B's shape in bf16, a LoRA r=32 on the 7 projections (B
 non-zero), GSM8K-format prompts (generated), `batch` sequences x 256 new tokens, ignore_eos,
 temperature 1.0, SGLang's own `Engine.generate` (no log-probs). One engine per variant (its
-arguments go to sglang.Engine as engine.extra_args would pass them); per batch: one warm-up
+arguments go to sglang.Engine as engine.sglang.extra_args would pass them); per batch: one warm-up
 generate, then the p50 of 3 for the base model and for the adapter.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> None:
                          f"tokens, ignore_eos, T=1.0, p50 of 3 after 1 warm-up", "rows": []}
     for name in args.variants.split(";"):
         settings = SGLangSettings(max_lora_rank=32, mem_fraction_static=0.5, dtype="bfloat16",
-                                  cuda_graph_max_bs=max(batches), **STACK, extra_args=VARIANTS[name])
+                                  cuda_graph_max_bs=max(batches), **STACK, extra_args=json.dumps(VARIANTS[name]))
         with SGLangEngine(q06, settings) as engine:
             engine.load_adapter_tensors("a", adapter)
             for batch in batches:

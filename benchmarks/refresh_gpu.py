@@ -34,7 +34,7 @@ from lorabench.engines.sglang import SGLangEngine, SGLangSettings, check_reply  
 from lorabench.loss import plain_token_logprobs  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
 from lorabench.policy import LoraLayers  # noqa: E402
-from lorabench.refresh import make_refresher, synced_time  # noqa: E402
+from lorabench.refresh import make_refresher, refresh_settings, synced_time  # noqa: E402
 from lorabench.refresh_bench import adapter_model  # noqa: E402
 from lorabench.shapes import random_qwen3_dir  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
@@ -131,7 +131,8 @@ def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict
     # flatten=True as the trainer's Policy does: the LoRA weights are views of one buffer, and the
     # snapshot is one clone (without it the snapshot gathers 392 tensors, ~2 ms of the call)
     name, layers, warmup = f"bench-{how}", LoraLayers(model, flatten=True), 3
-    refresher = None if how.startswith("naive") else make_refresher(how, engine, name, tmp_dir=str(root))
+    refresher = None if how.startswith("naive") else make_refresher(
+        refresh_settings(how, **({"tmp_dir": str(root)} if how == "file" else {})), engine, name)
     if refresher is None:
         from lorabench.adapters import FlatAdapter
         engine.load_adapter_tensors(name, FlatAdapter.from_peft(model).to("cuda", torch.bfloat16))

@@ -32,19 +32,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lorabench.config import Config  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
-from lorabench.engines.sglang import SGLangEngine  # noqa: E402
 from lorabench.explain import restore_base_weights  # noqa: E402
-from lorabench.grpo import GRPOTrainer  # noqa: E402
 from lorabench.loss import model_flops_per_token  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
 from lorabench.refresh import synced_time  # noqa: E402
+from lorabench.session import build_trainer, start_engine  # noqa: E402
+from lorabench.session.config import Config  # noqa: E402
 from lorabench.shapes import random_qwen3_dir  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
-STACK = ["engine.backend=sglang", "engine.attention_backend=triton", "engine.sampling_backend=pytorch",
-         "engine.grammar_backend=none", "engine.dtype=bfloat16", "model.dtype=bfloat16"]
+STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
+         "engine.sglang.grammar_backend=none", "engine.sglang.dtype=bfloat16", "model.dtype=bfloat16"]
 PEAK_BF16_TFLOPS = 989.0     # H200 SXM dense bf16, the vendor's figure (a large matmul measured ~790 here)
 HBM_TBPS = 4.8               # H200 HBM3e, the vendor's figure
 
@@ -94,7 +93,7 @@ def _param_counts(c):
 
 def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides: list[str], steps: int = 4) -> dict:
     cfg = config(data, size, *overrides, f"run.name=step-{'x'.join(map(str, size))}")
-    trainer = GRPOTrainer(cfg, model_dir, engine, log=lambda *a: None)
+    trainer = build_trainer(cfg, model_dir, engine, log=lambda *a: None)
     walls, rows = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -145,7 +144,7 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
 # The README's real-model command, less what needs the hub (model, data) and the run length.
 README_COMMAND = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.max_new_tokens=512",
                   "grpo.prompts_per_step=32", "grpo.group_size=8", "grpo.temperature=1.0",
-                  "engine.mem_fraction_static=0.3"]
+                  "engine.sglang.mem_fraction_static=0.3"]
 FITS = {"readme_command": (32, 8, 512), "step_benchmark": (64, 8, 256)}
 GPU_GB = 24.0
 
@@ -162,14 +161,15 @@ def fits_24gb_child(model_dir: str, data: Path, which: str, trainer_gb: float, b
     cfg = config(data, FITS[which], *README_COMMAND, *overrides, f"run.name=fit24-{which}")
     free_gb = torch.cuda.mem_get_info()[0] / 1e9
     out = {"which": which, "size": "x".join(map(str, FITS[which])), "trainer_cap_gb": trainer_gb,
-           "engine_mem_fraction_static": cfg.engine.mem_fraction_static, "gpu_gb": GPU_GB, "ballast_gb": ballast_gb,
+           "engine_mem_fraction_static": cfg.engine.sglang.mem_fraction_static, "gpu_gb": GPU_GB,
+           "ballast_gb": ballast_gb,
            "free_gb_at_start": free_gb, "overrides": overrides}
     used = []
     try:
-        with SGLangEngine.from_config(cfg, model_dir) as engine:
+        with start_engine(cfg, model_dir) as engine:
             free, total = torch.cuda.mem_get_info()
             out["engine_gb_after_start"] = (total - free) / 1e9 - ballast_gb
-            trainer = GRPOTrainer(cfg, model_dir, engine, log=lambda *a: None)
+            trainer = build_trainer(cfg, model_dir, engine, log=lambda *a: None)
             rows = []
             for _ in range(2):
                 rows.append(trainer.step().metrics)
@@ -216,11 +216,12 @@ def main() -> None:
     parser.add_argument("--skip-24gb", action="store_true")
     parser.add_argument("--fits-only", action="store_true", help="only the 24 GB check, no size sweep")
     parser.add_argument("--fit-overrides", default="", help="config overrides on top of the README's command "
-                        "for the 24 GB check, space-separated, e.g. 'engine.mem_fraction_static=0.3'")
+                        "for the 24 GB check, space-separated, e.g. 'engine.sglang.mem_fraction_static=0.3'")
     parser.add_argument("--fits-which", default=",".join(FITS), help="which settings the 24 GB check runs, "
                         f"comma-separated, of {list(FITS)}")
     parser.add_argument("--trainer-cap-gb", type=float, default=12.0, help="the trainer's share of a 24 GB GPU")
-    parser.add_argument("--engine-extra", default="", help="engine.extra_args for the size sweep's engine (JSON), "
+    parser.add_argument("--engine-extra", default="", help="engine.sglang.extra_args for the size sweep's engine "
+                        "(JSON), "
                         "e.g. '{\"lora_backend\": \"triton\"}': a LoRA kernel setting measured inside the step")
     parser.add_argument("--overrides", nargs="*", default=[], help="config overrides for the sweep's trainers, "
                         "e.g. grpo.compile=head (step 1, the warm-up, then holds the compile)")
@@ -253,12 +254,13 @@ def main() -> None:
                          "temperature 1.0, p50 of steps 2-4", "peak_bf16_tflops": PEAK_BF16_TFLOPS,
               "hbm_tbps": HBM_TBPS, "sizes": []}
     largest = max(p * g for p, g, _ in sizes)
-    extra = [f"engine.extra_args={args.engine_extra}"] if args.engine_extra else []
+    extra = [f"engine.sglang.extra_args={args.engine_extra}"] if args.engine_extra else []
     result["engine_extra_args"], result["overrides"] = args.engine_extra, args.overrides
-    cfg = config(data, sizes[0], f"engine.mem_fraction_static={args.mem}", f"engine.cuda_graph_max_bs={largest}",
+    cfg = config(data, sizes[0], f"engine.sglang.mem_fraction_static={args.mem}",
+                 f"engine.sglang.cuda_graph_max_bs={largest}",
                  *extra)
     if not args.fits_only:
-        with SGLangEngine.from_config(cfg, model_dir) as engine:
+        with start_engine(cfg, model_dir) as engine:
             for size in sizes:
                 for mode in args.modes.split(","):
                     mode_args = [f"refresh.mode={mode}"] + ([f"refresh.bucket_mb={args.merged_bucket_mb}"]

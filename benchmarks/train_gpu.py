@@ -29,9 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from step_gpu import PEAK_BF16_TFLOPS  # noqa: E402  (this directory: the H200's vendor peak, one place)
 
-from lorabench.config import GRPOConfig, LoraSettings  # noqa: E402
+from lorabench.grpo import GRPOSettings  # noqa: E402
 from lorabench.loss import model_flops_per_token  # noqa: E402
-from lorabench.policy import Policy, mismatch  # noqa: E402
+from lorabench.policy import (  # noqa: E402
+    LoraSettings,  # noqa: E402
+    Policy,
+    mismatch,
+)
 from lorabench.refresh import synced_time  # noqa: E402
 from lorabench.rollout import RolloutBatch, random_tokens_like_rollouts  # noqa: E402
 from lorabench.shapes import random_qwen3_dir  # noqa: E402
@@ -64,9 +68,9 @@ DEVICE = "cuda"  # --device cpu runs the same code on a small model, as a smoke 
 
 
 def make_policy(model_dir: str, compute: str, checkpointing: bool, budget: int,
-                compiled: str) -> tuple[Policy, GRPOConfig]:
+                compiled: str) -> tuple[Policy, GRPOSettings]:
     torch.manual_seed(0)
-    grpo = GRPOConfig(lr=1e-5, temperature=1.0, micro_batch_tokens=budget, lora_compute=compute,
+    grpo = GRPOSettings(lr=1e-5, temperature=1.0, micro_batch_tokens=budget, lora_compute=compute,
                       activation_checkpointing=checkpointing, compile=compiled)
     policy = Policy(model_dir, LoraSettings(r=32, alpha=64, target_modules="all-linear", dropout=0.0), grpo,
                     "bfloat16", DEVICE)

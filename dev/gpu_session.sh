@@ -6,7 +6,7 @@
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
 #        step_variant (step_gpu.py at 64x8x256 only, with $LORABENCH_STEP_VARIANT_ARGS, e.g. an --engine-extra),
 #        fits (step_gpu.py --fits-only: the 24 GB check alone; on top of the README's command:
-#        LORABENCH_FIT_OVERRIDES="engine.mem_fraction_static=0.3 grpo.micro_batch_tokens=16384"),
+#        LORABENCH_FIT_OVERRIDES="engine.sglang.mem_fraction_static=0.3 grpo.micro_batch_tokens=16384"),
 #        train (benchmarks/train_gpu.py, the training settings alone, with a profile; no engine),
 #        memory (benchmarks/activation_memory.py on the GPU),
 #        lora_decode (benchmarks/lora_decode_gpu.py: SGLang decode with/without LoRA per kernel backend),

@@ -35,8 +35,9 @@ from notebook_helpers import noise, parameterized  # noqa: E402
 
 CELL_TIMEOUT_S = 1200
 # the offline GPU stack has no FlashInfer/FA3 or xgrammar (README, "Running the real configuration")
-ENGINE_ARGS = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
-               "engine.dtype=bfloat16", "engine.mem_fraction_static=0.3"]
+ENGINE_ARGS = ["engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
+               "engine.sglang.grammar_backend=none",
+               "engine.sglang.dtype=bfloat16", "engine.sglang.mem_fraction_static=0.3"]
 
 
 def qwen3_06b_shape_dir(out: Path) -> str:

@@ -5,14 +5,14 @@ import os
 import sys
 import time
 
-from lorabench.config import Config
-from lorabench.engines.sglang import SGLangEngine
-from lorabench.grpo import GRPOTrainer
+from lorabench.session import build_trainer, start_engine
+from lorabench.session.config import Config
 from lorabench.tiny import tiny_model_dir
 
-STACK = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
-         'engine.extra_args={"disable_prefill_cuda_graph": true}', "engine.dtype=bfloat16",
-         "engine.mem_fraction_static=0.3", "data.eval_size=256"]
+STACK = ["engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
+         "engine.sglang.grammar_backend=none",
+         'engine.sglang.extra_args={"disable_prefill_cuda_graph": true}', "engine.sglang.dtype=bfloat16",
+         "engine.sglang.mem_fraction_static=0.3", "data.eval_size=256"]
 GROUPS = {  # warm-start settings -> list of GRPO settings
     "": [[], ["grpo.steps=60"], ["grpo.temperature=0.5"], ["grpo.lr=1.5e-3"], ["grpo.temperature=1.0"]],
     "warmstart.steps=500": [[], ["grpo.steps=60"]],
@@ -27,10 +27,10 @@ def main():
         t = time.perf_counter()
         path = str(tiny_model_dir("/tmp/lorabench-cache", base.warmstart, 0))
         t_ws = time.perf_counter() - t
-        with SGLangEngine.from_config(base, path) as engine:
+        with start_engine(base, path) as engine:
             for over in runs:
                 cfg = Config.load(None, STACK + ws_over + over)
-                tr = GRPOTrainer(cfg, path, engine, log=lambda *a: None)
+                tr = build_trainer(cfg, path, engine, log=lambda *a: None)
                 before = tr.evaluate()
                 rows = [tr.step().metrics for _ in range(cfg.grpo.steps)]
                 after, greedy = tr.evaluate(), tr.evaluate(greedy=True)

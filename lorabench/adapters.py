@@ -318,11 +318,11 @@ def _write_error(path: Path, err: OSError, nbytes: int = 0) -> AdapterWriteError
             free = "free space unknown"
         return AdapterWriteError(errno.ENOSPC, f"no space left to write adapter dir {path} (needs ~{nbytes} "
                                  f"bytes, {free}); the previous adapter is untouched. Free space on that "
-                                 f"filesystem or point refresh.tmp_dir (file refresh) / run.out_dir (run "
+                                 f"filesystem or point refresh.file.tmp_dir (file refresh) / run.out_dir (run "
                                  f"dirs) at a larger one. Cause: {err}")
     return AdapterWriteError(err.errno or errno.EIO, f"writing adapter dir {path} failed ({err}); the previous "
                              f"adapter is untouched. Check that {path.parent} is writable and has space, or "
-                             f"set refresh.tmp_dir / run.out_dir elsewhere")
+                             f"set refresh.file.tmp_dir / run.out_dir elsewhere")
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def validate_config(cfg: dict, max_rank: int | None = None) -> int:
                            f"trained with")
     if max_rank is not None and rank > max_rank:
         raise AdapterError(f"adapter rank r={rank} exceeds the engine's max_lora_rank={max_rank}; start the "
-                           f"engine with engine.max_lora_rank>={rank} or train with lora.r<={max_rank}")
+                           f"engine with engine.sglang.max_lora_rank>={rank} or train with lora.r<={max_rank}")
     target = cfg.get("target_modules")
     if isinstance(target, list) and any(len(t) == 1 for t in target):
         raise AdapterError(f"adapter config target_modules={target!r} looks like a string split into "

@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 from .adapters import AdapterError, AdapterWriteError
-from .config import Config, ConfigError, describe
 from .data import DataError
 from .engines.base import EngineError
 from .models import ModelError
 from .policy import UpdateDiverged
 from .runlog import RunDirError
 from .safedir import RunDirWriteError
+from .session import ConfigError, describe, load_config
 
 
 class RunStopped(RuntimeError):
@@ -54,8 +54,9 @@ def log_line(*parts) -> None:
     print(*parts, flush=True)  # flushed: progress must show even when stdout is a file or a pipe
 
 
-def run_experiment(cfg: Config, run_dir: str | Path | None = None, log=log_line) -> dict:
-    """Build (or resume) a run: model, engine, trainer; evaluate, train, evaluate, plot.
+def run_experiment(cfg, run_dir: str | Path | None = None, log=log_line) -> dict:
+    """Build (or resume) the run `cfg` (the session's Config) describes: model, engine, trainer;
+    evaluate, train, evaluate, plot.
     Returns a summary dict (also written to RUN_DIR/summary.json). The run dir's lock is held
     until the summary is written: plots and summary are writes too."""
     from .session import RunSession
@@ -174,9 +175,9 @@ def _command(args) -> dict | None:
         print(describe())
         return None
     if args.command == "resume":
-        from .compat import resume_config
+        from .session.compat import resume_config
         return run_experiment(resume_config(args.run_dir, args.overrides), run_dir=args.run_dir)
-    cfg = Config.load(getattr(args, "config", None), args.overrides)
+    cfg = load_config(getattr(args, "config", None), args.overrides)
     if args.command == "demo":
         print(LESSON + "\n")
     return run_experiment(cfg)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .datafiles import DataError, read_rows
+from .settings import ALLOWED, REFUSED, Section, check, setting
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SAMPLE_ROWS, SAMPLE_SEED = 48, "sample-0"   # data/gsm8k_sample.jsonl
@@ -187,11 +188,46 @@ def check_source_paths(source: str, eval_source: str = "") -> None:
                         f"question/answer fields, 'hub' or 'synthetic'")
 
 
-class ProblemSource:
-    """Training and held-out problems from the configured source (synthetic, hub or file)."""
+_EVALUATION = "evaluation only (each evals.jsonl row carries its n)"
 
-    def __init__(self, source: str, seed: int, eval_source: str = ""):
+
+@dataclass
+class DataSettings(Section):
+    """The `data` section: where training and held-out problems come from, and how many are scored."""
+    source: str = setting("synthetic", "'synthetic' (seeded GSM8K-style generator), 'hub' (openai/gsm8k) "
+                          "or a local .jsonl/.parquet file with question/answer fields.",
+                          resume=REFUSED, why="it defines the data stream: which problems each step draws")
+    eval_source: str = setting("", "Held-out set; '' = same kind as source (fresh synthetic seeds, or the "
+                               "'test' split / same file).", resume=REFUSED,
+                               why="it defines the held-out set the before/after evaluations compare")
+    eval_size: int = setting(128, "Held-out prompts used for the before/after evaluation (>= 1).",
+                             resume=ALLOWED, why=_EVALUATION)
+    eval_samples: int = setting(2, "Samples per held-out prompt at the training sampling settings.",
+                                resume=ALLOWED, why=_EVALUATION)
+    max_prompt_tokens: int = setting(0, "Longest prompt (chat template included) a dataset row may have; rows "
+                                     "above it are refused before the run starts, with a count and the first one. "
+                                     "0 = the model's context minus grpo.max_new_tokens.",
+                                     resume=ALLOWED, why="a guard checked before the run starts")
+
+    def problems(self) -> list[str]:
+        return [*check(self.eval_size >= 1, f"data.eval_size={self.eval_size}: the before/after evaluation needs at "
+                       f"least one held-out prompt; set data.eval_size=128 (or 4 for a quick check)"),
+                *check(self.eval_samples >= 1, f"data.eval_samples={self.eval_samples}: must be >= 1"),
+                *check(self.max_prompt_tokens >= 0, f"data.max_prompt_tokens={self.max_prompt_tokens}: must be >= 0 "
+                       f"(0 = the model's context minus grpo.max_new_tokens)")]
+
+
+class ProblemSource:
+    """Training and held-out problems from the configured source (synthetic, hub or file); how many
+    held-out problems an evaluation scores, and how often each (`eval_size`, `eval_samples`)."""
+
+    @classmethod
+    def from_settings(cls, data: DataSettings, seed: int) -> ProblemSource:
+        return cls(data.source, seed, data.eval_source, data.eval_size, data.eval_samples)
+
+    def __init__(self, source: str, seed: int, eval_source: str = "", eval_size: int = 128, eval_samples: int = 2):
         self.source, self.seed = source, seed
+        self.eval_size, self.eval_samples = eval_size, eval_samples
         self._train: list[Problem] | None = None
         self._eval: list[Problem] | None = None   # read once: evaluate() runs it at least twice
         self._eval_source = eval_source

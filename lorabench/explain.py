@@ -157,20 +157,18 @@ def restore_base_weights(engine, peft_model) -> None:
 def rollout_sequences(trainer, n_prompts: int = 2, adapter: str | None = "serving") -> tuple[list, list]:
     """Greedy engine completions for held-out prompts: (prompt + completion token lists, prompt lengths).
     `adapter='serving'` uses the adapter the trainer's refresher serves."""
-    from .engines.base import Sampling
     name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
     prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in trainer.source.eval_set(n_prompts)]
-    outs = trainer.engine.generate(prompts, Sampling(trainer.cfg.grpo.max_new_tokens, 0.0), adapter=name)
+    outs = trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)
     return [o.prompt_ids + o.token_ids for o in outs], [len(o.prompt_ids) for o in outs]
 
 
 def greedy_completions(trainer, problems, adapter: str | None = "serving") -> list[str]:
     """The engine's greedy completion of each problem, as text: with the adapter the trainer's
     refresher serves (`'serving'`), another adapter name, or None for the base model."""
-    from .engines.base import Sampling
     name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
     prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in problems]
-    outs = trainer.engine.generate(prompts, Sampling(trainer.cfg.grpo.max_new_tokens, 0.0), adapter=name)
+    outs = trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)
     return trainer.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
 
 

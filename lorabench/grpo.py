@@ -34,12 +34,108 @@ import torch
 from .data import ProblemSource, prompt_ids
 from .engines.base import ReleasesMemory, Sampling, StaleAdapter, require
 from .interrupts import interrupts_deferred
-from .models import load_tokenizer
 from .policy import Policy
-from .refresh import RefreshRecord, make_refresher, synced_time
+from .refresh import RefreshRecord, synced_time
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, sample, score
 from .runlog import NullRunLog
+from .settings import ALLOWED, REFUSED, Section, check, setting
+
+_DATA = "it defines the data stream: which problems each step draws"
+_SAMPLING = "it defines the sampling distribution: the rollouts and the log-probs the loss uses"
+_OBJECTIVE = "it defines the objective; rows before and after would not be one experiment"
+LORA_COMPUTE = ("auto", "float32", "bfloat16")
+COMPILE = ("off", "head", "all", "auto")
+
+
+@dataclass
+class GRPOSettings(Section):
+    """The `grpo` section: the trainer's loop, its objective and its update (the policy's too)."""
+    steps: int = setting(30, "GRPO steps (one optimizer step and one adapter refresh each).",
+                         resume=ALLOWED, why="how long the run goes (not below the steps already done)")
+    prompts_per_step: int = setting(8, "Distinct prompts per step (fresh every step).", resume=REFUSED, why=_DATA)
+    group_size: int = setting(8, "Completions sampled per prompt; advantages are normalised within a group.",
+                              resume=REFUSED, why=_DATA)
+    max_new_tokens: int = setting(48, "Completion length limit.", resume=REFUSED, why=_SAMPLING)
+    temperature: float = setting(0.7, "Sampling temperature for rollouts and the sampled held-out eval "
+                                 "(log-probs are of this distribution).", resume=REFUSED, why=_SAMPLING)
+    top_p: float = setting(1.0, "Nucleus sampling; keep 1.0 so log-probs cover the whole distribution.",
+                           resume=REFUSED, why=_SAMPLING)
+    lr: float = setting(1e-3, "AdamW learning rate for the LoRA parameters.", resume=REFUSED,
+                        why="it is saved in the checkpoint's optimizer state: a new value would silently not apply")
+    clip_eps: float = setting(0.2, "PPO-style ratio clip.", resume=REFUSED, why=_OBJECTIVE)
+    kl_beta: float = setting(0.0, "Weight of the k3 KL to the base model (adapter disabled); 0 = off, as in DAPO "
+                             "and Dr. GRPO.", resume=REFUSED, why=_OBJECTIVE)
+    micro_batch_tokens: int = setting(16384, "Padded tokens per forward/backward pass (gradient accumulation): "
+                                      "sequences are grouped by length into micro-batches under this budget, so "
+                                      "trainer memory does not grow with the rollout size. 16384 keeps the Qwen3-0.6B "
+                                      "shape's trainer at ~4.6 GB, so the README's command fits a 24 GB GPU next to "
+                                      "the engine (docs/results.md).", resume=ALLOWED,
+                                      why="memory only: the same gradients, summed in other groups")
+    lora_compute: str = setting("auto", "Precision of the LoRA matmuls in training: 'bfloat16' (autocast; the "
+                                "adapter and its optimizer state stay fp32, and no fp32 copy of each LoRA layer's "
+                                "input is kept for backward), 'float32' (PEFT's default) or 'auto' (bfloat16 when "
+                                "model.dtype is bfloat16, else float32).", resume=ALLOWED,
+                                why="the precision of the LoRA matmuls in training; objective, data and adapter "
+                                    "are the same")
+    activation_checkpointing: bool = setting(True, "Recompute each decoder layer's activations in backward instead "
+                                             "of keeping them: ~30x less training memory per token for ~25% more "
+                                             "training compute, which buys micro-batches large enough to be faster "
+                                             "overall on a GPU (docs/results.md). false: keep them.", resume=ALLOWED,
+                                             why="memory and speed only: the same gradients, recomputed")
+    compile: str = setting("auto", "torch.compile in training, to fuse the elementwise work that dominates GPU "
+                           "training time: 'all' (every decoder layer, checkpointing inside the compiled layer, and "
+                           "the output head's two passes over the vocabulary), 'head' (the head only), 'off', or "
+                           "'auto' ('all' on a CUDA GPU, 'off' elsewhere). The first step pays the compile; the "
+                           "same values to float32 rounding (docs/results.md).", resume=ALLOWED,
+                           why="speed only: the same computation, compiled")
+    reward_mode: str = setting("strict", "'strict' (last '#### N') or 'flexible' (last number).",
+                               resume=REFUSED, why=_OBJECTIVE)
+    format_bonus: float = setting(0.0, "Added to the reward when '#### N' is present, right or wrong.",
+                                  resume=REFUSED, why=_OBJECTIVE)
+    max_grad_norm: float = setting(1.0, "Gradient clipping.", resume=REFUSED, why=_OBJECTIVE)
+    max_delta_ratio: float = setting(1.0, "Divergence bound: an update after which some adapted layer's change "
+                                     "||dW|| = ||(alpha/r)·B·A|| exceeds this multiple of its base weight's ||W|| "
+                                     "(Frobenius norms) is treated like a non-finite loss: rolled back, never served, "
+                                     "saved or checkpointed, and the run stops naming the step and the norms. At 1.0 "
+                                     "the adapter changes a layer as much as the whole layer weighs; a healthy run "
+                                     "stays far below it (docs/reliability.md, 2b). 0 = no bound (non-finite values "
+                                     "are always refused).", resume=ALLOWED,
+                                     why="a guard: it decides when a diverged update stops the run, not what a step "
+                                         "computes")
+    epochs: int = setting(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).",
+                          resume=REFUSED, why=_OBJECTIVE)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if str(self.compile).lower() in ("true", "false"):   # a boolean in configs of older runs
+            self.compile = "all" if str(self.compile).lower() == "true" else "off"
+
+    def problems(self) -> list[str]:
+        return [
+            *check(self.group_size >= 2, f"grpo.group_size={self.group_size}: group-normalised advantages need at "
+                   f"least 2 completions per prompt; set grpo.group_size=8 or more"),
+            *check(self.prompts_per_step >= 1, f"grpo.prompts_per_step={self.prompts_per_step}: must be >= 1"),
+            *check(self.steps >= 0, f"grpo.steps={self.steps}: must be >= 0"),
+            *check(self.micro_batch_tokens >= 1, f"grpo.micro_batch_tokens={self.micro_batch_tokens}: must be >= 1 "
+                   f"(e.g. 4096; a sequence longer than the budget forms its own micro-batch)"),
+            *check(self.max_new_tokens >= 1, f"grpo.max_new_tokens={self.max_new_tokens}: must be >= 1"),
+            *check(self.temperature > 0, f"grpo.temperature={self.temperature}: must be > 0 (greedy rollouts give "
+                   f"identical groups and zero advantages)"),
+            *check(0 < self.top_p <= 1, f"grpo.top_p={self.top_p}: must be in (0, 1]"),
+            *check(self.lr > 0, f"grpo.lr={self.lr}: must be > 0 (e.g. 1e-3)"),
+            *check(self.max_grad_norm > 0, f"grpo.max_grad_norm={self.max_grad_norm}: must be > 0 (e.g. 1.0)"),
+            *check(self.max_delta_ratio >= 0, f"grpo.max_delta_ratio={self.max_delta_ratio}: must be >= 0 (1.0 is "
+                   f"the default; 0 = no bound)"),
+            *check(self.clip_eps > 0, f"grpo.clip_eps={self.clip_eps}: must be > 0 (e.g. 0.2)"),
+            *check(self.kl_beta >= 0, f"grpo.kl_beta={self.kl_beta}: must be >= 0 (0 = no KL term)"),
+            *check(self.epochs >= 1, f"grpo.epochs={self.epochs}: must be >= 1"),
+            *check(self.lora_compute in LORA_COMPUTE,
+                   f"grpo.lora_compute={self.lora_compute!r}: use one of {list(LORA_COMPUTE)}"),
+            *check(self.compile in COMPILE, f"grpo.compile={self.compile!r}: use one of {list(COMPILE)}"),
+            *check(self.reward_mode in ("strict", "flexible"),
+                   f"grpo.reward_mode={self.reward_mode!r}: use 'strict' or 'flexible'"),
+        ]
 
 
 @dataclass
@@ -85,20 +181,21 @@ class StepClock:
 
 
 class GRPOTrainer:
-    """The loop as an object: `step()` does one GRPO step and returns its StepRecord."""
+    """The loop as an object: `step()` does one GRPO step and returns its StepRecord. It is given its
+    parts, each built from its own section (session.build_trainer does that from a run config): its
+    settings (the `grpo` section), the policy, the engine and the refresher that keeps it fresh, the
+    problem source, the tokenizer and the run log; `seed` seeds the sampling."""
 
-    def __init__(self, cfg, model_path: str, engine, runlog=None, tokenizer=None, log=print):
-        self.cfg, self.engine, self.log = cfg, engine, log
+    def __init__(self, settings: GRPOSettings, policy: Policy, engine, refresher, source: ProblemSource, tokenizer,
+                 runlog=None, *, seed: int = 0, enable_thinking: bool = False, release_engine_memory: bool = False,
+                 log=print):
+        self.settings, self.policy, self.engine, self.refresher = settings, policy, engine, refresher
+        self.source, self.tokenizer, self.log = source, tokenizer, log
         self.runlog = runlog or NullRunLog()
-        self.tokenizer = tokenizer or load_tokenizer(model_path)
-        torch.manual_seed(cfg.run.seed)  # the LoRA init
-        self.policy = Policy(model_path, cfg.lora, cfg.grpo, cfg.model.dtype, engine.device)
-        self.refresher = make_refresher(cfg.refresh.mode, engine, cfg.engine.adapter_name, cfg.refresh.bucket_mb,
-                                        cfg.refresh.tmp_dir, base_weights=self.policy.base_weights())
-        if cfg.engine.release_memory_during_training:
+        self.seed, self.enable_thinking, self.release_engine_memory = seed, enable_thinking, release_engine_memory
+        if release_engine_memory:
             require(engine, ReleasesMemory, "engine.release_memory_during_training")
-        self.rewards = reward_functions(cfg.grpo.reward_mode, cfg.grpo.format_bonus)
-        self.source = ProblemSource(cfg.data.source, cfg.run.seed, cfg.data.eval_source)
+        self.rewards = reward_functions(settings.reward_mode, settings.format_bonus)
         self.history: list[dict] = []
         self._pending: list[StepRecord] = []   # steps since the last checkpoint (run.checkpoint_every > 1)
         self._probe = self._make_probe()
@@ -133,13 +230,13 @@ class GRPOTrainer:
             self._stepping.release()
 
     def _step(self) -> StepRecord:
-        g, step, clock = self.cfg.grpo, self.policy.version + 1, StepClock()
+        g, step, clock = self.settings, self.policy.version + 1, StepClock()
         if self._engine_stale:
             self.refresher.refresh(self.policy.adapter())
             self._engine_stale = False
         problems = self.source.train_batch(step, g.prompts_per_step)
         rollouts = sample(self.engine, self.tokenizer, problems, g.group_size, self.sampling(step),
-                          self.refresher.serving_adapter, self.cfg.model.enable_thinking)
+                          self.refresher.serving_adapter, self.enable_thinking)
         self._check_served(rollouts)
         clock.lap("rollout")
         rewards, reward_means = score(rollouts, self.rewards)
@@ -168,7 +265,7 @@ class GRPOTrainer:
             raise StaleAdapter(f"step {self.policy.version + 1}: the engine served adapter "
                                f"{rollouts.adapter!r} at version {rollouts.served_version}, the trainer is at "
                                f"version {self.policy.version}; the last refresh did not reach the engine "
-                               f"(refresh.mode={self.cfg.refresh.mode}). Nothing was trained on these rollouts")
+                               f"(refresh.mode={self.refresher.mode}). Nothing was trained on these rollouts")
 
     @contextlib.contextmanager
     def _whole_step(self, step: int):
@@ -189,7 +286,7 @@ class GRPOTrainer:
     def _engine_memory_released(self):
         """With engine.release_memory_during_training: what the refresh mode can spare is released
         during the update and resumed afterwards, also after a failed update (the pair stays symmetric)."""
-        if not self.cfg.engine.release_memory_during_training:
+        if not self.release_engine_memory:
             yield
             return
         tags = list(self.refresher.release_tags)
@@ -204,12 +301,11 @@ class GRPOTrainer:
         """Rows of the steps since the last checkpoint are published with it, so the run dir never
         holds a row its checkpoint cannot vouch for: checkpoint -> sync and rollout rows -> metrics
         rows (the last carry the whole step's time, the commit's included)."""
-        run, step = self.cfg.run, record.step
+        step = record.step
         self._pending.append(record)
-        checkpoint = step % run.checkpoint_every == 0 or step == self.cfg.grpo.steps
+        checkpoint, save_adapter = self.runlog.due(step, self.settings.steps)
         try:
             if checkpoint:
-                save_adapter = step % run.save_adapter_every == 0 or step == self.cfg.grpo.steps
                 self.runlog.commit(step, self.policy.state(), adapter, self._pending_rows(), save_adapter)
             clock.lap("log")
             record.metrics.update(clock.metrics())
@@ -224,7 +320,7 @@ class GRPOTrainer:
             raise
 
     def _pending_rows(self) -> dict[str, list[dict]]:
-        k = self.cfg.run.sample_completions
+        k = self.runlog.samples_per_step
         return {"sync.jsonl": [row for r in self._pending for row in r.refresh.rows(r.step)],
                 "rollouts.jsonl": [s for r in self._pending for s in r.samples[:k]],
                 "metrics.jsonl": [r.metrics for r in self._pending]}
@@ -232,7 +328,7 @@ class GRPOTrainer:
     def run(self, n: int | None = None, progress: bool = True) -> list[StepRecord]:
         """Steps until `n` more have run (default: up to grpo.steps in total)."""
         from tqdm.auto import tqdm
-        n = self.cfg.grpo.steps - self.step_count if n is None else n
+        n = self.settings.steps - self.step_count if n is None else n
         records = []
         bar = tqdm(range(n), desc="GRPO", disable=not progress)
         for _ in bar:
@@ -253,10 +349,10 @@ class GRPOTrainer:
 
     def _make_probe(self):
         """A fixed (prompt, reference answer) pair whose log-probs show whether the adapter is live."""
-        problem = self.source.eval_set(1)[0] if self.cfg.data.source == "synthetic" else None
+        problem = self.source.eval_set(1)[0] if self.source.source == "synthetic" else None
         question = problem.messages if problem else [{"role": "user", "content": "What is 2 + 3?"}]
         answer = problem.answer if problem else "2 + 3 = 5\n#### 5"
-        prompt = prompt_ids(self.tokenizer, question, self.cfg.model.enable_thinking)
+        prompt = prompt_ids(self.tokenizer, question, self.enable_thinking)
         target = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
         return prompt + target, len(prompt)
 
@@ -271,20 +367,20 @@ class GRPOTrainer:
         return (with_adapter - base).abs().mean().item()
 
     def sampling(self, step: int | None = None, greedy: bool = False) -> Sampling:
-        g = self.cfg.grpo
-        seed = None if step is None else self.cfg.run.seed * 1_000_003 + step
+        g = self.settings
+        seed = None if step is None else self.seed * 1_000_003 + step
         return Sampling(g.max_new_tokens, 0.0 if greedy else g.temperature, g.top_p, seed)
 
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self, problems=None, greedy: bool = False, samples: int | None = None) -> dict:
         """Held-out rewards through the engine, at the training sampling settings (or greedy)."""
-        d, g = self.cfg.data, self.cfg.grpo
-        problems = problems if problems is not None else self.source.eval_set(d.eval_size)
-        k = 1 if greedy else (samples or d.eval_samples)
-        prompts = [prompt_ids(self.tokenizer, p.messages, self.cfg.model.enable_thinking) for p in problems]
+        g = self.settings
+        problems = problems if problems is not None else self.source.eval_set(self.source.eval_size)
+        k = 1 if greedy else (samples or self.source.eval_samples)
+        prompts = [prompt_ids(self.tokenizer, p.messages, self.enable_thinking) for p in problems]
         outs = self.engine.generate([p for p in prompts for _ in range(k)],
                                     Sampling(g.max_new_tokens, 0.0 if greedy else g.temperature, g.top_p,
-                                             seed=self.cfg.run.seed + 7),
+                                             seed=self.seed + 7),
                                     adapter=self.refresher.serving_adapter)
         texts = self.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
         truth = [p.ground_truth for p in problems for _ in range(k)]

@@ -9,7 +9,27 @@ from pathlib import Path
 
 import torch
 
+from .settings import ALLOWED, REFUSED, Section, check, setting
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFINES = "it defines the base model, its numerics or its prompts"
+
+
+@dataclass
+class ModelSettings(Section):
+    """The `model` section: the base model and tokenizer the trainer and the engine load."""
+    name_or_path: str = setting("tiny", "'tiny' builds a ~2.5M-param Qwen3-architecture model offline; "
+                                "otherwise a hub name (Qwen/Qwen3-0.6B) or a local model dir.",
+                                resume=REFUSED, why=_DEFINES)
+    dtype: str = setting("float32", "Trainer weights dtype: float32 | bfloat16 | float16.",
+                         resume=REFUSED, why=_DEFINES)
+    enable_thinking: bool = setting(False, "Passed to Qwen3's chat template (ignored by the tiny tokenizer).",
+                                    resume=REFUSED, why=_DEFINES)
+    cache_dir: str = setting("", "Where the tiny model is cached; '' = ~/.cache/lorabench.",
+                             resume=ALLOWED, why="where the tiny model is cached; its recipe names the model")
+
+    def problems(self) -> list[str]:
+        return check(self.dtype in DTYPES, f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
 
 class ModelError(ValueError):
@@ -29,10 +49,10 @@ class ModelRef:
     name: str   # the local dir or the hub repo id ('tiny' for the tiny model)
 
 
-def model_ref(cfg) -> ModelRef:
+def model_ref(model: ModelSettings) -> ModelRef:
     """'tiny', an existing local model dir, or a hub id usable now (cached, or found on the hub within
     seconds): anything else is refused here, before a run dir or a model exists."""
-    name = cfg.model.name_or_path
+    name = model.name_or_path
     if name == "tiny":
         return ModelRef("tiny", name)
     path = Path(name).expanduser()
@@ -53,18 +73,18 @@ def model_ref(cfg) -> ModelRef:
     return ModelRef("hub", name)
 
 
-def resolve_model_path(cfg, log=print) -> str:
-    """'tiny' -> the cached warm-started dir (built on first use); a local dir as is; a hub name
-    as is (transformers downloads it)."""
-    ref = model_ref(cfg)
+def resolve_model_path(model: ModelSettings, warmstart, seed: int, log=print) -> str:
+    """'tiny' -> the cached warm-started dir (built on first use from `warmstart` and `seed`, its
+    recipe); a local dir as is; a hub name as is (transformers downloads it)."""
+    ref = model_ref(model)
     if ref.kind == "tiny":
         from safetensors import SafetensorError
 
         from .tiny import cache_root, tiny_model_dir
         try:
-            return str(tiny_model_dir(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed, log=log))
+            return str(tiny_model_dir(model.cache_dir, warmstart, seed, log=log))
         except (OSError, SafetensorError) as err:   # a full or failing disk: the partial build is removed
-            where = cache_root(cfg.model.cache_dir)
+            where = cache_root(model.cache_dir)
             raise ModelError(f"model.cache_dir: the tiny model could not be written to {where} "
                              f"({type(err).__name__}: {str(err)[:160]}); nothing was left there. Free space on that "
                              f"filesystem, or point model.cache_dir at a writable dir with ~50 MB free") from err
@@ -95,12 +115,12 @@ def model_context(ref: ModelRef) -> int:
                      f"({', '.join(_CONTEXT_KEYS)}); set data.max_prompt_tokens to bound prompts yourself")
 
 
-def model_tokenizer(ref: ModelRef, cfg):
+def model_tokenizer(ref: ModelRef, model: ModelSettings, warmstart, seed: int):
     """The tokenizer the run will use, loaded without the model (the tiny one is built in memory
     when its model is not cached yet)."""
     if ref.kind == "tiny":
         from .tiny import tiny_tokenizer
-        return tiny_tokenizer(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed)
+        return tiny_tokenizer(model.cache_dir, warmstart, seed)
     try:
         return load_tokenizer(ref.name)
     except (OSError, ValueError) as err:

@@ -1,8 +1,8 @@
 """The policy: a PEFT LoRA model on frozen base weights, its optimizer, and the flat adapter it
 publishes after each update.
 
-    policy = Policy(model_path, cfg.lora, cfg.grpo, dtype="float32", device="cpu")
-    stats = policy.train(batch, cfg.grpo)     # one GRPO update; policy.version += 1
+    policy = Policy(model_path, lora, grpo, dtype="float32", device="cpu")   # LoraSettings, GRPOSettings
+    stats = policy.train(batch, grpo)         # one GRPO update; policy.version += 1
     adapter = policy.adapter()                # the new weights as one FlatAdapter (made once, never handed back)
 
 The version is the number of updates taken (= the GRPO step); the adapter carries it to the engine,
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -33,12 +34,42 @@ from .adapters import (
     split_lora_key,
     validate,
 )
-from .config import ConfigError
 from .loss import causal_padding_mask, grpo_loss, token_budget_batches, token_logprobs
 from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch, round_up
+from .settings import REFUSED, ConfigError, Section, check, setting
 
 COMPILED_WIDTH_MULTIPLE = 8   # micro-batch widths under grpo.compile=all (Policy.train)
+
+
+_ADAPTER = "it defines the adapter's shape or scaling, which the checkpoint holds"
+
+
+@dataclass
+class LoraSettings(Section):
+    """The `lora` section: the adapter the policy trains on its frozen base weights."""
+    r: int = setting(16, "LoRA rank.", resume=REFUSED, why=_ADAPTER)
+    alpha: int = setting(32, "LoRA alpha; the update is scaled by alpha / r.", resume=REFUSED, why=_ADAPTER)
+    target_modules: str | list[str] = setting("all-linear", "'all-linear' or a list of module names "
+                                              "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).",
+                                              resume=REFUSED, why=_ADAPTER)
+    dropout: float = setting(0.0, "LoRA dropout in [0, 1) (keep 0 so trainer and engine log-probs can match).",
+                             resume=REFUSED, why=_ADAPTER)
+
+    def problems(self) -> list[str]:
+        found = [*check(self.r >= 1, f"lora.r={self.r}: the LoRA rank must be >= 1"),
+                 *check(self.alpha > 0, f"lora.alpha={self.alpha}: must be > 0"),
+                 *check(0 <= self.dropout < 1, f"lora.dropout={self.dropout}: must be in [0, 1) (a probability; "
+                        f"keep 0 so trainer and engine log-probs can match)")]
+        tm = self.target_modules
+        if isinstance(tm, str):
+            found += check(tm == "all-linear" or tm.isidentifier(),
+                           f"lora.target_modules={tm!r}: use 'all-linear' or a list of module names such as "
+                           f'["q_proj","v_proj"]; regular expressions cannot be sent to SGLang')
+        else:
+            found += check(len(tm) > 0 and all(isinstance(t, str) and t.isidentifier() for t in tm),
+                           f"lora.target_modules={tm!r}: list plain module names such as q_proj, v_proj")
+        return found
 
 
 class UpdateDiverged(AdapterError):

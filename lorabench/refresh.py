@@ -17,8 +17,9 @@ caught on unload (the first refresh has nothing to unload); any other engine err
 with the engine's message.
 
 Adding a mode: a Refresher subclass with `mode`, `help` (and `needs`, if it uses an optional engine
-capability), plus its line in REFRESH_MODES; config validation, `--help-config`, benchmarks and
-plots read the registry.
+capability; `Settings`, if it has settings of its own: the `refresh.<mode>` section, given to its
+`from_settings`), plus its line in REFRESH_MODES; the run config, its validation, `--help-config`,
+benchmarks and plots read the registry.
 """
 from __future__ import annotations
 
@@ -35,6 +36,39 @@ import torch
 from .adapters import FlatAdapter, merge_weights
 from .engines.base import AdapterNotLoaded, PushesWeights, UpdatesAdapterInPlace, require
 from .fsutil import remove_stale_temps
+from .settings import ALLOWED, Section, check, setting
+
+_HOW = "how the adapter reaches the engine; what it serves is the same"
+
+
+@dataclass
+class RefreshSettings(Section):
+    """The `refresh` section: the mode, the bucket size every mode stages in, and one sub-section per
+    registered mode with settings of its own (`refresh.file`)."""
+    mode: str = setting("tensor", "How the adapter reaches the engine after each step; one of the registry's "
+                        "(lorabench.refresh.REFRESH_MODES): 'file' (PEFT dir, unload + load), 'tensor' "
+                        "(load_lora_adapter_from_tensors), 'inplace' (load once, then overwrite the engine's "
+                        "resident adapter: SGLang's GPU LoRA pool), 'merged' (push the adapted layers' merged "
+                        "weights; decode then runs without LoRA kernels) or 'none' (the stale-adapter control). "
+                        "docs/results.md compares them.", resume=ALLOWED, why=_HOW)
+    bucket_mb: float = setting(64.0, "Bucket size in MB: the adapter is staged in buckets of this size, and a merged "
+                               "push sends one engine call per bucket (larger buckets: fewer calls, more peak "
+                               "memory; docs/results.md).", resume=ALLOWED, why=_HOW)
+
+    @classmethod
+    def parts(cls) -> dict[str, type]:
+        return {mode: c.Settings for mode, c in REFRESH_MODES.items() if c.Settings is not None}
+
+    def problems(self) -> list[str]:
+        return [*check(self.mode in REFRESH_MODES, f"refresh.mode={self.mode!r}: use one of {sorted(REFRESH_MODES)}"),
+                *check(self.bucket_mb > 0, f"refresh.bucket_mb={self.bucket_mb}: must be > 0 (e.g. 64)")]
+
+
+@dataclass
+class FileSettings(Section):
+    """The `refresh.file` section."""
+    tmp_dir: str = setting("", "Where file refresh writes adapter dirs; '' = /dev/shm if writable, else the "
+                           "system temp dir.", resume=ALLOWED, why="where file refresh writes")
 
 
 @dataclass
@@ -117,13 +151,20 @@ class Refresher:
     needs: ClassVar[tuple[type, ...]] = ()                 # optional engine capabilities it uses
     release_tags: ClassVar[tuple[str, ...]] = ("kv_cache",)  # engine memory it can spare during training
     keeps_engine_fresh: ClassVar[bool] = True              # False only for the stale control
+    Settings: ClassVar[type | None] = None                 # its own section, refresh.<mode>
+    needs_base_weights: ClassVar[bool] = False             # built with the trainer's base weights
 
-    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, tmp_dir: str = "", base_weights=None):
+    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0):
         for capability in self.needs:
             require(engine, capability, f"refresh.mode={self.mode}")
         self.engine, self.adapter_name = engine, adapter_name
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.refreshes = 0
+
+    @classmethod
+    def from_settings(cls, engine, adapter_name: str, settings: RefreshSettings, own=None, base_weights=None):
+        """Built from the refresh section and the mode's own sub-section (`own`)."""
+        return cls(engine, adapter_name, settings.bucket_mb)
 
     @property
     def serving_adapter(self) -> str | None:
@@ -170,10 +211,16 @@ class FileRefresh(Refresher):
     mode = "file"
     help = "write a PEFT dir (tmpfs when available), unload, load by path"
 
-    def __init__(self, engine, adapter_name: str, tmp_dir: str = "", **kw):
-        super().__init__(engine, adapter_name, **kw)
+    Settings = FileSettings
+
+    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, tmp_dir: str = ""):
+        super().__init__(engine, adapter_name, bucket_mb)
         self.root = adapter_tmp_root(tmp_dir)
         self._previous: Path | None = None
+
+    @classmethod
+    def from_settings(cls, engine, adapter_name, settings, own=None, base_weights=None):
+        return cls(engine, adapter_name, settings.bucket_mb, (own or FileSettings()).tmp_dir)
 
     def _refresh(self, adapter, record):
         clock = _Clock(record)
@@ -233,8 +280,10 @@ class MergedRefresh(Refresher):
     needs = (PushesWeights,)
     release_tags = ("kv_cache", "weights")  # every weight is pushed again after resume
 
-    def __init__(self, engine, adapter_name: str, base_weights=None, **kw):
-        super().__init__(engine, adapter_name, **kw)
+    needs_base_weights = True
+
+    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, base_weights=None):
+        super().__init__(engine, adapter_name, bucket_mb)
         if base_weights is None:
             raise ValueError("refresh.mode=merged needs the trainer's base weights (base_weights=...)")
         self.base_weights = base_weights
@@ -242,6 +291,10 @@ class MergedRefresh(Refresher):
         # earlier run in this engine merged) are pushed with the first refresh and after the engine's
         # weights were released. The 0.6B shape: 0.88 of 1.19 GB per refresh.
         self._push_every_weight = True
+
+    @classmethod
+    def from_settings(cls, engine, adapter_name, settings, own=None, base_weights=None):
+        return cls(engine, adapter_name, settings.bucket_mb, base_weights)
 
     @property
     def serving_adapter(self) -> str | None:
@@ -283,9 +336,25 @@ REFRESH_MODES: dict[str, type[Refresher]] = {cls.mode: cls for cls in
                                              (FileRefresh, TensorRefresh, InPlaceRefresh, MergedRefresh, NoRefresh)}
 
 
-def make_refresher(mode: str, engine, adapter_name: str, bucket_mb: float = 64.0, tmp_dir: str = "",
-                   base_weights=None) -> Refresher:
-    """The refresher registered as `mode`; each takes the arguments it needs and ignores the rest."""
+def refresh_settings(mode: str, bucket_mb: float = 64.0, **own) -> RefreshSettings:
+    """The refresh section for `mode` with its own settings (`own`, e.g. tmp_dir for file) set, for
+    code that builds a refresher without a run config (tests, benchmarks, notebooks)."""
     if mode not in REFRESH_MODES:
         raise ValueError(f"refresh.mode={mode!r}: use one of {sorted(REFRESH_MODES)}")
-    return REFRESH_MODES[mode](engine, adapter_name, bucket_mb=bucket_mb, tmp_dir=tmp_dir, base_weights=base_weights)
+    settings = RefreshSettings(mode=mode, bucket_mb=bucket_mb)
+    part = REFRESH_MODES[mode].Settings
+    if own:
+        if part is None:
+            raise ValueError(f"refresh.mode={mode!r} has no settings of its own; got {sorted(own)}")
+        settings.subsections[mode] = part(**own)
+    return settings
+
+
+def make_refresher(settings: RefreshSettings | str, engine, adapter_name: str, base_weights=None) -> Refresher:
+    """The refresher `settings` chooses (the refresh section, or a mode's name with default settings),
+    built from its own settings; only a mode that needs them gets the trainer's base weights."""
+    if isinstance(settings, str):
+        settings = refresh_settings(settings)
+    cls = REFRESH_MODES[settings.mode]
+    return cls.from_settings(engine, adapter_name, settings, settings.subsections.get(settings.mode),
+                             base_weights=base_weights if cls.needs_base_weights else None)

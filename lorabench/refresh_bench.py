@@ -30,7 +30,7 @@ import torch
 
 from .adapters import base_weights
 from .engines.base import AdapterNotLoaded, Sampling
-from .refresh import REFRESH_MODES, make_refresher, synced_time
+from .refresh import REFRESH_MODES, make_refresher, refresh_settings, synced_time
 
 MODES = tuple(m for m, cls in REFRESH_MODES.items() if cls.keeps_engine_fresh)   # every mode but the stale control
 BUCKETS_MB = (0.01, 0.03, 0.1, 0.3, 1.0, 4.0, 16.0, 64.0, 512.0)   # log-spaced; the tiny adapter is ~1 MB
@@ -99,7 +99,7 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least one timed refresh")
     layers = LoraLayers(peft_model, flatten=True)  # as the policy keeps them
-    refresher = make_refresher(mode, engine, adapter_name, bucket_mb=bucket_mb,
+    refresher = make_refresher(refresh_settings(mode, bucket_mb), engine, adapter_name,
                                base_weights=base_weights(peft_model) if mode == "merged" else None)
     records, first_requests = [], []
     try:

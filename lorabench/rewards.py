@@ -88,6 +88,12 @@ def strict_format(prompts: list[str], completions: list[str], **kwargs) -> list[
     return [float(has_strict_format(c)) for c in completions]
 
 
+# what each reward pays for, in words (the step panel explains the reward with it)
+correct_strict.rule = "its last '#### N' is the right number"
+correct_flexible.rule = "its last number is right"
+strict_format.rule = "it ends with '#### N', right or wrong"
+
+
 def reward_functions(mode: str = "strict", format_bonus: float = 0.0) -> list[tuple[str, object, float]]:
     """(name, fn, weight) for the configured reward: correctness, plus the format bonus if any.
     Each is logged as rewards/<name>/mean; the step's reward is the weighted sum."""

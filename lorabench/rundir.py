@@ -186,7 +186,7 @@ SUBDIRS = {"adapters": ("dir", _ADAPTER_DIR.match), "checkpoint": ("file", {CHEC
 def _refuse_too_large(root: SafeDir, name: str) -> None:
     """Resume reads these files whole: one larger than half the machine's memory (a sparse file in
     a shared archive costs its sender nothing) is refused instead of exhausting the memory."""
-    from .sizes import machine_memory
+    from .machine import machine_memory
     size, (memory, where) = root.entry(name).st_size, machine_memory("cpu")
     if size > memory // 2:
         raise RunDirError(f"{root.path / name} is {size:,} bytes, more than half {where} ({memory:,} bytes), and "

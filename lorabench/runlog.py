@@ -25,6 +25,7 @@ import itertools
 import json
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,8 +34,50 @@ from .adapters import AdapterLayout, FlatAdapter
 from .rundir import RunDirError, RunLock, inspect, read_jsonl, row_line, scan_in
 from .rundir import clean as _clean
 from .safedir import SafeDir
+from .settings import ALLOWED, REFUSED, Section, check, path_component_problem, setting
 
-__all__ = ["NullRunLog", "RunDirError", "RunLog", "_clean", "read_jsonl", "redact"]
+__all__ = ["NullRunLog", "RunDirError", "RunLog", "RunSettings", "_clean", "read_jsonl", "redact"]
+
+SEED_LIMIT = 2**32   # sampling seeds are seed x 1,000,003 + step: they stay below 2**63 (torch, SGLang)
+_WHERE = "where the run dir is: not compared (a run dir may be moved), taken from where it is now"
+
+
+@dataclass
+class RunSettings(Section):
+    """The `run` section: where the run dir goes, the seed, and when the run dir is written."""
+    out_dir: str = setting("runs", "Parent of run directories.", resume=ALLOWED, why=_WHERE)
+    name: str = setting("", "Run directory name; '' = timestamp.", resume=ALLOWED, why=_WHERE)
+    seed: int = setting(0, "Seed for data, sampling and init; the same seed reproduces a run.", resume=REFUSED,
+                        why="it seeds the data, the sampling, the LoRA init and (tiny) the base model")
+    save_adapter_every: int = setting(10, "Write adapters/step_<n>/ every n steps (and the last step).",
+                                      resume=ALLOWED, why="logging")
+    checkpoint_every: int = setting(1, "Checkpoint every n steps (and the last step); rows of the steps between "
+                                    "are written with the next checkpoint, so a killed run repeats at most n-1 steps "
+                                    "and its run dir never holds a row its checkpoint cannot vouch for.",
+                                    resume=ALLOWED, why="logging")
+    sample_completions: int = setting(4, "Completions per step written to rollouts.jsonl (all are kept in the "
+                                      "step record).", resume=ALLOWED, why="logging")
+    threads: int = setting(0, "torch CPU threads; 0 = torch default.", resume=ALLOWED, why="execution")
+
+    def problems(self) -> list[str]:
+        problem = path_component_problem(self.name) if self.name else None
+        return [
+            *check(problem is None, f"run.name={self.name!r} {problem}; give one directory name such as 'gsm8k-r16' "
+                   f"(the run dir is run.out_dir/run.name; point run.out_dir at the parent you want)"),
+            *check(bool(self.out_dir.strip()), "run.out_dir='': give the parent directory of run dirs, e.g. runs"),
+            *check("\0" not in self.out_dir, f"run.out_dir={self.out_dir!r} contains a NUL character; give a "
+                   f"directory path"),
+            *check(0 <= self.seed < SEED_LIMIT, f"run.seed={self.seed}: must be in [0, 2**32) (e.g. 0; sampling seeds "
+                   f"are derived from it and must fit 64 bits)"),
+            *check(self.save_adapter_every >= 1, f"run.save_adapter_every={self.save_adapter_every}: must be >= 1"),
+            *check(self.checkpoint_every >= 1, f"run.checkpoint_every={self.checkpoint_every}: must be >= 1"),
+            *check(self.threads >= 0, f"run.threads={self.threads}: must be >= 0 (0 = torch default)"),
+        ]
+
+    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
+        """Whether step `step` of a run ending at `last_step` is checkpointed, and its adapter saved."""
+        final = step == last_step
+        return step % self.checkpoint_every == 0 or final, step % self.save_adapter_every == 0 or final
 
 # whole underscore-separated words, so 'hf_token' / 'api_key' match but 'max_new_tokens' does not
 _SECRET_KEY = re.compile(r"(?:^|_)(?:token|secret|password|api_key|apikey|credentials?)(?:_|$)", re.I)
@@ -52,8 +95,10 @@ class RunLog:
     another process holds it; `close()` releases it. `fingerprint` (fingerprint.py), when set, is
     recorded in every checkpoint; `committed_step` is the step of the last checkpoint."""
 
-    def __init__(self, run_dir: str | Path, log=print, lock: bool = False):
+    def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None):
         self.dir, self.log = Path(run_dir), log
+        self.settings = settings or RunSettings()
+        self.samples_per_step = self.settings.sample_completions   # completions per step in rollouts.jsonl
         self.root = SafeDir.open(self.dir, create=True, mode=0o750)  # never world-writable (nor -readable)
         self._lock, self.sub = None, {}
         self.fingerprint: dict | None = None
@@ -66,19 +111,24 @@ class RunLog:
             self.close()
             raise
 
+    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
+        """Whether step `step` of a run ending at `last_step` is checkpointed, and its adapter saved."""
+        return self.settings.due(step, last_step)
+
     @classmethod
-    def create(cls, out_dir: str, name: str = "", log=print, lock: bool = False) -> RunLog:
+    def create(cls, out_dir: str, name: str = "", log=print, lock: bool = False,
+               settings: RunSettings | None = None) -> RunLog:
         """RUN_DIR = out_dir/name, or out_dir/<timestamp>[-k]: a timestamped dir is made with an
         exclusive mkdir, so two runs started in the same second get two dirs."""
         if name:
-            return cls(Path(out_dir) / name, log, lock)
+            return cls(Path(out_dir) / name, log, lock, settings)
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for k in itertools.count(1):
             candidate = Path(out_dir) / (stamp if k == 1 else f"{stamp}-{k}")
             try:
                 candidate.mkdir()
-                return cls(candidate, log, lock)
+                return cls(candidate, log, lock, settings)
             except FileExistsError:
                 continue
 
@@ -191,6 +241,13 @@ class NullRunLog:
     """Same methods as RunLog, writes nothing: the loop never branches on whether it is logging.
     Every method is spelled out, so a misspelled call fails instead of silently doing nothing."""
     dir = None
+
+    def __init__(self, settings: RunSettings | None = None):
+        self.settings = settings or RunSettings()
+        self.samples_per_step = self.settings.sample_completions
+
+    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
+        return self.settings.due(step, last_step)
 
     def log_metrics(self, rows: list[dict]) -> None:
         pass

@@ -20,12 +20,37 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .data import INSTRUCTION, final_line_variants, prompt_ids, synthetic_problems, warmstart_completion
 from .fsutil import atomic_dir, remove_dead_dir_temps
+from .settings import REFUSED, Section, check, setting
+
+_RECIPE = "it is part of the tiny base model's recipe: another value builds another model"
+
+
+@dataclass
+class WarmStartSettings(Section):
+    """The `warmstart` section: the SFT that gives the tiny model its arithmetic (its recipe; real
+    models ignore it)."""
+    steps: int = setting(400, "SFT steps for the tiny model before GRPO (0 = skip; ignored for real models). "
+                         "Accuracy jumps between 300 and 350 steps (docs/research_log.md).",
+                         resume=REFUSED, why=_RECIPE)
+    batch_size: int = setting(32, "SFT batch size.", resume=REFUSED, why=_RECIPE)
+    lr: float = setting(6e-3, "SFT learning rate (AdamW, warm-up then cosine decay).", resume=REFUSED, why=_RECIPE)
+    strict_format_fraction: float = setting(0.1, "Fraction of SFT answers that end with '#### N'; the rest end "
+                                            "'The answer is N.', '= N' or the bare number. GRPO with the strict "
+                                            "reward then has a format to discover.", resume=REFUSED, why=_RECIPE)
+
+    def problems(self) -> list[str]:
+        return [*check(self.steps >= 0, f"warmstart.steps={self.steps}: must be >= 0"),
+                *check(self.batch_size >= 1, f"warmstart.batch_size={self.batch_size}: must be >= 1"),
+                *check(self.lr > 0, f"warmstart.lr={self.lr}: must be > 0 (e.g. 6e-3)"),
+                *check(0 <= self.strict_format_fraction <= 1,
+                       f"warmstart.strict_format_fraction={self.strict_format_fraction}: must be in [0, 1]")]
 
 TINY_ARCH = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rope_theta=10000.0,

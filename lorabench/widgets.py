@@ -77,7 +77,7 @@ def sglang_in_notebook() -> list[str]:
     uncompiled: a lesson's steps are small, and the compile (~1 min at the first step on a GPU,
     grpo.compile=auto) would be most of the wait for the first Step."""
     import tempfile
-    return [f"engine.log_file={Path(tempfile.gettempdir()) / 'lorabench-sglang.log'}", "grpo.compile=off"]
+    return [f"engine.sglang.log_file={Path(tempfile.gettempdir()) / 'lorabench-sglang.log'}", "grpo.compile=off"]
 
 
 _TABLE_STYLE = ("<style>.lb-table td,.lb-table th{padding:2px 8px;text-align:left;font-size:12px;"
@@ -111,8 +111,9 @@ def refresh_table(record) -> str:
             f"<tr><td><b>total</b></td><td><b>{1e3 * record.total_s:.2f}</b></td></tr></table>")
 
 
-def status_lines(m: dict | None, grpo) -> str:
-    """The step in one line, then reward, probe gap and mismatch with one line of explanation each."""
+def status_lines(m: dict | None, rewards: list[tuple[str, object, float]]) -> str:
+    """The step in one line, then reward, probe gap and mismatch with one line of explanation each.
+    `rewards`: the trainer's reward functions, (name, fn, weight)."""
     if m is None:
         return "<i>no step yet: click Step</i>"
     step, version = m["step"], m["adapter/version"]
@@ -120,10 +121,11 @@ def status_lines(m: dict | None, grpo) -> str:
             f"v{version} → v{version} refreshed into the engine in {1e3 * m['refresh/total_s']:.1f} ms "
             f"({m['refresh/mode']}) · step {m['time/step_s']:.2f} s · ‖ΔW‖ {m['adapter/delta_norm']:.4f}")
     correct = m.get("rewards/correct/mean", m["reward/mean"])
-    rule = "its last '#### N' is the right number" if grpo.reward_mode == "strict" else "its last number is right"
+    weights = {name: (fn, weight) for name, fn, weight in rewards}
+    rule = weights["correct"][0].rule
     share = m.get("rewards/format/mean", 0.0)
-    bonus = (f" + {grpo.format_bonus:g} × share ending '#### N' ({share:.2f}), a format bonus paid right or wrong"
-             if grpo.format_bonus else "; no format bonus in this run")
+    bonus = (f" + {weights['format'][1]:g} × share ending '#### N' ({share:.2f}), a format bonus paid right or wrong"
+             if "format" in weights else "; no format bonus in this run")
     reward = (f"<b>reward</b> {m['reward/mean']:.3f} = correct {correct:.3f} (a completion scores 1 when {rule})"
               f"{bonus}")
     probe = (f"<b>probe gap</b> {_fmt(m.get('probe/adapter_gap'), '.3g')} nats: mean |log p(adapter) − log p(base)| "
@@ -197,7 +199,7 @@ class StepPanel:
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole numbers
             self.plot.value = figure_png(self.figure, self.dpi)
         self.step_label.value = f"steps done: {self.trainer.step_count}"
-        self.status.value = status_lines(rows[-1] if rows else None, self.trainer.cfg.grpo)
+        self.status.value = status_lines(rows[-1] if rows else None, self.trainer.rewards)
         self.completions.value = completions_table(self.last.samples if self.last else [])
         self.refresh.value = refresh_table(self.last.refresh if self.last else None)
 

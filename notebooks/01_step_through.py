@@ -45,9 +45,8 @@ from IPython.display import Markdown, display
 from tqdm.auto import tqdm  # noqa: F401  (progress bars render as widgets)
 
 from lorabench import explain
-from lorabench.config import Config
 from lorabench.runlog import read_jsonl
-from lorabench.session import RunSession
+from lorabench.session import Config, RunSession
 from lorabench.widgets import StepPanel, setup_notebook, sglang_in_notebook
 
 setup_notebook()

@@ -49,9 +49,7 @@ from IPython.display import Markdown, display
 
 from lorabench import explain, viz
 from lorabench import refresh_bench as rb
-from lorabench.config import Config
-from lorabench.engines import make_engine
-from lorabench.models import resolve_model_path
+from lorabench.session import Config, resolve_model, start_engine
 from lorabench.widgets import setup_notebook, sglang_in_notebook
 
 setup_notebook()
@@ -65,7 +63,7 @@ MERGED_BUCKETS_MB = [0.01, 0.03, 0.1, 0.3, 1, 4, 16]   # bucket sizes for the me
 REPEATS = 10          # timed refreshes per point, after one untimed; figures show the median
 GPU_RESULTS = "../benchmarks/results/gpu"   # the repository's GPU results, shown in section 3 when present
 SAVE_TO = ""          # e.g. "../runs/refresh_cpu.json" to keep the measured rows
-# engine settings, e.g. ["engine.attention_backend=triton"]
+# engine settings, e.g. ["engine.sglang.attention_backend=triton"]
 OVERRIDES = []
 
 # %%
@@ -75,8 +73,8 @@ if ENGINE == "sglang":   # its progress bars go to a log file, not here
 # what the adapter has learned does not change what a refresh costs: no warm-start needed
 cfg = Config.load(None, [f"engine.backend={ENGINE}", f"model.name_or_path={MODEL}", "warmstart.steps=0",
                          f"lora.r={RANK}", *OVERRIDES])
-model_path = resolve_model_path(cfg)
-engine = make_engine(cfg, model_path)  # a scratch engine: a merged refresh overwrites its base weights
+model_path = resolve_model(cfg)
+engine = start_engine(cfg, model_path)  # a scratch engine: a merged refresh overwrites its base weights
 trainer_model = rb.adapter_model(model_path, RANK, dtype=cfg.model.dtype, device=str(engine.device))
 label = rb.engine_label(engine)
 bandwidth = rb.measure_bandwidth(str(engine.device))

@@ -44,12 +44,9 @@ from peft import LoraConfig
 from lorabench import explain
 from lorabench import refresh_bench as rb
 from lorabench.adapters import AdapterError, plain_config
-from lorabench.config import Config, ConfigError
 from lorabench.data import prompt_ids
-from lorabench.engines import make_engine
-from lorabench.grpo import GRPOTrainer
-from lorabench.models import resolve_model_path
 from lorabench.refresh import make_refresher
+from lorabench.session import Config, ConfigError, build_trainer, resolve_model, start_engine
 from lorabench.widgets import setup_notebook, sglang_in_notebook
 
 setup_notebook()
@@ -68,9 +65,9 @@ if ENGINE == "sglang":   # its progress bars go to a log file, not here
     OVERRIDES = [*sglang_in_notebook(), *OVERRIDES]
 cfg = Config.load(None, [f"engine.backend={ENGINE}", f"model.name_or_path={MODEL}", "refresh.mode=tensor",
                          *OVERRIDES])
-model_path = resolve_model_path(cfg)
-engine = make_engine(cfg, model_path)
-trainer = GRPOTrainer(cfg, model_path, engine)   # no run directory: nothing is written
+model_path = resolve_model(cfg)
+engine = start_engine(cfg, model_path)
+trainer = build_trainer(cfg, model_path, engine)   # no run directory: nothing is written
 adapter, tok = trainer.refresher.serving_adapter, trainer.tokenizer
 trainer.run(STEPS, progress=False)
 first, last = trainer.history[:5], trainer.history[-5:]
@@ -227,7 +224,7 @@ except ConfigError as err:
 
 # %%
 stale_cfg = Config.from_dict({**cfg.to_dict(), "refresh": {**cfg.to_dict()["refresh"], "mode": "none"}})
-stale = GRPOTrainer(stale_cfg, model_path, engine)
+stale = build_trainer(stale_cfg, model_path, engine)
 stale.run(STALE_STEPS, progress=False)
 pd.DataFrame({"refreshed: mismatch p99": [r["mismatch/p99"] for r in trainer.history[:STALE_STEPS]],
               "stale: mismatch p99": [r["mismatch/p99"] for r in stale.history],

@@ -131,20 +131,19 @@ def make_trainer(tiny_model_dir, tokenizer, tmp_path):
     bound is off (grpo.max_delta_ratio=0): these tests perturb adapters and use a learning rate far
     beyond a real update's size so that every change shows; the bound has its own tests
     (test_run_dir_trust.py), which set it."""
-    from lorabench.config import Config
-    from lorabench.engines.hf import HFEngine
-    from lorabench.grpo import GRPOTrainer
-    from lorabench.runlog import RunLog
+    from lorabench.session import build_trainer, open_runlog, start_engine
+    from lorabench.session.config import Config
     made = []
 
     def make(run_dir, *extra, log=lambda *a: None):
         cfg = Config.load(overrides=[o for o in TINY_RUN if not o.startswith("run.threads")] +
-                          ["engine.device=cpu", "grpo.steps=3", "grpo.lr=5e-2", "grpo.max_delta_ratio=0",
-                           f"refresh.tmp_dir={tmp_path}", *extra])
-        engine = HFEngine.from_config(cfg, str(tiny_model_dir))
+                          ["engine.hf.device=cpu", "grpo.steps=3", "grpo.lr=5e-2", "grpo.max_delta_ratio=0",
+                           f"refresh.file.tmp_dir={tmp_path}", *extra])
+        engine = start_engine(cfg, str(tiny_model_dir))
         made.append(engine)
-        trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, RunLog(run_dir, log=log) if run_dir else None,
-                              tokenizer=tokenizer, log=log)
+        trainer = build_trainer(cfg, str(tiny_model_dir), engine, open_runlog(cfg, run_dir, log) if run_dir else None,
+                                tokenizer=tokenizer, log=log)
+        trainer.config = cfg     # what it was built from, for the tests' checks
         made.append(trainer)
         return trainer
     yield make

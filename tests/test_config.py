@@ -5,21 +5,22 @@ import math
 
 import pytest
 
-from lorabench.config import Config, ConfigError, apply_override, describe, validate
+from lorabench.session.config import Config, ConfigError, apply_override, describe, flat, problems
 
 
 def test_defaults_are_valid():
     cfg = Config()
-    validate(cfg)
+    assert problems(cfg) == []
     d = cfg.to_dict()
     json.dumps(d)  # a Config is plain JSON
     assert set(d) == {"model", "warmstart", "lora", "data", "grpo", "engine", "refresh", "run"}
     assert Config.load().to_dict() == d
-    # every field documents itself
+    # every field documents itself, sub-sections (engine.sglang, refresh.file) included
     text = describe()
-    for section in d:
-        for key in d[section]:
-            assert f"{section}.{key} =" in text
+    keys = flat(cfg)
+    assert "engine.sglang.mem_fraction_static" in keys and "refresh.file.tmp_dir" in keys
+    for key in keys:
+        assert f"{key} =" in text
 
 
 def test_list_defaults_are_not_shared():
@@ -29,12 +30,12 @@ def test_list_defaults_are_not_shared():
 
 
 def test_overrides_are_typed():
-    cfg = Config.load(overrides=["grpo.steps=7", "grpo.lr=3e-4", "engine.disable_cuda_graph=true",
+    cfg = Config.load(overrides=["grpo.steps=7", "grpo.lr=3e-4", "engine.sglang.disable_cuda_graph=true",
                                  "run.seed=11", "refresh.bucket_mb=0.5", "model.enable_thinking=no",
                                  "refresh.mode=file"])
     assert cfg.grpo.steps == 7 and type(cfg.grpo.steps) is int
     assert cfg.grpo.lr == pytest.approx(3e-4) and type(cfg.grpo.lr) is float
-    assert cfg.engine.disable_cuda_graph is True
+    assert cfg.engine.sglang.disable_cuda_graph is True
     assert cfg.model.enable_thinking is False
     assert cfg.run.seed == 11
     assert cfg.refresh.bucket_mb == 0.5
@@ -73,13 +74,22 @@ def test_json_file(tmp_path):
 
 def test_toml_file_with_overrides_on_top(tmp_path):
     path = tmp_path / "cfg.toml"
-    path.write_text('[grpo]\nsteps = 5\nlr = 2e-3\n\n[engine]\nbackend = "hf"\ndisable_cuda_graph = true\n'
+    path.write_text('[grpo]\nsteps = 5\nlr = 2e-3\n\n[engine]\nbackend = "hf"\n'
+                    '[engine.sglang]\ndisable_cuda_graph = true\n'
                     '[lora]\ntarget_modules = "all-linear"\n')
     cfg = Config.load(path, overrides=["grpo.steps=9"])
     assert cfg.grpo.steps == 9          # the override wins over the file
     assert cfg.grpo.lr == pytest.approx(2e-3)
-    assert cfg.engine.disable_cuda_graph is True
+    assert cfg.engine.sglang.disable_cuda_graph is True
     assert cfg.lora.target_modules == "all-linear"
+
+
+def test_a_key_of_the_flat_engine_section_says_where_it_moved(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text('[engine]\nbackend = "sglang"\nmem_fraction_static = 0.4\n')
+    msg = _error(path=path)
+    assert "engine.sglang.mem_fraction_static" in msg and "moved" in msg and str(path) in msg
+    assert "refresh.file.tmp_dir" in _error(["refresh.tmp_dir=/tmp"])
 
 
 def test_roundtrip_through_json_file(tmp_path):
@@ -130,8 +140,8 @@ def test_wrong_type_names_field_and_example():
     assert "grpo.lr" in msg and "'abc'" in msg and "float" in msg and "1e-3" in msg
     msg = _error(["grpo.steps=2.5"])
     assert "grpo.steps" in msg and "int" in msg
-    msg = _error(["engine.disable_cuda_graph=maybe"])
-    assert "engine.disable_cuda_graph" in msg and "true or false" in msg
+    msg = _error(["engine.sglang.disable_cuda_graph=maybe"])
+    assert "engine.sglang.disable_cuda_graph" in msg and "true or false" in msg
 
 
 def test_wrong_type_in_file(tmp_path):
@@ -204,9 +214,9 @@ def test_config_file_not_utf8_names_the_file(tmp_path):
 
 
 def test_bad_extra_args_json_is_a_config_error():
-    msg = _error(["engine.backend=sglang", "engine.extra_args={bad"])
-    assert "engine.extra_args" in msg and "not JSON" in msg and "enable_memory_saver" in msg
-    assert "JSON object" in _error(["engine.extra_args=[1, 2]"])
+    msg = _error(["engine.backend=sglang", "engine.sglang.extra_args={bad"])
+    assert "engine.sglang.extra_args" in msg and "not JSON" in msg and "enable_memory_saver" in msg
+    assert "JSON object" in _error(["engine.sglang.extra_args=[1, 2]"])
 
 
 @pytest.mark.parametrize("value", [".*proj", "model.*q_proj", r"q_proj|v_proj"])
@@ -237,23 +247,22 @@ def test_bad_refresh_mode():
     ("grpo.top_p=1.5", "grpo.top_p"),
     ("grpo.reward_mode=loose", "grpo.reward_mode"),
     ("engine.backend=vllm", "engine.backend"),
-    ("engine.backend=sglang engine.max_loras_per_batch=1", "engine.max_loras_per_batch"),
-    ("engine.backend=sglang engine.mem_fraction_static=1.5", "engine.mem_fraction_static"),
-    ("engine.backend=sglang engine.lora_backend=cutlass", "engine.lora_backend"),
+    ("engine.backend=sglang engine.sglang.max_loras_per_batch=1", "engine.sglang.max_loras_per_batch"),
+    ("engine.backend=sglang engine.sglang.mem_fraction_static=1.5", "engine.sglang.mem_fraction_static"),
+    ("engine.backend=sglang engine.sglang.lora_backend=cutlass", "engine.sglang.lora_backend"),
     ("refresh.bucket_mb=0", "refresh.bucket_mb"),
     ("model.dtype=float8", "model.dtype"),
     ("lora.r=0", "lora.r"),
-    ("engine.cuda_graph_max_bs=-1", "engine.cuda_graph_max_bs"),
+    ("engine.sglang.cuda_graph_max_bs=-1", "engine.sglang.cuda_graph_max_bs"),
 ])
 def test_other_invalid_values_name_the_field(override, field_name):
     assert field_name in _error(override.split())
 
 
 @pytest.mark.parametrize("overrides, names, fix", [
-    (["engine.tp_size=2"], ["engine.tp_size=2", "engine.backend"], "sglang"),
-    (["engine.backend=sglang", "engine.tp_size=0"], ["engine.tp_size=0"], ">= 1"),
-    (["engine.backend=sglang", 'engine.extra_args={"dp_size": 2}'], ["dp_size=2"], "engine.tp_size"),
-    (["engine.backend=sglang", 'engine.extra_args={"tp_size": 2}'], ["tp_size=2"], "use engine.tp_size"),
+    (["engine.backend=sglang", "engine.sglang.tp_size=0"], ["engine.sglang.tp_size=0"], ">= 1"),
+    (["engine.backend=sglang", 'engine.sglang.extra_args={"dp_size": 2}'], ["dp_size=2"], "engine.sglang.tp_size"),
+    (["engine.backend=sglang", 'engine.sglang.extra_args={"tp_size": 2}'], ["tp_size=2"], "use engine.sglang.tp_size"),
 ])
 def test_parallelism_settings_name_value_and_fix(overrides, names, fix):
     msg = _error(overrides)
@@ -261,13 +270,13 @@ def test_parallelism_settings_name_value_and_fix(overrides, names, fix):
 
 
 def test_tensor_parallel_engine_accepted():
-    from lorabench.config import Config
-    assert Config.load(None, ["engine.backend=sglang", "engine.tp_size=2"]).engine.tp_size == 2
+    from lorabench.session.config import Config
+    assert Config.load(None, ["engine.backend=sglang", "engine.sglang.tp_size=2"]).engine.sglang.tp_size == 2
 
 
 def test_max_lora_rank_below_r():
-    msg = _error(["engine.backend=sglang", "engine.max_lora_rank=8", "lora.r=16"])
-    assert "engine.max_lora_rank=8" in msg and "lora.r=16" in msg
+    msg = _error(["engine.backend=sglang", "engine.sglang.max_lora_rank=8", "lora.r=16"])
+    assert "engine.sglang.max_lora_rank=8" in msg and "lora.r=16" in msg
 
 
 def test_missing_config_file(tmp_path):

@@ -160,7 +160,7 @@ def test_disk_full_file_refresh_keeps_previous_adapter(engine, make_peft_model, 
         assert err.errno == errno.ENOSPC and isinstance(err, OSError)
         msg = str(err)
         assert "no space left" in msg and str(refresher.root / "policy-000002") in msg  # what and where
-        assert "refresh.tmp_dir" in msg and "previous adapter is untouched" in msg      # the fix
+        assert "refresh.file.tmp_dir" in msg and "previous adapter is untouched" in msg      # the fix
         assert engine.loaded_adapters() == ["policy"]
         after = engine.score(seqs, lens, "policy")
         assert all(torch.equal(a, b) for a, b in zip(serving, after))   # still the previous adapter
@@ -208,7 +208,7 @@ def _finish(proc, log: Path) -> None:
 
 def _run_args(tiny_model_dir, out: Path, name: str, shm: Path) -> list[str]:
     return ["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", f"run.name={name}",
-            f"refresh.tmp_dir={shm}", "run.save_adapter_every=2", *TINY_RUN]
+            f"refresh.file.tmp_dir={shm}", "run.save_adapter_every=2", *TINY_RUN]
 
 
 @pytest.fixture(scope="module")
@@ -318,8 +318,8 @@ def test_resume_after_kill_during_final_evaluation(reference_run, tmp_path):
 def test_resume_after_kill_between_before_evaluations(reference_run, tiny_model_dir, tmp_path):
     """The state a kill between the two before-evaluation rows leaves (config.json, one eval row,
     no step, no checkpoint), built exactly; `resume` should evaluate again and train."""
-    from lorabench.config import Config
     from lorabench.runlog import RunLog
+    from lorabench.session.config import Config
     shm, run_dir, log = tmp_path / "shm", tmp_path / "run", tmp_path / "log.txt"
     shm.mkdir()
     cfg = Config.load(overrides=_run_args(tiny_model_dir, tmp_path, "run", shm)[1:])

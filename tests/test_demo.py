@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lorabench.config import Config
-from lorabench.engines import make_engine
-from lorabench.grpo import GRPOTrainer
-from lorabench.models import resolve_model_path
+from lorabench.session import build_trainer, resolve_model, start_engine
+from lorabench.session.config import Config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,13 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def warm_model() -> str:
     """The demo's warm-started model (same recipe as `lorabench demo`, so the cache is shared)."""
-    return resolve_model_path(Config(), log=print)
+    return resolve_model(Config(), log=print)
 
 
 def run_steps(model_path: str, mode: str, steps: int) -> list[dict]:
     cfg = Config.load(None, [f"refresh.mode={mode}", f"grpo.steps={steps}"])
-    engine = make_engine(cfg, model_path)
-    trainer = GRPOTrainer(cfg, model_path, engine, log=lambda *a: None)
+    engine = start_engine(cfg, model_path)
+    trainer = build_trainer(cfg, model_path, engine, log=lambda *a: None)
     rows = [trainer.step().metrics for _ in range(steps)]
     trainer.close()
     engine.close()

@@ -6,7 +6,6 @@ import torch
 from conftest import max_abs_diff, model_logprobs, perturb_lora_B
 
 from lorabench.adapters import AdapterError, FlatAdapter
-from lorabench.config import Config
 from lorabench.data import prompt_ids, synthetic_problems
 from lorabench.engines import (
     ENGINES,
@@ -20,10 +19,11 @@ from lorabench.engines import (
     StaleAdapter,
     UpdatesAdapterInPlace,
     engine_class,
-    make_engine,
 )
 from lorabench.engines.hf import HFEngine
 from lorabench.models import load_model
+from lorabench.session import start_engine
+from lorabench.session.config import Config, ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +55,15 @@ def test_registry_builds_the_configured_engine(tiny_model_dir):
     assert engine_class("hf") is HFEngine and "hf" in ENGINES and "sglang" in ENGINES
     with pytest.raises(EngineError, match="carrier-pigeon"):
         engine_class("carrier-pigeon")
-    cfg = Config.load(overrides=["engine.device=cpu", "model.dtype=bfloat16"])
-    engine = make_engine(cfg, str(tiny_model_dir))
+    cfg = Config.load(overrides=["engine.hf.device=cpu", "model.dtype=bfloat16"])
+    engine = start_engine(cfg, str(tiny_model_dir))
     try:
         assert type(engine) is HFEngine and engine.device == "cpu" and engine.dtype == "bfloat16"
         assert engine.model_path == str(tiny_model_dir)
         assert next(engine._base.parameters()).dtype == torch.bfloat16
     finally:
         engine.close()
-    engine = HFEngine.from_config(cfg, str(tiny_model_dir), dtype="float32")   # overrides win
+    engine = start_engine(cfg, str(tiny_model_dir), dtype="float32")   # overrides win
     try:
         assert engine.dtype == "float32" and next(engine._base.parameters()).dtype == torch.float32
     finally:
@@ -77,10 +77,14 @@ def test_hf_engine_has_every_capability(engine):
     assert engine.name == "hf" and engine.help
 
 
-def test_config_problems():
-    assert HFEngine.config_problems(Config()) == []
-    problems = HFEngine.config_problems(Config.load(overrides=["engine.backend=sglang", "engine.tp_size=2"]))
-    assert len(problems) == 1 and "tp_size=2" in problems[0]
+def test_hf_settings_and_needs():
+    """engine.hf holds its device; any rank or target list is within PEFT's reach."""
+    from lorabench.engines.base import EngineNeeds
+    from lorabench.engines.hf import HFSettings
+    assert HFEngine.Settings is HFSettings and Config().engine.hf == HFSettings()
+    assert HFEngine.needs_problems(HFSettings(), EngineNeeds(lora_rank=512, target_modules=("q_proj",))) == []
+    with pytest.raises(ConfigError, match="engine.hf.device='gpu0'"):
+        Config.load(overrides=["engine.hf.device=gpu0"])
 
 
 # --- base vs adapter --------------------------------------------------------------------------------

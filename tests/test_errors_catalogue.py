@@ -24,10 +24,11 @@ import torch
 from reliability_util import QUICK_RUN, ROOT, FullDisk, cli, make_trainer, one_line_error  # noqa: F401 (fixture)
 
 from lorabench.adapters import CONFIG_NAME, AdapterError, AdapterWriteError, FlatAdapter, validate
-from lorabench.config import Config, ConfigError
 from lorabench.data import DataError, ProblemSource
 from lorabench.engines.base import EngineError
-from lorabench.models import ModelError, resolve_model_path
+from lorabench.models import ModelError
+from lorabench.session import resolve_model
+from lorabench.session.config import Config, ConfigError
 
 
 def _comparable(row):
@@ -41,7 +42,7 @@ def test_model_path_missing(tmp_path):
     missing = tmp_path / "no-such-model"
     cfg = Config.load(overrides=[f"model.name_or_path={missing}"])
     with pytest.raises(ModelError) as info:
-        resolve_model_path(cfg)
+        resolve_model(cfg)
     msg = str(info.value)
     assert "model.name_or_path" in msg and str(missing) in msg and "does not exist" in msg
     assert "existing model dir" in msg and "'tiny'" in msg                     # the fix
@@ -51,7 +52,7 @@ def test_model_dir_without_config_json(tmp_path):
     (tmp_path / "weights-only").mkdir()
     cfg = Config.load(overrides=[f"model.name_or_path={tmp_path / 'weights-only'}"])
     with pytest.raises(ModelError) as info:
-        resolve_model_path(cfg)
+        resolve_model(cfg)
     msg = str(info.value)
     assert str(tmp_path / "weights-only") in msg and "config.json" in msg and "Hugging Face model dir" in msg
 
@@ -85,15 +86,15 @@ def test_regex_target_modules_for_sglang(target):
 def test_sglang_bad_mem_fraction_refused_before_start(fraction, capsys):
     """A memory fraction SGLang cannot start with is refused at config time: the CLI exits with
     a one-line message (no traceback, no engine process, nothing that could kill a kernel)."""
-    overrides = ["engine.backend=sglang", f"engine.mem_fraction_static={fraction}"]
+    overrides = ["engine.backend=sglang", f"engine.sglang.mem_fraction_static={fraction}"]
     with pytest.raises(ConfigError) as info:
         Config.load(overrides=overrides)
     msg = str(info.value)
-    assert f"engine.mem_fraction_static={float(fraction)}" in msg and "between 0 and 1" in msg
+    assert f"engine.sglang.mem_fraction_static={float(fraction)}" in msg and "between 0 and 1" in msg
     from lorabench.cli import main
     assert main(["run", *overrides]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("lorabench: config error: engine.mem_fraction_static") and "Traceback" not in err
+    assert err.startswith("lorabench: config error: engine.sglang.mem_fraction_static") and "Traceback" not in err
 
 
 def test_engine_refuses_model_of_another_shape(make_trainer, tiny_model_dir, tmp_path):
@@ -101,19 +102,18 @@ def test_engine_refuses_model_of_another_shape(make_trainer, tiny_model_dir, tmp
     adapter at the first refresh, and the error carries the engine's message."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lorabench.engines.hf import HFEngine
-    from lorabench.grpo import GRPOTrainer
+    from lorabench.session import build_trainer, start_engine
     other = tmp_path / "other-model"
     shutil.copytree(tiny_model_dir, other)
     config = AutoConfig.from_pretrained(other)
     config.intermediate_size = 384
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(other)
-    cfg = Config.load(overrides=["engine.device=cpu", "refresh.mode=tensor", "lora.r=4", "lora.alpha=8"])
-    engine = HFEngine.from_config(cfg, str(other))
+    cfg = Config.load(overrides=["engine.hf.device=cpu", "refresh.mode=tensor", "lora.r=4", "lora.alpha=8"])
+    engine = start_engine(cfg, str(other))
     try:
         with pytest.raises(AdapterError) as info:
-            GRPOTrainer(cfg, str(tiny_model_dir), engine, log=lambda *a: None)
+            build_trainer(cfg, str(tiny_model_dir), engine, log=lambda *a: None)
         msg = str(info.value)
         assert "mlp." in msg and "512" in msg and "384" in msg and "another model" in msg
         assert engine.loaded_adapters() == []
@@ -193,7 +193,7 @@ def test_failed_refresh_rolls_the_step_back(make_trainer, small_disk, tmp_path, 
     the run continues exactly as an uninterrupted run."""
     seqs, lens = sample_sequences
     reference = [r.metrics for r in make_trainer(tmp_path / "reference").run(progress=False)]
-    trainer = make_trainer(tmp_path / "run", f"refresh.tmp_dir={small_disk.path}")
+    trainer = make_trainer(tmp_path / "run", f"refresh.file.tmp_dir={small_disk.path}")
     trainer.step()
     state = (trainer.policy.adapter(), json.dumps(trainer.policy.optimizer.state_dict()["state"],
                                                   default=lambda t: t.tolist()))
@@ -203,7 +203,8 @@ def test_failed_refresh_rolls_the_step_back(make_trainer, small_disk, tmp_path, 
         trainer.step()
     err = info.value
     assert err.errno == errno.ENOSPC
-    assert "no space left" in str(err) and str(trainer.refresher.root) in str(err) and "refresh.tmp_dir" in str(err)
+    assert "no space left" in str(err) and str(trainer.refresher.root) in str(err)
+    assert "refresh.file.tmp_dir" in str(err)
     assert any("rolled back" in note and "step 1" in note for note in err.__notes__)
     # nothing lost, nothing half-done
     assert trainer.step_count == 1 and len(trainer.history) == 1
@@ -355,8 +356,8 @@ def test_sglang_backend_without_sglang(run_cli):
 def test_engine_device_cuda_without_gpu(run_cli):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    line = run_cli("engine.device=cuda")
-    assert "engine.device='cuda'" in line and "no CUDA GPU" in line and "engine.device=cpu" in line
+    line = run_cli("engine.hf.device=cuda")
+    assert "engine.hf.device='cuda'" in line and "no CUDA GPU" in line and "engine.hf.device=cpu" in line
 
 
 @pytest.fixture
@@ -372,7 +373,7 @@ def read_only_dir(tmp_path):
     subprocess.run(["umount", str(path)], capture_output=True, check=False)
 
 
-@pytest.mark.parametrize("field_name", ["run.out_dir", "model.cache_dir", "refresh.tmp_dir"])
+@pytest.mark.parametrize("field_name", ["run.out_dir", "model.cache_dir", "refresh.file.tmp_dir"])
 def test_read_only_dirs(run_cli, read_only_dir, tiny_model_dir, field_name):
     """Each dir a run writes, on a read-only filesystem: refused before anything is built (the
     tiny model's cache only matters while the model is not cached yet)."""
@@ -384,11 +385,11 @@ def test_read_only_dirs(run_cli, read_only_dir, tiny_model_dir, field_name):
 
 
 def test_engine_log_file_in_a_missing_directory(run_cli, tmp_path):
-    """engine.log_file is opened, not created, when the engine starts: a missing directory is found
+    """engine.sglang.log_file is opened, not created, when the engine starts: a missing directory is found
     before the run dir or the model exists (the engine's own check is in test_sglang_inplace_unit)."""
     target = tmp_path / "no-such-dir" / "engine.log"
-    line = run_cli(f"engine.log_file={target}")
-    assert f"engine.log_file='{target}'" in line and f"the directory {target.parent} does not exist" in line
+    line = run_cli(f"engine.sglang.log_file={target}")
+    assert f"engine.sglang.log_file='{target}'" in line and f"the directory {target.parent} does not exist" in line
     assert "create it, or name a file in an existing directory" in line
     assert not target.parent.exists()
 

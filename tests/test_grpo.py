@@ -12,18 +12,18 @@ import torch
 from conftest import CoreOnlyEngine, perturb_lora_B
 
 from lorabench.adapters import FlatAdapter, merged_state_dict
-from lorabench.config import Config
 from lorabench.data import Problem
-from lorabench.engines import EngineError, StaleAdapter, make_engine
+from lorabench.engines import EngineError, StaleAdapter
 from lorabench.engines.base import Completion, Sampling
 from lorabench.explain import trainer_vs_engine
-from lorabench.grpo import GRPOTrainer
 from lorabench.loss import group_advantages, grpo_loss, token_logprobs
 from lorabench.policy import Policy
 from lorabench.refresh import REFRESH_MODES, TensorRefresh
 from lorabench.rewards import gsm8k_reward
 from lorabench.rollout import RolloutBatch, Rollouts, collate, sample
 from lorabench.runlog import RunLog, read_jsonl
+from lorabench.session import build_trainer, open_runlog, start_engine
+from lorabench.session.config import Config
 
 
 # --- advantages and loss (what test_loss.py does not cover) -------------------------------------------
@@ -139,7 +139,7 @@ def small_config(tmp_path, mode="tensor", *extra) -> Config:
     return Config.load(overrides=[
         "grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.max_new_tokens=8", "grpo.micro_batch_tokens=160",
         "data.eval_size=4", "grpo.steps=3", "grpo.lr=5e-2", "grpo.max_delta_ratio=0", "lora.r=4", "lora.alpha=8",
-        "engine.device=cpu", f"refresh.mode={mode}", f"refresh.tmp_dir={tmp_path}", "run.save_adapter_every=1",
+        "engine.hf.device=cpu", f"refresh.mode={mode}", f"refresh.file.tmp_dir={tmp_path}", "run.save_adapter_every=1",
         *extra])
 
 
@@ -152,11 +152,13 @@ def length_reward(prompts, completions, **kwargs):
 def make_trainer(tiny_model_dir, tokenizer, tmp_path):
     made = []
 
-    def make(mode="tensor", *extra, runlog=None, engine=None):
+    def make(mode="tensor", *extra, run_dir=None, engine=None):
         cfg = small_config(tmp_path, mode, *extra)
-        engine = engine or make_engine(cfg, str(tiny_model_dir))
+        engine = engine or start_engine(cfg, str(tiny_model_dir))
         made.append(engine)
-        trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, runlog, tokenizer=tokenizer, log=lambda *a: None)
+        runlog = open_runlog(cfg, run_dir, log=lambda *a: None) if run_dir else None
+        trainer = build_trainer(cfg, str(tiny_model_dir), engine, runlog, tokenizer=tokenizer, log=lambda *a: None)
+        trainer.config = cfg     # what it was built from, for the checks below
         made.append(trainer)
         return trainer
     yield make
@@ -172,7 +174,7 @@ def _perturb_and_refresh(trainer, seed=0):
 
 def test_trainer_starts_with_its_adapter_in_engine(make_trainer):
     trainer = make_trainer("tensor")
-    assert trainer.engine.loaded_adapters() == [trainer.cfg.engine.adapter_name]
+    assert trainer.engine.loaded_adapters() == [trainer.refresher.adapter_name]
     assert trainer.refresher.refreshes == 1
     assert trainer.step_count == trainer.policy.version == 0
     assert trainer.engine.served_version("policy") == 0
@@ -322,11 +324,11 @@ def test_release_memory_during_training(make_trainer, tiny_model_dir, tokenizer)
     trainer = make_trainer("tensor", "engine.release_memory_during_training=true")
     rec = trainer.step()
     assert rec.step == 1 and not trainer.engine._released            # released for the update, resumed
-    cfg = small_config(trainer.cfg.refresh.tmp_dir, "tensor", "engine.release_memory_during_training=true")
+    cfg = small_config(trainer.config.refresh.file.tmp_dir, "tensor", "engine.release_memory_during_training=true")
     core = CoreOnlyEngine(str(tiny_model_dir))
     try:
         with pytest.raises(EngineError, match="ReleasesMemory") as info:
-            GRPOTrainer(cfg, str(tiny_model_dir), core, tokenizer=tokenizer, log=lambda *a: None)
+            build_trainer(cfg, str(tiny_model_dir), core, tokenizer=tokenizer, log=lambda *a: None)
         assert "engine.release_memory_during_training" in str(info.value)
     finally:
         core.close()
@@ -362,7 +364,7 @@ def test_policy_gradient_moves_adapter_towards_rewarded_completions(make_trainer
 
     before = seq_logp()
     assert trainer.policy.adapter().delta_norm() == 0
-    stats = trainer.policy.train(batch, trainer.cfg.grpo)
+    stats = trainer.policy.train(batch, trainer.settings)
     assert stats["mismatch_max"] < 1e-4                          # engine log-probs were the trainer's
     assert stats["grad_norm"] > 0 and trainer.policy.version == 1
     assert stats["tokens"] == int(batch.attention_mask.sum())
@@ -431,21 +433,21 @@ def test_evaluate(make_trainer):
     assert result["n"] == 4 and result["greedy"] and result["step"] == 0
     assert all(0 <= result[k] <= 1 for k in ("strict", "flexible", "format"))
     sampled = trainer.evaluate()
-    assert sampled["n"] == 4 * trainer.cfg.data.eval_samples
+    assert sampled["n"] == 4 * trainer.source.eval_samples
     assert trainer.evaluate() == sampled                         # seeded: reproducible
 
 
 # --- run dir and resume -------------------------------------------------------------------------------
 def test_run_dir_contents(make_trainer, tmp_path):
-    runlog = RunLog(tmp_path / "run")
-    trainer = make_trainer("tensor", "grpo.steps=2", runlog=runlog)
-    runlog.write_config(trainer.cfg.to_dict())
+    trainer = make_trainer("tensor", "grpo.steps=2", run_dir=tmp_path / "run")
+    runlog = trainer.runlog
+    runlog.write_config(trainer.config.to_dict())
     _perturb_and_refresh(trainer)
     records = trainer.run(progress=False)
     assert [r.step for r in records] == [1, 2]
     run = tmp_path / "run"
     assert stat.S_IMODE(os.stat(run).st_mode) & 0o007 == 0     # nothing for other users
-    assert Config.from_dict(json.loads((run / "config.json").read_text())) == trainer.cfg
+    assert Config.from_dict(json.loads((run / "config.json").read_text())) == trainer.config
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [1, 2] and runlog.metrics() == metrics
     assert set(metrics[0]) >= METRIC_KEYS
@@ -456,7 +458,7 @@ def test_run_dir_contents(make_trainer, tmp_path):
     assert all(r["mode"] == "tensor" for r in sync)
     assert [r for r in sync if r["row"] == "bucket"]
     rollouts = read_jsonl(run / "rollouts.jsonl")
-    assert len(rollouts) == 2 * trainer.cfg.run.sample_completions
+    assert len(rollouts) == 2 * trainer.runlog.samples_per_step
     assert {"step", "completion", "reward", "advantage", "answer", "question", "served_version"} <= set(rollouts[0])
     for step in (1, 2):
         assert (run / "adapters" / f"step_{step}" / "adapter_config.json").is_file()
@@ -470,8 +472,8 @@ def test_run_dir_contents(make_trainer, tmp_path):
 
 
 def test_checkpoint_every_publishes_rows_with_their_checkpoint(make_trainer, tmp_path):
-    runlog = RunLog(tmp_path / "run")
-    trainer = make_trainer("tensor", "run.checkpoint_every=2", runlog=runlog)
+    trainer = make_trainer("tensor", "run.checkpoint_every=2", run_dir=tmp_path / "run")
+    runlog = trainer.runlog
     trainer.step()
     assert runlog.metrics() == [] and runlog.load_checkpoint() == (None, None)     # nothing vouched for yet
     assert read_jsonl(tmp_path / "run" / "sync.jsonl") == [] and len(trainer.history) == 1
@@ -488,7 +490,7 @@ def test_resume_restores_state_and_continues_as_the_uninterrupted_run(make_train
     run = tmp_path / "run"
 
     def trainer_on(run_dir):
-        trainer = make_trainer("tensor", runlog=RunLog(run_dir))
+        trainer = make_trainer("tensor", run_dir=run_dir)
         trainer.rewards = [("length", length_reward, 1.0)]       # real updates: non-trivial optimizer state
         return trainer
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_widgets import tiny_config
 
-from lorabench.engines import make_engine
-from lorabench.grpo import GRPOTrainer, StepInProgress, interrupts_deferred
+from lorabench.grpo import StepInProgress, interrupts_deferred
 from lorabench.runlog import RunLog
+from lorabench.session import build_trainer, start_engine
 from lorabench.widgets import StepPanel
 
 
@@ -29,9 +29,9 @@ def interrupt_after(seconds: float) -> threading.Timer:
 
 
 def make_trainer(cfg, model_dir, tokenizer, run_dir):
-    engine = make_engine(cfg, str(model_dir))
-    return GRPOTrainer(cfg, str(model_dir), engine, RunLog(run_dir, log=lambda *a: None), tokenizer=tokenizer,
-                       log=lambda *a: None)
+    engine = start_engine(cfg, str(model_dir))
+    runlog = RunLog(run_dir, log=lambda *a: None, settings=cfg.run)
+    return build_trainer(cfg, str(model_dir), engine, runlog, tokenizer=tokenizer, log=lambda *a: None)
 
 
 def test_interrupts_at_random_moments_change_nothing_but_time(tiny_model_dir, tokenizer, tmp_path):
@@ -101,8 +101,8 @@ def test_an_interrupted_wait_stops_the_panel(trainer):
 @pytest.fixture
 def trainer(tiny_model_dir, tokenizer, tmp_path):
     cfg = tiny_config(tmp_path)
-    engine = make_engine(cfg, str(tiny_model_dir))
-    trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, tokenizer=tokenizer, log=lambda *a: None)
+    engine = start_engine(cfg, str(tiny_model_dir))
+    trainer = build_trainer(cfg, str(tiny_model_dir), engine, tokenizer=tokenizer, log=lambda *a: None)
     yield trainer
     trainer.close()
     engine.close()

@@ -103,12 +103,15 @@ def test_docs_state_the_minimum_python(doc, pyproject):
 
 
 # --- the package layout ----------------------------------------------------------------------------
-MODULES = ["__init__", "adapters", "cli", "compat", "config", "data", "datafiles", "explain", "fsutil", "grpo", "hub",
-           "loss", "models", "policy", "preflight", "refresh", "refresh_bench", "rewards", "rollout", "rundir",
-           "runlog",
-           "session", "shapes", "tiny", "viz", "widgets", "engines/__init__", "engines/base", "engines/hf",
-           "engines/loopback", "engines/sglang", "engines/sglang_pool"]
+MODULES = ["__init__", "adapters", "cli", "data", "datafiles", "explain", "fsutil", "grpo", "hub", "interrupts",
+           "loss", "models", "policy", "refresh", "refresh_bench", "rewards", "rollout", "rundir", "runlog", "safedir",
+           "machine", "settings", "shapes", "tiny", "viz", "widgets", "engines/__init__", "engines/base",
+           "engines/engine_thread",
+           "engines/hf", "engines/loopback", "engines/sglang", "engines/sglang_pool", "session/__init__",
+           "session/compat", "session/config", "session/fingerprint", "session/preflight", "session/run",
+           "session/sizes"]
 REMOVED = ["warmstart", "engines/sglang_inplace"]
+MOVED_INTO_THE_SESSION = ["config", "compat", "preflight", "sizes", "fingerprint"]   # they handle the whole Config
 
 
 def test_package_has_the_modules_of_the_recut():
@@ -122,6 +125,16 @@ def test_package_has_the_modules_of_the_recut():
 def test_every_module_imports_without_optional_dependencies(module):
     """sglang is imported only when an SGLang engine starts, so every module imports on a CPU box."""
     importlib.import_module("lorabench." + module.replace("/", ".").removesuffix(".__init__"))
+
+
+def test_only_the_session_handles_the_whole_config():
+    """The modules that read every section live in lorabench/session/; no other module imports its Config."""
+    assert not any((ROOT / "lorabench" / f"{m}.py").exists() for m in MOVED_INTO_THE_SESSION)
+    for path in (ROOT / "lorabench").rglob("*.py"):
+        if "session" in path.relative_to(ROOT / "lorabench").parts:
+            continue
+        text = path.read_text()
+        assert not re.search(r"from \.+session(\.config)? import [^\n]*\bConfig\b", text), f"{path} imports Config"
 
 
 def test_nothing_refers_to_removed_modules():
@@ -212,7 +225,7 @@ def _readme_commands() -> list[list[str]]:
 
 def test_readme_commands_use_valid_config_keys():
     """The commands README tells people to run must pass config validation (no renamed keys)."""
-    from lorabench.config import Config
+    from lorabench.session.config import Config
     commands = _readme_commands()
     assert commands, "README shows no lorabench command"
     for args in commands:
@@ -230,8 +243,8 @@ def test_step_benchmark_checks_the_readme_real_model_command():
         sys.path.remove(str(ROOT / "benchmarks"))
     real = [args for args in _readme_commands() if "model.name_or_path=Qwen/Qwen3-0.6B" in args]
     assert len(real) == 1, "README should show one real-model command"
-    overrides = {a for a in real[0] if re.match(r"^[a-z_]+\.[a-z_]+=", a)}
-    hub_or_length = {"model.", "data.", "engine.backend", "engine.dtype", "grpo.steps"}
+    overrides = {a for a in real[0] if re.match(r"^[a-z_]+(\.[a-z_]+)+=", a)}
+    hub_or_length = {"model.", "data.", "engine.backend", "engine.sglang.dtype", "grpo.steps"}
     expected = {a for a in overrides if not a.startswith(tuple(hub_or_length))}
     assert set(README_COMMAND) == expected, (set(README_COMMAND) ^ expected)
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import perturb_lora_B
 
-from lorabench.config import Config, ConfigError
 from lorabench.policy import Policy
 from lorabench.rollout import RolloutBatch, random_tokens_like_rollouts
+from lorabench.session.config import Config, ConfigError
 
 # torch.compile on the CPU generates C++ and needs a compiler
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,

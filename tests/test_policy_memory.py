@@ -5,9 +5,9 @@ import pytest
 import torch
 from conftest import perturb_lora_B
 
-from lorabench.config import Config, ConfigError
 from lorabench.loss import saved_activation_bytes, token_logprobs
 from lorabench.policy import Policy, lora_compute_dtype
+from lorabench.session.config import Config, ConfigError
 
 LORA = ["lora.r=4", "lora.alpha=8"]
 

@@ -27,9 +27,11 @@ from lorabench.refresh import (
     MergedRefresh,
     NoRefresh,
     RefreshRecord,
+    RefreshSettings,
     TensorRefresh,
     make_refresher,
     pack_buckets,
+    refresh_settings,
 )
 
 
@@ -105,8 +107,12 @@ def parts_of(mode: str, refresh_no: int) -> set[str]:
 
 
 def _refresher(mode, engine, tmp_path, model, bucket_mb=64.0):
-    return make_refresher(mode, engine, "policy", bucket_mb=bucket_mb, tmp_dir=str(tmp_path),
-                          base_weights=base_weights(model))
+    return make_refresher(settings_for(mode, bucket_mb, tmp_path), engine, "policy", base_weights=base_weights(model))
+
+
+def settings_for(mode: str, bucket_mb: float, tmp_path) -> RefreshSettings:
+    """The mode's refresh section; file refresh writes under tmp_path."""
+    return refresh_settings(mode, bucket_mb, **({"tmp_dir": str(tmp_path)} if mode == "file" else {}))
 
 
 @pytest.mark.parametrize("bucket_mb", [64.0, 0.01])
@@ -341,8 +347,7 @@ def test_registry_lists_every_mode():
 def test_every_registered_mode_builds_and_refreshes(mode, engine, make_peft_model, sample_sequences, tmp_path):
     model = make_peft_model(seed=1)
     seqs, lens = sample_sequences
-    refresher = make_refresher(mode, engine, "pol", bucket_mb=2, tmp_dir=str(tmp_path),
-                               base_weights=base_weights(model))
+    refresher = make_refresher(settings_for(mode, 2, tmp_path), engine, "pol", base_weights=base_weights(model))
     try:
         assert type(refresher) is REFRESH_MODES[mode] and refresher.mode == mode
         assert refresher.adapter_name == "pol" and refresher.bucket_bytes == 2 * 2**20
@@ -389,7 +394,7 @@ def test_core_modes_work_on_a_core_only_engine(mode, core_engine, make_peft_mode
     """Modes that need only the core protocol work on any engine: capabilities, not engine names."""
     model = make_peft_model(seed=2)
     seqs, lens = sample_sequences
-    refresher = make_refresher(mode, core_engine, "policy", tmp_dir=str(tmp_path))
+    refresher = make_refresher(settings_for(mode, 64.0, tmp_path), core_engine, "policy")
     try:
         refresher.refresh(LoraLayers(model).snapshot(1))
         assert core_engine.served_version("policy") == 1

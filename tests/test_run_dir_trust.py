@@ -27,11 +27,11 @@ import torch
 from reliability_util import QUICK_RUN, FullDisk, cli, make_trainer, one_line_error, tree_state  # noqa: F401
 
 from lorabench.cli import main
-from lorabench.config import Config, ConfigError
 from lorabench.grpo import TrainerStopped
 from lorabench.rundir import RunDirError, inspect, read_checkpoint, read_jsonl
 from lorabench.runlog import RunLog
 from lorabench.safedir import RunDirWriteError, SafeDir
+from lorabench.session.config import Config, ConfigError
 
 # flexible reward: the random tiny model earns a reward now and then, so its adapter really moves
 LEARNS = ["grpo.reward_mode=flexible", "grpo.group_size=4", "grpo.max_new_tokens=8", "grpo.lr=0.05"]
@@ -54,7 +54,7 @@ def finished_run(tiny_model_dir, tmp_path_factory):
                                         "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}) + "\n"
                             for i in range(12)))
     assert main(["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", "run.name=run",
-                 f"refresh.tmp_dir={out}", f"data.source={data}", *QUICK_RUN]) == 0
+                 f"refresh.file.tmp_dir={out}", f"data.source={data}", *QUICK_RUN]) == 0
     return out / "run"
 
 
@@ -157,7 +157,7 @@ def test_run_out_dir_that_is_a_link_is_the_users_choice(tiny_model_dir, tmp_path
     (tmp_path / "scratch").mkdir()
     os.symlink(tmp_path / "scratch", tmp_path / "runs")
     assert main(["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'runs'}", "run.name=r",
-                 f"refresh.tmp_dir={tmp_path}", *QUICK_RUN, "grpo.steps=1"]) == 0
+                 f"refresh.file.tmp_dir={tmp_path}", *QUICK_RUN, "grpo.steps=1"]) == 0
     assert [r["step"] for r in read_jsonl(tmp_path / "scratch" / "r" / "metrics.jsonl")] == [1]
     assert main(["resume", str(tmp_path / "runs" / "r"), "grpo.steps=2"]) == 0
 
@@ -241,7 +241,7 @@ def test_adapter_name_is_one_path_component(value, problem):
 # --- 2. divergence: a diverged update is never published ------------------------------------------------
 def _run_args(tiny_model_dir, out: Path, *extra) -> list[str]:
     return ["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", "run.name=run",
-            f"refresh.tmp_dir={out}", "data.eval_size=2", "grpo.prompts_per_step=2", "grpo.steps=10",
+            f"refresh.file.tmp_dir={out}", "data.eval_size=2", "grpo.prompts_per_step=2", "grpo.steps=10",
             "run.threads=1", *LEARNS, *extra]
 
 
@@ -401,7 +401,7 @@ def test_relative_data_path_from_another_directory_is_refused(tiny_model_dir, tm
                                                 for i in range(6)))
     monkeypatch.chdir(first)
     assert main(["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}", "run.name=r",
-                 f"refresh.tmp_dir={tmp_path}", "data.source=d.jsonl", *QUICK_RUN]) == 0
+                 f"refresh.file.tmp_dir={tmp_path}", "data.source=d.jsonl", *QUICK_RUN]) == 0
     capsys.readouterr()
     monkeypatch.chdir(second)
     run = tmp_path / "out" / "r"
@@ -454,7 +454,7 @@ def test_hub_model_is_identified_by_its_cached_commit(tmp_path, monkeypatch):
     snapshot identifies it; another commit is refused naming both."""
     from huggingface_hub import constants
 
-    from lorabench.fingerprint import check_model, model_fingerprint
+    from lorabench.session.fingerprint import check_model, model_fingerprint
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     cfg = Config.load(overrides=["model.name_or_path=org/model"])
     snapshot = tmp_path / "models--org--model" / "snapshots" / "a1b2c3"
@@ -518,7 +518,7 @@ def test_sizes_far_beyond_the_machine_are_refused(tiny_model_dir, tmp_path, caps
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("engine.device=gpu", "engine.device='gpu': use '', cpu, cuda, cuda:N or mps"),
+    ("engine.hf.device=gpu", "engine.hf.device='gpu': use '', cpu, cuda, cuda:N or mps"),
     ("run.seed=-1", "run.seed=-1: must be in [0, 2**32)"),
     ("run.seed=99999999999999999999", "run.seed=99999999999999999999: must be in [0, 2**32)"),
     ("run.out_dir=", "run.out_dir='': give the parent directory"),
@@ -535,8 +535,8 @@ def test_more_values_refused_before_anything_exists(tiny_model_dir, tmp_path, ca
 
 def test_engine_log_file_that_is_a_directory(tiny_model_dir, tmp_path, capsys):
     line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
-                    *QUICK_RUN, f"engine.log_file={tmp_path}")
-    assert f"engine.log_file='{tmp_path}' is a directory" in line and "name a file" in line
+                    *QUICK_RUN, f"engine.sglang.log_file={tmp_path}")
+    assert f"engine.sglang.log_file='{tmp_path}' is a directory" in line and "name a file" in line
     assert not (tmp_path / "out").exists()
 
 
@@ -600,7 +600,7 @@ def test_disk_failure_during_a_run_is_one_line_and_resumes(tiny_model_dir, small
     on_disk = failure != "refresh_disk_full"
     run = (small_disk.path if on_disk else tmp_path) / "run"
     args = ["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={run.parent}", "run.name=run",
-            f"refresh.tmp_dir={tmp_path if on_disk else small_disk.path}", *QUICK_RUN, "grpo.steps=200",
+            f"refresh.file.tmp_dir={tmp_path if on_disk else small_disk.path}", *QUICK_RUN, "grpo.steps=200",
             "run.save_adapter_every=1000", *([] if on_disk else ["refresh.mode=file"])]
     proc = _run_until_step(args, run, 2, tmp_path / "log.txt")
     if failure == "read_only":
@@ -616,7 +616,7 @@ def test_disk_failure_during_a_run_is_one_line_and_resumes(tiny_model_dir, small
         assert f"cannot write {run}/" in line and cause in line and f"({code})" in line, line
         assert f"`lorabench resume {run}` continues from its last checkpoint" in line, line
     else:
-        assert f"no space left to write adapter dir {small_disk.path}/" in line and "refresh.tmp_dir" in line, line
+        assert f"no space left to write adapter dir {small_disk.path}/" in line and "refresh.file.tmp_dir" in line, line
         assert f"the run stopped: {run} is intact (its last checkpoint is step " in line
         assert f"`lorabench resume {run}` continues it" in line
     assert not line.startswith("lorabench: error: [Errno")   # the message, not the errno in front of it

@@ -14,7 +14,6 @@ The repairs resume does make (rows from the checkpoint, a torn last line) are in
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -28,25 +27,26 @@ from pathlib import Path
 import pytest
 from reliability_util import QUICK_RUN, cli, dir_bytes, one_line_error
 
-from lorabench import compat
 from lorabench.cli import main
-from lorabench.config import Config
 from lorabench.rundir import RunDirError, inspect, read_jsonl
 from lorabench.runlog import RunLog
+from lorabench.session import compat
+from lorabench.session.config import Config, flat
 
 
 # --- the two lists -----------------------------------------------------------------------------------
 def test_every_config_field_is_decided_once():
-    """A new Config field must be put in one list; until then resume refuses changing it."""
-    fields = [f"{section}.{f.name}" for section in Config().to_dict()
-              for f in dataclasses.fields(type(getattr(Config(), section)))]
-    decided = [*compat.REFUSED, *compat.ALLOWED, *compat.LOCATION]
+    """Every field of every section (sub-sections too) states what a continued run may do with it,
+    and compat reads exactly those decisions."""
+    fields = list(flat(Config()))
+    assert "engine.sglang.tp_size" in fields and "refresh.file.tmp_dir" in fields
+    decided = [*compat.refused(), *compat.allowed(), *compat.LOCATION]
     assert sorted(decided) == sorted(fields)
-    assert not set(compat.REFUSED) & set(compat.ALLOWED)
+    assert not set(compat.refused()) & set(compat.allowed())
     for must_refuse in ("run.seed", "lora.r", "model.name_or_path", "data.source", "grpo.lr", "warmstart.steps"):
-        assert must_refuse in compat.REFUSED
+        assert must_refuse in compat.refused()
     for may_change in ("grpo.steps", "data.eval_size", "run.save_adapter_every", "engine.backend", "refresh.mode"):
-        assert may_change in compat.ALLOWED
+        assert may_change in compat.allowed()
 
 
 def test_changes_and_refusals_in_process(tmp_path):
@@ -72,7 +72,7 @@ def finished_run(tiny_model_dir, tmp_path_factory):
     """A 2-step `lorabench run` (in this process), the run dir every test below starts from."""
     out = tmp_path_factory.mktemp("finished")
     assert main(["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", "run.name=run",
-                 f"refresh.tmp_dir={out}", *QUICK_RUN]) == 0
+                 f"refresh.file.tmp_dir={out}", *QUICK_RUN]) == 0
     return out / "run"
 
 
@@ -265,7 +265,7 @@ def test_two_writers_on_one_run_dir(tiny_model_dir, tmp_path):
     finishes with every step once."""
     out, log = tmp_path / "out", tmp_path / "first.log"
     args = ["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", "run.name=run",
-            f"refresh.tmp_dir={tmp_path}", *QUICK_RUN, "grpo.steps=30"]  # long enough to meet the others
+            f"refresh.file.tmp_dir={tmp_path}", *QUICK_RUN, "grpo.steps=30"]  # long enough to meet the others
     with open(log, "wb") as fh:
         first = cli(*args, stdout=fh, stderr=subprocess.STDOUT)
     try:
@@ -313,13 +313,12 @@ def test_sigterm_during_tiny_build_leaves_no_temp(tmp_path):
 
 
 def test_sigkilled_tiny_build_temp_removed_by_next_access(tmp_path):
-    from lorabench.config import WarmStartConfig
-    from lorabench.tiny import tiny_model_dir
+    from lorabench.tiny import WarmStartSettings, tiny_model_dir
     proc, cache, _ = _build_then_signal(tmp_path, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     temps = [p.name for p in cache.iterdir()]
     assert len(temps) == 1 and ".tmp-" in temps[0]           # what a kill -9 cannot clean up itself...
-    built = tiny_model_dir(str(cache), WarmStartConfig(steps=0), seed=1, log=lambda *a: None)
+    built = tiny_model_dir(str(cache), WarmStartSettings(steps=0), seed=1, log=lambda *a: None)
     assert [p.name for p in cache.iterdir()] == [built.name]  # ...the next access (another recipe) does
 
 

@@ -173,7 +173,7 @@ def test_file_refresh_dirs_private_on_tmpfs(engine, make_peft_model, umask_zero)
 def test_run_dir_never_world_writable(make_trainer, tmp_path, umask_zero):
     from lorabench.runlog import RunLog
     trainer = make_trainer(tmp_path / "run", "run.save_adapter_every=1")
-    trainer.runlog.write_config(trainer.cfg.to_dict())
+    trainer.runlog.write_config(trainer.config.to_dict())
     trainer.run(2, progress=False)
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text(metrics.read_text().splitlines(keepends=True)[0])   # step 2's row lost to a kill
@@ -203,12 +203,12 @@ def test_no_credentials_in_run_dir_or_logs(tiny_model_dir, tmp_path, monkeypatch
     appears in any file of the run dir (config, metrics, rollouts, evals, sync, summary,
     checkpoint, adapters, plots) nor in what it prints; and no socket is opened meanwhile."""
     from lorabench.cli import run_experiment
-    from lorabench.config import Config
+    from lorabench.session.config import Config
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     cfg = Config.load(overrides=[o for o in TINY_RUN if not o.startswith(("run.threads", "grpo.steps"))] + [
         "grpo.steps=2", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path}", "run.name=run",
-        f"refresh.tmp_dir={tmp_path / 'shm'}"])
+        f"refresh.file.tmp_dir={tmp_path / 'shm'}"])
     (tmp_path / "shm").mkdir()
     with SocketWatch() as watch:
         summary = run_experiment(cfg)

@@ -29,12 +29,12 @@ if not _SGLANG:
                 allow_module_level=True)
 
 from lorabench.adapters import FlatAdapter  # noqa: E402
-from lorabench.config import Config  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
 from lorabench.engines.base import AdapterNotLoaded, EngineError, Sampling  # noqa: E402
 from lorabench.engines.hf import HFEngine  # noqa: E402
-from lorabench.engines.sglang import SGLangEngine  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
+from lorabench.session import start_engine  # noqa: E402
+from lorabench.session.config import Config  # noqa: E402
 from lorabench.tiny import tiny_model_dir  # noqa: E402
 
 OUT = Path(os.environ.get("LORABENCH_GPU_OUT", "gpu_results"))
@@ -44,8 +44,9 @@ RUNS = str(Path(os.environ.get("LORABENCH_GPU_RUNS", "/tmp/lorabench-gpu-runs"))
            / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 # the offline GPU stack lacks FlashInfer/FA3/xgrammar; a full install needs none of these. Prefill
 # CUDA graphs off: faster starts; decode graphs stay on (the refresh benchmark keeps SGLang's defaults)
-STACK = ["engine.attention_backend=triton", "engine.sampling_backend=pytorch", "engine.grammar_backend=none",
-         'engine.extra_args={"disable_prefill_cuda_graph": true}']
+STACK = ["engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
+         "engine.sglang.grammar_backend=none",
+         'engine.sglang.extra_args={"disable_prefill_cuda_graph": true}']
 
 
 def record(name: str, data: dict) -> None:
@@ -60,7 +61,7 @@ def record(name: str, data: dict) -> None:
 
 
 def gpu_config(*overrides) -> Config:
-    return Config.load(None, [*STACK, "engine.dtype=bfloat16", "engine.mem_fraction_static=0.3",
+    return Config.load(None, [*STACK, "engine.sglang.dtype=bfloat16", "engine.sglang.mem_fraction_static=0.3",
                               "run.out_dir=" + RUNS, *overrides])
 
 
@@ -115,7 +116,7 @@ def parity_run(model_path: str, tmp_path: Path, cfg, check_greedy: bool) -> dict
     prompts = [s[:p] for s, p in zip(seqs, plens)]
     greedy = Sampling(max_new_tokens=24, temperature=0.0)
     results, out = {}, {}
-    with SGLangEngine.from_config(cfg, model_path) as eng:
+    with start_engine(cfg, model_path) as eng:
         results["base"] = diff(eng.score(seqs, plens, None), ref["base"])
         eng.load_adapter("policy", dir_a)
         got_a = eng.score(seqs, plens, "policy")
@@ -160,7 +161,7 @@ def parity_run(model_path: str, tmp_path: Path, cfg, check_greedy: bool) -> dict
                adapter_effect_B=diff(ref["B"], ref["base"]),
                greedy_adapter_differs_from_base=greedy_dynamic_b != greedy_base)
     if check_greedy:
-        with SGLangEngine.from_config(cfg, model_path, lora_paths=[f"policy={dir_b}"]) as static:
+        with start_engine(cfg, model_path, lora_paths=[f"policy={dir_b}"]) as static:
             static._adapters.add("policy")  # loaded at start by the engine itself
             out["greedy_dynamic_equals_static"] = greedy_dynamic_b == [
                 c.token_ids for c in static.generate(prompts, greedy, "policy")]
@@ -196,9 +197,10 @@ def test_parity_qwen3_06b_shape(q06_model, tmp_path):
 
 
 def run_grpo(cfg, model_path, engine, steps):
-    from lorabench.grpo import GRPOTrainer
     from lorabench.runlog import RunLog
-    trainer = GRPOTrainer(cfg, model_path, engine, RunLog(Path(cfg.run.out_dir) / cfg.run.name), log=print)
+    from lorabench.session import build_trainer
+    trainer = build_trainer(cfg, model_path, engine, RunLog(Path(cfg.run.out_dir) / cfg.run.name, settings=cfg.run),
+                            log=print)
     before = trainer.evaluate()
     rows = []
     for _ in range(steps):
@@ -245,7 +247,7 @@ def test_grpo_with_sglang_rollouts(tiny_path):
     """Reward rises with file and tensor refresh; mismatch stays at the parity level on every step
     with non-zero advantages; with refresh off (stale adapter) the mismatch grows."""
     steps = int(os.environ.get("LORABENCH_GPU_STEPS", "40"))
-    with SGLangEngine.from_config(gpu_config(), tiny_path) as engine:
+    with start_engine(gpu_config(), tiny_path) as engine:
         summary = grpo_per_mode(engine, tiny_path, ("inplace", "tensor", "file", "none"), steps)
     record("grpo_sglang", summary)
     for mode in ("inplace", "tensor", "file"):   # every rollout was served by the trainer's version
@@ -304,7 +306,7 @@ def test_soak_sglang_refresh_cycles(tiny_path):
     sampling = Sampling(max_new_tokens=16, temperature=1.0, seed=0)
     out = {"cycles_per_mode": cycles, "rows": []}
     layers = LoraLayers(model)
-    with SGLangEngine.from_config(gpu_config(), tiny_path) as eng:
+    with start_engine(gpu_config(), tiny_path) as eng:
         for mode in ("file", "tensor", "inplace"):
             refresher = make_refresher(mode, eng, "soak")
             t0 = time.perf_counter()
@@ -346,13 +348,13 @@ def release_resume_run(model_path: str, gpus: int, *overrides, name: str = "grpo
     engine spanning `gpus` GPUs: memory freed and taken back on each, greedy outputs before vs
     after, the refusals of a second release and of a resume without release, then 6 GRPO steps
     that release the engine while the trainer trains."""
-    saver = [*overrides, 'engine.extra_args={"disable_prefill_cuda_graph": true, "enable_memory_saver": true}',
+    saver = [*overrides, 'engine.sglang.extra_args={"disable_prefill_cuda_graph": true, "enable_memory_saver": true}',
              "engine.release_memory_during_training=true"]
     a = random_adapter(model_path, 1)
     prompts = [s[:p] for s, p in zip(*probe_sequences(model_path))]
     greedy = Sampling(max_new_tokens=24, temperature=0.0)
     out = {}
-    with SGLangEngine.from_config(gpu_config(*saver), model_path) as eng:
+    with start_engine(gpu_config(*saver), model_path) as eng:
         eng.load_adapter_tensors("policy", a.to("cuda"))
         before = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
         free0 = free_per_gpu(gpus)
@@ -424,8 +426,8 @@ def test_inplace_versions_and_hazards(tiny_path):
         out["previous"].append(diff(got, refs[v - 1]) if v else (float("nan"), float("nan")))
         assert eng.served_version("policy") == v, (eng.served_version("policy"), v)
 
-    cfg = gpu_config("engine.max_loras_per_batch=3")
-    with SGLangEngine.from_config(cfg, tiny_path) as eng:
+    cfg = gpu_config("engine.sglang.max_loras_per_batch=3")
+    with start_engine(cfg, tiny_path) as eng:
         refresher = make_refresher("inplace", eng, "policy")
         for v in (0, 1):                                  # a full load, then the first in-place write (map)
             refresher.refresh(versions[v].to("cuda"))
@@ -466,7 +468,7 @@ def test_inplace_versions_and_hazards(tiny_path):
                 if self.adapter_name not in self.engine.loaded_adapters():
                     super()._refresh(adapter, record)
         out["stale_caught"] = _stale_adapter_caught(eng, tiny_path, SkipsWrites)
-    with SGLangEngine.from_config(cfg, tiny_path) as eng:  # a new engine: nothing mapped, a full load first
+    with start_engine(cfg, tiny_path) as eng:  # a new engine: nothing mapped, a full load first
         refresher = make_refresher("inplace", eng, "policy")
         for v in (5, 6):
             refresher.refresh(versions[v].to("cuda"))
@@ -485,9 +487,9 @@ def _stale_adapter_caught(engine, model_path, refresher_cls) -> bool:
     """A GRPO run whose refresher skips its writes fails at the next rollout with StaleAdapter, at a
     learning rate so small that the log-prob mismatch alone would not show it."""
     from lorabench.engines.base import StaleAdapter
-    from lorabench.grpo import GRPOTrainer
+    from lorabench.session import build_trainer
     cfg = gpu_config("refresh.mode=inplace", "grpo.lr=1e-7", "engine.adapter_name=skipper", "run.name=skipper")
-    trainer = GRPOTrainer(cfg, model_path, engine)    # loads version 0 into the engine
+    trainer = build_trainer(cfg, model_path, engine)    # loads version 0 into the engine
     trainer.refresher = refresher_cls(engine, "skipper")
     trainer.step()                                     # served version 0 = the trainer's: fine
     try:
@@ -520,7 +522,7 @@ def socket_check(model_path: str, cfg) -> dict:
     a, b = random_adapter(model_path, 1), random_adapter(model_path, 2)
     prompts = [s[:p] for s, p in zip(*probe_sequences(model_path))]
     with SocketWatch(interval=0.02) as watch:
-        with SGLangEngine.from_config(cfg, model_path) as eng:
+        with start_engine(cfg, model_path) as eng:
             eng.load_adapter_tensors("policy", a.to("cuda"))
             eng.update_adapter_in_place("policy", FlatAdapter(b.buffer.cuda(), b.layout, b.config, 1))
             eng.generate(prompts, Sampling(max_new_tokens=16, temperature=1.0, seed=0), "policy")
@@ -553,8 +555,8 @@ def test_scheduler_death_mid_run(tiny_path, tmp_path):
 
     from lorabench.runlog import read_jsonl
     steps, run_dir, log = 8, tmp_path / "runs" / "killed", tmp_path / "log.txt"
-    args = ["run", f"model.name_or_path={tiny_path}", "engine.backend=sglang", *STACK, "engine.dtype=bfloat16",
-            "engine.mem_fraction_static=0.3", f"run.out_dir={run_dir.parent}", "run.name=killed",
+    args = ["run", f"model.name_or_path={tiny_path}", "engine.backend=sglang", *STACK, "engine.sglang.dtype=bfloat16",
+            "engine.sglang.mem_fraction_static=0.3", f"run.out_dir={run_dir.parent}", "run.name=killed",
             f"grpo.steps={steps}", "run.save_adapter_every=2", "refresh.mode=inplace",
             "grpo.compile=off"]   # what is tested starts after step 3; compiling would be most of the wait
     torch.cuda.synchronize()

@@ -138,7 +138,7 @@ def test_status_reply_is_json_of_known_shape(on_rank0):
     assert json.loads(text) == pool.read_status(status) and set(json.loads(text)) == {"refused"}
 
 
-# --- engine.log_file: where the engine's own processes write ---------------------------------------------
+# --- engine.sglang.log_file: where the engine's own processes write ---------------------------------------------
 def test_engine_processes_write_to_the_log_file_and_this_process_gets_its_output_back(tmp_path, capfd):
     """What a child started inside the block writes (stdout and stderr, for its whole life) goes to the
     file; this process's own descriptors are restored after it."""
@@ -163,7 +163,7 @@ def test_engine_log_file_in_a_missing_dir_is_refused_with_the_fix(tmp_path):
     from lorabench.engines.base import EngineError
     from lorabench.engines.sglang import child_output_to
     path = tmp_path / "no-such-dir" / "engine.log"
-    with pytest.raises(EngineError, match=r"engine.log_file=.*no-such-dir.*existing, writable directory"):
+    with pytest.raises(EngineError, match=r"engine.sglang.log_file=.*no-such-dir.*existing, writable directory"):
         with child_output_to(str(path)):
             pass
     assert not path.parent.exists()

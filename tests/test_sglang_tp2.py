@@ -1,4 +1,4 @@
-"""The SGLang engine with tensor parallelism (engine.tp_size=2) on two GPUs.
+"""The SGLang engine with tensor parallelism (engine.sglang.tp_size=2) on two GPUs.
 Marker `gpu`; run on the two-GPU machine (nvidia-h200-x2) with
     bash .sglang/with-sglang.sh bash dev/gpu_suite.sh tests/test_sglang_tp2.py
 Skips with the reason on machines with fewer than two GPUs. The trainer (and the hf reference)
@@ -31,9 +31,9 @@ from test_sglang_gpu import (  # noqa: E402,F401
     tiny_path,
 )
 
-from lorabench.engines.sglang import SGLangEngine  # noqa: E402
+from lorabench.session import start_engine  # noqa: E402
 
-TP2 = ["engine.backend=sglang", "engine.tp_size=2"]
+TP2 = ["engine.backend=sglang", "engine.sglang.tp_size=2"]
 
 
 def test_tp2_parity_refresh_and_static_greedy_tiny(tiny_path, tmp_path):
@@ -63,7 +63,7 @@ def test_tp2_grpo_reward_rises_no_open_door(tiny_path):
     (SGLangEngine points their bootstrap at loopback) or connects off the host."""
     from test_security import SocketWatch
     steps = int(os.environ.get("LORABENCH_GPU_STEPS", "30"))
-    with SocketWatch(interval=0.02) as watch, SGLangEngine.from_config(gpu_config(*TP2), tiny_path) as engine:
+    with SocketWatch(interval=0.02) as watch, start_engine(gpu_config(*TP2), tiny_path) as engine:
         summary = grpo_per_mode(engine, tiny_path, ("inplace", "tensor", "file"), steps, *TP2, name="tp2-grpo")
     sockets = socket_summary(watch)
     sockets["env"] = {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}

@@ -131,18 +131,17 @@ def test_refresh_soak_1000_cycles(tiny_model_dir, make_peft_model, sample_sequen
 def long_run_trainer(tiny_model_dir, tokenizer, tmp_path):
     """A GRPOTrainer on a real HFEngine writing a run dir: 1 prompt x 2 completions of 4 tokens, tensor
     refresh, a checkpoint every step, an adapter dir every 50."""
-    from lorabench.config import Config
-    from lorabench.engines import make_engine
-    from lorabench.grpo import GRPOTrainer
     from lorabench.runlog import RunLog
+    from lorabench.session import build_trainer, start_engine
+    from lorabench.session.config import Config
     cfg = Config.load(overrides=[
         "grpo.steps=200", "grpo.prompts_per_step=1", "grpo.group_size=2", "grpo.max_new_tokens=4",
         "grpo.micro_batch_tokens=128", "refresh.mode=tensor", 'lora.target_modules=["q_proj","v_proj"]',
-        "lora.r=4", "lora.alpha=8", "run.save_adapter_every=50", "grpo.lr=1e-3", "engine.device=cpu",
+        "lora.r=4", "lora.alpha=8", "run.save_adapter_every=50", "grpo.lr=1e-3", "engine.hf.device=cpu",
         "data.eval_size=4"])
-    engine = make_engine(cfg, str(tiny_model_dir))
-    trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, RunLog(tmp_path / "run"), tokenizer=tokenizer,
-                          log=lambda *a: None)
+    engine = start_engine(cfg, str(tiny_model_dir))
+    trainer = build_trainer(cfg, str(tiny_model_dir), engine, RunLog(tmp_path / "run", settings=cfg.run),
+                            tokenizer=tokenizer, log=lambda *a: None)
     yield trainer
     trainer.close()
     engine.close()

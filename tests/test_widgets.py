@@ -14,12 +14,10 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from lorabench.config import Config
-from lorabench.engines import make_engine
 from lorabench.engines.base import AdapterNotLoaded, StaleAdapter
-from lorabench.grpo import GRPOTrainer
 from lorabench.runlog import RunLog, read_jsonl
-from lorabench.session import RunSession
+from lorabench.session import RunSession, build_trainer, start_engine
+from lorabench.session.config import Config
 from lorabench.viz import MIN_FONT_PT, png_text_info
 from lorabench.widgets import StepPanel, completions_table, refresh_table, status_lines
 
@@ -29,15 +27,15 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def tiny_config(tmp_path, *extra) -> Config:
     return Config.load(overrides=[
         "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.max_new_tokens=6", "grpo.micro_batch_tokens=256",
-        "data.eval_size=2", "lora.r=4", "lora.alpha=8", "engine.device=cpu", f"refresh.tmp_dir={tmp_path}",
+        "data.eval_size=2", "lora.r=4", "lora.alpha=8", "engine.hf.device=cpu", f"refresh.file.tmp_dir={tmp_path}",
         "warmstart.steps=0", f"run.out_dir={tmp_path / 'runs'}", *extra])
 
 
 @pytest.fixture
 def trainer(tiny_model_dir, tokenizer, tmp_path):
     cfg = tiny_config(tmp_path)
-    engine = make_engine(cfg, str(tiny_model_dir))
-    trainer = GRPOTrainer(cfg, str(tiny_model_dir), engine, tokenizer=tokenizer, log=lambda *a: None)
+    engine = start_engine(cfg, str(tiny_model_dir))
+    trainer = build_trainer(cfg, str(tiny_model_dir), engine, tokenizer=tokenizer, log=lambda *a: None)
     yield trainer
     trainer.close()
     engine.close()
@@ -105,8 +103,8 @@ def test_views_show_the_last_step(trainer):
     panel.start(1)
     record = panel.wait(timeout=60)
     assert bytes(panel.plot.value) != bytes(before) and bytes(panel.plot.value).startswith(PNG)
-    g = trainer.cfg.grpo.group_size
-    last_group = [s for s in record.samples if s["prompt"] == trainer.cfg.grpo.prompts_per_step - 1]
+    g = trainer.settings.group_size
+    last_group = [s for s in record.samples if s["prompt"] == trainer.settings.prompts_per_step - 1]
     assert len(last_group) == g
     table = panel.completions.value
     assert len(re.findall(r"<tr><td>\d+</td>", table)) == g
@@ -130,13 +128,15 @@ def test_views_show_the_last_step(trainer):
 
 
 def test_status_explains_a_format_bonus():
-    cfg = Config.load(overrides=["grpo.format_bonus=0.5"])
+    from lorabench.rewards import reward_functions
     row = {"step": 3, "adapter/version": 3, "adapter/served_version": 2, "refresh/total_s": 0.01,
            "refresh/mode": "file", "time/step_s": 1.0, "adapter/delta_norm": 0.5, "reward/mean": 0.75,
            "rewards/correct/mean": 0.5, "rewards/format/mean": 0.5, "probe/adapter_gap": 0.1, "mismatch/mean": 1e-6,
            "mismatch/p99": 2e-6, "mismatch/max": 3e-6}
-    status = status_lines(row, cfg.grpo)
+    status = status_lines(row, reward_functions("strict", 0.5))
     assert "reward</b> 0.750 = correct 0.500" in status and "+ 0.5 × share ending '#### N' (0.50)" in status
+    assert "its last '#### N' is the right number" in status
+    assert "no format bonus" in status_lines(row, reward_functions("flexible", 0.0))
     assert "sampled from adapter v2 → trained to v3" in status
 
 

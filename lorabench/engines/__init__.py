@@ -1,19 +1,27 @@
 """Rollout engines: one core protocol plus optional capabilities (base.py), one registry.
 
-Adding an engine is one file here (a class with `name`, `help`, `config_problems(cfg)`,
-`from_config(cfg, model_path)` and the RolloutEngine methods) plus one line in ENGINES. Config
-validation, the CLI's help and the benchmarks read ENGINES; modules are imported only when used,
-so a missing optional dependency (sglang) fails only for the engine that needs it.
+Adding an engine is one file here plus one line in ENGINES: a class with `name`, `help`,
+`Settings` (its settings dataclass, the `engine.<name>` section, or None), `needs_problems(settings,
+needs)` (what it cannot do for this run, each a fix-it line), `check_available(settings,
+capabilities)` (packages, devices; before anything is written), `device_of(settings)` (where the
+trainer beside it runs), `from_settings(model_path, settings, needs)` and the RolloutEngine
+methods. The run config's `engine` section, its validation, the CLI's help and the benchmarks read
+ENGINES; engine modules import their optional dependency (sglang) only when the engine starts, so
+a missing one fails only for the engine that needs it.
 """
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
+from ..settings import ALLOWED, Section, check, path_component_problem, setting
 from .base import (
+    SERVED,
     AdapterAlreadyLoaded,
     AdapterNotLoaded,
     Completion,
     EngineError,
+    EngineNeeds,
     PushesWeights,
     ReleasesMemory,
     RolloutEngine,
@@ -37,11 +45,45 @@ def engine_class(backend: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_engine(cfg, model_path: str, **overrides):
-    """The configured engine, serving `model_path`'s base weights."""
-    return engine_class(cfg.engine.backend).from_config(cfg, model_path, **overrides)
+@dataclass
+class EngineSettings(Section):
+    """The `engine` section: which engine serves the rollouts and under which adapter name, plus one
+    sub-section per registered engine with settings of its own (`engine.sglang`, `engine.hf`)."""
+    backend: str = setting("hf", "The rollout engine; one of the registry's (lorabench.engines.ENGINES): 'hf' "
+                           "(transformers + PEFT, CPU or GPU) or 'sglang' (in-process sglang.Engine).",
+                           resume=ALLOWED, why=SERVED)
+    adapter_name: str = setting("policy", "Name the current adapter is served under.", resume=ALLOWED, why=SERVED)
+    release_memory_during_training: bool = setting(False, "Release the engine's KV cache (and its weights, with "
+                                                   "merged refresh) while the trainer runs, resumed symmetrically; "
+                                                   "an engine that can (ReleasesMemory: sglang with "
+                                                   "enable_memory_saver) frees the GPU memory for training.",
+                                                   resume=ALLOWED, why=SERVED)
+
+    @classmethod
+    def parts(cls) -> dict[str, type]:
+        from . import ENGINES, engine_class  # the registry, as it is now
+        return {name: engine_class(name).Settings for name in ENGINES if engine_class(name).Settings is not None}
+
+    def problems(self) -> list[str]:
+        problem = path_component_problem(self.adapter_name)
+        return [*check(self.backend in ENGINES, f"engine.backend={self.backend!r}: use one of {sorted(ENGINES)}"),
+                *check(problem is None, f"engine.adapter_name={self.adapter_name!r} {problem}; give a plain name "
+                       f"such as 'policy' (file refresh makes a dir named after it)")]
+
+    @property
+    def chosen(self):
+        """The chosen backend's own sub-section (None for an engine without settings)."""
+        return self.subsections.get(self.backend)
 
 
-__all__ = ["ENGINES", "AdapterAlreadyLoaded", "AdapterNotLoaded", "Completion", "EngineError", "PushesWeights",
+def make_engine(settings, model_path: str, needs=None, **overrides):
+    """The engine `settings` (the `engine` section) chooses, serving `model_path`'s base weights,
+    started with its own sub-section and what the run needs of it (EngineNeeds)."""
+    return engine_class(settings.backend).from_settings(model_path, settings.chosen, needs or EngineNeeds(),
+                                                        **overrides)
+
+
+__all__ = ["ENGINES", "AdapterAlreadyLoaded", "AdapterNotLoaded", "Completion", "EngineError", "EngineNeeds",
+           "EngineSettings", "PushesWeights",
            "ReleasesMemory", "RolloutEngine", "Sampling", "StaleAdapter", "UpdatesAdapterInPlace", "engine_class",
            "make_engine", "require"]

@@ -24,6 +24,20 @@ if TYPE_CHECKING:
     from ..adapters import FlatAdapter
 
 
+SERVED = "how rollouts are served; the adapter is the same"
+
+
+@dataclass(frozen=True)
+class EngineNeeds:
+    """What a run asks of its engine, from the other sections (the session derives it): the
+    adapter it must hold, the largest batch it will be sent, the seed, the trainer's dtype."""
+    lora_rank: int = 16
+    target_modules: str | tuple[str, ...] = "all-linear"
+    largest_batch: int = 0      # 0: not known (the engine's own default then)
+    seed: int = 0
+    model_dtype: str = "float32"
+
+
 class EngineError(RuntimeError):
     """The engine refused a call; the message carries the engine's own error text."""
 

@@ -8,7 +8,9 @@ every optional capability: in-place adapter updates, base-weight pushes and (no-
 from __future__ import annotations
 
 import dataclasses
+import re
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +18,16 @@ import torch
 from ..adapters import FlatAdapter, base_param_name, linear_shapes, validate
 from ..interrupts import interrupts_deferred
 from ..models import load_model, pick_device, with_lora
-from .base import AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling, check_same_lora_config
+from ..settings import ALLOWED, Section, check, setting
+from .base import (
+    SERVED,
+    AdapterAlreadyLoaded,
+    AdapterNotLoaded,
+    Completion,
+    EngineError,
+    Sampling,
+    check_same_lora_config,
+)
 
 
 def lora_config_from_dict(config: dict):
@@ -41,7 +52,22 @@ def _copy_checked(params: dict[str, torch.Tensor], named_tensors, what: str, nam
         params[name].copy_(tensor)
 
 
+_DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|mps)?$")
+
+
+@dataclass
+class HFSettings(Section):
+    """The `engine.hf` section."""
+    device: str = setting("", "Device of the hf engine (and of the trainer beside it); '' = cuda if available, "
+                          "else cpu.", resume=ALLOWED, why=SERVED)
+
+    def problems(self) -> list[str]:
+        return check(bool(_DEVICE.match(self.device)),
+                     f"engine.hf.device={self.device!r}: use '', cpu, cuda, cuda:N or mps")
+
+
 class HFEngine:
+    Settings = HFSettings
     name = "hf"
     help = "transformers + PEFT in this process (CPU or GPU): the offline default and the reference"
     max_lora_rank = None     # PEFT holds any rank
@@ -64,21 +90,34 @@ class HFEngine:
         self.eos_ids = set(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else next(iter(self.eos_ids))
 
-    @classmethod
-    def config_problems(cls, cfg) -> list[str]:
-        """What in a run config this engine cannot do (config.validate reports it)."""
-        if cfg.engine.tp_size != 1:
-            return [f"engine.tp_size={cfg.engine.tp_size} needs engine.backend='sglang'; the hf engine runs "
-                    f"on one device"]
+    @staticmethod
+    def needs_problems(settings: HFSettings, needs) -> list[str]:
+        """Nothing a run asks is beyond PEFT (any rank, any target list)."""
         return []
 
     @staticmethod
-    def check_available(cfg) -> None:
-        """transformers and PEFT are dependencies of lorabench: nothing to check beyond the device."""
+    def check_available(settings: HFSettings, capabilities=()) -> None:
+        """transformers and PEFT are dependencies of lorabench: only the device is checked."""
+        device = settings.device
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise EngineError(f"engine.hf.device={device!r}, but torch sees no CUDA GPU here (torch "
+                                  f"{torch.__version__}); use engine.hf.device=cpu or '' (= cuda if available, "
+                                  f"else cpu)")
+            index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+            if index >= count:
+                raise EngineError(f"engine.hf.device={device!r}, but torch sees {count} CUDA GPU(s) here (cuda:0 to "
+                                  f"cuda:{count - 1}); pick one of those")
+
+    @staticmethod
+    def device_of(settings: HFSettings) -> str:
+        """The device it (and the trainer beside it) will use."""
+        return pick_device(settings.device)
 
     @classmethod
-    def from_config(cls, cfg, model_path: str, **overrides) -> HFEngine:
-        return cls(model_path, **{"device": cfg.engine.device, "dtype": cfg.model.dtype, **overrides})
+    def from_settings(cls, model_path: str, settings: HFSettings, needs, **overrides) -> HFEngine:
+        """Its base weights in the trainer's dtype, so its log-probs equal the trainer's."""
+        return cls(model_path, **{"device": settings.device, "dtype": needs.model_dtype, **overrides})
 
     # -- adapters ---------------------------------------------------------------------------
     def loaded_adapters(self) -> list[str]:

@@ -37,14 +37,25 @@ import signal
 import sys
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..adapters import FlatAdapter, validate
+from ..settings import ALLOWED, Section, check, setting
 from . import sglang_pool
-from .base import AdapterAlreadyLoaded, AdapterNotLoaded, Completion, EngineError, Sampling, check_same_lora_config
+from .base import (
+    SERVED,
+    AdapterAlreadyLoaded,
+    AdapterNotLoaded,
+    Completion,
+    EngineError,
+    EngineNeeds,
+    Sampling,
+    UpdatesAdapterInPlace,
+    check_same_lora_config,
+)
 from .engine_thread import EngineThread
 from .loopback import LoopbackStore
 
@@ -69,47 +80,87 @@ def sglang_target_modules(target) -> list[str]:
     return list(target)
 
 
+LORA_BACKENDS = {"", "triton", "csgmv", "torch_native"}   # sglang 0.5.17's GPU choices
+
+
 @dataclass
-class SGLangSettings:
-    """What the engine is started with; `from_config` reads it from a run config."""
-    max_lora_rank: int = 16
-    target_modules: list[str] = field(default_factory=lambda: ["all"])
-    max_loras_per_batch: int = 4
-    mem_fraction_static: float = 0.3
-    dtype: str = "auto"
-    seed: int = 0
-    attention_backend: str = ""
-    sampling_backend: str = ""
-    grammar_backend: str = ""
-    lora_backend: str = ""          # '' = SGLang's default (csgmv in 0.5.17)
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 0
-    tp_size: int = 1
-    extra_args: dict = field(default_factory=dict)
-    log_file: str = ""          # where the engine's processes write; '' = inherit this process's
+class SGLangSettings(Section):
+    """The `engine.sglang` section: what sglang.Engine is started with. The adapter it must hold
+    (rank, target modules), the largest batch and the seed come from the run (EngineNeeds)."""
+    mem_fraction_static: float = setting(0.3, "Fraction of GPU memory for the engine's weights + KV cache. 0.3 "
+                                         "leaves the README's command room for the trainer on a 24 GB GPU "
+                                         "(docs/results.md).", resume=ALLOWED, why=SERVED)
+    dtype: str = setting("auto", "The engine's model dtype ('auto', 'bfloat16', 'float16').", resume=ALLOWED,
+                         why=SERVED)
+    max_lora_rank: int = setting(0, "Largest LoRA rank the engine holds; 0 = the run's lora.r.", resume=ALLOWED,
+                                 why=SERVED)
+    max_loras_per_batch: int = setting(4, "Adapters per batch; the base model counts as one (>= 2).",
+                                       resume=ALLOWED, why=SERVED)
+    lora_backend: str = setting("triton", "The LoRA kernels: 'triton' or 'csgmv' (SGLang's default). triton "
+                                "decodes the adapter closer to base speed on an H200 (docs/results.md).",
+                                resume=ALLOWED, why=SERVED)
+    attention_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
+    sampling_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
+    grammar_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
+    disable_cuda_graph: bool = setting(False, "Turn CUDA graphs off (slower decode, faster start).", resume=ALLOWED,
+                                       why=SERVED)
+    cuda_graph_max_bs: int = setting(0, "Largest decode batch run as a CUDA graph; 0 = the largest batch the run "
+                                     "sends (a rollout or the held-out eval): a batch above it decodes without "
+                                     "graphs, several times slower (docs/results.md).", resume=ALLOWED, why=SERVED)
+    tp_size: int = setting(1, "Tensor-parallel size: the GPUs the engine spans from base_gpu_id (0) on; the "
+                           "trainer stays on cuda:0 (docs/multi_gpu.md).", resume=ALLOWED, why=SERVED)
+    extra_args: str = setting("", "A JSON object of further sglang.Engine arguments, e.g. "
+                              '\'{"enable_memory_saver": true}\'.', resume=ALLOWED, why=SERVED)
+    log_file: str = setting("", "A file (appended) for the output of the engine's own processes: its progress "
+                            "bars and logs; '' = this process's stdout/stderr (a notebook sends it to a file, so "
+                            "its output is the lesson's alone).", resume=ALLOWED, why=SERVED)
 
-    @classmethod
-    def from_config(cls, cfg) -> SGLangSettings:
-        e, g, d = cfg.engine, cfg.grpo, cfg.data
-        # decode CUDA graphs up to the largest batch a run sends (a rollout or the held-out eval);
-        # above SGLang's default (256 on an H200) a batch decodes eagerly, 2.5-3x slower
-        largest_batch = max(g.prompts_per_step * g.group_size, d.eval_size * d.eval_samples)
-        return cls(max_lora_rank=e.max_lora_rank or cfg.lora.r,
-                   target_modules=sglang_target_modules(cfg.lora.target_modules),
-                   max_loras_per_batch=e.max_loras_per_batch, mem_fraction_static=e.mem_fraction_static,
-                   dtype=e.dtype, seed=cfg.run.seed, attention_backend=e.attention_backend,
-                   sampling_backend=e.sampling_backend, grammar_backend=e.grammar_backend,
-                   lora_backend=e.lora_backend, disable_cuda_graph=e.disable_cuda_graph,
-                   cuda_graph_max_bs=e.cuda_graph_max_bs or largest_batch,
-                   tp_size=e.tp_size, extra_args=json.loads(e.extra_args) if e.extra_args else {},
-                   log_file=e.log_file)
+    def extra(self) -> dict:
+        return json.loads(self.extra_args) if self.extra_args else {}
 
-    def engine_kwargs(self, model_path: str) -> dict:
+    def problems(self) -> list[str]:
+        found = [
+            *check(self.max_loras_per_batch >= 2, f"engine.sglang.max_loras_per_batch={self.max_loras_per_batch}: "
+                   f"base-model requests take a slot too; use >= 2"),
+            *check(0 < self.mem_fraction_static < 1, f"engine.sglang.mem_fraction_static={self.mem_fraction_static}: "
+                   f"must be between 0 and 1 (e.g. 0.3 when the trainer shares the GPU)"),
+            *check(self.dtype in DTYPES, f"engine.sglang.dtype={self.dtype!r}: use one of {sorted(DTYPES)}"),
+            *check(self.lora_backend in LORA_BACKENDS, f"engine.sglang.lora_backend={self.lora_backend!r}: use one "
+                   f"of {sorted(LORA_BACKENDS)} ('' = SGLang's default)"),
+            *check(self.max_lora_rank >= 0, f"engine.sglang.max_lora_rank={self.max_lora_rank}: must be >= 0 "
+                   f"(0 = lora.r)"),
+            *check(self.cuda_graph_max_bs >= 0, f"engine.sglang.cuda_graph_max_bs={self.cuda_graph_max_bs}: must be "
+                   f">= 0 (0 = the largest batch the run sends)"),
+            *check(self.tp_size >= 1, f"engine.sglang.tp_size={self.tp_size}: must be >= 1 (the GPUs the engine "
+                   f"spans)"),
+        ]
+        return found or self._extra_problems()
+
+    def _extra_problems(self) -> list[str]:
+        try:
+            extra = self.extra()
+        except json.JSONDecodeError as err:
+            return [f"engine.sglang.extra_args={self.extra_args!r} is not JSON ({err}); write a JSON object, e.g. "
+                    f'\'{{"enable_memory_saver": true}}\'']
+        if not isinstance(extra, dict):
+            return [f'engine.sglang.extra_args={self.extra_args!r}: must be a JSON object {{"name": value, ...}}']
+        return [*check("tp_size" not in extra, f"engine.sglang.extra_args sets tp_size={extra.get('tp_size')!r}; use "
+                       f"engine.sglang.tp_size instead (one place for it)"),
+                *check(extra.get("dp_size", 1) == 1, f"engine.sglang.extra_args sets dp_size={extra.get('dp_size')!r}: "
+                       f"sglang 0.5.17 refuses adapter and weight updates with dp_size > 1; run one engine per "
+                       f"data-parallel group, or use engine.sglang.tp_size (docs/multi_gpu.md)")]
+
+    def engine_kwargs(self, model_path: str, needs: EngineNeeds) -> dict:
+        """sglang.Engine's arguments for a run that needs `needs` of it."""
         kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True,
-                      enable_lora=True, max_lora_rank=self.max_lora_rank, lora_target_modules=self.target_modules,
+                      enable_lora=True, max_lora_rank=self.max_lora_rank or needs.lora_rank,
+                      lora_target_modules=sglang_target_modules(needs.target_modules),
                       max_loras_per_batch=self.max_loras_per_batch, mem_fraction_static=self.mem_fraction_static,
-                      dtype=self.dtype, random_seed=self.seed, log_level="error",
+                      dtype=self.dtype, random_seed=needs.seed, log_level="error",
                       custom_weight_loader=[sglang_pool.LOADER])
+        # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
+        if self.cuda_graph_max_bs or needs.largest_batch:
+            kwargs["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs or needs.largest_batch
         for key in ("attention_backend", "sampling_backend", "grammar_backend", "lora_backend"):
             if getattr(self, key):
                 kwargs[key] = getattr(self, key)
@@ -117,44 +168,19 @@ class SGLangSettings:
             kwargs["disable_cuda_graph"] = True
         if self.tp_size > 1:
             kwargs["tp_size"] = self.tp_size
-        if self.cuda_graph_max_bs:
-            kwargs["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs
-        return {**kwargs, **self.extra_args}
+        return {**kwargs, **self.extra()}
 
 
-LORA_BACKENDS = {"", "triton", "csgmv", "torch_native"}   # sglang 0.5.17's GPU choices
-
-
-def config_problems(cfg) -> list[str]:
-    """What in a run config SGLang cannot do, each with the fix."""
-    e, lora, problems = cfg.engine, cfg.lora, []
-    if e.max_loras_per_batch < 2:
-        problems.append(f"engine.max_loras_per_batch={e.max_loras_per_batch}: base-model requests take a slot "
-                        f"too; use >= 2")
-    if not 0 < e.mem_fraction_static < 1:
-        problems.append(f"engine.mem_fraction_static={e.mem_fraction_static}: must be between 0 and 1 (e.g. 0.3 "
-                        f"when the trainer shares the GPU)")
-    if e.max_lora_rank and e.max_lora_rank < lora.r:
-        problems.append(f"engine.max_lora_rank={e.max_lora_rank} is below lora.r={lora.r}; raise it or set 0 "
-                        f"(= lora.r)")
-    if e.dtype not in DTYPES:
-        problems.append(f"engine.dtype={e.dtype!r}: use one of {sorted(DTYPES)}")
-    if e.lora_backend not in LORA_BACKENDS:
-        problems.append(f"engine.lora_backend={e.lora_backend!r}: use one of {sorted(LORA_BACKENDS)} ('' = SGLang's "
-                        f"default)")
+def needs_problems(settings: SGLangSettings, needs: EngineNeeds) -> list[str]:
+    """What of the run's needs SGLang cannot serve, each with the fix."""
+    found = check(not settings.max_lora_rank or settings.max_lora_rank >= needs.lora_rank,
+                  f"engine.sglang.max_lora_rank={settings.max_lora_rank} is below lora.r={needs.lora_rank}; raise it "
+                  f"or set 0 (= lora.r)")
     try:
-        sglang_target_modules(lora.target_modules)
+        sglang_target_modules(needs.target_modules)
     except EngineError as err:
-        problems.append(str(err))
-    extra = json.loads(e.extra_args) if e.extra_args else {}
-    if "tp_size" in extra:
-        problems.append(f"engine.extra_args sets tp_size={extra['tp_size']!r}; use engine.tp_size instead "
-                        f"(one place for it)")
-    if extra.get("dp_size", 1) != 1:
-        problems.append(f"engine.extra_args sets dp_size={extra['dp_size']!r}: sglang 0.5.17 refuses adapter and "
-                        f"weight updates with dp_size > 1; run one engine per data-parallel group, or use "
-                        f"engine.tp_size (docs/multi_gpu.md)")
-    return problems
+        found.append(str(err))
+    return found
 
 
 def check_reply(result, what: str):
@@ -184,8 +210,8 @@ def child_output_to(path: str):
     try:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     except OSError as err:
-        raise EngineError(f"engine.log_file={path!r}: cannot open it for writing ({err.strerror}); name a "
-                          f"file in an existing, writable directory, or set engine.log_file='' to keep the "
+        raise EngineError(f"engine.sglang.log_file={path!r}: cannot open it for writing ({err.strerror}); name a "
+                          f"file in an existing, writable directory, or set engine.sglang.log_file='' to keep the "
                           f"engine's output here") from err
     sys.stdout.flush()
     sys.stderr.flush()
@@ -203,14 +229,15 @@ def child_output_to(path: str):
             os.close(fd)
 
 
-def _start(model_path: str, settings: SGLangSettings, overrides: dict):
-    """sglang.Engine with our settings, its rendezvous store on loopback, or an EngineError saying why not."""
+def _start(kwargs: dict, overrides: dict, settings: SGLangSettings):
+    """sglang.Engine(**kwargs, **overrides), its rendezvous store on loopback, or an EngineError saying why not."""
     try:
         import sglang
     except ImportError as err:
         raise EngineError(f"engine.backend='sglang' needs the sglang package ({err}); install it with "
                           f"pip install 'lorabench[sglang]' on a GPU machine, or use engine.backend=hf") from err
-    kwargs = {**settings.engine_kwargs(model_path), **overrides}
+    model_path = kwargs["model_path"]
+    kwargs = {**kwargs, **overrides}
     # No open doors: with tp_size > 1 the ranks talk through NCCL and gloo, which bind their
     # bootstrap sockets to the first non-loopback interface by default; one host needs loopback only
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
@@ -229,13 +256,13 @@ def _start(model_path: str, settings: SGLangSettings, overrides: dict):
         hint = ""
         if tp_size > 1:
             held = torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_initialized() else 0.0
-            hint = (f"; with engine.tp_size={tp_size} SGLang also refuses GPUs whose free memory differs by more "
-                    f"than 10% (this process holds {held:.1f} GB on its current GPU, which rank 0 shares): start "
+            hint = (f"; with engine.sglang.tp_size={tp_size} SGLang also refuses GPUs whose free memory differs by "
+                    f"more than 10% (this process holds {held:.1f} GB on its current GPU, which rank 0 shares): start "
                     f"the engine before the trainer, or see docs/multi_gpu.md")
         if settings.log_file:
             hint += f"; the engine's own output is in {settings.log_file}"
         raise EngineError(f"sglang.Engine failed to start ({type(err).__name__}: {err}); check "
-                          f"engine.mem_fraction_static (now {settings.mem_fraction_static}) and the model path "
+                          f"engine.sglang.mem_fraction_static (now {settings.mem_fraction_static}) and the model path "
                           f"{model_path}{hint}") from err
 
 
@@ -264,42 +291,46 @@ class SGLangEngine:
     processes are stopped, the call in progress and every later one raise EngineError, and the
     process goes on (close the session, open a new one; the run dir resumes from its checkpoint).
     Both need the engine to be created on the main thread (signal dispositions live there)."""
+    Settings = SGLangSettings
     name = "sglang"
     help = "an in-process sglang.Engine on the GPU(s), no HTTP server"
-    config_problems = staticmethod(config_problems)
+    needs_problems = staticmethod(needs_problems)
 
     @staticmethod
-    def check_available(cfg) -> None:
-        """Before anything is written: the sglang package and a CUDA GPU, or an EngineError saying so."""
+    def check_available(settings: SGLangSettings, capabilities=()) -> None:
+        """Before anything is written: the sglang package (a release the in-place writer was checked
+        on, if the refresh writes in place) and a CUDA GPU, or an EngineError saying so."""
         import importlib.util
         if importlib.util.find_spec("sglang") is None:
             raise EngineError("engine.backend='sglang' needs the sglang package, which is not installed for this "
                               "Python; install it on a GPU machine (pip install 'lorabench[sglang]') or use "
                               "engine.backend=hf")
-        if cfg.refresh.mode == "inplace":
+        if UpdatesAdapterInPlace in capabilities:
             sglang_pool.check_version()
         if not torch.cuda.is_available():
             raise EngineError(f"engine.backend='sglang' needs a CUDA GPU; torch {torch.__version__} sees none here. "
                               f"Use engine.backend=hf on this machine")
 
-    def __init__(self, model_path: str, settings: SGLangSettings | None = None, **engine_overrides):
+    def __init__(self, model_path: str, settings: SGLangSettings | None = None, needs: EngineNeeds | None = None,
+                 **engine_overrides):
         self.settings = settings = settings or SGLangSettings()
-        self.max_lora_rank = settings.max_lora_rank
+        needs = needs or EngineNeeds()
+        self.max_lora_rank = settings.max_lora_rank or needs.lora_rank
         self.adapter_dtype = DTYPES.get(settings.dtype)  # None for 'auto': the model's own dtype
         self.device = "cuda"
         self.engine = self._store = None
         self._thread = EngineThread("lorabench-sglang")
         try:
             with _interrupts_ignored_by_children():
-                self._thread.call(self._start, model_path, settings, engine_overrides)
+                self._thread.call(self._start, model_path, settings.engine_kwargs(model_path, needs), engine_overrides)
         except BaseException:
             self._thread.close("the engine did not start")
             self._thread = None
             raise
         _watch_for_failed_children(self)
 
-    def _start(self, model_path: str, settings: SGLangSettings, overrides: dict) -> None:
-        self.engine, self._store = _start(model_path, settings, overrides)
+    def _start(self, model_path: str, kwargs: dict, overrides: dict) -> None:
+        self.engine, self._store = _start(kwargs, overrides, self.settings)
         self._thread.use_loop(self.engine.loop)   # the loop sglang.Engine made on this thread, its own
         self._adapters: set[str] = set()
         self._configs: dict[str, dict] = {}   # name -> config it was loaded with (tensor loads)
@@ -308,9 +339,15 @@ class SGLangEngine:
         self.pool = sglang_pool.PoolWriter(self)
         self.eos_ids = _eos_ids(model_path)
 
+    @staticmethod
+    def device_of(settings: SGLangSettings) -> str:
+        """The trainer beside the engine uses the first GPU (the engine's rank 0)."""
+        return "cuda"
+
     @classmethod
-    def from_config(cls, cfg, model_path: str, **engine_overrides) -> SGLangEngine:
-        return cls(model_path, SGLangSettings.from_config(cfg), **engine_overrides)
+    def from_settings(cls, model_path: str, settings: SGLangSettings, needs: EngineNeeds,
+                      **engine_overrides) -> SGLangEngine:
+        return cls(model_path, settings, needs, **engine_overrides)
 
     # -- adapters ---------------------------------------------------------------------------
     @_on_engine_thread()
@@ -447,7 +484,7 @@ class SGLangEngine:
         """Release GPU memory for training. Tags: 'kv_cache', 'weights' (SGLang's). Released weights
         come back with undefined contents unless the engine keeps a CPU backup, so only release
         them when every weight is pushed again after resume (merged refresh). Needs the engine
-        started with enable_memory_saver (engine.extra_args) to free anything. Only what was
+        started with enable_memory_saver (engine.sglang.extra_args) to free anything. Only what was
         released is resumed, so the pair stays symmetric."""
         if self._released:
             raise EngineError(f"memory already released ({self._released}); resume_memory first")

@@ -364,7 +364,7 @@ def _pin_and_load(manager, lora_id: str) -> None:
         if manager.num_pinned_loras >= manager.max_loras_per_batch - 1:
             raise Refused(f"cannot pin another adapter: {manager.num_pinned_loras} of max_loras_per_batch="
                           f"{manager.max_loras_per_batch} slots are pinned and one must stay free; raise "
-                          f"engine.max_loras_per_batch")
+                          f"engine.sglang.max_loras_per_batch")
         manager.lora_refs[lora_id] = msgspec.structs.replace(ref, pinned=True)  # LoRARef is frozen
         manager.num_pinned_loras += 1
     if lora_id not in manager.memory_pool.uid_to_buffer_id:

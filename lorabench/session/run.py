@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, engine_needs
 
 
 @dataclass
@@ -51,11 +51,11 @@ class RunPlan:
 
     def open(self, cfg: Config, log=print):
         """The run dir under its lock: config.json for a new run, config_changes.jsonl for a continued one."""
+        from ..runlog import RunDirError, RunLog
         from .compat import check_continuation, effective_config
-        from .runlog import RunDirError, RunLog
         if self.continued is None:
-            runlog = RunLog(self.run_dir, log, lock=True) if self.run_dir else RunLog.create(
-                cfg.run.out_dir, "", log, lock=True)
+            runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
+                cfg.run.out_dir, "", log, lock=True, settings=cfg.run)
             try:
                 runlog.write_config(cfg.to_dict())   # refuses if another process made this run meanwhile
             except RunDirError:
@@ -63,7 +63,7 @@ class RunPlan:
                 raise
             log(f"run dir: {runlog.dir}")
             return runlog
-        runlog = RunLog(self.run_dir, log, lock=True)
+        runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run)
         try:  # again under the lock: another writer may have finished since plan_run looked
             diff = check_continuation(self.run_dir, effective_config(self.run_dir), cfg, self.continued.step)
         except RunDirError:
@@ -86,7 +86,7 @@ def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
     which must be entered only through itself (no link, rundir.check_entries), free (no other
     writer), readable (rundir.inspect), accept `cfg` (compat.py) and still be the experiment its
     checkpoint was trained on (fingerprint.py: config.json and the data)."""
-    from .rundir import RunDirError, check_entries, lock_holder
+    from ..rundir import RunDirError, check_entries, lock_holder
     path = Path(run_dir) if run_dir else (Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None)
     if path is None or not os.path.lexists(path):
         return RunPlan(path)
@@ -110,8 +110,8 @@ def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
 
 def _refuse_leftovers(path: Path) -> None:
     """A dir without config.json may only hold what a run stopped before writing it leaves."""
-    from .rundir import RunDirError
-    from .safedir import SafeDir
+    from ..rundir import RunDirError
+    from ..safedir import SafeDir
     with SafeDir.open(path) as root:
         leftovers = []
         for name in root.names():
@@ -129,9 +129,9 @@ def _refuse_leftovers(path: Path) -> None:
 def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPlan:
     """Config.json as the checkpoint was trained (a hand edit is refused), then the requested
     changes (compat.py), then the data's bytes."""
+    from ..rundir import inspect
     from .compat import check_continuation, effective_config
     from .fingerprint import check_config, check_data
-    from .rundir import inspect
     state = inspect(path)
     effective = effective_config(path)
     recorded = (state.checkpoint or {}).get("fingerprint")
@@ -160,7 +160,6 @@ class RunSession:
         does, if `cfg` is compatible with it (compat.py)."""
         import torch
 
-        from .models import resolve_model_path
         from .preflight import preflight
 
         plan = plan_run(cfg, run_dir)
@@ -168,7 +167,7 @@ class RunSession:
         if cfg.run.threads:   # after preflight checked it against this machine's CPUs
             torch.set_num_threads(cfg.run.threads)
         t0 = time.perf_counter()
-        model_path = resolve_model_path(cfg, log=log)
+        model_path = resolve_model(cfg, log=log)
         model_seconds = time.perf_counter() - t0
         fingerprint = plan.check_model(cfg, model_path, log)
         runlog = plan.open(cfg, log)
@@ -181,11 +180,9 @@ class RunSession:
 
     @classmethod
     def _build(cls, cfg, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool):
-        from .engines import make_engine
-        from .grpo import GRPOTrainer
-        engine = make_engine(cfg, model_path)
+        engine = start_engine(cfg, model_path)
         try:
-            trainer = GRPOTrainer(cfg, model_path, engine, runlog, log=log)
+            trainer = build_trainer(cfg, model_path, engine, runlog, log=log)
             session = cls(cfg, runlog, engine, trainer, model_path, model_seconds)
             if evaluate_first:
                 session.evaluate_before()
@@ -197,7 +194,7 @@ class RunSession:
     def evaluate_before(self) -> list[dict]:
         """The step-0 held-out evaluations (sampled, greedy): read back from evals.jsonl, or run
         now for a new run or one killed between its two "before" evaluations."""
-        from .runlog import RunDirError
+        from ..runlog import RunDirError
         before = [e for e in self.runlog.evals() if e["step"] == 0]
         if len(before) < 2:
             if self.trainer.step_count > 0:
@@ -234,3 +231,46 @@ class RunSession:
             self.close_engine()
         finally:
             self.runlog.close()
+
+
+# --- the composition: each component built from its own section ---------------------------------
+def resolve_model(cfg: Config, log=print) -> str:
+    """The base model's dir (the tiny one built from its recipe on first use) or hub name."""
+    from ..models import resolve_model_path
+    return resolve_model_path(cfg.model, cfg.warmstart, cfg.run.seed, log=log)
+
+
+def start_engine(cfg: Config, model_path: str, **overrides):
+    """The engine cfg.engine chooses, started with its own section and what the run needs of it."""
+    from ..engines import make_engine
+    return make_engine(cfg.engine, model_path, engine_needs(cfg), **overrides)
+
+
+def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print):
+    """The GRPO trainer for `cfg` on `engine`: its policy (lora + grpo sections, seeded by run.seed for
+    the LoRA init), the refresher (refresh section), the problem source (data section), the run log."""
+    import torch
+
+    from ..data import ProblemSource
+    from ..grpo import GRPOTrainer
+    from ..models import load_tokenizer
+    from ..policy import Policy
+    from ..refresh import make_refresher
+    from ..runlog import NullRunLog
+    runlog = runlog if runlog is not None else NullRunLog(cfg.run)
+    if runlog.settings != cfg.run:   # the run log decides when checkpoints are due: from this config
+        raise ValueError(f"the run log of {runlog.dir} was opened with other run settings than cfg.run; open it with "
+                         f"RunLog(run_dir, settings=cfg.run) (or session.open_runlog)")
+    torch.manual_seed(cfg.run.seed)   # the LoRA init
+    policy = Policy(model_path, cfg.lora, cfg.grpo, cfg.model.dtype, engine.device)
+    refresher = make_refresher(cfg.refresh, engine, cfg.engine.adapter_name, base_weights=policy.base_weights())
+    return GRPOTrainer(cfg.grpo, policy, engine, refresher, ProblemSource.from_settings(cfg.data, cfg.run.seed),
+                       tokenizer or load_tokenizer(model_path), runlog, seed=cfg.run.seed,
+                       enable_thinking=cfg.model.enable_thinking,
+                       release_engine_memory=cfg.engine.release_memory_during_training, log=log)
+
+
+def open_runlog(cfg: Config, run_dir: str | Path, log=print, lock: bool = False):
+    """The run log of `run_dir`, writing on cfg.run's schedule (checkpoints, adapters, samples)."""
+    from ..runlog import RunLog
+    return RunLog(run_dir, log, lock=lock, settings=cfg.run)

@@ -6,7 +6,8 @@
     check_model(recorded, fp["model"], cfg, run_dir, step)   # resume, once the model is resolved
 
 A fingerprint is plain JSON-like data (it travels inside checkpoint/trainer_state.pt):
-- "config": every field compat.REFUSED lists (what defines the experiment), as trained;
+- "config": every field a continued run may not change (compat.refused(): what defines the
+  experiment), as trained;
 - "data": per data field in use, a file's resolved absolute path, size and sha256 of its bytes; for
   the synthetic generator a sha256 of its first problems (a changed generator is caught); for 'hub'
   the dataset's name only (its rows are not hashed);
@@ -24,7 +25,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .rundir import RunDirError
+from ..rundir import RunDirError
 
 WHOLE_LIMIT = 64 << 20
 SAMPLES, SAMPLE_BYTES = 16, 1 << 20
@@ -64,7 +65,7 @@ def _problems_sha(problems) -> str:
 
 
 def data_fingerprint(cfg) -> dict:
-    from .data import step_problems, synthetic_problems
+    from ..data import step_problems, synthetic_problems
     out = {}
     for field, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
         if source == "synthetic":
@@ -93,9 +94,9 @@ def model_fingerprint(cfg, model_path: str) -> dict:
 
 
 def experiment_fingerprint(cfg, model_path: str) -> dict:
-    from .compat import REFUSED, flat_config
+    from .compat import flat_config, refused
     flat = flat_config(cfg)
-    return {"config": {k: flat[k] for k in REFUSED}, "data": data_fingerprint(cfg),
+    return {"config": {k: flat[k] for k in refused()}, "data": data_fingerprint(cfg),
             "model": model_fingerprint(cfg, model_path)}
 
 

@@ -1,5 +1,6 @@
 """Which config fields a continued run may change (`lorabench resume RUN k=v`, or `lorabench run`
-naming an existing run dir), decided field by field.
+naming an existing run dir), decided field by field where the field is defined: each section's
+`setting(..., resume=ALLOWED|REFUSED, why=...)` (settings.py). This module only reads those.
 
 A continued run must still be the experiment its run dir describes: the same base model and
 tokenizer, the same adapter shape, the same data stream and seed, the same objective. Changing any
@@ -16,63 +17,52 @@ run.out_dir and run.name only say where the run dir is: they are not compared (a
 moved), the effective config takes them from where the run dir is now, and `resume` refuses them as
 overrides (its argument names the run dir).
 
-Every Config field is in exactly one list (tests/test_rundir.py checks it), so a new field is
-refused on resume until someone decides otherwise.
+Every field declares its decision (`setting` requires one), so a new field, a new engine's or a
+new refresh mode's included, follows these rules from the line that defines it.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .config import Config, ConfigError, apply_override, parse_config_bytes, path_component_problem
-from .rundir import RunDirError, scan_in
-from .safedir import SafeDir
+from ..rundir import RunDirError, scan_in
+from ..safedir import SafeDir
+from ..settings import ALLOWED as _ALLOWED
+from .config import (
+    MOVED,
+    Config,
+    ConfigError,
+    apply_override,
+    flat,
+    moved_layout,
+    parse_config_bytes,
+    path_component_problem,
+)
+from .config import every_key as _every_key
+from .config import field_of as _field_of
 
-_MODEL = "it defines the base model, its numerics or its prompts"
-_RECIPE = "it is part of the tiny base model's recipe: another value builds another model"
-_ADAPTER = "it defines the adapter's shape or scaling, which the checkpoint holds"
-_DATA = "it defines the data stream: which problems each step draws"
-_SAMPLING = "it defines the sampling distribution: the rollouts and the log-probs the loss uses"
-_OBJECTIVE = "it defines the objective; rows before and after would not be one experiment"
-
-REFUSED = {
-    "model.name_or_path": _MODEL, "model.dtype": _MODEL, "model.enable_thinking": _MODEL,
-    "warmstart.steps": _RECIPE, "warmstart.batch_size": _RECIPE, "warmstart.lr": _RECIPE,
-    "warmstart.strict_format_fraction": _RECIPE,
-    "lora.r": _ADAPTER, "lora.alpha": _ADAPTER, "lora.target_modules": _ADAPTER, "lora.dropout": _ADAPTER,
-    "data.source": _DATA, "data.eval_source": "it defines the held-out set the before/after evaluations compare",
-    "grpo.prompts_per_step": _DATA, "grpo.group_size": _DATA,
-    "grpo.max_new_tokens": _SAMPLING, "grpo.temperature": _SAMPLING, "grpo.top_p": _SAMPLING,
-    "grpo.lr": "it is saved in the checkpoint's optimizer state: a new value would silently not apply",
-    "grpo.clip_eps": _OBJECTIVE, "grpo.kl_beta": _OBJECTIVE, "grpo.reward_mode": _OBJECTIVE,
-    "grpo.format_bonus": _OBJECTIVE, "grpo.max_grad_norm": _OBJECTIVE, "grpo.epochs": _OBJECTIVE,
-    "run.seed": "it seeds the data, the sampling, the LoRA init and (tiny) the base model",
-}
-ALLOWED = {
-    "grpo.steps": "how long the run goes (not below the steps already done)",
-    "grpo.micro_batch_tokens": "memory only: the same gradients, summed in other groups",
-    "grpo.activation_checkpointing": "memory and speed only: the same gradients, recomputed",
-    "grpo.compile": "speed only: the same computation, compiled",
-    "grpo.lora_compute": "the precision of the LoRA matmuls in training; objective, data and adapter are the same",
-    "data.eval_size": "evaluation only (each evals.jsonl row carries its n)",
-    "data.eval_samples": "evaluation only (each evals.jsonl row carries its n)",
-    "data.max_prompt_tokens": "a guard checked before the run starts",
-    "grpo.max_delta_ratio": "a guard: it decides when a diverged update stops the run, not what a step computes",
-    "model.cache_dir": "where the tiny model is cached; its recipe names the model",
-    **{f"engine.{k}": "how rollouts are served; the adapter is the same" for k in (
-        "backend", "device", "adapter_name", "max_lora_rank", "max_loras_per_batch", "mem_fraction_static",
-        "attention_backend", "sampling_backend", "grammar_backend", "lora_backend", "disable_cuda_graph",
-        "release_memory_during_training", "dtype", "cuda_graph_max_bs", "tp_size", "extra_args", "log_file")},
-    "refresh.mode": "how the adapter reaches the engine", "refresh.bucket_mb": "how the adapter reaches the engine",
-    "refresh.tmp_dir": "where file refresh writes",
-    "run.save_adapter_every": "logging", "run.checkpoint_every": "logging", "run.sample_completions": "logging",
-    "run.threads": "execution",
-}
 LOCATION = ("run.out_dir", "run.name")
 
 
+def decisions() -> dict[str, tuple[str, str]]:
+    """{key: (resume, why)} for every field of the composed config, as its section declares it
+    (settings.setting); read when asked, so a part registered later is included."""
+    return {key: (f.metadata["resume"], f.metadata["why"]) for key in _every_key()
+            for f in [_field_of(key)] if f is not None}
+
+
+def refused() -> dict[str, str]:
+    """The fields a continued run may not change, and why."""
+    return {k: why for k, (resume, why) in decisions().items() if resume != _ALLOWED}
+
+
+def allowed() -> dict[str, str]:
+    """The fields a continued run may change (where the run dir is aside), and why."""
+    return {k: why for k, (resume, why) in decisions().items() if resume == _ALLOWED and k not in LOCATION}
+
+
 def flat_config(cfg: Config) -> dict[str, object]:
-    return {f"{section}.{key}": value for section, fields in cfg.to_dict().items() for key, value in fields.items()}
+    return flat(cfg)
 
 
 def effective_config(run_dir: Path) -> Config:
@@ -94,11 +84,14 @@ def effective_config(run_dir: Path) -> Config:
     if isinstance(data.get("run"), dict):   # where the run dir is now (it may have been moved or renamed)
         name_ok = path_component_problem(run_dir.name) is None
         data["run"].update(out_dir=str(run_dir.parent), name=run_dir.name if name_ok else "")
-    data = Config.from_dict(data, source=str(run_dir / "config.json")).to_dict()
+    data = Config.from_dict(moved_layout(data), source=str(run_dir / "config.json")).to_dict()
     for row in changes:
         for key, (_, new) in row.get("changes", {}).items():
-            section, _, name = key.partition(".")
-            data[section][name] = new
+            *path, name = MOVED.get(key, key).split(".")
+            table = data
+            for part in path:
+                table = table.setdefault(part, {})
+            table[name] = new
     return Config.from_dict(data, source=f"{run_dir / 'config.json'} + config_changes.jsonl")
 
 
@@ -123,12 +116,13 @@ def changes(old: Config, new: Config) -> dict[str, tuple]:
 def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) -> dict[str, tuple]:
     """The allowed changes from `old` (the run's effective config) to `new`; refused ones raise
     RunDirError naming every refused field, both values and the way out."""
-    diff = changes(old, new)
-    refused = {k: v for k, v in diff.items() if k not in ALLOWED}
-    if refused:
-        listed = "; ".join(f"{k} {a!r} -> {b!r} ({REFUSED.get(k, 'not decided as safe to change')})"
-                           for k, (a, b) in refused.items())
-        overrides = " ".join(f"{k}={json.dumps(b) if not isinstance(b, str) else b}" for k, (_, b) in refused.items())
+    diff, may_change, reasons = changes(old, new), allowed(), refused()
+    refused_diff = {k: v for k, v in diff.items() if k not in may_change}
+    if refused_diff:
+        listed = "; ".join(f"{k} {a!r} -> {b!r} ({reasons.get(k, 'not decided as safe to change')})"
+                           for k, (a, b) in refused_diff.items())
+        overrides = " ".join(f"{k}={json.dumps(b) if not isinstance(b, str) else b}"
+                             for k, (_, b) in refused_diff.items())
         config = Path(run_dir) / "config.json"
         raise RunDirError(f"{run_dir} cannot continue with a changed {listed}; nothing was changed. Start a new run "
                           f"for that (lorabench run --config {config} run.name=NEW {overrides}), or continue "

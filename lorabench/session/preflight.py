@@ -3,7 +3,7 @@ bad input costs seconds and leaves nothing behind: the engine is installed (and 
 the dirs a run writes are writable (an existing run dir itself too), the model is a local model dir,
 'tiny' or a hub id usable now, the run's size fits the machine (sizes.py), and every dataset row is
 readable and its prompt fits the model (data.max_prompt_tokens, or the
-model's context minus grpo.max_new_tokens). Config-only checks are config.validate's.
+model's context minus grpo.max_new_tokens). Config-only checks are the sections' own (problems()).
 
 Side effects: none in the run dir or the model cache. A hub model's tokenizer files are fetched
 into the Hugging Face cache (to count prompt tokens); the hub dataset is fetched into the datasets
@@ -14,26 +14,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..data import check_source_paths, load_gsm8k, overlong_prompts, step_problems, synthetic_problems
+from ..datafiles import DataError
+from ..engines import engine_class
+from ..models import ModelRef, model_config, model_context, model_ref, model_tokenizer
+from ..refresh import REFRESH_MODES
 from .config import Config, ConfigError
-from .data import check_source_paths, load_gsm8k, overlong_prompts, step_problems, synthetic_problems
-from .datafiles import DataError
-from .engines import engine_class
-from .models import ModelRef, model_config, model_context, model_ref, model_tokenizer, pick_device
 from .sizes import ModelShape, check_sizes
 
 
-# packages an engine needs at run time, for engines that do not check it themselves (a
-# `check_available()` classmethod on the engine class is used when it has one)
 def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False, log=print) -> ModelRef:
     """Everything below, in order; returns what model.name_or_path names. `run_dir`: the run dir
     the run will write (continued=True: an existing run being continued), None for a new
     timestamped one under run.out_dir."""
     check_engine(cfg)
     check_dirs(cfg, run_dir, continued)
-    ref = model_ref(cfg)
+    ref = model_ref(cfg.model)
     shape = model_shape(ref)
     if shape is not None:
-        check_sizes(cfg, shape, pick_device(cfg.engine.device))
+        check_sizes(cfg, shape, engine_class(cfg.engine.backend).device_of(cfg.engine.chosen))
     check_prompts(cfg, ref, log)
     return ref
 
@@ -42,7 +41,7 @@ def model_shape(ref: ModelRef) -> ModelShape | None:
     """The model's dimensions from its config (no weights are read); None for a config without the
     usual decoder fields (then sizes are not estimated)."""
     if ref.kind == "tiny":
-        from .tiny import TINY_ARCH, TINY_VOCAB
+        from ..tiny import TINY_ARCH, TINY_VOCAB
         return ModelShape.of({**TINY_ARCH, "vocab_size": TINY_VOCAB})
     try:
         return ModelShape.of(model_config(ref))
@@ -51,18 +50,8 @@ def model_shape(ref: ModelRef) -> ModelShape | None:
 
 
 def check_engine(cfg: Config) -> None:
-    backend = cfg.engine.backend
-    engine_class(backend).check_available(cfg)   # each engine knows what it needs (packages, a GPU)
-    device = cfg.engine.device
-    if device.startswith("cuda"):
-        import torch
-        if not torch.cuda.is_available():
-            raise ConfigError(f"engine.device={device!r}, but torch sees no CUDA GPU here (torch {torch.__version__}); "
-                              f"use engine.device=cpu or '' (= cuda if available, else cpu)")
-        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
-        if index >= count:
-            raise ConfigError(f"engine.device={device!r}, but torch sees {count} CUDA GPU(s) here (cuda:0 to "
-                              f"cuda:{count - 1}); pick one of those")
+    # each engine knows what it needs (packages, a GPU), also for the capabilities the refresh mode uses
+    engine_class(cfg.engine.backend).check_available(cfg.engine.chosen, REFRESH_MODES[cfg.refresh.mode].needs)
     cpus = len(os.sched_getaffinity(0))
     if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
         raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {cpus} CPU(s); set run.threads <= "
@@ -102,21 +91,21 @@ def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False
     else:   # a new run dir is made in run.out_dir
         _writable(cfg.run.out_dir, "run.out_dir")
     if cfg.model.name_or_path == "tiny":
-        from .tiny import cache_root, tiny_cache_path
+        from ..tiny import cache_root, tiny_cache_path
         if not (tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file():
             _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
-    if cfg.refresh.tmp_dir:
-        _writable(cfg.refresh.tmp_dir, "refresh.tmp_dir")
-    if cfg.engine.log_file:     # opened, not created, when the engine starts: its directory must exist
-        log_file = Path(cfg.engine.log_file).expanduser().absolute()
-        parent = log_file.parent
-        if log_file.exists() and not log_file.is_file():
-            raise ConfigError(f"engine.log_file={cfg.engine.log_file!r} is a directory or another non-file; name a "
-                              f"file to append the engine's output to, e.g. {log_file / 'engine.log'}")
-        if not parent.is_dir():
-            raise ConfigError(f"engine.log_file={cfg.engine.log_file!r}: the directory {parent} does not exist; "
+    if cfg.refresh.file.tmp_dir:
+        _writable(cfg.refresh.file.tmp_dir, "refresh.file.tmp_dir")
+    log_file = cfg.engine.sglang.log_file
+    if log_file:     # opened, not created, when the engine starts: its directory must exist
+        path = Path(log_file).expanduser().absolute()
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"engine.sglang.log_file={log_file!r} is a directory or another non-file; name a "
+                              f"file to append the engine's output to, e.g. {path / 'engine.log'}")
+        if not path.parent.is_dir():
+            raise ConfigError(f"engine.sglang.log_file={log_file!r}: the directory {path.parent} does not exist; "
                               f"create it, or name a file in an existing directory")
-        _writable(parent, "engine.log_file")
+        _writable(path.parent, "engine.sglang.log_file")
 
 
 def prompt_limit(cfg: Config, context: int) -> tuple[int, str]:
@@ -162,7 +151,7 @@ def check_prompts(cfg: Config, ref: ModelRef, log=print) -> None:
     context = model_context(ref)
     limit, why = prompt_limit(cfg, context)
     sets = _problem_sets(cfg, log)   # reads and checks the files first: a bad row is found without a tokenizer
-    tokenizer = model_tokenizer(ref, cfg)
+    tokenizer = model_tokenizer(ref, cfg.model, cfg.warmstart, cfg.run.seed)
     for field, source, problems in sets:
         over = overlong_prompts(problems, tokenizer, limit, cfg.model.enable_thinking)
         if not over:

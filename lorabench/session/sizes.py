@@ -18,10 +18,9 @@ Terms (bytes):
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
+from ..machine import machine_memory
 from .config import Config, ConfigError
 
 GENERATE_CHUNK = 128          # engines.hf.HFEngine's default generate_batch
@@ -90,22 +89,6 @@ def needs(cfg: Config, shape: ModelShape) -> list[Need]:
                       shape.parameters() * _DTYPE_BYTES[cfg.model.dtype] * copies,
                       "use a smaller model, or model.dtype=bfloat16"))
     return sorted(terms, key=lambda n: -n.nbytes)
-
-
-def machine_memory(device: str) -> tuple[int, str]:
-    """(bytes, what): the host's memory (or its cgroup limit), plus the GPU's for a CUDA device: the
-    terms are not split by where they live, so the bound is the machine's whole memory."""
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    where = "the memory of this machine"
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        text = Path(limit_file).read_text().strip() if Path(limit_file).is_file() else ""
-        if text.isdigit() and int(text) < host:
-            host, where = int(text), "the memory limit of this container (cgroup)"
-    if device.startswith("cuda"):
-        import torch
-        gpu = torch.cuda.get_device_properties(int(device.partition(":")[2] or 0)).total_memory
-        return host + gpu, f"{where} plus the GPU memory of {device}"
-    return host, where
 
 
 def _gb(nbytes: int) -> str:

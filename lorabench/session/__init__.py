@@ -1,0 +1,22 @@
+"""The session composes a run from its components, each given its own section of the run config:
+
+    cfg = Config.load("my.toml", ["grpo.steps=50"])     # the sections, composed (config.py)
+    session = RunSession.open(cfg, run_dir="runs/nb")    # checks, model, run dir, engine, trainer (run.py)
+    session.trainer.step()
+
+It is the only part of lorabench that handles the whole Config: the checks before anything is
+written (preflight.py, sizes.py), what a continued run may change (compat.py), what a checkpoint
+proves it continues (fingerprint.py), and the composition itself (run.py: `start_engine`,
+`build_trainer`, `resolve_model`).
+"""
+from .config import Config, ConfigError, describe
+from .run import RunPlan, RunSession, build_trainer, open_runlog, plan_run, resolve_model, start_engine
+
+
+def load_config(path=None, overrides=()) -> Config:
+    """The run config of a file (or the defaults) with `key=value` overrides on top."""
+    return Config.load(path, list(overrides))
+
+
+__all__ = ["Config", "ConfigError", "RunPlan", "RunSession", "build_trainer", "describe", "load_config", "open_runlog",
+           "plan_run", "resolve_model", "start_engine"]

@@ -1,0 +1,207 @@
+"""The run config: the components' own sections, composed, and read from a file plus overrides.
+
+Each section is defined next to the code it sets (settings.py says how): `model` (models.py),
+`warmstart` (tiny.py), `lora` (policy.py), `data` (data.py), `grpo` (grpo.py), `engine` with one
+sub-section per engine (engines/, e.g. `engine.sglang`), `refresh` with one per mode that has
+settings (refresh.py, e.g. `refresh.file`), `run` (runlog.py). This module composes them, checks
+what involves several at once, and turns files and `key=value` overrides into a Config: every
+default is chosen so that `lorabench demo` runs offline on a 2-core CPU; an invalid value raises
+ConfigError naming the field, the value and the fix; an unknown key gets a "did you mean"; files are
+UTF-8 (a BOM is accepted). Run dirs written before the sections moved are read through MOVED.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import settings as st
+from ..data import DataSettings
+from ..engines import ENGINES, EngineNeeds, EngineSettings, engine_class
+from ..grpo import GRPOSettings
+from ..models import ModelSettings
+from ..policy import LoraSettings
+from ..refresh import REFRESH_MODES, RefreshSettings
+from ..runlog import RunSettings
+from ..settings import ConfigError, path_component_problem
+from ..tiny import WarmStartSettings
+
+__all__ = ["MOVED", "SECTIONS", "Config", "ConfigError", "apply_override", "describe", "engine_needs", "flat",
+           "parse_config_bytes", "path_component_problem", "read_config_file"]
+
+SECTIONS = {"model": ModelSettings, "warmstart": WarmStartSettings, "lora": LoraSettings, "data": DataSettings,
+            "grpo": GRPOSettings, "engine": EngineSettings, "refresh": RefreshSettings, "run": RunSettings}
+
+# keys of the flat layout before engines and refresh modes owned sub-sections: where each lives now
+MOVED = {**{f"engine.{k}": f"engine.sglang.{k}" for k in (
+    "max_lora_rank", "max_loras_per_batch", "mem_fraction_static", "attention_backend", "sampling_backend",
+    "grammar_backend", "lora_backend", "disable_cuda_graph", "dtype", "cuda_graph_max_bs", "tp_size", "extra_args",
+    "log_file")}, "engine.device": "engine.hf.device", "refresh.tmp_dir": "refresh.file.tmp_dir"}
+
+# names other tools use for a field, which spelling similarity would not find
+_SYNONYMS = {"learning_rate": "grpo.lr", "lora_r": "lora.r", "rank": "lora.r", "lora_alpha": "lora.alpha",
+             "max_steps": "grpo.steps", "num_steps": "grpo.steps", "model_name": "model.name_or_path",
+             "num_generations": "grpo.group_size", "beta": "grpo.kl_beta", "epsilon": "grpo.clip_eps"}
+
+
+@dataclass
+class Config:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    warmstart: WarmStartSettings = field(default_factory=WarmStartSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    refresh: RefreshSettings = field(default_factory=RefreshSettings)
+    run: RunSettings = field(default_factory=RunSettings)
+
+    def __post_init__(self):
+        for problem in problems(self):
+            raise ConfigError(problem)
+
+    def to_dict(self) -> dict:
+        return {name: st.to_dict(getattr(self, name)) for name in SECTIONS}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> Config:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a table/object of sections, got {data!r:.60}")
+        unknown = set(data) - set(SECTIONS)
+        if unknown:
+            name = min(unknown)
+            near = st.closest(name, list(SECTIONS))
+            raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}"
+                              f"{f' (did you mean {near!r}?)' if near else ''}; valid sections: {list(SECTIONS)}")
+        return cls(**{name: st.build(section, data.get(name, {}), f"{source}: {name}", name, did_you_mean)
+                      for name, section in SECTIONS.items()})
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+        """A file (or the defaults) with `overrides` on top."""
+        data: dict = {}
+        if path is not None:
+            data = read_config_file(path)
+        for item in overrides:
+            apply_override(data, item)
+        return cls.from_dict(data, source=str(path) if path else "overrides")
+
+
+def problems(cfg: Config) -> list[str]:
+    """Each section's own problems, then what involves several sections."""
+    found = [p for name in SECTIONS for p in st.finite_problems(getattr(cfg, name), name)]
+    found = found or [p for name in SECTIONS for p in _section_problems(getattr(cfg, name))]
+    if found:
+        return found
+    if cfg.grpo.lora_compute == "bfloat16" and cfg.model.dtype != "bfloat16":
+        found.append(f"grpo.lora_compute=bfloat16 with model.dtype={cfg.model.dtype}: autocast would run the base "
+                     f"model's matmuls in bf16 too; set model.dtype=bfloat16, or grpo.lora_compute=auto")
+    return found + engine_class(cfg.engine.backend).needs_problems(cfg.engine.chosen, engine_needs(cfg))
+
+
+def _section_problems(section) -> list[str]:
+    return [*section.problems(), *(p for sub in section.subsections.values() for p in _section_problems(sub))]
+
+
+def engine_needs(cfg: Config) -> EngineNeeds:
+    """What this run asks of its engine, from the lora, grpo, data and run sections."""
+    g, d = cfg.grpo, cfg.data
+    targets = cfg.lora.target_modules
+    return EngineNeeds(lora_rank=cfg.lora.r, target_modules=targets if isinstance(targets, str) else tuple(targets),
+                       largest_batch=max(g.prompts_per_step * g.group_size, d.eval_size * d.eval_samples),
+                       seed=cfg.run.seed, model_dtype=cfg.model.dtype)
+
+
+def flat(cfg: Config) -> dict[str, object]:
+    """{'grpo.lr': 0.001, 'engine.sglang.tp_size': 1, ...}: every field of every section."""
+    return {key: value for name in SECTIONS for key, _, value in st.walk(getattr(cfg, name), name)}
+
+
+def field_of(key: str) -> dataclasses.Field | None:
+    """The settings field a dotted key names (None if none does)."""
+    section, _, rest = key.partition(".")
+    for name, f in st.walk_class(SECTIONS[section], section) if section in SECTIONS else ():
+        if name == key:
+            return f
+    return None
+
+
+def every_key() -> list[str]:
+    return [key for name, cls in SECTIONS.items() for key, _ in st.walk_class(cls, name)]
+
+
+def did_you_mean(prefix: str, key: str) -> str:
+    """A key that moved (engine.mem_fraction_static -> engine.sglang.mem_fraction_static), a known
+    synonym (learning_rate -> grpo.lr), the same key elsewhere (grpo.seed -> run.seed), else the
+    closest key of the section or of any section."""
+    dotted, keys = f"{prefix}.{key}", every_key()
+    if dotted in MOVED:
+        return f" (did you mean {MOVED[dotted]}? that setting moved there)"
+    if key in _SYNONYMS:
+        return f" (did you mean {_SYNONYMS[key]}?)"
+    elsewhere = [k for k in keys if k.rsplit(".", 1)[-1] == key and not k.startswith(f"{prefix}.")]
+    if elsewhere:
+        return f" (did you mean {elsewhere[0]}?)"
+    own = st.closest(dotted, [k for k in keys if k.startswith(f"{prefix}.")]) or st.closest(dotted, keys)
+    return f" (did you mean {own}?)" if own else ""
+
+
+def apply_override(data: dict, item: str) -> None:
+    """`grpo.lr=3e-4` -> data['grpo']['lr'] = '3e-4'; `engine.sglang.tp_size=2` -> data['engine']['sglang']
+    ['tp_size'] (converted to the field's type when the section is built)."""
+    key, sep, value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override {item!r} must look like section.field=value, e.g. grpo.lr=3e-4")
+    table = data
+    for part in parts[:-1]:
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"override {item!r}: {'.'.join(parts[:-1])} is a value, not a section")
+    table[parts[-1]] = value
+
+
+def moved_layout(data: dict) -> dict:
+    """A config written before engines and refresh modes owned sub-sections, in today's layout."""
+    data = json.loads(json.dumps(data))
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        table = data.get(section)
+        if isinstance(table, dict) and key in table and not isinstance(table[key], dict):
+            value = table.pop(key)
+            _, part, name = new.split(".")
+            table.setdefault(part, {}).setdefault(name, value)
+    return data
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing .json or .toml file")
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(f"config file {path}: unsupported suffix {path.suffix!r}; use .json or .toml")
+    return parse_config_bytes(path.read_bytes(), path)
+
+
+def parse_config_bytes(raw: bytes, path: Path) -> dict:
+    """The sections of a config file's bytes (`path` names it and its format by suffix)."""
+    try:
+        text = raw.decode("utf-8-sig")  # an editor's UTF-8 BOM is not an error
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                          f"{err.start}); save it as UTF-8") from err
+    try:
+        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {err}") from err
+
+
+def describe() -> str:
+    """All fields with defaults, help texts and what a continued run may do with them (`--help-config`)."""
+    lines = [line for name, cls in SECTIONS.items() for line in st.describe_section(cls, name)]
+    lines.append("\nengine.backend (lorabench.engines.ENGINES):")
+    lines += [f"  {name:<8} {engine_class(name).help}" for name in ENGINES]
+    lines.append("refresh.mode (lorabench.refresh.REFRESH_MODES):")
+    lines += [f"  {name:<8} {cls.help}" for name, cls in REFRESH_MODES.items()]
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""Settings: how a component declares what can be set, and how sections are read and explained.
+
+Each component defines its settings as a dataclass next to its code (a *section*): the policy's
+`lora`, the trainer's `grpo`, the data's `data`, an engine's `engine.<backend>`, a refresh mode's
+`refresh.<mode>`; the session composes them into the run config (session/config.py). Every field is
+made with `setting()`: a default, a help text (what it does, why the default is what it is) and
+what a continued run may do with it:
+
+    r: int = setting(16, "LoRA rank.", resume=REFUSED, why=ADAPTER)
+
+`resume=ALLOWED` (how long, how fast, where, how it is served or logged) or `REFUSED` (what defines
+the experiment: model, adapter shape, data, sampling, objective), with `why` in one clause;
+session/compat.py reads these and nothing else. A section validates itself in `problems()` (each
+problem a fix-it line); a section whose parts come from a registry (engine backends, refresh
+modes) lists them in `parts()`, one sub-section each (`engine.sglang`, `refresh.file`).
+
+Values arrive as text (overrides, `grpo.lr=3e-4`) or from TOML/JSON files and are converted to the
+field's type here, or refused naming the field and how to write it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import field
+
+ALLOWED, REFUSED = "allowed", "refused"
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message says which field and how to fix it."""
+
+
+def setting(default, help: str, *, resume: str, why: str):
+    """A settings field: its default, help text, and whether (and why) a continued run may change it."""
+    if resume not in (ALLOWED, REFUSED):
+        raise ValueError(f"resume={resume!r}: use settings.ALLOWED or settings.REFUSED")
+    metadata = {"help": help, "resume": resume, "why": why}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def check(condition: bool, message: str) -> list[str]:
+    """[] if `condition` holds, else [message]: a section's problems() adds these up."""
+    return [] if condition else [message]
+
+
+class Section:
+    """Base of a settings section. `parts()` names its sub-sections (from a registry, read when the
+    section is built, so a part registered later is picked up); they are reachable as attributes
+    (`cfg.engine.sglang`) and kept in `self.subsections`."""
+
+    @classmethod
+    def parts(cls) -> dict[str, type]:
+        return {}
+
+    def __post_init__(self):   # a section made in code gets its parts' defaults; build() replaces them
+        self.subsections = {name: part() for name, part in self.parts().items()}
+
+    def problems(self) -> list[str]:
+        return []
+
+    def __getattr__(self, name: str):
+        subsections = self.__dict__.get("subsections", {})
+        if name in subsections:
+            return subsections[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+def section_fields(cls) -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(cls)
+
+
+def field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def build(cls, values: dict, where: str, prefix: str, suggest=lambda prefix, key: ""):
+    """An instance of section `cls` (dotted name `prefix`) from `values`: its fields and sub-section
+    tables, each value converted to its field's type. `suggest(prefix, key)` adds a "did you mean" to
+    an unknown key. Validation is the composing config's (problems() of every section, then across)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a table/object, got {values!r:.60}")
+    parts, names = cls.parts(), field_names(cls)
+    unknown = set(values) - names - set(parts)
+    if unknown:
+        valid = sorted(names) + [f"{p}.*" for p in parts]
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}{suggest(prefix, min(unknown))}; valid keys: "
+                          f"{valid}")
+    hints = typing.get_type_hints(cls)
+    section = cls(**{k: convert(v, hints[k], f"{where}.{k}") for k, v in values.items() if k in names})
+    section.subsections = {name: build(part, values.get(name, {}), f"{where}.{name}", f"{prefix}.{name}", suggest)
+                           for name, part in parts.items()}
+    return section
+
+
+def to_dict(section) -> dict:
+    """Plain data: the section's fields, then one table per sub-section."""
+    data = {f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
+    data.update({name: to_dict(sub) for name, sub in section.__dict__.get("subsections", {}).items()})
+    return data
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def walk(section, prefix: str) -> Iterator[tuple[str, dataclasses.Field, object]]:
+    """(dotted key, field, value) for every field of a section and its sub-sections."""
+    for f in dataclasses.fields(section):
+        yield f"{prefix}.{f.name}", f, getattr(section, f.name)
+    for name, sub in section.__dict__.get("subsections", {}).items():
+        yield from walk(sub, f"{prefix}.{name}")
+
+
+def walk_class(cls, prefix: str) -> Iterator[tuple[str, dataclasses.Field]]:
+    """(dotted key, field) for every field a section class and its current parts declare."""
+    for f in dataclasses.fields(cls):
+        yield f"{prefix}.{f.name}", f
+    for name, part in cls.parts().items():
+        yield from walk_class(part, f"{prefix}.{name}")
+
+
+def default_of(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def finite_problems(section, prefix: str) -> list[str]:
+    """inf and nan parse as floats (TOML, JSON, an override) but are never a setting."""
+    return [f"{key}={value}: must be a finite number (the default is {default_of(f)})"
+            for key, f, value in walk(section, prefix) if isinstance(value, float) and not math.isfinite(value)]
+
+
+def convert(value, typ, where: str):
+    """A file value or an override string as the field's type, or a ConfigError saying how to write it."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):  # str | list[str]
+        return _string_or_list(value, where)
+    if typ is bool:
+        return _boolean(value, where)
+    if typ in (int, float):
+        return _number(value, typ, where)
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _string_or_list(value, where: str):
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            return [str(v) for v in json.loads(value)]
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{where}: {value!r} is not a JSON list ({err}); write e.g. "
+                              f'["q_proj","v_proj"]') from err
+    if isinstance(value, str) and "," in value:
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return str(value)
+
+
+def _boolean(value, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.lower() in ("true", "1", "yes", "on")
+    raise ConfigError(f"{where}: {value!r} is not a boolean; use true or false")
+
+
+def _number(value, typ, where: str):
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: {value!r} is a boolean, expected a {typ.__name__}")
+    try:
+        converted = typ(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {value!r} is not a {typ.__name__}; write e.g. "
+                          f"{'8' if typ is int else '1e-3'}") from err
+    if typ is int and isinstance(value, float) and value != int(value):
+        raise ConfigError(f"{where}: {value!r} is not a whole number")
+    return converted
+
+
+def closest(name: str, candidates: list[str]) -> str | None:
+    found = difflib.get_close_matches(name, candidates, n=1)
+    return found[0] if found else None
+
+
+def describe_section(cls, prefix: str) -> list[str]:
+    """`--help-config` lines for a section class and its parts: key = default, then the help text
+    and what a continued run may do with it."""
+    lines = [f"[{prefix}]"]
+    for f in dataclasses.fields(cls):
+        resume = "may change on resume" if f.metadata["resume"] == ALLOWED else "fixed for a run"
+        lines.append(f"  {prefix}.{f.name} = {default_of(f)!r}\n      {f.metadata['help']} ({resume}: "
+                     f"{f.metadata['why']})")
+    for name, part in cls.parts().items():
+        lines += describe_section(part, f"{prefix}.{name}")
+    return lines
+
+
+def path_component_problem(value: str) -> str | None:
+    """Why `value` cannot be one name inside a directory (a run dir name, an adapter name), or None.
+    A name is a name, not a path: no '/', not '.' or '..', not hidden, printable, UTF-8, <= 255 bytes."""
+    if not value.strip():
+        return "is empty"
+    if "/" in value or "\\" in value:
+        return "is a path, not a name (it contains a slash)"
+    if value.startswith("."):
+        return "starts with '.' ('.', '..' and hidden names are not run names)"
+    if value != value.strip():
+        return "starts or ends with white space"
+    if not value.isprintable():
+        return "contains a control character"
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid UTF-8"
+    return f"is {size} bytes long; a name in a directory has at most 255" if size > 255 else None
