@@ -7,7 +7,7 @@ results: a lesson must measure what it shows), and keep what they showed:
 (dev/gpu_session.sh's `notebooks` part). Each notebook gets its learner defaults plus ENGINE="sglang"
 and the offline stack's engine settings, injected after its `parameters` cell (papermill's
 convention); 01 and 03 use the tiny model (warm-started, cached in $LORABENCH_CACHE), 02 measures a
-random-init model of Qwen3-0.6B's shape (lorabench.shapes). Into OUT_DIR go: the executed notebook
+random-init model of Qwen3-0.6B's shape (benchmarks/synthetic.py). Into OUT_DIR go: the executed notebook
 (<name>.ipynb, also when a cell failed), each figure as PNG (<name>_<figure>.png: the inline figures
 and notebook 01's panel, named by the figure's label), notebook 02's measured rows
 (refresh_notebook02_sglang.json) and notebooks_gpu.json: per notebook the wall time, the injected
@@ -30,6 +30,7 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))   # notebook_helpers: the notebook tests' checks of executed outputs
+sys.path.append(str(ROOT / "benchmarks"))   # synthetic: the random-init model of Qwen3-0.6B's shape
 CACHE = Path(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
 from notebook_helpers import noise, parameterized  # noqa: E402
 
@@ -42,7 +43,8 @@ ENGINE_ARGS = ["engine.attention_backend=triton", "engine.sampling_backend=pytor
 def qwen3_06b_shape_dir(out: Path) -> str:
     """A random-init model of Qwen3-0.6B's shape in bf16 with the tiny tokenizer, cached where the
     GPU benchmarks keep theirs."""
-    from lorabench.shapes import random_qwen3_dir
+    from synthetic import random_qwen3_dir
+
     from lorabench.tiny import build_tiny_tokenizer
     tokenizer = out / "tiny-tokenizer"
     build_tiny_tokenizer(tokenizer)

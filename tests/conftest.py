@@ -16,6 +16,10 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # works without `pip install -e .` too
     sys.path.insert(0, str(ROOT))
+# the benchmarks' own modules (meters, synthetic inputs), which some tests use too; appended, so that
+# nothing there shadows an installed package
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.append(str(ROOT / "benchmarks"))
 
 torch.set_num_threads(int(os.environ.get("LORABENCH_TEST_THREADS", "2")))
 

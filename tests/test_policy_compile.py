@@ -7,10 +7,11 @@ import shutil
 import pytest
 import torch
 from conftest import perturb_lora_B
+from synthetic import random_tokens_like_rollouts  # benchmarks/
 
 from lorabench.config import Config, ConfigError
 from lorabench.policy import Policy
-from lorabench.rollout import RolloutBatch, random_tokens_like_rollouts
+from lorabench.rollout import RolloutBatch
 
 # torch.compile on the CPU generates C++ and needs a compiler
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
