@@ -9,7 +9,8 @@ and the offline stack's engine settings, injected after its `parameters` cell (p
 convention); 01 and 03 use the tiny model (warm-started, cached in $LORABENCH_CACHE), 02 measures a
 random-init model of Qwen3-0.6B's shape (benchmarks/synthetic.py). Into OUT_DIR go: the executed notebook
 (<name>.ipynb, also when a cell failed), each figure as PNG (<name>_<figure>.png: the inline figures
-and notebook 01's panel, named by the figure's label), notebook 02's measured rows
+and notebook 01's panel, named by the figure's label; the kernel is the notebook tests' own, which
+records each figure's name and text size in its PNG), notebook 02's measured rows
 (refresh_notebook02_sglang.json) and notebooks_gpu.json: per notebook the wall time, the injected
 parameters, the figures with their smallest text in pixels, what the cells wrote to stderr, and the
 error if any. Exit status 1 if a notebook failed or showed anything on stderr.
@@ -32,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))   # notebook_helpers: the notebook tests' checks of executed outputs
 sys.path.append(str(ROOT / "benchmarks"))   # synthetic: the random-init model of Qwen3-0.6B's shape
 CACHE = Path(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
-from notebook_helpers import noise, parameterized  # noqa: E402
+from figure_text_size import png_text_info  # noqa: E402
+from notebook_helpers import noise, parameterized, write_kernelspec  # noqa: E402
 
 CELL_TIMEOUT_S = 1200
 # the offline GPU stack has no FlashInfer/FA3 or xgrammar (README, "Running the real configuration")
@@ -75,7 +77,6 @@ def figure_pngs(nb) -> list[bytes]:
 
 
 def save_figures(nb, stem: str, out: Path) -> list[dict]:
-    from lorabench.viz import png_text_info
     seen: dict[str, int] = {}
     saved = []
     for png in figure_pngs(nb):
@@ -135,6 +136,9 @@ def main() -> int:
     out = Path(sys.argv[1]).resolve()
     out.mkdir(parents=True, exist_ok=True)
     copy = copy_without_benchmarks(out / "checkout-without-benchmarks")
+    # the notebook tests' kernel: this interpreter, each figure's name and text size in its PNG
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(write_kernelspec(out / "jupyter")),
+                                                               os.environ.get("JUPYTER_PATH")]))
     chosen = os.environ.get("LORABENCH_NOTEBOOKS", "").split()   # e.g. "03_how_hotswap_works"; default all
     import torch
     summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -2,10 +2,9 @@
 (or makes a Figure) from plain rows, so a notebook can redraw the same figure live.
 
 Readable at notebook width: every text is at least MIN_FONT_PT (8 pt = 11 px at matplotlib's 100
-dpi), legends sit outside the data, and parts that are compared share a linear axis.
-`figure_png` renders a figure the way the notebooks show it and writes into the PNG its smallest
-text in pixels (`lorabench:min_text_px`) and its name (`lorabench:figure`, the figure's label), so a
-test can check the text size of each figure as rendered in a browser.
+dpi), legends sit outside the data, and parts that are compared share a linear axis. They are
+plain matplotlib figures, shown by whatever PNG formatter the notebook has; each figure a notebook
+shows is named by its label (`fig.set_label`).
 """
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt  # headless: matplotlib picks Agg by itself when there is no display
-from matplotlib.figure import Figure
-from matplotlib.text import Text
 
 PART_COLORS = {"write": "#4c72b0", "snapshot": "#8172b2", "stage": "#64b5cd", "unload": "#dd8452",
                "load": "#55a868", "merge": "#937860", "push": "#c44e52", "snapshot & rest": "#8172b2",
@@ -30,41 +27,6 @@ STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.lab
 def use_style() -> None:
     """The notebooks' figure style (STYLE: text of 9 pt and more, 100 dpi)."""
     plt.rcParams.update(STYLE)
-
-
-# --- rendering with the smallest text recorded --------------------------------------------------
-def smallest_text_pt(fig) -> float:
-    """The smallest font size (pt) of any visible, non-empty text in `fig` (inf if none)."""
-    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
-    return min(sizes, default=math.inf)
-
-
-def figure_png(fig, dpi: float | None = None) -> bytes:
-    """`fig` as a tightly cropped PNG, with its smallest text in pixels (at the PNG's own size) and
-    its name (the figure's label) in the PNG's text chunks."""
-    dpi = dpi or fig.dpi
-    buf = io.BytesIO()
-    metadata = {"lorabench:min_text_px": f"{smallest_text_pt(fig) * dpi / 72:.2f}",
-                "lorabench:figure": fig.get_label() or ""}
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", metadata=metadata)
-    return buf.getvalue()
-
-
-def png_text_info(png: bytes) -> dict:
-    """The text chunks `figure_png` wrote: {'min_text_px': float | None, 'figure': str}."""
-    from PIL import Image
-    info = Image.open(io.BytesIO(png)).info
-    px = info.get("lorabench:min_text_px")
-    return {"min_text_px": float(px) if px else None, "figure": info.get("lorabench:figure", "")}
-
-
-def show_figures_with_text_size(shell) -> None:
-    """Make IPython `shell` display matplotlib figures through `figure_png` (the same PNG as the
-    inline backend's, plus the text chunks). The inline backend is loaded first, because loading it
-    registers its own PNG formatter."""
-    import matplotlib
-    plt.switch_backend(matplotlib.get_backend())
-    shell.display_formatter.formatters["image/png"].for_type(Figure, figure_png)
 
 
 # --- one run, step by step (the CLI's plots and the step-through panel) --------------------------

@@ -3,8 +3,9 @@
 at 1400 px wide. Each notebook, with the tests' small parameters injected, is run from the Run
 menu; notebook 01 is run up to its "Continue from the CLI" section, its panel's Step button is
 clicked, then the rest is run. Fails on any visible stderr box (a warning, a log line, a traceback)
-or widget error, and on figure text under 8 px as rendered: each figure's PNG records its smallest
-text in pixels at its own size (viz.figure_png), scaled here by the width the browser gave it.
+or widget error, and on figure text under 8 px as rendered: the tests' kernel records in each
+figure's PNG its smallest text in pixels at the PNG's own size (figure_text_size), scaled here by the
+width the browser gave it.
 Each figure is saved as a screenshot. With LORABENCH_RECORD=1 the notebooks run at their learner
 defaults instead (what a learner sees; ~4 minutes on 2 cores with the tiny model cached) and the
 screenshots are copied to benchmarks/results/browser_<notebook>_<figure>.png.

@@ -11,6 +11,7 @@ import time
 
 import matplotlib.pyplot as plt
 import pytest
+from figure_text_size import png_text_info, recording, smallest_text_pt
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -20,7 +21,7 @@ from lorabench.engines.base import AdapterNotLoaded, StaleAdapter
 from lorabench.grpo import GRPOTrainer
 from lorabench.runlog import RunLog, read_jsonl
 from lorabench.session import RunSession
-from lorabench.viz import MIN_FONT_PT, png_text_info
+from lorabench.viz import MIN_FONT_PT
 from lorabench.widgets import StepPanel, completions_table, refresh_table, status_lines
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -43,6 +44,14 @@ def trainer(tiny_model_dir, tokenizer, tmp_path):
     engine.close()
 
 
+@pytest.fixture
+def text_size_recorded():
+    """Every PNG rendered meanwhile carries its figure's name and smallest text, as in the notebook
+    tests' kernel (figure_text_size)."""
+    with recording():
+        yield
+
+
 def figures_alive() -> int:
     gc.collect()
     return sum(isinstance(o, Figure) for o in gc.get_objects())
@@ -58,6 +67,7 @@ def test_panel_shows_a_starting_state(trainer):
     assert not panel.step_button.disabled and panel.stop_button.disabled
     bundle = panel._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert png_text_info(bytes(panel.plot.value)) == {"figure": "", "min_text_px": None}   # a plain PNG
 
 
 def test_run_n_returns_at_once_and_refuses_a_second_run(trainer):
@@ -99,7 +109,7 @@ def test_stop_ends_the_run_between_steps(trainer):
     assert any("stopped after" in o.get("text", "") for o in panel.log.outputs)
 
 
-def test_views_show_the_last_step(trainer):
+def test_views_show_the_last_step(trainer, text_size_recorded):
     panel = StepPanel(trainer)
     before = panel.plot.value
     panel.start(1)
@@ -290,7 +300,7 @@ def test_figures_are_readable_and_legends_sit_outside_the_data():
     axis, and a name for the browser test's screenshots."""
     import matplotlib
 
-    from lorabench.viz import STYLE, smallest_text_pt
+    from lorabench.viz import STYLE
     with matplotlib.rc_context(STYLE):
         figs = _figures()
         try:
