@@ -74,8 +74,7 @@ def lab(tmp_path_factory):
     root = tmp / "root"
     root.mkdir()
     for path in NOTEBOOKS:
-        extra = {"01_step_through": {"RUN_ROOT": str(tmp / "runs")},
-                 "02_refresh_methods": {"GPU_RESULTS": str(ROOT / "benchmarks" / "results" / "gpu")}}.get(path.stem, {})
+        extra = {"01_step_through": {"RUN_ROOT": str(tmp / "runs")}}.get(path.stem, {})
         nbformat.write(parameterized(path, **PARAMETERS[path.stem], **extra), root / path.name)
     lab_settings(tmp / "lab-settings")
     env = {**os.environ, "JUPYTER_PATH": str(write_kernelspec(tmp / "jupyter")),

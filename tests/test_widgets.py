@@ -329,17 +329,3 @@ def test_push_cost_fit_recovers_the_cost_per_push():
     from lorabench.viz import push_cost_fit
     fixed, per_push = push_cost_fit(_merged_rows())
     assert fixed == pytest.approx(5.0) and per_push == pytest.approx(0.2)
-
-
-def test_committed_gpu_results_read_as_rows():
-    from pathlib import Path
-
-    from lorabench.viz import gpu_merged_rows, gpu_refresh_rows
-    gpu = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu"
-    rows, header = gpu_refresh_rows(gpu / "refresh_tp1.json")
-    assert header["gpu"] == "NVIDIA H200" and {"inplace", "tensor", "file"} <= {r["mode"] for r in rows}
-    for r in rows:   # the parts (the call's time not in a named part is "snapshot & rest") make the call
-        assert sum(r["parts"].values()) == pytest.approx(r["total_s"]) and r["first_request_s"] > 0
-    merged, perf = gpu_merged_rows(gpu / "perf.json")
-    assert perf["device_copy_gbps"] > 0 and len({r["bytes"] for r in merged}) == 1
-    assert [r["buckets"] for r in merged] == sorted((r["buckets"] for r in merged), reverse=True)
