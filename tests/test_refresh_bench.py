@@ -9,12 +9,12 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 import torch
-from conftest import LORA_R
+from conftest import LORA_R, merged_state_dict
 from refresh_sweep import refresh_sweep_figure, sweep  # benchmarks/
 
 from lorabench import explain
 from lorabench import refresh_bench as rb
-from lorabench.adapters import FlatAdapter, merged_state_dict
+from lorabench.adapters import FlatAdapter
 from lorabench.refresh import pack_buckets
 
 ROOT = Path(__file__).resolve().parents[1]
