@@ -39,7 +39,8 @@ VIEWPORT = {"width": 1400, "height": 1800}   # tall enough for notebook 01's who
 RUN_TIMEOUT_MS = int(os.environ.get("LB_BROWSER_RUN_TIMEOUT_MS", 300_000))
 STDERR = "[data-mime-type='application/vnd.jupyter.stderr']"   # stderr streams and tracebacks
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (`make test` installs it: "
+                                                              "pip install -r tests/browser_requirements.txt)")
 if not os.access(CHROMIUM, os.X_OK):
     pytest.skip(f"{CHROMIUM} not found (apt-get install chromium)", allow_module_level=True)
 
