@@ -20,10 +20,15 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
+# the browser test's own tool (Playwright's driver; the browser is the system's Chromium)
+$(VENV)/.browser-test: $(VENV)/.installed tests/browser_requirements.txt
+	$(VENV)/bin/python -m pip install -q -r tests/browser_requirements.txt
+	touch $@
+
 demo: install
 	$(VENV)/bin/lorabench demo
 
-test: install
+test: install $(VENV)/.browser-test
 	$(VENV)/bin/python -m ruff check .
 	$(VENV)/bin/python -m pytest -q
 

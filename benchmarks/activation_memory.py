@@ -27,13 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from meters import saved_activation_bytes  # noqa: E402  (this folder)
+from synthetic import QWEN3_SHAPES  # noqa: E402
+
 from lorabench.grpo import GRPOSettings  # noqa: E402
-from lorabench.loss import saved_activation_bytes, token_logprobs  # noqa: E402
-from lorabench.policy import (
-    LoraSettings,  # noqa: E402
-    Policy,  # noqa: E402
-)
-from lorabench.shapes import QWEN3_SHAPES  # noqa: E402
+from lorabench.loss import token_logprobs  # noqa: E402
+from lorabench.policy import LoraSettings, Policy  # noqa: E402
 
 LAYERS_OF_THE_REAL_MODEL = 28
 SETTINGS = [("float32", False), ("bfloat16", False), ("float32", True), ("bfloat16", True)]

@@ -27,18 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from step_gpu import PEAK_BF16_TFLOPS  # noqa: E402  (this directory: the H200's vendor peak, one place)
+from meters import model_flops_per_token  # noqa: E402  (this folder)
+from step_gpu import PEAK_BF16_TFLOPS  # noqa: E402  (the H200's vendor peak, one place)
+from synthetic import random_qwen3_dir, random_tokens_like_rollouts  # noqa: E402
 
 from lorabench.grpo import GRPOSettings  # noqa: E402
-from lorabench.loss import model_flops_per_token  # noqa: E402
-from lorabench.policy import (  # noqa: E402
-    LoraSettings,  # noqa: E402
-    Policy,
-    mismatch,
-)
+from lorabench.policy import LoraSettings, Policy, mismatch  # noqa: E402
 from lorabench.refresh import synced_time  # noqa: E402
-from lorabench.rollout import RolloutBatch, random_tokens_like_rollouts  # noqa: E402
-from lorabench.shapes import random_qwen3_dir  # noqa: E402
+from lorabench.rollout import RolloutBatch  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
 # (lora_compute, activation_checkpointing, micro_batch_tokens, compile): PEFT's fp32 LoRA first (the

@@ -7,9 +7,10 @@ results: a lesson must measure what it shows), and keep what they showed:
 (dev/gpu_session.sh's `notebooks` part). Each notebook gets its learner defaults plus ENGINE="sglang"
 and the offline stack's engine settings, injected after its `parameters` cell (papermill's
 convention); 01 and 03 use the tiny model (warm-started, cached in $LORABENCH_CACHE), 02 measures a
-random-init model of Qwen3-0.6B's shape (lorabench.shapes). Into OUT_DIR go: the executed notebook
+random-init model of Qwen3-0.6B's shape (benchmarks/synthetic.py). Into OUT_DIR go: the executed notebook
 (<name>.ipynb, also when a cell failed), each figure as PNG (<name>_<figure>.png: the inline figures
-and notebook 01's panel, named by the figure's label), notebook 02's measured rows
+and notebook 01's panel, named by the figure's label; the kernel is the notebook tests' own, which
+records each figure's name and text size in its PNG), notebook 02's measured rows
 (refresh_notebook02_sglang.json) and notebooks_gpu.json: per notebook the wall time, the injected
 parameters, the figures with their smallest text in pixels, what the cells wrote to stderr, and the
 error if any. Exit status 1 if a notebook failed or showed anything on stderr.
@@ -30,8 +31,10 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))   # notebook_helpers: the notebook tests' checks of executed outputs
+sys.path.append(str(ROOT / "benchmarks"))   # synthetic: the random-init model of Qwen3-0.6B's shape
 CACHE = Path(os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
-from notebook_helpers import noise, parameterized  # noqa: E402
+from figure_text_size import png_text_info  # noqa: E402
+from notebook_helpers import noise, parameterized, write_kernelspec  # noqa: E402
 
 CELL_TIMEOUT_S = 1200
 # the offline GPU stack has no FlashInfer/FA3 or xgrammar (README, "Running the real configuration")
@@ -43,7 +46,8 @@ ENGINE_ARGS = ["engine.sglang.attention_backend=triton", "engine.sglang.sampling
 def qwen3_06b_shape_dir(out: Path) -> str:
     """A random-init model of Qwen3-0.6B's shape in bf16 with the tiny tokenizer, cached where the
     GPU benchmarks keep theirs."""
-    from lorabench.shapes import random_qwen3_dir
+    from synthetic import random_qwen3_dir
+
     from lorabench.tiny import build_tiny_tokenizer
     tokenizer = out / "tiny-tokenizer"
     build_tiny_tokenizer(tokenizer)
@@ -74,7 +78,6 @@ def figure_pngs(nb) -> list[bytes]:
 
 
 def save_figures(nb, stem: str, out: Path) -> list[dict]:
-    from lorabench.viz import png_text_info
     seen: dict[str, int] = {}
     saved = []
     for png in figure_pngs(nb):
@@ -134,6 +137,9 @@ def main() -> int:
     out = Path(sys.argv[1]).resolve()
     out.mkdir(parents=True, exist_ok=True)
     copy = copy_without_benchmarks(out / "checkout-without-benchmarks")
+    # the notebook tests' kernel: this interpreter, each figure's name and text size in its PNG
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(write_kernelspec(out / "jupyter")),
+                                                               os.environ.get("JUPYTER_PATH")]))
     chosen = os.environ.get("LORABENCH_NOTEBOOKS", "").split()   # e.g. "03_how_hotswap_works"; default all
     import torch
     summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

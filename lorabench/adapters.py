@@ -427,8 +427,3 @@ def merge_weights(base: dict[str, torch.Tensor], adapter: FlatAdapter,
 def base_weights(peft_model) -> dict[str, torch.Tensor]:
     """The trainer's frozen base weights by plain-model name (views, no copy)."""
     return {base_param_name(n): p.detach() for n, p in peft_model.named_parameters() if ".lora_" not in n}
-
-
-def merged_state_dict(peft_model, adapter_name: str = "default", adapted_only: bool = False) -> dict[str, torch.Tensor]:
-    """W + (α/r)·B·A for every layer of a PEFT model, out of place (see merge_weights)."""
-    return merge_weights(base_weights(peft_model), FlatAdapter.from_peft(peft_model, adapter_name), adapted_only)

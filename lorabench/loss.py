@@ -1,5 +1,5 @@
 """The GRPO math as pure functions (no trainer state): advantages, the clipped loss, per-token
-log-probs, token-budget micro-batching and a FLOPs-per-token estimate.
+log-probs and token-budget micro-batching.
 
 Why a memory-lean `token_logprobs`
 ----------------------------------
@@ -219,24 +219,6 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     return values.view(n, length - 1)                                           # [N, L-1]
 
 
-def saved_activation_bytes(model, fn) -> tuple[int, object]:
-    """Bytes of distinct tensor storages autograd saves for backward while fn() runs, parameters
-    excluded (they are resident anyway); returns (bytes, fn's result). What grows with the tokens
-    of a micro-batch (benchmarks/activation_memory.py)."""
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameter_storages:
-            saved[storage.data_ptr()] = storage.nbytes()  # views of one storage count once
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        result = fn()
-    return sum(saved.values()), result
-
-
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[N, L] 1 on real tokens -> [N, 1, L, L] bool, True where query t may attend key s: s <= t and
     s is a real token. What transformers builds for SDPA from a padded 2-D mask, built always."""
@@ -274,38 +256,3 @@ def token_budget_batches(lengths: list[int], token_budget: int) -> list[list[int
         batches[-1].insert(0, batches[-2].pop())
     return batches
 
-
-# --- FLOPs -------------------------------------------------------------------------------------
-def _config_value(config, name: str, default=None):
-    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-    value = default if value is None else value   # e.g. Llama configs may say head_dim=None
-    if value is None:
-        raise ValueError(f"model config has no {name}")
-    return value
-
-
-def matmul_params(model_config) -> int:
-    """Weights that take part in a matmul for every token, from a Qwen3/Llama-style config (an
-    object or a dict): attention q/k/v/o and the gated MLP in each layer, plus the output head.
-    The input embedding is a lookup (no FLOPs) and is left out, tied or not; norms and biases are
-    negligible and left out too."""
-    hidden = _config_value(model_config, "hidden_size")
-    heads = _config_value(model_config, "num_attention_heads")
-    kv_heads = _config_value(model_config, "num_key_value_heads", heads)
-    head_dim = _config_value(model_config, "head_dim", hidden // heads)
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)                 # q, o: heads; k, v: kv_heads
-    mlp = 3 * hidden * _config_value(model_config, "intermediate_size")        # gate, up, down
-    layers = _config_value(model_config, "num_hidden_layers")
-    return layers * (attention + mlp) + hidden * _config_value(model_config, "vocab_size")
-
-
-def model_flops_per_token(model_config, seq_len: int = 0) -> float:
-    """Forward + backward FLOPs per trained token (PaLM, Chowdhery et al. 2022, appendix B):
-    6 * matmul_params (2 per weight forward, 4 backward) + 12 * layers * heads * head_dim * seq_len
-    for the attention scores and weighted sum (counted over the full, not causal-halved, context).
-    Use for model FLOPs utilisation; activation recomputation (checkpointing) is deliberately not
-    counted, as MFU convention has it."""
-    heads = _config_value(model_config, "num_attention_heads")
-    head_dim = _config_value(model_config, "head_dim", _config_value(model_config, "hidden_size") // heads)
-    layers = _config_value(model_config, "num_hidden_layers")
-    return 6.0 * matmul_params(model_config) + 12.0 * layers * heads * head_dim * seq_len

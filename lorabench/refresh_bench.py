@@ -1,10 +1,12 @@
-"""Refresh latency per method (file / tensor / merged), bucket size and adapter rank, on a real engine,
-next to the physical floor: the bytes moved divided by the measured copy bandwidth.
+"""Refresh latency per method (file / tensor / inplace / merged) and bucket size, on a real engine,
+next to the physical floor: the bytes moved divided by the measured copy bandwidth (notebook 02;
+benchmarks/refresh_sweep.py sweeps ranks and bucket sizes with it).
 
-    engine = HFEngine(model_path)                       # a scratch engine: merged overwrites its weights
-    rows = sweep(engine, model_path, ranks=(4, 16), buckets_mb=(0.01, 1, 64))
+    engine = start_engine(cfg, model_path)              # a scratch engine: merged overwrites its weights
+    model = adapter_model(model_path, rank=16)          # a scratch trainer-side adapter of that size
+    rows = [measure_refresh(engine, model, mode, bucket_mb=64) for mode in MODES]
     bandwidth = measure_bandwidth()                     # GB/s, host memcpy (or on-device on a GPU)
-    save_results("refresh_cpu.json", rows, bandwidth)   # viz.refresh_sweep_figure plots it
+    save_results("refresh.json", rows, bandwidth)       # load_results reads it back
 
 Each row is the median of `repeats` refreshes of the same adapter after `warmup` untimed ones:
     {"engine", "device", "mode", "rank", "bucket_mb", "bytes", "buckets", "parts": {part: s},
@@ -14,10 +16,6 @@ token, with the refreshed adapter): with the call, the refresh end to end as a r
 Parts are the refresher's own (refresh.py), after the policy's snapshot (timed here as `snapshot`):
 file = stage (per bucket, to the host) + write + unload + load; tensor = stage (per bucket) + unload +
 load; inplace = write (after its first, loading refresh); merged = merge + push (per bucket).
-
-GPU results committed by the benchmarks (benchmarks/results/gpu/*.json) are read by
-`load_results` (files in the format above) and `gpu_refresh_summary` (per-step refresh records of
-GRPO runs: medians per file and mode).
 """
 from __future__ import annotations
 
@@ -33,7 +31,6 @@ from .engines.base import AdapterNotLoaded, Sampling
 from .refresh import REFRESH_MODES, make_refresher, refresh_settings, synced_time
 
 MODES = tuple(m for m, cls in REFRESH_MODES.items() if cls.keeps_engine_fresh)   # every mode but the stale control
-BUCKETS_MB = (0.01, 0.03, 0.1, 0.3, 1.0, 4.0, 16.0, 64.0, 512.0)   # log-spaced; the tiny adapter is ~1 MB
 FIRST_REQUEST = list(range(10, 42))   # 32 prompt token ids every model's vocabulary has
 
 
@@ -126,24 +123,6 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
             "first_request_s": statistics.median(first_requests), "repeats": repeats}
 
 
-def sweep(engine, model_path: str, modes=MODES, ranks=(4, 16, 64), buckets_mb=BUCKETS_MB, repeats: int = 3,
-          warmup: int = 1, log=print) -> list[dict]:
-    """Every (mode, rank, bucket) combination on `engine`. Merged runs last: it overwrites the
-    engine's base weights (timings stay valid; generations from that engine do not)."""
-    order = sorted(modes, key=lambda m: m == "merged")
-    rows = []
-    for rank in ranks:
-        model = adapter_model(model_path, rank, device=str(getattr(engine, "device", "cpu")))
-        for mode in order:
-            for bucket in buckets_mb:
-                row = measure_refresh(engine, model, mode, bucket, repeats, warmup)
-                rows.append(row)
-                log(f"{mode:>6} r={rank:<3} bucket {bucket:>7g} MB: {1e3 * row['total_s']:8.2f} ms "
-                    f"({row['bytes'] / 2**20:.2f} MB in {row['buckets']} bucket(s))")
-        del model
-    return rows
-
-
 def save_results(path: str | Path, rows: list[dict], bandwidth_gbps: float, **meta) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,39 +138,6 @@ def load_results(path: str | Path) -> dict | None:
     if not isinstance(data, dict) or data.get("kind") != "refresh_sweep":
         return None
     return data
-
-
-def _refresh_rows(node):
-    """Per-step metric rows with refresh timings anywhere in a results file: (mode, rows) pairs."""
-    if isinstance(node, list) and node and all(isinstance(r, dict) and "refresh/total_s" in r for r in node):
-        yield node
-    elif isinstance(node, dict):
-        for value in node.values():
-            yield from _refresh_rows(value)
-
-
-def gpu_refresh_summary(results_dir: str | Path) -> list[dict]:
-    """Median refresh per (results file, mode) from the per-step rows of committed GRPO runs.
-    The stale-adapter control ('none') is left out: it does not refresh after the first step."""
-    summary = []
-    for path in sorted(Path(results_dir).glob("*.json")):
-        data = json.loads(path.read_text())
-        header = {k: data[k] for k in ("gpu", "sglang", "torch") if isinstance(data, dict) and k in data}
-        for rows in _refresh_rows(data):
-            by_mode: dict[str, list[dict]] = {}
-            for r in rows:
-                by_mode.setdefault(r.get("refresh/mode", "?"), []).append(r)
-            for mode, mode_rows in by_mode.items():
-                if mode == "none":
-                    continue
-                parts = sorted({k[len("refresh/"):-2] for r in mode_rows for k in r
-                                if k.startswith("refresh/") and k.endswith("_s") and k != "refresh/total_s"})
-                summary.append({"source": path.stem, "mode": mode, "steps": len(mode_rows), **header,
-                                "bytes": int(statistics.median(r.get("refresh/bytes") or 0 for r in mode_rows)),
-                                "parts": {p: statistics.median(r.get(f"refresh/{p}_s") or 0.0 for r in mode_rows)
-                                          for p in parts},
-                                "total_s": statistics.median(r["refresh/total_s"] for r in mode_rows)})
-    return summary
 
 
 def engine_label(engine) -> str:

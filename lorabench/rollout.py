@@ -124,17 +124,3 @@ def collate(rollouts: Rollouts, rewards: torch.Tensor, pad_id: int) -> RolloutBa
         elp[i, start:start + len(c.token_ids)] = torch.tensor(c.logprobs)
     return RolloutBatch(ids, attn, cmask, elp, rewards, group_advantages(rewards, rollouts.group_size))
 
-
-def random_tokens_like_rollouts(prompt_lens: list[int], completion_lens: list[int], token_range: tuple[int, int],
-                                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random token ids laid out as `collate` lays out rollouts, for benchmarks and tests of the
-    training path without an engine: ids [n, L] (0 at padding), attention mask [n, L], completion
-    mask [n, L-1] after each prompt."""
-    n, width = len(prompt_lens), max(p + c for p, c in zip(prompt_lens, completion_lens))
-    ids = torch.randint(*token_range, (n, width), generator=generator)
-    attn = torch.zeros(n, width, dtype=torch.long)
-    cmask = torch.zeros(n, width - 1)
-    for i, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
-        attn[i, :p + c] = 1
-        cmask[i, p - 1:p - 1 + c] = 1   # log-prob row t predicts token t+1
-    return ids * attn, attn, cmask

@@ -2,21 +2,16 @@
 (or makes a Figure) from plain rows, so a notebook can redraw the same figure live.
 
 Readable at notebook width: every text is at least MIN_FONT_PT (8 pt = 11 px at matplotlib's 100
-dpi), legends sit outside the data, and parts that are compared share a linear axis.
-`figure_png` renders a figure the way the notebooks show it and writes into the PNG its smallest
-text in pixels (`lorabench:min_text_px`) and its name (`lorabench:figure`, the figure's label), so a
-test can check the text size of each figure as rendered in a browser.
+dpi), legends sit outside the data, and parts that are compared share a linear axis. They are
+plain matplotlib figures, shown by whatever PNG formatter the notebook has; each figure a notebook
+shows is named by its label (`fig.set_label`).
 """
 from __future__ import annotations
 
 import io
-import json
 import math
-from pathlib import Path
 
 import matplotlib.pyplot as plt  # headless: matplotlib picks Agg by itself when there is no display
-from matplotlib.figure import Figure
-from matplotlib.text import Text
 
 PART_COLORS = {"write": "#4c72b0", "snapshot": "#8172b2", "stage": "#64b5cd", "unload": "#dd8452",
                "load": "#55a868", "merge": "#937860", "push": "#c44e52", "snapshot & rest": "#8172b2",
@@ -30,41 +25,6 @@ STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.lab
 def use_style() -> None:
     """The notebooks' figure style (STYLE: text of 9 pt and more, 100 dpi)."""
     plt.rcParams.update(STYLE)
-
-
-# --- rendering with the smallest text recorded --------------------------------------------------
-def smallest_text_pt(fig) -> float:
-    """The smallest font size (pt) of any visible, non-empty text in `fig` (inf if none)."""
-    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
-    return min(sizes, default=math.inf)
-
-
-def figure_png(fig, dpi: float | None = None) -> bytes:
-    """`fig` as a tightly cropped PNG, with its smallest text in pixels (at the PNG's own size) and
-    its name (the figure's label) in the PNG's text chunks."""
-    dpi = dpi or fig.dpi
-    buf = io.BytesIO()
-    metadata = {"lorabench:min_text_px": f"{smallest_text_pt(fig) * dpi / 72:.2f}",
-                "lorabench:figure": fig.get_label() or ""}
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", metadata=metadata)
-    return buf.getvalue()
-
-
-def png_text_info(png: bytes) -> dict:
-    """The text chunks `figure_png` wrote: {'min_text_px': float | None, 'figure': str}."""
-    from PIL import Image
-    info = Image.open(io.BytesIO(png)).info
-    px = info.get("lorabench:min_text_px")
-    return {"min_text_px": float(px) if px else None, "figure": info.get("lorabench:figure", "")}
-
-
-def show_figures_with_text_size(shell) -> None:
-    """Make IPython `shell` display matplotlib figures through `figure_png` (the same PNG as the
-    inline backend's, plus the text chunks). The inline backend is loaded first, because loading it
-    registers its own PNG formatter."""
-    import matplotlib
-    plt.switch_backend(matplotlib.get_backend())
-    shell.display_formatter.formatters["image/png"].for_type(Figure, figure_png)
 
 
 # --- one run, step by step (the CLI's plots and the step-through panel) --------------------------
@@ -178,17 +138,6 @@ def run_plot_images(rows, evals) -> dict[str, bytes]:
     return images
 
 
-def save_run_plots(rows, evals, out_dir: str | Path) -> list[Path]:
-    """The run's figures as out_dir/<name>.png (a run dir's are written by RunLog.save_plots)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, png in run_plot_images(rows, evals).items():
-        (out_dir / f"{name}.png").write_bytes(png)
-        paths.append(out_dir / f"{name}.png")
-    return paths
-
-
 # --- refresh methods (notebook 02): rows as refresh_bench.measure_refresh makes them ---------------
 def _parts(rows):
     present = {p for r in rows for p in r["parts"]}
@@ -291,98 +240,3 @@ def merged_buckets_figure(rows, bandwidth_gbps: float | None = None, label: str 
         ax.grid(alpha=0.3)
     fig.suptitle(label, x=0.01, ha="left")
     return fig
-
-
-# --- committed GPU results (benchmarks/results/gpu) as the rows above ----------------------------
-def gpu_refresh_rows(path: str | Path, setting: str = "prefill_graphs_on") -> tuple[list[dict], dict]:
-    """refresh_gpu.py's results (refresh_tp<N>.json) as rows for `refresh_modes_figure`: p50 of the
-    call, of the first request after it, and of each part; the call's time not in a named part
-    (the trainer-side snapshot, casts) is 'snapshot & rest'. Returns (rows, the file's header)."""
-    data = json.loads(Path(path).read_text())
-    rows = []
-    for r in data["settings"][setting]["rows"]:
-        parts = {p: ms / 1e3 for p, ms in (r.get("parts_p50_ms") or {"not split": r["call_ms"]["p50"]}).items()}
-        rest = r["call_ms"]["p50"] / 1e3 - sum(parts.values())
-        if rest > 0:
-            parts = {"snapshot & rest": rest, **parts}
-        rows.append({"mode": r["mode"], "label": r["mode"].replace("_", " "), "total_s": r["call_ms"]["p50"] / 1e3,
-                     "first_request_s": r["first_request_ms"]["p50"] / 1e3, "parts": parts})
-    header = {k: v for k, v in data.items() if k != "settings"}
-    return rows, header
-
-
-def gpu_merged_rows(path: str | Path) -> tuple[list[dict], dict]:
-    """The merged push sweep in an earlier GPU benchmark's results (perf.json's 'merged') as rows for
-    `merged_buckets_figure`. Returns (rows, the file's header with its copy bandwidth)."""
-    data = json.loads(Path(path).read_text())
-    rows = [{"mode": "merged", "bucket_mb": r["bucket_mb"], "buckets": r["buckets"], "bytes": r["bytes"],
-             "total_s": r["p50_ms"] / 1e3, "parts": {p: ms / 1e3 for p, ms in r["parts_ms"].items()}}
-            for r in data["merged"]]
-    header = {k: data[k] for k in ("gpu", "sglang", "torch", "commit", "date", "device_copy_gbps") if k in data}
-    return rows, header
-
-
-# --- full sweeps (refresh_bench.sweep rows) and GRPO refresh summaries ----------------------------
-def plot_refresh_sweep(rows, mode: str, rank: int | None = None, bandwidth_gbps: float | None = None, ax=None):
-    """Latency vs bucket size (log x, log y) for one mode and rank: the parts stacked as bars, and
-    the floor (bytes / bandwidth) as a dashed line. On a log y axis the segments' heights are not
-    proportional to their share; the bar tops (the totals) and the floor are exact."""
-    ax = ax or plt.subplots(figsize=(5, 3.5))[1]
-    sel = sorted((r for r in rows if r["mode"] == mode and (rank is None or r["rank"] == rank)),
-                 key=lambda r: r["bucket_mb"])
-    if not sel:
-        ax.set_axis_off()
-        return ax
-    x = [r["bucket_mb"] for r in sel]
-    left, width = [v / 1.3 for v in x], [v * 1.3 - v / 1.3 for v in x]   # bars of equal width on log x
-    bottom = [0.0] * len(sel)
-    for part in _parts(sel):
-        vals = [1e3 * r["parts"].get(part, 0.0) for r in sel]
-        ax.bar(left, vals, width=width, bottom=bottom, align="edge", color=PART_COLORS.get(part), label=part)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    nbytes = sel[0]["bytes"]
-    if bandwidth_gbps:
-        floor_ms = 1e3 * nbytes / (bandwidth_gbps * 1e9)
-        ax.axhline(floor_ms, color="k", ls="--", lw=1, label=f"floor {floor_ms:.2g} ms")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set(xlabel="bucket size (MB)", ylabel="ms",
-           title=f"{mode}" + (f", r={rank}" if rank is not None else "") + f" ({nbytes / 2**20:.2f} MB)")
-    _legend_right(ax)
-    ax.grid(alpha=0.3, which="both")
-    return ax
-
-
-def refresh_sweep_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
-    """One panel per (rank, mode): rows are ranks, columns are modes. `label` heads the figure
-    (say which engine and device: "hf engine, CPU (not SGLang)")."""
-    modes = [m for m in ("file", "tensor", "merged") if any(r["mode"] == m for r in rows)]
-    modes += sorted({r["mode"] for r in rows} - set(modes))
-    ranks = sorted({r["rank"] for r in rows})
-    fig, axes = plt.subplots(len(ranks), len(modes), figsize=(4.2 * len(modes), 3.6 * len(ranks)),
-                             squeeze=False, sharey=True, layout="constrained")
-    for i, rank in enumerate(ranks):
-        for j, mode in enumerate(modes):
-            plot_refresh_sweep(rows, mode, rank, bandwidth_gbps, axes[i][j])
-    floor = f"; floor = bytes / {bandwidth_gbps:.1f} GB/s (measured copy)" if bandwidth_gbps else ""
-    fig.suptitle(f"Refresh latency per bucket size: {label}{floor}", fontsize=10)
-    return fig
-
-
-def plot_refresh_summary(summary, ax=None, bandwidth_gbps: float | None = None):
-    """Median refresh per (source, mode) as horizontal stacked bars (refresh_bench.gpu_refresh_summary)."""
-    ax = ax or plt.subplots(figsize=(7, 0.5 + 0.45 * len(summary)), layout="constrained")[1]
-    labels = [f"{s['source']} · {s['mode']} ({s['bytes'] / 2**20:.1f} MB)" for s in summary]
-    left = [0.0] * len(summary)
-    for part in _parts(summary):
-        vals = [1e3 * s["parts"].get(part, 0.0) for s in summary]
-        ax.barh(range(len(summary)), vals, left=left, color=PART_COLORS.get(part), label=part)
-        left = [a + v for a, v in zip(left, vals)]
-    if bandwidth_gbps:
-        floors = [1e3 * s["bytes"] / (bandwidth_gbps * 1e9) for s in summary]
-        ax.plot(floors, range(len(summary)), "k|", ms=14, label="floor")
-    ax.set_yticks(range(len(summary)), labels)
-    ax.set(xlabel="ms (median over steps)")
-    _legend_right(ax)
-    ax.grid(alpha=0.3, axis="x")
-    return ax

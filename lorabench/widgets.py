@@ -16,8 +16,8 @@ Design:
   and errors go to an `Output` through `append_stdout` / `append_stderr`, which, unlike
   `with output:`, is safe from a thread.
 - The live figure is one matplotlib `Figure` created with the panel and redrawn in place into a
-  PNG for an `Image` widget (viz.figure_png: its smallest text is recorded in the PNG); it is not
-  registered with pyplot, so stepping opens no figures and nothing accumulates.
+  PNG for an `Image` widget; it is not registered with pyplot, so stepping opens no figures and
+  nothing accumulates.
 - The status line says what the step did with adapter versions (sampled with v(k-1), trained to
   v(k), v(k) refreshed into the engine) and explains reward, probe gap and mismatch in one line each.
 - Kernel -> Interrupt: while a cell runs, it interrupts that cell as always (a cell waiting in
@@ -25,12 +25,13 @@ Design:
   panel steps, it acts as Stop. (An idle ipykernel ignores SIGINT; the panel makes its own handler
   the one the kernel restores between messages, and that handler only stops running panels.)
 
-`setup_notebook()` is the notebooks' setup: figure style, figures displayed with their text size
-recorded, and the libraries' progress bars and one known deprecation warning kept out of the lesson.
+`setup_notebook()` is the notebooks' setup: the figure style, and the libraries' progress bars and
+one known deprecation warning kept out of the lesson.
 """
 from __future__ import annotations
 
 import html
+import io
 import threading
 import traceback
 import warnings
@@ -43,29 +44,16 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .viz import (
-    STYLE,
-    figure_png,
-    plot_delta_norm,
-    plot_mismatch,
-    plot_refresh,
-    plot_rewards,
-    show_figures_with_text_size,
-    use_style,
-)
+from .viz import STYLE, plot_delta_norm, plot_mismatch, plot_refresh, plot_rewards, use_style
 
 
 def setup_notebook() -> None:
-    """The notebooks' setup cell calls this: the figure style (viz.STYLE), figures shown through
-    viz.figure_png, no progress bars from transformers / huggingface_hub (model loading and saving
-    would draw one per call), and PEFT's use of a transformers property deprecated in v5
-    (`is_gradient_checkpointing`, a FutureWarning on every get_peft_model) not shown."""
-    from IPython import get_ipython
+    """The notebooks' setup cell calls this: the figure style (viz.STYLE), no progress bars from
+    transformers / huggingface_hub (model loading and saving would draw one per call), and PEFT's
+    use of a transformers property deprecated in v5 (`is_gradient_checkpointing`, a FutureWarning
+    on every get_peft_model) not shown. Figures are shown by the notebook's own PNG formatter."""
     from transformers.utils import logging as hf_logging
     use_style()
-    shell = get_ipython()
-    if shell is not None:
-        show_figures_with_text_size(shell)
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -197,7 +185,9 @@ class StepPanel:
                 ax.clear()
                 plot(rows, ax=ax)
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole numbers
-            self.plot.value = figure_png(self.figure, self.dpi)
+            png = io.BytesIO()
+            self.figure.savefig(png, format="png", dpi=self.dpi, bbox_inches="tight")
+            self.plot.value = png.getvalue()
         self.step_label.value = f"steps done: {self.trainer.step_count}"
         self.status.value = status_lines(rows[-1] if rows else None, self.trainer.rewards)
         self.completions.value = completions_table(self.last.samples if self.last else [])

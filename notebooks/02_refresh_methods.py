@@ -29,8 +29,7 @@
 # end (and where its time goes), how the bucket size changes a merged push, and how far each is
 # from the floor (the bytes moved once at the measured copy bandwidth). On a CPU the engine is the
 # `hf` reference engine, so the absolute numbers are not SGLang's; with `ENGINE = "sglang"` on a GPU
-# they are SGLang's. Where the lorabench repository's GPU results are at hand, the last section
-# shows them beside this notebook's (labelled as such).
+# they are SGLang's; the last section says what they show there.
 #
 # **How long.** On a CPU (2 cores), these defaults: about 15 seconds (14 s measured for Run All in
 # a fresh kernel; 12 s with an empty model cache: a refresh needs no trained model, so the tiny
@@ -42,10 +41,7 @@
 # setup
 # %load_ext autoreload
 # %autoreload 2
-from pathlib import Path
-
 import pandas as pd
-from IPython.display import Markdown, display
 
 from lorabench import explain, viz
 from lorabench import refresh_bench as rb
@@ -61,7 +57,6 @@ RANK = 16             # LoRA rank on every linear layer (the demo's lora.r); alp
 BUCKET_MB = 64        # bucket size for the comparison of modes (the default refresh.bucket_mb)
 MERGED_BUCKETS_MB = [0.01, 0.03, 0.1, 0.3, 1, 4, 16]   # bucket sizes for the merged push
 REPEATS = 10          # timed refreshes per point, after one untimed; figures show the median
-GPU_RESULTS = "../benchmarks/results/gpu"   # the repository's GPU results, shown in section 3 when present
 SAVE_TO = ""          # e.g. "../runs/refresh_cpu.json" to keep the measured rows
 # engine settings, e.g. ["engine.sglang.attention_backend=triton"]
 OVERRIDES = []
@@ -106,7 +101,7 @@ pd.DataFrame([{"mode": r["mode"], "MB moved": r["bytes"] / 2**20, "call ms": 1e3
 # - `merged` moves the full weights of every adapted layer, not only the adapter, so its bytes grow
 #   with the model (every weight on its first push; after that the rest never changes); afterwards
 #   the engine has no base model left (it serves W + ΔW as its base, and decodes without LoRA
-#   kernels). With the tiny model that is a few MB and cheap; section 3 shows it at 0.6B scale.
+#   kernels). With the tiny model that is a few MB and cheap; section 3 says how it goes at 0.6B scale.
 # - `× floor` says how far each mode is from moving its bytes once. Every mode is well above it:
 #   what costs is software (Python calls, per-tensor work, the engine's bookkeeping), not bytes.
 
@@ -136,40 +131,17 @@ if SAVE_TO:
 engine.close()
 
 # %% [markdown]
-# ## 3. Beside them: this repository's own GPU results
-# Not measured in this notebook: figures from the benchmark scripts of the lorabench repository
-# (`benchmarks/refresh_gpu.py`), shown when the repository's committed results are next to the
-# notebook (`GPU_RESULTS`); where lorabench is installed without them this section says so and
-# shows nothing. With `ENGINE = "sglang"` on a GPU, sections 1 and 2 above are SGLang's own, measured here.
-# They are SGLang on an H200 with a random-init model of Qwen3-0.6B's shape in bf16 (the refresh cost
-# depends on the shapes, not on the values), LoRA r=32 on the 7 projections (38 MB), next to the
-# naive calls a user would write first (`naive tensor`: PEFT's state dict, unload, load from
-# tensors; `naive file`: `save_pretrained`, unload, load by path). On SGLang the first request after a
-# refresh also pays for it (the new adapter's first use, a cache flush), so it is stacked on the call.
-
-# %%
-gpu_results = Path(GPU_RESULTS)
-repository_results = (gpu_results / "refresh_tp1.json").is_file() and (gpu_results / "perf.json").is_file()
-if repository_results:
-    gpu_rows, gpu = viz.gpu_refresh_rows(gpu_results / "refresh_tp1.json")
-    s = gpu["setting"]
-    fig = viz.refresh_modes_figure(gpu_rows, label=f"repository results: {gpu['gpu']}, sglang {gpu['sglang']}: "
-                                                    f"{s['model']}, LoRA {s['lora']}; p50 of {s['n']} refreshes")
-    gpu_merged, perf = viz.gpu_merged_rows(gpu_results / "perf.json")
-    fig = viz.merged_buckets_figure(gpu_merged, perf["device_copy_gbps"],
-                                    label=f"repository results: {perf['gpu']}, sglang {perf['sglang']}: Qwen3-0.6B "
-                                          f"shape, bf16, {gpu_merged[0]['bytes'] / 2**30:.2f} GiB of weights")
-else:
-    display(Markdown(f"*Not shown: the repository's GPU results are not in `{gpu_results}`.*"))
-
-# %% [markdown]
-# In the repository's results, `inplace` is the fastest end to end, then `tensor`, then `file`. Most
-# of the in-place refresh's time is the first request: the adapter keeps its name, so the engine
-# flushes its prefix cache (KV computed with the old values must not be reused) and that request
-# is a full prefill. `tensor` and `file` pay for SGLang building the adapter anew inside the call
-# (for `tensor`, its load copies each tensor to the host and stacks q/k/v there). The parts of the
-# naive calls were not timed separately (grey). The second figure is the merged push of the whole
-# 0.6B-shape model (1.2 GB in bf16) by bucket size.
+# ## 3. On a GPU, with SGLang
+# With `ENGINE = "sglang"` on a GPU, sections 1 and 2 measure SGLang itself. The lorabench
+# repository's results page (`docs/results.md`) shows both figures from this notebook on an H200,
+# with a random-init model of Qwen3-0.6B's shape in bf16 (the refresh cost depends on the shapes, not
+# on the values) and `RANK = 32`. There `inplace` is the fastest end to end by far, and most of its
+# time is the first request: the adapter keeps its name, so the engine flushes its prefix cache (KV
+# computed with the old values must not be reused) and that request is a full prefill. `file` and
+# `tensor` pay for SGLang building the adapter anew inside the call: the load is the largest part of
+# their call (for `tensor`, SGLang's load copies each tensor to the host and stacks q/k/v there). A
+# merged refresh moves every adapted weight of the model, and its pushes are most of its time at
+# every bucket size.
 
 # %% [markdown]
 # ## Self-check
@@ -186,7 +158,4 @@ explain.self_check({
     "the same bytes at every bucket size": len({r["bytes"] for r in merged}) == 1,
     "a bucket smaller than the weights splits the push":
         all(r["buckets"] > 1 for r in merged if r["bucket_mb"] * 2**20 < r["bytes"]),
-    **({"the repository's GPU results hold file, tensor, inplace and the naive calls":
-        {"file", "tensor", "inplace", "naive_tensor", "naive_file"} <= {r["mode"] for r in gpu_rows}}
-       if repository_results else {}),
 })

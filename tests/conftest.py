@@ -16,6 +16,10 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # works without `pip install -e .` too
     sys.path.insert(0, str(ROOT))
+# the benchmarks' own modules (meters, synthetic inputs), which some tests use too; appended, so that
+# nothing there shadows an installed package
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.append(str(ROOT / "benchmarks"))
 
 torch.set_num_threads(int(os.environ.get("LORABENCH_TEST_THREADS", "2")))
 
@@ -101,6 +105,13 @@ def model_logprobs(model, sequences, prompt_lens, temperature: float = 1.0) -> l
         lp = torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, 1:, None])[:, 0]
         out.append(lp[plen - 1:])
     return out
+
+
+def merged_state_dict(peft_model, adapted_only: bool = False) -> dict[str, torch.Tensor]:
+    """W + (α/r)·B·A for every layer of a PEFT model, out of place: the package's merge
+    (adapters.merge_weights) of the model's own adapter."""
+    from lorabench.adapters import FlatAdapter, base_weights, merge_weights
+    return merge_weights(base_weights(peft_model), FlatAdapter.from_peft(peft_model), adapted_only)
 
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

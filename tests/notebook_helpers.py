@@ -1,7 +1,8 @@
-"""Shared by the notebook tests: where the notebooks are, a kernelspec that runs this interpreter,
-the small parameters the tests inject (papermill's convention: a cell tagged `injected-parameters`
-after the one tagged `parameters`; the notebooks themselves hold the learner's values), and the
-checks on executed outputs (no stderr, no library progress bars, figure text size)."""
+"""Shared by the notebook tests: where the notebooks are, a kernelspec that runs this interpreter
+with each figure's name and text size recorded in its PNG (figure_text_size), the small parameters
+the tests inject (papermill's convention: a cell tagged `injected-parameters` after the one tagged
+`parameters`; the notebooks themselves hold the learner's values), and the checks on executed
+outputs (no stderr, no library progress bars, figure text size)."""
 from __future__ import annotations
 
 import base64
@@ -9,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 MIN_TEXT_PX = 8.0
@@ -28,12 +30,13 @@ SMALL = {
 
 def write_kernelspec(jupyter_dir: Path) -> Path:
     """A `python3` kernelspec under `jupyter_dir/kernels` that starts this very interpreter (the
-    venv's), so the kernel sees the same packages whatever kernelspecs the machine has. Put
-    `jupyter_dir` first on JUPYTER_PATH to use it."""
+    venv's), so the kernel sees the same packages whatever kernelspecs the machine has, through
+    text_size_kernel.py: every figure's PNG carries its name and smallest text. Put `jupyter_dir`
+    first on JUPYTER_PATH to use it."""
     spec = jupyter_dir / "kernels" / "python3"
     spec.mkdir(parents=True, exist_ok=True)
     (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [sys.executable, str(TESTS / "text_size_kernel.py"), "-f", "{connection_file}"],
         "display_name": "Python 3 (ipykernel)", "language": "python"}))
     return jupyter_dir
 
@@ -80,7 +83,7 @@ def noise(nb) -> list[str]:
 
 def figures(nb) -> list[tuple[int | str, dict]]:
     """Each image/png output (cell index) and each PNG image widget in the saved widget state
-    ('widget'): viz.png_text_info of the PNG plus its pixel width."""
+    ('widget'): figure_text_size.png_text_info of the PNG plus its pixel width."""
     pngs = [(i, base64.b64decode(out["data"]["image/png"])) for i, out in code_outputs(nb)
             if "image/png" in out.get("data", {})]
     state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
@@ -93,7 +96,6 @@ def figures(nb) -> list[tuple[int | str, dict]]:
 def describe_png(png: bytes) -> dict:
     import io
 
+    from figure_text_size import png_text_info
     from PIL import Image
-
-    from lorabench.viz import png_text_info
     return {**png_text_info(png), "width": Image.open(io.BytesIO(png)).width}

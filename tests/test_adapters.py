@@ -8,7 +8,7 @@ import stat
 
 import pytest
 import torch
-from conftest import max_abs_diff, model_logprobs, perturb_lora_B
+from conftest import max_abs_diff, merged_state_dict, model_logprobs, perturb_lora_B
 
 from lorabench.adapters import (
     CONFIG_NAME,
@@ -21,7 +21,6 @@ from lorabench.adapters import (
     base_weights,
     linear_shapes,
     merge_weights,
-    merged_state_dict,
     plain_config,
     split_lora_key,
     validate,

@@ -3,8 +3,9 @@
 at 1400 px wide. Each notebook, with the tests' small parameters injected, is run from the Run
 menu; notebook 01 is run up to its "Continue from the CLI" section, its panel's Step button is
 clicked, then the rest is run. Fails on any visible stderr box (a warning, a log line, a traceback)
-or widget error, and on figure text under 8 px as rendered: each figure's PNG records its smallest
-text in pixels at its own size (viz.figure_png), scaled here by the width the browser gave it.
+or widget error, and on figure text under 8 px as rendered: the tests' kernel records in each
+figure's PNG its smallest text in pixels at the PNG's own size (figure_text_size), scaled here by the
+width the browser gave it.
 Each figure is saved as a screenshot. With LORABENCH_RECORD=1 the notebooks run at their learner
 defaults instead (what a learner sees; ~4 minutes on 2 cores with the tiny model cached) and the
 screenshots are copied to benchmarks/results/browser_<notebook>_<figure>.png.
@@ -38,7 +39,8 @@ VIEWPORT = {"width": 1400, "height": 1800}   # tall enough for notebook 01's who
 RUN_TIMEOUT_MS = int(os.environ.get("LB_BROWSER_RUN_TIMEOUT_MS", 300_000))
 STDERR = "[data-mime-type='application/vnd.jupyter.stderr']"   # stderr streams and tracebacks
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (`make test` installs it: "
+                                                              "pip install -r tests/browser_requirements.txt)")
 if not os.access(CHROMIUM, os.X_OK):
     pytest.skip(f"{CHROMIUM} not found (apt-get install chromium)", allow_module_level=True)
 
@@ -73,8 +75,7 @@ def lab(tmp_path_factory):
     root = tmp / "root"
     root.mkdir()
     for path in NOTEBOOKS:
-        extra = {"01_step_through": {"RUN_ROOT": str(tmp / "runs")},
-                 "02_refresh_methods": {"GPU_RESULTS": str(ROOT / "benchmarks" / "results" / "gpu")}}.get(path.stem, {})
+        extra = {"01_step_through": {"RUN_ROOT": str(tmp / "runs")}}.get(path.stem, {})
         nbformat.write(parameterized(path, **PARAMETERS[path.stem], **extra), root / path.name)
     lab_settings(tmp / "lab-settings")
     env = {**os.environ, "JUPYTER_PATH": str(write_kernelspec(tmp / "jupyter")),

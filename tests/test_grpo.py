@@ -9,9 +9,9 @@ import stat
 
 import pytest
 import torch
-from conftest import CoreOnlyEngine, perturb_lora_B
+from conftest import CoreOnlyEngine, merged_state_dict, perturb_lora_B
 
-from lorabench.adapters import FlatAdapter, merged_state_dict
+from lorabench.adapters import FlatAdapter
 from lorabench.data import Problem
 from lorabench.engines import EngineError, StaleAdapter
 from lorabench.engines.base import Completion, Sampling

@@ -1,19 +1,17 @@
 """lorabench.loss: the memory-lean token_logprobs against the plain full-logits path (values,
 LoRA gradients, no_grad, plain and PEFT models, bytes saved for backward), token-budget
-micro-batches, the moved GRPO advantage/loss functions, and the FLOPs-per-token arithmetic."""
+micro-batches and the GRPO advantage/loss functions."""
 import math
 
 import pytest
 import torch
+from meters import saved_activation_bytes  # benchmarks/
 
 from lorabench.loss import (
     body_and_head,
     group_advantages,
     grpo_loss,
-    matmul_params,
-    model_flops_per_token,
     plain_token_logprobs,
-    saved_activation_bytes,
     token_budget_batches,
     token_logprobs,
 )
@@ -326,34 +324,6 @@ def test_loss_kl_term():
     loss, metrics = grpo_loss(logp, logp, torch.tensor([0.0]), torch.ones_like(logp), 0.2, ref_logp=ref, kl_beta=0.5)
     k3 = (torch.exp(ref - logp) - (ref - logp) - 1).mean().item()
     assert k3 > 0 and metrics["kl"] == pytest.approx(k3) and loss.item() == pytest.approx(0.5 * k3)
-
-
-# --- FLOPs -----------------------------------------------------------------------------------------
-QWEN3_06B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
-
-
-def test_flops_per_token_qwen3_06b_by_hand():
-    # weight shapes of one Qwen3-0.6B layer (in, out): q/o use 16 heads of 128, k/v 8 KV heads of 128
-    layer = {"q_proj": (1024, 16 * 128), "k_proj": (1024, 8 * 128), "v_proj": (1024, 8 * 128),
-             "o_proj": (16 * 128, 1024), "gate_proj": (1024, 3072), "up_proj": (1024, 3072),
-             "down_proj": (3072, 1024)}
-    per_layer = sum(a * b for a, b in layer.values())
-    non_embedding = 28 * per_layer
-    assert non_embedding == 440_401_920                    # Qwen3-0.6B's model card: 0.44B non-embedding
-    lm_head = 151936 * 1024
-    assert matmul_params(QWEN3_06B) == non_embedding + lm_head
-    assert model_flops_per_token(QWEN3_06B) == pytest.approx(6 * (non_embedding + lm_head))
-    attention = 12 * 28 * (16 * 128) * 330                 # scores + weighted sum, 330-token context
-    assert model_flops_per_token(QWEN3_06B, seq_len=330) == pytest.approx(6 * (non_embedding + lm_head) + attention)
-
-
-def test_matmul_params_match_an_instantiated_model():
-    """Counted from the config = the weights of every nn.Linear in a real (small) Qwen3 model."""
-    model = tiny_plain_qwen3(vocab_size=320, hidden_size=64)
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert matmul_params(model.config) == linear
-    assert matmul_params(model.config.to_dict()) == linear  # a plain dict works too
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

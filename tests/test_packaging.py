@@ -68,6 +68,19 @@ def test_dev_extra_has_pytest(pyproject):
     assert any(re.match(r"pytest\b", d) for d in dev)
 
 
+def test_browser_tooling_is_the_test_suites_own(pyproject):
+    """No extra pulls in Playwright: the browser test's driver is in tests/browser_requirements.txt,
+    which the README's test command (`make test`) installs before it runs the tests."""
+    extras = pyproject["project"]["optional-dependencies"]
+    assert [d for deps in extras.values() for d in deps if re.match(r"playwright\b", d, re.I)] == []
+    assert re.search(r"^playwright\b", (ROOT / "tests" / "browser_requirements.txt").read_text(), re.M)
+    makefile = (ROOT / "Makefile").read_text()
+    rule = r"^(\S+): .*tests/browser_requirements\.txt\n\t.*-r tests/browser_requirements\.txt"
+    stamp = re.search(rule, makefile, re.M)
+    assert stamp, "the Makefile has no rule installing tests/browser_requirements.txt"
+    assert stamp.group(1) in re.search(r"^test:(.*)$", makefile, re.M).group(1).split(), "make test does not install it"
+
+
 def test_console_script(pyproject):
     assert pyproject["project"]["scripts"]["lorabench"] == "lorabench.cli:main"
     module, func = pyproject["project"]["scripts"]["lorabench"].split(":")
@@ -104,13 +117,12 @@ def test_docs_state_the_minimum_python(doc, pyproject):
 
 # --- the package layout ----------------------------------------------------------------------------
 MODULES = ["__init__", "adapters", "cli", "data", "datafiles", "explain", "fsutil", "grpo", "hub", "interrupts",
-           "loss", "models", "policy", "refresh", "refresh_bench", "rewards", "rollout", "rundir", "runlog", "safedir",
-           "machine", "settings", "shapes", "tiny", "viz", "widgets", "engines/__init__", "engines/base",
-           "engines/engine_thread",
+           "loss", "machine", "models", "policy", "refresh", "refresh_bench", "rewards", "rollout", "rundir", "runlog",
+           "safedir", "settings", "tiny", "viz", "widgets", "engines/__init__", "engines/base", "engines/engine_thread",
            "engines/hf", "engines/loopback", "engines/sglang", "engines/sglang_pool", "session/__init__",
            "session/compat", "session/config", "session/fingerprint", "session/preflight", "session/run",
            "session/sizes"]
-REMOVED = ["warmstart", "engines/sglang_inplace"]
+REMOVED = ["warmstart", "engines/sglang_inplace", "shapes"]
 MOVED_INTO_THE_SESSION = ["config", "compat", "preflight", "sizes", "fingerprint"]   # they handle the whole Config
 
 

@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 from conftest import perturb_lora_B
+from synthetic import random_tokens_like_rollouts  # benchmarks/
 
 from lorabench.policy import Policy
-from lorabench.rollout import RolloutBatch, random_tokens_like_rollouts
+from lorabench.rollout import RolloutBatch
 from lorabench.session.config import Config, ConfigError
 
 # torch.compile on the CPU generates C++ and needs a compiler

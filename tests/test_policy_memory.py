@@ -4,8 +4,9 @@ the same (checkpointing: exactly; bf16: within bf16 rounding)."""
 import pytest
 import torch
 from conftest import perturb_lora_B
+from meters import saved_activation_bytes  # benchmarks/
 
-from lorabench.loss import saved_activation_bytes, token_logprobs
+from lorabench.loss import token_logprobs
 from lorabench.policy import Policy, lora_compute_dtype
 from lorabench.session.config import Config, ConfigError
 

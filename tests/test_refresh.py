@@ -7,9 +7,9 @@ import stat
 
 import pytest
 import torch
-from conftest import max_abs_diff, model_logprobs, perturb_lora_B
+from conftest import max_abs_diff, merged_state_dict, model_logprobs, perturb_lora_B
 
-from lorabench.adapters import AdapterError, FlatAdapter, base_weights, merged_state_dict
+from lorabench.adapters import AdapterError, FlatAdapter, base_weights
 from lorabench.engines.base import (
     EngineError,
     PushesWeights,

@@ -1,6 +1,6 @@
 """Refresh latency measurements on the real HFEngine (tiny random model): rows per mode, bucket and
 rank with bytes and bucket counts that follow from the adapter's tensors, the bandwidth floor, the
-sweep figure, the committed GPU results, and the teaching helpers of notebook 03."""
+sweep and its figure (benchmarks/refresh_sweep.py), and the teaching helpers of notebook 03."""
 from __future__ import annotations
 
 import json
@@ -9,13 +9,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 import torch
-from conftest import LORA_R
+from conftest import LORA_R, merged_state_dict
+from refresh_sweep import refresh_sweep_figure, sweep  # benchmarks/
 
 from lorabench import explain
 from lorabench import refresh_bench as rb
-from lorabench.adapters import FlatAdapter, merged_state_dict
+from lorabench.adapters import FlatAdapter
 from lorabench.refresh import pack_buckets
-from lorabench.viz import plot_refresh_summary, refresh_sweep_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 # the refresher's parts, after the policy's snapshot (LoraLayers -> FlatAdapter) timed as `snapshot`; the timed
@@ -89,7 +89,7 @@ def test_measure_refresh_rejects_bad_arguments(engine, tiny_model_dir):
 
 
 def test_sweep_covers_every_combination_and_saves(engine, tiny_model_dir, tmp_path):
-    rows = rb.sweep(engine, str(tiny_model_dir), modes=("file", "tensor", "merged"), ranks=(2, 8),
+    rows = sweep(engine, str(tiny_model_dir), modes=("file", "tensor", "merged"), ranks=(2, 8),
                     buckets_mb=(0.01, 64), repeats=1, warmup=0,
                     log=lambda *a: None)
     assert sorted((r["mode"], r["rank"], r["bucket_mb"]) for r in rows) == sorted(
@@ -120,24 +120,6 @@ def test_sweep_covers_every_combination_and_saves(engine, tiny_model_dir, tmp_pa
             assert [tops[x] for x in sorted(tops)] == pytest.approx(totals)   # stacked parts reach each total
     finally:
         plt.close(fig)
-
-
-def test_committed_gpu_results_are_summarised():
-    summary = rb.gpu_refresh_summary(ROOT / "benchmarks" / "results" / "gpu")
-    by = {(s["source"], s["mode"]): s for s in summary}
-    assert ("grpo_sglang", "tensor") in by and ("grpo_sglang", "file") in by
-    assert not any(mode == "none" for _, mode in by)         # the stale control never refreshes
-    for s in summary:
-        assert s["bytes"] > 0 and s["total_s"] > 0 and s["steps"] >= 1 and s["gpu"] == "NVIDIA H200"
-        assert sum(s["parts"].values()) == pytest.approx(s["total_s"], rel=0.2)  # medians of parts ~ total
-    data = json.loads((ROOT / "benchmarks" / "results" / "gpu" / "grpo_sglang.json").read_text())
-    steps = [r["refresh/total_s"] for r in data["tensor"]["rows"]]
-    assert by[("grpo_sglang", "tensor")]["total_s"] == pytest.approx(sorted(steps)[len(steps) // 2], rel=0.05)
-    ax = plot_refresh_summary(summary, bandwidth_gbps=100.0)
-    try:
-        assert len(ax.get_yticklabels()) == len(summary)
-    finally:
-        plt.close(ax.figure)
 
 
 # --- teaching helpers ---------------------------------------------------------------------------------

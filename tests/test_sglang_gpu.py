@@ -266,7 +266,7 @@ def test_grpo_with_sglang_rollouts(tiny_path):
 @pytest.fixture(scope="session")
 def q06_model(tiny_path, tmp_path_factory):
     """A random-init model of Qwen3-0.6B's shape (bf16), with the tiny tokenizer, in a local dir."""
-    from lorabench.shapes import random_qwen3_dir
+    from synthetic import random_qwen3_dir  # benchmarks/
     return random_qwen3_dir("0.6B", tiny_path, tmp_path_factory.mktemp("q06") / "qwen3-0.6b-random")
 
 

@@ -11,6 +11,7 @@ import time
 
 import matplotlib.pyplot as plt
 import pytest
+from figure_text_size import png_text_info, recording, smallest_text_pt
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -18,7 +19,7 @@ from lorabench.engines.base import AdapterNotLoaded, StaleAdapter
 from lorabench.runlog import RunLog, read_jsonl
 from lorabench.session import RunSession, build_trainer, start_engine
 from lorabench.session.config import Config
-from lorabench.viz import MIN_FONT_PT, png_text_info
+from lorabench.viz import MIN_FONT_PT
 from lorabench.widgets import StepPanel, completions_table, refresh_table, status_lines
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -41,6 +42,14 @@ def trainer(tiny_model_dir, tokenizer, tmp_path):
     engine.close()
 
 
+@pytest.fixture
+def text_size_recorded():
+    """Every PNG rendered meanwhile carries its figure's name and smallest text, as in the notebook
+    tests' kernel (figure_text_size)."""
+    with recording():
+        yield
+
+
 def figures_alive() -> int:
     gc.collect()
     return sum(isinstance(o, Figure) for o in gc.get_objects())
@@ -56,6 +65,7 @@ def test_panel_shows_a_starting_state(trainer):
     assert not panel.step_button.disabled and panel.stop_button.disabled
     bundle = panel._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert png_text_info(bytes(panel.plot.value)) == {"figure": "", "min_text_px": None}   # a plain PNG
 
 
 def test_run_n_returns_at_once_and_refuses_a_second_run(trainer):
@@ -97,7 +107,7 @@ def test_stop_ends_the_run_between_steps(trainer):
     assert any("stopped after" in o.get("text", "") for o in panel.log.outputs)
 
 
-def test_views_show_the_last_step(trainer):
+def test_views_show_the_last_step(trainer, text_size_recorded):
     panel = StepPanel(trainer)
     before = panel.plot.value
     panel.start(1)
@@ -290,7 +300,7 @@ def test_figures_are_readable_and_legends_sit_outside_the_data():
     axis, and a name for the browser test's screenshots."""
     import matplotlib
 
-    from lorabench.viz import STYLE, smallest_text_pt
+    from lorabench.viz import STYLE
     with matplotlib.rc_context(STYLE):
         figs = _figures()
         try:
@@ -319,17 +329,3 @@ def test_push_cost_fit_recovers_the_cost_per_push():
     from lorabench.viz import push_cost_fit
     fixed, per_push = push_cost_fit(_merged_rows())
     assert fixed == pytest.approx(5.0) and per_push == pytest.approx(0.2)
-
-
-def test_committed_gpu_results_read_as_rows():
-    from pathlib import Path
-
-    from lorabench.viz import gpu_merged_rows, gpu_refresh_rows
-    gpu = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu"
-    rows, header = gpu_refresh_rows(gpu / "refresh_tp1.json")
-    assert header["gpu"] == "NVIDIA H200" and {"inplace", "tensor", "file"} <= {r["mode"] for r in rows}
-    for r in rows:   # the parts (the call's time not in a named part is "snapshot & rest") make the call
-        assert sum(r["parts"].values()) == pytest.approx(r["total_s"]) and r["first_request_s"] > 0
-    merged, perf = gpu_merged_rows(gpu / "perf.json")
-    assert perf["device_copy_gbps"] > 0 and len({r["bytes"] for r in merged}) == 1
-    assert [r["buckets"] for r in merged] == sorted((r["buckets"] for r in merged), reverse=True)

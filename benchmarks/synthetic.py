@@ -1,14 +1,21 @@
-"""Random-init models of a real model's shape, for measuring refresh and step costs at that size
-without downloading weights (the GPU tests and benchmarks use them): Qwen3's published shapes with
-vocab 151936, tied embeddings and 8 KV heads of 128, in bf16, with any tokenizer (the tiny one)."""
+"""Inputs of real shapes without downloads or an engine, for the benchmarks, the GPU tests and
+dev/run_notebooks_gpu.py (imported with the checkout and this folder on sys.path):
+
+- `random_qwen3_dir`: a random-init model of Qwen3's published shapes (vocab 151936, tied
+  embeddings, 8 KV heads of 128, bf16) with any tokenizer (the tiny one). Refresh and step costs
+  depend on the shapes, not on the values, so it measures them at that size on a machine that
+  cannot reach the hub.
+- `random_tokens_like_rollouts`: random token ids laid out as `lorabench.rollout.collate` lays out
+  rollouts, to time or test the training path without sampling.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from .fsutil import atomic_dir
-from .models import ModelError, load_tokenizer
+from lorabench.fsutil import atomic_dir
+from lorabench.models import load_tokenizer
 
 QWEN3_SHAPES = {
     "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),
@@ -22,7 +29,7 @@ def random_qwen3_dir(shape: str, tokenizer_path: str, out_dir: str | Path, seed:
     `tokenizer_path`, saved in `out_dir` (reused if complete)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     if shape not in QWEN3_SHAPES:
-        raise ModelError(f"shape={shape!r}: use one of {sorted(QWEN3_SHAPES)}")
+        raise ValueError(f"shape={shape!r}: use one of {sorted(QWEN3_SHAPES)}")
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file() and (out_dir / "n_params.txt").is_file():
         return out_dir
@@ -40,3 +47,17 @@ def random_qwen3_dir(shape: str, tokenizer_path: str, out_dir: str | Path, seed:
         tok.save_pretrained(tmp)
         (tmp / "n_params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
     return out_dir
+
+
+def random_tokens_like_rollouts(prompt_lens: list[int], completion_lens: list[int], token_range: tuple[int, int],
+                                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random token ids laid out as `collate` lays out rollouts: ids [n, L] (0 at padding),
+    attention mask [n, L], completion mask [n, L-1] after each prompt."""
+    n, width = len(prompt_lens), max(p + c for p, c in zip(prompt_lens, completion_lens))
+    ids = torch.randint(*token_range, (n, width), generator=generator)
+    attn = torch.zeros(n, width, dtype=torch.long)
+    cmask = torch.zeros(n, width - 1)
+    for i, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
+        attn[i, :p + c] = 1
+        cmask[i, p - 1:p - 1 + c] = 1   # log-prob row t predicts token t+1
+    return ids * attn, attn, cmask

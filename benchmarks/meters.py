@@ -1,0 +1,62 @@
+"""What the benchmarks count, beside the clock (imported with the checkout and this folder on
+sys.path; the CPU tests use `saved_activation_bytes` to check what the training path keeps):
+
+- `saved_activation_bytes`: the bytes autograd saves for backward, what grows with the tokens of a
+  micro-batch (activation_memory.py);
+- `matmul_params`, `model_flops_per_token`: the FLOPs of a trained token, for model FLOPs
+  utilisation (step_gpu.py, train_gpu.py).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def saved_activation_bytes(model, fn) -> tuple[int, object]:
+    """Bytes of distinct tensor storages autograd saves for backward while fn() runs, parameters
+    excluded (they are resident anyway); returns (bytes, fn's result)."""
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            saved[storage.data_ptr()] = storage.nbytes()  # views of one storage count once
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return sum(saved.values()), result
+
+
+def _config_value(config, name: str, default=None):
+    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+    value = default if value is None else value   # e.g. Llama configs may say head_dim=None
+    if value is None:
+        raise ValueError(f"model config has no {name}")
+    return value
+
+
+def matmul_params(model_config) -> int:
+    """Weights that take part in a matmul for every token, from a Qwen3/Llama-style config (an
+    object or a dict): attention q/k/v/o and the gated MLP in each layer, plus the output head.
+    The input embedding is a lookup (no FLOPs) and is left out, tied or not; norms and biases are
+    negligible and left out too."""
+    hidden = _config_value(model_config, "hidden_size")
+    heads = _config_value(model_config, "num_attention_heads")
+    kv_heads = _config_value(model_config, "num_key_value_heads", heads)
+    head_dim = _config_value(model_config, "head_dim", hidden // heads)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)                 # q, o: heads; k, v: kv_heads
+    mlp = 3 * hidden * _config_value(model_config, "intermediate_size")        # gate, up, down
+    layers = _config_value(model_config, "num_hidden_layers")
+    return layers * (attention + mlp) + hidden * _config_value(model_config, "vocab_size")
+
+
+def model_flops_per_token(model_config, seq_len: int = 0) -> float:
+    """Forward + backward FLOPs per trained token (PaLM, Chowdhery et al. 2022, appendix B):
+    6 * matmul_params (2 per weight forward, 4 backward) + 12 * layers * heads * head_dim * seq_len
+    for the attention scores and weighted sum (counted over the full, not causal-halved, context).
+    Activation recomputation (checkpointing) is deliberately not counted, as MFU convention has it."""
+    heads = _config_value(model_config, "num_attention_heads")
+    head_dim = _config_value(model_config, "head_dim", _config_value(model_config, "hidden_size") // heads)
+    layers = _config_value(model_config, "num_hidden_layers")
+    return 6.0 * matmul_params(model_config) + 12.0 * layers * heads * head_dim * seq_len
