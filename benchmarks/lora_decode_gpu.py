@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from synthetic import random_qwen3_dir  # noqa: E402  (this folder)
 
 from lorabench.adapters import FlatAdapter  # noqa: E402
+from lorabench.clock import synced_time  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
 from lorabench.engines.sglang import SGLangEngine, SGLangSettings  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
-from lorabench.refresh import synced_time  # noqa: E402
 from lorabench.refresh_bench import adapter_model  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 

@@ -31,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from synthetic import random_qwen3_dir  # noqa: E402  (this folder)
 
+from lorabench.clock import synced_time  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
 from lorabench.engines.sglang import SGLangEngine, SGLangSettings, check_reply  # noqa: E402
 from lorabench.loss import plain_token_logprobs  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
 from lorabench.policy import LoraLayers  # noqa: E402
-from lorabench.refresh import make_refresher, refresh_settings, synced_time  # noqa: E402
+from lorabench.refresh import make_refresher, refresh_settings  # noqa: E402
 from lorabench.refresh_bench import adapter_model  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 

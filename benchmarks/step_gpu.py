@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from meters import model_flops_per_token  # noqa: E402  (this folder)
 from synthetic import random_qwen3_dir  # noqa: E402
 
+from lorabench.clock import synced_time  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
 from lorabench.explain import restore_base_weights  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
-from lorabench.refresh import synced_time  # noqa: E402
 from lorabench.session import build_trainer, start_engine  # noqa: E402
 from lorabench.session.config import Config  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402

@@ -31,9 +31,9 @@ from meters import model_flops_per_token  # noqa: E402  (this folder)
 from step_gpu import PEAK_BF16_TFLOPS  # noqa: E402  (the H200's vendor peak, one place)
 from synthetic import random_qwen3_dir, random_tokens_like_rollouts  # noqa: E402
 
+from lorabench.clock import synced_time  # noqa: E402
 from lorabench.grpo import GRPOSettings  # noqa: E402
 from lorabench.policy import LoraSettings, Policy, mismatch  # noqa: E402
-from lorabench.refresh import synced_time  # noqa: E402
 from lorabench.rollout import RolloutBatch  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 

@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .clock import Clock
 from .data import ProblemSource, prompt_ids
 from .engines.base import ReleasesMemory, Sampling, StaleAdapter, require
 from .interrupts import interrupts_deferred
 from .policy import Policy
-from .refresh import RefreshRecord, synced_time
+from .refresh import RefreshRecord
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, sample, score
+from .rundir import METRICS, ROLLOUTS, SYNC
 from .runlog import NullRunLog
 from .settings import ALLOWED, REFUSED, Section, check, setting
 
@@ -155,28 +157,25 @@ class TrainerStopped(RuntimeError):
     its run dir (lorabench resume), which holds a whole commit."""
 
 
-class StepClock:
-    """Wall time of a step's parts; on a GPU also this process's peak memory per part. CUDA is
-    synchronised at each lap so GPU work lands in the part that issued it."""
+class StepClock(Clock):
+    """A step's parts (clock.Clock); on a GPU also this process's peak memory per part."""
 
     def __init__(self):
+        super().__init__()
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self.start = self.last = synced_time()
-        self.parts: dict[str, float] = {}
         self.peak_gb: dict[str, float] = {}
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
 
-    def lap(self, part: str) -> None:
-        now = synced_time()
-        self.parts[part] = self.parts.get(part, 0.0) + now - self.last
-        self.last = now
+    def lap(self, part: str) -> float:
+        seconds = super().lap(part)
         if self.cuda:
             self.peak_gb[part] = max(self.peak_gb.get(part, 0.0), torch.cuda.max_memory_allocated() / 1e9)
             torch.cuda.reset_peak_memory_stats()
+        return seconds
 
     def metrics(self) -> dict[str, float]:
-        return {**{f"time/{k}_s": v for k, v in self.parts.items()}, "time/step_s": self.last - self.start,
+        return {**{f"time/{k}_s": v for k, v in self.parts.items()}, "time/step_s": self.total,
                 **{f"memory/{k}_peak_gb": v for k, v in self.peak_gb.items()}}
 
 
@@ -321,9 +320,9 @@ class GRPOTrainer:
 
     def _pending_rows(self) -> dict[str, list[dict]]:
         k = self.runlog.samples_per_step
-        return {"sync.jsonl": [row for r in self._pending for row in r.refresh.rows(r.step)],
-                "rollouts.jsonl": [s for r in self._pending for s in r.samples[:k]],
-                "metrics.jsonl": [r.metrics for r in self._pending]}
+        return {SYNC: [row for r in self._pending for row in r.refresh.rows(r.step)],
+                ROLLOUTS: [s for r in self._pending for s in r.samples[:k]],
+                METRICS: [r.metrics for r in self._pending]}
 
     def run(self, n: int | None = None, progress: bool = True) -> list[StepRecord]:
         """Steps until `n` more have run (default: up to grpo.steps in total)."""

@@ -235,21 +235,21 @@ class Policy:
         self.version = version
 
     def state(self) -> dict:
-        """Checkpoint state besides the adapter itself."""
-        return {"version": self.version, "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        """Checkpoint state besides the adapter itself (which carries the version: the checkpoint's step)."""
+        return {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
 
     @torch.no_grad()
     def load(self, state: dict, adapter: FlatAdapter) -> None:
-        """Resume: the adapter's values, the optimizer and RNG state, the version."""
+        """Resume: the adapter's values and version (the checkpoint's step), the optimizer and RNG state."""
         if adapter.layout != self.layout:
             raise AdapterError("the checkpoint's adapter has other tensors or shapes than this policy (a different "
                                "lora.r, target modules or base model); resume with the run's own config")
         for owner, value in zip(self.lora_layers.owners, adapter.tensors.values()):
             owner.weight.copy_(value.to(owner.weight.device, owner.weight.dtype))
-        _refuse_non_finite_moments(state["optimizer"], int(state.get("step", adapter.version)))
+        _refuse_non_finite_moments(state["optimizer"], adapter.version)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
-        self.version = int(state.get("version", state.get("step", adapter.version)))
+        self.version = adapter.version
         found = self._beyond_bound(adapter)
         if found:   # a checkpoint written without this bound, or under a larger one
             raise UpdateDiverged(

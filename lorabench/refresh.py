@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -34,6 +33,7 @@ from typing import ClassVar
 import torch
 
 from .adapters import FlatAdapter, merge_weights
+from .clock import Clock
 from .engines.base import AdapterNotLoaded, PushesWeights, UpdatesAdapterInPlace, require
 from .fsutil import remove_stale_temps
 from .settings import ALLOWED, Section, check, setting
@@ -107,28 +107,6 @@ def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> li
     return buckets
 
 
-def synced_time() -> float:
-    """perf_counter after the GPU's queued work (if this process uses CUDA), so that work is timed
-    where it was issued."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-class _Clock:
-    """Wall-clock parts of one refresh, read with synced_time."""
-
-    def __init__(self, record: RefreshRecord):
-        self.record = record
-        self.t = synced_time()
-
-    def lap(self, part: str) -> float:
-        t = synced_time()
-        dt, self.t = t - self.t, t
-        self.record.parts[part] = self.record.parts.get(part, 0.0) + dt
-        return dt
-
-
 def _unload_if_loaded(engine, name: str) -> None:
     try:
         engine.unload_adapter(name)
@@ -185,7 +163,7 @@ class Refresher:
         """The engine released `tags` (SGLang's) for the update and took them back; a mode whose
         engine state did not survive re-sends it at the next refresh."""
 
-    def _stage(self, adapter: FlatAdapter, device, record: RefreshRecord, clock: _Clock) -> FlatAdapter:
+    def _stage(self, adapter: FlatAdapter, device, record: RefreshRecord, clock: Clock) -> FlatAdapter:
         """The adapter in the engine's dtype on `device`, in a new buffer filled bucket by bucket (a
         bucket is a run of whole tensors: the names are sorted, so each is one contiguous range);
         one record row per bucket. Pinned host memory when it goes to the host (~20x faster)."""
@@ -223,7 +201,7 @@ class FileRefresh(Refresher):
         return cls(engine, adapter_name, settings.bucket_mb, (own or FileSettings()).tmp_dir)
 
     def _refresh(self, adapter, record):
-        clock = _Clock(record)
+        clock = Clock(record.parts)
         host = self._stage(adapter, "cpu", record, clock)  # one device->host copy, engine dtype
         path = host.save_peft_dir(self.root / f"{self.adapter_name}-{record.version:06d}")
         clock.lap("write")
@@ -248,7 +226,7 @@ class TensorRefresh(Refresher):
     help = "stage tensors on the engine's device in buckets, unload, load_lora_adapter_from_tensors"
 
     def _refresh(self, adapter, record):
-        clock = _Clock(record)
+        clock = Clock(record.parts)
         # CUDA-IPC needs GPU tensors: a CPU tensor would fail (or be copied) inside the engine
         staged = self._stage(adapter, self.engine.device, record, clock)
         _unload_if_loaded(self.engine, self.adapter_name)
@@ -268,7 +246,7 @@ class InPlaceRefresh(TensorRefresh):
     def _refresh(self, adapter, record):
         if self.adapter_name not in self.engine.loaded_adapters():
             return super()._refresh(adapter, record)  # the first load (or after an engine restart)
-        clock = _Clock(record)
+        clock = Clock(record.parts)
         record.nbytes = adapter.nbytes
         record.engine_ms = self.engine.update_adapter_in_place(self.adapter_name, adapter)
         clock.lap("write")
@@ -305,7 +283,7 @@ class MergedRefresh(Refresher):
             self._push_every_weight = True   # released weights come back with undefined contents
 
     def _refresh(self, adapter, record):
-        clock = _Clock(record)
+        clock = Clock(record.parts)
         merged = merge_weights(self.base_weights, adapter, adapted_only=not self._push_every_weight)
         clock.lap("merge")
         buckets = pack_buckets(list(merged.items()), self.bucket_bytes)

@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from .adapters import base_weights
+from .clock import Clock
 from .engines.base import AdapterNotLoaded, Sampling
-from .refresh import REFRESH_MODES, make_refresher, refresh_settings, synced_time
+from .refresh import REFRESH_MODES, make_refresher, refresh_settings
 
 MODES = tuple(m for m, cls in REFRESH_MODES.items() if cls.keeps_engine_fresh)   # every mode but the stale control
 FIRST_REQUEST = list(range(10, 42))   # 32 prompt token ids every model's vocabulary has
@@ -101,16 +102,16 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
     records, first_requests = [], []
     try:
         for version in range(warmup + repeats):
-            t0 = synced_time()
-            adapter = layers.snapshot(version)
-            snapshot_s = synced_time() - t0
+            clock = Clock()
+            adapter = layers.snapshot(version)   # the trainer side of a refresh: part of its time
+            snapshot_s = clock.lap("snapshot")
             record = refresher.refresh(adapter)
             record.parts = {"snapshot": snapshot_s, **record.parts}
-            t0 = synced_time()
+            clock.lap("refresh")
             engine.generate([FIRST_REQUEST], Sampling(max_new_tokens=1, temperature=0.0), refresher.serving_adapter)
             if version >= warmup:
                 records.append(record)
-                first_requests.append(synced_time() - t0)
+                first_requests.append(clock.lap("first_request"))
     finally:
         refresher.close()
         if mode != "merged":

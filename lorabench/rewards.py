@@ -96,7 +96,7 @@ strict_format.rule = "it ends with '#### N', right or wrong"
 
 def reward_functions(mode: str = "strict", format_bonus: float = 0.0) -> list[tuple[str, object, float]]:
     """(name, fn, weight) for the configured reward: correctness, plus the format bonus if any.
-    Each is logged as rewards/<name>/mean; the step's reward is the weighted sum."""
+    Each is logged as reward/<name>/mean; the step's reward is the weighted sum."""
     if mode not in ("strict", "flexible"):
         raise ValueError(f"reward mode {mode!r}: use 'strict' or 'flexible'")
     fns = [("correct", correct_strict if mode == "strict" else correct_flexible, 1.0)]

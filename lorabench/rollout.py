@@ -97,13 +97,13 @@ def sample(engine, tokenizer, problems: list[Problem], group_size: int, sampling
 
 
 def score(rollouts: Rollouts, reward_fns: list[tuple[str, object, float]]) -> tuple[torch.Tensor, dict[str, float]]:
-    """The summed reward per completion [N] and each function's mean (`rewards/<name>/mean`)."""
+    """The summed reward per completion [N] and each function's mean (`reward/<name>/mean`)."""
     total = torch.zeros(len(rollouts.texts))
     means = {}
     for name, fn, weight in reward_fns:
         values = torch.tensor(fn(rollouts.questions, rollouts.texts, answers=rollouts.answers), dtype=torch.float32)
         total += weight * values
-        means[f"rewards/{name}/mean"] = values.mean().item()
+        means[f"reward/{name}/mean"] = values.mean().item()
     return total, means
 
 

@@ -42,11 +42,22 @@ import torch
 from .fsutil import pid_alive
 from .safedir import RunDirError, SafeDir, read_no_follow, write_failure
 
-ROW_FILES = ("sync.jsonl", "rollouts.jsonl", "metrics.jsonl")   # the rows a checkpoint vouches for
-CHECKPOINT = Path("checkpoint") / "trainer_state.pt"
+# The run dir's layout: each name is written down here only; the other modules use these.
+CONFIG, CONFIG_CHANGES, SUMMARY = "config.json", "config_changes.jsonl", "summary.json"
+METRICS, SYNC, ROLLOUTS, EVALS = "metrics.jsonl", "sync.jsonl", "rollouts.jsonl", "evals.jsonl"
+ADAPTERS, PLOTS, CHECKPOINT_DIR = "adapters", "plots", "checkpoint"
+FOLDERS = (ADAPTERS, PLOTS, CHECKPOINT_DIR)
+CHECKPOINT = Path(CHECKPOINT_DIR) / "trainer_state.pt"
 LOCK_NAME = "lock"
-_CHECKPOINT_KEYS = ("step", "version", "optimizer", "torch_rng", "adapter_buffer", "adapter_layout",
-                    "adapter_config", "rows")
+ROW_FILES = (SYNC, ROLLOUTS, METRICS)   # the rows a checkpoint vouches for
+
+
+def adapter_dir_name(step: int) -> str:
+    """adapters/<this>: the PEFT dir of step `step`'s adapter."""
+    return f"step_{step}"
+
+
+_CHECKPOINT_KEYS = ("step", "optimizer", "torch_rng", "adapter_buffer", "adapter_layout", "adapter_config", "rows")
 _RECOVER = "nothing in the run dir was changed"
 
 
@@ -142,9 +153,9 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
             return read_checkpoint(root)
     root = run_dir
     path = root.path / CHECKPOINT
-    if not root.expect("checkpoint", "dir"):
+    if not root.expect(CHECKPOINT_DIR, "dir"):
         return None
-    with root.sub("checkpoint") as folder:
+    with root.sub(CHECKPOINT_DIR) as folder:
         fh = folder.open_read(CHECKPOINT.name)
     if fh is None:
         return None
@@ -168,19 +179,19 @@ def _step(row: dict) -> int:
 
 
 def _adapter_steps(root: SafeDir) -> list[int]:
-    if not root.expect("adapters", "dir"):
+    if not root.expect(ADAPTERS, "dir"):
         return []
-    with root.sub("adapters") as adapters:
+    with root.sub(ADAPTERS) as adapters:
         names = adapters.names()
     return sorted(int(m.group(1)) for m in map(_ADAPTER_DIR.match, names) if m)
 
 
 # --- what a run dir may hold ---------------------------------------------------------------------------
 _ADAPTER_DIR = re.compile(r"^step_(\d+)$")
-FILES = ("config.json", "config_changes.jsonl", *ROW_FILES, "evals.jsonl", "summary.json", LOCK_NAME)
-CHANGED_IN_PLACE = ("config_changes.jsonl", *ROW_FILES, "evals.jsonl", LOCK_NAME)   # appended or truncated
-SUBDIRS = {"adapters": ("dir", _ADAPTER_DIR.match), "checkpoint": ("file", {CHECKPOINT.name}.__contains__),
-           "plots": ("file", re.compile(r"^[^.].*\.png$").match)}
+FILES = (CONFIG, CONFIG_CHANGES, *ROW_FILES, EVALS, SUMMARY, LOCK_NAME)
+CHANGED_IN_PLACE = (CONFIG_CHANGES, *ROW_FILES, EVALS, LOCK_NAME)   # appended or truncated
+SUBDIRS = {ADAPTERS: ("dir", _ADAPTER_DIR.match), CHECKPOINT_DIR: ("file", {CHECKPOINT.name}.__contains__),
+           PLOTS: ("file", re.compile(r"^[^.].*\.png$").match)}
 
 
 def _refuse_too_large(root: SafeDir, name: str) -> None:
@@ -211,7 +222,7 @@ def check_entries(run_dir: Path | SafeDir) -> None:
                 for child in sub.names():
                     if ours(child):
                         sub.expect(child, wanted)
-                        if name == "checkpoint":
+                        if name == CHECKPOINT_DIR:
                             _refuse_too_large(sub, child)
 
 
@@ -245,10 +256,10 @@ def inspect(run_dir: Path) -> RunDirState:
     run_dir = Path(run_dir)
     with SafeDir.open(run_dir) as root:
         check_entries(root)
-        files = {name: scan_in(root, name) for name in (*ROW_FILES, "evals.jsonl", "config_changes.jsonl")}
+        files = {name: scan_in(root, name) for name in (*ROW_FILES, EVALS, CONFIG_CHANGES)}
         state = RunDirState(run_dir, read_checkpoint(root))
         adapters_ahead = [s for s in _adapter_steps(root) if s > state.step]
-        has_summary = root.expect("summary.json", "file")
+        has_summary = root.expect(SUMMARY, "file")
     for scan in files.values():
         state.repairs += _tail_repairs(scan)
     if state.checkpoint is None:
@@ -266,7 +277,7 @@ def inspect(run_dir: Path) -> RunDirState:
             state.repairs.append(Repair(files[name].path, "append_rows", rows=missing, note=(
                 f"{name}: appending the {len(missing)} row(s) of step(s) {steps} that the checkpoint holds (the run "
                 f"was stopped between its checkpoint and these rows)")))
-    state.notes += _metrics_gaps(files["metrics.jsonl"], state.checkpoint["rows"].get("metrics.jsonl", []))
+    state.notes += _metrics_gaps(files[METRICS], state.checkpoint["rows"].get(METRICS, []))
     return state
 
 
@@ -284,7 +295,7 @@ def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[i
     """No checkpoint is fine for a run stopped before its first commit; with the work of committed
     steps beside it, starting at step 0 would mix two runs in one dir."""
     evidence = [f"{name}: {len(files[name].rows)} rows" for name in ROW_FILES if files[name].rows]
-    later_evals = [r for r in files["evals.jsonl"].rows if _step(r) > 0]
+    later_evals = [r for r in files[EVALS].rows if _step(r) > 0]
     if later_evals:
         evidence.append(f"evals.jsonl: evaluations at step {_step(later_evals[-1])}")
     if len(adapters) > 1:
@@ -310,7 +321,7 @@ def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
     that differ from its copies, and steps out of order or logged twice (two writers)."""
     steps = [_step(r) for r in scan.rows]
     for i in range(1, len(steps)):
-        if steps[i] < steps[i - 1] or (scan.path.name == "metrics.jsonl" and steps[i] == steps[i - 1]):
+        if steps[i] < steps[i - 1] or (scan.path.name == METRICS and steps[i] == steps[i - 1]):
             first = scan.lines[steps.index(steps[i])]
             raise RunDirError(f"{scan.path} line {scan.lines[i]} repeats or goes back to step {steps[i]} (first at "
                               f"line {first}): two processes wrote this run dir, or rows were copied in; {_RECOVER}. "

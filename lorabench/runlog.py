@@ -31,7 +31,27 @@ from pathlib import Path
 import torch
 
 from .adapters import AdapterLayout, FlatAdapter
-from .rundir import RunDirError, RunLock, inspect, read_jsonl, row_line, scan_in
+from .rundir import (
+    ADAPTERS,
+    CHECKPOINT,
+    CHECKPOINT_DIR,
+    CONFIG,
+    CONFIG_CHANGES,
+    EVALS,
+    FOLDERS,
+    METRICS,
+    PLOTS,
+    ROLLOUTS,
+    SUMMARY,
+    SYNC,
+    RunDirError,
+    RunLock,
+    adapter_dir_name,
+    inspect,
+    read_jsonl,
+    row_line,
+    scan_in,
+)
 from .rundir import clean as _clean
 from .safedir import SafeDir
 from .settings import ALLOWED, REFUSED, Section, check, path_component_problem, setting
@@ -106,7 +126,7 @@ class RunLog:
         try:
             self._lock = RunLock(self.root, log) if lock else None
             self.sub = {name: self.root.sub(name, create=True, mode=0o750)  # explicit: whatever the umask is
-                        for name in ("adapters", "plots", "checkpoint")}
+                        for name in FOLDERS}
         except (RunDirError, OSError):
             self.close()
             raise
@@ -142,7 +162,7 @@ class RunLog:
     def write_config(self, config: dict) -> None:
         """config.json, once: a run's config is never rewritten (changes go to config_changes.jsonl)."""
         try:
-            self.root.write_atomic("config.json", json.dumps(redact(config), indent=1).encode(), mode=0o640,
+            self.root.write_atomic(CONFIG, json.dumps(redact(config), indent=1).encode(), mode=0o640,
                                    exclusive=True)
         except RunDirError as err:
             raise RunDirError(f"{err}: a run's config is written once and never rewritten; continue the run with "
@@ -150,7 +170,7 @@ class RunLog:
 
     def record_config_changes(self, step: int, changes: dict[str, tuple]) -> None:
         """One row of allowed changes ({field: [old, new]}) made when continuing at `step`."""
-        self._append("config_changes.jsonl", [{"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        self._append(CONFIG_CHANGES, [{"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                                "changes": {k: list(v) for k, v in changes.items()}}])
 
     def _append(self, name: str, rows: list[dict]) -> None:
@@ -170,10 +190,10 @@ class RunLog:
             self.root.append(name, b"\n")
 
     def log_metrics(self, rows: list[dict]) -> None:
-        self._append("metrics.jsonl", rows)
+        self._append(METRICS, rows)
 
     def log_eval(self, row: dict) -> None:
-        self._append("evals.jsonl", [row])
+        self._append(EVALS, [row])
 
     def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
                save_adapter: bool) -> None:
@@ -181,15 +201,15 @@ class RunLog:
         checkpoint holding the trainer state, the adapter, the pending rows and the experiment's
         fingerprint, then the sync and rollout rows. The caller appends the metrics rows after this."""
         if save_adapter:
-            adapter.save_into(self.sub["adapters"], f"step_{step}")
+            adapter.save_into(self.sub[ADAPTERS], adapter_dir_name(step))
         host = adapter.to("cpu")
         payload = {**state, "step": step, "adapter_buffer": host.buffer, "adapter_layout": host.layout.to_json(),
                    "adapter_config": host.config, "rows": rows}
         if self.fingerprint is not None:
             payload["fingerprint"] = self.fingerprint
-        self.sub["checkpoint"].write_atomic("trainer_state.pt", writer=lambda fh: torch.save(payload, fh), mode=0o640)
+        self.sub[CHECKPOINT_DIR].write_atomic(CHECKPOINT.name, writer=lambda fh: torch.save(payload, fh), mode=0o640)
         self.committed_step = step
-        for name in ("sync.jsonl", "rollouts.jsonl"):
+        for name in (SYNC, ROLLOUTS):
             self._append(name, rows.get(name, []))
 
     def load_checkpoint(self) -> tuple[dict | None, FlatAdapter | None]:
@@ -214,27 +234,27 @@ class RunLog:
         return state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], int(state["step"]))
 
     def metrics(self) -> list[dict]:
-        return scan_in(self.root, "metrics.jsonl").rows
+        return scan_in(self.root, METRICS).rows
 
     def evals(self) -> list[dict]:
-        return scan_in(self.root, "evals.jsonl").rows
+        return scan_in(self.root, EVALS).rows
 
     def set_evals(self, step: int, rows: list[dict]) -> list[dict]:
         """Make `rows` the evaluations of `step`, replacing any a killed or repeated run left there
         (evaluation is seeded, so a repeat gives the same values); returns all rows. The file is
         rewritten only after it was read whole (a bad line raises instead)."""
         kept = [r for r in self.evals() if r.get("step") != step] + rows
-        self.root.write_atomic("evals.jsonl", "".join(map(row_line, kept)).encode(), mode=0o640)
+        self.root.write_atomic(EVALS, "".join(map(row_line, kept)).encode(), mode=0o640)
         return kept
 
     def write_summary(self, summary: dict) -> None:
-        self.root.write_atomic("summary.json", json.dumps(summary, indent=1).encode(), mode=0o640)
+        self.root.write_atomic(SUMMARY, json.dumps(summary, indent=1).encode(), mode=0o640)
 
     def save_plots(self, images: dict[str, bytes]) -> list[Path]:
         """plots/<name>.png for each rendered figure (viz.run_plot_images)."""
         for name, png in images.items():
-            self.sub["plots"].write_atomic(f"{name}.png", png, mode=0o640)
-        return [self.dir / "plots" / f"{name}.png" for name in images]
+            self.sub[PLOTS].write_atomic(f"{name}.png", png, mode=0o640)
+        return [self.dir / PLOTS / f"{name}.png" for name in images]
 
 
 class NullRunLog:

@@ -14,6 +14,7 @@ a format for GRPO to discover.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -103,7 +104,8 @@ def build_tiny_model(tokenizer, seed: int = 0):
 def tiny_recipe(warmstart, seed: int) -> dict:
     from . import __version__
     return {"arch": TINY_ARCH, "vocab": TINY_VOCAB, "template": CHAT_TEMPLATE, "seed": seed,
-            "warmstart": vars(warmstart), "version": __version__}
+            "warmstart": {f.name: getattr(warmstart, f.name) for f in dataclasses.fields(warmstart)},
+            "version": __version__}
 
 
 def tiny_cache_path(cache_dir: str, warmstart, seed: int) -> Path:

@@ -108,10 +108,10 @@ def status_lines(m: dict | None, rewards: list[tuple[str, object, float]]) -> st
     head = (f"<b>step {step}</b>: completions sampled from adapter v{m['adapter/served_version']} → trained to "
             f"v{version} → v{version} refreshed into the engine in {1e3 * m['refresh/total_s']:.1f} ms "
             f"({m['refresh/mode']}) · step {m['time/step_s']:.2f} s · ‖ΔW‖ {m['adapter/delta_norm']:.4f}")
-    correct = m.get("rewards/correct/mean", m["reward/mean"])
+    correct = m.get("reward/correct/mean", m["reward/mean"])
     weights = {name: (fn, weight) for name, fn, weight in rewards}
     rule = weights["correct"][0].rule
-    share = m.get("rewards/format/mean", 0.0)
+    share = m.get("reward/format/mean", 0.0)
     bonus = (f" + {weights['format'][1]:g} × share ending '#### N' ({share:.2f}), a format bonus paid right or wrong"
              if "format" in weights else "; no format bonus in this run")
     reward = (f"<b>reward</b> {m['reward/mean']:.3f} = correct {correct:.3f} (a completion scores 1 when {rule})"

@@ -167,7 +167,7 @@ def test_reward_functions_by_mode():
 
 def test_score_sums_weighted_rewards_and_reports_each_mean():
     """rollout.score: the step's reward per completion is the weighted sum of the functions, each
-    function's mean is logged as rewards/<name>/mean, and answers travel with their group."""
+    function's mean is logged as reward/<name>/mean, and answers travel with their group."""
     problems = [Problem("q0", "#### 5", "5"), Problem("q1", "#### 6", "6")]
     texts = ["#### 5", "The answer is 5.", "#### 7", "6"]                 # 2 prompts x 2 completions
     completions = [Completion([1], [2], [-0.5], "stop") for _ in texts]
@@ -175,17 +175,17 @@ def test_score_sums_weighted_rewards_and_reports_each_mean():
     assert rollouts.group_size == 2 and rollouts.answers == ["5", "5", "6", "6"]
     total, means = score(rollouts, reward_functions("strict", format_bonus=0.25))
     assert torch.equal(total, torch.tensor([1.25, 0.0, 0.25, 0.0]))
-    assert means == {"rewards/correct/mean": 0.25, "rewards/format/mean": 0.5}
+    assert means == {"reward/correct/mean": 0.25, "reward/format/mean": 0.5}
     total, means = score(rollouts, reward_functions("flexible"))
     assert torch.equal(total, torch.tensor([1.0, 1.0, 0.0, 1.0]))
-    assert means == {"rewards/correct/mean": 0.75}
+    assert means == {"reward/correct/mean": 0.75}
 
     def length_penalty(prompts, completions, **kwargs):     # a user's own function plugs in the same way
         assert prompts == ["q0", "q0", "q1", "q1"] and kwargs["answers"] == rollouts.answers
         return [-float(len(c)) for c in completions]
     total, means = score(rollouts, [("length", length_penalty, 0.5)])
     assert torch.equal(total, torch.tensor([-3.0, -8.0, -3.0, -0.5]))
-    assert means == {"rewards/length/mean": pytest.approx(-7.25)}
+    assert means == {"reward/length/mean": pytest.approx(-7.25)}
 
 
 def test_rewards_docstring_examples():

@@ -141,7 +141,7 @@ def test_status_explains_a_format_bonus():
     from lorabench.rewards import reward_functions
     row = {"step": 3, "adapter/version": 3, "adapter/served_version": 2, "refresh/total_s": 0.01,
            "refresh/mode": "file", "time/step_s": 1.0, "adapter/delta_norm": 0.5, "reward/mean": 0.75,
-           "rewards/correct/mean": 0.5, "rewards/format/mean": 0.5, "probe/adapter_gap": 0.1, "mismatch/mean": 1e-6,
+           "reward/correct/mean": 0.5, "reward/format/mean": 0.5, "probe/adapter_gap": 0.1, "mismatch/mean": 1e-6,
            "mismatch/p99": 2e-6, "mismatch/max": 3e-6}
     status = status_lines(row, reward_functions("strict", 0.5))
     assert "reward</b> 0.750 = correct 0.500" in status and "+ 0.5 × share ending '#### N' (0.50)" in status

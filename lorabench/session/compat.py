@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..rundir import RunDirError, scan_in
+from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
 from ..safedir import SafeDir
 from ..settings import ALLOWED as _ALLOWED
 from .config import (
@@ -75,16 +75,16 @@ def effective_config(run_dir: Path) -> Config:
         raise RunDirError(f"{run_dir} does not exist; pass a run dir that `lorabench run` wrote (it prints "
                           f"'run dir: ...')") from None
     with root:
-        raw = root.read_bytes("config.json")
+        raw = root.read_bytes(CONFIG)
         if raw is None:
             raise RunDirError(f"{run_dir} is not a lorabench run dir: it has no config.json; pass a run dir written "
                               f"by lorabench, or start a run there with lorabench run ... run.name=NAME")
-        data = parse_config_bytes(raw, run_dir / "config.json")
-        changes = scan_in(root, "config_changes.jsonl").rows
+        data = parse_config_bytes(raw, run_dir / CONFIG)
+        changes = scan_in(root, CONFIG_CHANGES).rows
     if isinstance(data.get("run"), dict):   # where the run dir is now (it may have been moved or renamed)
         name_ok = path_component_problem(run_dir.name) is None
         data["run"].update(out_dir=str(run_dir.parent), name=run_dir.name if name_ok else "")
-    data = Config.from_dict(moved_layout(data), source=str(run_dir / "config.json")).to_dict()
+    data = Config.from_dict(moved_layout(data), source=str(run_dir / CONFIG)).to_dict()
     for row in changes:
         for key, (_, new) in row.get("changes", {}).items():
             *path, name = MOVED.get(key, key).split(".")
@@ -123,7 +123,7 @@ def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) ->
                            for k, (a, b) in refused_diff.items())
         overrides = " ".join(f"{k}={json.dumps(b) if not isinstance(b, str) else b}"
                              for k, (_, b) in refused_diff.items())
-        config = Path(run_dir) / "config.json"
+        config = Path(run_dir) / CONFIG
         raise RunDirError(f"{run_dir} cannot continue with a changed {listed}; nothing was changed. Start a new run "
                           f"for that (lorabench run --config {config} run.name=NEW {overrides}), or continue "
                           f"without those overrides")

@@ -19,6 +19,7 @@ from ..datafiles import DataError
 from ..engines import engine_class
 from ..models import ModelRef, model_config, model_context, model_ref, model_tokenizer
 from ..refresh import REFRESH_MODES
+from ..rundir import FOLDERS
 from .config import Config, ConfigError
 from .sizes import ModelShape, check_sizes
 
@@ -73,7 +74,7 @@ def _writable(path: str | Path, field: str) -> None:
 
 def _run_dir_writable(run_dir: Path, continued: bool) -> None:
     """An existing run dir (a mount point, say) and its folders must be writable themselves."""
-    for folder in (run_dir, *(run_dir / sub for sub in ("adapters", "plots", "checkpoint"))):
+    for folder in (run_dir, *(run_dir / sub for sub in FOLDERS)):
         if not folder.is_dir():   # rundir.check_entries refused links already
             continue
         read_only = os.statvfs(folder).f_flag & os.ST_RDONLY

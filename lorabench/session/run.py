@@ -86,7 +86,7 @@ def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
     which must be entered only through itself (no link, rundir.check_entries), free (no other
     writer), readable (rundir.inspect), accept `cfg` (compat.py) and still be the experiment its
     checkpoint was trained on (fingerprint.py: config.json and the data)."""
-    from ..rundir import RunDirError, check_entries, lock_holder
+    from ..rundir import CONFIG, RunDirError, check_entries, lock_holder
     path = Path(run_dir) if run_dir else (Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None)
     if path is None or not os.path.lexists(path):
         return RunPlan(path)
@@ -96,7 +96,7 @@ def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
     busy = lock_holder(path)
     if busy:
         raise busy
-    if not (path / "config.json").is_file():   # check_entries: a file, not a link
+    if not (path / CONFIG).is_file():   # check_entries: a file, not a link
         _refuse_leftovers(path)
         return RunPlan(path)   # empty, or left by a run stopped before it wrote its config
     try:
@@ -110,16 +110,16 @@ def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
 
 def _refuse_leftovers(path: Path) -> None:
     """A dir without config.json may only hold what a run stopped before writing it leaves."""
-    from ..rundir import RunDirError
+    from ..rundir import FOLDERS, LOCK_NAME, RunDirError
     from ..safedir import SafeDir
     with SafeDir.open(path) as root:
         leftovers = []
         for name in root.names():
-            if name in ("adapters", "plots", "checkpoint") and root.expect(name, "dir"):
+            if name in FOLDERS and root.expect(name, "dir"):
                 with root.sub(name) as sub:
                     if not sub.names():
                         continue
-            if name != "lock":
+            if name != LOCK_NAME:
                 leftovers.append(name)
     if leftovers:
         raise RunDirError(f"{path} exists and is not a lorabench run dir (no config.json; it holds "

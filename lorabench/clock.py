@@ -1,0 +1,35 @@
+"""Wall time of named parts: the one clock a step, a refresh and the refresh measurements use.
+
+Every reading comes after the GPU's queued work (if this process uses CUDA), so GPU work is timed
+in the part that issued it, not in a later one.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def synced_time() -> float:
+    """perf_counter after the GPU's queued work, if this process uses CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class Clock:
+    """Adds the time since the last lap to `parts[part]` (a dict it may share with a record)."""
+
+    def __init__(self, parts: dict[str, float] | None = None):
+        self.parts = {} if parts is None else parts
+        self.start = self.last = synced_time()
+
+    def lap(self, part: str) -> float:
+        now = synced_time()
+        seconds, self.last = now - self.last, now
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+        return seconds
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
