@@ -38,11 +38,10 @@ from lorabench.rollout import RolloutBatch  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
 # (lora_compute, activation_checkpointing, micro_batch_tokens, compile): PEFT's fp32 LoRA first (the
-# reference of the log-prob gap), the default second (profiled). The sixth session's grid found
-# training bound by kernel launches per micro-batch, so the budget goes up to 65536 with
-# checkpointing; the seventh's profile of the default found the GPU busy with elementwise work and the
-# head's log-sum-exp, hence grpo.compile (docs/results.md, section 2); in the eighth, checkpointing
-# around a compiled layer failed on the GPU, so 'all' puts it inside (rows 6-9).
+# reference of the log-prob gap), the default second (profiled). Training is bound by kernel launches
+# per micro-batch, so the budget goes up to 65536 with checkpointing; the default's profile is mostly
+# elementwise work and the head's log-sum-exp, which grpo.compile fuses (docs/results.md, "Step");
+# under compile=all checkpointing runs inside the compiled layer (rows 6-9).
 SETTINGS = [("float32", False, 8192, "off"), ("bfloat16", True, 32768, "off"), ("bfloat16", False, 4096, "off"),
             ("bfloat16", False, 16384, "off"), ("bfloat16", True, 16384, "off"), ("bfloat16", True, 65536, "off"),
             ("bfloat16", True, 32768, "all"), ("bfloat16", True, 16384, "all"), ("bfloat16", False, 8192, "all"),

@@ -153,7 +153,7 @@ class Policy:
         """`grpo.epochs` optimizer steps on `batch` in micro-batches of at most `grpo.micro_batch_tokens`
         padded tokens; returns loss statistics and the trainer-vs-engine log-prob mismatch."""
         # compiled layers compile again when a micro-batch's width turns from a multiple of 8 to not
-        # (an alignment guard of inductor's; 15 s at step 12 of the GPU GRPO test): widths stay multiples
+        # (inductor guards on alignment): widths stay multiples
         multiple = COMPILED_WIDTH_MULTIPLE if self.compile == "all" else 1
         batch = batch.to(self.device).padded_to_multiple(multiple)
         micro = token_budget_batches([round_up(n, multiple) for n in batch.lengths], grpo.micro_batch_tokens)
@@ -195,7 +195,7 @@ class Policy:
     def _layer_mask(self, part: RolloutBatch) -> torch.Tensor:
         """The attention mask the decoder gets. Compiled layers with SDPA get the full [N, 1, L, L]
         mask always: transformers drops a 2-D mask that pads nothing, and the compiled layer would
-        compile again (~30 s on the H200) for the first micro-batch without padding."""
+        compile again for the first micro-batch without padding."""
         if self.compile == "all" and self.model.config._attn_implementation == "sdpa":
             return causal_padding_mask(part.attention_mask)
         return part.attention_mask
@@ -304,8 +304,8 @@ def _enable_activation_checkpointing(model) -> None:
 
 
 def compile_mode(setting: str, device: str) -> str:
-    """grpo.compile resolved: 'auto' compiles everything on a CUDA GPU, where the compile (~80 s for
-    the 0.6B shape on an H200) pays off within a few steps, and nothing elsewhere (a CPU run is
+    """grpo.compile resolved: 'auto' compiles everything on a CUDA GPU, where the compile (paid at the
+    first step, docs/results.md) pays off within a few steps, and nothing elsewhere (a CPU run is
     short, and compiling there needs a C++ compiler)."""
     if setting == "auto":
         return "all" if torch.device(device).type == "cuda" else "off"

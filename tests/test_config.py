@@ -312,8 +312,8 @@ def test_direct_construction_is_validated():
 
 
 def test_compile_setting_resolves_and_reads_old_booleans():
-    """grpo.compile: 'auto' compiles everything on a CUDA device and nothing on the CPU; the seventh
-    session's runs wrote a boolean (true = head and layers), which still loads."""
+    """grpo.compile: 'auto' compiles everything on a CUDA device and nothing on the CPU; older run dirs
+    hold a boolean (true = head and layers), which still loads."""
     from lorabench.policy import compile_mode
     assert compile_mode("auto", "cuda") == "all" and compile_mode("auto", "cuda:1") == "all"
     assert compile_mode("auto", "cpu") == "off" and compile_mode("head", "cpu") == "head"

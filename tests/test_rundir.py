@@ -1,4 +1,4 @@
-"""Run directories that never lose, mix or silently change steps (issue 13).
+"""Run directories that never lose, mix or silently change steps.
 
 - continuing a run: refused overrides (model, adapter shape, data stream, seed, objective) leave the
   run dir byte for byte as it was; allowed ones (grpo.steps, evaluation, logging, engine) are

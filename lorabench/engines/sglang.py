@@ -97,7 +97,7 @@ class SGLangSettings(Section):
     max_loras_per_batch: int = setting(4, "Adapters per batch; the base model counts as one (>= 2).",
                                        resume=ALLOWED, why=SERVED)
     lora_backend: str = setting("triton", "The LoRA kernels: 'triton' or 'csgmv' (SGLang's default). triton "
-                                "decodes the adapter closer to base speed on an H200 (docs/results.md).",
+                                "decodes with the adapter closer to base speed (docs/results.md).",
                                 resume=ALLOWED, why=SERVED)
     attention_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
     sampling_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
