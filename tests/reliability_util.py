@@ -2,6 +2,7 @@
 filesystem that really fills up, RSS readings, and the run settings of the tiny CLI runs."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -25,6 +26,19 @@ QUICK_RUN = ["grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2", "gr
 def rss_mb() -> float:
     import psutil
     return psutil.Process().memory_info().rss / 2**20
+
+
+@contextlib.contextmanager
+def mounted_disk(path: Path, size_kb: int):
+    """A FullDisk of `size_kb` mounted at `path` while the block runs; the test skips (with the
+    reason) where a tmpfs cannot be mounted."""
+    disk = FullDisk(path, size_kb=size_kb)
+    if not disk.mount():
+        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
+    try:
+        yield disk
+    finally:
+        disk.unmount()
 
 
 class FullDisk:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import max_abs_diff, model_logprobs, perturb_lora_B
-from reliability_util import TINY_RUN, FullDisk, cli, make_trainer  # noqa: F401 (fixture)
+from reliability_util import TINY_RUN, cli, make_trainer, mounted_disk  # noqa: F401 (fixture)
 
 from lorabench.adapters import CONFIG_NAME, PEFT_PREFIX, WEIGHTS_NAME, AdapterWriteError, FlatAdapter
 from lorabench.refresh import FileRefresh
@@ -137,11 +137,8 @@ def test_adapter_writes_survive_sigkill(tmp_path):
 # --- disk full during a file refresh -------------------------------------------------------------
 @pytest.fixture
 def full_disk(tmp_path):
-    disk = FullDisk(tmp_path / "tmpfs", size_kb=2048)
-    if not disk.mount():
-        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
-    yield disk
-    disk.unmount()
+    with mounted_disk(tmp_path / "tmpfs", 2048) as disk:
+        yield disk
 
 
 def test_disk_full_file_refresh_keeps_previous_adapter(engine, make_peft_model, sample_sequences, full_disk):

@@ -21,7 +21,7 @@ import time
 
 import pytest
 import torch
-from reliability_util import QUICK_RUN, ROOT, FullDisk, cli, make_trainer, one_line_error  # noqa: F401 (fixture)
+from reliability_util import QUICK_RUN, ROOT, cli, make_trainer, mounted_disk, one_line_error  # noqa: F401 (fixture)
 
 from lorabench.adapters import CONFIG_NAME, AdapterError, AdapterWriteError, FlatAdapter, validate
 from lorabench.data import DataError, ProblemSource
@@ -179,11 +179,8 @@ def test_adapter_config_without_lora_alpha_refused(engine, make_peft_model, tmp_
 # --- a refresh that fails mid-run: the trainer keeps its state -------------------------------------
 @pytest.fixture
 def small_disk(tmp_path):
-    disk = FullDisk(tmp_path / "tmpfs", size_kb=8192)  # room for two r=16 adapters (1 MB each)
-    if not disk.mount():
-        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
-    yield disk
-    disk.unmount()
+    with mounted_disk(tmp_path / "tmpfs", 8192) as disk:   # room for two r=16 adapters (1 MB each)
+        yield disk
 
 
 def test_failed_refresh_rolls_the_step_back(make_trainer, small_disk, tmp_path, sample_sequences):

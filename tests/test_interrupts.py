@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from test_widgets import tiny_config
+from test_widgets import tiny_config, trainer  # noqa: F401  (the panel tests' trainer fixture)
 
 from lorabench.grpo import StepInProgress, interrupts_deferred
 from lorabench.runlog import RunLog
@@ -60,9 +60,9 @@ def test_interrupts_at_random_moments_change_nothing_but_time(tiny_model_dir, to
     rows, plain_rows = interrupted.runlog.metrics(), plain.runlog.metrics()
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in plain_rows]
     assert [r["adapter/served_version"] for r in rows] == list(range(steps))
-    for trainer in (plain, interrupted):
-        trainer.close()
-        trainer.engine.close()
+    for made in (plain, interrupted):
+        made.close()
+        made.engine.close()
 
 
 def test_an_interrupt_during_a_commit_is_held_until_it_is_whole():
@@ -96,13 +96,3 @@ def test_an_interrupted_wait_stops_the_panel(trainer):
     panel.wait()                             # the step in progress ends, then the run stops
     assert 1 <= trainer.step_count < 50 and "interrupted" in str(panel.log.outputs)
     panel.close()
-
-
-@pytest.fixture
-def trainer(tiny_model_dir, tokenizer, tmp_path):
-    cfg = tiny_config(tmp_path)
-    engine = start_engine(cfg, str(tiny_model_dir))
-    trainer = build_trainer(cfg, str(tiny_model_dir), engine, tokenizer=tokenizer, log=lambda *a: None)
-    yield trainer
-    trainer.close()
-    engine.close()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_util import QUICK_RUN, FullDisk, cli, make_trainer, one_line_error, tree_state  # noqa: F401
+from reliability_util import QUICK_RUN, FullDisk, cli, make_trainer, mounted_disk, one_line_error, tree_state  # noqa: F401
 
 from lorabench.cli import main
 from lorabench.grpo import TrainerStopped
@@ -584,11 +584,8 @@ def _run_until_step(args, run: Path, step: int, log: Path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    disk = FullDisk(tmp_path / "disk", size_kb=16384)
-    if not disk.mount():
-        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
-    yield disk
-    disk.unmount()
+    with mounted_disk(tmp_path / "disk", 16384) as disk:
+        yield disk
 
 
 @pytest.mark.parametrize("failure", ["disk_full", "read_only", "refresh_disk_full"])
