@@ -184,7 +184,10 @@ def needs_problems(settings: SGLangSettings, needs: EngineNeeds) -> list[str]:
 
 
 def check_reply(result, what: str):
-    """Engine replies carry .success/.error_message (LoRA calls) or (success, message) tuples."""
+    """Engine replies carry .success/.error_message (LoRA calls) or (success, message) tuples. SGLang
+    0.5.17 gives no error code: this engine's own record of what it loaded raises AdapterNotLoaded and
+    AdapterAlreadyLoaded before SGLang is asked; the message text is read only for a state changed
+    behind that record (a call made on `self.engine` directly)."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
         ok, message = result
     else:

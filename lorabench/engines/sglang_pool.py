@@ -91,13 +91,20 @@ def lora_id(engine, name: str) -> str:
 
 
 def requests_in_flight(engine) -> bool:
-    """Requests the engine is serving now, anyone's (the tokenizer manager's open requests)."""
+    """Requests the engine is serving now, anyone's (the tokenizer manager's open requests). Used by
+    the in-place write only, which check_version keeps to the verified release."""
     return bool(engine.tokenizer_manager.rid_to_state)
 
 
-def abort_requests(engine) -> None:
-    """End every request in flight early (on the engine's loop): SGLang has no public abort."""
-    engine.tokenizer_manager.abort_request(abort_all=True)
+def abort_requests(engine) -> bool:
+    """End every request in flight early (on the engine's loop): SGLang has no public abort. On a
+    release without this method (any release may run the public refresh modes) nothing is aborted
+    and the interrupted request runs to its end; returns whether an abort was sent."""
+    abort = getattr(engine.tokenizer_manager, "abort_request", None)
+    if not callable(abort):
+        return False
+    abort(abort_all=True)
+    return True
 
 
 # === the trainer's side ==========================================================================
