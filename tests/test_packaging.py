@@ -325,6 +325,27 @@ def test_readme_is_for_users_and_short():
     assert len(lines) <= 120, f"README.md has {len(lines)} lines; results go to docs/results.md"
 
 
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_doc_lines_fit_120_characters(path):
+    long = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if len(line) > 120]
+    assert long == [], f"{path.name}: lines over 120 characters: {long[:10]}"
+
+
+NUMBERED_PERIOD = re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth)"
+                             r"(\W+\w+)?\W+(session|round)\b|\bsession \d+|\bissue \d+", re.I)
+
+
+def test_text_states_what_is_true_now():
+    """Numbered work periods belong in the research log's dated entries, not in the package or docs."""
+    places = [*DOCS, *(ROOT / "lorabench").rglob("*.py")]
+    found = [f"{p.relative_to(ROOT)}:{i + 1}" for p in places if p.name != "research_log.md"
+             for i, line in enumerate(p.read_text().splitlines()) if NUMBERED_PERIOD.search(line)]
+    assert found == [], found
+
+
 # the design card's entries, plus the folders and files a repository of this kind needs
 TOP_LEVEL = {"notebooks", "lorabench", "data", "environment.yml", "pyproject.toml", "README.md",
              "tests", "benchmarks", "docs", "dev", "Makefile"}
