@@ -25,3 +25,17 @@ def interrupts_deferred():
         signal.signal(signal.SIGINT, previous)
         if arrived:
             signal.raise_signal(signal.SIGINT)
+
+
+WAKE_S = 0.1   # how soon a waiting main thread acts on an interrupt that reached another thread
+
+
+def wait_interruptibly(result):
+    """`result()` of a Future (result or exception), waking every WAKE_S. Any thread of the process
+    may receive a SIGINT; Python acts on it when the main thread next runs Python code, so a main
+    thread blocked in one long wait would act on it only when the wait ends."""
+    while True:
+        try:
+            return result(timeout=WAKE_S)
+        except TimeoutError:   # concurrent.futures.TimeoutError is this one since Python 3.11
+            continue

@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from ..interrupts import wait_interruptibly
 from .base import EngineError
 
 
@@ -105,7 +106,7 @@ class EngineThread:
         call_id, future = next(self._ids), Future()
         self._calls.put((call_id, fn, args, kwargs, future))
         try:
-            return future.result()
+            return wait_interruptibly(future.result)
         except KeyboardInterrupt:
             if not future.cancel() and on_interrupt is not None:  # cancel(): it had not started yet
                 on_interrupt(call_id)
