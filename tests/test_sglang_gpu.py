@@ -44,7 +44,7 @@ RUNS = str(Path(os.environ.get("LORABENCH_GPU_RUNS", "/tmp/lorabench-gpu-runs"))
            / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 # the offline GPU stack lacks FlashInfer/FA3/xgrammar; a full install needs none of these. Prefill
 # CUDA graphs off: faster starts; decode graphs stay on (the refresh benchmark keeps SGLang's defaults)
-STACK = ["engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
+STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
          "engine.sglang.grammar_backend=none",
          'engine.sglang.extra_args={"disable_prefill_cuda_graph": true}']
 
@@ -61,8 +61,11 @@ def record(name: str, data: dict) -> None:
 
 
 def gpu_config(*overrides) -> Config:
-    return Config.load(None, [*STACK, "engine.sglang.dtype=bfloat16", "engine.sglang.mem_fraction_static=0.3",
-                              "run.out_dir=" + RUNS, *overrides])
+    cfg = Config.load(None, [*STACK, "engine.sglang.dtype=bfloat16", "engine.sglang.mem_fraction_static=0.3",
+                             "run.out_dir=" + RUNS, *overrides])
+    # every engine these tests start is SGLang: start_engine starts what engine.backend names
+    assert cfg.engine.backend == "sglang", f"the GPU suite tests SGLang, not engine.backend={cfg.engine.backend}"
+    return cfg
 
 
 @pytest.fixture(scope="session")
@@ -555,7 +558,7 @@ def test_scheduler_death_mid_run(tiny_path, tmp_path):
 
     from lorabench.runlog import read_jsonl
     steps, run_dir, log = 8, tmp_path / "runs" / "killed", tmp_path / "log.txt"
-    args = ["run", f"model.name_or_path={tiny_path}", "engine.backend=sglang", *STACK, "engine.sglang.dtype=bfloat16",
+    args = ["run", f"model.name_or_path={tiny_path}", *STACK, "engine.sglang.dtype=bfloat16",
             "engine.sglang.mem_fraction_static=0.3", f"run.out_dir={run_dir.parent}", "run.name=killed",
             f"grpo.steps={steps}", "run.save_adapter_every=2", "refresh.mode=inplace",
             "grpo.compile=off"]   # what is tested starts after step 3; compiling would be most of the wait
