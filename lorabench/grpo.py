@@ -26,12 +26,15 @@ refresh.py (modes), runlog.py (the run directory). This module wires them into `
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .clock import Clock
+from .commits import BackgroundCommits, host_copy
 from .data import ProblemSource, prompt_ids
 from .engines.base import ReleasesMemory, Sampling, StaleAdapter, require
 from .interrupts import interrupts_deferred
@@ -201,6 +204,8 @@ class GRPOTrainer:
         self._engine_stale = False             # a failed step was rolled back: re-send the adapter first
         self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
         self._uncommitted = ""                 # why no step may follow: a commit failed half way
+        self._commits = (BackgroundCommits(self.runlog.dir.name)
+                         if self.runlog.dir is not None and self.runlog.settings.commit_in_background else None)
         self._restore()
         self.refresher.refresh(self.policy.adapter())  # the engine starts with the trainer's adapter
 
@@ -217,7 +222,9 @@ class GRPOTrainer:
         return self.policy.device
 
     def step(self) -> StepRecord:
-        """Rollout -> reward -> update -> publish the adapter -> refresh the engine -> log."""
+        """Rollout -> reward -> update -> publish the adapter -> refresh the engine -> log. The step's
+        commit may still be written when this returns (wait_committed)."""
+        self._raise_if_commit_failed(wait=False)
         if self._uncommitted:
             raise TrainerStopped(self._uncommitted)
         if not self._stepping.acquire(blocking=False):
@@ -299,24 +306,76 @@ class GRPOTrainer:
     def _commit(self, record: StepRecord, adapter, clock: StepClock) -> None:
         """Rows of the steps since the last checkpoint are published with it, so the run dir never
         holds a row its checkpoint cannot vouch for: checkpoint -> sync and rollout rows -> metrics
-        rows (the last carry the whole step's time, the commit's included)."""
+        rows. In line, the rows carry the whole step's time, the commit's included; in the background
+        (run.commit_in_background) time/log_s is what the step waited: copying the state, and
+        time/commit_wait_s for the commit before it, if that was still being written."""
         step = record.step
         self._pending.append(record)
         checkpoint, save_adapter = self.runlog.due(step, self.settings.steps)
+        if not checkpoint:
+            self._finish_metrics(record, clock, waited=0.0)
+        elif self._commits is None:
+            self._commit_in_line(record, adapter, clock, save_adapter)
+        else:
+            self._commit_in_background(record, adapter, clock, save_adapter)
+
+    def _finish_metrics(self, record: StepRecord, clock: StepClock, waited: float) -> None:
+        clock.lap("log")
+        record.metrics.update(clock.metrics())
+        record.metrics["time/commit_wait_s"] = waited   # within time/log_s: the previous commit still being written
+        self.history.append(record.metrics)
+
+    def _commit_in_line(self, record: StepRecord, adapter, clock: StepClock, save_adapter: bool) -> None:
         try:
-            if checkpoint:
-                self.runlog.commit(step, self.policy.state(), adapter, self._pending_rows(), save_adapter)
-            clock.lap("log")
-            record.metrics.update(clock.metrics())
-            self.history.append(record.metrics)
-            if checkpoint:
-                self.runlog.log_metrics([r.metrics for r in self._pending])
-                self._pending = []
+            self.runlog.commit(record.step, self.policy.state(), adapter, self._pending_rows(), save_adapter)
+            self._finish_metrics(record, clock, waited=0.0)
+            self.runlog.log_metrics([r.metrics for r in self._pending])
+            self._pending = []
         except OSError as err:   # the disk: the run dir holds a whole commit or the one before (runlog.py)
-            self._uncommitted = (f"step {step} could not be written to {self.runlog.dir} ({err}); this trainer "
-                                 f"stops, since its memory and the run dir may disagree. Close the session and "
-                                 f"continue the run from the run dir (lorabench resume {self.runlog.dir})")
+            self._stop(record.step, err)
             raise
+
+    def _commit_in_background(self, record: StepRecord, adapter, clock: StepClock, save_adapter: bool) -> None:
+        t0 = time.perf_counter()
+        self._raise_if_commit_failed(wait=True)
+        waited = time.perf_counter() - t0
+        state = host_copy(self.policy.state())   # the next step changes the optimizer's moments in place
+        self._finish_metrics(record, clock, waited)
+        rows = copy.deepcopy(self._pending_rows())   # the metrics dicts are also the history's
+        self._pending = []
+        self._commits.submit(record.step, self._write_commit, record.step, state, adapter, rows, save_adapter)
+
+    def _write_commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
+        """On the commit thread: what _commit_in_line writes, in the same order."""
+        self.runlog.commit(step, state, adapter, rows, save_adapter)
+        self.runlog.log_metrics(rows[METRICS])
+
+    def _raise_if_commit_failed(self, wait: bool) -> None:
+        if self._commits is None:
+            return
+        error = self._commits.settle() if wait else self._commits.failed()
+        if error is not None and not self._uncommitted:   # raised once, as in line; later steps: TrainerStopped
+            self._stop(self._commits.failed_step, error)
+            error.add_note(f"lorabench: the commit of step {self._commits.failed_step} failed on the commit thread "
+                           f"(run.commit_in_background); the trainer is at step {self.policy.version} in memory")
+            raise error
+
+    def _stop(self, step: int, err: BaseException) -> None:
+        self._uncommitted = (f"step {step} could not be written to {self.runlog.dir} ({err}); this trainer "
+                             f"stops, since its memory and the run dir may disagree. Close the session and "
+                             f"continue the run from the run dir (lorabench resume {self.runlog.dir})")
+
+    @property
+    def commit_write_s(self) -> float | None:
+        """How long the last background commit took to write (None: commits are written in line)."""
+        return None if self._commits is None else self._commits.write_s
+
+    def wait_committed(self) -> None:
+        """Return once every step so far is in the run dir (run.commit_in_background writes a step's
+        commit while the next step runs); TrainerStopped if one could not be written."""
+        self._raise_if_commit_failed(wait=True)
+        if self._uncommitted:
+            raise TrainerStopped(self._uncommitted)
 
     def _pending_rows(self) -> dict[str, list[dict]]:
         k = self.runlog.samples_per_step
@@ -335,6 +394,7 @@ class GRPOTrainer:
             records.append(rec)
             bar.set_postfix(reward=f"{rec.metrics['reward/mean']:.2f}",
                             refresh_ms=f"{1e3 * rec.refresh.total_s:.1f}")
+        self.wait_committed()
         return records
 
     # -- state ----------------------------------------------------------------------------------
@@ -389,7 +449,14 @@ class GRPOTrainer:
                 "format": sum(map(has_strict_format, texts)) / len(texts)}
 
     def close(self) -> None:
-        self.refresher.close()
+        """Once the last commit is written (TrainerStopped if it failed and no step said so yet),
+        release the commit thread and the refresher."""
+        try:
+            self._raise_if_commit_failed(wait=True)
+        finally:
+            if self._commits is not None:
+                self._commits.close()
+            self.refresher.close()
 
 
 def step_metrics(step: int, rollouts: Rollouts, batch: RolloutBatch, stats: dict, reward_means: dict,

@@ -17,7 +17,9 @@ files never hold a row the checkpoint cannot vouch for, and a kill can only leav
 `load_checkpoint` appends them from the checkpoint and says so. Anything else that does not fit is
 refused by rundir.inspect, which reads without writing; nothing is truncated but a torn last line.
 Every file and folder is reached through the run dir's fd without following links (safedir.py), and
-each checkpoint records the experiment's fingerprint (fingerprint.py).
+each checkpoint records the experiment's fingerprint (fingerprint.py). The trainer may call `commit`
+and `log_metrics` from its commit thread (commits.py), one commit at a time, while its own thread
+reads and writes other files (evaluations); nothing here is shared between the two but the folders' fds.
 """
 from __future__ import annotations
 
@@ -78,6 +80,10 @@ class RunSettings(Section):
     sample_completions: int = setting(4, "Completions per step written to rollouts.jsonl (all are kept in the "
                                       "step record).", resume=ALLOWED, why="logging")
     threads: int = setting(0, "torch CPU threads; 0 = torch default.", resume=ALLOWED, why="execution")
+    commit_in_background: bool = setting(True, "Write each checkpoint and its rows on a background thread while the "
+                                         "next step runs (in the same order as in line, so a kill leaves what it "
+                                         "would leave in line); false: the step waits for its commit.",
+                                         resume=ALLOWED, why="execution")
 
     def problems(self) -> list[str]:
         problem = path_component_problem(self.name) if self.name else None

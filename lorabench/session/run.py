@@ -210,7 +210,8 @@ class RunSession:
         return self.runlog.dir
 
     def metrics(self) -> list[dict]:
-        """The rows of metrics.jsonl, as written (one per step)."""
+        """The rows of metrics.jsonl, as written (one per step), once every step so far is written."""
+        self.trainer.wait_committed()
         return self.runlog.metrics()
 
     def resume_command(self, extra_steps: int = 0) -> str:

@@ -1,0 +1,84 @@
+"""A step's commit written on one background thread while the next step runs.
+
+The commit of step n (its adapter dir, checkpoint and rows: runlog.RunLog.commit) is written in
+the same order as in line, by one thread, one commit at a time: commit n+1 starts only after n is
+written whole. So what a kill -9 can leave in the run dir is what it could leave before (a prefix
+of one commit's ordered writes), and resume repairs it the same way (docs/reliability.md); the
+trainer only gets on with step n+1 sooner. What the commit writes is copied first (`host_copy`),
+because step n+1 changes the optimizer's moments in place.
+
+A failed write is not lost: `settle` (and every later one) returns it, `submit` raises it, and the
+trainer stops (grpo.TrainerStopped), as it does when a commit in line fails.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .interrupts import wait_interruptibly
+
+
+def host_copy(value):
+    """A deep copy whose tensors are on the CPU and share no storage with `value`'s."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: host_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy(v) for v in value)
+    return value   # numbers, strings, None: immutable
+
+
+class BackgroundCommits:
+    """At most one commit in flight, on one thread named for the run dir."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lorabench-commit-{name}")
+        self._in_flight: Future | None = None
+        self._in_flight_step = 0
+        self.failed_step = 0
+        self._guard = threading.Lock()     # submit (the stepping thread) and wait (any thread) share _in_flight
+        self._failure: BaseException | None = None
+        self.write_s = 0.0                 # how long the last finished commit took to write
+
+    def submit(self, step: int, write, *args) -> None:
+        """Start `write(*args)`, the commit of `step`, on the commit thread, once the commit in flight
+        is written; a failed commit's error is raised instead (see `settle`)."""
+        error = self.settle()
+        if error is not None:
+            raise error
+        with self._guard:
+            self._in_flight, self._in_flight_step = self._pool.submit(self._timed, write, args), step
+
+    def _timed(self, write, args) -> None:
+        t0 = time.perf_counter()
+        write(*args)
+        self.write_s = time.perf_counter() - t0
+
+    def settle(self) -> BaseException | None:
+        """Wait until nothing is in flight; the error of a failed commit, or None. A failure is kept:
+        every later settle returns it (the run dir stops at the commit before it), and
+        `failed_step` names the step whose commit failed."""
+        with self._guard:
+            future, step = self._in_flight, self._in_flight_step
+        if future is not None:
+            error = wait_interruptibly(future.exception)   # until the write ends; the error is kept, not swallowed
+            with self._guard:
+                if self._in_flight is future:
+                    self._in_flight = None
+                if error is not None and self._failure is None:
+                    self._failure, self.failed_step = error, step
+        return self._failure
+
+    def failed(self) -> BaseException | None:
+        """Like settle, without waiting for a commit still being written."""
+        with self._guard:
+            done = self._in_flight is None or self._in_flight.done()
+        return self.settle() if done else self._failure
+
+    def close(self) -> None:
+        """End the thread once the commit in flight is written (see `settle` for its outcome)."""
+        self._pool.shutdown(wait=True)
