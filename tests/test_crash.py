@@ -372,6 +372,7 @@ def test_kill_after_checkpoint_rows_come_from_it(make_trainer, tmp_path, window)
         assert [{k: v for k, v in r.items() if not k.startswith("time/")} for r in got] == timeless, name
     assert [h["step"] for h in resumed.history] == [1, 2]
     assert _comparable(resumed.step().metrics) == _comparable(ref[2])
+    resumed.wait_committed()
     assert _steps(run) == [1, 2, 3]
 
 
@@ -387,6 +388,7 @@ def test_kill_between_adapter_dir_and_checkpoint(make_trainer, tmp_path):
     restored = resumed.policy.adapter()
     assert resumed.step_count == 2 and torch.equal(restored.buffer, step2.buffer)
     assert _comparable(resumed.step().metrics) == _comparable(ref[2])
+    resumed.wait_committed()
     redone = FlatAdapter.load_peft_dir(run / "adapters" / "step_3")
     assert torch.equal(redone.buffer, resumed.policy.adapter().buffer)
 
@@ -406,5 +408,6 @@ def test_kill_in_first_step_before_any_checkpoint(make_trainer, tmp_path):
     assert read_jsonl(run / "evals.jsonl") == [{"step": 0, "greedy": False, "strict": 0.0}]
     assert (run / "evals.jsonl").read_text().endswith("}\n")        # the torn line was cut, not glued onto
     rec = trainer.step()
+    trainer.wait_committed()
     assert _steps(run) == [1] and _steps(run, "sync.jsonl", "refresh") == [1]
     assert _comparable(rec.metrics) == _comparable(ref)

@@ -207,6 +207,7 @@ def test_failed_refresh_rolls_the_step_back(make_trainer, small_disk, tmp_path, 
     assert trainer.step_count == 1 and len(trainer.history) == 1
     assert torch.equal(trainer.policy.adapter().buffer, state[0].buffer)
     assert json.dumps(trainer.policy.optimizer.state_dict()["state"], default=lambda t: t.tolist()) == state[1]
+    trainer.wait_committed()                   # step 1's commit may still be on the commit thread
     assert [r["step"] for r in trainer.runlog.metrics()] == [1]
     assert torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 1
     assert all(torch.equal(a, b) for a, b in zip(serving, trainer.engine.score(seqs, lens, "policy")))
@@ -214,6 +215,7 @@ def test_failed_refresh_rolls_the_step_back(make_trainer, small_disk, tmp_path, 
     small_disk.free()
     assert _comparable(trainer.step().metrics) == _comparable(reference[1])
     assert _comparable(trainer.step().metrics) == _comparable(reference[2])
+    trainer.wait_committed()
     assert [r["step"] for r in trainer.runlog.metrics()] == [1, 2, 3]
 
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import stat
+import threading
 
 import pytest
 import torch
@@ -127,6 +128,7 @@ METRIC_KEYS = {
     "mismatch/active_mean", "adapter/version", "adapter/served_version", "adapter/delta_norm", "probe/adapter_gap",
     "refresh/mode", "refresh/bytes", "refresh/total_s",
     "time/rollout_s", "time/reward_s", "time/train_s", "time/refresh_s", "time/probe_s", "time/log_s", "time/step_s",
+    "time/commit_wait_s",
 }
 REFRESH_PARTS = {"file": {"stage", "write", "unload", "load"}, "tensor": {"stage", "unload", "load"},
                  "inplace": {"write"}, "merged": {"merge", "push"}, "none": set()}
@@ -207,7 +209,7 @@ def test_step_record_and_exact_tensor_refresh(make_trainer):
         assert m["train/tokens"] > 8 * m["completions/mean_length"]     # prompts + completions, real tokens only
         assert all(math.isfinite(v) for k, v in m.items() if isinstance(v, float) and k != "mismatch/active_mean")
         # the parts of the step are laps of one clock: they add up to the step, logging included
-        parts = [v for k, v in m.items() if k.startswith("time/") and k != "time/step_s"]
+        parts = [v for k, v in m.items() if k.startswith("time/") and k not in ("time/step_s", "time/commit_wait_s")]
         assert m["time/step_s"] == pytest.approx(sum(parts)) and m["time/log_s"] >= 0
         # every completion is in the record, with the reward it really earned and its group advantage
         assert len(rec.samples) == 2 * 4
@@ -475,15 +477,56 @@ def test_checkpoint_every_publishes_rows_with_their_checkpoint(make_trainer, tmp
     trainer = make_trainer("tensor", "run.checkpoint_every=2", run_dir=tmp_path / "run")
     runlog = trainer.runlog
     trainer.step()
+    trainer.wait_committed()
     assert runlog.metrics() == [] and runlog.load_checkpoint() == (None, None)     # nothing vouched for yet
     assert read_jsonl(tmp_path / "run" / "sync.jsonl") == [] and len(trainer.history) == 1
     trainer.step()
+    trainer.wait_committed()
     assert [r["step"] for r in runlog.metrics()] == [1, 2]
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "sync.jsonl") if r["row"] == "refresh"] == [1, 2]
     assert runlog.load_checkpoint()[0]["step"] == 2
     trainer.step()                                               # the last step always checkpoints
+    trainer.wait_committed()
     assert [r["step"] for r in runlog.metrics()] == [1, 2, 3] and runlog.load_checkpoint()[0]["step"] == 3
     assert runlog.metrics() == json.loads(json.dumps(trainer.history, default=str).replace("NaN", "null"))
+
+
+def test_a_commit_is_written_while_the_next_step_runs(make_trainer, tmp_path):
+    """run.commit_in_background (the default): step() returns before its commit is written; the next
+    step trains while it is (here the commit thread is held until step 2's update is done, so the
+    order is certain); wait_committed returns once both commits are in the run dir, equal to the
+    history. The same trainer in line writes before step() returns."""
+    trainer = make_trainer("tensor", run_dir=tmp_path / "run")
+    events, release = [], threading.Event()
+    commit, train = trainer.runlog.commit, trainer.policy.train
+
+    def held_commit(step, *args):
+        events.append(f"commit {step} starts")
+        assert release.wait(timeout=120), "step 2's update never came"
+        commit(step, *args)
+        events.append(f"commit {step} written")
+
+    def noted_train(*args):
+        stats = train(*args)
+        events.append(f"update {trainer.policy.version}")
+        if trainer.policy.version == 2:
+            release.set()
+        return stats
+
+    trainer.runlog.commit, trainer.policy.train = held_commit, noted_train
+    trainer.step()
+    assert trainer.runlog.metrics() == [] and len(trainer.history) == 1   # in memory, not yet in the run dir
+    trainer.step()
+    trainer.wait_committed()
+    assert events.index("update 2") < events.index("commit 1 written")   # step 2 trained while 1 was written
+    assert [e for e in events if e.startswith("commit")] == ["commit 1 starts", "commit 1 written",
+                                                            "commit 2 starts", "commit 2 written"]
+    assert trainer.runlog.metrics() == json.loads(json.dumps(trainer.history, default=str).replace("NaN", "null"))
+    assert all(m["time/commit_wait_s"] >= 0 for m in trainer.history)
+
+    in_line = make_trainer("tensor", "run.commit_in_background=false", run_dir=tmp_path / "in_line")
+    in_line.step()
+    assert [r["step"] for r in in_line.runlog.metrics()] == [1] and in_line.history[0]["time/commit_wait_s"] == 0
 
 
 def test_resume_restores_state_and_continues_as_the_uninterrupted_run(make_trainer, tmp_path):
@@ -525,6 +568,7 @@ def test_resume_restores_state_and_continues_as_the_uninterrupted_run(make_train
     assert rec.metrics["mismatch/max"] < 1e-4
     assert [s["completion"] for s in rec.samples] == [s["completion"] for s in ref_records[2].samples]
     assert rec.metrics["loss/policy"] == pytest.approx(ref_records[2].metrics["loss/policy"], abs=1e-6)
+    resumed.wait_committed()
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
     final = FlatAdapter.load_peft_dir(run / "adapters" / "step_3")
     ref_final = reference.policy.adapter()

@@ -51,6 +51,7 @@ def test_interrupts_at_random_moments_change_nothing_but_time(tiny_model_dir, to
             notes.append(" ".join(getattr(stop, "__notes__", [])))
         finally:
             timer.cancel()
+        interrupted.wait_committed()           # the last step's commit may still be on the commit thread
         rows = interrupted.runlog.metrics()
         assert [r["step"] for r in rows] == list(range(1, interrupted.step_count + 1))   # committed = in memory
         assert len(interrupted.history) == interrupted.step_count

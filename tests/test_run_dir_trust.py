@@ -638,20 +638,27 @@ def _remount(path: Path, mode: str) -> None:
         time.sleep(0.01)
 
 
-def test_disk_full_in_a_commit_keeps_the_run_dir_consistent(make_trainer, small_disk):
+@pytest.mark.parametrize("background", [True, False])
+def test_disk_full_in_a_commit_keeps_the_run_dir_consistent(make_trainer, small_disk, background):
     """In process: the checkpoint write of step 2 meets ENOSPC: RunDirWriteError (an OSError with
-    errno ENOSPC) naming the file; that trainer takes no more steps (TrainerStopped names the way on);
-    the run dir still holds step 1 whole, and resumes."""
+    errno ENOSPC) naming the file, raised by that step (in line) or by the first call that waits for
+    its commit (in the background: here wait_committed); that trainer takes no more steps
+    (TrainerStopped names the way on); the run dir still holds step 1 whole, and resumes."""
     run = small_disk.path / "run"
-    trainer = make_trainer(run)
+    trainer = make_trainer(run, f"run.commit_in_background={str(background).lower()}")
     trainer.step()
+    trainer.wait_committed()                   # step 1 is on the disk before it fills
     small_disk.fill()
     with pytest.raises(RunDirWriteError) as info:
         trainer.step()
+        trainer.wait_committed()
+    assert trainer.step_count == 2
     assert info.value.errno == errno.ENOSPC and f"{run}/" in str(info.value) and "no space left" in str(info.value)
     small_disk.free()
     with pytest.raises(TrainerStopped, match="lorabench resume"):   # memory and run dir may disagree now
         trainer.step()
+    with pytest.raises(TrainerStopped, match="lorabench resume"):
+        trainer.wait_committed()
     assert inspect(run).step == 1
     resumed = make_trainer(run)
     assert resumed.step_count == 1 and resumed.step().step == 2

@@ -241,6 +241,7 @@ def test_session_writes_a_run_dir_the_cli_can_resume(tiny_model_dir, tmp_path):
     try:
         assert again.trainer.step_count == 1 and len(read_jsonl(again.run_dir / "evals.jsonl")) == 2
         again.trainer.step()
+        again.trainer.wait_committed()
         assert [m["step"] for m in RunLog(again.run_dir).metrics()] == [1, 2]
     finally:
         again.close()
