@@ -4,6 +4,8 @@
 #   CACHE_OUT=$OUT bash .sglang/with-sglang.sh bash dev/gpu_session.sh PART [PART...]
 # PARTS: tests (the GPU test files in $LORABENCH_GPU_TESTS, default the single-GPU suite, -k $LORABENCH_GPU_K),
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
+#        user_step (benchmarks/step_user_path.py: RunSession at the defaults, background and in-line commits, then
+#                   a second process with torch's compile caches warm),
 #        step_variant (step_gpu.py at 64x8x256 only, with $LORABENCH_STEP_VARIANT_ARGS, e.g. an --engine-extra),
 #        fits (step_gpu.py --fits-only: the 24 GB check alone; on top of the README's command:
 #        LORABENCH_FIT_OVERRIDES="engine.sglang.mem_fraction_static=0.3 grpo.micro_batch_tokens=16384"),
@@ -39,6 +41,9 @@ for part in "$@"; do
     refresh) "${part_timeout[@]}" python benchmarks/refresh_gpu.py --out "$RES/refresh_tp${LORABENCH_TP:-1}.json" --tp "${LORABENCH_TP:-1}" \
                ${LORABENCH_REFRESH_ARGS:-} ;;
     step) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;
+    user_step) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_user_path.json" ${LORABENCH_USER_STEP_ARGS:-} \
+               && "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_user_path_warm.json" --modes background \
+                    --steps 3 ${LORABENCH_USER_STEP_ARGS:-} ;;
     step_variant) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step_variant.json" --skip-24gb --sizes 64x8x256 \
                     ${LORABENCH_STEP_VARIANT_ARGS:-} ;;
     fits) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step_fits.json" --fits-only --fit-overrides "${LORABENCH_FIT_OVERRIDES:-}" \

@@ -1,0 +1,135 @@
+"""The step a user gets: `RunSession.open` as `lorabench run` does (the defaults plus the setting's
+overrides, a real run dir, a checkpoint every step), each step timed from outside, with the commit
+written in the background (the default) and in line, beside SGLang's own decode of the same batch.
+
+    python benchmarks/step_user_path.py --out results/step_user_path.json            # the H200 setting
+    python benchmarks/step_user_path.py --tiny --out /tmp/step_user_path_cpu.json    # the CPU reference engine
+
+GPU setting: a random-init model of Qwen3-0.6B's shape in bf16, LoRA r=32 alpha=64 on the default
+targets, refresh.mode=inplace, 64 prompts x 8 x 256 new tokens, temperature 1, the engine arguments
+of the SGLang stack (step_gpu.STACK). --tiny: the tiny model on the hf engine at the demo's size.
+Reported per commit mode: the first step (the compile, when grpo.compile compiles), p50 of steps
+2..n of the whole step and of each part, and the background commit's write time. torch keeps its
+compiled graphs in its on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): the first run on a
+machine pays the compile; a later process (`--modes background` again) shows the first step with a warm cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from synthetic import random_qwen3_dir  # noqa: E402  (this folder)
+
+from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
+from lorabench.session import Config, RunSession  # noqa: E402
+from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
+
+GPU_SETTING = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.prompts_per_step=64", "grpo.group_size=8",
+               "grpo.max_new_tokens=256", "grpo.temperature=1.0"]
+
+
+def timed_steps(session, steps: int) -> dict:
+    """Each step timed from outside (the commit's wait for the previous one included)."""
+    walls, rows = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        rows.append(session.trainer.step().metrics)
+        walls.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    session.trainer.wait_committed()
+    drain = time.perf_counter() - t0
+    later = rows[1:]
+    parts = {k[5:-2]: statistics.median(r[k] for r in later) for k in later[0] if k.startswith("time/")}
+    return {"first_step_s": walls[0], "step_wall_s_p50": statistics.median(walls[1:]), "step_wall_s": walls,
+            "parts_s_p50": parts, "last_commit_drain_s": drain,
+            "background_write_s_last": session.trainer.commit_write_s,
+            "completion_tokens_p50": statistics.median(r["completions/mean_length"] for r in later),
+            "served_versions": [r["adapter/served_version"] for r in rows],
+            "memory_peak_gb_p50": {k[7:-8]: statistics.median(r[k] for r in later)
+                                   for k in later[0] if k.startswith("memory/")}}
+
+
+def compile_cache_counters() -> dict:
+    """torch's counts of compiled graphs and of on-disk cache hits and misses so far in this process."""
+    from torch._dynamo.utils import counters
+    return {group: dict(counters[group]) for group in ("stats", "aot_autograd", "inductor")
+            if group in counters}
+
+
+def sglang_decode(session, t: int) -> dict:
+    """SGLang's own decode of a step's batch, base and with the adapter (step_gpu.decode_reference)."""
+    from step_gpu import decode_reference
+    trainer = session.trainer
+    g = trainer.settings
+    problems = trainer.source.train_batch(99, g.prompts_per_step)
+    ids = [prompt_ids(trainer.tokenizer, p.messages) for p in problems for _ in range(g.group_size)]
+    served = trainer.refresher.serving_adapter
+    rounds = [(decode_reference(session.engine, ids, t, None), decode_reference(session.engine, ids, t, served))
+              for _ in range(3)]
+    return {"base_tok_s": statistics.median(r[0]["tok_s"] for r in rounds),
+            "adapter_tok_s": statistics.median(r[1]["tok_s"] for r in rounds)}
+
+
+def measure(overrides: list[str], out_dir: Path, name: str, steps: int, decode: bool) -> dict:
+    cfg = Config.load(None, [*overrides, f"run.out_dir={out_dir}", f"run.name={name}"])
+    t0 = time.perf_counter()
+    session = RunSession.open(cfg, log=lambda *a: None)
+    try:
+        row = {"name": name, "open_s": time.perf_counter() - t0, **timed_steps(session, steps),
+               "compile_caches": compile_cache_counters()}
+        if decode:
+            row["sglang_decode"] = sglang_decode(session, cfg.grpo.max_new_tokens)
+            p, g = cfg.grpo.prompts_per_step, cfg.grpo.group_size
+            rollout_tok_s = p * g * row["completion_tokens_p50"] / row["parts_s_p50"]["rollout"]
+            row["rollout_vs_base_decode"] = rollout_tok_s / row["sglang_decode"]["base_tok_s"]
+    finally:
+        session.close()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="the JSON to write")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the hf engine (CPU)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
+    parser.add_argument("--overrides", nargs="*", default=[], help="more config overrides for both runs")
+    parser.add_argument("--modes", nargs="+", choices=["background", "in_line"], default=["background", "in_line"],
+                        help="the commit modes to run, one run each, in this order")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="step-user-"))
+    if args.tiny:
+        base = ["model.name_or_path=tiny"]
+    else:
+        from step_gpu import STACK
+        build_tiny_tokenizer(root / "tok")
+        model_dir = random_qwen3_dir("0.6B", str(root / "tok"), Path(args.cache) / "qwen3-0.6b-random")
+        data = root / "gsm8k.jsonl"
+        data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                                for p in synthetic_problems(4096, "step-bench")))
+        base = [*STACK, *GPU_SETTING, f"model.name_or_path={model_dir}", f"data.source={data}", "data.eval_size=4"]
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
+              "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
+              "overrides": [*base, *args.overrides], "runs": []}
+    for name in args.modes:
+        background = name == "background"
+        row = measure([*base, *args.overrides, f"run.commit_in_background={str(background).lower()}"],
+                      root / "runs", name, args.steps, decode=not args.tiny)
+        result["runs"].append(row)
+        print(json.dumps({k: row[k] for k in ("name", "first_step_s", "step_wall_s_p50", "parts_s_p50")}), flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
