@@ -269,6 +269,7 @@ class StepPanel:
                 self.status.value = f"<i>running step {self.trainer.step_count + 1} ({i + 1} of {n})…</i>"
                 self.last = self.trainer.step()
                 self.render()
+            self.trainer.wait_committed()   # an idle panel means the run dir holds every step it ran
         except Exception as err:  # shown in the panel and re-raised by wait()
             self.error = err
             self.log.append_stderr(traceback.format_exc())

@@ -290,7 +290,8 @@ def _clicks(kernel: Kernel, panel: Panel, done: int, step_timeout: float) -> dic
     return seen
 
 
-CONSISTENT = ("{'steps': session.trainer.step_count,"
+# read once the last step's commit is in the run dir (it is written while the kernel goes on)
+CONSISTENT = ("session.trainer.wait_committed() or {'steps': session.trainer.step_count,"
               " 'rows': [r['step'] for r in read_jsonl(run_dir / 'metrics.jsonl')],"
               " 'served': [r['adapter/served_version'] for r in read_jsonl(run_dir / 'metrics.jsonl')],"
               " 'engine': session.engine.served_version(session.trainer.refresher.serving_adapter)}")

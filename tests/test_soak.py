@@ -159,6 +159,7 @@ def test_grpo_long_run_200_steps(long_run_trainer, tmp_path):
         if rec.step % 5 == 0 or rec.step == 1:
             series.append({"step": rec.step, "rss_mb": round(rss_mb(), 2),
                            "seconds": round(time.perf_counter() - t0, 2)})
+    trainer.wait_committed()   # step 200's commit may still be on the commit thread
     rows = trainer.runlog.metrics()
     assert [r["step"] for r in rows] == list(range(1, 201))
     assert sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir()) == [
