@@ -77,7 +77,10 @@ class RunSettings(Section):
                                     resume=ALLOWED, why="logging")
     sample_completions: int = setting(4, "Completions per step written to rollouts.jsonl (all are kept in the "
                                       "step record).", resume=ALLOWED, why="logging")
-    threads: int = setting(0, "torch CPU threads; 0 = torch default.", resume=ALLOWED, why="execution")
+    threads: int = setting(0, "torch CPU threads; 0 = auto: torch's default less the CPUs the 1-minute load average "
+                           "says are busy, at least 1 (on a 2-core machine beside two busy processes a GRPO step took "
+                           "8-18 s with one thread and 38-200 s with two; benchmarks/results/cpu_threads.json).",
+                           resume=ALLOWED, why="execution")
 
     def problems(self) -> list[str]:
         problem = path_component_problem(self.name) if self.name else None
@@ -91,7 +94,7 @@ class RunSettings(Section):
                    f"are derived from it and must fit 64 bits)"),
             *check(self.save_adapter_every >= 1, f"run.save_adapter_every={self.save_adapter_every}: must be >= 1"),
             *check(self.checkpoint_every >= 1, f"run.checkpoint_every={self.checkpoint_every}: must be >= 1"),
-            *check(self.threads >= 0, f"run.threads={self.threads}: must be >= 0 (0 = torch default)"),
+            *check(self.threads >= 0, f"run.threads={self.threads}: must be >= 0 (0 = auto)"),
         ]
 
     def due(self, step: int, last_step: int) -> tuple[bool, bool]:

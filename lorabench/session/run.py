@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..machine import cpu_threads
 from .config import Config, ConfigError, engine_needs
 
 
@@ -168,8 +169,9 @@ class RunSession:
 
         plan = plan_run(cfg, run_dir)
         preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
-        if cfg.run.threads:   # after preflight checked it against this machine's CPUs
-            torch.set_num_threads(cfg.run.threads)
+        threads, how = cpu_threads(cfg.run.threads)   # after preflight checked it against this machine's CPUs
+        torch.set_num_threads(threads)
+        log(f"torch CPU threads: {how}")
         t0 = time.perf_counter()
         model_path = resolve_model(cfg, log=log, progress=progress)
         model_seconds = time.perf_counter() - t0
