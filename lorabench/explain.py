@@ -331,6 +331,16 @@ def half_means(rows: list[dict], per_step: int) -> tuple[tuple[float, float], tu
     return mean_se(rows[:half]), mean_se(rows[half:] or rows[:half])
 
 
+FOLD = 10.0   # a mismatch spans decades (1e-7 when the engine serves the trainer's adapter, 1e-2 when not)
+
+
+def fold_direction(before: float, after: float) -> str:
+    """'rose' or 'fell' for a change beyond FOLD-fold either way, else 'held': the direction word for a
+    quantity that moves by decades, like the mismatch."""
+    fold = after / max(before, 1e-12)
+    return "rose" if fold > FOLD else "fell" if fold < 1 / FOLD else "held"
+
+
 def broken_summary(refreshed: list[dict], broken: list[dict], per_step: int, mode: str = "none") -> str:
     """Markdown: what the run with refresh.mode=`mode` showed against the refreshed run over the same
     steps: the mismatch at its first and last step, against the refreshed run's mismatch and probe gap
@@ -339,7 +349,14 @@ def broken_summary(refreshed: list[dict], broken: list[dict], per_step: int, mod
     k = min(len(broken), len(refreshed))
     first, last = broken[0]["mismatch/mean"], broken[k - 1]["mismatch/mean"]
     ref_last, gap_last = refreshed[k - 1]["mismatch/mean"], refreshed[k - 1]["probe/adapter_gap"]
-    climb = f"rose {last / max(first, 1e-12):.0f}-fold" if last > first else direction(first, last, 0.0)
+    fold = last / max(first, 1e-12)
+    climb = {"rose": f"rose {fold:.2g}-fold", "fell": f"fell {1 / fold:.2g}-fold",
+             "held": f"held (×{fold:.2g}: under {FOLD:g}-fold either way)"}[fold_direction(first, last)]
+    served = [r["adapter/served_version"] for r in broken[:k]]
+    engine = (f"the engine served adapter version {served[0]} at every step while the trainer moved on to version "
+              f"{broken[k - 1]['adapter/version']}" if len(set(served)) == 1 else
+              f"the engine served versions {served[0]} to {served[-1]} while the trainer moved on to version "
+              f"{broken[k - 1]['adapter/version']}")
     scale = gap_last / last if last > 0 else float("inf")
     where = ("of the order of the refreshed run's probe gap" if 1 / 3 <= scale <= 3 else
              f"{max(scale, 1 / scale):.0f}× {'below' if scale > 3 else 'above'} the refreshed run's probe gap")
@@ -349,9 +366,9 @@ def broken_summary(refreshed: list[dict], broken: list[dict], per_step: int, mod
         words.append((direction(a, b, (se_a ** 2 + se_b ** 2) ** 0.5), a, b))
     (word_b, a_b, b_b), (word_r, a_r, b_r) = words
     return (f"**What breaking it showed** (`refresh.mode={mode}`, {k} steps on the same problems as the run "
-            f"above): the engine kept serving the first adapter while the trainer moved on. The mismatch {climb}, "
+            f"above): {engine}. The mismatch {climb}, "
             f"from {first:.1e} nats at step 1 (the engine still had the trainer's adapter) to {last:.1e} at step "
-            f"{k}: {last / max(ref_last, 1e-12):.0f}× the refreshed run's {ref_last:.1e} there, and {where} "
+            f"{k}: {last / max(ref_last, 1e-12):.2g}× the refreshed run's {ref_last:.1e} there, and {where} "
             f"({gap_last:.2g}). The reward, earned by the engine's completions, {word_b} (mean {a_b:.2f} over the "
             f"first half of the steps, {b_b:.2f} over the second); in the refreshed run it {word_r} "
             f"({a_r:.2f} → {b_r:.2f}). *Held* means within two standard errors.")

@@ -123,7 +123,8 @@ def test_batch_rows_round_their_width_up_to_a_multiple_within_the_batch():
 METRIC_KEYS = {
     "step", "reward/mean", "reward/std", "reward/correct/mean", "reward/strict_format", "advantage/abs_mean",
     "advantage/active_groups", "loss/policy", "loss/clip_fraction", "kl/mean", "entropy/mean", "grad_norm",
-    "train/tokens", "completions/mean_length", "completions/stop_fraction", "completions/last_number_right", "mismatch/mean", "mismatch/p99", "mismatch/max",
+    "train/tokens", "completions/mean_length", "completions/stop_fraction", "completions/last_number_right",
+    "mismatch/mean", "mismatch/p99", "mismatch/max",
     "mismatch/active_mean", "adapter/version", "adapter/served_version", "adapter/delta_norm", "probe/adapter_gap",
     "refresh/mode", "refresh/bytes", "refresh/total_s",
     "time/rollout_s", "time/reward_s", "time/train_s", "time/refresh_s", "time/probe_s", "time/log_s", "time/step_s",

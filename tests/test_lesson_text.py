@@ -43,9 +43,12 @@ def test_advantage_note_states_the_formula_and_counts_equal_groups():
     assert "std(r) + 0.0001" in note and "**1 of 2 groups**" in note and "(group 1)" in note
 
 
-def rows(mismatch, reward, gap=0.05):
-    return [{"step": i + 1, "mismatch/mean": m, "reward/mean": r, "reward/std": 0.4, "probe/adapter_gap": gap}
-            for i, (m, r) in enumerate(zip(mismatch, reward))]
+def rows(mismatch, reward, gap=0.05, served=None):
+    """Step records; the engine serves `served[i]` at step i + 1 (default: version 0 throughout, a stale engine)."""
+    served = list(served) if served is not None else [0] * len(mismatch)
+    return [{"step": i + 1, "mismatch/mean": m, "reward/mean": r, "reward/std": 0.4, "probe/adapter_gap": gap,
+             "adapter/version": i + 1, "adapter/served_version": v}
+            for i, (m, r, v) in enumerate(zip(mismatch, reward, served))]
 
 
 def test_broken_summary_words_follow_the_numbers():
@@ -54,5 +57,8 @@ def test_broken_summary_words_follow_the_numbers():
     text = explain.broken_summary(refreshed, broken, per_step=64)
     assert explain.stated_directions(text)[:3] == ["rose", "held", "rose"], text
     assert "of the order of the refreshed run's probe gap" in text
-    flat = explain.broken_summary(refreshed, rows([5e-7] * 6, [0.1] * 6), per_step=64)
-    assert explain.stated_directions(flat)[0] == "held"
+    assert "served adapter version 0 at every step while the trainer moved on to version 6" in text, text
+    flat = explain.broken_summary(refreshed, rows([5e-7, 6e-7, 5e-7, 7e-7, 5e-7, 8e-7], [0.1] * 6, served=range(6)),
+                                  per_step=64)
+    assert explain.stated_directions(flat)[0] == "held", flat
+    assert "served versions 0 to 5" in flat, flat
