@@ -32,8 +32,9 @@ def cpu_threads(setting: int) -> tuple[int, str]:
     GRPO step of the demo took 38-200 s with two threads and 8-18 s with one, a warm-start step 13-19 s
     and 3.6-5.1 s; with no busy loop (load average 1.4-1.5) two threads made a warm-start step 1.7x
     faster (0.33 s vs 0.58 s) and a GRPO step about as fast (benchmarks/cpu_threads.py;
-    benchmarks/results/cpu_threads.json). One thread too few costs at most that 1.7x; one too many,
-    5-10x. The load average counts this process too, so it is read before the run computes anything."""
+    benchmarks/results/cpu_threads.json). One thread too few cost at most that 1.7x; one too many
+    made the median steps 3.7x (warm-start) and 9.4x (GRPO) slower. The load average counts this
+    process too, so it is read before the run computes anything."""
     import torch
     if not _TORCH_DEFAULT_THREADS:
         _TORCH_DEFAULT_THREADS.append(torch.get_num_threads())
