@@ -15,6 +15,11 @@ Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath"), outcome s
   inactive, i.e. plain on-policy policy gradient with group-normalised advantages);
 - optional KL to the base model (adapter disabled), k3 estimator exp(q-p)-(q-p)-1, weight β
   (default 0, as in DAPO / Dr. GRPO); no entropy bonus, no reward model, no value function;
+- logged, never in the loss: `entropy/mean` (the sampling distribution's, from the training
+  forward's logits) and `kl/mean` (k3 KL to the base on the sampled tokens, one more forward without
+  gradients, adapter disabled; with grpo.kl_metric on), both of the policy that sampled the step
+  (policy.Diagnostics); and `completions/last_number_right`, how often the last number is the
+  answer whatever the format, beside the format-strict reward;
 - log-probs of the sampling distribution (logits / temperature), as the engine reports them;
 - after the optimizer step the policy publishes its new flat adapter, the refresher moves it into
   the engine, and the next rollout checks that the engine served exactly that version.
@@ -71,6 +76,12 @@ class GRPOSettings(Section):
     clip_eps: float = setting(0.2, "PPO-style ratio clip.", resume=REFUSED, why=_OBJECTIVE)
     kl_beta: float = setting(0.0, "Weight of the k3 KL to the base model (adapter disabled); 0 = off, as in DAPO "
                              "and Dr. GRPO.", resume=REFUSED, why=_OBJECTIVE)
+    kl_metric: bool = setting(False, "Log kl/mean, the k3 estimate of KL(policy || base model) on the sampled tokens, "
+                              "also when kl_beta = 0 (a metric, not in the loss): one more forward pass without "
+                              "gradients with the adapter disabled, about a quarter of an update's compute, so off by "
+                              "default (kl/mean is then logged only when kl_beta > 0); notebook 01 turns it on.",
+                              resume=ALLOWED,
+                              why="a metric only: the update is the same")
     micro_batch_tokens: int = setting(16384, "Padded tokens per forward/backward pass (gradient accumulation): "
                                       "sequences are grouped by length into micro-batches under this budget, so "
                                       "trainer memory does not grow with the rollout size. 16384 keeps the Qwen3-0.6B "
@@ -474,11 +485,14 @@ def step_metrics(step: int, rollouts: Rollouts, batch: RolloutBatch, stats: dict
         "advantage/active_groups": (groups.std(1) > 0).float().mean().item(),
         "loss/policy": stats["loss"],
         "loss/clip_fraction": stats["clip_fraction"],
-        "kl/mean": stats["kl"] if stats.get("kl") else None,
+        "kl/mean": stats.get("kl_to_base"),
+        "entropy/mean": stats.get("entropy"),
         "grad_norm": stats["grad_norm"],
         "train/tokens": stats["tokens"],
         "completions/mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
         "completions/stop_fraction": sum(c.finish_reason == "stop" for c in completions) / len(completions),
+        "completions/last_number_right": sum(gsm8k_reward(t, a, "flexible") for t, a in zip(texts, rollouts.answers))
+        / len(texts),
         "mismatch/mean": stats["mismatch_mean"],
         "mismatch/p99": stats["mismatch_p99"],
         "mismatch/max": stats["mismatch_max"],

@@ -121,6 +121,22 @@ def _log_normaliser(logits, temperature: float):
     return torch.logsumexp(logits.float() / temperature, dim=-1)
 
 
+def _entropy(logits, log_normaliser, temperature: float):
+    """Entropy of softmax(logits / T) per row in fp32, given its log-normaliser: [c, V] -> [c].
+    H = log Z - sum_v p_v * logit_v / T; rounding can take a peaked row a hair below 0, so it is
+    clamped there."""
+    scaled = logits.float() / temperature
+    probs = torch.exp(scaled - log_normaliser[:, None])                                  # [c, V]
+    return (log_normaliser - (probs * scaled).sum(-1)).clamp_min(0.0)
+
+
+@torch.no_grad()
+def _chunk_entropy(head, hidden_rows, temperature: float) -> torch.Tensor:
+    """`_entropy` for heads HeadLogprobs does not cover (one more head call, without gradients)."""
+    logits = head(hidden_rows).float()                                                   # [c, V]
+    return _entropy(logits, _log_normaliser(logits, temperature), temperature)
+
+
 def _logits_grad(logits, log_normaliser, targets, grad_out, temperature: float):
     """d logp[target] / d logits times the incoming gradient, in the logits' dtype: [c, V] ->
     [c, V] = grad_out * (onehot(target) - softmax(logits / T)) / T."""
@@ -145,19 +161,23 @@ class HeadLogprobs(torch.autograd.Function):
     through torch.compile (grpo.compile), one kernel each instead of ATen's several."""
 
     @staticmethod
-    def forward(ctx, rows, weight, targets, temperature: float, fused: bool):
+    def forward(ctx, rows, weight, targets, temperature: float, fused: bool, with_entropy: bool):
         device = rows.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else rows.dtype
         with torch.autocast(device, enabled=False):
             logits = rows.to(dtype) @ weight.to(dtype).T                                  # [c, V]
             normaliser = (_compiled(_log_normaliser) if fused else _log_normaliser)(logits, temperature)
             picked = logits.gather(-1, targets[:, None])[:, 0].float() / temperature     # [c]
+            # a metric from the logits already here (one more pass over them, nothing kept for backward)
+            entropy = ((_compiled(_entropy) if fused else _entropy)(logits, normaliser, temperature)
+                       if with_entropy else normaliser.new_zeros(0))                     # [c] or [0]
         ctx.save_for_backward(rows, weight, targets, normaliser)
         ctx.temperature, ctx.fused, ctx.dtype = temperature, fused, dtype
-        return picked - normaliser
+        ctx.mark_non_differentiable(entropy)
+        return picked - normaliser, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_entropy):
         rows, weight, targets, normaliser = ctx.saved_tensors
         w = weight.to(ctx.dtype)
         logits = rows.to(ctx.dtype) @ w.T                                                 # [c, V] again
@@ -165,7 +185,7 @@ class HeadLogprobs(torch.autograd.Function):
         grad_logits = grad_fn(logits, normaliser, targets, grad_out.float(), ctx.temperature)
         grad_rows = (grad_logits @ w).to(rows.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad_logits.T @ rows.to(ctx.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_rows, grad_weight, None, None, None
+        return grad_rows, grad_weight, None, None, None, None
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512,
@@ -181,6 +201,23 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     single cost on the GPU (docs/results.md, section 2); the others are 0 in the result. A GRPO
     rollout's prompts and padding are ~30% of its positions.
     compiled_head: the head's two passes over the logits through torch.compile (HeadLogprobs)."""
+    return _token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, positions, compiled_head,
+                           with_entropy=False)[0]
+
+
+def token_logprobs_and_entropy(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512,
+                               positions: torch.Tensor | None = None, compiled_head: bool = False):
+    """`token_logprobs` and, from the same logits, the entropy of each position's next-token
+    distribution softmax(logits / T) (the distribution the tokens were sampled from), in nats:
+    ([N, L-1] with gradients, [N, L-1] without; 0 where `positions` is False). In [0, log V]. It
+    costs one more pass over each chunk's logits in the forward; nothing more is kept for backward."""
+    return _token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, positions, compiled_head,
+                           with_entropy=True)
+
+
+def _token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int,
+                    positions: torch.Tensor | None, compiled_head: bool, with_entropy: bool):
+    """(log-probs [N, L-1], entropies [N, L-1] or None): token_logprobs' body."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: log-probs of logits / temperature need temperature > 0")
     if chunk_size < 1:
@@ -198,25 +235,41 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     if positions is not None:
         picked = positions.reshape(-1).nonzero()[:, 0]                          # [R] rows wanted
         hidden_rows, target_rows = hidden_rows.index_select(0, picked), target_rows[picked]
+    pieces, entropies = _head_chunks(head, hidden_rows, target_rows, temperature, chunk_size, compiled_head,
+                                     with_entropy)
+
+    def to_positions(values):  # [R] or [N*(L-1)] -> [N, L-1], 0 where no position was wanted
+        if not values:  # L == 1 (no next token anywhere) or no position wanted
+            return hidden.new_zeros((n, length - 1), dtype=torch.float32)
+        values = torch.cat(values)
+        if picked is not None:  # back to every position (differentiable)
+            values = values.new_zeros(n * (length - 1)).index_put((picked,), values)
+        return values.view(n, length - 1)
+    return to_positions(pieces), (to_positions(entropies) if with_entropy else None)
+
+
+def _head_chunks(head, hidden_rows, target_rows, temperature: float, chunk_size: int, compiled_head: bool,
+                 with_entropy: bool) -> tuple[list, list]:
+    """Log-probs (and entropies) of the rows, `chunk_size` rows per head call: two lists of [c]."""
     # HeadLogprobs needs a plain linear head; anything else goes through autograd, each chunk
     # checkpointed so that only its inputs are kept (under no_grad nothing is kept anyway)
     plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
     recompute_in_backward = torch.is_grad_enabled()
-    pieces = []
+    pieces, entropies = [], []
     for start in range(0, hidden_rows.shape[0], chunk_size):
         rows, targets = hidden_rows[start:start + chunk_size], target_rows[start:start + chunk_size]
         if plain_head:
-            pieces.append(HeadLogprobs.apply(rows, head.weight, targets, temperature, compiled_head))
-        elif recompute_in_backward:
+            logp, entropy = HeadLogprobs.apply(rows, head.weight, targets, temperature, compiled_head, with_entropy)
+            pieces.append(logp)
+            entropies.append(entropy)
+            continue
+        if recompute_in_backward:
             pieces.append(checkpoint(_chunk_logprobs, head, rows, targets, temperature, use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(head, rows, targets, temperature))
-    if not pieces:  # L == 1 (no next token anywhere) or no position wanted
-        return hidden.new_zeros((n, length - 1), dtype=torch.float32)
-    values = torch.cat(pieces)                                                  # [R] or [N*(L-1)]
-    if picked is not None:  # back to every position, 0 where none was wanted (differentiable)
-        values = values.new_zeros(n * (length - 1)).index_put((picked,), values)
-    return values.view(n, length - 1)                                           # [N, L-1]
+        if with_entropy:
+            entropies.append(_chunk_entropy(head, rows.detach(), temperature))
+    return pieces, entropies
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:

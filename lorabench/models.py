@@ -73,16 +73,17 @@ def model_ref(model: ModelSettings) -> ModelRef:
     return ModelRef("hub", name)
 
 
-def resolve_model_path(model: ModelSettings, warmstart, seed: int, log=print) -> str:
+def resolve_model_path(model: ModelSettings, warmstart, seed: int, log=print, progress=None) -> str:
     """'tiny' -> the cached warm-started dir (built on first use from `warmstart` and `seed`, its
-    recipe); a local dir as is; a hub name as is (transformers downloads it)."""
+    recipe); a local dir as is; a hub name as is (transformers downloads it). `progress(what, done,
+    total)`: called at each warm-start step of a tiny build."""
     ref = model_ref(model)
     if ref.kind == "tiny":
         from safetensors import SafetensorError
 
         from .tiny import cache_root, tiny_model_dir
         try:
-            return str(tiny_model_dir(model.cache_dir, warmstart, seed, log=log))
+            return str(tiny_model_dir(model.cache_dir, warmstart, seed, log=log, progress=progress))
         except (OSError, SafetensorError) as err:   # a full or failing disk: the partial build is removed
             where = cache_root(model.cache_dir)
             raise ModelError(f"model.cache_dir: the tiny model could not be written to {where} "

@@ -34,7 +34,7 @@ from .adapters import (
     split_lora_key,
     validate,
 )
-from .loss import causal_padding_mask, grpo_loss, token_budget_batches, token_logprobs
+from .loss import causal_padding_mask, grpo_loss, token_budget_batches, token_logprobs, token_logprobs_and_entropy
 from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch, round_up
 from .settings import REFUSED, ConfigError, Section, check, setting
@@ -151,7 +151,8 @@ class Policy:
     # -- one update -----------------------------------------------------------------------------------
     def train(self, batch: RolloutBatch, grpo) -> dict[str, float]:
         """`grpo.epochs` optimizer steps on `batch` in micro-batches of at most `grpo.micro_batch_tokens`
-        padded tokens; returns loss statistics and the trainer-vs-engine log-prob mismatch."""
+        padded tokens; returns loss statistics, the trainer-vs-engine log-prob mismatch, and the
+        metrics of the policy that sampled the batch (`Diagnostics`: entropy, KL to the base)."""
         # compiled layers compile again when a micro-batch's width turns from a multiple of 8 to not
         # (inductor guards on alignment): widths stay multiples
         multiple = COMPILED_WIDTH_MULTIPLE if self.compile == "all" else 1
@@ -159,20 +160,22 @@ class Policy:
         micro = token_budget_batches([round_up(n, multiple) for n in batch.lengths], grpo.micro_batch_tokens)
         old_logp = torch.zeros_like(batch.engine_logprobs)          # [N, L-1] π_old: before the update
         stats = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "tokens": 0}
+        diagnostics = Diagnostics()
         self.model.train()
         for epoch in range(grpo.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for index in micro:
                 part = batch.rows(index, multiple)
                 mask = self._layer_mask(part)
-                with self.compute():
-                    # the head only at completion tokens: prompts and padding carry no loss
-                    logp = token_logprobs(self.model, part.input_ids, mask, grpo.temperature,
-                                          positions=part.completion_mask.bool(), compiled_head=self.compile != "off")
+                logp, entropy = self._logprobs(part, mask, grpo, with_entropy=epoch == 0)
                 width = logp.shape[1]
                 if epoch == 0:
                     old_logp[index, :width] = logp.detach()
                 ref = self._reference_logprobs(part, mask, grpo.temperature) if grpo.kl_beta > 0 else None
+                if epoch == 0:   # the policy that sampled the batch
+                    if ref is None and grpo.kl_metric:
+                        ref = self._reference_logprobs(part, mask, grpo.temperature)
+                    diagnostics.add(logp.detach(), entropy, ref, part.completion_mask)
                 loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
                                     grpo.clip_eps, ref, grpo.kl_beta)
                 share = len(index) / batch.size
@@ -190,7 +193,16 @@ class Policy:
             self.optimizer.step()
         self.model.eval()
         self.version += 1
-        return {**stats, **mismatch(old_logp, batch)}
+        return {**stats, **mismatch(old_logp, batch), **diagnostics.means()}
+
+    def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, grpo, with_entropy: bool):
+        """The training forward: (log-probs [n, L-1] with gradients, entropies [n, L-1] or None); the
+        head only at completion tokens: prompts and padding carry no loss."""
+        fn = token_logprobs_and_entropy if with_entropy else token_logprobs
+        with self.compute():
+            out = fn(self.model, part.input_ids, mask, grpo.temperature, positions=part.completion_mask.bool(),
+                     compiled_head=self.compile != "off")
+        return out if with_entropy else (out, None)
 
     def _layer_mask(self, part: RolloutBatch) -> torch.Tensor:
         """The attention mask the decoder gets. Compiled layers with SDPA get the full [N, 1, L, L]
@@ -345,6 +357,35 @@ def lora_compute_dtype(setting: str, model_dtype: str) -> str:
     if setting == "auto":
         return "bfloat16" if model_dtype == "bfloat16" else "float32"
     return setting
+
+
+class Diagnostics:
+    """Metrics of the policy that sampled the batch (π_old, before the update), summed over the
+    completion tokens of the micro-batches: not part of the loss.
+    - entropy: of each position's next-token distribution softmax(logits / T), from the training
+      forward's own logits (`token_logprobs_and_entropy`); in [0, log V] nats;
+    - kl_to_base: KL(π_old || base) by the k3 estimator on the sampled tokens, exp(d) - d - 1 with
+      d = log p_base - log π_old (unbiased, >= 0 per token; Schulman 2020), where the base log-probs
+      come from one more forward without gradients with the adapter disabled (PEFT
+      `disable_adapter()`, `Policy._reference_logprobs`): that forward runs when grpo.kl_metric is on
+      or the loss has a KL term (grpo.kl_beta > 0), whose forward it then reuses."""
+
+    def __init__(self):
+        self.tokens, self.entropy, self.kl, self.kl_tokens = 0.0, 0.0, 0.0, 0.0
+
+    def add(self, logp, entropy, ref_logp, completion_mask) -> None:
+        mask = completion_mask.float()                                         # [n, L-1]
+        self.tokens += mask.sum().item()
+        self.entropy += (entropy * mask).sum().item()
+        if ref_logp is not None:
+            diff = ref_logp - logp                                             # [n, L-1]
+            self.kl += ((torch.exp(diff) - diff - 1) * mask).sum().item()
+            self.kl_tokens += mask.sum().item()
+
+    def means(self) -> dict[str, float | None]:
+        """{'entropy': mean nats per completion token, 'kl_to_base': the same, or None if not measured}."""
+        return {"entropy": self.entropy / self.tokens if self.tokens else float("nan"),
+                "kl_to_base": self.kl / self.kl_tokens if self.kl_tokens else None}
 
 
 def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:

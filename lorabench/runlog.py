@@ -79,7 +79,9 @@ class RunSettings(Section):
                                     resume=ALLOWED, why="logging")
     sample_completions: int = setting(4, "Completions per step written to rollouts.jsonl (all are kept in the "
                                       "step record).", resume=ALLOWED, why="logging")
-    threads: int = setting(0, "torch CPU threads; 0 = torch default.", resume=ALLOWED, why="execution")
+    threads: int = setting(0, "torch CPU threads; 0 = auto: torch's default less the CPUs the 1-minute load average "
+                           "says are busy, at least 1 (threads beyond the free CPUs slow a step far more than one "
+                           "thread too few: benchmarks/cpu_threads.py).", resume=ALLOWED, why="execution")
     commit_in_background: bool = setting(True, "Write each checkpoint and its rows on a background thread while the "
                                          "next step runs (in the same order as in line, so a kill leaves what it "
                                          "would leave in line); false: the step waits for its commit.",
@@ -97,7 +99,7 @@ class RunSettings(Section):
                    f"are derived from it and must fit 64 bits)"),
             *check(self.save_adapter_every >= 1, f"run.save_adapter_every={self.save_adapter_every}: must be >= 1"),
             *check(self.checkpoint_every >= 1, f"run.checkpoint_every={self.checkpoint_every}: must be >= 1"),
-            *check(self.threads >= 0, f"run.threads={self.threads}: must be >= 0 (0 = torch default)"),
+            *check(self.threads >= 0, f"run.threads={self.threads}: must be >= 0 (0 = auto)"),
         ]
 
     def due(self, step: int, last_step: int) -> tuple[bool, bool]:

@@ -124,8 +124,9 @@ def tiny_tokenizer(cache_dir: str, warmstart, seed: int):
     return build_tiny_tokenizer(None, seed)
 
 
-def tiny_model_dir(cache_dir: str, warmstart, seed: int, log=print) -> Path:
-    """Path of the warm-started tiny model, built on first use and cached by its recipe."""
+def tiny_model_dir(cache_dir: str, warmstart, seed: int, log=print, progress=None) -> Path:
+    """Path of the warm-started tiny model, built on first use and cached by its recipe.
+    `progress(what, done, total)`, if given, is called at each warm-start step (`warm_start`)."""
     recipe = tiny_recipe(warmstart, seed)
     final = tiny_cache_path(cache_dir, warmstart, seed)
     remove_dead_dir_temps(final.parent)
@@ -135,7 +136,7 @@ def tiny_model_dir(cache_dir: str, warmstart, seed: int, log=print) -> Path:
         tokenizer = build_tiny_tokenizer(tmp, seed)
         model = build_tiny_model(tokenizer, seed)
         if warmstart.steps:
-            warm_start(model, tokenizer, warmstart, seed, log=log)
+            warm_start(model, tokenizer, warmstart, seed, log=log, progress=progress)
         model.save_pretrained(tmp)
         (tmp / "lorabench_recipe.json").write_text(json.dumps(recipe, indent=1))
     return final
@@ -160,8 +161,10 @@ def sft_batch(tokenizer, problems, rng, strict_fraction):
     return ids, lab, (lab != -100) | (torch.arange(width)[None] < torch.tensor([len(s) for s in seqs])[:, None])
 
 
-def warm_start(model, tokenizer, cfg, seed: int, log=print) -> list[float]:
-    """Full-parameter SFT for cfg.steps steps (AdamW, linear warm-up, cosine decay). Returns the loss curve."""
+def warm_start(model, tokenizer, cfg, seed: int, log=print, progress=None) -> list[float]:
+    """Full-parameter SFT for cfg.steps steps (AdamW, linear warm-up, cosine decay). Returns the loss curve.
+    `progress("warm-start", done, total)` after every step, for a progress display (the log gets a
+    line every 50 steps)."""
     rng = random.Random(f"warmstart-{seed}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device).train()
@@ -180,6 +183,8 @@ def warm_start(model, tokenizer, cfg, seed: int, log=print) -> list[float]:
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if progress is not None:
+            progress("warm-start", step + 1, cfg.steps)
         if (step + 1) % 50 == 0 or step == 0:
             log(f"warm-start step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  "
                 f"({time.perf_counter() - t0:.0f}s)")

@@ -240,3 +240,84 @@ def merged_buckets_figure(rows, bandwidth_gbps: float | None = None, label: str 
         ax.grid(alpha=0.3)
     fig.suptitle(label, x=0.01, ha="left")
     return fig
+
+
+# --- notebook 01: the empty panel, what the run learned, a broken refresh ------------------------------
+def empty_axes(ax, note: str) -> None:
+    """An axes with no data yet: no ticks (matplotlib would invent a range such as -0.05..0.05) and a
+    note in the middle; the title and axis labels stay, so the panel keeps its layout."""
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.minorticks_off()
+    ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", color="#666666")
+
+
+def _evals_at(evals, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the greedy held-out evaluations' `key`."""
+    greedy = [e for e in evals if e.get("greedy")]
+    return [e["step"] for e in greedy], [e[key] for e in greedy]
+
+
+def plot_learned(rows, evals, ax) -> None:
+    """The reward beside what it does not pay for: per step (fresh problems each step, so each point
+    is measured on problems the policy has not trained on) the reward, the share ending '#### N' and
+    the share whose last number is right in any format, 5-step means; held-out greedy points."""
+    for key, color, label in (("reward/mean", "#4c72b0", "reward"),
+                              ("reward/strict_format", "#55a868", "ends '#### N'"),
+                              ("completions/last_number_right", "#c44e52", "last number right, any format")):
+        steps, values = _series(rows, key)
+        ax.plot(steps, _rolling(values), "-", color=color, label=f"{label}, mean of 5")
+    for key, color, marker in (("format", "#55a868", "s"), ("flexible", "#c44e52", "D")):
+        steps, values = _evals_at(evals, key)
+        ax.plot(steps, values, marker, color=color, ms=7, ls="none", markeredgecolor="k")
+    ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
+    top = max([1.0] + [v for v in _series(rows, "reward/mean")[1]])   # a format bonus pays above 1
+    ax.set(xlabel="GRPO step", ylabel="share of completions (reward: mean)", ylim=(-0.02, top + 0.02))
+    ax.grid(alpha=0.3)
+    title_with_legend(ax, "What the reward paid for, and the arithmetic", ncol=2)
+
+
+def run_learned_figure(rows, evals):
+    """Three questions about a run, side by side: what it learned (`plot_learned`), how far the policy
+    moved from the base model (KL, k3 on the sampled tokens) and how sure it became (the entropy of
+    its next-token distribution); one point per step each."""
+    fig, (learned, kl, entropy) = plt.subplots(1, 3, figsize=(13, 4.6), layout="constrained",
+                                               gridspec_kw={"width_ratios": [1.5, 1, 1]})
+    fig.set_label("run_learned")
+    plot_learned(rows, evals, learned)
+    for ax, key, color, title, ylabel in (
+            (kl, "kl/mean", "#8172b2", "KL to the base model", "nats per token (k3)"),
+            (entropy, "entropy/mean", "#937860", "Entropy of the policy", "nats per token")):
+        steps, values = _series(rows, key)
+        ax.plot(steps, values, "o-", ms=3, color=color)
+        ax.set(xlabel="GRPO step", ylabel=ylabel, ylim=(0, 1.15 * max(values, default=0) or 1))
+        ax.grid(alpha=0.3)
+        ax.set_title(title, loc="left")
+    return fig
+
+
+def broken_refresh_figure(refreshed, broken, mode: str = "none"):
+    """The same steps with the engine refreshed (the run above) and with refresh.mode=`mode`: the
+    trainer-vs-engine mismatch beside the refreshed run's probe gap (left, log scale: they differ by
+    decades), and the reward the engine's completions earned (right)."""
+    fig, (gap, reward) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    fig.set_label("broken_refresh")
+    for rows, key, style, color, label in (
+            (refreshed, "probe/adapter_gap", "s-", "#999999", "probe gap, refreshed run"),
+            (refreshed, "mismatch/mean", "o-", "#4c72b0", "mismatch, refreshed run"),
+            (broken, "mismatch/mean", "o-", "#c44e52", f"mismatch, refresh.mode={mode}")):
+        steps, values = _series(rows, key)
+        gap.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=4, color=color, label=label)
+    gap.set(xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
+    gap.grid(alpha=0.3)
+    title_with_legend(gap, "Trainer vs engine", ncol=1)
+    for rows, color, label in ((refreshed, "#4c72b0", "refreshed run"), (broken, "#c44e52", f"refresh.mode={mode}")):
+        steps, values = _series(rows, "reward/mean")
+        reward.plot(steps, values, "o-", ms=4, color=color, label=label)
+    top = max([1.0] + [v for rows in (refreshed, broken) for v in _series(rows, "reward/mean")[1]])
+    reward.set(xlabel="GRPO step", ylabel="reward (mean over the step)", ylim=(-0.02, top + 0.02))
+    reward.grid(alpha=0.3)
+    title_with_legend(reward, "Reward of the engine's completions", ncol=2)
+    for ax in (gap, reward):
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    return fig

@@ -33,6 +33,7 @@ from __future__ import annotations
 import html
 import io
 import threading
+import time
 import traceback
 import warnings
 import weakref
@@ -44,7 +45,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .viz import STYLE, plot_delta_norm, plot_mismatch, plot_refresh, plot_rewards, use_style
+from .viz import STYLE, empty_axes, plot_delta_norm, plot_mismatch, plot_refresh, plot_rewards, use_style
 
 
 def setup_notebook() -> None:
@@ -126,6 +127,18 @@ def status_lines(m: dict | None, rewards: list[tuple[str, object, float]]) -> st
     return "<br>".join([head, reward, probe, mismatch])
 
 
+def running_line(step: int, done: int, total: int, elapsed_s: float) -> str:
+    """The status while a Run N goes: a bar, the step, the time so far and, from the second step
+    on, the time left at the mean pace of this run's steps."""
+    left = f" · about {_duration(elapsed_s / done * (total - done))} left" if done else ""
+    return (f"<progress value='{done}' max='{total}' style='width:180px'></progress> <i>running step {step} "
+            f"({done + 1} of {total}) · {_duration(elapsed_s)} so far{left}…</i>")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
 def _fmt(value, spec: str) -> str:
     return "n/a" if value is None or value != value else format(value, spec)
 
@@ -185,6 +198,8 @@ class StepPanel:
                 ax.clear()
                 plot(rows, ax=ax)
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole numbers
+                if not rows:   # no data: no made-up axis ranges, a note instead
+                    empty_axes(ax, "no step yet")
             png = io.BytesIO()
             self.figure.savefig(png, format="png", dpi=self.dpi, bbox_inches="tight")
             self.plot.value = png.getvalue()
@@ -261,12 +276,13 @@ class StepPanel:
         return self.last
 
     def _run(self, n: int) -> None:
+        started = time.perf_counter()
         try:
             for i in range(n):
                 if self._stop.is_set():
                     self.log.append_stdout(f"stopped after {i} of {n} step(s)\n")
                     break
-                self.status.value = f"<i>running step {self.trainer.step_count + 1} ({i + 1} of {n})…</i>"
+                self.status.value = running_line(self.trainer.step_count + 1, i, n, time.perf_counter() - started)
                 self.last = self.trainer.step()
                 self.render()
             self.trainer.wait_committed()   # an idle panel means the run dir holds every step it ran
@@ -303,3 +319,125 @@ def _stop_panels_on_idle_interrupt() -> None:
     kernel = getattr(get_ipython(), "kernel", None)
     if kernel is not None and hasattr(kernel, "saved_sigint_handler"):
         kernel.saved_sigint_handler = _on_idle_interrupt
+
+
+# --- notebook 01: a long wait shown as it goes, and closing the session by hand -------------------------
+PROGRESS_TEXT = "lorabench progress: "   # a WaitProgress's text/plain: no library's progress bar looks like it
+
+
+class WaitProgress:
+    """A lesson's display of a long wait: a bar and one line, 'what: k of n · 12 s so far · about 30 s
+    left' (the estimate: this part's mean time per step so far), or 'what · 12 s so far' for a part
+    without steps; the line ticks every second until `finish()`, which shows the time of each part
+    (also kept in `parts`, seconds). Call it as `progress(what, done=None, total=None)`
+    (RunSession.open's `progress`, a loop's steps).
+    Its text/plain is PROGRESS_TEXT + the description, so a notebook test tells it from a library's
+    progress bar (tqdm's text/plain is the bar: '40%|####  | 4/10 [00:02<00:03, 1.9it/s]')."""
+
+    def __init__(self, description: str, tick_s: float = 1.0):
+        self.description = description
+        self.bar = widgets.IntProgress(value=0, min=0, max=1, layout=widgets.Layout(width="240px"))
+        self.line = widgets.HTML(f"<i>{html.escape(description)}</i>")
+        self.widget = widgets.HBox([self.bar, self.line])
+        self.widget.add_class("lorabench-progress")
+        self.parts: dict[str, float] = {}
+        self._started = self._part_started = time.perf_counter()
+        self._part, self._done, self._total = None, None, None
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        threading.Thread(target=self._tick, args=(tick_s,), name="lorabench-progress", daemon=True).start()
+
+    def _repr_mimebundle_(self, **kwargs):
+        return {**self.widget._repr_mimebundle_(**kwargs), "text/plain": PROGRESS_TEXT + self.description}
+
+    def __enter__(self):
+        """`with WaitProgress(...) as progress:` shows it, and finishes it however the block ends."""
+        from IPython.display import display
+        display(self)
+        return self
+
+    def __exit__(self, kind, error, trace):
+        self.finish(f"stopped by {kind.__name__}" if kind else "")
+        return False
+
+    def __call__(self, what: str, done: int | None = None, total: int | None = None) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            if what != self._part:
+                self._close_part(now)
+                self._part, self._part_started = what, now
+            self._done, self._total = done, total
+            self._render(now)
+
+    def _render(self, now: float) -> None:
+        if self._part is None:
+            return
+        what, done, total, elapsed = html.escape(self._part), self._done, self._total, now - self._part_started
+        if total:
+            self.bar.max, self.bar.value = total, min(done or 0, total)
+            left = f" · about {_duration(elapsed / done * (total - done))} left" if done else ""
+            self.line.value = f"{what}: {done or 0} of {total} · {_duration(elapsed)} so far{left}"
+        else:
+            self.bar.max, self.bar.value = 1, 0
+            self.line.value = f"{what} · {_duration(elapsed)} so far"
+
+    def _tick(self, tick_s: float) -> None:
+        while not self._finished.wait(tick_s):
+            with self._lock:
+                self._render(time.perf_counter())
+
+    def _close_part(self, now: float) -> None:
+        if self._part is not None:
+            self.parts[self._part] = self.parts.get(self._part, 0.0) + now - self._part_started
+
+    def finish(self, note: str = "") -> float:
+        """End the display: the whole wait and its parts; returns the whole wait in seconds."""
+        self._finished.set()
+        with self._lock:
+            now = time.perf_counter()
+            self._close_part(now)
+            self._part = None
+            total = now - self._started
+            self.bar.max, self.bar.value = 1, 1
+            parts = ", ".join(f"{what} {_duration(s)}" for what, s in self.parts.items() if s >= 0.5)
+            self.line.value = (f"{html.escape(self.description)}: done in {_duration(total)}"
+                               f"{f' ({html.escape(parts)})' if parts else ''}"
+                               f"{f' · {html.escape(note)}' if note else ''}")
+        return total
+
+
+class SessionCloser:
+    """The lesson's last step, taken by hand: a button that ends the panel (it waits for a running
+    step, then disables Step / Run N / Stop; its views stay), closes the session (the engine and the
+    run dir's lock) and shows the shell command that continues the run. Until it is clicked the
+    panel stays live, after Run All too. `click()` does what a click does."""
+
+    def __init__(self, panel: StepPanel, session, extra_steps: int = 0):
+        self.panel, self.session, self.extra_steps = panel, session, extra_steps
+        self.closed = False
+        self.button = widgets.Button(description="Close the session", icon="power-off", button_style="warning",
+                                     layout=widgets.Layout(width="200px"),
+                                     tooltip="end the panel, release the engine and the run dir's lock")
+        self.output = widgets.Output()
+        self.button.on_click(lambda _: self.click())
+        self.widget = widgets.VBox([self.button, self.output])
+        self.widget.add_class("lorabench-session-closer")
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def click(self) -> None:
+        if self.closed:
+            return
+        from IPython.display import Markdown
+        self.button.disabled = True
+        try:
+            self.panel.end("session closed: continue the run from a shell with the command under the button")
+            self.session.close()
+        except Exception:   # shown under the button; a click has no cell to fail
+            self.output.append_stderr(traceback.format_exc())
+            raise
+        self.closed = True
+        command = self.session.resume_command(extra_steps=self.extra_steps)
+        self.output.append_display_data(Markdown(f"Session closed. Continue the run from the repository root:\n"
+                                                 f"```bash\n{command}\n```"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ SMALL_RUN = ["warmstart.steps=40", "warmstart.batch_size=16", "warmstart.lr=1e-2
              "warmstart.strict_format_fraction=0.5", "grpo.prompts_per_step=2", "grpo.group_size=8",
              "grpo.max_new_tokens=40", "grpo.lr=3e-3", "grpo.format_bonus=0.5", "data.eval_size=8"]
 SMALL = {
-    "01_step_through": {"STEPS": 3, "OVERRIDES": SMALL_RUN},
+    "01_step_through": {"STEPS": 3, "BREAK_STEPS": 3, "OVERRIDES": SMALL_RUN},
     "02_refresh_methods": {"RANK": 4, "REPEATS": 2, "MERGED_BUCKETS_MB": [0.1, 1, 16]},
     "03_how_hotswap_works": {"STEPS": 3, "STALE_STEPS": 3, "OVERRIDES": SMALL_RUN},
 }
@@ -68,6 +69,12 @@ def code_outputs(nb):
     return [(i, o) for i, c in enumerate(nb.cells) if c.cell_type == "code" for o in c.get("outputs", [])]
 
 
+# a library's progress bar as its widget's text/plain shows it: tqdm's is the bar itself ('40%|####  | 4/10
+# [00:02<00:03, 1.9it/s]'), or its container's repr. A lesson's own display of a long wait
+# (lorabench.widgets.WaitProgress) shows 'lorabench progress: <what>' there, which matches none of these.
+LIBRARY_BAR = re.compile(r"it/s|s/it|\d+%\||TqdmHBox")
+
+
 def noise(nb) -> list[str]:
     """What a lesson must not show: stderr text (warnings, logs) and library progress bars (tqdm's
     widgets, or its text bars on stderr)."""
@@ -76,9 +83,20 @@ def noise(nb) -> list[str]:
         if out.get("output_type") == "stream" and out.get("name") == "stderr":
             found.append(f"cell {i} stderr: {out['text'][:300]!r}")
         text = str(out.get("data", {}).get("text/plain", ""))
-        if "application/vnd.jupyter.widget-view+json" in out.get("data", {}) and "it/s" in text + str(out):
-            found.append(f"cell {i}: a progress bar widget")
+        if "application/vnd.jupyter.widget-view+json" in out.get("data", {}) and LIBRARY_BAR.search(text):
+            found.append(f"cell {i}: a progress bar widget ({text[:80]!r})")
     return found
+
+
+def widget_state(nb) -> dict:
+    """The saved widget models of an executed notebook: model id -> {'model_name', 'state', ...}."""
+    return nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+
+
+def widget_outputs(nb) -> list[dict]:
+    """What the notebook's Output widgets hold (a click's results, the panel's log)."""
+    return [o for model in widget_state(nb).values() if model["model_name"] == "OutputModel"
+            for o in model["state"].get("outputs", [])]
 
 
 def figures(nb) -> list[tuple[int | str, dict]]:
@@ -86,8 +104,7 @@ def figures(nb) -> list[tuple[int | str, dict]]:
     ('widget'): figure_text_size.png_text_info of the PNG plus its pixel width."""
     pngs = [(i, base64.b64decode(out["data"]["image/png"])) for i, out in code_outputs(nb)
             if "image/png" in out.get("data", {})]
-    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
-    pngs += [("widget", base64.b64decode(buffer["data"])) for model in state.values()
+    pngs += [("widget", base64.b64decode(buffer["data"])) for model in widget_state(nb).values()
              if model["model_name"] == "ImageModel" for buffer in model.get("buffers", [])
              if buffer["path"] == ["value"]]
     return [(where, describe_png(png)) for where, png in pngs]

@@ -321,3 +321,21 @@ def test_compile_setting_resolves_and_reads_old_booleans():
     assert Config.load(None, ["grpo.compile=false"]).grpo.compile == "off"
     with pytest.raises(ConfigError, match=r"grpo.compile='fast': use one of \['off', 'head', 'all', 'auto'\]"):
         Config.load(None, ["grpo.compile=fast"])
+
+
+def test_auto_threads_leave_the_cpus_other_work_keeps_busy(monkeypatch):
+    """run.threads=0: torch's default count less the CPUs the load average says are busy, at least 1;
+    a positive setting is kept."""
+    import os
+
+    from lorabench import machine
+    monkeypatch.setattr(machine, "_TORCH_DEFAULT_THREADS", [2])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    for load, threads in ((0.2, 2), (0.7, 1), (1.4, 1), (6.0, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert machine.cpu_threads(0)[0] == threads, load
+        assert f"{load:.2f}" in machine.cpu_threads(0)[1]
+    assert machine.cpu_threads(2) == (2, "2 (run.threads)")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert machine.cpu_threads(0)[0] == 2        # never above torch's own default

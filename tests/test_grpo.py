@@ -123,8 +123,9 @@ def test_batch_rows_round_their_width_up_to_a_multiple_within_the_batch():
 # --- the trainer ----------------------------------------------------------------------------------------
 METRIC_KEYS = {
     "step", "reward/mean", "reward/std", "reward/correct/mean", "reward/strict_format", "advantage/abs_mean",
-    "advantage/active_groups", "loss/policy", "loss/clip_fraction", "kl/mean", "grad_norm", "train/tokens",
-    "completions/mean_length", "completions/stop_fraction", "mismatch/mean", "mismatch/p99", "mismatch/max",
+    "advantage/active_groups", "loss/policy", "loss/clip_fraction", "kl/mean", "entropy/mean", "grad_norm",
+    "train/tokens", "completions/mean_length", "completions/stop_fraction", "completions/last_number_right",
+    "mismatch/mean", "mismatch/p99", "mismatch/max",
     "mismatch/active_mean", "adapter/version", "adapter/served_version", "adapter/delta_norm", "probe/adapter_gap",
     "refresh/mode", "refresh/bytes", "refresh/total_s",
     "time/rollout_s", "time/reward_s", "time/train_s", "time/refresh_s", "time/probe_s", "time/log_s", "time/step_s",
@@ -201,7 +202,10 @@ def test_step_record_and_exact_tensor_refresh(make_trainer):
         assert trainer.engine.served_version("policy") == expected_step
         assert m["refresh/mode"] == "tensor" and m["refresh/bytes"] == trainer.policy.adapter().nbytes
         assert rec.refresh.version == expected_step and set(rec.refresh.parts) == REFRESH_PARTS["tensor"]
-        assert m["kl/mean"] is None                             # kl_beta = 0
+        assert m["kl/mean"] is None                             # grpo.kl_metric is off by default
+        assert 0 < m["entropy/mean"] <= math.log(trainer.model.config.vocab_size)
+        assert m["completions/last_number_right"] == pytest.approx(sum(
+            gsm8k_reward(s["completion"], s["answer"], "flexible") for s in rec.samples) / len(rec.samples))
         assert m["adapter/delta_norm"] == pytest.approx(trainer.policy.adapter().delta_norm())
         assert m["adapter/delta_norm"] > 0
         assert 0 <= m["reward/mean"] <= 1 and 0 <= m["completions/stop_fraction"] <= 1
@@ -389,6 +393,51 @@ def test_policy_gradient_moves_adapter_towards_rewarded_completions(make_trainer
     fresh = torch.cat(trainer.engine.score(seqs, lens, "policy"))
     assert (fresh - trainer_lp).abs().max() < 1e-5
     assert trainer.engine.served_version("policy") == 1
+
+
+def test_kl_to_base_is_zero_before_the_first_update_and_grows_with_updates(make_trainer):
+    """kl/mean is KL(policy that sampled || base): exactly 0 at step 1 (LoRA B starts at 0, so the
+    adapted model is the base), > 0 once updates with a large learning rate moved the adapter, and
+    larger after more of them; the entropy stays in [0, log V]."""
+    trainer = make_trainer("tensor", "grpo.lr=5e-2", "grpo.kl_metric=true")
+    trainer.rewards = [("length", length_reward, 1.0)]          # a signal in every group: the adapter moves
+    rows = [trainer.step().metrics for _ in range(3)]
+    assert rows[0]["kl/mean"] == 0.0
+    assert 0 < rows[1]["kl/mean"] < rows[2]["kl/mean"], [r["kl/mean"] for r in rows]
+    assert all(0 < r["entropy/mean"] <= math.log(trainer.model.config.vocab_size) for r in rows)
+    off = make_trainer("tensor", "grpo.kl_metric=false").step().metrics
+    assert off["kl/mean"] is None and off["entropy/mean"] > 0
+
+
+def test_kl_and_entropy_are_metrics_of_the_sampling_policy_not_the_loss(tiny_model_dir, engine, tokenizer, tmp_path):
+    """With and without the KL metric the update is the same (gradients equal); kl_to_base is the k3
+    estimate on the sampled tokens against the base model's log-probs (adapter disabled) and the
+    entropy the token mean of the full softmax's, both computed by hand here."""
+    problems = [Problem("Tom has 3 apples and buys 4 more. How many?", "#### 7", "7")]
+    rollouts = sample(engine, tokenizer, problems, 4, Sampling(8, 1.0, 1.0, seed=5), None)
+    batch = collate(rollouts, torch.tensor([len(t) / 40.0 for t in rollouts.texts]), tokenizer.pad_token_id)
+    grads, stats = [], []
+    for metric in ("true", "false"):
+        cfg = small_config(tmp_path, "tensor", f"grpo.kl_metric={metric}", "grpo.temperature=0.7")
+        torch.manual_seed(0)
+        policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
+        perturb_lora_B(policy.model, seed=2)
+        mask = batch.completion_mask.bool()
+        with torch.no_grad():
+            logits = policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            logp_all = torch.log_softmax(logits[:, :-1].float() / 0.7, -1)                 # [N, L-1, V]
+            with policy.model.disable_adapter():
+                base = token_logprobs(policy.model, batch.input_ids, batch.attention_mask, 0.7)
+        logp = logp_all.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+        diff = (base - logp)[mask]
+        stats.append(policy.train(batch, cfg.grpo))
+        grads.append([p.grad.clone() for p in policy.params])
+    assert stats[0]["kl_to_base"] == pytest.approx((torch.exp(diff) - diff - 1).mean().item(), rel=1e-4)
+    assert stats[0]["kl_to_base"] > 0 and stats[1]["kl_to_base"] is None
+    entropy = -(logp_all.exp() * logp_all).sum(-1)[mask].mean().item()
+    assert stats[0]["entropy"] == pytest.approx(entropy, rel=1e-4) == pytest.approx(stats[1]["entropy"])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 def test_micro_batches_sum_to_the_full_batch_gradient(tiny_model_dir, engine, tokenizer, tmp_path):

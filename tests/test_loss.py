@@ -14,6 +14,7 @@ from lorabench.loss import (
     plain_token_logprobs,
     token_budget_batches,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 
 # lean vs plain differ only in float32 rounding: a chunked matmul may block the sum differently, and
@@ -342,8 +343,42 @@ def test_head_function_equals_autograd(temperature):
     (expected * weights).sum().backward()
     rows_grad, head_grad = rows.grad.clone(), head.weight.grad.clone()
     rows.grad, head.weight.grad = None, None
-    got = HeadLogprobs.apply(rows, head.weight, targets, temperature, False)
+    got, no_entropy = HeadLogprobs.apply(rows, head.weight, targets, temperature, False, False)
     (got * weights).sum().backward()
-    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0) and no_entropy.numel() == 0
     assert torch.allclose(rows.grad, rows_grad, atol=1e-6, rtol=1e-6)
     assert torch.allclose(head.weight.grad, head_grad, atol=1e-6, rtol=1e-6)
+
+
+# --- entropy beside the log-probs ---------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_equals_the_full_softmax_and_stays_in_its_bounds(make_peft_model, batch, temperature):
+    """token_logprobs_and_entropy: the same log-probs as token_logprobs, and the entropy of
+    softmax(logits / T) at each wanted position as the full-vocabulary softmax computes it, in
+    [0, log V]; 0 where no position is wanted; nothing of it has gradients."""
+    model = make_peft_model()
+    ids, attn = batch
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature   # [N, L-1, V]
+    expected = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)           # [N, L-1]
+    positions = attn[:, 1:].bool() & (torch.arange(ids.shape[1] - 1) % 2 == 0)               # every other token
+    for chunk_size in (7, 512):
+        logp, entropy = token_logprobs_and_entropy(model, ids, attn, temperature, chunk_size=chunk_size,
+                                                   positions=positions)
+        torch.testing.assert_close(logp, token_logprobs(model, ids, attn, temperature, chunk_size=chunk_size,
+                                                        positions=positions))
+        torch.testing.assert_close(entropy[positions], expected[positions], atol=1e-5, rtol=1e-5)
+        assert entropy[~positions].abs().sum() == 0 and not entropy.requires_grad and logp.requires_grad
+        assert entropy[positions].min() >= 0 and entropy.max() <= math.log(logits.shape[-1]) + 1e-5
+
+
+def test_entropy_through_a_head_with_a_bias():
+    """Heads HeadLogprobs does not take (a bias) get the same entropy from their own head call."""
+    model = tiny_plain_qwen3(vocab_size=96)
+    model.lm_head = torch.nn.Linear(64, 96, bias=True)
+    torch.nn.init.normal_(model.lm_head.bias, std=1.0)
+    ids = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    attn = torch.ones_like(ids)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    expected = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    _, entropy = token_logprobs_and_entropy(model, ids, attn, 1.0, chunk_size=5)
+    torch.testing.assert_close(entropy, expected, atol=1e-5, rtol=1e-5)

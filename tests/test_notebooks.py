@@ -25,6 +25,8 @@ from notebook_helpers import (
     figures,
     noise,
     parameters_index,
+    widget_outputs,
+    widget_state,
     write_kernelspec,
 )
 
@@ -126,12 +128,19 @@ def execute(path, tmp_path, **extra):
 
 
 def test_01_step_through_runs_and_the_cli_resumes_it(kernel_env, tmp_path):
-    nb = execute(NOTEBOOK_DIR / "01_step_through.ipynb", tmp_path, RUN_ROOT=str(tmp_path / "runs"))
+    """Run with CLOSE_AT_END (no person to click): the close button's own path closes the session,
+    disables the panel and shows the resume command, which the CLI then runs. (Run All as a learner
+    runs it, the panel live afterwards and closed by a click, is the browser test's.)"""
+    nb = execute(NOTEBOOK_DIR / "01_step_through.ipynb", tmp_path, RUN_ROOT=str(tmp_path / "runs"), CLOSE_AT_END=True)
     (run_dir,) = (tmp_path / "runs").iterdir()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs), "no panel shown"
-    assert [f["figure"] for _, f in figures(nb)] == ["step_panel"]
-    assert any(f"lorabench resume {run_dir}" in str(o.get("data", {}).get("text/markdown", "")) for o in outputs)
+    assert [f["figure"] for _, f in figures(nb)] == ["run_learned", "broken_refresh", "step_panel"]
+    shown = [str(o.get("data", {}).get("text/markdown", "")) for o in widget_outputs(nb)]
+    assert any(f"lorabench resume {run_dir}" in text for text in shown), shown
+    buttons = {m["state"]["description"]: m["state"]["disabled"] for m in widget_state(nb).values()
+               if m["model_name"] == "ButtonModel"}
+    assert buttons == {"Step": True, "Run N": True, "Stop": True, "Close the session": True}, buttons
     from lorabench.runlog import read_jsonl
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == SMALL["01_step_through"]["STEPS"]
     # the notebook closed its session: the CLI continues the run for one more step

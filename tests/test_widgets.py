@@ -20,7 +20,16 @@ from lorabench.runlog import RunLog, read_jsonl
 from lorabench.session import RunSession, build_trainer, start_engine
 from lorabench.session.config import Config
 from lorabench.viz import MIN_FONT_PT
-from lorabench.widgets import StepPanel, completions_table, refresh_table, status_lines
+from lorabench.widgets import (
+    PROGRESS_TEXT,
+    SessionCloser,
+    StepPanel,
+    WaitProgress,
+    completions_table,
+    refresh_table,
+    running_line,
+    status_lines,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -247,6 +256,87 @@ def test_session_writes_a_run_dir_the_cli_can_resume(tiny_model_dir, tmp_path):
         again.close()
 
 
+# --- notebook 01: an empty panel, progress, closing by hand --------------------------------------------
+def test_an_empty_panel_invents_no_axis_range(trainer):
+    """Before the first step the plots show a note and no ticks (matplotlib's empty axes would show
+    -0.05..0.05); after a step, real ticks."""
+    panel = StepPanel(trainer)
+    for ax in panel.axes:
+        assert list(ax.get_xticks()) == [] and list(ax.get_yticks()) == []
+        assert "no step yet" in [t.get_text() for t in ax.texts]
+    panel.start(1)
+    panel.wait(60)
+    assert all(len(ax.get_xticks()) > 0 and not ax.texts for ax in panel.axes)
+    panel.close()
+
+
+def test_running_line_estimates_the_time_left():
+    assert "left" not in running_line(5, 0, 4, 0.0) and "1 of 4" in running_line(5, 0, 4, 0.0)
+    line = running_line(7, 2, 4, 10.0)
+    assert "3 of 4" in line and "10 s so far" in line and "about 10 s left" in line and "<progress value='2'" in line
+    assert "about 2.0 min left" in running_line(3, 1, 5, 30.0)
+
+
+def test_wait_progress_shows_each_part_and_the_time_left():
+    from notebook_helpers import noise
+    progress = WaitProgress("opening the run", tick_s=0.02)
+    progress("warm-start", 0, 4)
+    assert "0 of 4" in progress.line.value and "left" not in progress.line.value
+    time.sleep(0.05)
+    progress("warm-start", 2, 4)
+    assert "2 of 4" in progress.line.value and "left" in progress.line.value and progress.bar.value == 2
+    progress("starting the engine")
+    time.sleep(0.1)   # the line ticks by itself
+    assert "starting the engine · " in progress.line.value and "so far" in progress.line.value
+    total = progress.finish("ok")
+    assert set(progress.parts) == {"warm-start", "starting the engine"} and total >= sum(progress.parts.values())
+    assert progress.line.value.startswith("opening the run: done in") and progress.bar.value == progress.bar.max
+    bundle = progress._repr_mimebundle_()
+    assert bundle["text/plain"] == PROGRESS_TEXT + "opening the run"
+
+    # the notebook tests tell it from a library's bar
+    def notebook(bundle):
+        import nbformat
+        return nbformat.from_dict({"cells": [{"cell_type": "code", "outputs": [
+            {"output_type": "display_data", "data": bundle}]}]})
+    from tqdm.notebook import tqdm
+    library = tqdm(total=3, display=False).container._repr_mimebundle_()
+    assert noise(notebook(bundle)) == [] and len(noise(notebook(library))) == 1
+
+
+def test_session_closer_ends_the_panel_then_closes_the_session(tiny_model_dir, tmp_path):
+    """The button waits for a running step, disables the panel, closes the session (the run dir's lock
+    is free: the CLI may continue it) and shows the resume command; a second click does nothing."""
+    from lorabench.rundir import lock_holder
+    cfg = tiny_config(tmp_path, f"model.name_or_path={tiny_model_dir}", "grpo.steps=2")
+    session = RunSession.open(cfg, tmp_path / "run", log=lambda *a: None)
+    panel = StepPanel(session.trainer)
+    closer = SessionCloser(panel, session, extra_steps=2)
+    assert lock_holder(session.run_dir) is not None and not closer.button.disabled
+    panel.start(1)
+    closer.button.click()
+    assert not panel.busy and session.trainer.step_count == 1            # the step ran to its end first
+    assert panel.step_button.disabled and panel.run_button.disabled and closer.button.disabled
+    assert lock_holder(session.run_dir) is None
+    shown = [o["data"]["text/markdown"] for o in closer.output.outputs]
+    assert shown and f"lorabench resume {session.run_dir} grpo.steps=3" in shown[0]
+    closer.click()
+    assert len(closer.output.outputs) == 1
+    panel.close()
+
+
+def test_session_open_reports_its_parts(tmp_path):
+    """RunSession.open's progress hears every warm-start step of a tiny build, then each later part."""
+    heard = []
+    cfg = tiny_config(tmp_path, "warmstart.steps=3", f"model.cache_dir={tmp_path / 'cache'}")
+    session = RunSession.open(cfg, tmp_path / "run", log=lambda *a: None,
+                              progress=lambda what, done=None, total=None: heard.append((what, done, total)))
+    session.close()
+    assert heard == [("warm-start", 1, 3), ("warm-start", 2, 3), ("warm-start", 3, 3),
+                     ("starting the hf engine", None, None), ("building the trainer", None, None),
+                     ("held-out evaluation before the first step", None, None)]
+
+
 # --- the figures' readability ----------------------------------------------------------------------
 def _refresh_rows():
     parts = {"file": {"snapshot": 1e-3, "stage": 2e-4, "write": 3e-3, "unload": 8e-3, "load": 4e-2},
@@ -263,10 +353,16 @@ def _merged_rows():
 
 
 def _run_rows(n=6):
-    return [{"step": s, "reward/mean": 0.1 * s, "reward/strict_format": 0.15 * s, "refresh/mode": "tensor",
-             "refresh/stage_s": 1e-4, "refresh/unload_s": 0.01, "refresh/load_s": 0.04, "refresh/total_s": 0.0501,
-             "mismatch/mean": 5e-7, "mismatch/p99": 3e-6, "probe/adapter_gap": 0.01 * s, "adapter/delta_norm": 0.3 * s}
-            for s in range(1, n + 1)]
+    return [{"step": s, "reward/mean": 0.1 * s, "reward/std": 0.3, "reward/strict_format": 0.15 * s,
+             "completions/last_number_right": 0.7 - 0.02 * s, "kl/mean": 0.01 * (s - 1), "entropy/mean": 1.5 - 0.1 * s,
+             "refresh/mode": "tensor", "refresh/stage_s": 1e-4, "refresh/unload_s": 0.01, "refresh/load_s": 0.04,
+             "refresh/total_s": 0.0501, "mismatch/mean": 5e-7, "mismatch/p99": 3e-6, "probe/adapter_gap": 0.01 * s,
+             "adapter/delta_norm": 0.3 * s} for s in range(1, n + 1)]
+
+
+def _evals():
+    return [{"step": step, "greedy": True, "n": 8, "strict": strict, "format": fmt, "flexible": flexible}
+            for step, strict, fmt, flexible in ((0, 0.0, 0.0, 0.75), (6, 0.5, 1.0, 0.5))]
 
 
 def _figures():
@@ -288,7 +384,9 @@ def _figures():
             "merged_buckets": viz.merged_buckets_figure(_merged_rows(), 10.0, "hf engine, CPU"),
             "lora_factors": explain.plot_lora_factors(f), "topk": explain.plot_topk(topk).figure,
             "effect": explain.plot_logprob_difference(["Max", " has", "####"], torch.tensor([0.1, -0.5, 2.0])).figure,
-            "timeline": explain.plot_refresh_timeline(_refresh_rows()).figure}
+            "timeline": explain.plot_refresh_timeline(_refresh_rows()).figure,
+            "run_learned": viz.run_learned_figure(rows, _evals()),
+            "broken_refresh": viz.broken_refresh_figure(rows, [{**r, "mismatch/mean": 0.02 * r["step"]} for r in rows])}
 
 
 def _overlaps(a, b, margin=1.0) -> bool:
@@ -321,6 +419,8 @@ def test_figures_are_readable_and_legends_sit_outside_the_data():
             assert {ax.get_xscale() for ax in figs["refresh_modes"].axes} == {"linear"}
             assert figs["refresh_modes"].get_label() == "refresh_modes"
             assert figs["timeline"].get_label() == "refresh_timeline"
+            assert figs["run_learned"].get_label() == "run_learned"
+            assert figs["broken_refresh"].get_label() == "broken_refresh"
         finally:
             for fig in figs.values():
                 plt.close(fig)

@@ -56,7 +56,7 @@ def check_engine(cfg: Config) -> None:
     cpus = len(os.sched_getaffinity(0))
     if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
         raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {cpus} CPU(s); set run.threads <= "
-                          f"{cpus}, or 0 (torch's default)")
+                          f"{cpus}, or 0 (auto: as many as the load average leaves free)")
 
 
 def _writable(path: str | Path, field: str) -> None:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..machine import cpu_threads
 from .config import Config, ConfigError, engine_needs
 
 
@@ -154,37 +155,45 @@ class RunSession:
     before: list[dict] = field(default_factory=list)  # step-0 held-out evals: [sampled, greedy]
 
     @classmethod
-    def open(cls, cfg: Config, run_dir: str | Path | None = None, log=print, evaluate_first: bool = True):
+    def open(cls, cfg: Config, run_dir: str | Path | None = None, log=print, evaluate_first: bool = True,
+             progress=None):
         """Check everything, build the model, then create (or continue) the run dir and build the
         engine and trainer. A run dir that already holds a run is continued, as `lorabench resume`
-        does, if `cfg` is compatible with it (compat.py)."""
+        does, if `cfg` is compatible with it (compat.py). `progress(what, done=None, total=None)`,
+        if given, hears each part as it starts (a tiny build's warm-start at every step), for a
+        notebook's progress display (widgets.WaitProgress)."""
+        progress = progress or _no_progress
         import torch
 
         from .preflight import preflight
 
         plan = plan_run(cfg, run_dir)
         preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
-        if cfg.run.threads:   # after preflight checked it against this machine's CPUs
-            torch.set_num_threads(cfg.run.threads)
+        threads, how = cpu_threads(cfg.run.threads)   # after preflight checked it against this machine's CPUs
+        torch.set_num_threads(threads)
+        log(f"torch CPU threads: {how}")
         t0 = time.perf_counter()
-        model_path = resolve_model(cfg, log=log)
+        model_path = resolve_model(cfg, log=log, progress=progress)
         model_seconds = time.perf_counter() - t0
         fingerprint = plan.check_model(cfg, model_path, log)
         runlog = plan.open(cfg, log)
         runlog.fingerprint = fingerprint
         try:
-            return cls._build(cfg, runlog, model_path, model_seconds, log, evaluate_first)
+            return cls._build(cfg, runlog, model_path, model_seconds, log, evaluate_first, progress)
         except BaseException:
             runlog.close()
             raise
 
     @classmethod
-    def _build(cls, cfg, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool):
+    def _build(cls, cfg, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool, progress):
+        progress(f"starting the {cfg.engine.backend} engine")
         engine = start_engine(cfg, model_path)
         try:
+            progress("building the trainer")
             trainer = build_trainer(cfg, model_path, engine, runlog, log=log)
             session = cls(cfg, runlog, engine, trainer, model_path, model_seconds)
             if evaluate_first:
+                progress("held-out evaluation before the first step")
                 session.evaluate_before()
         except BaseException:
             engine.close()
@@ -234,11 +243,17 @@ class RunSession:
             self.runlog.close()
 
 
+def _no_progress(what: str, done: int | None = None, total: int | None = None) -> None:
+    """RunSession.open without a progress display."""
+
+
 # --- the composition: each component built from its own section ---------------------------------
-def resolve_model(cfg: Config, log=print) -> str:
-    """The base model's dir (the tiny one built from its recipe on first use) or hub name."""
+def resolve_model(cfg: Config, log=print, progress=None) -> str:
+    """The base model's dir (the tiny one built from its recipe on first use) or hub name.
+    `progress(what, done, total)`: called at each warm-start step of a tiny build (a notebook's
+    progress display, widgets.WaitProgress)."""
     from ..models import resolve_model_path
-    return resolve_model_path(cfg.model, cfg.warmstart, cfg.run.seed, log=log)
+    return resolve_model_path(cfg.model, cfg.warmstart, cfg.run.seed, log=log, progress=progress)
 
 
 def start_engine(cfg: Config, model_path: str, **overrides):
