@@ -323,28 +323,31 @@ def modes_markdown(rows, bandwidth_gbps: float) -> str:
 
 
 def buckets_markdown(rows) -> str:
-    """Section 3's reading, computed from its merged rows: the push counts, whether the median call
-    falls at every step toward fewer pushes, the line fit and how close the medians sit to it."""
-    from .viz import call_ms, push_cost_fit, quartiles
+    """Section 3's reading, computed from its merged rows: the push counts, whether the median push
+    part grows at every step toward more pushes, the line through the medians and how close they sit
+    to it, and the rest of the call, which the bucket size does not touch."""
+    from .viz import call_ms, part_ms, push_cost_fit, quartiles
     rows = sorted(rows, key=lambda r: r["buckets"])
-    medians = [quartiles(call_ms(r))[1] for r in rows]
+    pushes = [part_ms(r, "push") for r in rows]
+    medians = [quartiles(p)[1] for p in pushes]
     counts = ", ".join(f"{r['buckets']} ({r['bucket_mb']:g} MB)" for r in rows)
-    rises = [(a, b) for a, b, ma, mb in zip(rows, rows[1:], medians, medians[1:]) if mb < ma]
-    if not rises:
-        trend = "From the fewest pushes to the most, the median call grows at every step."
+    falls = [(a, b, pa, pb) for a, b, pa, pb, ma, mb in zip(rows, rows[1:], pushes, pushes[1:], medians, medians[1:])
+             if mb < ma]
+    if not falls:
+        trend = "From the fewest pushes to the most, the median push part grows at every step."
     else:
-        steps = ", ".join(f"{a['buckets']} -> {b['buckets']} pushes"
-                          f"{' (within the spread)' if _overlap(call_ms(a), call_ms(b)) else ''}" for a, b in rises)
-        trend = f"The median call does not grow at every step toward more pushes: it falls from {steps}."
+        steps = ", ".join(f"{a['buckets']} -> {b['buckets']} pushes{' (within the spread)' if _overlap(pa, pb) else ''}"
+                          for a, b, pa, pb in falls)
+        trend = f"The median push part does not grow at every step toward more pushes: it falls from {steps}."
     fixed, per_push = push_cost_fit(rows)
     worst = max(abs(m - (fixed + per_push * r["buckets"])) for r, m in zip(rows, medians))
-    fastest = rows[min(range(len(rows)), key=medians.__getitem__)]
+    rest = [quartiles([c - p for c, p in zip(call_ms(r), part)])[1] for r, part in zip(rows, pushes)]
     return (f"- Pushes (bucket size): {counts}; {rows[0]['bytes'] / 2**20:.3g} MB of weights at every size.\n"
             f"- {trend}\n"
-            f"- A straight line through the medians: {fixed:.3g} ms + {per_push:.2g} ms per push; the medians "
-            f"sit within {worst:.2g} ms of it.\n"
-            f"- The fastest median: {fastest['buckets']} push{'es' if fastest['buckets'] > 1 else ''} "
-            f"({fastest['bucket_mb']:g} MB buckets), {min(medians):.3g} ms.")
+            f"- A straight line through the medians: {fixed:.3g} ms {'+' if per_push >= 0 else '−'} "
+            f"{abs(per_push):.2g} ms per push; the medians sit within {worst:.2g} ms of it.\n"
+            f"- The rest of the call (snapshot and merge), which the bucket size does not change: a median of "
+            f"{min(rest):.3g} to {max(rest):.3g} ms across the bucket sizes.")
 
 
 def rank_markdown(rows) -> str:

@@ -12,7 +12,8 @@ Each row summarises `repeats` refreshes of the same adapter after `warmup` untim
 one torch thread unless told otherwise (`torch_threads` says why):
     {"engine", "device", "mode", "rank", "bucket_mb", "repeats", "threads", "bytes", "buckets",
      "parts": {part: s}, "total_s", "min_s", "first_request_s", "end_to_end_s",
-     "samples": {"total_s": [...], "first_request_s": [...], "end_to_end_s": [...]}}
+     "samples": {"total_s": [...], "first_request_s": [...], "end_to_end_s": [...],
+                 "parts": {part: [...]}}}
 `bytes`, `buckets`, `parts` and `total_s` are the median refresh call's (the lower median);
 `first_request_s` is the median of the request right after each refresh (one prompt, one greedy
 token, with the refreshed adapter) and `end_to_end_s` the median of call + that request, the
@@ -163,10 +164,12 @@ def _row(records, first_requests: list[float]) -> dict:
     median = sorted(records, key=lambda r: r.total_s)[(len(records) - 1) // 2]  # the lower median
     calls = [r.total_s for r in records]
     ends = [c + f for c, f in zip(calls, first_requests)]
+    names = list(dict.fromkeys(p for r in records for p in r.parts))
     return {"bytes": median.nbytes, "buckets": len(median.buckets), "parts": dict(median.parts),
             "total_s": median.total_s, "min_s": min(calls), "first_request_s": statistics.median(first_requests),
             "end_to_end_s": statistics.median(ends),
-            "samples": {"total_s": calls, "first_request_s": list(first_requests), "end_to_end_s": ends}}
+            "samples": {"total_s": calls, "first_request_s": list(first_requests), "end_to_end_s": ends,
+                        "parts": {p: [r.parts.get(p, 0.0) for r in records] for p in names}}}
 
 
 # --- the sweeps of notebook 02 -------------------------------------------------------------------------

@@ -253,19 +253,25 @@ def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str =
     return fig
 
 
+def call_ms(row) -> list[float]:
+    """Every repeat's refresh call in ms (a row without samples: its median)."""
+    return [1e3 * s for s in row.get("samples", {}).get("total_s", [row["total_s"]])]
+
+
+def part_ms(row, part: str) -> list[float]:
+    """Every repeat's time in one part of the call, in ms (a row without samples: the median call's)."""
+    samples = row.get("samples", {}).get("parts", {}).get(part)
+    return [1e3 * s for s in (samples if samples is not None else [row["parts"].get(part, 0.0)])]
+
+
 def push_cost_fit(rows) -> tuple[float, float]:
-    """Least-squares fit of the median merged refresh call against the number of pushes (buckets):
-    (fixed ms, ms per push)."""
-    xs, ys = [r["buckets"] for r in rows], [quartiles(call_ms(r))[1] for r in rows]
+    """Least-squares line through the median push part of merged refreshes against their number of
+    pushes (buckets): (fixed ms, ms per push)."""
+    xs, ys = [r["buckets"] for r in rows], [quartiles(part_ms(r, "push"))[1] for r in rows]
     n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var and n > 1 else 0.0
     return my - slope * mx, slope
-
-
-def call_ms(row) -> list[float]:
-    """Every repeat's refresh call in ms (a row without samples: its median)."""
-    return [1e3 * s for s in row.get("samples", {}).get("total_s", [row["total_s"]])]
 
 
 def _plot_push_curve(ax, curve, rows) -> None:
@@ -284,27 +290,33 @@ def _plot_push_curve(ax, curve, rows) -> None:
     title_with_legend(ax, "Bucket size -> pushes, from the tensors' sizes", ncol=1)
 
 
+def _signed(x: float, digits: str = ".2g") -> str:
+    return f"+ {x:{digits}}" if x >= 0 else f"− {-x:{digits}}"
+
+
 def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, label: str = ""):
     """Left: how many pushes each bucket size takes (computed from the weights' sizes; the sizes
-    measured, one per push count). Right: the merged refresh call against its pushes (linear: a
-    line's slope is the cost of one push), every repeat with its spread, and a least-squares line."""
+    measured, one per push count). Right: the push part of each merged refresh (the part the bucket
+    size changes) against its pushes (linear: a line's slope is the cost of one push), every repeat
+    with its spread, a least-squares line through the medians, and the floor."""
     rows = sorted(rows, key=lambda r: r["buckets"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
     fig.set_label("merged_buckets")
     _plot_push_curve(left, curve, rows)
     for r in rows:
-        plot_spread(right, r["buckets"], call_ms(r), PART_COLORS["push"], horizontal=False, width=0.5)
+        plot_spread(right, r["buckets"], part_ms(r, "push"), PART_COLORS["push"], horizontal=False, width=0.5)
     _spread_legend(right, PART_COLORS["push"], vertical_tick=False)
     fixed, per_push = push_cost_fit(rows)
     most = max(r["buckets"] for r in rows)
     right.plot([0, most], [fixed, fixed + per_push * most], "k:", lw=1,
-               label=f"line fit: {fixed:.3g} ms + {per_push:.2g} ms × pushes")
+               label=f"line: {fixed:.3g} ms {_signed(per_push)} ms × pushes")
     floor = _floor_ms(rows[0], bandwidth_gbps)
     if floor is not None:
         right.axhline(floor, color="k", ls="--", lw=1.2, label=f"floor: weights moved once ({floor:.2g} ms)")
-    top = max(max(call_ms(r)) for r in rows)
-    right.set(xlabel="pushes (engine calls)", ylabel="ms, refresh call", xlim=(0, 1.08 * most), ylim=(0, 1.15 * top))
-    title_with_legend(right, "Merged refresh call vs pushes", ncol=3)
+    top = max(max(part_ms(r, "push")) for r in rows)
+    right.set(xlabel="pushes (engine calls)", ylabel="ms, the call's push part", xlim=(0, 1.08 * most),
+              ylim=(0, 1.15 * max(top, floor or 0.0)))
+    title_with_legend(right, "The push part of a merged refresh vs pushes", ncol=2)
     for ax in (left, right):
         ax.grid(alpha=0.3, which="both")
     fig.suptitle(label, x=0.01, ha="left")

@@ -46,7 +46,10 @@ def test_measure_refresh_row(engine, tiny_model_dir, mode, monkeypatch):
     assert 0 < row["min_s"] <= row["total_s"]
     # every repeat kept: the call's median is the row's, end to end is call + first request per repeat
     samples = row["samples"]
-    assert [len(v) for v in samples.values()] == [3, 3, 3] and sorted(samples["total_s"])[1] == row["total_s"]
+    assert [len(samples[k]) for k in ("total_s", "first_request_s", "end_to_end_s")] == [3, 3, 3]
+    assert set(samples["parts"]) == PARTS[mode] and all(len(v) == 3 for v in samples["parts"].values())
+    assert sorted(samples["total_s"])[1] == row["total_s"]
+    assert [sum(p) for p in zip(*samples["parts"].values())] == pytest.approx(samples["total_s"])
     assert samples["end_to_end_s"] == pytest.approx([c + f for c, f in zip(samples["total_s"],
                                                                             samples["first_request_s"])])
     assert row["end_to_end_s"] == pytest.approx(sorted(samples["end_to_end_s"])[1]) and row["threads"] == 1
@@ -269,11 +272,18 @@ def test_section_2_text_states_the_order_the_spread_allows():
 
 
 def test_section_3_text_says_whether_the_time_grows_with_the_pushes():
-    def rows(medians):
-        return [{**_row("merged", [m - 1, m, m + 1]), "buckets": n, "bucket_mb": 1.0 / n}
-                for n, m in zip((1, 2, 4, 8), medians)]
+    def rows(medians, rest_ms=5.0):
+        """Merged rows whose push part has these medians; the rest of each call (snapshot, merge) is rest_ms."""
+        made = []
+        for n, m in zip((1, 2, 4, 8), medians):
+            push = [m - 1, m, m + 1]
+            row = _row("merged", [p + rest_ms for p in push], parts={"merge": 1e-3 * rest_ms, "push": 1e-3 * m})
+            row["samples"]["parts"] = {"push": [1e-3 * p for p in push]}
+            made.append({**row, "buckets": n, "bucket_mb": 1.0 / n})
+        return made
     grows = explain.buckets_markdown(rows([10, 12, 16, 24]))
-    assert "grows at every step" in grows and "2 ms per push" in grows and "within 0 ms" in grows
+    assert "grows at every step" in grows and "8 ms + 2 ms per push" in grows and "within 0 ms" in grows
+    assert "a median of 5 to 5 ms" in grows                                  # call − push, every bucket size
     falls = explain.buckets_markdown(rows([10, 14, 13.5, 24]))
     assert "does not grow at every step" in falls and "2 -> 4 pushes (within the spread)" in falls
     apart = explain.buckets_markdown(rows([10, 14, 11, 24]))   # middle halves [13.5, 14.5] and [10.5, 11.5]
