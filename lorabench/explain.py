@@ -306,9 +306,10 @@ def modes_markdown(rows, bandwidth_gbps: float) -> str:
     """Section 1's reading, computed from its rows: the order of the medians (with what the spread
     allows), the largest part of each call, and the distance to the floor."""
     from .refresh_bench import floor_seconds
+    from .viz import ms_text
     by_mode = {r["mode"]: r for r in rows}
     groups = mode_groups(rows)
-    order = " < ".join(" ≈ ".join(f"`{m}` {_median_ms(by_mode[m]):.3g} ms" for m in g) for g in groups)
+    order = " < ".join(" ≈ ".join(f"`{m}` {ms_text(_median_ms(by_mode[m]))} ms" for m in g) for g in groups)
     tied = [g for g in groups if len(g) > 1]
     spread = ("; ≈ joins modes whose middle halves overlap: their order is within the spread and can swap "
               "between runs" if tied else "; every mode's middle half is clear of the next one's")
@@ -326,7 +327,7 @@ def buckets_markdown(rows) -> str:
     """Section 3's reading, computed from its merged rows: the push counts, whether the median push
     part grows at every step toward more pushes, the line through the medians and how close they sit
     to it, and the rest of the call, which the bucket size does not touch."""
-    from .viz import call_ms, part_ms, push_cost_fit, quartiles
+    from .viz import call_ms, ms_text, part_ms, push_cost_fit, quartiles
     rows = sorted(rows, key=lambda r: r["buckets"])
     pushes = [part_ms(r, "push") for r in rows]
     medians = [quartiles(p)[1] for p in pushes]
@@ -344,41 +345,63 @@ def buckets_markdown(rows) -> str:
     rest = [quartiles([c - p for c, p in zip(call_ms(r), part)])[1] for r, part in zip(rows, pushes)]
     return (f"- Pushes (bucket size): {counts}; {rows[0]['bytes'] / 2**20:.3g} MB of weights at every size.\n"
             f"- {trend}\n"
-            f"- A straight line through the medians: {fixed:.3g} ms {'+' if per_push >= 0 else '−'} "
-            f"{abs(per_push):.2g} ms per push; the medians sit within {worst:.2g} ms of it.\n"
+            f"- A straight line through the medians: {ms_text(fixed)} ms {'+' if per_push >= 0 else '−'} "
+            f"{abs(per_push):.2g} ms per push; the medians sit within {ms_text(worst, 2)} ms of it.\n"
             f"- The rest of the call (snapshot and merge), which the bucket size does not change: a median of "
-            f"{min(rest):.3g} to {max(rest):.3g} ms across the bucket sizes.")
+            f"{ms_text(min(rest))} to {ms_text(max(rest))} ms across the bucket sizes.")
+
+
+def _rank_tiers(at: dict, modes: list[str], ranks: list[int]) -> list[list[str]]:
+    """The modes in tiers that hold at every rank, fastest first: a cut between two tiers stands where,
+    at every rank, each mode before it has its middle half below the middle half of each mode after it
+    (the order within a tier can change with the rank)."""
+    from .viz import end_to_end_ms, quartiles
+    q = {key: quartiles(end_to_end_ms(row)) for key, row in at.items()}
+    order = sorted(modes, key=lambda m: q[(m, ranks[0])][1])
+    cuts = [s for s in range(1, len(order))
+            if all(max(q[(m, k)][2] for m in order[:s]) < min(q[(m, k)][0] for m in order[s:]) for k in ranks)]
+    bounds = [0, *cuts, len(order)]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def rank_markdown(rows) -> str:
     """Section 4's reading, computed from its rows: how the adapter's bytes and each mode's median end
-    to end change from the smallest rank to the largest, and which mode is fastest at each rank."""
+    to end change from the smallest rank to the largest (and whether that change is within the
+    spread), and the order of the modes that holds at every rank, if any does."""
+    from .viz import end_to_end_ms
     ranks = sorted({r["rank"] for r in rows})
     low, high = ranks[0], ranks[-1]
     at = {(r["mode"], r["rank"]): r for r in rows}
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     size = {k: at[("tensor", k)]["bytes"] / 2**20 for k in (low, high)} if ("tensor", low) in at else None
-    grown = ", ".join(f"`{m}` ×{_median_ms(at[(m, high)]) / _median_ms(at[(m, low)]):.2f}" for m in modes)
-    fastest = {k: min((at[(m, k)] for m in modes), key=_median_ms)["mode"] for k in ranks}
-    if len(set(fastest.values())) == 1:
-        who = f"`{fastest[low]}` at every rank"
+
+    def change(m):
+        within = _overlap(end_to_end_ms(at[(m, low)]), end_to_end_ms(at[(m, high)]))
+        return f"`{m}` ×{_median_ms(at[(m, high)]) / _median_ms(at[(m, low)]):.2f}{' (within the spread)' * within}"
+    tiers = _rank_tiers(at, modes, ranks)
+    if len(tiers) > 1:
+        order = (f"- At every rank: {' < '.join(', '.join(f'`{m}`' for m in t) for t in tiers)} (each group's "
+                 f"middle halves below the next group's at every rank; within a group the order can change)")
     else:
-        who = ", ".join(f"r={k}: `{m}`" for k, m in fastest.items())
+        fastest = {k: min((at[(m, k)] for m in modes), key=_median_ms)["mode"] for k in ranks}
+        order = ("- No mode's middle half is clear of another's at every rank; the fastest median at each: "
+                 + ", ".join(f"r={k}: `{m}`" for k, m in fastest.items()))
     adapter = (f"the adapter grows ×{size[high] / size[low]:.0f} ({size[low]:.2g} MB -> {size[high]:.2g} MB)"
                if size else f"the adapter grows ×{high / low:.0f}")
-    return (f"- From r={low} to r={high} {adapter}; each mode's median end to end changes by: {grown}.\n"
-            f"- The fastest median: {who}.")
+    return (f"- From r={low} to r={high} {adapter}; each mode's median end to end changes by: "
+            f"{', '.join(change(m) for m in modes)}.\n{order}.")
 
 
 def threads_markdown(rows, cpus: int, load_average: float) -> str:
     """Section 0's reading: each thread count's median and slowest repeat, and the machine's load."""
-    from .viz import end_to_end_ms, quartiles
+    from .viz import end_to_end_ms, ms_text, quartiles
     parts = [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: median "
-             f"{quartiles(end_to_end_ms(r))[1]:.3g} ms, slowest {max(end_to_end_ms(r)):.3g} ms" for r in rows]
+             f"{ms_text(quartiles(end_to_end_ms(r))[1])} ms, slowest {ms_text(max(end_to_end_ms(r)))} ms" for r in rows]
     slowest = {r["threads"]: max(end_to_end_ms(r)) for r in rows}
     one, most = min(slowest), max(slowest)
     ratio = slowest[most] / slowest[one]
-    compare = (f"the slowest repeat with {most} threads took {ratio:.2g}× the slowest with {one}"
+    times = f"{ratio:,.0f}" if ratio >= 10 else f"{ratio:.2g}"
+    compare = (f"the slowest repeat with {most} threads took {times}× the slowest with {one}"
                if most != one else "one thread count only")
     return (f"- {'; '.join(parts)}; {compare} (load average {load_average:.2g} on {cpus} CPUs while "
             f"measured).")

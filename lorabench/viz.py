@@ -207,7 +207,8 @@ def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
     for y, row in enumerate(rows):
         values = end_to_end_ms(row)
         _, median, _ = plot_spread(ax, y, values, MODE_COLORS.get(row["mode"], "#5d6d7e"))
-        ax.annotate(f"{median:.3g} ms", (max(values), y), textcoords="offset points", xytext=(6, 0), va="center")
+        ax.annotate(f"{ms_text(median)} ms", (max(values), y), textcoords="offset points", xytext=(6, 0),
+                    va="center")
         floor = _floor_ms(row, bandwidth_gbps)
         if floor is not None:
             ax.plot([floor], [y], "D", ms=6, color="k", mfc="white")
@@ -367,7 +368,7 @@ def thread_probe_figure(rows, label: str = ""):
     for y, row in enumerate(rows):
         values = end_to_end_ms(row)
         _, median, _ = plot_spread(ax, y, values, "#5d6d7e")
-        ax.annotate(f"median {median:.3g} ms, slowest {max(values):.3g} ms", (max(values), y),
+        ax.annotate(f"median {ms_text(median)} ms, slowest {ms_text(max(values))} ms", (max(values), y),
                     textcoords="offset points", xytext=(6, 0), va="center")
     _spread_legend(ax)
     ax.set_yticks(range(len(rows)), [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}" for r in rows])
@@ -379,3 +380,11 @@ def thread_probe_figure(rows, label: str = ""):
     ax.grid(alpha=0.3, axis="x", which="both")
     fig.suptitle(label, x=0.01, ha="left")
     return fig
+
+
+def ms_text(ms: float, digits: int = 3) -> str:
+    """A time in ms for a lesson's text: `digits` significant digits and never an exponent (2,820, not
+    2.82e+03); below a microsecond it is 0 (a fit's rounding error is not a time)."""
+    if abs(ms) >= 10 ** (digits - 1):
+        return f"{ms:,.0f}"
+    return "0" if abs(ms) < 1e-3 else f"{ms:.{digits}g}"

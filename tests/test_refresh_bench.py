@@ -294,8 +294,19 @@ def test_section_4_text_compares_ranks_from_the_rows():
     rows = [{**_row(m, [base * f for f in (0.9, 1, 1.1)]), "rank": k, "bytes": k * 2**16}
             for k, grow in ((4, 1), (64, 2)) for m, base in (("tensor", 50 * grow), ("inplace", 10 * grow))]
     text = explain.rank_markdown(rows)
-    assert "grows ×16 (0.25 MB -> 4 MB)" in text and "`tensor` ×2.00" in text and "`inplace` at every rank" in text
+    assert "grows ×16 (0.25 MB -> 4 MB)" in text and "`tensor` ×2.00," in text and "`inplace` ×2.00." in text
+    assert "At every rank: `inplace` < `tensor`" in text
     rows[-1]["samples"]["end_to_end_s"] = [1.0, 1.0, 1.0]                 # inplace at r=64 now the slowest
-    assert "r=4: `inplace`, r=64: `tensor`" in explain.rank_markdown(rows)
+    text = explain.rank_markdown(rows)
+    assert "No mode's middle half is clear" in text and "r=4: `inplace`, r=64: `tensor`" in text
+    rows[-1]["samples"]["end_to_end_s"] = [0.0095, 0.0105, 0.03]          # r=64: inplace as at r=4, a slow repeat
+    text = explain.rank_markdown(rows)
+    assert "`inplace` ×1.05 (within the spread)" in text and "`tensor` ×2.00," in text
+    three = [{**_row(m, [base * f for f in (0.9, 1, 1.1)]), "rank": k, "bytes": k * 2**16}
+             for k in (4, 64) for m, base in (("file", 52), ("tensor", 50), ("inplace", 10 if k == 4 else 12))]
+    assert "At every rank: `inplace` < `tensor`, `file`" in explain.rank_markdown(three)   # file ≈ tensor: one group
     probe = [{**_row("inplace", [10, 11, 12]), "threads": 1}, {**_row("inplace", [10, 50, 120]), "threads": 2}]
     assert "took 10× the slowest with 1" in explain.threads_markdown(probe, 2, 3.5)
+    probe[1]["samples"]["end_to_end_s"] = [0.01, 0.9, 2.82]
+    assert "slowest 2,820 ms; the slowest repeat with 2 threads took 235× the slowest with 1" in \
+        explain.threads_markdown(probe, 2, 3.5)
