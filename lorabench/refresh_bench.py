@@ -313,3 +313,11 @@ def engine_label(engine) -> str:
     if getattr(engine, "name", "") == "hf":
         return f"hf engine, {where} (not SGLang)"
     return f"{getattr(engine, 'name', type(engine).__name__)} engine, {where}"
+
+
+def load_label() -> str:
+    """The machine's load as a measurement ends, for a figure's title: the 1-minute load average (a
+    mean over the last minute, so it covers a measurement of that length) and the CPUs this process
+    may use. Timings taken at a load above the CPU count had to share their cores."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"load average {os.getloadavg()[0]:.1f} on {cpus} CPUs"

@@ -310,3 +310,10 @@ def test_section_4_text_compares_ranks_from_the_rows():
     probe[1]["samples"]["end_to_end_s"] = [0.01, 0.9, 2.82]
     assert "slowest 2,820 ms; the slowest repeat with 2 threads took 235× the slowest with 1" in \
         explain.threads_markdown(probe, 2, 3.5)
+
+
+def test_load_label_states_the_load_and_the_cpus():
+    import os
+    import re
+    found = re.fullmatch(r"load average (\d+\.\d) on (\d+) CPUs", rb.load_label())
+    assert found and abs(float(found[1]) - os.getloadavg()[0]) <= 0.5 and int(found[2]) == len(os.sched_getaffinity(0))
