@@ -392,16 +392,21 @@ def rank_markdown(rows) -> str:
             f"{', '.join(change(m) for m in modes)}.\n{order}.")
 
 
-def threads_markdown(rows, cpus: int, load_average: float) -> str:
-    """Section 0's reading: each thread count's median and slowest repeat, and the machine's load."""
+def threads_markdown(rows, cpus: int, load_average: float, chosen: int | None = None, asked: bool = False) -> str:
+    """Section 0's reading: each thread count's median, upper quartile and slowest repeat, the machine's
+    load, and the count the later sections time with (`chosen`: asked for, or refresh_bench.steadiest_threads's)."""
     from .viz import end_to_end_ms, ms_text, quartiles
-    parts = [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: median "
-             f"{ms_text(quartiles(end_to_end_ms(r))[1])} ms, slowest {ms_text(max(end_to_end_ms(r)))} ms" for r in rows]
-    slowest = {r["threads"]: max(end_to_end_ms(r)) for r in rows}
-    one, most = min(slowest), max(slowest)
-    ratio = slowest[most] / slowest[one]
-    times = f"{ratio:,.0f}" if ratio >= 10 else f"{ratio:.2g}"
-    compare = (f"the slowest repeat with {most} threads took {times}× the slowest with {one}"
-               if most != one else "one thread count only")
-    return (f"- {'; '.join(parts)}; {compare} (load average {load_average:.2g} on {cpus} CPUs while "
-            f"measured).")
+
+    def threads(n):
+        return f"{n} thread{'s' if n > 1 else ''}"
+    parts = []
+    for r in rows:
+        _, median, upper = quartiles(end_to_end_ms(r))
+        parts.append(f"{threads(r['threads'])}: median {ms_text(median)} ms, upper quartile {ms_text(upper)} ms, "
+                     f"slowest {ms_text(max(end_to_end_ms(r)))} ms")
+    text = f"- {'; '.join(parts)} (load average {load_average:.2g} on {cpus} CPUs while measured)."
+    if chosen is not None:
+        why = ("as `THREADS` asks" if asked else
+               "the fewest threads whose upper quartile is within 10% of the lowest")
+        text += f"\n- Sections 2-4 time with {threads(chosen)}: {why}."
+    return text

@@ -141,19 +141,20 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
             "repeats": repeats, "threads": used, **row}
 
 
-def _timed_refreshes(engine, layers, refresher, warmup: int, repeats: int) -> tuple[list, list[float]]:
-    """`warmup` untimed then `repeats` timed refreshes, each followed by one request (one prompt,
-    one greedy token) with what the refresh made current."""
+def _timed_refreshes(engine, layers, refresher, warmup: int, repeats: int,
+                     first_version: int = 0) -> tuple[list, list[float]]:
+    """`warmup` untimed then `repeats` timed refreshes (adapter versions from `first_version` on), each
+    followed by one request (one prompt, one greedy token) with what the refresh made current."""
     records, first_requests = [], []
-    for version in range(warmup + repeats):
+    for i in range(warmup + repeats):
         clock = Clock()
-        adapter = layers.snapshot(version)   # the trainer side of a refresh: part of its time
+        adapter = layers.snapshot(first_version + i)   # the trainer side of a refresh: part of its time
         snapshot_s = clock.lap("snapshot")
         record = refresher.refresh(adapter)
         record.parts = {"snapshot": snapshot_s, **record.parts}
         clock.lap("refresh")
         engine.generate([FIRST_REQUEST], Sampling(max_new_tokens=1, temperature=0.0), refresher.serving_adapter)
-        if version >= warmup:
+        if i >= warmup:
             records.append(record)
             first_requests.append(clock.lap("first_request"))
     return records, first_requests
@@ -278,14 +279,42 @@ def rank_sweep(engine, model_path: str, ranks, bucket_mb: float, repeats: int, d
 
 
 def thread_probe(engine, peft_model, thread_counts, repeats: int = 10, progress=None) -> list[dict]:
-    """In-place refreshes end to end (the cheapest mode) at each torch thread count: the spread says
-    which count gives timings that hold on this machine now."""
-    rows = []
-    for n in thread_counts:
-        rows.append(measure_refresh(engine, peft_model, "inplace", 64.0, repeats, adapter_name="threads", threads=n))
-        if progress is not None:
-            progress(len(rows), len(thread_counts))
-    return rows
+    """In-place refreshes end to end (the cheapest mode) at each torch thread count, one row per count
+    (as measure_refresh makes them). The counts take turns, one timed refresh each per round, so that
+    all of them meet the same load: a load that changes during the probe does not favour the count
+    measured while it was low. `progress(done, total)` after each round."""
+    from .policy import LoraLayers
+    layers = LoraLayers(peft_model, flatten=True)  # as the policy keeps them
+    refresher = make_refresher(refresh_settings("inplace", 64.0), engine, "threads")
+    timed = {n: ([], []) for n in thread_counts}
+    try:
+        with torch_threads(thread_counts[0]):   # untimed: the first refresh loads the adapter
+            _timed_refreshes(engine, layers, refresher, warmup=1, repeats=0)
+        for round_ in range(repeats):
+            for i, n in enumerate(thread_counts):
+                with torch_threads(n):
+                    records, firsts = _timed_refreshes(engine, layers, refresher, 0, 1,
+                                                       first_version=1 + round_ * len(thread_counts) + i)
+                timed[n][0].extend(records)
+                timed[n][1].extend(firsts)
+            if progress is not None:
+                progress(round_ + 1, repeats)
+    finally:
+        refresher.close()
+        _drop_adapter(engine, "threads")
+    meta = {"engine": getattr(engine, "name", type(engine).__name__), "device": str(getattr(engine, "device", "")),
+            "mode": "inplace", "rank": int(peft_model.peft_config["default"].r), "bucket_mb": 64.0, "repeats": repeats}
+    return [{**meta, "threads": n, **_row(*timed[n])} for n in thread_counts]
+
+
+def steadiest_threads(rows, tolerance: float = 0.1) -> int:
+    """The thread count to time with, from thread_probe's rows: the fewest threads whose upper quartile
+    end to end (typical time and spread in one number, one slow repeat not deciding it) is within
+    `tolerance` of the lowest. Fewer threads win a near tie: they have fewer cores to wait for."""
+    from .viz import end_to_end_ms, quartiles
+    upper = {r["threads"]: quartiles(end_to_end_ms(r))[2] for r in rows}
+    best = min(upper.values())
+    return min(n for n, q in upper.items() if q <= (1 + tolerance) * best)
 
 
 def save_results(path: str | Path, rows: list[dict], bandwidth_gbps: float, **meta) -> Path:

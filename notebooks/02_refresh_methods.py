@@ -68,7 +68,7 @@ BUCKET_MB = 64        # bucket size for the comparison of modes (the default ref
 MERGED_POINTS = 6     # bucket sizes for the merged push, chosen so that each gives a different push count
 RANKS = [4, 8, 16, 32, 64]   # LoRA ranks for the cost-vs-rank sweep
 REPEATS = 10          # timed refreshes per point, after one untimed; every one is shown
-THREADS = 1           # torch CPU threads while timing (section 0 measures why); restored after
+THREADS = 0           # torch CPU threads while timing sections 2-4 (0: the count section 0 finds steadiest)
 SAVE_TO = ""          # e.g. "../runs/refresh_cpu.json" to keep the measured rows
 # engine settings, e.g. ["engine.sglang.attention_backend=triton"]
 OVERRIDES = []
@@ -92,19 +92,23 @@ print(f"{label}; measured copy bandwidth {bandwidth:.1f} GB/s")
 # %% [markdown]
 # ## 0. How these timings are taken
 # torch splits a large copy or reduction over its CPU threads and waits for the last one. On a
-# machine shared with other work, a thread that loses its core stalls the whole operation, often for
-# longer than the operation itself; one thread has no one to wait for. The figure times the same
-# in-place refresh (half of `REPEATS` times) with one thread and with more (every repeat is a point;
-# the bar is the middle half, the black tick the median). The sections after it time with `THREADS`
-# thread(s), set for the measurement and restored after.
+# machine shared with other work, a thread that loses its core can stall the whole operation for
+# longer than the operation itself; one thread has no one to wait for, but gets no help either.
+# Which count is better depends on the machine and on its load now, so the lesson measures it: the
+# same in-place refresh `REPEATS` times with one thread and with more, the counts taking turns so
+# that each meets the same load (every repeat is a point; the bar is the middle half, the black tick
+# the median). Sections 2-4 then time with the fewest threads whose upper quartile (typical time and
+# spread in one number) is within 10% of the lowest, unless `THREADS` names a count; the count is set
+# for each measurement and restored after.
 
 # %%
 cpus = len(os.sched_getaffinity(0))
 thread_counts = sorted({1, min(2, cpus), cpus})
-probe = rb.thread_probe(engine, trainer_model, thread_counts, max(2, REPEATS // 2),
-                        progress=Progress("thread counts", total=len(thread_counts)))
+probe = rb.thread_probe(engine, trainer_model, thread_counts, REPEATS,
+                        progress=Progress("rounds over the thread counts", total=REPEATS))
 fig = viz.thread_probe_figure(probe, label=f"{label}, {rb.load_label()}")
-display(Markdown(explain.threads_markdown(probe, cpus, os.getloadavg()[0])))
+threads = THREADS or rb.steadiest_threads(probe)
+display(Markdown(explain.threads_markdown(probe, cpus, os.getloadavg()[0], threads, asked=bool(THREADS))))
 
 # %% [markdown]
 # ## 1. What "in place" means, physically
@@ -148,9 +152,9 @@ display(Markdown(explain.storage_markdown(storage)))
 
 # %%
 progress = Progress("refresh modes", total=len(rb.MODES))
-rows = rb.measure_many(engine, [(trainer_model, mode, BUCKET_MB) for mode in rb.MODES], REPEATS, progress, THREADS)
+rows = rb.measure_many(engine, [(trainer_model, mode, BUCKET_MB) for mode in rb.MODES], REPEATS, progress, threads)
 modes_fig = viz.refresh_modes_figure(rows, bandwidth, label=f"{label}: LoRA r={RANK}, {BUCKET_MB:g} MB buckets, "
-                                                            f"{REPEATS} repeats, {THREADS} thread(s), {rb.load_label()}")
+                                                            f"{REPEATS} repeats, {threads} thread(s), {rb.load_label()}")
 
 # %%
 pd.DataFrame([{"mode": r["mode"], "MB moved": r["bytes"] / 2**20,
@@ -195,10 +199,10 @@ display(Markdown(explain.modes_markdown(rows, bandwidth)))
 pushed = rb.merged_push_tensors(trainer_model)
 buckets_mb = rb.distinct_push_buckets(pushed, MERGED_POINTS)
 progress = Progress("bucket sizes", total=len(buckets_mb))
-merged = rb.measure_many(engine, [(trainer_model, "merged", mb) for mb in buckets_mb], REPEATS, progress, THREADS)
+merged = rb.measure_many(engine, [(trainer_model, "merged", mb) for mb in buckets_mb], REPEATS, progress, threads)
 fig = viz.merged_buckets_figure(merged, rb.push_curve(pushed), bandwidth,
                                 label=f"{label}: {merged[0]['bytes'] / 2**20:.3g} MB of weights, {REPEATS} repeats, "
-                                      f"{THREADS} thread(s), {rb.load_label()}")
+                                      f"{threads} thread(s), {rb.load_label()}")
 display(Markdown(explain.buckets_markdown(merged)))
 
 # %% [markdown]
@@ -219,9 +223,9 @@ display(Markdown(explain.buckets_markdown(merged)))
 # %%
 progress = Progress("ranks × modes", total=len(RANKS) * len(rb.MODES))
 by_rank = rb.rank_sweep(engine, model_path, RANKS, BUCKET_MB, REPEATS, dtype=cfg.model.dtype, progress=progress,
-                        threads=THREADS)
+                        threads=threads)
 fig = viz.refresh_rank_figure(by_rank, label=f"{label}: {BUCKET_MB:g} MB buckets, {REPEATS} repeats, "
-                                              f"{THREADS} thread(s), {rb.load_label()}")
+                                              f"{threads} thread(s), {rb.load_label()}")
 display(Markdown(explain.rank_markdown(by_rank)))
 
 # %% [markdown]
@@ -252,9 +256,10 @@ engine.close()
 # - Does `file` keep the engine's storage? Add a cell to section 1 with
 #   `explain.storage_across_refresh(storage_engine, storage_model, "file")` and read `storage before`,
 #   `storage after` and `old handle reads`. Section 1's explanation says what to expect.
-# - Set `THREADS = 2` (or more) and run sections 2-4 again while another CPU-heavy program runs (in a
-#   terminal: `python -c "while True: pass"`; stop it after): compare the spread of the points, and
-#   the slowest repeat, with this run's.
+# - Run the whole lesson again while another CPU-heavy program runs (in a terminal:
+#   `python -c "while True: pass"`; stop it after). Which thread count does section 0 pick now? Then
+#   set `THREADS` to the other count: compare the spread of the points in sections 2-4 with the
+#   first run's.
 # - Set `RANK = 64` and look at section 2: which parts grew, and which did not? Section 4's last
 #   paragraph says which parts copy the adapter's bytes.
 # - Set `MERGED_POINTS = 10`: do the medians of section 3 still sit on a line, and what does a push cost?
@@ -287,8 +292,10 @@ explain.self_check({
         all(adapter_bytes[k] * RANKS[0] == adapter_bytes[RANKS[0]] * k for k in RANKS),
     "every point shows all its repeats": all(len(r["samples"]["end_to_end_s"]) == r["repeats"] for r in measured)
         and all(r["repeats"] == REPEATS for r in rows + merged + by_rank),
-    f"sections 2-4 were timed with {THREADS} thread(s), and the kernel's thread count is restored":
-        all(r["threads"] == THREADS for r in rows + merged + by_rank) and torch.get_num_threads() == threads_before,
+    f"sections 2-4 were timed with the {threads} thread(s) section 0 names, and the kernel's count is restored":
+        all(r["threads"] == threads for r in rows + merged + by_rank) and torch.get_num_threads() == threads_before,
+    "section 0's thread counts took turns: each was timed as often as the others, every repeat shown":
+        {r["repeats"] for r in probe} == {REPEATS} and all(len(r["samples"]["end_to_end_s"]) == REPEATS for r in probe),
     "each refresh's parts add up to its total": all(abs(sum(r["parts"].values()) - r["total_s"]) < 1e-9
                                                    for r in measured),
     "no refresh beats the floor": all(r["total_s"] > rb.floor_seconds(r["bytes"], bandwidth) for r in measured),

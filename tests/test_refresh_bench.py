@@ -180,7 +180,9 @@ def test_timings_run_with_the_thread_count_asked_and_restore_it(engine, tiny_mod
         rows = rb.thread_probe(engine, model, [1, 2], repeats=2)
     finally:
         del engine.generate
-    assert seen == [1] * 3 + [2] * 3 and [r["threads"] for r in rows] == [1, 2]
+    assert seen == [1] + [1, 2] * 2 and [r["threads"] for r in rows] == [1, 2]   # untimed first, then turns
+    assert [r["repeats"] for r in rows] == [2, 2] and all(len(r["samples"]["end_to_end_s"]) == 2 for r in rows)
+    assert engine.loaded_adapters() == []
     assert torch.get_num_threads() == before
     with pytest.raises(RuntimeError), rb.torch_threads(1):
         raise RuntimeError("a failed measurement")
@@ -305,11 +307,20 @@ def test_section_4_text_compares_ranks_from_the_rows():
     three = [{**_row(m, [base * f for f in (0.9, 1, 1.1)]), "rank": k, "bytes": k * 2**16}
              for k in (4, 64) for m, base in (("file", 52), ("tensor", 50), ("inplace", 10 if k == 4 else 12))]
     assert "At every rank: `inplace` < `tensor`, `file`" in explain.rank_markdown(three)   # file ≈ tensor: one group
-    probe = [{**_row("inplace", [10, 11, 12]), "threads": 1}, {**_row("inplace", [10, 50, 120]), "threads": 2}]
-    assert "took 10× the slowest with 1" in explain.threads_markdown(probe, 2, 3.5)
-    probe[1]["samples"]["end_to_end_s"] = [0.01, 0.9, 2.82]
-    assert "slowest 2,820 ms; the slowest repeat with 2 threads took 235× the slowest with 1" in \
-        explain.threads_markdown(probe, 2, 3.5)
+    probe = [{**_row("inplace", [10, 11, 12]), "threads": 1}, {**_row("inplace", [10, 50, 2820]), "threads": 2}]
+    text = explain.threads_markdown(probe, 2, 3.5, rb.steadiest_threads(probe))
+    assert "2 threads: median 50 ms, upper quartile 1,435 ms, slowest 2,820 ms (load average 3.5" in text
+    assert "Sections 2-4 time with 1 thread: the fewest threads whose upper quartile is within 10%" in text
+    assert "as `THREADS` asks" in explain.threads_markdown(probe, 2, 3.5, 2, asked=True)
+
+
+def test_the_steadiest_thread_count_is_the_fewest_within_a_tenth_of_the_lowest_upper_quartile():
+    def probe(*uppers):   # three repeats each, the upper quartile at `upper`
+        return [{**_row("inplace", [u - 2, u - 1, u + 1]), "threads": n} for n, u in zip((1, 2, 4), uppers)]
+    assert rb.steadiest_threads(probe(10, 20, 30)) == 1
+    assert rb.steadiest_threads(probe(30, 10, 20)) == 2              # a loaded single core: more threads help
+    assert rb.steadiest_threads(probe(10.5, 10, 20)) == 1            # a near tie goes to fewer threads
+    assert rb.steadiest_threads(probe(12, 10.9, 10)) == 2
 
 
 def test_load_label_states_the_load_and_the_cpus():
