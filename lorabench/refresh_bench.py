@@ -350,3 +350,14 @@ def load_label() -> str:
     may use. Timings taken at a load above the CPU count had to share their cores."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"load average {os.getloadavg()[0]:.1f} on {cpus} CPUs"
+
+
+def fastest_copy_bandwidth(device: str = "cpu", sizes_mb=(1, 16, 256)) -> tuple[float, int]:
+    """(GB/s, MB): the fastest of measure_bandwidth at each size in `sizes_mb`, and the size it was
+    measured at. A floor must be a lower bound for every size a lesson moves: on a CPU a copy that
+    fits in the caches runs several times faster than one that streams from memory (a 256 MB copy
+    alone would put the floor above a merged push of a small model's weights); on a GPU the large
+    copy is the fastest, a small one paying its launch."""
+    measured = {mb: measure_bandwidth(device, megabytes=mb) for mb in sizes_mb}
+    best = max(measured, key=measured.get)
+    return measured[best], best

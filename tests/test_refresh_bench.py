@@ -328,3 +328,12 @@ def test_load_label_states_the_load_and_the_cpus():
     import re
     found = re.fullmatch(r"load average (\d+\.\d) on (\d+) CPUs", rb.load_label())
     assert found and abs(float(found[1]) - os.getloadavg()[0]) <= 0.5 and int(found[2]) == len(os.sched_getaffinity(0))
+
+
+def test_the_floors_bandwidth_is_the_fastest_copy_measured(monkeypatch):
+    bandwidth, size_mb = rb.fastest_copy_bandwidth("cpu", sizes_mb=(1, 64))   # real copies
+    assert size_mb in (1, 64) and bandwidth > 0
+    # which size wins depends on the machine (caches on a CPU, launches on a GPU): either way, the fastest
+    for speeds, winner in (({1: 40.0, 16: 30.0, 256: 3.0}, 1), ({1: 0.5, 16: 20.0, 256: 3000.0}, 256)):
+        monkeypatch.setattr(rb, "measure_bandwidth", lambda device, megabytes, s=speeds: s[megabytes])
+        assert rb.fastest_copy_bandwidth("cpu") == (speeds[winner], winner)
