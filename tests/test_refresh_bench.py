@@ -335,5 +335,14 @@ def test_the_floors_bandwidth_is_the_fastest_copy_measured(monkeypatch):
     assert size_mb in (1, 64) and bandwidth > 0
     # which size wins depends on the machine (caches on a CPU, launches on a GPU): either way, the fastest
     for speeds, winner in (({1: 40.0, 16: 30.0, 256: 3.0}, 1), ({1: 0.5, 16: 20.0, 256: 3000.0}, 256)):
-        monkeypatch.setattr(rb, "measure_bandwidth", lambda device, megabytes, s=speeds: s[megabytes])
+        monkeypatch.setattr(rb, "measure_bandwidth", lambda device, megabytes, repeats, s=speeds: s[megabytes])
         assert rb.fastest_copy_bandwidth("cpu") == (speeds[winner], winner)
+    # one thread or the current count, whichever copies faster (on a loaded machine: one)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(rb, "measure_bandwidth", lambda device, megabytes, repeats: 10.0 / torch.get_num_threads())
+        assert rb.fastest_copy_bandwidth("cpu", sizes_mb=(1,)) == (10.0, 1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
