@@ -194,8 +194,9 @@ display(Markdown(explain.modes_markdown(rows, bandwidth)))
 # name; the cache is flushed once, after the last). Each bucket is one engine call. The bucket sizes
 # are chosen from the model's own tensor sizes, so that each gives a different number of pushes, from
 # one tensor per push to one push for everything. Left: the push count for every bucket size, as the
-# refresher's packing gives it, with the sizes measured. Right: the merged refresh call against its
-# pushes, every repeat, with a straight line through the medians.
+# refresher's packing gives it, with the sizes measured. Right: the push part of each merged refresh
+# (the part the bucket size changes) against its pushes, every repeat, with a straight line through
+# the medians and the floor (the weights moved once).
 
 # %%
 pushed = rb.merged_push_tensors(trainer_model)
@@ -211,9 +212,10 @@ display(Markdown(explain.buckets_markdown(merged)))
 # The bytes are the same at every bucket size; what changes is the number of engine calls. Where the
 # medians lie on a line, its slope is what one call costs (on the `hf` engine: a walk over the
 # model's parameter names and a checked copy per tensor; on SGLang: a request round trip and
-# `load_weights` over the bucket) and its intercept what does not depend on the calls: the snapshot,
-# the merge and the bytes themselves. A larger bucket means fewer calls, each carrying more at once
-# (`refresh.bucket_mb`'s help text: more peak memory).
+# `load_weights` over the bucket) and its intercept what the push costs however many calls carry it
+# (the bytes themselves). The rest of the call, the snapshot and the merge, is the last line above.
+# A larger bucket means fewer calls, each carrying more at once (`refresh.bucket_mb`'s help text:
+# more peak memory).
 
 # %% [markdown]
 # ## 4. How does the cost change with the LoRA rank?
