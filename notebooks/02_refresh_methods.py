@@ -34,9 +34,11 @@
 # SGLang's; with `ENGINE = "sglang"` on a GPU they are SGLang's.
 #
 # **How long.** On a CPU (2 cores), these defaults, Run All in a fresh kernel with the tiny model
-# cached, measured: about 20 s on a quiet machine (19 s at a load average of 1.4) and about 50 s while
-# two other CPU-bound processes ran (50 s, the load average climbing to 6.3). The longest cell is the
-# rank sweep (section 4: 8 s quiet); it and every other measuring cell show a progress bar.
+# cached, measured: 33 s on a quiet machine (no other heavy work; a load average of 1.6-2.0 while it
+# ran, its own work included) and 98 s on a loaded one (two CPU-bound processes started beside other
+# work; a load average of 14). The longest cells are section 0's, whose two-thread refreshes stall
+# when a core is busy (14 s of the quiet run), and the rank sweep (7 s quiet); they and every other
+# measuring cell show a progress bar with an estimate of the time left.
 # A refresh needs no trained model, so an empty model cache adds only the tiny model's build without
 # warm-start (3.5 s, measured at a load average of 5). On a GPU (one H200, `ENGINE = "sglang"`) not measured with these
 # sections yet: the engine's start takes about 40 s there (measured with the earlier version of this
