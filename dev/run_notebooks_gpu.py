@@ -60,7 +60,7 @@ def parameters(out: Path) -> dict[str, callable]:
         "01_step_through": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(out / "runs"),
                                     "OVERRIDES": ENGINE_ARGS},
         "02_refresh_methods": lambda: {"ENGINE": "sglang", "MODEL": qwen3_06b_shape_dir(out), "RANK": 32, "REPEATS": 10,
-                               "MERGED_BUCKETS_MB": [1, 4, 16, 64, 256, 1024, 2048],
+                               "MERGED_POINTS": 7,
                                "SAVE_TO": str(out / "refresh_notebook02_sglang.json"),
                                "OVERRIDES": [*ENGINE_ARGS, "model.dtype=bfloat16"]},
         "03_how_hotswap_works": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "OVERRIDES": ENGINE_ARGS},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import statistics
 
 import matplotlib.pyplot as plt  # headless: matplotlib picks Agg by itself when there is no display
 
@@ -139,6 +140,9 @@ def run_plot_images(rows, evals) -> dict[str, bytes]:
 
 
 # --- refresh methods (notebook 02): rows as refresh_bench.measure_refresh makes them ---------------
+MODE_COLORS = {"file": "#4c72b0", "tensor": "#55a868", "inplace": "#c44e52", "merged": "#8172b2"}
+
+
 def _parts(rows):
     present = {p for r in rows for p in r["parts"]}
     return [p for p in PART_ORDER if p in present] + sorted(present - set(PART_ORDER))
@@ -148,53 +152,101 @@ def _floor_ms(row, bandwidth_gbps):
     return 1e3 * row["bytes"] / (bandwidth_gbps * 1e9) if bandwidth_gbps and row.get("bytes") else None
 
 
+def end_to_end_ms(row) -> list[float]:
+    """Every repeat's refresh call + first request after it, in ms (a row without samples: its medians)."""
+    samples = row.get("samples", {}).get("end_to_end_s")
+    if samples is None:
+        samples = [row["total_s"] + row.get("first_request_s", 0.0)]
+    return [1e3 * s for s in samples]
+
+
+def quartiles(values) -> tuple[float, float, float]:
+    """(lower quartile, median, upper quartile); one value is all three."""
+    values = sorted(values)
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def plot_spread(ax, at: float, values, color: str, horizontal: bool = True, width: float = 0.5,
+                log_position: bool = False) -> tuple:
+    """One point per repeat (spread across `width` around `at`, in octaves if `log_position`, so none
+    hides another), the interquartile range as a thick bar and the median as a black tick; returns
+    the quartiles."""
+    n = len(values)
+    offsets = [width * (i / (n - 1) - 0.5) if n > 1 else 0.0 for i in range(n)]
+    spots = [at * 2 ** o if log_position else at + o for o in offsets]
+    q1, median, q3 = quartiles(values)
+    if horizontal:
+        ax.plot(values, spots, "o", ms=4, color=color, alpha=0.55, mec="none")
+        ax.plot([q1, q3], [at, at], "-", lw=6, color=color, alpha=0.45, solid_capstyle="butt")
+        ax.plot([median], [at], "|", ms=14, mew=2.5, color="k")
+    else:
+        ax.plot(spots, values, "o", ms=4, color=color, alpha=0.55, mec="none")
+        ax.plot([at, at], [q1, q3], "-", lw=6, color=color, alpha=0.45, solid_capstyle="butt")
+        ax.plot([at], [median], "_", ms=14, mew=2.5, color="k")
+    return q1, median, q3
+
+
+def _spread_legend(ax, color="#777777", floor: bool = False, vertical_tick: bool = True) -> None:
+    """Legend entries for plot_spread's marks (and the floor's), drawn once, outside the data."""
+    ax.plot([], [], "o", ms=4, color=color, alpha=0.55, mec="none", label="each repeat")
+    ax.plot([], [], "-", lw=6, color=color, alpha=0.45, label="middle half (IQR)")
+    ax.plot([], [], "|" if vertical_tick else "_", ms=10, mew=2.5, color="k", label="median")
+    if floor:
+        ax.plot([], [], "D", ms=6, color="k", mfc="white", label="floor: bytes moved once")
+
+
 def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
-    """One bar per mode, fastest on top: the refresh call, then (where measured) the first request
-    after it; the total at the bar's end and, given the bandwidth, each mode's floor as a black tick."""
-    rows = sorted(rows, key=lambda r: r["total_s"] + r.get("first_request_s", 0.0))
-    ends = []
+    """Each mode's refreshes end to end (the call, then the first request after it): every repeat as a
+    point, the middle half as a bar, the median as a tick, fastest median on top; log x, so the floor
+    (the bytes moved once at the measured bandwidth, a white diamond) shows beside times 1000x larger."""
+    rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
+    lowest = []
     for y, row in enumerate(rows):
-        call, first = 1e3 * row["total_s"], 1e3 * row.get("first_request_s", 0.0)
-        ax.barh(y, call, color=PART_COLORS["call"], label="refresh call" if y == 0 else None)
-        if first:
-            ax.barh(y, first, left=call, color=PART_COLORS["first request"],
-                    label="first request after it" if y == 0 else None)
-        ends.append(call + first)
-        ax.text(call + first, y, f"  {call + first:.1f} ms", va="center")
+        values = end_to_end_ms(row)
+        _, median, _ = plot_spread(ax, y, values, MODE_COLORS.get(row["mode"], "#5d6d7e"))
+        ax.annotate(f"{ms_text(median)} ms", (max(values), y), textcoords="offset points", xytext=(6, 0),
+                    va="center")
         floor = _floor_ms(row, bandwidth_gbps)
         if floor is not None:
-            ax.plot([floor, floor], [y - 0.4, y + 0.4], color="k", lw=2, label="floor" if y == 0 else None)
+            ax.plot([floor], [y], "D", ms=6, color="k", mfc="white")
+        lowest.append(min(values + ([floor] if floor else [])))
+    _spread_legend(ax, floor=bandwidth_gbps is not None)
     ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.3 * max(ends))
-    ax.set_xlabel("ms (median)")
-    title_with_legend(ax, "End to end, per mode")
-    ax.grid(alpha=0.3, axis="x")
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xscale("log")
+    ax.set_xlim(min(lowest) / 2, 4 * max(max(end_to_end_ms(r)) for r in rows))
+    ax.set_xlabel("ms, refresh call + first request (log scale)")
+    title_with_legend(ax, "End to end, per mode", ncol=4)
+    ax.grid(alpha=0.3, axis="x", which="both")
     return ax
 
 
 def plot_parts(rows, ax):
-    """The refresh call of each mode split into its parts, stacked on a linear axis (same mode
-    order as `plot_end_to_end`); the legend sits right of the axes."""
-    rows = sorted(rows, key=lambda r: r["total_s"] + r.get("first_request_s", 0.0))
+    """The median refresh call of each mode split into its parts, then the median first request,
+    stacked on a linear axis (same mode order as `plot_end_to_end`); the legend right of the axes."""
+    rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
     left = [0.0] * len(rows)
-    for part in _parts(rows):
-        vals = [1e3 * r["parts"].get(part, 0.0) for r in rows]
+    for part in [*_parts(rows), "first request"]:
+        vals = [1e3 * (r.get("first_request_s", 0.0) if part == "first request" else r["parts"].get(part, 0.0))
+                for r in rows]
         ax.barh(range(len(rows)), vals, left=left, color=PART_COLORS.get(part), label=part)
         left = [a + v for a, v in zip(left, vals)]
     ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, 1.05 * max(left))
-    ax.set_xlabel("ms (median of each part)")
-    ax.set_title("Where the refresh call's time goes", loc="left")
+    ax.set_xlabel("ms: the median call's parts, then the median first request")
+    ax.set_title("Where the time goes", loc="left")
     _legend_right(ax)
     ax.grid(alpha=0.3, axis="x")
     return ax
 
 
 def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
-    """Which refresh is fastest end to end (left), and where each call's time goes (right)."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.55 * len(rows)), layout="constrained")
+    """Which refresh is fastest end to end, with every repeat (left), and where the time goes (right)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), layout="constrained")
     fig.set_label("refresh_modes")
     plot_end_to_end(rows, left, bandwidth_gbps)
     plot_parts(rows, right)
@@ -202,42 +254,72 @@ def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str =
     return fig
 
 
+def call_ms(row) -> list[float]:
+    """Every repeat's refresh call in ms (a row without samples: its median)."""
+    return [1e3 * s for s in row.get("samples", {}).get("total_s", [row["total_s"]])]
+
+
+def part_ms(row, part: str) -> list[float]:
+    """Every repeat's time in one part of the call, in ms (a row without samples: the median call's)."""
+    samples = row.get("samples", {}).get("parts", {}).get(part)
+    return [1e3 * s for s in (samples if samples is not None else [row["parts"].get(part, 0.0)])]
+
+
 def push_cost_fit(rows) -> tuple[float, float]:
-    """Least-squares fit of merged refresh time against the number of pushes (buckets):
-    (fixed ms, ms per push)."""
-    xs, ys = [r["buckets"] for r in rows], [1e3 * r["total_s"] for r in rows]
+    """Least-squares line through the median push part of merged refreshes against their number of
+    pushes (buckets): (fixed ms, ms per push)."""
+    xs, ys = [r["buckets"] for r in rows], [quartiles(part_ms(r, "push"))[1] for r in rows]
     n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var and n > 1 else 0.0
     return my - slope * mx, slope
 
 
-def merged_buckets_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
-    """Merged refresh vs bucket size (left, log x: the sizes span decades) and vs the number of
-    pushes it takes (right, linear: the slope is the cost of one push)."""
-    rows = sorted(rows, key=lambda r: r["bucket_mb"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+def _plot_push_curve(ax, curve, rows) -> None:
+    """The push count as the refresher's packing gives it for every bucket size (a step line), and
+    the sizes measured, each at the count its refreshes took."""
+    ax.step([mb for mb, _ in curve], [n for _, n in curve], where="post", color="#999999",
+            label="pushes the packing gives")
+    ax.plot([r["bucket_mb"] for r in rows], [r["buckets"] for r in rows], "o", ms=7, color=PART_COLORS["push"],
+            label="bucket sizes measured")
+    for r in rows:
+        ax.annotate(f"{r['bucket_mb']:g} MB", (r["bucket_mb"], r["buckets"]), textcoords="offset points",
+                    xytext=(6, 4))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set(xlabel="bucket size (MB, log scale)", ylabel="pushes (engine calls, log scale)")
+    title_with_legend(ax, "Bucket size -> pushes, from the tensors' sizes", ncol=1)
+
+
+def _signed(x: float, digits: str = ".2g") -> str:
+    return f"+ {x:{digits}}" if x >= 0 else f"− {-x:{digits}}"
+
+
+def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, label: str = ""):
+    """Left: how many pushes each bucket size takes (computed from the weights' sizes; the sizes
+    measured, one per push count). Right: the push part of each merged refresh (the part the bucket
+    size changes) against its pushes (linear: a line's slope is the cost of one push), every repeat
+    with its spread, a least-squares line through the medians, and the floor."""
+    rows = sorted(rows, key=lambda r: r["buckets"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
     fig.set_label("merged_buckets")
-    ms = [1e3 * r["total_s"] for r in rows]
-    left.plot([r["bucket_mb"] for r in rows], ms, "o-", color=PART_COLORS["push"], label="merged refresh")
-    for r, y in zip(rows, ms):
-        left.annotate(f"{r['buckets']}", (r["bucket_mb"], y), textcoords="offset points", xytext=(0, 6),
-                      ha="center", fontsize=9)
+    _plot_push_curve(left, curve, rows)
+    for r in rows:
+        plot_spread(right, r["buckets"], part_ms(r, "push"), PART_COLORS["push"], horizontal=False, width=0.5)
+    _spread_legend(right, PART_COLORS["push"], vertical_tick=False)
+    fixed, per_push = push_cost_fit(rows)
+    most = max(r["buckets"] for r in rows)
+    right.plot([0, most], [fixed, fixed + per_push * most], "k:", lw=1,
+               label=f"line: {fixed:.3g} ms {_signed(per_push)} ms × pushes")
     floor = _floor_ms(rows[0], bandwidth_gbps)
     if floor is not None:
-        left.axhline(floor, color="k", ls="--", lw=1, label=f"floor: all weights moved once ({floor:.2g} ms)")
-    left.set_xscale("log")
-    left.set(xlabel="bucket size (MB); number above a point: pushes", ylabel="ms (median)", ylim=(0, 1.2 * max(ms)))
-    title_with_legend(left, "Merged refresh vs bucket size", ncol=2)
-    fixed, per_push = push_cost_fit(rows)
-    pushes = [r["buckets"] for r in rows]
-    right.plot(pushes, ms, "o", color=PART_COLORS["push"], label="measured")
-    right.plot([0, max(pushes)], [fixed, fixed + per_push * max(pushes)], "k-", lw=1,
-               label=f"fit: {fixed:.1f} ms + {per_push:.2f} ms × pushes")
-    right.set(xlabel="pushes (buckets)", ylabel="ms (median)", xlim=(0, 1.05 * max(pushes)), ylim=(0, 1.2 * max(ms)))
-    title_with_legend(right, "The same points vs pushes: each push costs the slope", ncol=2)
+        right.axhline(floor, color="k", ls="--", lw=1.2, label=f"floor: weights moved once ({floor:.2g} ms)")
+    top = max(max(part_ms(r, "push")) for r in rows)
+    right.set(xlabel="pushes (engine calls)", ylabel="ms, the call's push part", xlim=(0, 1.08 * most),
+              ylim=(0, 1.15 * max(top, floor or 0.0)))
+    title_with_legend(right, "The push part of a merged refresh vs pushes", ncol=2)
     for ax in (left, right):
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
     fig.suptitle(label, x=0.01, ha="left")
     return fig
 
@@ -321,3 +403,69 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
     for ax in (gap, reward):
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     return fig
+
+
+def _log_ticks(axis) -> None:
+    """Labelled ticks at 1, 2 and 5 of each decade on a log axis (plain numbers, no powers of ten)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(NullFormatter())
+
+
+def refresh_rank_figure(rows, label: str = ""):
+    """Each mode's refresh end to end against the LoRA rank (log-log: a time that grew with the bytes
+    would climb at the bytes' slope), the median joined, the middle half as a bar, every repeat."""
+    fig, ax = plt.subplots(figsize=(9, 4.6), layout="constrained")
+    fig.set_label("refresh_rank")
+    ranks = sorted({r["rank"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    for i, mode in enumerate(modes):
+        sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["rank"])
+        color = MODE_COLORS.get(mode, "#5d6d7e")
+        shift = 2 ** (0.15 * (i - (len(modes) - 1) / 2))   # the modes side by side at each rank
+        medians = [plot_spread(ax, r["rank"] * shift, end_to_end_ms(r), color, horizontal=False, width=0.12,
+                               log_position=True)[1] for r in sel]
+        ax.plot([r["rank"] * shift for r in sel], medians, "-", color=color, lw=1.8, label=mode)
+    adapter_mb = {r["rank"]: r["bytes"] / 2**20 for r in rows if r["mode"] == "tensor"}
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(ranks, [f"{k}\n{adapter_mb[k]:.2g} MB" if k in adapter_mb else f"{k}" for k in ranks])
+    ax.minorticks_off()
+    _log_ticks(ax.yaxis)
+    ax.set(xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
+    title_with_legend(ax, "Refresh end to end vs LoRA rank: each mode's median joined (bars: middle half; "
+                          "dots: each repeat)", ncol=4)
+    ax.grid(alpha=0.3, which="both")
+    fig.suptitle(label, x=0.01, ha="left")
+    return fig
+
+
+def thread_probe_figure(rows, label: str = ""):
+    """The same in-place refresh end to end at each torch thread count: every repeat, its middle half
+    and median (log x: a stall of 100x the operation fits beside it)."""
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.55 * len(rows)), layout="constrained")
+    fig.set_label("timing_threads")
+    for y, row in enumerate(rows):
+        values = end_to_end_ms(row)
+        _, median, _ = plot_spread(ax, y, values, "#5d6d7e")
+        ax.annotate(f"median {ms_text(median)} ms, slowest {ms_text(max(values))} ms", (max(values), y),
+                    textcoords="offset points", xytext=(6, 0), va="center")
+    _spread_legend(ax)
+    ax.set_yticks(range(len(rows)), [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}" for r in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xscale("log")
+    ax.set_xlim(min(min(end_to_end_ms(r)) for r in rows) / 1.5, 12 * max(max(end_to_end_ms(r)) for r in rows))
+    ax.set_xlabel("ms, in-place refresh + first request (log scale)")
+    title_with_legend(ax, "The same refresh at each torch thread count", ncol=3)
+    ax.grid(alpha=0.3, axis="x", which="both")
+    fig.suptitle(label, x=0.01, ha="left")
+    return fig
+
+
+def ms_text(ms: float, digits: int = 3) -> str:
+    """A time in ms for a lesson's text: `digits` significant digits and never an exponent (2,820, not
+    2.82e+03); below a microsecond it is 0 (a fit's rounding error is not a time)."""
+    if abs(ms) >= 10 ** (digits - 1):
+        return f"{ms:,.0f}"
+    return "0" if abs(ms) < 1e-3 else f"{ms:.{digits}g}"

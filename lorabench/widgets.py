@@ -37,6 +37,7 @@ import time
 import traceback
 import warnings
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 import ipywidgets as widgets
@@ -441,3 +442,68 @@ class SessionCloser:
         command = self.session.resume_command(extra_steps=self.extra_steps)
         self.output.append_display_data(Markdown(f"Session closed. Continue the run from the repository root:\n"
                                                  f"```bash\n{command}\n```"))
+
+
+# --- notebook 02: progress with an estimate, for a lesson's long waits ----------------------------------
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+class Progress:
+    """A lesson's own progress bar for a wait made of counted pieces: pieces done of the total, the
+    time so far and an estimate of the time left (the mean time per piece so far, times the pieces
+    left). Its text never has a library bar's rate ("it/s"), so the notebook tests tell it from tqdm.
+
+        progress = Progress("timing refreshes", total=20)
+        rows = refresh_bench.measure_many(engine, points, repeats, progress=progress)   # calls progress(i, n)
+    """
+
+    def __init__(self, what: str, total: int):
+        import ipywidgets as widgets
+        from IPython.display import display
+        self.what, self.total, self.start = what, total, time.perf_counter()
+        self.bar = widgets.IntProgress(value=0, min=0, max=max(total, 1), description=what,
+                                       style={"description_width": "initial"})
+        self.label = widgets.HTML(f"0 of {total}")
+        display(widgets.HBox([self.bar, self.label]))
+
+    def __call__(self, done: int, total: int | None = None) -> None:
+        total = total or self.total
+        elapsed = time.perf_counter() - self.start
+        self.bar.max, self.bar.value = max(total, 1), done
+        if done >= total:
+            self.label.value = f"{done} of {total}, done in {_seconds(elapsed)}"
+            self.bar.bar_style = "success"
+        else:
+            left = elapsed / done * (total - done) if done else float("nan")
+            estimate = f", about {_seconds(left)} left" if done else ""
+            self.label.value = f"{done} of {total}: {_seconds(elapsed)} so far{estimate}"
+
+
+@contextmanager
+def waiting(what: str, about_s: float, tick_s: float = 0.5):
+    """A progress bar for one long call that reports nothing itself (an engine starting): the time so
+    far against `about_s`, the time it is expected to take (a measured time the lesson states), updated
+    from a thread while the call runs in the cell."""
+    import ipywidgets as widgets
+    from IPython.display import display
+    bar = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description=what, style={"description_width": "initial"})
+    label = widgets.HTML(f"expected: about {_seconds(about_s)}")
+    display(widgets.HBox([bar, label]))
+    start, stop = time.perf_counter(), threading.Event()
+
+    def tick():
+        while not stop.wait(tick_s):
+            elapsed = time.perf_counter() - start
+            bar.value = min(elapsed / about_s, 0.97)   # never full before the call returns
+            label.value = f"{_seconds(elapsed)} so far; expected about {_seconds(about_s)}"
+
+    ticker = threading.Thread(target=tick, name="lorabench-waiting", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+    bar.value, bar.bar_style = 1.0, "success"
+    label.value = f"done in {_seconds(time.perf_counter() - start)} (expected about {_seconds(about_s)})"

@@ -22,31 +22,43 @@
 # | `file` | the adapter, as a PEFT directory on tmpfs | snapshot, stage (copy to the host), write the directory, unload, load it by path |
 # | `tensor` | the adapter, as tensors (CUDA IPC on a GPU) | snapshot, stage (copy on the engine's device), unload, load from tensors |
 # | `inplace` | new values into the adapter the engine already holds (SGLang: its GPU LoRA pool) | snapshot, write |
-# | `merged` | every base weight, as W + (α/r)·B·A | snapshot, merge, push (one engine call per bucket) |
+# | `merged` | every adapted base weight, as W + (α/r)·B·A | snapshot, merge, push (one engine call per bucket) |
 #
 # *Snapshot* is the trainer side: the LoRA layers copied into one flat buffer, made once per step.
-# Three questions, one figure each, measured here on a real engine: which mode is fastest end to
-# end (and where its time goes), how the bucket size changes a merged push, and how far each is
-# from the floor (the bytes moved once at the measured copy bandwidth). On a CPU the engine is the
-# `hf` reference engine, so the absolute numbers are not SGLang's; with `ENGINE = "sglang"` on a GPU
-# they are SGLang's; the last section says what they show there.
+# The lesson first shows how its timings are taken (section 0) and what "in place" means in the
+# engine's memory (section 1), then asks three questions, one figure each, measured here on a real
+# engine: which mode is fastest end to end and where its time goes, how the bucket size changes a
+# merged push, and how the cost changes with the LoRA rank. Every timing is a set of repeats shown as
+# points with their spread, and every sentence that states an order or a trend is computed from the
+# numbers on screen. On a CPU the engine is the `hf` reference engine, so the absolute numbers are not
+# SGLang's; with `ENGINE = "sglang"` on a GPU they are SGLang's.
 #
-# **How long.** On a CPU (2 cores), these defaults: about 15 seconds (14 s measured for Run All in
-# a fresh kernel; 12 s with an empty model cache: a refresh needs no trained model, so the tiny
-# model is built without warm-start, in about a second). On a GPU (one H200, `ENGINE = "sglang"`,
-# Run All in a fresh Jupyter kernel) with a model of Qwen3-0.6B's shape, `RANK = 32` and merged
-# buckets from 1 MB to 2 GB: 1.5-2.5 minutes (80, 114 and 137 s measured; about 40 s of it starts the engine).
+# **How long.** On a CPU (2 cores), these defaults, Run All in a fresh kernel with the tiny model
+# cached, measured: 33 s on a quiet machine (no other heavy work; a load average of 1.6-2.0 while it
+# ran, its own work included) and 98 s on a loaded one (two CPU-bound processes started beside other
+# work; a load average of 14). The longest cells are section 0's, whose two-thread refreshes stall
+# when a core is busy (14 s of the quiet run), and the rank sweep (7 s quiet); they and every other
+# measuring cell show a progress bar with an estimate of the time left.
+# A refresh needs no trained model, so an empty model cache adds only the tiny model's build without
+# warm-start (3.5 s, measured at a load average of 5). On a GPU (one H200, `ENGINE = "sglang"`) not measured with these
+# sections yet: the engine's start takes about 40 s there (measured with the earlier version of this
+# lesson, whose Run All took 80-137 s with a model of Qwen3-0.6B's shape and `RANK = 32`); the rank
+# sweep adds one model build per rank.
 
 # %%
 # setup
 # %load_ext autoreload
 # %autoreload 2
+import os
+
 import pandas as pd
+import torch
+from IPython.display import Markdown, display
 
 from lorabench import explain, viz
 from lorabench import refresh_bench as rb
 from lorabench.session import Config, resolve_model, start_engine
-from lorabench.widgets import setup_notebook, sglang_in_notebook
+from lorabench.widgets import Progress, setup_notebook, sglang_in_notebook, waiting
 
 setup_notebook()
 
@@ -55,107 +67,244 @@ ENGINE = "hf"         # "hf": transformers + PEFT, CPU or GPU | "sglang": in-pro
 MODEL = "tiny"        # "tiny" (weights ~10 MB) | "Qwen/Qwen3-0.6B" or a local model dir
 RANK = 16             # LoRA rank on every linear layer (the demo's lora.r); alpha is twice the rank
 BUCKET_MB = 64        # bucket size for the comparison of modes (the default refresh.bucket_mb)
-MERGED_BUCKETS_MB = [0.01, 0.03, 0.1, 0.3, 1, 4, 16]   # bucket sizes for the merged push
-REPEATS = 10          # timed refreshes per point, after one untimed; figures show the median
+MERGED_POINTS = 6     # bucket sizes for the merged push, chosen so that each gives a different push count
+RANKS = [4, 8, 16, 32, 64]   # LoRA ranks for the cost-vs-rank sweep
+REPEATS = 10          # timed refreshes per point, after one untimed; every one is shown
+THREADS = 0           # torch CPU threads while timing sections 2-4 (0: the count section 0 finds steadiest)
 SAVE_TO = ""          # e.g. "../runs/refresh_cpu.json" to keep the measured rows
 # engine settings, e.g. ["engine.sglang.attention_backend=triton"]
 OVERRIDES = []
 
 # %%
-if ENGINE == "sglang":   # its progress bars go to a log file, not here
-    OVERRIDES = [*sglang_in_notebook(), *OVERRIDES]
+if ENGINE == "sglang":   # its progress bars go to a log file, not here; it must hold the sweep's largest rank
+    OVERRIDES = [*sglang_in_notebook(), f"engine.sglang.max_lora_rank={max([RANK, *RANKS])}", *OVERRIDES]
 
 # what the adapter has learned does not change what a refresh costs: no warm-start needed
 cfg = Config.load(None, [f"engine.backend={ENGINE}", f"model.name_or_path={MODEL}", "warmstart.steps=0",
                          f"lora.r={RANK}", *OVERRIDES])
-model_path = resolve_model(cfg)
-engine = start_engine(cfg, model_path)  # a scratch engine: a merged refresh overwrites its base weights
-trainer_model = rb.adapter_model(model_path, RANK, dtype=cfg.model.dtype, device=str(engine.device))
+threads_before = torch.get_num_threads()
+with waiting("starting the engine", about_s=40 if ENGINE == "sglang" else 5):
+    model_path = resolve_model(cfg)
+    engine = start_engine(cfg, model_path)  # a scratch engine: a merged refresh overwrites its base weights
+    trainer_model = rb.adapter_model(model_path, RANK, dtype=cfg.model.dtype, device=str(engine.device))
 label = rb.engine_label(engine)
-bandwidth = rb.measure_bandwidth(str(engine.device))
-print(f"{label}; measured copy bandwidth {bandwidth:.1f} GB/s")
+bandwidth, copy_mb = rb.fastest_copy_bandwidth(str(engine.device))   # for the floors below
+print(f"{label}; fastest copy measured: {bandwidth:.1f} GB/s (copying {copy_mb} MB; of 1, 16 and 256 MB)")
 
 # %% [markdown]
-# ## 1. Which mode is fastest end to end?
+# ## 0. How these timings are taken
+# torch splits a large copy or reduction over its CPU threads and waits for the last one. On a
+# machine shared with other work, a thread that loses its core can stall the whole operation for
+# longer than the operation itself; one thread has no one to wait for, but gets no help either.
+# Which count is better depends on the machine and on its load now, so the lesson measures it: the
+# same in-place refresh `REPEATS` times with one thread and with more, the counts taking turns so
+# that each meets the same load (every repeat is a point; the bar is the middle half, the black tick
+# the median). Sections 2-4 then time with the fewest threads whose upper quartile (typical time and
+# spread in one number) is within 10% of the lowest, unless `THREADS` names a count; the count is set
+# for each measurement and restored after.
+
+# %%
+cpus = len(os.sched_getaffinity(0))
+thread_counts = sorted({1, min(2, cpus), cpus})
+probe = rb.thread_probe(engine, trainer_model, thread_counts, REPEATS,
+                        progress=Progress("rounds over the thread counts", total=REPEATS))
+fig = viz.thread_probe_figure(probe, label=f"{label}, {rb.load_label()}")
+threads = THREADS or rb.steadiest_threads(probe)
+display(Markdown(explain.threads_markdown(probe, cpus, os.getloadavg()[0], threads, asked=bool(THREADS))))
+
+# %% [markdown]
+# ## 1. What "in place" means, physically
+# Below, one LoRA tensor of the engine (`lora_B` of the first layer's `q_proj`) is looked at across a
+# refresh: the address of the memory that holds its values (its storage's pointer) before and after,
+# and the values themselves. Between the two refreshes the trainer's weights change as an optimizer
+# step would change them. A handle on the engine's tensor is kept across the refresh, so its old
+# memory stays alive and a new tensor cannot land at the old address by chance. The tensors are the
+# `hf` engine's (PEFT's parameters in this process); with `ENGINE = "sglang"` this cell starts an
+# `hf` engine on the CPU for the purpose, since SGLang's LoRA pool lives in its scheduler process.
+
+# %%
+if engine.name == "hf":
+    storage_engine, storage_model = engine, trainer_model
+else:   # the same model and rank, in an hf engine on the CPU: the tensors this process can look at
+    hf_cfg = Config.load(None, ["engine.backend=hf", "engine.hf.device=cpu", f"model.name_or_path={MODEL}",
+                                "warmstart.steps=0", f"lora.r={RANK}"])
+    storage_engine = start_engine(hf_cfg, model_path)
+    storage_model = rb.adapter_model(model_path, RANK, dtype=hf_cfg.model.dtype)
+storage = [explain.storage_across_refresh(storage_engine, storage_model, mode) for mode in ("inplace", "tensor")]
+display(explain.storage_table(storage))
+display(Markdown(explain.storage_markdown(storage)))
+
+# %% [markdown]
+# That is the difference the timings below measure. `inplace` copies new values into memory the
+# engine already holds; nothing is allocated, named or wrapped again. `tensor` (and `file`, which
+# reads the same tensors from a directory) unloads the adapter and loads a new one: fresh memory for
+# every LoRA tensor, and on the `hf` engine PEFT wrapping the model's linear layers again. On SGLang
+# the in-place write goes into the adapter's slot of the GPU LoRA pool, which keeps its addresses
+# (the writer refuses a slot that moved), and the adapter keeps its name, so the engine flushes its
+# prefix cache: KV computed with the old values must not be reused.
+
+# %% [markdown]
+# ## 2. Which mode is fastest end to end?
 # Each mode refreshes the same rank-`RANK` adapter `REPEATS` times (merged last: it overwrites the
-# engine's base weights). Left, end to end: the median refresh call and, after it, the first
-# request with the new adapter (one prompt, one token), fastest on top, each mode's floor as a
-# black tick (far left: too short to see at this scale). Right: the calls split into their parts,
-# on a linear axis so that the parts' lengths compare.
+# engine's base weights). Left, end to end: each refresh call plus the first request after it (one
+# prompt, one token, with the new adapter), every repeat a point, fastest median on top, each mode's
+# floor as a white diamond, on a log axis so that the floor shows. The floor is the mode's bytes moved
+# once at the fastest copy measured above: on a CPU a copy that fits in its caches runs several times
+# faster than one that streams from memory, so the fastest size gives a floor no refresh can beat.
+# Right: the median call split into its parts, then the median first request, on a linear axis so
+# that the parts' lengths compare.
 
 # %%
-rows = [rb.measure_refresh(engine, trainer_model, mode, BUCKET_MB, REPEATS) for mode in rb.MODES]
-fig = viz.refresh_modes_figure(rows, bandwidth, label=f"{label}: LoRA r={RANK}, {BUCKET_MB:g} MB buckets")
+progress = Progress("refresh modes", total=len(rb.MODES))
+rows = rb.measure_many(engine, [(trainer_model, mode, BUCKET_MB) for mode in rb.MODES], REPEATS, progress, threads)
+modes_fig = viz.refresh_modes_figure(rows, bandwidth, label=f"{label}: LoRA r={RANK}, {BUCKET_MB:g} MB buckets, "
+                                                            f"{REPEATS} repeats, {threads} thread(s), {rb.load_label()}")
 
 # %%
-pd.DataFrame([{"mode": r["mode"], "MB moved": r["bytes"] / 2**20, "call ms": 1e3 * r["total_s"],
-               "first request ms": 1e3 * r["first_request_s"], "floor ms": 1e3 * rb.floor_seconds(r["bytes"], bandwidth),
-               "× floor": r["total_s"] / rb.floor_seconds(r["bytes"], bandwidth)} for r in rows]).set_index("mode").round(3)
+pd.DataFrame([{"mode": r["mode"], "MB moved": r["bytes"] / 2**20,
+               "end to end ms (median)": 1e3 * r["end_to_end_s"],
+               "IQR ms": "–".join(f"{q:.3g}" for q in viz.quartiles(viz.end_to_end_ms(r))[::2]),
+               "call ms": 1e3 * r["total_s"], "first request ms": 1e3 * r["first_request_s"],
+               "floor ms": 1e3 * rb.floor_seconds(r["bytes"], bandwidth),
+               "× floor": r["total_s"] / rb.floor_seconds(r["bytes"], bandwidth)} for r in rows]
+             ).set_index("mode").round(3)
+
+# %%
+display(Markdown(explain.modes_markdown(rows, bandwidth)))
 
 # %% [markdown]
-# What to read off it:
+# What each mode does, which is what its parts measure:
 # - `file` and `tensor` end the same way, with an unload and a load: the engine builds the adapter
-#   anew every step, and that load is most of their time (on the `hf` engine: PEFT wrapping the
-#   model's linear layers again). `file` also writes a directory and the engine reads it back.
-# - `inplace` skips both: the engine keeps the adapter it loaded first and only the values change.
+#   anew every step (on the `hf` engine: PEFT wrapping the model's linear layers again). `file` also
+#   writes a directory and the engine reads it back.
+# - `inplace` skips both: the engine keeps the adapter it loaded first and only the values change
+#   (section 1).
 # - `merged` moves the full weights of every adapted layer, not only the adapter, so its bytes grow
-#   with the model (every weight on its first push; after that the rest never changes); afterwards
-#   the engine has no base model left (it serves W + ΔW as its base, and decodes without LoRA
-#   kernels). With the tiny model that is a few MB and cheap; section 3 says how it goes at 0.6B scale.
-# - `× floor` says how far each mode is from moving its bytes once. Every mode is well above it:
-#   what costs is software (Python calls, per-tensor work, the engine's bookkeeping), not bytes.
+#   with the model, not with the rank; afterwards the engine has no base model left (it serves
+#   W + ΔW as its base, and decodes without LoRA kernels).
+# - `× floor` says how far each call is from moving its bytes once; what is above the floor is
+#   software (Python calls, per-tensor work, the engine's bookkeeping), not bytes.
+#
+# The order above is this run's. Where two modes' points overlap, their order is noise; on a busy
+# machine even two modes whose points are apart can trade places in the next run, when the load
+# changes while one of them is measured. Section 4 measures every mode again at each rank in
+# `RANKS` and states only the order that holds at all of them: that is the one to expect again.
 
 # %% [markdown]
-# ## 2. How does the bucket size change a merged push?
-# A merged refresh pushes the weights in buckets of at most `bucket_mb` MB (whole tensors, sorted
-# by name; the cache is flushed once, after the last). Each bucket is one engine call. Left: the
-# median merged refresh per bucket size (the number above each point is the pushes it took).
-# Right: the same points against the number of pushes, with a straight-line fit.
+# ## 3. How does the bucket size change a merged push?
+# A merged refresh pushes the weights in buckets of at most `bucket_mb` MB (whole tensors, sorted by
+# name; the cache is flushed once, after the last). Each bucket is one engine call. The bucket sizes
+# are chosen from the model's own tensor sizes, so that each gives a different number of pushes, from
+# one tensor per push to one push for everything. Left: the push count for every bucket size, as the
+# refresher's packing gives it, with the sizes measured. Right: the push part of each merged refresh
+# (the part the bucket size changes) against its pushes, every repeat, with a straight line through
+# the medians and the floor (the weights moved once).
 
 # %%
-merged = [rb.measure_refresh(engine, trainer_model, "merged", mb, REPEATS) for mb in MERGED_BUCKETS_MB]
-fig = viz.merged_buckets_figure(merged, bandwidth, label=f"{label}: {merged[0]['bytes'] / 2**20:.1f} MB of weights")
+pushed = rb.merged_push_tensors(trainer_model)
+buckets_mb = rb.distinct_push_buckets(pushed, MERGED_POINTS)
+progress = Progress("bucket sizes", total=len(buckets_mb))
+merged = rb.measure_many(engine, [(trainer_model, "merged", mb) for mb in buckets_mb], REPEATS, progress, threads)
+fig = viz.merged_buckets_figure(merged, rb.push_curve(pushed), bandwidth,
+                                label=f"{label}: {merged[0]['bytes'] / 2**20:.3g} MB of weights, {REPEATS} repeats, "
+                                      f"{threads} thread(s), {rb.load_label()}")
+display(Markdown(explain.buckets_markdown(merged)))
 
 # %% [markdown]
-# The bytes are the same at every bucket size; what changes is the number of pushes, and the time
-# follows it along a line. Its slope is what one engine call costs (on the `hf` engine: a walk
-# over the model's parameter names and a checked copy per tensor; on SGLang: a request round trip
-# and `load_weights` over the bucket). The intercept is what does not depend on the pushes: the
-# snapshot, the merge and the bytes themselves. With the tiny model on a CPU the pushes are cheap
-# next to the merge, so the line is shallow; with a 0.6B model on a GPU (section 3) the pushes are
-# most of the time. Either way the best bucket is the largest: the whole model in one or two pushes.
+# The bytes are the same at every bucket size; what changes is the number of engine calls. Where the
+# medians lie on a line, its slope is what one call costs (on the `hf` engine: a walk over the
+# model's parameter names and a checked copy per tensor; on SGLang: a request round trip and
+# `load_weights` over the bucket) and its intercept what the push costs however many calls carry it
+# (the bytes themselves). The rest of the call, the snapshot and the merge, is the last line above.
+# A larger bucket means fewer calls, each carrying more at once (`refresh.bucket_mb`'s help text:
+# more peak memory).
+
+# %% [markdown]
+# ## 4. How does the cost change with the LoRA rank?
+# The adapter's bytes grow in proportion to the rank: `r` rows of A and `r` columns of B per layer.
+# Each rank in `RANKS` gets its own trainer-side adapter and every mode refreshes it `REPEATS` times.
+# The figure is log-log, so a time that grew in proportion to the bytes would climb as steeply as
+# the bytes do; the adapter's size is under each rank.
+
+# %%
+progress = Progress("ranks × modes", total=len(RANKS) * len(rb.MODES))
+by_rank = rb.rank_sweep(engine, model_path, RANKS, BUCKET_MB, REPEATS, dtype=cfg.model.dtype, progress=progress,
+                        threads=threads)
+fig = viz.refresh_rank_figure(by_rank, label=f"{label}: {BUCKET_MB:g} MB buckets, {REPEATS} repeats, "
+                                              f"{threads} thread(s), {rb.load_label()}")
+display(Markdown(explain.rank_markdown(by_rank)))
+
+# %% [markdown]
+# Which parts can grow with the rank: the snapshot, the staging and the in-place write copy the
+# adapter's bytes; the merge computes B·A for every adapted layer, whose cost grows with the rank,
+# while the merged push moves the same full weights at every rank. The unload and load do per-tensor
+# work over the same number of tensors at every rank, besides copying the bytes.
 
 # %%
 if SAVE_TO:
-    print(rb.save_results(SAVE_TO, rows + merged, bandwidth, engine=label))
+    print(rb.save_results(SAVE_TO, probe + rows + merged + by_rank, bandwidth, engine=label))
+if storage_engine is not engine:
+    storage_engine.close()
 engine.close()
 
 # %% [markdown]
-# ## 3. On a GPU, with SGLang
-# With `ENGINE = "sglang"` on a GPU, sections 1 and 2 measure SGLang itself. The lorabench
-# repository's results page (`docs/results.md`) shows both figures from this notebook on an H200,
+# ## 5. On a GPU, with SGLang
+# With `ENGINE = "sglang"` on a GPU, sections 0, 2, 3 and 4 measure SGLang itself. The lorabench
+# repository's results page (`docs/results.md`) records this lesson's earlier figures from an H200,
 # with a random-init model of Qwen3-0.6B's shape in bf16 (the refresh cost depends on the shapes, not
-# on the values) and `RANK = 32`. There `inplace` is the fastest end to end by far, and most of its
-# time is the first request: the adapter keeps its name, so the engine flushes its prefix cache (KV
-# computed with the old values must not be reused) and that request is a full prefill. `file` and
-# `tensor` pay for SGLang building the adapter anew inside the call: the load is the largest part of
-# their call (for `tensor`, SGLang's load copies each tensor to the host and stacks q/k/v there). A
-# merged refresh moves every adapted weight of the model, and its pushes are most of its time at
-# every bucket size.
+# on the values) and `RANK = 32`. In that recording, `inplace` was the fastest end to end and most of
+# its time was the first request (a full prefill: the prefix cache was flushed), SGLang's load was
+# the largest part of the `file` and `tensor` calls, and a merged refresh's pushes were most of its
+# time at every bucket size.
+#
+# ## Try it yourself
+# Write down what you expect before you run each one.
+# - Does `file` keep the engine's storage? Add a cell to section 1 with
+#   `explain.storage_across_refresh(storage_engine, storage_model, "file")` and read `storage before`,
+#   `storage after` and `old handle reads`. Section 1's explanation says what to expect.
+# - Run the whole lesson again while another CPU-heavy program runs (in a terminal:
+#   `python -c "while True: pass"`; stop it after). Which thread count does section 0 pick now? Then
+#   set `THREADS` to the other count: compare the spread of the points in sections 2-4 with the
+#   first run's.
+# - Set `RANK = 64` and look at section 2: which parts grew, and which did not? Section 4's last
+#   paragraph says which parts copy the adapter's bytes.
+# - Set `MERGED_POINTS = 10`: do the medians of section 3 still sit on a line, and what does a push cost?
 
 # %% [markdown]
 # ## Self-check
-# The collapsed cell below checks the measurements themselves (bookkeeping and physics), so a
-# broken measurement does not pass for a result.
+# The collapsed cell below checks this lesson's own claims on this run: what the tables and the
+# generated sentences say, and the bookkeeping behind them.
 
 # %% tags=["self-check"] jupyter={"source_hidden": true}
-measured = rows + merged
-adapter_bytes = max(r["bytes"] for r in rows if r["mode"] != "merged")
+measured = probe + rows + merged + by_rank
+by_name = {r["mode"]: r for r in storage}
+adapter_bytes = {r["rank"]: r["bytes"] for r in by_rank if r["mode"] == "tensor"}
+stated = [m for group in explain.mode_groups(rows) for m in group]
 explain.self_check({
-    "each refresh's parts add up to its total": all(abs(sum(r["parts"].values()) - r["total_s"]) < 1e-9 for r in measured),
+    "in place: the engine's tensor kept its storage, and its values changed to the trainer's":
+        by_name["inplace"]["storage before"] == by_name["inplace"]["storage after"]
+        and by_name["inplace"]["values changed"] and by_name["inplace"]["engine = trainer"],
+    "tensor: the engine's tensor is a new allocation with the trainer's values; the old one kept the old values":
+        by_name["tensor"]["storage before"] != by_name["tensor"]["storage after"]
+        and by_name["tensor"]["engine = trainer"] and by_name["tensor"]["old handle reads"] == "the old values",
+    "section 2's sentence names the modes in the figure's order, fastest on top":
+        stated == [t.get_text() for t in modes_fig.axes[0].get_yticklabels()],
+    "every bucket size gave a different push count, the one the packing computed":
+        len({r["buckets"] for r in merged}) == len(merged)
+        and all(r["buckets"] == rb.push_count(pushed, r["bucket_mb"]) for r in merged),
+    "a merged push moves the same bytes at every bucket size, and at every rank":
+        len({r["bytes"] for r in rows + merged + by_rank if r["mode"] == "merged"}) == 1,
+    "the adapter's bytes grow in proportion to the rank":
+        all(adapter_bytes[k] * RANKS[0] == adapter_bytes[RANKS[0]] * k for k in RANKS),
+    "every point shows all its repeats": all(len(r["samples"]["end_to_end_s"]) == r["repeats"] for r in measured)
+        and all(r["repeats"] == REPEATS for r in rows + merged + by_rank),
+    f"sections 2-4 were timed with the {threads} thread(s) section 0 names, and the kernel's count is restored":
+        all(r["threads"] == threads for r in rows + merged + by_rank) and torch.get_num_threads() == threads_before,
+    "section 0's thread counts took turns: each was timed as often as the others, every repeat shown":
+        {r["repeats"] for r in probe} == {REPEATS} and all(len(r["samples"]["end_to_end_s"]) == REPEATS for r in probe),
+    "each refresh's parts add up to its total": all(abs(sum(r["parts"].values()) - r["total_s"]) < 1e-9
+                                                   for r in measured),
     "no refresh beats the floor": all(r["total_s"] > rb.floor_seconds(r["bytes"], bandwidth) for r in measured),
-    "merged moves more bytes than the adapter": all(r["bytes"] > adapter_bytes for r in merged),
-    "the same bytes at every bucket size": len({r["bytes"] for r in merged}) == 1,
-    "a bucket smaller than the weights splits the push":
-        all(r["buckets"] > 1 for r in merged if r["bucket_mb"] * 2**20 < r["bytes"]),
+    "section 3: every merged push part lies above the floor its figure draws":
+        all(min(viz.part_ms(r, "push")) > 1e3 * rb.floor_seconds(r["bytes"], bandwidth) for r in merged),
 })

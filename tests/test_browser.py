@@ -10,6 +10,7 @@ width the browser gave it.
 Each figure is saved as a screenshot. With LORABENCH_RECORD=1 the notebooks run at their learner
 defaults instead (what a learner sees; ~4 minutes on 2 cores with the tiny model cached) and the
 screenshots are copied to benchmarks/results/browser_<notebook>_<figure>.png.
+The markdown outputs each notebook rendered (sentences a lesson computes from its run) are printed.
 The server and its kernels are shut down in the fixture's teardown."""
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ REWARD_BLUE = (0x4C, 0x72, 0xB0)   # viz.plot_rewards' line colour
 VIEWPORT = {"width": 1400, "height": 1800}   # tall enough for notebook 01's whole panel in one screenshot
 RUN_TIMEOUT_MS = int(os.environ.get("LB_BROWSER_RUN_TIMEOUT_MS", 300_000))
 STDERR = "[data-mime-type='application/vnd.jupyter.stderr']"   # stderr streams and tracebacks
+MARKDOWN = "[data-mime-type='text/markdown']"   # a lesson's computed sentences
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (`make test` installs it: "
                                                               "pip install -r tests/browser_requirements.txt)")
@@ -290,6 +292,9 @@ def test_notebook_in_chromium(lab, browser, path):
         shots = lab["tmp"] / "shots"
         shots.mkdir(exist_ok=True)
         shown = check_figures(page, path.stem, shots)
+        # what the lesson's text said on this run (its sentences computed from the run): `-s` shows it
+        said = page.locator(f".jp-OutputArea-output{MARKDOWN}").all_inner_texts()
+        print(f"{path.stem} said, as rendered:\n" + "\n".join(said))
     except Exception:
         failure = lab["tmp"] / f"failure_{path.stem}.png"
         page.screenshot(path=str(failure), full_page=True)

@@ -158,7 +158,14 @@ def test_02_refresh_methods_runs(kernel_env, tmp_path):
     results = load_results(saved)
     assert {r["mode"] for r in results["rows"]} == {"file", "tensor", "inplace", "merged"}
     assert results["bandwidth_gbps"] > 0 and "hf engine, CPU (not SGLang)" in results["engine"]
-    assert [f["figure"] for _, f in figures(nb)] == ["refresh_modes", "merged_buckets"]
+    small = SMALL["02_refresh_methods"]
+    # section 3's bucket sizes (sections 2 and 4 use the default 64 MB): one push count each
+    sweep = [r for r in results["rows"] if r["mode"] == "merged" and r["bucket_mb"] != 64]
+    by_rank = {(r["mode"], r["rank"]) for r in results["rows"]}
+    assert len({r["buckets"] for r in sweep}) == len(sweep) == small["MERGED_POINTS"]
+    assert {(m, k) for m in ("file", "tensor", "inplace", "merged") for k in small["RANKS"]} <= by_rank
+    assert [f["figure"] for _, f in figures(nb)] == ["timing_threads", "refresh_modes", "merged_buckets",
+                                                     "refresh_rank"]
 
 
 def test_03_how_hotswap_works_runs(kernel_env, tmp_path):

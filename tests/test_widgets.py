@@ -342,14 +342,28 @@ def _refresh_rows():
     parts = {"file": {"snapshot": 1e-3, "stage": 2e-4, "write": 3e-3, "unload": 8e-3, "load": 4e-2},
              "tensor": {"snapshot": 1e-3, "stage": 2e-4, "unload": 8e-3, "load": 3.5e-2},
              "inplace": {"snapshot": 1e-3, "write": 1e-3}, "merged": {"snapshot": 1e-3, "merge": 6e-3, "push": 3e-3}}
-    return [{"mode": m, "bytes": 2**20 if m != "merged" else 10 * 2**20, "parts": p, "total_s": sum(p.values()),
-             **({"first_request_s": 0.01} if m == "tensor" else {})} for m, p in parts.items()]
+    rows = []
+    for m, p in parts.items():
+        total, first = sum(p.values()), 0.01
+        calls = [total * f for f in (0.9, 1.0, 1.1, 3.0)]   # a slow repeat: the spread shows it
+        rows.append({"mode": m, "bytes": 2**20 if m != "merged" else 10 * 2**20, "parts": p, "total_s": total,
+                     "first_request_s": first, "end_to_end_s": total + first, "threads": 1, "rank": 8,
+                     "samples": {"total_s": calls, "first_request_s": [first] * 4,
+                                 "end_to_end_s": [c + first for c in calls]}})
+    return rows
 
 
 def _merged_rows():
     return [{"mode": "merged", "bucket_mb": mb, "buckets": n, "bytes": 10 * 2**20,
-             "parts": {"push": 1e-3 * (5 + 0.2 * n)}, "total_s": 1e-3 * (5 + 0.2 * n)}
-            for mb, n in ((0.01, 42), (0.1, 40), (1, 11), (16, 1))]
+             "parts": {"push": 1e-3 * (5 + 0.2 * n)}, "total_s": 1e-3 * (5 + 0.2 * n),
+             "samples": {"total_s": [1e-3 * (5 + 0.2 * n) * f for f in (0.95, 1.0, 1.05)]}}
+            for mb, n in ((0.01, 42), (0.1, 30), (1, 11), (16, 1))]
+
+
+def _rank_rows():
+    return [{**row, "rank": rank, "bytes": row["bytes"] * (rank if row["mode"] != "merged" else 1),
+             "samples": {"end_to_end_s": [s * (1 + rank / 64) for s in row["samples"]["end_to_end_s"]]}}
+            for rank in (4, 16, 64) for row in _refresh_rows()]
 
 
 def _run_rows(n=6):
@@ -381,7 +395,11 @@ def _figures():
                                                          viz.plot_delta_norm)):
         plot(rows, ax=ax)
     return {"panel": panel, "refresh_modes": viz.refresh_modes_figure(_refresh_rows(), 10.0, "hf engine, CPU"),
-            "merged_buckets": viz.merged_buckets_figure(_merged_rows(), 10.0, "hf engine, CPU"),
+            "merged_buckets": viz.merged_buckets_figure(_merged_rows(), [(0.005, 42), (0.1, 30), (1, 11), (16, 1)],
+                                                        10.0, "hf engine, CPU"),
+            "refresh_rank": viz.refresh_rank_figure(_rank_rows(), "hf engine, CPU"),
+            "timing_threads": viz.thread_probe_figure([{**_refresh_rows()[2], "threads": n} for n in (1, 2)],
+                                                      "hf engine, CPU"),
             "lora_factors": explain.plot_lora_factors(f), "topk": explain.plot_topk(topk).figure,
             "effect": explain.plot_logprob_difference(["Max", " has", "####"], torch.tensor([0.1, -0.5, 2.0])).figure,
             "timeline": explain.plot_refresh_timeline(_refresh_rows()).figure,
@@ -416,8 +434,10 @@ def test_figures_are_readable_and_legends_sit_outside_the_data():
                     for title in (ax.title, ax._left_title):
                         if title.get_text():
                             assert not _overlaps(box, title.get_window_extent(renderer)), f"{name}: legend on title"
-            assert {ax.get_xscale() for ax in figs["refresh_modes"].axes} == {"linear"}
-            assert figs["refresh_modes"].get_label() == "refresh_modes"
+            # the parts compare on a linear axis; the end-to-end spread on a log one, where the floor shows
+            assert [ax.get_xscale() for ax in figs["refresh_modes"].axes] == ["log", "linear"]
+            for name in ("refresh_modes", "merged_buckets", "refresh_rank", "timing_threads"):
+                assert figs[name].get_label() == name
             assert figs["timeline"].get_label() == "refresh_timeline"
             assert figs["run_learned"].get_label() == "run_learned"
             assert figs["broken_refresh"].get_label() == "broken_refresh"
@@ -430,3 +450,33 @@ def test_push_cost_fit_recovers_the_cost_per_push():
     from lorabench.viz import push_cost_fit
     fixed, per_push = push_cost_fit(_merged_rows())
     assert fixed == pytest.approx(5.0) and per_push == pytest.approx(0.2)
+
+
+# --- notebook 02's progress displays -----------------------------------------------------------------
+def test_progress_estimates_the_time_left_and_is_no_library_bar(capsys):
+    from lorabench.widgets import Progress
+    progress = Progress("refresh modes", total=4)
+    shown = capsys.readouterr().out                   # outside a kernel, display() prints the widget's repr
+    assert "refresh modes" in shown and "it/s" not in shown   # notebook_helpers.noise() flags tqdm's "it/s"
+    time.sleep(0.05)
+    progress(1, 4)
+    seconds_so_far, seconds_left = map(float, re.findall(r"(\d+) s", progress.label.value))
+    assert progress.bar.value == 1 and "1 of 4" in progress.label.value and "left" in progress.label.value
+    assert seconds_left == pytest.approx(3 * seconds_so_far, abs=1)   # 3 pieces left at the mean time so far
+    progress(4, 4)
+    assert progress.bar.value == 4 and progress.bar.bar_style == "success" and "done in" in progress.label.value
+
+
+def test_waiting_ticks_while_the_call_runs_and_says_when_it_is_done(capsys):
+    import threading
+
+    import lorabench.widgets as w
+    with w.waiting("starting the engine", about_s=10, tick_s=0.02):
+        time.sleep(0.2)
+        ticker = [t for t in threading.enumerate() if t.name == "lorabench-waiting"]
+        assert len(ticker) == 1 and ticker[0].is_alive()
+    assert not ticker[0].is_alive()                   # the ticker ends with the call
+    assert "starting the engine" in capsys.readouterr().out
+    with pytest.raises(RuntimeError), w.waiting("failing", about_s=1, tick_s=0.02):
+        raise RuntimeError("the call failed")
+    assert not [t for t in threading.enumerate() if t.name == "lorabench-waiting"]
