@@ -27,21 +27,18 @@ def lora_factors(peft_model, module: str = "model.layers.0.self_attn.q_proj", ad
 
 
 def plot_lora_factors(f: dict):
-    """B, A and ΔW = (α/r)·B·A as images (each on its own symmetric colour scale), and W for scale."""
+    """The two factors a LoRA layer learns, B [out, r] and A [r, in], each on its own symmetric
+    colour scale (their product ΔW is drawn by `plot_delta_w`, beside W)."""
     r = f["A"].shape[0]
-    alpha = f["scaling"] * r
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.8), gridspec_kw={"width_ratios": [0.45, 1, 1, 1]},
-                             layout="constrained")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 3.4), gridspec_kw={"width_ratios": [0.45, 1]}, layout="constrained")
     fig.set_label("lora_factors")
-    panels = [(f["B"], f"B {tuple(f['B'].shape)}"), (f["A"], f"A {tuple(f['A'].shape)}"),
-              (f["delta"], f"ΔW = (α/r)·B·A = ({alpha:g}/{r})·B·A"), (f["W"], f"frozen W {tuple(f['W'].shape)}")]
-    for ax, (m, title) in zip(axes, panels):
+    for ax, (m, title) in zip(axes, [(f["B"], f"B {tuple(f['B'].shape)}, its own scale"),
+                                     (f["A"], f"A {tuple(f['A'].shape)}, its own scale")]):
         lim = float(m.abs().max()) or 1.0
         im = ax.imshow(m.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
         ax.set_title(title, loc="left")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    rel = float(f["delta"].norm() / f["W"].norm())
-    fig.suptitle(f"{f['module']}: ΔW has rank ≤ r = {r}; ‖ΔW‖/‖W‖ = {rel:.2g}", x=0.01, ha="left")
+    fig.suptitle(f"{f['module']}: the LoRA factors, rank r = {r}", x=0.01, ha="left")
     return fig
 
 
@@ -197,3 +194,73 @@ def self_check(checks: dict[str, bool]) -> None:
     if failed:
         raise AssertionError(f"self-check failed: {failed}")
     print(f"self-check: all {len(checks)} checks passed")
+
+
+# --- notebook 03: ΔW beside W on one colour scale, and ΔW's singular values ----------------------------
+RANK_TOL = 1e-5   # σ_i / σ_1 below this is float32 rounding of B·A, not a direction ΔW has
+
+
+@torch.no_grad()
+def delta_w_spectrum(f: dict) -> dict:
+    """Singular values of ΔW and W (float64, descending), the rank r, ΔW's numerical rank (σ_i >
+    RANK_TOL·σ_1) and the cliff after r: σ_{r+1}/σ_r, and σ_{r+1}/σ_1."""
+    r = f["A"].shape[0]
+    s_delta = torch.linalg.svdvals(f["delta"].double())
+    s_w = torch.linalg.svdvals(f["W"].double())
+    first = float(s_delta[0]) or 1.0
+    after = float(s_delta[r]) if len(s_delta) > r else 0.0
+    return {"r": r, "delta": s_delta, "W": s_w, "rank": int((s_delta > RANK_TOL * first).sum()),
+            "cliff": after / (float(s_delta[r - 1]) or 1.0), "after_r_vs_first": after / first}
+
+
+def plot_delta_w(f: dict):
+    """W and ΔW on ONE symmetric colour scale (W's), so their sizes compare at a glance, and ΔW again
+    on its own scale, labelled with the magnification."""
+    w_lim = float(f["W"].abs().max()) or 1.0
+    d_lim = float(f["delta"].abs().max()) or w_lim
+    zoom = w_lim / d_lim
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.0), layout="constrained")
+    fig.set_label("delta_w")
+    shared = dict(cmap="RdBu_r", vmin=-w_lim, vmax=w_lim, aspect="auto", interpolation="nearest")
+    axes[0].imshow(f["W"].numpy(), **shared)
+    axes[0].set_title(f"frozen W {tuple(f['W'].shape)}", loc="left")
+    im = axes[1].imshow(f["delta"].numpy(), **shared)
+    axes[1].set_title("ΔW on the same scale as W", loc="left")
+    fig.colorbar(im, ax=axes[:2], fraction=0.03, label=f"shared scale ±{w_lim:.3g}")
+    own = axes[2].imshow(f["delta"].numpy(), **{**shared, "vmin": -d_lim, "vmax": d_lim})
+    axes[2].set_title(f"ΔW magnified ×{zoom:.0f} (own scale)", loc="left", color="#c44e52")
+    fig.colorbar(own, ax=axes[2], fraction=0.046, label=f"own scale ±{d_lim:.2g}")
+    rel = float(f["delta"].norm() / f["W"].norm())
+    fig.suptitle(f"{f['module']}: ΔW = (α/r)·B·A beside W; ‖ΔW‖/‖W‖ = {rel:.2g}", x=0.01, ha="left")
+    return fig
+
+
+def plot_singular_values(spectrum: dict, module: str = ""):
+    """ΔW's and W's singular values on a log axis, with the rank r marked: ΔW's fall off a cliff
+    after index r, W's do not."""
+    r = spectrum["r"]
+    fig, ax = plt.subplots(figsize=(9, 3.8), layout="constrained")
+    fig.set_label("delta_w_singular_values")
+    tiny = torch.finfo(torch.float64).tiny   # a zero singular value has no place on a log axis
+    for key, color, label in (("W", "#999999", "W (frozen)"), ("delta", "#4c72b0", "ΔW")):
+        s = spectrum[key].clamp_min(tiny)
+        ax.plot(range(1, len(s) + 1), s.numpy(), ".-", color=color, ms=4, lw=1, label=label)
+    ax.axvline(r + 0.5, color="#c44e52", ls="--", lw=1, label=f"after index r = {r}")
+    ax.set_yscale("log")
+    ax.set(xlabel="index i (largest first)", ylabel="singular value σ_i")
+    title_with_legend(ax, f"Singular values{f' of {module}' if module else ''}: "
+                          f"σ_{r + 1}/σ_{r} = {spectrum['cliff']:.1g} for ΔW", ncol=3)
+    ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def cliff_sentence(spectrum: dict) -> str:
+    """What the singular values say, from the numbers (Markdown)."""
+    r, rank, s = spectrum["r"], spectrum["rank"], spectrum["delta"]
+    rank_text = (f"ΔW has rank {rank} = r" if rank == r else
+                 f"ΔW has numerical rank {rank}, {'below' if rank < r else 'above'} r = {r}")
+    return (f"σ<sub>{r + 1}</sub>/σ<sub>{r}</sub> = {spectrum['cliff']:.1g}: {rank_text} (counting the singular "
+            f"values above {RANK_TOL:g}·σ<sub>1</sub>; what lies below is float32 rounding of B·A). Its "
+            f"largest is σ<sub>1</sub> = {float(s[0]):.2g}, W's is {float(spectrum['W'][0]):.2g}; W has "
+            f"{int((spectrum['W'] > RANK_TOL * spectrum['W'][0]).sum())} of {len(spectrum['W'])} above the same "
+            f"threshold.")
