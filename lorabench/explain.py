@@ -6,6 +6,10 @@ tensors or rows so they can be redrawn from saved runs.
 """
 from __future__ import annotations
 
+import re
+import time
+from contextlib import contextmanager
+
 import matplotlib.pyplot as plt
 import torch
 
@@ -264,3 +268,107 @@ def cliff_sentence(spectrum: dict) -> str:
             f"largest is σ<sub>1</sub> = {float(s[0]):.2g}, W's is {float(spectrum['W'][0]):.2g}; W has "
             f"{int((spectrum['W'] > RANK_TOL * spectrum['W'][0]).sum())} of {len(spectrum['W'])} above the same "
             f"threshold.")
+
+
+# --- notebook 03: the progress of a long wait -----------------------------------------------------------
+class Progress:
+    """A progress bar for one long wait of a lesson: done / total, the time so far and the time left
+    estimated from the rate so far. It is one display_data output (an HTML <progress> and a text
+    line) redrawn in place by its display id, not a widget: a saved notebook keeps its last state,
+    and it is never a library's tqdm bar (notebook tests refuse those). Outside IPython it prints."""
+
+    def __init__(self, what: str, total: int, unit: str = "step"):
+        self.what, self.total, self.unit = what, max(1, int(total)), unit
+        self.done, self.note, self.t0, self.seconds = 0, "", time.perf_counter(), None
+        self.handle = _show(self._bundle())
+
+    def update(self, done: int, note: str = "") -> None:
+        self.done, self.note = min(int(done), self.total), note
+        self._draw()
+
+    def advance(self, n: int = 1, note: str = "") -> None:
+        self.update(self.done + n, note)
+
+    def finish(self, note: str = "") -> float:
+        """The bar at its end, with the time it took; returns that time in seconds."""
+        self.seconds, self.note = time.perf_counter() - self.t0, note
+        self.done = self.total
+        self._draw()
+        return self.seconds
+
+    def text(self) -> str:
+        elapsed = time.perf_counter() - self.t0 if self.seconds is None else self.seconds
+        head = f"{self.what}: {self.done}/{self.total} {self.unit}s"
+        if self.seconds is not None:
+            when = f"done in {self.seconds:.0f} s"
+        elif self.done:
+            when = f"{elapsed:.0f} s so far, about {elapsed / self.done * (self.total - self.done):.0f} s left"
+        else:
+            when = f"{elapsed:.0f} s so far (an estimate after the first {self.unit})"
+        return f"{head}, {when}{f'; {self.note}' if self.note else ''}"
+
+    def _bundle(self) -> dict:
+        import html
+        return {"text/plain": self.text(),
+                "text/html": f"<progress value='{self.done}' max='{self.total}' style='width:14em'></progress> "
+                             f"<span style='font-family:monospace'>{html.escape(self.text())}</span>"}
+
+    def _draw(self) -> None:
+        _show(self._bundle(), self.handle)
+
+
+def _show(bundle: dict, handle=None):
+    """Show a mime bundle in the notebook, or replace the one `handle` shows; outside IPython,
+    print its text. Returns the handle (None outside IPython)."""
+    from IPython import get_ipython
+    from IPython.display import display
+    if get_ipython() is None:
+        print(bundle["text/plain"])
+        return None
+    if handle is None:
+        return display(bundle, raw=True, display_id=True)
+    handle.update(bundle, raw=True)
+    return handle
+
+
+WARM_START_LINE = re.compile(r"warm-start step (\d+)/(\d+)")
+
+
+def resolve_model_shown(model, warmstart, seed: int) -> tuple[str, bool, float]:
+    """The base model's path from the `model` and `warmstart` sections and run.seed (as
+    session.resolve_model resolves it), with a progress bar when the tiny model must first be built
+    and warm-started (it logs 'warm-start step k/N'); returns (path, built now?, seconds)."""
+    from .models import model_ref, resolve_model_path
+    from .tiny import tiny_cache_path
+    t0 = time.perf_counter()
+    if model_ref(model).kind != "tiny" or (tiny_cache_path(model.cache_dir, warmstart, seed) / "config.json").is_file():
+        return resolve_model_path(model, warmstart, seed, log=lambda *a: None), False, time.perf_counter() - t0
+    bar = Progress("building and warm-starting the tiny model (cached afterwards)", warmstart.steps)
+
+    def log(line, *rest):
+        found = WARM_START_LINE.search(str(line))
+        if found:
+            bar.update(int(found.group(1)))
+    path = resolve_model_path(model, warmstart, seed, log=log)
+    bar.finish()
+    return path, True, time.perf_counter() - t0
+
+
+def train_shown(trainer, steps: int, what: str = "GRPO steps") -> float:
+    """`steps` trainer steps with a progress bar (reward and step time as its note); the seconds taken."""
+    bar = Progress(what, steps)
+    for i in range(steps):
+        t0 = time.perf_counter()
+        m = trainer.step().metrics
+        bar.update(i + 1, f"reward {m['reward/mean']:.2f}, last step {time.perf_counter() - t0:.1f} s")
+    return bar.finish(f"reward of the last step {trainer.history[-1]['reward/mean']:.2f}")
+
+
+@contextmanager
+def shown_wait(what: str, expected: str = ""):
+    """One line for a wait with no steps to count: what it is and how long it is expected to take
+    (as measured), then the time it took. A display_data output like `Progress`, not a widget."""
+    t0 = time.perf_counter()
+    handle = _show({"text/plain": f"{what}…{f' ({expected})' if expected else ''}"})
+    yield
+    _show({"text/plain": f"{what}: done in {time.perf_counter() - t0:.1f} s"}, handle)
