@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -372,3 +373,39 @@ def shown_wait(what: str, expected: str = ""):
     handle = _show({"text/plain": f"{what}…{f' ({expected})' if expected else ''}"})
     yield
     _show({"text/plain": f"{what}: done in {time.perf_counter() - t0:.1f} s"}, handle)
+
+
+# --- notebook 03: the adapter of a trained run, or one trained here ----------------------------------------
+def last_mean(rows: list[dict], key: str = "reward/mean", last: int = 5) -> float:
+    values = [r[key] for r in rows[-last:]]
+    return sum(values) / len(values)
+
+
+def use_trained_run(trainer, found: tuple, run_root: str | Path, steps: int) -> str:
+    """Put the run `found` names (session.reuse.find_trained_run: (TrainedRun or None, passed over))
+    into `trainer`, or, when there is none, train `steps` steps here (a progress bar); and say which
+    happened, in Markdown, from what was found."""
+    from .session.reuse import load_trained_run
+    run, passed = found
+    items = [f"- passed over `{name}`: {why}" for name, why in passed[:5]]
+    items += [f"- and {len(passed) - 5} more passed over"] if len(passed) > 5 else []
+    skipped = "\n\n" + "\n".join(items) if items else ""
+    if run is not None:
+        load_trained_run(trainer, run)
+        writer = (" Another process holds its lock (it may still be training): this is its last checkpoint."
+                  if run.in_use else "")
+        text = (f"**Reused a checkpoint, not trained again:** `{run.dir}` at step {run.step}. The trainer now holds "
+                f"that run's adapter (version {run.step}) and the engine serves it; the run dir was only read "
+                f"(its config, its checkpoint with weights only, its metrics).{writer}{skipped}")
+    else:
+        seconds = train_shown(trainer, steps)
+        text = (f"**Trained here:** no run dir of this experiment with a checkpoint under `{run_root}` (notebook 01 "
+                f"and `lorabench demo` write there), so this kernel trained {steps} GRPO steps in {seconds:.0f} s, "
+                f"writing nothing to disk.{skipped}")
+    rows = trainer.history
+    if rows:
+        k = min(5, len(rows))
+        text += (f"\n\nIts reward: {last_mean(rows[:k]):.2f} over the first {k} steps, {last_mean(rows, last=k):.2f} "
+                 f"over the last {k}; answers ending '#### N': {last_mean(rows[:k], 'reward/strict_format'):.0%} "
+                 f"→ {last_mean(rows, 'reward/strict_format', k):.0%}.")
+    return text
