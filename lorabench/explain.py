@@ -13,6 +13,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.ticker import MaxNLocator
 
 from .adapters import base_param_name
 from .data import prompt_ids
@@ -408,4 +409,129 @@ def use_trained_run(trainer, found: tuple, run_root: str | Path, steps: int) -> 
         text += (f"\n\nIts reward: {last_mean(rows[:k]):.2f} over the first {k} steps, {last_mean(rows, last=k):.2f} "
                  f"over the last {k}; answers ending '#### N': {last_mean(rows[:k], 'reward/strict_format'):.0%} "
                  f"→ {last_mean(rows, 'reward/strict_format', k):.0%}.")
+    return text
+
+
+# --- notebook 03: what a stale adapter does to learning -----------------------------------------------------
+ARMS = ("refreshed", "stale")
+
+
+def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
+    """For each seed, two runs of `steps` GRPO steps from the same start, `make_trainer("refreshed",
+    seed)` (refreshed after every step) and `make_trainer("stale", seed)` (refresh.mode=none), on one
+    engine, each serving an adapter name of its own; then each trainer's held-out greedy reward with
+    its own adapter served (the stale trainer's after one real refresh, with the trainer-vs-engine
+    check before and after it) and, for the stale arm before that refresh, the first adapter's. A
+    progress bar covers all of it."""
+    seeds = list(seeds)
+    out = {"seeds": seeds, "steps": steps, "rows": {a: [] for a in ARMS}, "heldout": {a: [] for a in ARMS},
+           "first_adapter": [], "check": []}
+    bar = Progress("refreshed and stale runs", 2 * steps * len(seeds))
+    for seed in seeds:
+        for arm in ARMS:
+            trainer = make_trainer(arm, seed)
+            try:
+                for _ in range(steps):
+                    reward = trainer.step().metrics["reward/mean"]
+                    bar.advance(note=f"seed {seed}, {arm} run: step {trainer.step_count}, reward {reward:.2f}")
+                out["rows"][arm].append(list(trainer.history))
+                if arm == "stale":
+                    out["first_adapter"].append(trainer.evaluate(greedy=True))   # the engine still serves v0
+                    out["check"].append(refresh_once(trainer))
+                out["heldout"][arm].append(trainer.evaluate(greedy=True))
+            finally:
+                trainer.close()
+                name = trainer.refresher.serving_adapter
+                if name in trainer.engine.loaded_adapters():   # the next arm's name is its own: free this one
+                    trainer.engine.unload_adapter(name)
+    bar.finish()
+    return out
+
+
+def refresh_once(trainer) -> dict:
+    """The stale check: trainer vs engine on the engine's own greedy completions, before and after
+    one real (tensor) refresh of the trainer's adapter; the version the engine served before it."""
+    from .refresh import make_refresher
+    name = trainer.refresher.serving_adapter
+    served = trainer.engine.served_version(name)
+    seqs, plens = rollout_sequences(trainer, 2)
+    before = trainer_vs_engine(trainer, seqs, plens, name)
+    make_refresher("tensor", trainer.engine, name).refresh(trainer.policy.adapter())
+    after = trainer_vs_engine(trainer, seqs, plens, name)
+    return {"served_before": served, "served_after": trainer.engine.served_version(name), "trainer_version":
+            trainer.step_count, "before": before, "after": after}
+
+
+def compare_summary(result: dict, last: int = 5) -> dict:
+    """Per arm and seed, the mean reward of the last `last` steps; per seed, which arm's is higher."""
+    per_seed = {a: [last_mean(rows, last=last) for rows in result["rows"][a]] for a in ARMS}
+    pairs = list(zip(per_seed["refreshed"], per_seed["stale"]))
+    heldout = {a: [e["strict"] for e in result["heldout"][a]] for a in ARMS}
+    return {"last": min(last, result["steps"]), "per_seed": per_seed,
+            "mean": {a: sum(v) / len(v) for a, v in per_seed.items()},
+            "refreshed_higher": sum(r > s for r, s in pairs), "stale_higher": sum(s > r for r, s in pairs),
+            "heldout": {a: sum(v) / len(v) for a, v in heldout.items()},
+            "first_adapter": sum(e["strict"] for e in result["first_adapter"]) / len(result["first_adapter"]),
+            "stale_served": sorted({r["adapter/served_version"] for rows in result["rows"]["stale"] for r in rows})}
+
+
+ARM_COLORS = {"refreshed": "#4c72b0", "stale": "#c44e52"}
+
+
+def plot_refreshed_vs_stale(result: dict):
+    """Reward and trainer-vs-engine mismatch per step, refreshed vs stale: one thin line per seed,
+    the mean over seeds thick."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.0), layout="constrained")
+    fig.set_label("refreshed_vs_stale")
+    floor = 1e-9   # a mismatch of exactly 0 has no place on a log axis
+    for ax, key, transform in ((axes[0], "reward/mean", float), (axes[1], "mismatch/mean", lambda v: max(v, floor))):
+        for arm in ARMS:
+            runs = [[transform(r[key]) for r in rows] for rows in result["rows"][arm]]
+            steps = range(1, result["steps"] + 1)
+            for values in runs:
+                ax.plot(steps, values, "-", color=ARM_COLORS[arm], alpha=0.35, lw=1)
+            mean = [sum(v) / len(v) for v in zip(*runs)]
+            ax.plot(steps, mean, "-", color=ARM_COLORS[arm], lw=2.5,
+                    label=f"{arm}, mean of {len(runs)} seed{'s' if len(runs) > 1 else ''}")
+        ax.plot([], [], "-", color="#777777", alpha=0.5, lw=1, label="one seed")
+        ax.set_xlabel("GRPO step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(bottom=-0.02)   # rewards are >= 0; the top follows the data (a format bonus adds to 1)
+    axes[0].set_ylabel("reward of the step's completions")
+    axes[1].set(ylabel="|trainer − engine| log-prob, mean", yscale="log")
+    title_with_legend(axes[0], "Reward: the engine's rollouts, scored", ncol=2)
+    title_with_legend(axes[1], "Mismatch: does the engine serve the trainer's policy?", ncol=2)
+    return fig
+
+
+def _verdict(won: int, lost: int, n: int) -> str:
+    """Which arm's reward was higher, seed by seed, in words."""
+    if n == 1:
+        return "the refreshed run's was higher" if won else "the stale run's was higher" if lost else "they were equal"
+    if won == n or lost == n:
+        return f"the {'refreshed' if won == n else 'stale'} run's was higher in every seed"
+    ties = n - won - lost
+    return (f"the refreshed run's was higher in {won} of {n} seeds, the stale run's in {lost}"
+            + (f", equal in {ties}" if ties else ""))
+
+
+def compare_sentence(summary: dict, steps: int) -> str:
+    """What the comparison showed, from its numbers (Markdown); true whichever arm came out ahead."""
+    n, k, mean = len(summary["per_seed"]["refreshed"]), summary["last"], summary["mean"]
+    per = {a: ", ".join(f"{v:.2f}" for v in summary["per_seed"][a]) for a in ARMS}
+    verdict = _verdict(summary["refreshed_higher"], summary["stale_higher"], n)
+    text = (f"Over the last {k} of {steps} steps the refreshed runs' reward averaged **{mean['refreshed']:.2f}** "
+            f"(per seed: {per['refreshed']}), the stale runs' **{mean['stale']:.2f}** ({per['stale']}): {verdict}. "
+            f"These are {n} seed{'s' if n > 1 else ''} of {steps} steps on a small model: a difference no larger "
+            f"than the spread between seeds (the thin lines) can be noise.")
+    if summary["stale_served"] == [0]:
+        text += (" The stale engine served adapter version 0 at every step, so the stale reward curve is the "
+                 "first adapter's reward on each step's problems, whatever its trainer learned.")
+    held, first = summary["heldout"], summary["first_adapter"]
+    relation = "above" if held["stale"] > first else "below" if held["stale"] < first else "equal to"
+    text += (f"\n\nHeld-out greedy reward with each trainer's own adapter served (means over the seeds): "
+             f"refreshed **{held['refreshed']:.2f}**; the stale trainer's adapter, after one real refresh, "
+             f"**{held['stale']:.2f}**, {relation} the first adapter's {first:.2f} (what the stale engine served "
+             f"until then).")
     return text
