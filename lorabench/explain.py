@@ -1,5 +1,7 @@
-"""Teaching helpers for notebooks/03_how_hotswap_works: look inside one LoRA layer, compare base and
-adapter-applied predictions, draw a refresh as a timeline, and the check behind each failure mode.
+"""Teaching helpers for notebooks/03_how_hotswap_works: look inside one LoRA layer (its factors, ΔW
+beside W on one colour scale, ΔW's singular values), compare base and adapter-applied predictions,
+draw a refresh as a timeline, the check behind each failure mode, refreshed vs stale runs, and a
+progress bar for the lesson's long waits.
 
 Every number here comes from the real trainer model and the real engine; the plots take plain
 tensors or rows so they can be redrawn from saved runs.

@@ -24,7 +24,7 @@ SMALL_RUN = ["warmstart.steps=40", "warmstart.batch_size=16", "warmstart.lr=1e-2
 SMALL = {
     "01_step_through": {"STEPS": 3, "OVERRIDES": SMALL_RUN},
     "02_refresh_methods": {"RANK": 4, "REPEATS": 2, "MERGED_BUCKETS_MB": [0.1, 1, 16]},
-    "03_how_hotswap_works": {"STEPS": 3, "STALE_STEPS": 3, "OVERRIDES": SMALL_RUN},
+    "03_how_hotswap_works": {"STEPS": 3, "COMPARE_STEPS": 3, "SEEDS": 2, "OVERRIDES": SMALL_RUN},
 }
 
 

@@ -75,7 +75,9 @@ def lab(tmp_path_factory):
     root = tmp / "root"
     root.mkdir()
     for path in NOTEBOOKS:
-        extra = {"01_step_through": {"RUN_ROOT": str(tmp / "runs")}}.get(path.stem, {})
+        # 03 reads the run dir 01 leaves there (only reads it)
+        extra = {"01_step_through": {"RUN_ROOT": str(tmp / "runs")},
+                 "03_how_hotswap_works": {"RUN_ROOT": str(tmp / "runs")}}.get(path.stem, {})
         nbformat.write(parameterized(path, **PARAMETERS[path.stem], **extra), root / path.name)
     lab_settings(tmp / "lab-settings")
     env = {**os.environ, "JUPYTER_PATH": str(write_kernelspec(tmp / "jupyter")),
