@@ -452,16 +452,20 @@ def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
 
 def refresh_once(trainer) -> dict:
     """The stale check: trainer vs engine on the engine's own greedy completions, before and after
-    one real (tensor) refresh of the trainer's adapter; the version the engine served before it."""
+    one real (tensor) refresh of the trainer's adapter; the version the engine served before it; and
+    one group's GRPO loss (one_group_loss) on a held-out problem before and after, same sampling seed."""
     from .refresh import make_refresher
     name = trainer.refresher.serving_adapter
     served = trainer.engine.served_version(name)
     seqs, plens = rollout_sequences(trainer, 2)
+    problem, next_step = trainer.source.eval_set(1)[0], trainer.step_count + 1
     before = trainer_vs_engine(trainer, seqs, plens, name)
+    group_before = one_group_loss(trainer, problem, next_step)
     make_refresher("tensor", trainer.engine, name).refresh(trainer.policy.adapter())
     after = trainer_vs_engine(trainer, seqs, plens, name)
     return {"served_before": served, "served_after": trainer.engine.served_version(name), "trainer_version":
-            trainer.step_count, "before": before, "after": after}
+            trainer.step_count, "before": before, "after": after,
+            "group_before": group_before, "group_after": one_group_loss(trainer, problem, next_step)}
 
 
 def compare_summary(result: dict, last: int = 5) -> dict:
@@ -537,3 +541,81 @@ def compare_sentence(summary: dict, steps: int) -> str:
              f"**{held['stale']:.2f}**, {relation} the first adapter's {first:.2f} (what the stale engine served "
              f"until then).")
     return text
+
+
+# --- notebook 03: one group's advantages and clipped loss, and what a stale engine hides from it ---------
+@torch.no_grad()
+def one_group_loss(trainer, problem, step: int) -> dict:
+    """One group of G completions for `problem`, sampled by the engine with the adapter the trainer's
+    refresher serves (whatever version that is), then scored and turned into GRPO's advantages and
+    clipped loss with the package's own functions (rollout.sample, score, collate: group_advantages;
+    loss.token_logprobs, grpo_loss), twice: with π_old = the trainer's own log-probs, as Policy.train
+    takes it, and with π_old = the log-probs of the policy that sampled the tokens (the engine's)."""
+    from .loss import grpo_loss, token_logprobs
+    from .rollout import collate, sample, score
+    g, name = trainer.settings, trainer.refresher.serving_adapter
+    rollouts = sample(trainer.engine, trainer.tokenizer, [problem], g.group_size, trainer.sampling(step), name,
+                      trainer.enable_thinking)
+    rewards, _ = score(rollouts, trainer.rewards)
+    batch = collate(rollouts, rewards, trainer.tokenizer.pad_token_id).to(trainer.device)
+    with trainer.policy.compute():
+        logp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, g.temperature).float()
+    mask = batch.completion_mask                                                 # [G, L-1]
+    own_loss, own = grpo_loss(logp, logp, batch.advantages, mask, g.clip_eps)    # what the trainer computes
+    sampler_loss, sampler = grpo_loss(logp, batch.engine_logprobs, batch.advantages, mask, g.clip_eps)
+    ratio = torch.exp(logp - batch.engine_logprobs)[mask.bool()].cpu()          # [tokens] π_θ / π_sampler
+    return {"served_version": rollouts.served_version, "trainer_version": trainer.step_count,
+            "clip_eps": g.clip_eps, "rewards": batch.rewards.cpu(), "advantages": batch.advantages.cpu(),
+            "tokens": mask.sum(1).int().cpu(), "shapes": {"input_ids": tuple(batch.input_ids.shape),
+                                                          "logp": tuple(logp.shape), "advantages":
+                                                          tuple(batch.advantages.shape)},
+            "texts": rollouts.texts, "ratio": ratio,
+            "own": {"loss": own_loss.item(), **own}, "sampler": {"loss": sampler_loss.item(), **sampler}}
+
+
+def group_table(group: dict, width: int = 60):
+    """The group as rows: each completion's reward, advantage (r − mean) / std and tokens, and the
+    mean ratio π_θ / π_sampler over its tokens."""
+    import pandas as pd
+    mask_lengths = group["tokens"].tolist()
+    ratios, start = [], 0
+    for n in mask_lengths:
+        part = group["ratio"][start:start + n]
+        ratios.append(float(part.mean()) if n else float("nan"))
+        start += n
+    return pd.DataFrame({"completion": [t.strip().replace("\n", " ⏎ ")[:width] for t in group["texts"]],
+                         "reward r": group["rewards"].tolist(),
+                         "advantage (r − mean)/std": group["advantages"].tolist(),
+                         "tokens": mask_lengths, "mean π_θ/π_sampler": ratios})
+
+
+def group_loss_table(groups: dict):
+    """Per group (e.g. {"stale engine": g, "after one refresh": g2}): the loss and the share of tokens
+    whose ratio lies outside 1 ± ε (grpo_loss's clip_fraction), with π_old = the trainer's own log-probs
+    (what it computes) and with π_old = the policy that sampled the tokens."""
+    import pandas as pd
+    rows = {}
+    for label, g in groups.items():
+        lo, hi = float(g["ratio"].min()), float(g["ratio"].max())
+        rows[f"{label}: engine served v{g['served_version']}, trainer at v{g['trainer_version']}"] = {
+            "loss, π_old = trainer": g["own"]["loss"], "outside 1 ± ε, π_old = trainer": g["own"]["clip_fraction"],
+            "loss, π_old = sampler": g["sampler"]["loss"],
+            "outside 1 ± ε, π_old = sampler": g["sampler"]["clip_fraction"],
+            "π_θ/π_sampler min": lo, "π_θ/π_sampler max": hi}
+    return pd.DataFrame(rows).T
+
+
+def group_loss_sentence(stale: dict, fresh: dict) -> str:
+    """What the two groups show, from their numbers (Markdown)."""
+    eps = stale["clip_eps"]
+
+    def outside(g):
+        return f"{g['sampler']['clip_fraction']:.0%}"
+    return (f"With π_old = its own log-probs (as `Policy.train` takes it) the ratio is exactly 1: "
+            f"{stale['own']['clip_fraction']:.0%} of the stale engine's tokens lie outside 1 ± {eps:g}, and "
+            f"{fresh['own']['clip_fraction']:.0%} after the refresh. The loss cannot see who sampled them. Measured "
+            f"against the policy that did sample them, the stale engine's tokens have ratios "
+            f"from {float(stale['ratio'].min()):.2f} to {float(stale['ratio'].max()):.2f}, and {outside(stale)} of "
+            f"them lie outside 1 ± {eps:g}; after one refresh {float(fresh['ratio'].min()):.3f} to "
+            f"{float(fresh['ratio'].max()):.3f}, {outside(fresh)} outside. The stale trainer takes each step as if "
+            f"its rollouts were its own; only the mismatch check (`mismatch/*`) tells them apart.")

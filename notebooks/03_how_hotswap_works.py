@@ -135,6 +135,24 @@ pd.Series(explain.lora_layer_facts(trainer.model, f)).to_frame(LAYER)
 # ΔW is a change to W of the size the table's ‖ΔW‖ / ‖W‖ gives, with at most r directions. A's rows
 # are the r directions the layer reads from its input; B's columns, the directions it writes.
 #
+# **Exercise.** Every adapted layer has its own ΔW. Before you run the next cell, predict: in the
+# MLP's `down_proj` of the last layer, will ΔW still have rank r, and will its ‖ΔW‖ / ‖W‖ be larger
+# or smaller than here? Then try other layers (`print([n for n, _ in trainer.model.named_modules()
+# if n.endswith("lora_A")])` lists them), or put `"lora.r=4"` in `OVERRIDES` and Run All: the
+# cliff moves to index 4 (a different experiment, so the lesson trains its own adapter). Layer names
+# run from `model.layers.0` to `model.layers.{L-1}` (L = `trainer.model.config.num_hidden_layers`),
+# each with `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj`.
+
+# %%
+OTHER_LAYER = f"model.layers.{trainer.model.config.num_hidden_layers - 1}.mlp.down_proj"   # change me
+other = explain.lora_factors(trainer.model, OTHER_LAYER)
+other_spectrum = explain.delta_w_spectrum(other)
+print(f"{OTHER_LAYER}: ‖ΔW‖ / ‖W‖ = {float(other['delta'].norm() / other['W'].norm()):.2g} "
+      f"(here {float(f['delta'].norm() / f['W'].norm()):.2g} in {LAYER})")
+display(Markdown(explain.cliff_sentence(other_spectrum)))
+
+# %% [markdown]
+#
 # ## 2. What the adapter changed in the predictions
 # One held-out problem the run never trained on, and its reference answer:
 
@@ -166,14 +184,15 @@ tokens = explain.token_labels(tok, sequence[len(prompt):])
 ax = explain.plot_logprob_difference(tokens, diff)
 largest = explain.top_effects(tokens, diff, k=3)
 print("largest effects: " + ", ".join(f"{t!r} at position {i} ({d:+.2f} nats)" for i, t, d in largest))
+print("'####' is " + ("" if any("####" in t for _, t, _ in largest) else "not ") + "among them in this run")
 
 # %% [markdown]
 # How to read it. A bar is large only where the two models disagree about a token. Most tokens
 # of the reasoning copy the question (names, the item: "eggs", "left") and are near-certain for
-# both models: small bars. After the demo's 30 steps the largest bar is usually `####` (the line
-# above names this run's largest): the warm-start taught other endings for 90% of its answers
-# ("The answer is N.", "= N", the bare number), so the base model gives `####` little probability
-# there, and the strict reward pays only for `#### N`. The top-k plot above shows the same
+# both models: small bars. Where `####` is among the largest bars (the lines above say whether it
+# is in this run), that is the format the strict reward pays for: the warm-start taught other endings
+# for 90% of its answers ("The answer is N.", "= N", the bare number), so the base model gives `####`
+# little probability there, and the GRPO steps raised it. The top-k plot above shows the same
 # position. The number after `####` repeats the result of the reasoning, so both models agree on it
 # again. The remaining bars are arithmetic: where the base model is unsure of a result (the number
 # after "="), the update also moved that choice, and not always towards the right number. A bar
@@ -304,6 +323,28 @@ pd.DataFrame({f"seed {seed}: engine at v{c['served_before']}, trainer at v{c['tr
               for seed, c in zip(comparison["seeds"], comparison["check"])}).transpose()
 
 # %% [markdown]
+# ### Why the trainer does not notice: one group's GRPO loss
+# What a step computes from one group of G completions of one prompt, with the package's own
+# functions (`rollout.score`, `rollout.collate`, `loss.token_logprobs`, `loss.grpo_loss`):
+# - each completion's reward r<sub>i</sub>, and its advantage A<sub>i</sub> = (r<sub>i</sub> − mean r) /
+#   (std r + 10<sup>−4</sup>) within the group: above the group's mean pushes up, below pushes down, and a
+#   group whose rewards are all equal has every A<sub>i</sub> = 0 and teaches nothing;
+# - per token t, the ratio ρ = π<sub>θ</sub>(t) / π<sub>old</sub>(t) and the clipped objective
+#   −min(ρ·A, clip(ρ, 1 − ε, 1 + ε)·A), averaged over each completion's tokens, then over the group.
+#
+# The first stale run's trainer (seed 0), on a held-out problem, while its engine still served the
+# first adapter (before the refresh above), and the same problem and sampling seed right after it:
+
+# %%
+stale_group, fresh_group = comparison["check"][0]["group_before"], comparison["check"][0]["group_after"]
+print(", ".join(f"{k} {v}" for k, v in stale_group["shapes"].items()), "(G completions; L tokens, padded)")
+explain.group_table(stale_group)
+
+# %%
+display(explain.group_loss_table({"stale engine": stale_group, "after one refresh": fresh_group}))
+display(Markdown(explain.group_loss_sentence(stale_group, fresh_group)))
+
+# %% [markdown]
 # | failure | what you see without a check | the check |
 # |---|---|---|
 # | request without the adapter's name | nothing: the base model answers, the run does not learn | trainer-vs-engine log-prob mismatch on the rollouts (`mismatch/*`, every step); the adapter's effect on a fixed probe (`probe/adapter_gap`) |
@@ -325,7 +366,7 @@ print(f"This Run All took {time.perf_counter() - STARTED:.0f} s in this kernel (
 # %% tags=["self-check"] jupyter={"source_hidden": true}
 facts = explain.lora_layer_facts(trainer.model, f)
 noise_limit = 1e-4 if ENGINE == "hf" else 0.05   # |Δ log-prob| mean: float32 ~1e-7, SGLang's bf16 ~3e-3
-k = summary["last"]
+k, r = summary["last"], stale_group["rewards"]
 recomputed = {arm: sum(explain.last_mean(rows, last=k) for rows in comparison["rows"][arm]) / SEEDS
               for arm in explain.ARMS}
 used = (f"the trainer holds the checkpoint's adapter (step {run.step}), and the run dir was only read",
@@ -353,4 +394,10 @@ explain.self_check({
     "each stale engine is behind, and one refresh fixes it": all(
         c["before"]["p99"] > 2 * c["after"]["p99"] and c["after"]["mean"] < noise_limit for c in comparison["check"]),
     "the sentence under the curves quotes their means": all(f"**{v:.2f}**" in sentence for v in recomputed.values()),
+    "the group's advantages are (r − mean r) / (std r + 1e-4), as the formula above says": torch.allclose(
+        stale_group["advantages"], (r - r.mean()) / (r.std(unbiased=False) + 1e-4), atol=1e-5),
+    "with π_old = its own log-probs, the trainer's ratio is 1 (no token outside 1 ± ε)":
+        stale_group["own"]["clip_fraction"] == 0 == fresh_group["own"]["clip_fraction"],
+    "against the policy that sampled them, the stale engine's tokens are further from ratio 1 than after a refresh":
+        float((stale_group["ratio"] - 1).abs().max()) > float((fresh_group["ratio"] - 1).abs().max()),
 })
