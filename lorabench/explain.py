@@ -472,13 +472,32 @@ def compare_summary(result: dict, last: int = 5) -> dict:
     """Per arm and seed, the mean reward of the last `last` steps; per seed, which arm's is higher."""
     per_seed = {a: [last_mean(rows, last=last) for rows in result["rows"][a]] for a in ARMS}
     pairs = list(zip(per_seed["refreshed"], per_seed["stale"]))
-    heldout = {a: [e["strict"] for e in result["heldout"][a]] for a in ARMS}
     return {"last": min(last, result["steps"]), "per_seed": per_seed,
             "mean": {a: sum(v) / len(v) for a, v in per_seed.items()},
             "refreshed_higher": sum(r > s for r, s in pairs), "stale_higher": sum(s > r for r, s in pairs),
-            "heldout": {a: sum(v) / len(v) for a, v in heldout.items()},
-            "first_adapter": sum(e["strict"] for e in result["first_adapter"]) / len(result["first_adapter"]),
+            "heldout": {a: heldout_means(result["heldout"][a]) for a in ARMS},
+            "first_adapter": heldout_means(result["first_adapter"]),
             "stale_served": sorted({r["adapter/served_version"] for rows in result["rows"]["stale"] for r in rows})}
+
+
+HELDOUT_MEASURES = {"format": "answers ending '#### N'", "flexible": "last number right, any format",
+                    "strict": "right and ending '#### N' (the strict reward)"}
+
+
+def heldout_means(evaluations: list[dict]) -> dict[str, float]:
+    """The mean over seeds of each held-out measure of GRPOTrainer.evaluate."""
+    return {k: sum(e[k] for e in evaluations) / len(evaluations) for k in HELDOUT_MEASURES}
+
+
+def heldout_table(summary: dict):
+    """Held-out greedy measures (means over seeds) of the first adapter (what the stale engine served),
+    the refreshed trainer's adapter and the stale trainer's (after one real refresh)."""
+    import pandas as pd
+    columns = {"first adapter (the stale engine's)": summary["first_adapter"],
+               "refreshed trainer": summary["heldout"]["refreshed"],
+               "stale trainer, after one refresh": summary["heldout"]["stale"]}
+    table = pd.DataFrame({c: {HELDOUT_MEASURES[k]: v[k] for k in HELDOUT_MEASURES} for c, v in columns.items()})
+    return table.style.format("{:.0%}")
 
 
 ARM_COLORS = {"refreshed": "#4c72b0", "stale": "#c44e52"}
@@ -534,13 +553,25 @@ def compare_sentence(summary: dict, steps: int) -> str:
     if summary["stale_served"] == [0]:
         text += (" The stale engine served adapter version 0 at every step, so the stale reward curve is the "
                  "first adapter's reward on each step's problems, whatever its trainer learned.")
-    held, first = summary["heldout"], summary["first_adapter"]
-    relation = "above" if held["stale"] > first else "below" if held["stale"] < first else "equal to"
-    text += (f"\n\nHeld-out greedy reward with each trainer's own adapter served (means over the seeds): "
-             f"refreshed **{held['refreshed']:.2f}**; the stale trainer's adapter, after one real refresh, "
-             f"**{held['stale']:.2f}**, {relation} the first adapter's {first:.2f} (what the stale engine served "
-             f"until then).")
     return text
+
+
+def heldout_sentence(summary: dict) -> str:
+    """How each trainer's adapter compares with the first one on held-out problems, measure by measure,
+    from the numbers (Markdown)."""
+    first, parts = summary["first_adapter"], []
+    for k, what in HELDOUT_MEASURES.items():
+        values = {arm: summary["heldout"][arm][k] for arm in ARMS}
+        moved = [f"the {arm} trainer's {v:.0%} ({_relation(v, first[k])})" for arm, v in values.items()]
+        parts.append(f"{what}: the first adapter {first[k]:.0%}, {', '.join(moved)}")
+    return ("Held-out, greedy (means over the seeds), " + "; ".join(parts) + ". The stale trainer learned from "
+            "the first adapter's rollouts only; what its own adapter does shows once it is served.")
+
+
+def _relation(value: float, reference: float) -> str:
+    """Higher, lower or the same, as the percentages shown (whole per cent) compare."""
+    shown, ref = round(100 * value), round(100 * reference)
+    return "higher" if shown > ref else "lower" if shown < ref else "the same"
 
 
 # --- notebook 03: one group's advantages and clipped loss, and what a stale engine hides from it ---------

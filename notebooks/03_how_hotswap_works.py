@@ -16,16 +16,18 @@
 #
 # **What it shows.** The adapter of a short GRPO run on the model of `lorabench demo` (30 steps of 8
 # problems × 8 completions), taken from the checkpoint notebook 01 or `lorabench demo` left in `../runs`
-# (only read; trained here when there is none), and a look inside: what an adapter is (ΔW = (α/r)·B·A
-# on one layer, beside W on one colour scale, and its singular values: rank r), what it changed in
-# the model's predictions (next-token probabilities with and without it, and its effect on each
-# token of a reference answer, scored by the engine), what a refresh does over time (its parts on a
+# (only read; trained here, with a progress bar, when there is none; the first output says which),
+# and a look inside: what an adapter is (ΔW = (α/r)·B·A on one layer, beside W on one colour scale,
+# and its singular values: rank r; then an exercise on another layer), what it changed in the
+# model's predictions (next-token probabilities with and without it, and its effect on each token
+# of a reference answer, scored by the engine), what a refresh does over time (its parts on a
 # timeline), and three failure modes of real integrations, reproduced safely, each with the check
 # that catches it:
 # 1. a request without the adapter's name silently runs the base model;
 # 2. `'all-linear'` passed through `list()` becomes characters;
 # 3. a stale adapter after a training step: refreshed and stale runs from the same start, side by
-#    side, and what staleness does to the reward.
+#    side (reward and mismatch per step, then held-out), and one group's GRPO advantages and clipped
+#    loss, which cannot tell who sampled the rollouts.
 #
 # **How long.** CPU GPU placeholder
 
@@ -310,6 +312,16 @@ sentence = explain.compare_sentence(summary, COMPARE_STEPS)
 display(Markdown(sentence))
 
 # %% [markdown]
+# The reward curves show what each engine served. What each trainer learned shows on held-out
+# problems the runs never trained on, with its own adapter served (the stale trainer's after one real
+# refresh), beside the first adapter that the stale engine kept serving:
+
+# %%
+held, held_text = explain.heldout_table(summary), explain.heldout_sentence(summary)
+display(held)
+display(Markdown(held_text))
+
+# %% [markdown]
 # **The check:** the same trainer-vs-engine comparison, on each stale run's last state: the engine
 # still serves the first adapter while the trainer is `COMPARE_STEPS` updates further. One real
 # refresh puts it back in step.
@@ -394,6 +406,7 @@ explain.self_check({
     "each stale engine is behind, and one refresh fixes it": all(
         c["before"]["p99"] > 2 * c["after"]["p99"] and c["after"]["mean"] < noise_limit for c in comparison["check"]),
     "the sentence under the curves quotes their means": all(f"**{v:.2f}**" in sentence for v in recomputed.values()),
+    "the held-out sentence quotes its table": all(f"{v:.0%}" in held_text for v in held.data.to_numpy().ravel()),
     "the group's advantages are (r − mean r) / (std r + 1e-4), as the formula above says": torch.allclose(
         stale_group["advantages"], (r - r.mean()) / (r.std(unbiased=False) + 1e-4), atol=1e-5),
     "with π_old = its own log-probs, the trainer's ratio is 1 (no token outside 1 ± ε)":

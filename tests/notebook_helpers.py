@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -68,16 +69,25 @@ def code_outputs(nb):
     return [(i, o) for i, c in enumerate(nb.cells) if c.cell_type == "code" for o in c.get("outputs", [])]
 
 
+# a tqdm bar as text, wherever it is written: " 40%|████      | 4/10 [00:01<00:02,  2.50it/s]"
+TQDM_TEXT = re.compile(r"\d+%\|[^|\n]*\|\s*\d+(\.\d+)?[kMG]?/\d+(\.\d+)?[kMG]?\s*\[")
+
+
 def noise(nb) -> list[str]:
     """What a lesson must not show: stderr text (warnings, logs) and library progress bars (tqdm's
-    widgets, or its text bars on stderr)."""
+    widgets, or its text bars, on stderr or printed anywhere else). A lesson's own progress display
+    (explain.Progress: an HTML <progress> and a line "what: done/total steps, time left") is neither."""
     found = []
     for i, out in code_outputs(nb):
         if out.get("output_type") == "stream" and out.get("name") == "stderr":
             found.append(f"cell {i} stderr: {out['text'][:300]!r}")
-        text = str(out.get("data", {}).get("text/plain", ""))
-        if "application/vnd.jupyter.widget-view+json" in out.get("data", {}) and "it/s" in text + str(out):
+        data = out.get("data", {})
+        text = str(data.get("text/plain", ""))
+        if "application/vnd.jupyter.widget-view+json" in data and "it/s" in text + str(out):
             found.append(f"cell {i}: a progress bar widget")
+        shown = str(out.get("text", "")) + text + str(data.get("text/html", ""))
+        if TQDM_TEXT.search(shown):
+            found.append(f"cell {i}: a tqdm text bar: {TQDM_TEXT.search(shown).group(0)!r}")
     return found
 
 

@@ -266,6 +266,19 @@ def step_through(page, lab) -> dict:
     return {"steps": [r["step"] for r in rows], "expected": list(range(1, steps + 2))}
 
 
+def save_executed(page, lab, name: str):
+    """The notebook as the browser ran it, saved by JupyterLab (Ctrl+S) over its copy in the lab's root
+    dir: its outputs record what this run showed (the numbers its sentences quote)."""
+    path = lab["tmp"] / "root" / name
+    page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})   # the keystroke goes to the notebook
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 60
+    while not any(c.get("outputs") for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"):
+        assert time.monotonic() < deadline, f"JupyterLab did not save {name} within 60 s"
+        time.sleep(0.5)
+    return path
+
+
 def test_server_listens_on_loopback_with_a_token(lab):
     assert listening_addresses(lab["pid"]) == {"127.0.0.1"}, "the server must listen on loopback only"
     with pytest.raises(urllib.error.HTTPError):   # no token, no access
@@ -283,6 +296,7 @@ def test_notebook_in_chromium(lab, browser, path):
             run_menu(page, "Run All Cells")
             wait_for_self_check(page)
         assert visible_problems(page) == []
+        print(f"{path.name} as it ran: {save_executed(page, lab, path.name)}")
         shots = lab["tmp"] / "shots"
         shots.mkdir(exist_ok=True)
         shown = check_figures(page, path.stem, shots)
