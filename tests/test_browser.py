@@ -8,7 +8,8 @@ figure's PNG its smallest text in pixels at the PNG's own size (figure_text_size
 width the browser gave it.
 Each figure is saved as a screenshot. With LORABENCH_RECORD=1 the notebooks run at their learner
 defaults instead (what a learner sees; ~4 minutes on 2 cores with the tiny model cached) and the
-screenshots are copied to benchmarks/results/browser_<notebook>_<figure>.png.
+screenshots are copied to benchmarks/results/browser_<notebook>_<figure>.png. Each notebook is saved by
+JupyterLab once it ran (its outputs: what the run showed); LB_BROWSER_KEEP_DIR=DIR keeps a copy there.
 The server and its kernels are shut down in the fixture's teardown."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import base64
 import io
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -267,13 +269,18 @@ def step_through(page, lab) -> dict:
 
 
 def save_executed(page, lab, name: str):
-    """The notebook as the browser ran it, saved by JupyterLab (Ctrl+S) over its copy in the lab's root
-    dir: its outputs record what this run showed (the numbers its sentences quote)."""
+    """The notebook as the browser ran it, saved by JupyterLab (File > Save Notebook) over its copy in
+    the lab's root dir, once its last code cell (the self-check) has outputs there: what this run
+    showed, the numbers its sentences quote included."""
     path = lab["tmp"] / "root" / name
-    page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})   # the keystroke goes to the notebook
-    page.keyboard.press("Control+s")
+
+    def last_cell_saved() -> bool:
+        code = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+        return bool(code and code[-1].get("outputs"))
+    page.locator(".lm-MenuBar-itemLabel", has_text="File").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save Notebook$")).first.click()
     deadline = time.monotonic() + 60
-    while not any(c.get("outputs") for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"):
+    while not last_cell_saved():
         assert time.monotonic() < deadline, f"JupyterLab did not save {name} within 60 s"
         time.sleep(0.5)
     return path
@@ -296,7 +303,9 @@ def test_notebook_in_chromium(lab, browser, path):
             run_menu(page, "Run All Cells")
             wait_for_self_check(page)
         assert visible_problems(page) == []
-        print(f"{path.name} as it ran: {save_executed(page, lab, path.name)}")
+        executed = save_executed(page, lab, path.name)
+        if os.environ.get("LB_BROWSER_KEEP_DIR"):   # a copy of what this run showed, kept past pytest's tmp dirs
+            shutil.copyfile(executed, os.path.join(os.environ["LB_BROWSER_KEEP_DIR"], path.name))
         shots = lab["tmp"] / "shots"
         shots.mkdir(exist_ok=True)
         shown = check_figures(page, path.stem, shots)
