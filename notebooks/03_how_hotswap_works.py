@@ -29,7 +29,16 @@
 #    side (reward and mismatch per step, then held-out), and one group's GRPO advantages and clipped
 #    loss, which cannot tell who sampled the rollouts.
 #
-# **How long.** CPU GPU placeholder
+# **How long.** Run All on a 2-core CPU at these defaults (hf engine, 1 torch thread, the tiny model
+# cached), each time with the load average (`os.getloadavg()`) it ran at. Quiet (load 1.7-1.8):
+# **121 s** when `RUN_ROOT` holds notebook 01's or the demo's run dir, **192 s** when it does not
+# (then 30 GRPO steps are trained here first, 67 s of it). Loaded (a CPU-bound job beside it, as in
+# the browser test, with the machine's other jobs: load 4-6): 260 s and 397 s, training here.
+# Section 4.3's 48 steps take 114-120 s of it quiet, 168-248 s loaded. The first time ever,
+# building and warm-starting the tiny model comes first (a progress bar counts its steps; cached
+# afterwards). On a GPU (one H200, `ENGINE = "sglang"`): not yet measured for this version, whose
+# section 4.3 trains 48 steps more than before; starting the engine takes about 35 s. The last code
+# cell prints this Run All's own time and load average.
 
 # %%
 # setup
