@@ -63,7 +63,9 @@ def parameters(out: Path) -> dict[str, callable]:
                                "MERGED_POINTS": 7,
                                "SAVE_TO": str(out / "refresh_notebook02_sglang.json"),
                                "OVERRIDES": [*ENGINE_ARGS, "model.dtype=bfloat16"]},
-        "03_how_hotswap_works": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "OVERRIDES": ENGINE_ARGS},
+        # 03 looks into the adapter of 01's run dir (only reads it; it trains its own when 01 did not run)
+        "03_how_hotswap_works": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(out / "runs"),
+                                         "OVERRIDES": ENGINE_ARGS},
     }
 
 

@@ -25,7 +25,7 @@ SMALL_RUN = ["warmstart.steps=40", "warmstart.batch_size=16", "warmstart.lr=1e-2
 SMALL = {
     "01_step_through": {"STEPS": 3, "BREAK_STEPS": 3, "OVERRIDES": SMALL_RUN},
     "02_refresh_methods": {"RANK": 4, "REPEATS": 2, "MERGED_POINTS": 3, "RANKS": [4, 16]},
-    "03_how_hotswap_works": {"STEPS": 3, "STALE_STEPS": 3, "OVERRIDES": SMALL_RUN},
+    "03_how_hotswap_works": {"STEPS": 3, "COMPARE_STEPS": 3, "SEEDS": 2, "OVERRIDES": SMALL_RUN},
 }
 
 
@@ -73,18 +73,25 @@ def code_outputs(nb):
 # [00:02<00:03, 1.9it/s]'), or its container's repr. A lesson's own display of a long wait
 # (lorabench.widgets.WaitProgress) shows 'lorabench progress: <what>' there, which matches none of these.
 LIBRARY_BAR = re.compile(r"it/s|s/it|\d+%\||TqdmHBox")
+# a tqdm bar as text, wherever it is written: " 40%|████      | 4/10 [00:01<00:02,  2.50it/s]"
+TQDM_TEXT = re.compile(r"\d+%\|[^|\n]*\|\s*\d+(\.\d+)?[kMG]?/\d+(\.\d+)?[kMG]?\s*\[")
 
 
 def noise(nb) -> list[str]:
     """What a lesson must not show: stderr text (warnings, logs) and library progress bars (tqdm's
-    widgets, or its text bars on stderr)."""
+    widgets, or its text bars, on stderr or printed anywhere else). A lesson's own progress display
+    (explain.Progress: an HTML <progress> and a line "what: done/total steps, time left") is neither."""
     found = []
     for i, out in code_outputs(nb):
         if out.get("output_type") == "stream" and out.get("name") == "stderr":
             found.append(f"cell {i} stderr: {out['text'][:300]!r}")
-        text = str(out.get("data", {}).get("text/plain", ""))
-        if "application/vnd.jupyter.widget-view+json" in out.get("data", {}) and LIBRARY_BAR.search(text):
+        data = out.get("data", {})
+        text = str(data.get("text/plain", ""))
+        if "application/vnd.jupyter.widget-view+json" in data and LIBRARY_BAR.search(text):
             found.append(f"cell {i}: a progress bar widget ({text[:80]!r})")
+        shown = str(out.get("text", "")) + text + str(data.get("text/html", ""))
+        if TQDM_TEXT.search(shown):
+            found.append(f"cell {i}: a tqdm text bar: {TQDM_TEXT.search(shown).group(0)!r}")
     return found
 
 

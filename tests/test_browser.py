@@ -9,7 +9,8 @@ figure's PNG its smallest text in pixels at the PNG's own size (figure_text_size
 width the browser gave it.
 Each figure is saved as a screenshot. With LORABENCH_RECORD=1 the notebooks run at their learner
 defaults instead (what a learner sees; ~4 minutes on 2 cores with the tiny model cached) and the
-screenshots are copied to benchmarks/results/browser_<notebook>_<figure>.png.
+screenshots are copied to benchmarks/results/browser_<notebook>_<figure>.png. Each notebook is saved by
+JupyterLab once it ran (its outputs: what the run showed); LB_BROWSER_KEEP_DIR=DIR keeps a copy there.
 The markdown outputs each notebook rendered (sentences a lesson computes from its run) are printed.
 The server and its kernels are shut down in the fixture's teardown."""
 from __future__ import annotations
@@ -79,7 +80,9 @@ def lab(tmp_path_factory):
     root = tmp / "root"
     root.mkdir()
     for path in NOTEBOOKS:
-        extra = {"01_step_through": {"RUN_ROOT": str(tmp / "runs")}}.get(path.stem, {})
+        # 03 reads the run dir 01 leaves there (only reads it)
+        extra = {"01_step_through": {"RUN_ROOT": str(tmp / "runs")},
+                 "03_how_hotswap_works": {"RUN_ROOT": str(tmp / "runs")}}.get(path.stem, {})
         nbformat.write(parameterized(path, **PARAMETERS[path.stem], **extra), root / path.name)
     lab_settings(tmp / "lab-settings")
     env = {**os.environ, "JUPYTER_PATH": str(write_kernelspec(tmp / "jupyter")),
@@ -272,6 +275,24 @@ def step_through(page, lab) -> dict:
     return {"steps": [r["step"] for r in rows], "expected": list(range(1, steps + 2 + ran))}
 
 
+def save_executed(page, lab, name: str):
+    """The notebook as the browser ran it, saved by JupyterLab (File > Save Notebook) over its copy in
+    the lab's root dir, once its last code cell (the self-check) has outputs there: what this run
+    showed, the numbers its sentences quote included."""
+    path = lab["tmp"] / "root" / name
+
+    def last_cell_saved() -> bool:
+        code = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+        return bool(code and code[-1].get("outputs"))
+    page.locator(".lm-MenuBar-itemLabel", has_text="File").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save Notebook$")).first.click()
+    deadline = time.monotonic() + 60
+    while not last_cell_saved():
+        assert time.monotonic() < deadline, f"JupyterLab did not save {name} within 60 s"
+        time.sleep(0.5)
+    return path
+
+
 def test_server_listens_on_loopback_with_a_token(lab):
     assert listening_addresses(lab["pid"]) == {"127.0.0.1"}, "the server must listen on loopback only"
     with pytest.raises(urllib.error.HTTPError):   # no token, no access
@@ -289,6 +310,9 @@ def test_notebook_in_chromium(lab, browser, path):
             run_menu(page, "Run All Cells")
             wait_for_self_check(page)
         assert visible_problems(page) == []
+        executed = save_executed(page, lab, path.name)
+        if os.environ.get("LB_BROWSER_KEEP_DIR"):   # a copy of what this run showed, kept past pytest's tmp dirs
+            shutil.copyfile(executed, os.path.join(os.environ["LB_BROWSER_KEEP_DIR"], path.name))
         shots = lab["tmp"] / "shots"
         shots.mkdir(exist_ok=True)
         shown = check_figures(page, path.stem, shots)

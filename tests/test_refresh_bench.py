@@ -139,7 +139,7 @@ def test_lora_factors_are_the_merged_delta(make_peft_model):
     assert torch.allclose(f["W"] + f["delta"], merged, atol=1e-6)
     assert f["scaling"] == 2.0 and torch.linalg.matrix_rank(f["delta"]) <= f["A"].shape[0]
     fig = explain.plot_lora_factors(f)
-    assert len(fig.axes) == 8   # four images and their colour bars
+    assert len(fig.axes) == 4   # B and A and their colour bars
     plt.close(fig)
 
 

@@ -1,0 +1,112 @@
+"""A trained run's adapter, read from its run dir without continuing the run (notebook 03 looks
+into it instead of training it again):
+
+    run, passed = find_trained_run(cfg, "runs", model_path)   # the newest run dir of cfg's experiment
+    if run:
+        load_trained_run(trainer, run)                        # the trainer at its checkpoint's step
+
+"Of cfg's experiment" is what `lorabench resume` asks of a continued run: every field it may not
+change (compat.refused) equal, and the base model the one the checkpoint's fingerprint recorded.
+Only read: config.json (+ config_changes.jsonl), the checkpoint (weights only) and metrics.jsonl,
+each through the run dir itself (no link followed, rundir.check_entries). Nothing there is written
+or repaired, and its lock is only probed (rundir.lock_holder), so a run dir whose writer is still
+running can be read too (its checkpoint is replaced atomically) and stays as it was.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class TrainedRun:
+    """A run dir's last checkpoint as read (nothing in the run dir is written), and what it holds."""
+    dir: Path
+    step: int                 # the checkpoint's step: the adapter's version
+    checkpoint: dict          # rundir.read_checkpoint's state (weights only)
+    rows: list[dict]          # metrics.jsonl up to that step
+    in_use: bool              # another process holds its lock: it may still be training
+    listing: dict             # dir_listing when it was read, to show it was only read
+
+
+def dir_listing(path: Path) -> dict[str, tuple]:
+    """Every entry under `path` (links not followed): {relative path: (kind, size, mtime_ns)}."""
+    found, todo = {}, [Path(path)]
+    while todo:
+        folder = todo.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                kind = "dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
+                found[str(Path(entry.path).relative_to(path))] = (kind, st.st_size, st.st_mtime_ns)
+                if kind == "dir":
+                    todo.append(Path(entry.path))
+    return found
+
+
+def run_dirs(run_root: str | Path) -> list[Path]:
+    """The run dirs directly under `run_root` (dirs holding config.json, no links), newest first by
+    the time their checkpoint (or, before one, the dir itself) last changed."""
+    from ..rundir import CHECKPOINT_DIR, CONFIG
+    root = Path(run_root)
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if not p.is_symlink() and p.is_dir() and (p / CONFIG).is_file()]
+
+    def changed(p: Path) -> int:
+        checkpoint = p / CHECKPOINT_DIR
+        return max(os.lstat(p).st_mtime_ns, os.lstat(checkpoint).st_mtime_ns if checkpoint.is_dir() else 0)
+    return sorted(dirs, key=changed, reverse=True)
+
+
+def read_trained_run(cfg, run_dir: str | Path, model_path: str) -> TrainedRun:
+    """The last checkpoint of `run_dir` if it is the experiment `cfg` describes: every field a
+    continued run may not change (session.compat.refused) equal, and the base model the one its
+    checkpoint recorded. Read through the package's read-only readers; raises RunDirError (or
+    ConfigError) saying why not. The run dir is never written to."""
+    from ..rundir import METRICS, RunDirError, check_entries, lock_holder, read_checkpoint, read_jsonl
+    from .compat import changes, effective_config, refused
+    from .fingerprint import check_model, model_fingerprint
+    run_dir = Path(run_dir)
+    check_entries(run_dir)   # no link in it is followed, nothing of an odd kind is opened
+    listing = dir_listing(run_dir)
+    differ = {k: v for k, v in changes(effective_config(run_dir), cfg).items() if k in refused()}
+    if differ:
+        shown = ", ".join(f"{k}={a!r} there, {b!r} here" for k, (a, b) in list(differ.items())[:3])
+        raise RunDirError(f"{run_dir.name}: another experiment ({shown})")
+    state = read_checkpoint(run_dir)
+    if state is None:
+        raise RunDirError(f"{run_dir.name}: no checkpoint yet (no step finished)")
+    step = int(state["step"])
+    if "fingerprint" in state:
+        check_model(state["fingerprint"].get("model", {}), model_fingerprint(cfg, model_path), cfg, run_dir, step)
+    rows = [r for r in read_jsonl(run_dir / METRICS) if r.get("step", 0) <= step]
+    return TrainedRun(run_dir, step, state, rows, lock_holder(run_dir) is not None, listing)
+
+
+def find_trained_run(cfg, run_root: str | Path, model_path: str) -> tuple[TrainedRun | None, list[tuple[str, str]]]:
+    """The newest run dir under `run_root` that `read_trained_run` accepts (None if none), and each
+    newer one passed over: (its name, why; the first clause of the refusal)."""
+    from ..rundir import RunDirError
+    from .config import ConfigError
+    passed = []
+    for run_dir in run_dirs(run_root):
+        try:
+            return read_trained_run(cfg, run_dir, model_path), passed
+        except (RunDirError, ConfigError, OSError, ValueError) as err:
+            why = str(err).split("; ")[0].removeprefix(f"{run_dir.name}: ")
+            passed.append((run_dir.name, why))
+    return None, passed
+
+
+def load_trained_run(trainer, run: TrainedRun) -> None:
+    """Put the checkpoint's adapter (and optimizer state) into `trainer`, whose run log writes
+    nothing, and refresh the engine with it: the trainer is then at the checkpoint's step."""
+    from ..adapters import AdapterLayout, FlatAdapter
+    state = run.checkpoint
+    layout = AdapterLayout.from_json(state["adapter_layout"])
+    trainer.policy.load(state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], run.step))
+    trainer.history = list(run.rows)
+    trainer.refresher.refresh(trainer.policy.adapter())
