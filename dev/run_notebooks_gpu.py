@@ -142,15 +142,15 @@ def main() -> int:
     # the notebook tests' kernel: this interpreter, each figure's name and text size in its PNG
     os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(write_kernelspec(out / "jupyter")),
                                                                os.environ.get("JUPYTER_PATH")]))
-    chosen = os.environ.get("LORABENCH_NOTEBOOKS", "").split()   # e.g. "03_how_hotswap_works"; default all
+    chosen = os.environ.get("LORABENCH_NOTEBOOKS", "").split()   # e.g. "01_step_through 02_refresh_methods"
     import torch
     summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                "commit": os.environ.get("LORABENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d %H:%M"),
                "ran_from": "a copy of the checkout without benchmarks/ (lorabench imported from it)",
                "versions": versions(), "notebooks": []}
-    for stem, values in parameters(out).items():
-        if chosen and stem not in chosen:
-            continue
+    notebooks = parameters(out)
+    for stem in chosen or list(notebooks):   # in the order asked (03 reads the run dir 01 leaves)
+        values = notebooks[stem]
         record = run_notebook(stem, values(), out, copy / "notebooks")
         summary["notebooks"].append(record)
         (out / "notebooks_gpu.json").write_text(json.dumps(summary, indent=1))   # after each: a cut run keeps it
