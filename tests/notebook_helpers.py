@@ -87,10 +87,10 @@ def noise(nb) -> list[str]:
             found.append(f"cell {i} stderr: {out['text'][:300]!r}")
         data = out.get("data", {})
         text = str(data.get("text/plain", ""))
+        shown = str(out.get("text", "")) + text + str(data.get("text/html", ""))
         if "application/vnd.jupyter.widget-view+json" in data and LIBRARY_BAR.search(text):
             found.append(f"cell {i}: a progress bar widget ({text[:80]!r})")
-        shown = str(out.get("text", "")) + text + str(data.get("text/html", ""))
-        if TQDM_TEXT.search(shown):
+        elif TQDM_TEXT.search(shown):   # one finding per output: a widget's text/plain is its bar too
             found.append(f"cell {i}: a tqdm text bar: {TQDM_TEXT.search(shown).group(0)!r}")
     return found
 
