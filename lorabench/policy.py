@@ -120,7 +120,7 @@ class Policy:
             b = adapter.tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"].double()     # [out, r]
             squares.append(((b.T @ b) * (a @ a.T)).sum())
         delta = adapter.scaling * torch.stack(squares).clamp_min(0).sqrt()
-        return delta / self.base_norms
+        return delta / self.base_norms.to(delta.device)   # a checkpoint's adapter is read onto the CPU
 
     def _beyond_bound(self, adapter: FlatAdapter) -> tuple[str, float] | None:
         """(module, ratio) of the largest ||dW||/||W|| if it is non-finite or above grpo.max_delta_ratio."""

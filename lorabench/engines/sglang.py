@@ -32,10 +32,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -511,6 +513,7 @@ class SGLangEngine:
         if thread is None:
             return
         _LIVE.discard(self)
+        _note_shutdown()
         try:
             if not thread.failure:
                 thread.call(self._shutdown)
@@ -522,6 +525,7 @@ class SGLangEngine:
             if self._store is not None:
                 self._store.close()
                 self._store = None
+            _note_shutdown()
 
     def _shutdown(self) -> None:
         self.pool.forget_all()
@@ -560,6 +564,15 @@ def _interrupts_ignored_by_children():
 
 _LIVE: weakref.WeakSet[SGLangEngine] = weakref.WeakSet()   # engines whose failed children we watch for
 _previous_sigquit = None
+_last_shutdown = -math.inf   # time.monotonic() when an engine of ours last stopped its processes
+# SIGQUIT is how SGLang's processes report a failure to this one; while an engine's processes are being
+# stopped, and for this long after, one that arrives is from them going, not a failure to act on
+SHUTDOWN_GRACE_S = 30.0
+
+
+def _note_shutdown() -> None:
+    global _last_shutdown
+    _last_shutdown = time.monotonic()
 
 
 def _watch_for_failed_children(engine: SGLangEngine) -> None:
@@ -575,6 +588,8 @@ def _watch_for_failed_children(engine: SGLangEngine) -> None:
 
 def _on_sigquit(signum, frame) -> None:
     engines = [e for e in list(_LIVE) if e._thread is not None and not e._thread.failure]
+    if not engines and time.monotonic() - _last_shutdown < SHUTDOWN_GRACE_S:
+        return   # an engine of ours stopping its processes (SGLang's shutdown ends them): not a failure
     if not engines:   # not from an engine of ours: what SIGQUIT did before
         signal.signal(signal.SIGQUIT, _previous_sigquit or signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGQUIT)
