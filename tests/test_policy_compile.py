@@ -91,13 +91,16 @@ def test_compiled_layers_get_widths_in_multiples_of_8(tiny_model_dir, monkeypatc
     under compile=all every micro-batch reaches the layers padded to a multiple of 8 (masked columns;
     that they change nothing: test_grpo's micro-batch test, and compiled = eager above)."""
     import lorabench.policy as policy_module
-    widths, real = [], policy_module.token_logprobs
+    widths = []
 
-    def recording(model, input_ids, *args, **kwargs):
-        widths.append(input_ids.shape[1])
-        return real(model, input_ids, *args, **kwargs)
+    def recording(real):
+        def forward(model, input_ids, *args, **kwargs):
+            widths.append(input_ids.shape[1])
+            return real(model, input_ids, *args, **kwargs)
+        return forward
 
-    monkeypatch.setattr(policy_module, "token_logprobs", recording)
+    for name in ("token_logprobs", "token_logprobs_and_entropy"):   # the training forward is the second
+        monkeypatch.setattr(policy_module, name, recording(getattr(policy_module, name)))
     cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.micro_batch_tokens=64", "grpo.compile=all"])
     policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
     g = torch.Generator().manual_seed(1)
