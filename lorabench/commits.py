@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .interrupts import wait_interruptibly
+from .interrupts import interrupts_to_the_main_thread, wait_interruptibly
 
 
 def host_copy(value):
@@ -36,7 +36,8 @@ class BackgroundCommits:
     """At most one commit in flight, on one thread named for the run dir."""
 
     def __init__(self, name: str):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lorabench-commit-{name}")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lorabench-commit-{name}",
+                                        initializer=interrupts_to_the_main_thread)
         self._in_flight: Future | None = None
         self._in_flight_step = 0
         self.failed_step = 0

@@ -39,3 +39,10 @@ def wait_interruptibly(result):
             return result(timeout=WAKE_S)
         except TimeoutError:   # concurrent.futures.TimeoutError is this one since Python 3.11
             continue
+
+
+def interrupts_to_the_main_thread() -> None:
+    """Called first in a thread lorabench starts: SIGINT is blocked in it, so the kernel delivers a
+    Ctrl-C / Kernel -> Interrupt to the main thread, where Python acts on it. (Python 3.11 may act late
+    on a SIGINT that another thread received: the main thread is not told until it next checks.)"""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

@@ -46,6 +46,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from .interrupts import interrupts_to_the_main_thread
 from .viz import STYLE, empty_axes, plot_delta_norm, plot_mismatch, plot_refresh, plot_rewards, use_style
 
 
@@ -277,6 +278,7 @@ class StepPanel:
         return self.last
 
     def _run(self, n: int) -> None:
+        interrupts_to_the_main_thread()   # an interrupt while the panel steps is the kernel's (Stop)
         started = time.perf_counter()
         try:
             for i in range(n):

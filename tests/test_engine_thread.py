@@ -15,6 +15,8 @@ import pytest
 from lorabench.engines.base import EngineError
 from lorabench.engines.engine_thread import EngineThread
 
+pytestmark = pytest.mark.usefixtures("gc_paused")   # conftest.py: why
+
 
 @pytest.fixture
 def runner():

@@ -21,6 +21,8 @@ from lorabench.runlog import RunLog
 from lorabench.session import build_trainer, start_engine
 from lorabench.widgets import StepPanel
 
+pytestmark = pytest.mark.usefixtures("gc_paused")   # conftest.py: why
+
 
 def interrupt_after(seconds: float) -> threading.Timer:
     timer = threading.Timer(seconds, os.kill, args=(os.getpid(), signal.SIGINT))
