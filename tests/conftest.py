@@ -168,15 +168,13 @@ def core_engine(tiny_model_dir):
 
 
 @pytest.fixture
-def gc_paused():
-    """No garbage collection while a test interrupts itself: a SIGINT that Python acts on while a
-    collection runs a finalizer or weakref callback raises KeyboardInterrupt there, where it is
-    reported as unraisable and lost (in a long suite's large heap that happened often enough to fail
-    the interrupt tests)."""
-    import gc
-    gc.collect()
-    gc.disable()
+def default_sigint():
+    """For tests that interrupt themselves: SIGINT raises KeyboardInterrupt (Python's own handler),
+    also when pytest was started with SIGINT ignored, as a shell's background job is (Python then
+    keeps it ignored, and no interrupt would arrive)."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        gc.enable()
+        signal.signal(signal.SIGINT, previous)

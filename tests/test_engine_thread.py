@@ -15,7 +15,7 @@ import pytest
 from lorabench.engines.base import EngineError
 from lorabench.engines.engine_thread import EngineThread
 
-pytestmark = pytest.mark.usefixtures("gc_paused")   # conftest.py: why
+pytestmark = pytest.mark.usefixtures("default_sigint")   # conftest.py: why
 
 
 @pytest.fixture

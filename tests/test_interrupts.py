@@ -21,7 +21,7 @@ from lorabench.runlog import RunLog
 from lorabench.session import build_trainer, start_engine
 from lorabench.widgets import StepPanel
 
-pytestmark = pytest.mark.usefixtures("gc_paused")   # conftest.py: why
+pytestmark = pytest.mark.usefixtures("default_sigint")   # conftest.py: why
 
 
 def interrupt_after(seconds: float) -> threading.Timer:
