@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from ..interrupts import interrupts_to_the_main_thread, wait_interruptibly
+from ..interrupts import wait_interruptibly
 from .base import EngineError
 
 
@@ -48,7 +48,6 @@ class EngineThread:
         ready.wait()
 
     def _serve(self, ready: threading.Event) -> None:
-        interrupts_to_the_main_thread()   # the caller, not this thread, gets the interrupt
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)   # the loop an engine created here captures
         ready.set()
