@@ -3,6 +3,8 @@
 # result folder). From the checkout's root, inside the offline sglang stack:
 #   CACHE_OUT=$OUT bash .sglang/with-sglang.sh bash dev/gpu_session.sh PART [PART...]
 # PARTS: tests (the GPU test files in $LORABENCH_GPU_TESTS, default the single-GPU suite, -k $LORABENCH_GPU_K),
+#        tests_each (the test ids in $LORABENCH_GPU_IDS, each in a pytest process of its own, stopped after
+#                    $LORABENCH_TEST_TIMEOUT s (default 200): a test that kills or hangs its process costs only itself),
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
 #        user_step (benchmarks/step_user_path.py: RunSession at the defaults, background and in-line commits, then
 #                   a second process with torch's compile caches warm),
@@ -38,6 +40,13 @@ for part in "$@"; do
   case $part in
     tests) "${part_timeout[@]}" "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider --capture=tee-sys ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
              ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py tests/test_policy_compile_gpu.py} ;;
+    tests_each) for id in ${LORABENCH_GPU_IDS:?name the test ids}; do
+                  echo "=== $id"; t0=$(date +%s)
+                  timeout -k 10 "${LORABENCH_TEST_TIMEOUT:-200}" "${with_extras[@]}" python -m pytest -m gpu -v -rA --tb=short \
+                    -o faulthandler_timeout=$(( ${LORABENCH_TEST_TIMEOUT:-200} - 20 )) -p no:cacheprovider --capture=tee-sys "$id"
+                  echo "=== $id: exit $? in $(( $(date +%s) - t0 )) s"
+                  tar -czf "$OUT/results.tgz" -C "$RES" .
+                done ;;
     refresh) "${part_timeout[@]}" python benchmarks/refresh_gpu.py --out "$RES/refresh_tp${LORABENCH_TP:-1}.json" --tp "${LORABENCH_TP:-1}" \
                ${LORABENCH_REFRESH_ARGS:-} ;;
     step) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step.json" ${LORABENCH_STEP_ARGS:-} ;;
@@ -58,7 +67,7 @@ for part in "$@"; do
   rc=$?
   cp "$OUT/$part.log" "$RES/"
   echo "== $part: exit $rc in $(( $(date +%s) - start )) s"
-  grep -E "PASSED|FAILED|ERROR|passed|failed|Error|^\{" "$RES/$part.log" | grep -v "Warning" | tail -25
+  grep -E "^===|PASSED|FAILED|ERROR|passed|failed|Error|^\{" "$RES/$part.log" | grep -v "Warning" | tail -25
   if [ $rc -ne 0 ]; then status=$rc; tail -60 "$RES/$part.log"; fi
   tar -czf "$OUT/results.tgz" -C "$RES" .   # after every part: a call cut off by its time limit keeps what ran
 done
