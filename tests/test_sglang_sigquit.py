@@ -1,11 +1,14 @@
-"""SGLang's processes report a failure to this process with SIGQUIT (engines/sglang.py). While an
+"""Stopping an engine stops its processes and no other child of this process. SGLang's processes report a failure to this process with SIGQUIT (engines/sglang.py). While an
 engine of ours stops its processes, and for a grace period after, a SIGQUIT is theirs going: the
 process must survive it (in a notebook it is the kernel). Later, with no engine of ours alive, a
 SIGQUIT does what it did before lorabench handled it. The handler itself needs no GPU."""
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,3 +36,30 @@ def test_a_sigquit_long_after_the_last_engine_goes_to_the_previous_handler(previ
     monkeypatch.setattr(sglang_engine, "_last_shutdown", -math.inf)
     os.kill(os.getpid(), signal.SIGQUIT)
     assert previous_handler == [signal.SIGQUIT]
+
+
+def test_shutting_an_engine_down_stops_its_processes_and_no_other_child():
+    """sglang.Engine.shutdown SIGKILLs every child of the process; lorabench's stops the engine's own
+    (here a stand-in with a child of its own, as SGLang's scheduler has) and leaves a sibling alone (in a
+    notebook: the user's subprocesses, the multiprocessing resource tracker)."""
+    psutil = pytest.importorskip("psutil")
+    engine_proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                                    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+                                    "time.sleep(600)"])
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        tree = psutil.Process(engine_proc.pid)
+        for _ in range(200):                     # the engine process's own child has started
+            if tree.children():
+                break
+            psutil.wait_procs([], timeout=0.05)
+        grandchild = tree.children()[0]
+        engine = SimpleNamespace(tokenizer_manager=None, get_all_child_pids=lambda: [engine_proc.pid])
+        sglang_engine._shut_down(engine)
+        assert not psutil.pid_exists(engine_proc.pid)    # stopped and waited for (reaped) before it returned
+        assert not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE
+        assert sibling.poll() is None, "a child that is not the engine's was stopped"
+    finally:
+        for proc in (engine_proc, sibling):
+            proc.kill()
+            proc.wait()

@@ -518,7 +518,7 @@ class SGLangEngine:
             if not thread.failure:
                 thread.call(self._shutdown)
             elif self.engine is not None:
-                self.engine.shutdown()   # its processes died or were stopped: what is left goes now
+                _shut_down(self.engine)   # its processes died or were stopped: what is left goes now
         finally:
             thread.close()
             self.engine = None
@@ -529,7 +529,7 @@ class SGLangEngine:
 
     def _shutdown(self) -> None:
         self.pool.forget_all()
-        self.engine.shutdown()
+        _shut_down(self.engine)
 
     def _children_failed(self, reason: str) -> None:
         """One of the engine's processes failed (SIGQUIT, main thread): stop the others, fail the calls."""
@@ -631,10 +631,33 @@ def _exited_processes(engine) -> list[str]:
     return exited
 
 
-def _stop_processes(engine) -> None:
+def _shut_down(engine) -> None:
+    """sglang.Engine.shutdown's steps, except its last: SGLang ends with kill_process_tree(os.getpid()),
+    a SIGKILL to every child of this process, not only the engine's (in a notebook kernel: the
+    user's own subprocesses, Python's multiprocessing resource tracker, torch's compile workers).
+    Here only the engine's own processes are stopped, and waited for (their GPU memory is back when
+    this returns, as with SGLang's shutdown)."""
+    import psutil
+    watchdog = getattr(engine.tokenizer_manager, "_subprocess_watchdog", None)
+    if watchdog is not None:
+        watchdog.stop()     # before the kill: a watchdog that sees its processes go signals a failure
+    rpc = getattr(engine, "send_to_rpc", None)
+    if rpc is not None:
+        rpc.close(linger=0)
+        engine.send_to_rpc = None
+    daemons = getattr(engine, "_weight_cache_daemon_procs", None)
+    if daemons:
+        engine._terminate_weight_cache_daemons(daemons)
+        engine._weight_cache_daemon_procs = []
+    processes = _engine_processes(engine)
+    _stop_processes(engine, processes)
+    psutil.wait_procs(processes, timeout=60)
+
+
+def _stop_processes(engine, processes=None) -> None:
     """SIGKILL what is left of a failed engine (its GPU memory comes back when they are gone)."""
     import psutil
-    for proc in _engine_processes(engine):
+    for proc in _engine_processes(engine) if processes is None else processes:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
