@@ -1,4 +1,5 @@
-"""Stopping an engine stops its processes and no other child of this process. SGLang's processes report a failure to this process with SIGQUIT (engines/sglang.py). While an
+"""Stopping an engine stops its processes and no other child of this process. SGLang's processes
+report a failure to this process with SIGQUIT (engines/sglang.py). While an
 engine of ours stops its processes, and for a grace period after, a SIGQUIT is theirs going: the
 process must survive it (in a notebook it is the kernel). Later, with no engine of ours alive, a
 SIGQUIT does what it did before lorabench handled it. The handler itself needs no GPU."""
