@@ -55,7 +55,8 @@ def test_shutting_an_engine_down_stops_its_processes_and_no_other_child():
                 break
             psutil.wait_procs([], timeout=0.05)
         grandchild = tree.children()[0]
-        engine = SimpleNamespace(tokenizer_manager=None, get_all_child_pids=lambda: [engine_proc.pid])
+        engine = SimpleNamespace(tokenizer_manager=None, get_all_child_pids=lambda: [engine_proc.pid],
+                                 shutdown=lambda: None)
         sglang_engine._shut_down(engine)
         assert not psutil.pid_exists(engine_proc.pid)    # stopped and waited for (reaped) before it returned
         assert not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE
@@ -64,3 +65,19 @@ def test_shutting_an_engine_down_stops_its_processes_and_no_other_child():
         for proc in (engine_proc, sibling):
             proc.kill()
             proc.wait()
+
+
+def test_a_closed_engine_s_own_shutdown_does_not_run_at_exit(tmp_path):
+    """sglang.Engine registers its shutdown (the kill of every child) to run at exit; once lorabench
+    has shut the engine down, it must not run again then."""
+    ran = tmp_path / "ran-at-exit"
+    script = ("import atexit, pathlib, sys; from types import SimpleNamespace\n"
+              "from lorabench.engines import sglang as s\n"
+              f"engine = SimpleNamespace(tokenizer_manager=None, get_all_child_pids=lambda: [], "
+              f"shutdown=lambda: pathlib.Path({str(ran)!r}).write_text('ran'))\n"
+              "atexit.register(engine.shutdown)\n"
+              "if sys.argv[1] == 'close': s._shut_down(engine)\n")
+    for how, expected in (("close", False), ("keep", True)):   # the check can fail: without a close it runs
+        ran.unlink(missing_ok=True)
+        subprocess.run([sys.executable, "-c", script, how], check=True, timeout=120)
+        assert ran.exists() == expected, how

@@ -22,12 +22,15 @@ from .base import (
     Completion,
     EngineError,
     EngineNeeds,
+    GenerateRequest,
+    GeneratesMixed,
     PushesWeights,
     ReleasesMemory,
     RolloutEngine,
     Sampling,
     StaleAdapter,
     UpdatesAdapterInPlace,
+    generate_each,
     require,
 )
 
@@ -84,6 +87,6 @@ def make_engine(settings, model_path: str, needs=None, **overrides):
 
 
 __all__ = ["ENGINES", "AdapterAlreadyLoaded", "AdapterNotLoaded", "Completion", "EngineError", "EngineNeeds",
-           "EngineSettings", "PushesWeights",
+           "EngineSettings", "GenerateRequest", "GeneratesMixed", "PushesWeights",
            "ReleasesMemory", "RolloutEngine", "Sampling", "StaleAdapter", "UpdatesAdapterInPlace", "engine_class",
-           "make_engine", "require"]
+           "generate_each", "make_engine", "require"]

@@ -36,6 +36,7 @@ class EngineNeeds:
     largest_batch: int = 0      # 0: not known (the engine's own default then)
     seed: int = 0
     model_dtype: str = "float32"
+    adapters: int = 1           # adapters served side by side (a policy group: one per policy)
 
 
 class EngineError(RuntimeError):
@@ -96,6 +97,31 @@ class RolloutEngine(Protocol):
     def served_version(self, adapter: str | None) -> int | None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One caller's part of a mixed batch: its prompts, its sampling, the adapter it names."""
+    prompt_ids: list[list[int]]
+    sampling: Sampling
+    adapter: str | None
+
+
+@runtime_checkable
+class GeneratesMixed(Protocol):
+    """Serve several requests, each with its own adapter and sampling, as one batch."""
+
+    def generate_mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
+        """The completions of each request, in order; as if each were generate(*request)."""
+        ...
+
+
+def generate_each(engine, requests: list[GenerateRequest]) -> list[list[Completion]]:
+    """The requests as one batch where the engine can (GeneratesMixed, SGLang), else one after the
+    other (the CPU reference engine: then each equals the same request sent alone)."""
+    if isinstance(engine, GeneratesMixed):
+        return engine.generate_mixed(list(requests))
+    return [engine.generate(r.prompt_ids, r.sampling, r.adapter) for r in requests]
 
 
 @runtime_checkable

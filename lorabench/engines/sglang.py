@@ -29,6 +29,7 @@ guard (SGLang spawns its scheduler process).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -54,6 +55,7 @@ from .base import (
     Completion,
     EngineError,
     EngineNeeds,
+    GenerateRequest,
     Sampling,
     UpdatesAdapterInPlace,
     check_same_lora_config,
@@ -157,7 +159,8 @@ class SGLangSettings(Section):
         kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True,
                       enable_lora=True, max_lora_rank=self.max_lora_rank or needs.lora_rank,
                       lora_target_modules=sglang_target_modules(needs.target_modules),
-                      max_loras_per_batch=self.max_loras_per_batch, mem_fraction_static=self.mem_fraction_static,
+                      max_loras_per_batch=max(self.max_loras_per_batch, needs.adapters + 1),   # + the base
+                      mem_fraction_static=self.mem_fraction_static,
                       dtype=self.dtype, random_seed=needs.seed, log_level="error",
                       custom_weight_loader=[sglang_pool.LOADER])
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
@@ -431,22 +434,24 @@ class SGLangEngine:
 
     @_on_engine_thread(abort_on_interrupt=True)
     def generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
-        params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                  "top_p": sampling.top_p if sampling.temperature > 0 else 1.0}
-        if sampling.temperature == 0:
-            params["top_k"] = 1
-        if sampling.seed is not None and sampling.temperature > 0:
-            params["sampling_seed"] = sampling.seed
-        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=params,
+        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=_params(sampling),
                                     return_logprob=True, lora_path=self._lora(adapter, len(prompt_ids)))
-        completions = []
-        for p, out in zip(prompt_ids, outs):
-            meta = out["meta_info"]
-            logprobs = [float(lp) for lp, _tok, *_ in meta["output_token_logprobs"]]
-            reason = (meta.get("finish_reason") or {}).get("type", "length")
-            completions.append(Completion(list(p), list(out["output_ids"]), logprobs,
-                                          "stop" if reason == "stop" else "length"))
-        return completions
+        return [_completion(p, out) for p, out in zip(prompt_ids, outs)]
+
+    @_on_engine_thread(abort_on_interrupt=True)
+    def generate_mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
+        """One sglang generate call for all requests: each prompt names its request's adapter and
+        carries its sampling parameters, so K policies' rollouts decode as one batch."""
+        prompts = [list(p) for r in requests for p in r.prompt_ids]
+        params = [_params(r.sampling) for r in requests for _ in r.prompt_ids]
+        lora = [name for r in requests for name in self._lora(r.adapter, len(r.prompt_ids))]
+        outs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, lora_path=lora)
+        done, start = [], 0
+        for r in requests:
+            n = len(r.prompt_ids)
+            done.append([_completion(p, out) for p, out in zip(r.prompt_ids, outs[start:start + n])])
+            start += n
+        return done
 
     @_on_engine_thread(abort_on_interrupt=True)
     def score(self, sequences, prompt_lens, adapter, temperature: float = 1.0) -> list[torch.Tensor]:
@@ -636,8 +641,11 @@ def _shut_down(engine) -> None:
     a SIGKILL to every child of this process, not only the engine's (in a notebook kernel: the
     user's own subprocesses, Python's multiprocessing resource tracker, torch's compile workers).
     Here only the engine's own processes are stopped, and waited for (their GPU memory is back when
-    this returns, as with SGLang's shutdown)."""
+    this returns, as with SGLang's shutdown). sglang.Engine also registers its shutdown to run at
+    exit, which would run that kill then (the multiprocessing resource tracker dies, and its
+    relaunch prints a traceback) and keeps every closed engine alive until exit: unregistered."""
     import psutil
+    atexit.unregister(engine.shutdown)
     watchdog = getattr(engine.tokenizer_manager, "_subprocess_watchdog", None)
     if watchdog is not None:
         watchdog.stop()     # before the kill: a watchdog that sees its processes go signals a failure
@@ -662,6 +670,24 @@ def _stop_processes(engine, processes=None) -> None:
             proc.kill()
         except psutil.NoSuchProcess:
             continue
+
+
+def _params(sampling: Sampling) -> dict:
+    """SGLang's sampling parameters for `sampling` (greedy: top_k 1; a seed only where sampling)."""
+    params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+              "top_p": sampling.top_p if sampling.temperature > 0 else 1.0}
+    if sampling.temperature == 0:
+        params["top_k"] = 1
+    if sampling.seed is not None and sampling.temperature > 0:
+        params["sampling_seed"] = sampling.seed
+    return params
+
+
+def _completion(prompt: list[int], out: dict) -> Completion:
+    meta = out["meta_info"]
+    logprobs = [float(lp) for lp, _tok, *_ in meta["output_token_logprobs"]]
+    reason = (meta.get("finish_reason") or {}).get("type", "length")
+    return Completion(list(prompt), list(out["output_ids"]), logprobs, "stop" if reason == "stop" else "length")
 
 
 def _eos_ids(model_path: str) -> set[int]:
