@@ -30,6 +30,11 @@ class Clock:
         self.parts[part] = self.parts.get(part, 0.0) + seconds
         return seconds
 
+    def add(self, part: str, seconds: float) -> None:
+        """A part timed elsewhere, before this clock started (a policy group's shared rollout): in the total."""
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+        self.start -= seconds
+
     @property
     def total(self) -> float:
         return self.last - self.start

@@ -40,13 +40,13 @@ import torch
 
 from .clock import Clock
 from .commits import BackgroundCommits, host_copy
-from .data import ProblemSource, prompt_ids
-from .engines.base import ReleasesMemory, Sampling, StaleAdapter, require
+from .data import Problem, ProblemSource, prompt_ids
+from .engines.base import GenerateRequest, ReleasesMemory, Sampling, StaleAdapter, require
 from .interrupts import interrupts_deferred
 from .policy import Policy
 from .refresh import RefreshRecord
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
-from .rollout import RolloutBatch, Rollouts, collate, sample, score
+from .rollout import RolloutBatch, Rollouts, collate, rollout_request, rollouts_of, score
 from .rundir import METRICS, ROLLOUTS, SYNC
 from .runlog import NullRunLog
 from .settings import ALLOWED, REFUSED, Section, check, setting
@@ -232,9 +232,11 @@ class GRPOTrainer:
     def device(self) -> str:
         return self.policy.device
 
-    def step(self) -> StepRecord:
+    def step(self, rollouts: Rollouts | None = None, rollout_s: float = 0.0) -> StepRecord:
         """Rollout -> reward -> update -> publish the adapter -> refresh the engine -> log. The step's
-        commit may still be written when this returns (wait_committed)."""
+        commit may still be written when this returns (wait_committed). `rollouts`: this step's,
+        sampled by the caller for the problems of `rollout_request()` in `rollout_s` seconds (a policy
+        group sends its policies' requests as one engine batch); checked like the trainer's own."""
         self._raise_if_commit_failed(wait=False)
         if self._uncommitted:
             raise TrainerStopped(self._uncommitted)
@@ -242,20 +244,32 @@ class GRPOTrainer:
             raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
                                  f"Run N?); Stop it or wait for it (panel.wait()), then step again")
         try:
-            return self._step()
+            return self._step(rollouts, rollout_s)
         finally:
             self._stepping.release()
 
-    def _step(self) -> StepRecord:
-        g, step, clock = self.settings, self.policy.version + 1, StepClock()
+    def rollout_request(self) -> tuple[list[Problem], GenerateRequest]:
+        """The next step's problems and the engine request for their rollouts, once the engine serves
+        the trainer's adapter (after a rolled-back step it is sent again first)."""
         if self._engine_stale:
             self.refresher.refresh(self.policy.adapter())
             self._engine_stale = False
+        g, step = self.settings, self.policy.version + 1
         problems = self.source.train_batch(step, g.prompts_per_step)
-        rollouts = sample(self.engine, self.tokenizer, problems, g.group_size, self.sampling(step),
-                          self.refresher.serving_adapter, self.enable_thinking)
+        return problems, rollout_request(self.tokenizer, problems, g.group_size, self.sampling(step),
+                                         self.refresher.serving_adapter, self.enable_thinking)
+
+    def _step(self, rollouts: Rollouts | None, rollout_s: float) -> StepRecord:
+        g, step, clock = self.settings, self.policy.version + 1, StepClock()
+        if rollouts is None:
+            problems, request = self.rollout_request()
+            rollouts = rollouts_of(self.engine, self.tokenizer, problems, request,
+                                   self.engine.generate(request.prompt_ids, request.sampling, request.adapter))
+            clock.lap("rollout")
+        else:
+            self._check_given(rollouts, step)
+            clock.add("rollout", rollout_s)
         self._check_served(rollouts)
-        clock.lap("rollout")
         rewards, reward_means = score(rollouts, self.rewards)
         batch = collate(rollouts, rewards, self.tokenizer.pad_token_id)
         clock.lap("reward")
@@ -274,6 +288,16 @@ class GRPOTrainer:
             record = StepRecord(step, metrics, refresh, step_samples(step, rollouts, batch))
             self._commit(record, adapter, clock)
         return record
+
+    def _check_given(self, rollouts: Rollouts, step: int) -> None:
+        """Rollouts sampled by the caller must be of this step's problems, under this trainer's adapter."""
+        expected = self.source.train_batch(step, self.settings.prompts_per_step)
+        if [p.question for p in rollouts.problems] != [p.question for p in expected]:
+            raise ValueError(f"step {step}: the rollouts given are not of this step's problems; sample them for "
+                             f"trainer.rollout_request() of this step")
+        if rollouts.adapter != self.refresher.serving_adapter:
+            raise StaleAdapter(f"step {step}: the rollouts given were served by adapter {rollouts.adapter!r}, this "
+                               f"trainer's is {self.refresher.serving_adapter!r}; nothing was trained on them")
 
     def _check_served(self, rollouts: Rollouts) -> None:
         """The engine must have served the trainer's current version (the numeric mismatch stays as a

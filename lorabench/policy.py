@@ -83,19 +83,41 @@ class UpdateDiverged(AdapterError):
 
 
 class Policy:
+    """`init_seed` seeds the LoRA init right before the adapter is made (so a policy's init is the
+    same alone or in a group). `beside`: another Policy whose model this one shares; its adapter is
+    added to that PEFT model under `adapter_name` (a policy group keeps one frozen base in memory for
+    all its policies; each trains its own adapter, made active for its update)."""
+
     def __init__(self, model_path: str, lora, grpo, dtype: str = "float32", device: str = "",
-                 adapter_name: str = "default"):
-        self.device = pick_device(device)
-        self.model = _peft_model(load_model(model_path, dtype, self.device), lora, model_path, adapter_name)
+                 adapter_name: str = "default", init_seed: int | None = None, beside: Policy | None = None):
+        if beside is None:
+            self.device = pick_device(device)
+            base = load_model(model_path, dtype, self.device)
+            if init_seed is not None:
+                torch.manual_seed(init_seed)
+            self.model = _peft_model(base, lora, model_path, adapter_name)
+        else:
+            self.device, self.model = beside.device, beside.model
+            if init_seed is not None:
+                torch.manual_seed(init_seed)
+            _add_adapter(self.model, lora, model_path, adapter_name)
+        self.adapter_name = adapter_name
         self.lora_layers = LoraLayers(self.model, adapter_name, flatten=True)  # before the optimizer sees them
         self.bf16_lora = lora_compute_dtype(grpo.lora_compute, dtype) == "bfloat16"
         self.compile = compile_mode(grpo.compile, self.device)
-        if self.compile == "all":   # checkpointing goes inside each compiled layer
+        if beside is not None:   # the shared layers are set up once, by the first policy
+            if (self.compile, grpo.activation_checkpointing) != (beside.compile, beside.grpo.activation_checkpointing):
+                raise ConfigError("policies sharing one model need the same grpo.compile and "
+                                  "grpo.activation_checkpointing; set them for the whole run, not per policy")
+        elif self.compile == "all":   # checkpointing goes inside each compiled layer
             _compile_decoder_layers(self.model, model_path, grpo.activation_checkpointing)
         elif grpo.activation_checkpointing:
             _enable_activation_checkpointing(self.model)
         self.layout = self.lora_layers.layout
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        own = {id(owner.weight) for owner in self.lora_layers.owners}
+        for owner in self.lora_layers.owners:
+            owner.weight.requires_grad_(True)
+        self.params = [p for p in self.model.parameters() if id(p) in own]   # this adapter's, in model order
         self.optimizer = torch.optim.AdamW(self.params, lr=grpo.lr, weight_decay=0.0)
         self.version = 0
         self.grpo = grpo
@@ -161,6 +183,7 @@ class Policy:
         old_logp = torch.zeros_like(batch.engine_logprobs)          # [N, L-1] π_old: before the update
         stats = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "tokens": 0}
         diagnostics = Diagnostics()
+        self._activate()
         self.model.train()
         for epoch in range(grpo.epochs):
             self.optimizer.zero_grad(set_to_none=True)
@@ -194,6 +217,13 @@ class Policy:
         self.model.eval()
         self.version += 1
         return {**stats, **mismatch(old_logp, batch), **diagnostics.means()}
+
+    def _activate(self) -> None:
+        """This policy's adapter is the one the shared model's forward applies (a policy group)."""
+        if len(self.model.peft_config) > 1:
+            self.model.set_adapter(self.adapter_name)
+            for p in self.params:   # PEFT's set_adapter freezes the other adapters only
+                p.requires_grad_(True)
 
     def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, grpo, with_entropy: bool):
         """The training forward: (log-probs [n, L-1] with gradients, entropies [n, L-1] or None); the
@@ -404,6 +434,18 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
 
 
 def _peft_model(base, lora, model_path: str, adapter_name: str):
+    return with_lora(base, _lora_config(base, lora, model_path), adapter_name)
+
+
+def _add_adapter(model, lora, model_path: str, adapter_name: str) -> None:
+    """One more adapter on a PEFT model's frozen base (another policy of a group)."""
+    if adapter_name in model.peft_config:
+        raise ConfigError(f"two policies are named {adapter_name!r}; give each policy its own name")
+    with quiet_peft():
+        model.add_adapter(adapter_name, _lora_config(model.get_base_model(), lora, model_path))
+
+
+def _lora_config(base, lora, model_path: str):
     from peft import LoraConfig
     targets = lora.target_modules
     if isinstance(targets, str) and targets != "all-linear":
@@ -414,9 +456,8 @@ def _peft_model(base, lora, model_path: str, adapter_name: str):
         if missing:
             raise ConfigError(f"lora.target_modules={lora.target_modules!r}: the model {model_path} has no module "
                               f"named {missing}; its linear modules are {have} (or use 'all-linear')")
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
-                        bias="none")
-    return with_lora(base, config, adapter_name)
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
+                      bias="none")
 
 
 class LoraLayers:

@@ -1,6 +1,10 @@
 """Rollout: prompts -> the engine's completions -> rewards -> one typed, padded training batch.
 
     rollouts = sample(engine, tokenizer, problems, group_size=8, sampling=..., adapter="policy")
+    # or, several callers' rollouts in one engine batch (a policy group):
+    requests = [rollout_request(tokenizer, problems, 8, sampling, "policy-a"), ...]
+    rollouts = [rollouts_of(engine, tokenizer, problems, r, done)
+                for r, done in zip(requests, generate_each(engine, requests))]
     rewards, parts = score(rollouts, reward_functions("strict", format_bonus=0.0))
     batch = collate(rollouts, rewards, group_size=8, pad_id=tokenizer.pad_token_id)
 """
@@ -11,7 +15,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .data import Problem, prompt_ids
-from .engines.base import Completion, Sampling
+from .engines.base import Completion, GenerateRequest, Sampling
 from .loss import group_advantages
 
 
@@ -89,11 +93,23 @@ def round_up(n: int, multiple: int) -> int:
 def sample(engine, tokenizer, problems: list[Problem], group_size: int, sampling: Sampling,
            adapter: str | None, enable_thinking: bool = False) -> Rollouts:
     """G completions per problem from the engine, with the adapter named on every request."""
+    request = rollout_request(tokenizer, problems, group_size, sampling, adapter, enable_thinking)
+    return rollouts_of(engine, tokenizer, problems, request,
+                       engine.generate(request.prompt_ids, sampling, adapter=adapter))
+
+
+def rollout_request(tokenizer, problems: list[Problem], group_size: int, sampling: Sampling, adapter: str | None,
+                    enable_thinking: bool = False) -> GenerateRequest:
+    """The engine request for G completions per problem: each prompt G times, group by group."""
     prompts = [prompt_ids(tokenizer, p.messages, enable_thinking) for p in problems]
-    repeated = [p for p in prompts for _ in range(group_size)]  # group by group
-    completions = engine.generate(repeated, sampling, adapter=adapter)
+    return GenerateRequest([p for p in prompts for _ in range(group_size)], sampling, adapter)
+
+
+def rollouts_of(engine, tokenizer, problems: list[Problem], request: GenerateRequest,
+                completions: list[Completion]) -> Rollouts:
+    """What the engine returned for `request`, decoded, with the version it serves the adapter at."""
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    return Rollouts(problems, completions, texts, adapter, engine.served_version(adapter))
+    return Rollouts(problems, completions, texts, request.adapter, engine.served_version(request.adapter))
 
 
 def score(rollouts: Rollouts, reward_fns: list[tuple[str, object, float]]) -> tuple[torch.Tensor, dict[str, float]]:

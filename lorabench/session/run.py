@@ -262,11 +262,12 @@ def start_engine(cfg: Config, model_path: str, **overrides):
     return make_engine(cfg.engine, model_path, engine_needs(cfg), **overrides)
 
 
-def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print):
+def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, beside=None,
+                  peft_name: str = "default"):
     """The GRPO trainer for `cfg` on `engine`: its policy (lora + grpo sections, seeded by run.seed for
-    the LoRA init), the refresher (refresh section), the problem source (data section), the run log."""
-    import torch
-
+    the LoRA init), the refresher (refresh section), the problem source (data section), the run log.
+    `beside`: a trainer of the same policy group, whose model this one's policy shares (its adapter
+    is added to it as `peft_name`)."""
     from ..data import ProblemSource
     from ..grpo import GRPOTrainer
     from ..models import load_tokenizer
@@ -277,8 +278,8 @@ def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=N
     if runlog.settings != cfg.run:   # the run log decides when checkpoints are due: from this config
         raise ValueError(f"the run log of {runlog.dir} was opened with other run settings than cfg.run; open it with "
                          f"RunLog(run_dir, settings=cfg.run) (or session.open_runlog)")
-    torch.manual_seed(cfg.run.seed)   # the LoRA init
-    policy = Policy(model_path, cfg.lora, cfg.grpo, cfg.model.dtype, engine.device)
+    policy = Policy(model_path, cfg.lora, cfg.grpo, cfg.model.dtype, engine.device, adapter_name=peft_name,
+                    init_seed=cfg.run.seed, beside=beside.policy if beside is not None else None)
     refresher = make_refresher(cfg.refresh, engine, cfg.engine.adapter_name, base_weights=policy.base_weights())
     return GRPOTrainer(cfg.grpo, policy, engine, refresher, ProblemSource.from_settings(cfg.data, cfg.run.seed),
                        tokenizer or load_tokenizer(model_path), runlog, seed=cfg.run.seed,
