@@ -10,6 +10,7 @@ engine, the run dir's lock) and the exit code is 143 (130 for Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import signal
 import sys
@@ -60,6 +61,8 @@ def run_experiment(cfg, run_dir: str | Path | None = None, log=log_line) -> dict
     Returns a summary dict (also written to RUN_DIR/summary.json). The run dir's lock is held
     until the summary is written: plots and summary are writes too."""
     from .session import RunSession
+    if cfg.policies:
+        return run_group(cfg, run_dir, log)
     t0 = time.perf_counter()
     session = RunSession.open(cfg, run_dir, log=log)
     try:
@@ -72,6 +75,40 @@ def run_experiment(cfg, run_dir: str | Path | None = None, log=log_line) -> dict
         return _write_summary(session, timing, t0)
     finally:
         session.runlog.close()
+
+
+def run_group(cfg, group_dir: str | Path | None = None, log=log_line,
+              resume_overrides: list[str] | None = None) -> dict:
+    """A policy group (cfg.policies; or the group in `group_dir` resumed with `resume_overrides`):
+    every policy trained on one engine, each policy's run dir evaluated, plotted and summarised as a
+    single run's. Returns {"group_dir", "policies": {name: summary}}."""
+    from .session import GroupSession
+    t0 = time.perf_counter()
+    group = (GroupSession.resume(group_dir, resume_overrides, log=log) if resume_overrides is not None
+             else GroupSession.open(cfg, group_dir, log=log))
+    try:
+        try:
+            for name, before in group.before.items():
+                log(f"{name}: held-out before GRPO: strict {before[0]['strict']:.2f} (sampled), "
+                    f"{before[1]['strict']:.2f} (greedy)")
+            t_train = time.perf_counter()
+            group.trainer.run()
+            seconds = time.perf_counter() - t_train
+            done = {}
+            for name, member in group.members.items():
+                after = [member.trainer.evaluate(greedy=False), member.trainer.evaluate(greedy=True)]
+                done[name] = {"after": after, "evals": member.runlog.set_evals(member.trainer.step_count, after),
+                              "seconds_grpo": seconds}
+        except USER_ERRORS as err:
+            raise RunStopped(f"{err}; the run stopped: each policy's run dir holds its last checkpoint, and "
+                             f"`lorabench resume {group.run_dir}` continues the group") from err
+        finally:
+            group.close_engine()
+        summaries = {name: _write_summary(member, done[name], t0) for name, member in group.members.items()}
+        return {"group_dir": str(group.run_dir), "policies": summaries}
+    finally:
+        for member in group.members.values():
+            member.runlog.close()
 
 
 def stopped_message(err: Exception, runlog) -> str:
@@ -123,6 +160,14 @@ def _write_summary(session, done: dict, t0: float) -> dict:
 
 
 def print_summary(s: dict) -> None:
+    if "policies" in s:
+        print(f"\n=== lorabench summary: {len(s['policies'])} policies on one engine ===")
+        for name, p in s["policies"].items():
+            print(f"{name:>12}: held-out strict (sampled) {p['heldout_strict_before']:.2f} -> "
+                  f"{p['heldout_strict_after']:.2f}, train reward first 5 -> last 5 {p['train_reward_first5']:.2f} -> "
+                  f"{p['train_reward_last5']:.2f}, refresh p50 {p['refresh_ms_p50']:.1f} ms, run dir {p['run_dir']}")
+        print(f"group dir: {s['group_dir']}")
+        return
     print("\n=== lorabench summary ===")
     print(f"engine {s['engine']}, refresh '{s['refresh_mode']}', {s['steps']} GRPO steps")
     print(f"held-out strict reward (sampled): {s['heldout_strict_before']:.2f} -> {s['heldout_strict_after']:.2f}"
@@ -176,6 +221,9 @@ def _command(args) -> dict | None:
         return None
     if args.command == "resume":
         from .session.compat import resume_config
+        from .session.group import GROUP_FILE
+        if os.path.lexists(Path(args.run_dir) / GROUP_FILE):   # a policy group: every policy continues
+            return run_group(None, args.run_dir, resume_overrides=list(args.overrides))
         return run_experiment(resume_config(args.run_dir, args.overrides), run_dir=args.run_dir)
     cfg = load_config(getattr(args, "config", None), args.overrides)
     if args.command == "demo":

@@ -10,6 +10,7 @@ proves it continues (fingerprint.py), and the composition itself (run.py: `start
 `build_trainer`, `resolve_model`).
 """
 from .config import Config, ConfigError, describe
+from .group import GroupSession
 from .run import RunPlan, RunSession, build_trainer, open_runlog, plan_run, resolve_model, start_engine
 
 
@@ -18,5 +19,5 @@ def load_config(path=None, overrides=()) -> Config:
     return Config.load(path, list(overrides))
 
 
-__all__ = ["Config", "ConfigError", "RunPlan", "RunSession", "build_trainer", "describe", "load_config", "open_runlog",
-           "plan_run", "resolve_model", "start_engine"]
+__all__ = ["Config", "ConfigError", "GroupSession", "RunPlan", "RunSession", "build_trainer", "describe",
+           "load_config", "open_runlog", "plan_run", "resolve_model", "start_engine"]

@@ -3,11 +3,12 @@
 Each section is defined next to the code it sets (settings.py says how): `model` (models.py),
 `warmstart` (tiny.py), `lora` (policy.py), `data` (data.py), `grpo` (grpo.py), `engine` with one
 sub-section per engine (engines/, e.g. `engine.sglang`), `refresh` with one per mode that has
-settings (refresh.py, e.g. `refresh.file`), `run` (runlog.py). This module composes them, checks
-what involves several at once, and turns files and `key=value` overrides into a Config: every
-default is chosen so that `lorabench demo` runs offline on a 2-core CPU; an invalid value raises
-ConfigError naming the field, the value and the fix; an unknown key gets a "did you mean"; files are
-UTF-8 (a BOM is accepted). Run dirs written before the sections moved are read through MOVED.
+settings (refresh.py, e.g. `refresh.file`), `run` (runlog.py); `policies` (group.py) lists the
+policies of a policy group. This module composes them, checks what involves several at once, and
+turns files and `key=value` overrides into a Config: every default is chosen so that `lorabench
+demo` runs offline on a 2-core CPU; an invalid value raises ConfigError naming the field, the value
+and the fix; an unknown key gets a "did you mean"; files are UTF-8 (a BOM is accepted). Run dirs
+written before the sections moved are read through MOVED.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from .. import settings as st
 from ..data import DataSettings
 from ..engines import ENGINES, EngineNeeds, EngineSettings, engine_class
+from ..group import PolicySpec, member_dict, parse_policies
 from ..grpo import GRPOSettings
 from ..models import ModelSettings
 from ..policy import LoraSettings
@@ -56,26 +58,39 @@ class Config:
     engine: EngineSettings = field(default_factory=EngineSettings)
     refresh: RefreshSettings = field(default_factory=RefreshSettings)
     run: RunSettings = field(default_factory=RunSettings)
+    policies: list[PolicySpec] = field(default_factory=list)   # a policy group (group.py); [] = one policy
 
     def __post_init__(self):
         for problem in problems(self):
             raise ConfigError(problem)
 
     def to_dict(self) -> dict:
-        return {name: st.to_dict(getattr(self, name)) for name in SECTIONS}
+        sections = {name: st.to_dict(getattr(self, name)) for name in SECTIONS}
+        return {**sections, "policies": [p.to_dict() for p in self.policies]} if self.policies else sections
+
+    def members(self) -> dict[str, Config]:
+        """A policy group's policies, each as its own whole run config (group.member_dict)."""
+        shared, members = self.to_dict(), {}
+        for spec in self.policies:
+            try:
+                members[spec.name] = Config.from_dict(member_dict(shared, spec), source=f"policy {spec.name!r}")
+            except ConfigError as err:
+                raise ConfigError(f"policies: in policy {spec.name!r}: {err}") from err
+        return members
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> Config:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a table/object of sections, got {data!r:.60}")
-        unknown = set(data) - set(SECTIONS)
+        unknown = set(data) - set(SECTIONS) - {"policies"}
         if unknown:
             name = min(unknown)
             near = st.closest(name, list(SECTIONS))
             raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}"
                               f"{f' (did you mean {near!r}?)' if near else ''}; valid sections: {list(SECTIONS)}")
         return cls(**{name: st.build(section, data.get(name, {}), f"{source}: {name}", name, did_you_mean)
-                      for name, section in SECTIONS.items()})
+                      for name, section in SECTIONS.items()},
+                   policies=parse_policies(data.get("policies"), source, SECTIONS))
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -97,7 +112,20 @@ def problems(cfg: Config) -> list[str]:
     if cfg.grpo.lora_compute == "bfloat16" and cfg.model.dtype != "bfloat16":
         found.append(f"grpo.lora_compute=bfloat16 with model.dtype={cfg.model.dtype}: autocast would run the base "
                      f"model's matmuls in bf16 too; set model.dtype=bfloat16, or grpo.lora_compute=auto")
+    if cfg.policies:
+        found += group_problems(cfg)
     return found + engine_class(cfg.engine.backend).needs_problems(cfg.engine.chosen, engine_needs(cfg))
+
+
+def group_problems(cfg: Config) -> list[str]:
+    """What a policy group cannot do (each policy's own config is checked when it is built)."""
+    cfg.members()   # a policy's invalid value raises here, naming the policy
+    return [*st.check(cfg.refresh.mode != "merged", "refresh.mode=merged with policies: a merged refresh overwrites "
+                      "the engine's base weights, which every policy of the group shares; use refresh.mode=inplace, "
+                      "tensor or file"),
+            *st.check(not cfg.engine.release_memory_during_training, "engine.release_memory_during_training=true with "
+                      "policies: each policy would release and resume the shared engine around its own update; "
+                      "not supported for a group, set it to false")]
 
 
 def _section_problems(section) -> list[str]:
@@ -105,12 +133,20 @@ def _section_problems(section) -> list[str]:
 
 
 def engine_needs(cfg: Config) -> EngineNeeds:
-    """What this run asks of its engine, from the lora, grpo, data and run sections."""
+    """What this run asks of its engine, from the lora, grpo, data and run sections; for a policy
+    group: room for every policy's adapter, the largest rank, all target modules, the K policies'
+    rollouts in one batch."""
     g, d = cfg.grpo, cfg.data
-    targets = cfg.lora.target_modules
-    return EngineNeeds(lora_rank=cfg.lora.r, target_modules=targets if isinstance(targets, str) else tuple(targets),
-                       largest_batch=max(g.prompts_per_step * g.group_size, d.eval_size * d.eval_samples),
-                       seed=cfg.run.seed, model_dtype=cfg.model.dtype)
+    loras = [m.lora for m in cfg.members().values()] if cfg.policies else [cfg.lora]
+    targets = [lora.target_modules for lora in loras]
+    if any(t == "all-linear" for t in targets):
+        target = "all-linear"
+    else:
+        names = sorted({name for t in targets for name in ([t] if isinstance(t, str) else t)})
+        target = names[0] if len(names) == 1 else tuple(names)
+    return EngineNeeds(lora_rank=max(lora.r for lora in loras), target_modules=target,
+                       largest_batch=max(len(loras) * g.prompts_per_step * g.group_size, d.eval_size * d.eval_samples),
+                       seed=cfg.run.seed, model_dtype=cfg.model.dtype, adapters=len(loras))
 
 
 def flat(cfg: Config) -> dict[str, object]:
@@ -151,6 +187,9 @@ def apply_override(data: dict, item: str) -> None:
     """`grpo.lr=3e-4` -> data['grpo']['lr'] = '3e-4'; `engine.sglang.tp_size=2` -> data['engine']['sglang']
     ['tp_size'] (converted to the field's type when the section is built)."""
     key, sep, value = item.partition("=")
+    if key.strip() == "policies" and sep:   # a list of tables, as JSON: policies=[{"name": "r1", "lora": {"r": 1}}]
+        data["policies"] = value
+        return
     parts = key.strip().split(".")
     if not sep or len(parts) < 2 or not all(parts):
         raise ConfigError(f"override {item!r} must look like section.field=value, e.g. grpo.lr=3e-4")
@@ -204,4 +243,10 @@ def describe() -> str:
     lines += [f"  {name:<8} {engine_class(name).help}" for name in ENGINES]
     lines.append("refresh.mode (lorabench.refresh.REFRESH_MODES):")
     lines += [f"  {name:<8} {cls.help}" for name, cls in REFRESH_MODES.items()]
+    from ..group import _owned_names
+    lines += ["\npolicies (lorabench.group): several LoRA policies trained side by side on one engine and one base",
+              "  model, each with its own run dir GROUP/<name>. A list of tables, each a name and the fields that",
+              "  policy sets for itself; everything else is shared. TOML: policies = [{name = \"r1\", lora.r = 1},",
+              "  {name = \"r16\", lora.r = 16}]; on the command line as JSON: policies='[{\"name\": \"r1\", \"lora\":",
+              "  {\"r\": 1}}, ...]'. A policy may set: " + _owned_names() + "."]
     return "\n".join(lines)

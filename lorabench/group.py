@@ -1,0 +1,220 @@
+"""Several LoRA policies trained side by side on one engine and one frozen base model.
+
+    cfg = Config.load(None, ['policies=[{"name": "r1", "lora": {"r": 1}}, {"name": "r16", "lora": {"r": 16}}]'])
+    group = GroupSession.open(cfg)          # session/group.py: one run dir per policy, one engine
+    group.trainer.step()                    # every policy's rollouts as one engine batch, then K updates
+
+A policy group is K ordinary GRPO trainers (grpo.py), each with its own policy, optimizer, refresher,
+problem source and run dir, that share two things: the engine, which holds all K adapters (each
+served under the policy's name) and gets every policy's rollout requests of a step as one batch
+(engines.base.generate_each: one SGLang call; the CPU reference engine runs them one after the
+other, so a policy's rollouts equal those it gets alone), and the trainer's base model, one PEFT
+model holding the K adapters (policy.Policy `beside`), each made active for its own update.
+
+Each policy keeps what one policy has alone: its rollouts checked against its own served version,
+its mismatch and probe, its refresh (in place writes its own slot), its commit. What a policy may
+own is listed in OWNED; everything else is shared, since it defines the shared batch, engine or
+model. Each step's `time/rollout_s` is the shared batch's wall time, the same for every policy.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+from .clock import synced_time
+from .engines.base import generate_each
+from .rollout import rollouts_of
+from .settings import ConfigError, closest, path_component_problem
+
+# what a policy of a group may set for itself: section -> fields (None: every field of the section)
+OWNED: dict[str, tuple[str, ...] | None] = {
+    "lora": None,
+    "grpo": ("lr", "clip_eps", "kl_beta", "reward_mode", "format_bonus", "max_grad_norm", "max_delta_ratio", "epochs"),
+}
+_WHY_SHARED = {"run": "the run's schedule and seed; run.seed also seeds the demo model's build, which they share",
+               "grpo": "it shapes the shared rollout batch, the shared model's compilation or the step count",
+               "engine": "the engine is shared (each policy's adapter is served under the policy's name)"}
+
+
+@dataclass
+class PolicySpec:
+    """One entry of the run config's `policies` list: a name and the fields it sets for itself."""
+    name: str
+    overrides: dict[str, dict] = field(default_factory=dict)   # {"lora": {"r": 1}, "grpo": {"lr": 0.003}}
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **copy.deepcopy(self.overrides)}
+
+    def label(self) -> str:
+        """'r1: lora.r=1, grpo.lr=0.003'."""
+        parts = [f"{s}.{k}={v}" for s, fields in self.overrides.items() for k, v in fields.items()]
+        return f"{self.name}: {', '.join(parts) or 'the shared settings'}"
+
+
+def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
+    """The `policies` list of a config (a list of tables), each entry checked: a unique name usable
+    as a directory name, and only fields a policy may own. ConfigError names the entry and the fix."""
+    if entries in (None, []):
+        return []
+    if isinstance(entries, str):
+        import json
+        try:
+            entries = json.loads(entries)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{source}: policies={entries!r:.80} is not JSON ({err}); write a list of tables, e.g. "
+                              f'policies=[{{"name": "r1", "lora": {{"r": 1}}}}]') from err
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"{source}: policies must be a list of tables, e.g. policies = [{{name = \"r1\", "
+                          f"lora.r = 1}}, {{name = \"r16\", lora.r = 16}}] in TOML; got {entries!r:.80}")
+    specs, seen = [], set()
+    for i, entry in enumerate(entries):
+        where = f"{source}: policies[{i}]"
+        name = entry.get("name")
+        if not isinstance(name, str):
+            raise ConfigError(f"{where} has no name; give each policy one, e.g. name = \"r{i + 1}\"")
+        problem = path_component_problem(name)
+        if problem:
+            raise ConfigError(f"{where}: name {name!r} {problem}; it names the policy's run dir and adapter")
+        if name in seen:
+            raise ConfigError(f"{where}: two policies are named {name!r}; give each its own name")
+        seen.add(name)
+        overrides = {}
+        for section, values in entry.items():
+            if section == "name":
+                continue
+            overrides[section] = _owned_fields(f"{where} ({name})", section, values, sections)
+        specs.append(PolicySpec(name, overrides))
+    return specs
+
+
+def _owned_fields(where: str, section: str, values, sections: dict) -> dict:
+    from . import settings as st
+    if section not in OWNED:
+        why = _WHY_SHARED.get(section, "a policy may set only " + ", ".join(_owned_names()))
+        if section not in sections:
+            near = closest(section, list(OWNED))
+            raise ConfigError(f"{where}: unknown key {section!r}{f' (did you mean {near!r}?)' if near else ''}; a "
+                              f"policy may set {_owned_names()}")
+        raise ConfigError(f"{where}: {section}.* is shared by all policies of a run ({why}); set it outside "
+                          f"`policies`. A policy may set {_owned_names()}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: {section} must be a table of fields, e.g. {section}.r = 4; got {values!r:.60}")
+    known = [name for name, _ in st.walk_class(sections[section], section)]
+    allowed = OWNED[section]
+    for key in values:
+        dotted = f"{section}.{key}"
+        if dotted not in known:
+            near = closest(dotted, known)
+            raise ConfigError(f"{where}: unknown field {dotted}{f' (did you mean {near}?)' if near else ''}")
+        if allowed is not None and key not in allowed:
+            raise ConfigError(f"{where}: {dotted} is shared by all policies of a run ({_WHY_SHARED[section]}); set it "
+                              f"outside `policies`. A policy may set {_owned_names()}")
+    return dict(values)
+
+
+def _owned_names() -> str:
+    return ", ".join(f"{s}.*" if fields is None else ", ".join(f"{s}.{f}" for f in fields)
+                     for s, fields in OWNED.items())
+
+
+def member_dict(shared: dict, spec: PolicySpec) -> dict:
+    """A policy's whole run config (as to_dict): the shared sections, the policy's own fields on top,
+    its adapter served under its name; no `policies` (the policy's run dir is an ordinary run dir)."""
+    data = copy.deepcopy({k: v for k, v in shared.items() if k != "policies"})
+    for section, values in spec.overrides.items():
+        data.setdefault(section, {}).update(copy.deepcopy(values))
+    data.setdefault("engine", {})["adapter_name"] = spec.name
+    return data
+
+
+def shared_differences(configs: dict[str, dict]) -> list[str]:
+    """Fields outside OWNED (and the adapter name) that differ between the policies' configs: a group
+    whose members disagree on the shared batch, engine or model cannot step together."""
+    where = ("engine.adapter_name", "run.out_dir", "run.name")   # a policy's own, by its name and run dir
+    def shared(flat: dict) -> dict:
+        return {k: v for k, v in flat.items() if k not in where and not _owned_key(k)}
+    flats = {name: shared(_flatten(d)) for name, d in configs.items()}
+    first_name, first = next(iter(flats.items()))
+    found = []
+    for name, flat in list(flats.items())[1:]:
+        for key in sorted(set(first) | set(flat)):
+            if first.get(key) != flat.get(key):
+                found.append(f"{key}: {first.get(key)!r} in {first_name}, {flat.get(key)!r} in {name}")
+    return found
+
+
+def _owned_key(key: str) -> bool:
+    section, _, rest = key.partition(".")
+    return section in OWNED and (OWNED[section] is None or rest in OWNED[section])
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+class PolicyGroup:
+    """The loop of K policies as one object: `step()` samples every policy's rollouts in one engine
+    batch, then each trainer takes its step on its own rollouts (update, refresh, commit)."""
+
+    def __init__(self, trainers: dict, engine):
+        self.trainers = trainers      # name -> GRPOTrainer, all on `engine`, their policies on one model
+        self.engine = engine
+
+    @property
+    def step_count(self) -> int:
+        """The step every policy has reached (policies resumed from different checkpoints may differ)."""
+        return min(t.step_count for t in self.trainers.values())
+
+    def step(self, names=None) -> dict:
+        """One GRPO step of each policy in `names` (default: all): {name: StepRecord}. The requests
+        go out as one batch; a policy's step that fails is rolled back (its trainer says so) and
+        raised at once: the policies after it have not taken this step (`run` evens them out)."""
+        names = list(self.trainers) if names is None else list(names)
+        asked = {name: self.trainers[name].rollout_request() for name in names}
+        t0 = synced_time()
+        completions = generate_each(self.engine, [request for _, request in asked.values()])
+        rollout_s = synced_time() - t0
+        records = {}
+        for name, (problems, request), done in zip(names, asked.values(), completions):
+            trainer = self.trainers[name]
+            rollouts = rollouts_of(self.engine, trainer.tokenizer, problems, request, done)
+            records[name] = trainer.step(rollouts, rollout_s)
+        return records
+
+    def run(self, n: int | None = None, progress: bool = True) -> list[dict]:
+        """Steps until `n` more have run (default: until every policy reaches its grpo.steps)."""
+        from tqdm.auto import tqdm
+        target = {name: (t.settings.steps if n is None else t.step_count + n) for name, t in self.trainers.items()}
+        total = max(target[name] - t.step_count for name, t in self.trainers.items())
+        done = []
+        bar = tqdm(range(max(0, total)), desc=f"GRPO x{len(self.trainers)}", disable=not progress)
+        for _ in bar:
+            due = [name for name, t in self.trainers.items() if t.step_count < target[name]]
+            records = self.step(due)
+            done.append(records)
+            bar.set_postfix({name: f"{r.metrics['reward/mean']:.2f}" for name, r in records.items()})
+        self.wait_committed()
+        return done
+
+    def evaluate(self, greedy: bool = False) -> dict:
+        """{name: held-out evaluation} (trainer.evaluate for each policy)."""
+        return {name: t.evaluate(greedy=greedy) for name, t in self.trainers.items()}
+
+    def wait_committed(self) -> None:
+        for trainer in self.trainers.values():
+            trainer.wait_committed()
+
+    def close(self) -> None:
+        """Each trainer's commits and refresher (the engine is the session's); all are closed, also
+        when one of them raises."""
+        with contextlib.ExitStack() as closing:
+            for trainer in self.trainers.values():
+                closing.callback(trainer.close)

@@ -1,0 +1,217 @@
+"""A policy group opened the way `lorabench run` opens it (group.py says what a group is).
+
+    session = GroupSession.open(cfg, run_dir="runs/ranks")   # cfg.policies names K policies
+    session.trainer.step()                                    # {name: StepRecord}, one engine batch
+    session.close()
+
+The group's dir holds `group.json` (the policies: names and what each sets, written once, when the
+group is made) and one ordinary run dir per policy, `GROUP/<name>`, with its own config.json (the
+policy's whole config), checkpoint, rows and lock. So a policy is resumable alone
+(`lorabench resume GROUP/<name>`, on an engine of its own) or with the others (`lorabench resume
+GROUP`). Each policy's run dir is planned, checked and continued by the same rules as any run dir
+(run.py: plan_run); the group dir itself may hold nothing else, and is refused if it is a link,
+holds anything but group.json and the policies' dirs, or names other policies.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..machine import cpu_threads
+from .config import Config, ConfigError, engine_needs
+from .run import RunSession, build_trainer, plan_run, resolve_model
+
+GROUP_FILE = "group.json"
+
+
+@dataclass
+class GroupSession:
+    cfg: Config                     # the group's config: the shared sections and `policies`
+    members: dict[str, RunSession]  # name -> the policy's session (its runlog, trainer; the engine is shared)
+    engine: object
+    trainer: object                 # group.PolicyGroup
+    run_dir: Path
+    model_path: str
+    model_seconds: float = 0.0
+    before: dict = field(default_factory=dict)   # name -> step-0 held-out evals [sampled, greedy]
+
+    @classmethod
+    def open(cls, cfg: Config, run_dir: str | Path | None = None, log=print, evaluate_first: bool = True):
+        """A new group in `run_dir` (or run.out_dir/run.name, or a timestamped dir), or the group
+        already there, continued (each policy's run dir by its own compatibility rules)."""
+        if not cfg.policies:
+            raise ConfigError("GroupSession needs a config with policies (a policy group); a single policy is a "
+                              "RunSession")
+        return cls._open(cfg, cfg.members(), _group_path(cfg, run_dir), log, evaluate_first)
+
+    @classmethod
+    def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
+        """The group in `group_dir`, each policy continued from its own run dir's effective config plus
+        `overrides` (as `lorabench resume` does for one run)."""
+        from .compat import resume_config
+        root = Path(group_dir)
+        specs = read_group(root)
+        members = {spec.name: resume_config(root / spec.name, list(overrides)) for spec in specs}
+        shared = next(iter(members.values())).to_dict()
+        cfg = Config.from_dict({**shared, "policies": [s.to_dict() for s in specs]}, source=str(root / GROUP_FILE))
+        return cls._open(cfg, members, root, log, evaluate_first)
+
+    @classmethod
+    def _open(cls, cfg: Config, members: dict[str, Config], root: Path, log, evaluate_first: bool):
+        import torch
+
+        from ..group import shared_differences
+        from .preflight import preflight
+        differ = shared_differences({name: m.to_dict() for name, m in members.items()})
+        if differ:
+            raise ConfigError(f"the policies of {root} differ in settings they share: {'; '.join(differ[:4])}; "
+                              f"a group steps with one batch, engine and model: continue each policy alone "
+                              f"(lorabench resume {root}/NAME) or give them the same values")
+        existing = check_group_dir(root, list(members))
+        plans = {name: plan_run(m, root / name) for name, m in members.items()}
+        for name, plan in plans.items():
+            preflight(members[name], plan.run_dir, continued=plan.continued is not None, log=log)
+        first = next(iter(members.values()))
+        threads, how = cpu_threads(first.run.threads)
+        torch.set_num_threads(threads)
+        log(f"torch CPU threads: {how}")
+        t0 = time.perf_counter()
+        model_path = resolve_model(first, log=log)
+        model_seconds = time.perf_counter() - t0
+        fingerprints = {name: plan.check_model(members[name], model_path, log) for name, plan in plans.items()}
+        if not existing:
+            write_group(root, cfg)
+        runlogs = {}
+        try:
+            for name, plan in plans.items():
+                runlogs[name] = plan.open(members[name], log)
+                runlogs[name].fingerprint = fingerprints[name]
+            session = cls._build(cfg, members, runlogs, root, model_path, model_seconds, log)
+        except BaseException:
+            for runlog in runlogs.values():
+                runlog.close()
+            raise
+        if evaluate_first:
+            try:
+                session.evaluate_before()
+            except BaseException:
+                session.close()
+                raise
+        return session
+
+    @classmethod
+    def _build(cls, cfg, members, runlogs, root, model_path, model_seconds, log):
+        from ..engines import make_engine
+        from ..group import PolicyGroup
+        log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
+            + "; ".join(spec.label() for spec in cfg.policies))
+        engine = make_engine(cfg.engine, model_path, engine_needs(cfg))
+        try:
+            trainers, sessions, beside = {}, {}, None
+            for name, member in members.items():
+                trainer = build_trainer(member, model_path, engine, runlogs[name], log=log, beside=beside,
+                                        peft_name=name)
+                beside = beside or trainer
+                trainers[name] = trainer
+                sessions[name] = RunSession(member, runlogs[name], engine, trainer, model_path, model_seconds)
+        except BaseException:
+            for trainer in trainers.values():
+                trainer.close()
+            engine.close()
+            raise
+        return cls(cfg, sessions, engine, PolicyGroup(trainers, engine), root, model_path, model_seconds)
+
+    def evaluate_before(self) -> dict:
+        """Each policy's step-0 held-out evaluations (RunSession.evaluate_before)."""
+        self.before = {name: member.evaluate_before() for name, member in self.members.items()}
+        return self.before
+
+    def metrics(self) -> dict[str, list[dict]]:
+        """{name: the rows of its metrics.jsonl}, once every step so far is written."""
+        return {name: member.metrics() for name, member in self.members.items()}
+
+    def close_engine(self) -> None:
+        """The trainers' commits and refreshers, then the shared engine; the run dirs stay locked."""
+        try:
+            self.trainer.close()
+        finally:
+            self.engine.close()
+
+    def close(self) -> None:
+        try:
+            self.close_engine()
+        finally:
+            for member in self.members.values():
+                member.runlog.close()
+
+
+def _group_path(cfg: Config, run_dir) -> Path:
+    if run_dir:
+        return Path(run_dir)
+    if cfg.run.name:
+        return Path(cfg.run.out_dir) / cfg.run.name
+    return Path(cfg.run.out_dir) / (time.strftime("%Y%m%d-%H%M%S") + "-group")
+
+
+def check_group_dir(root: Path, names: list[str]) -> bool:
+    """Whether `root` already holds this group (True) or is free for it (False: absent or empty);
+    anything else is refused before anything is written, nothing in it touched."""
+    from ..rundir import RunDirError
+    if not os.path.lexists(root):
+        return False
+    if os.path.islink(root) or not root.is_dir():
+        raise RunDirError(f"{root} is {'a link' if os.path.islink(root) else 'not a directory'}; a policy group "
+                          f"is made in a directory of its own: choose another run.name or run.out_dir")
+    entries = sorted(os.listdir(root))
+    links = [e for e in entries if e != GROUP_FILE and os.path.islink(root / e)]
+    if links:
+        raise RunDirError(f"{root} holds links {links[:5]}; a policy group's dir holds {GROUP_FILE} and one run dir "
+                          f"per policy only: choose another run.name or run.out_dir")
+    if GROUP_FILE in entries:   # read_group refuses a link or an unreadable file
+        recorded = [spec.name for spec in read_group(root)]
+        if recorded != list(names):
+            raise RunDirError(f"{root} is a policy group of {recorded}, not {list(names)}: continue it with its own "
+                              f"policies (lorabench resume {root}), or choose another run.name for a new group")
+    elif entries:
+        raise RunDirError(f"{root} holds {entries[:5]} but no {GROUP_FILE}: it is not a policy group lorabench made; "
+                          f"choose another run.name or run.out_dir")
+    odd = [e for e in entries if e != GROUP_FILE and e not in names]
+    if odd:
+        raise RunDirError(f"{root} holds {odd[:5]}, which are not the dirs of its policies {names}; a policy group's "
+                          f"dir holds {GROUP_FILE} and one run dir per policy only: move them out, or choose another "
+                          f"run.name or run.out_dir")
+    return GROUP_FILE in entries
+
+
+def read_group(root: Path) -> list:
+    """The policies `root/group.json` names (a regular file, not a link; refused if unreadable)."""
+    from ..group import parse_policies
+    from ..rundir import RunDirError
+    from .config import SECTIONS
+    path = root / GROUP_FILE
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise RunDirError(f"{root} has no {GROUP_FILE}: it is not a policy group (a single run dir is resumed as "
+                          f"lorabench resume RUN_DIR)") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise RunDirError(f"{path} is not a regular file (a link?); a policy group's {GROUP_FILE} is a file lorabench "
+                          f"wrote: restore it, or resume each policy's run dir alone")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return parse_policies(data["policies"], str(path), SECTIONS)
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ConfigError) as err:
+        raise RunDirError(f"{path} cannot be read as a policy group ({err}); nothing was changed: restore it, or "
+                          f"resume each policy's run dir alone (lorabench resume {root}/NAME)") from err
+
+
+def write_group(root: Path, cfg: Config) -> None:
+    """group.json, once, atomically (the dir is made here if it is not there)."""
+    from ..fsutil import atomic_write
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write(root / GROUP_FILE, json.dumps({"policies": [p.to_dict() for p in cfg.policies]}, indent=1).encode(),
+                 mode=0o640)

@@ -1,0 +1,188 @@
+"""Policy groups (group.py, session/group.py): the `policies` config, K policies on one engine and
+one base model, each policy's rows equal to the same policy run alone, every rollout checked
+against its own policy, the group dir's refusals, and resume together or alone."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorabench.engines import StaleAdapter
+from lorabench.engines.base import generate_each
+from lorabench.rollout import rollouts_of
+from lorabench.runlog import RunDirError, read_jsonl
+from lorabench.session import Config, ConfigError, GroupSession, RunSession, resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.max_new_tokens=4", "data.eval_size=2",
+         "run.threads=1"]
+QUIET = dict(log=lambda *a: None)
+
+
+def policies(*entries: dict) -> str:
+    return "policies=" + json.dumps(list(entries))
+
+
+def group_cfg(model, out, name, *extra, ranks=(2, 8)) -> Config:
+    return Config.load(None, [policies(*({"name": f"r{r}", "lora": {"r": r, "alpha": 2 * r}} for r in ranks)),
+                              f"model.name_or_path={model}", f"run.out_dir={out}", f"run.name={name}",
+                              f"refresh.file.tmp_dir={out}", *extra])
+
+
+# --- the config ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("entries, words", [
+    ([{"name": "a", "grpo": {"steps": 3}}], "grpo.steps is shared by all policies"),
+    ([{"name": "a", "lora": {"rank": 3}}], "did you mean lora.r"),
+    ([{"name": "a/b"}], "is a path, not a name"),
+    ([{"name": "a"}, {"name": "a"}], "two policies are named 'a'"),
+    ([{"lora": {"r": 2}}], "has no name"),
+    ([{"name": "a", "lora": {"r": 0}}], "in policy 'a': lora.r=0"),
+    ([{"name": "a", "engine": {"backend": "sglang"}}], "engine.* is shared"),
+])
+def test_a_policy_may_set_only_its_own_fields_and_bad_entries_say_which(entries, words):
+    with pytest.raises(ConfigError, match="policies") as err:
+        Config.load(None, [policies(*entries)])
+    assert words in str(err.value)
+
+
+def test_a_merged_refresh_is_refused_for_a_group():
+    with pytest.raises(ConfigError, match="refresh.mode=merged with policies"):
+        Config.load(None, [policies({"name": "a"}, {"name": "b"}), "refresh.mode=merged"])
+
+
+def test_each_policy_is_a_whole_run_config_and_the_engine_has_room_for_all():
+    from lorabench.session.config import engine_needs
+    cfg = Config.load(None, [policies({"name": "r1", "lora": {"r": 1, "target_modules": ["q_proj"]}},
+                                      {"name": "r8", "lora": {"r": 8, "target_modules": ["v_proj"]},
+                                       "grpo": {"lr": 0.003}})])
+    members = cfg.members()
+    assert {n: (m.lora.r, m.grpo.lr, m.engine.adapter_name, m.policies) for n, m in members.items()} == {
+        "r1": (1, 0.001, "r1", []), "r8": (8, 0.003, "r8", [])}
+    needs = engine_needs(cfg)
+    assert (needs.lora_rank, needs.target_modules, needs.adapters) == (8, ("q_proj", "v_proj"), 2)
+    assert needs.largest_batch >= 2 * cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    again = Config.from_dict(json.loads(json.dumps(cfg.to_dict())))   # group.json's round trip
+    assert again.to_dict() == cfg.to_dict()
+
+
+# --- the group dir: a fortress like a run dir ------------------------------------------------------
+def test_the_group_dir_refuses_links_strangers_and_other_policies(tiny_model_dir, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "linked").symlink_to(target)
+    with pytest.raises(RunDirError, match="is a link"):
+        GroupSession.open(group_cfg(tiny_model_dir, tmp_path, "linked", *SMALL), **QUIET)
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="notes.txt"):
+        GroupSession.open(group_cfg(tiny_model_dir, tmp_path, "stranger", *SMALL), **QUIET)
+    assert sorted(os.listdir(stranger)) == ["notes.txt"] and os.listdir(target) == []
+    made = GroupSession.open(group_cfg(tiny_model_dir, tmp_path, "g", *SMALL, "grpo.steps=1"), **QUIET)
+    made.close()
+    with pytest.raises(RunDirError, match=r"a policy group of \['r2', 'r8'\]"):
+        GroupSession.open(group_cfg(tiny_model_dir, tmp_path, "g", *SMALL, ranks=(2, 4)), **QUIET)
+    (tmp_path / "g" / "group.json").unlink()
+    (tmp_path / "g" / "group.json").symlink_to(target)
+    with pytest.raises(RunDirError, match="link"):
+        GroupSession.resume(tmp_path / "g", **QUIET)
+
+
+# --- on the demo model: the same as alone, every rollout its own policy's ---------------------------
+@pytest.fixture(scope="module")
+def warm_model() -> str:
+    """The demo's warm-started model (the recipe `lorabench demo` builds and caches)."""
+    return resolve_model(Config(), log=print)
+
+
+COMPARED = ("reward/mean", "loss/policy", "grad_norm", "mismatch/mean", "adapter/delta_norm", "advantage/abs_mean",
+            "completions/mean_length", "adapter/served_version")
+
+
+@pytest.mark.slow
+def test_a_policy_in_a_group_equals_the_same_policy_run_alone(warm_model, tmp_path):
+    """Sharing the engine and the base model changes nothing but speed: the same problems, rollouts
+    and updates as the same policy's config run alone (the CPU engine serves each request as if it
+    came alone; SGLang batches them)."""
+    steps = 3
+    cfg = group_cfg(warm_model, tmp_path, "g", f"grpo.steps={steps}", "run.threads=1", "data.eval_size=8",
+                    ranks=(2, 8))
+    group = GroupSession.open(cfg, **QUIET)
+    try:
+        group.trainer.run(progress=False)
+        together = group.metrics()
+    finally:
+        group.close()
+    alone = RunSession.open(cfg.members()["r8"], tmp_path / "alone", **QUIET)
+    try:
+        alone.trainer.run(progress=False)
+        rows = alone.metrics()
+    finally:
+        alone.close()
+    assert [r["step"] for r in rows] == [r["step"] for r in together["r8"]] == list(range(1, steps + 1))
+    for mine, theirs in zip(together["r8"], rows):
+        for key in COMPARED:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (mine["step"], key)
+    assert read_jsonl(tmp_path / "g" / "r8" / "evals.jsonl") == read_jsonl(tmp_path / "alone" / "evals.jsonl")
+    assert together["r2"][-1]["adapter/delta_norm"] != together["r8"][-1]["adapter/delta_norm"]
+
+
+@pytest.mark.slow
+def test_every_rollout_is_checked_against_its_own_policy(warm_model, tmp_path):
+    """Rollouts of one policy handed to another's trainer are refused before anything trains; and if
+    they were served under another policy's (here very different) adapter, the mismatch shows it."""
+    cfg = group_cfg(warm_model, tmp_path, "g", "grpo.steps=2", "data.eval_size=2", "run.threads=1", ranks=(2, 8))
+    group = GroupSession.open(cfg, evaluate_first=False, **QUIET)
+    try:
+        a, b = group.trainer.trainers["r2"], group.trainer.trainers["r8"]
+        with torch.no_grad():   # make r8's adapter far from r2's (a fresh LoRA serves the base model)
+            for p in b.policy.params:
+                p.add_(0.05 * torch.randn_like(p))
+        b.refresher.refresh(b.policy.adapter())
+        (problems_a, request_a), (_, request_b) = a.rollout_request(), b.rollout_request()
+        done_a, done_b = generate_each(group.engine, [request_a, request_b])
+        with pytest.raises(StaleAdapter, match="served by adapter 'r8'"):
+            a.step(rollouts_of(group.engine, a.tokenizer, problems_a, request_b, done_b))
+        assert a.step_count == 0
+        # the same problems, sampled under r8's adapter but labelled as r2's: the mismatch is far above its own
+        wrong = rollouts_of(group.engine, a.tokenizer, problems_a, request_a, done_b)
+        mixed = a.step(wrong).metrics["mismatch/mean"]
+        own = b.step(rollouts_of(group.engine, b.tokenizer, problems_a, request_b, done_b)).metrics["mismatch/mean"]
+        assert mixed > 100 * max(own, 1e-6), (mixed, own)
+    finally:
+        group.close()
+
+
+@pytest.mark.slow
+def test_four_ranks_learn_side_by_side_through_the_cli(warm_model, tmp_path):
+    """`lorabench run` with four policies (ranks 1, 4, 16, 32, lora.alpha fixed at its default, so the
+    update's scale alpha/r grows as the rank falls) on the demo: each policy's training reward rises,
+    each run dir is a whole run, and one policy resumes alone while the group resumes together."""
+    ranks = (1, 4, 16, 32)
+    entries = [{"name": f"r{r}", "lora": {"r": r}} for r in ranks]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def lorabench(*args):
+        done = subprocess.run([sys.executable, "-m", "lorabench.cli", *args], cwd=tmp_path, capture_output=True,
+                              text=True, env=env, timeout=1800)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    out = lorabench("run", f"policies={json.dumps(entries)}", "grpo.steps=12", "grpo.lr=0.003", "data.eval_size=16",
+                    f"run.out_dir={tmp_path}", "run.name=ranks")
+    assert "4 policies on one engine" in out
+    group = tmp_path / "ranks"
+    assert sorted(os.listdir(group)) == ["group.json", *sorted(f"r{r}" for r in ranks)]
+    for r in ranks:
+        rows = read_jsonl(group / f"r{r}" / "metrics.jsonl")
+        assert [row["adapter/served_version"] for row in rows] == list(range(12))
+        first, last = (sum(row["reward/mean"] for row in part) / 4 for part in (rows[:4], rows[-4:]))
+        assert last > first + 0.1, (r, [round(row["reward/mean"], 2) for row in rows])
+        assert (group / f"r{r}" / "summary.json").is_file()
+    lorabench("resume", str(group / "r1"), "grpo.steps=13", "data.eval_size=16")
+    lorabench("resume", str(group), "grpo.steps=14", "data.eval_size=16")
+    assert {r: len(read_jsonl(group / f"r{r}" / "metrics.jsonl")) for r in ranks} == {r: 14 for r in ranks}
