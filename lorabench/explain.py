@@ -1038,3 +1038,33 @@ def group_loss_sentence(stale: dict, fresh: dict) -> str:
             f"them lie outside 1 ± {eps:g}; after one refresh {float(fresh['ratio'].min()):.3f} to "
             f"{float(fresh['ratio'].max()):.3f}, {outside(fresh)} outside. The stale trainer takes each step as if "
             f"its rollouts were its own; only the mismatch check (`mismatch/*`) tells them apart.")
+
+
+# --- notebook 04: which LoRA rank does RL need? ------------------------------------------------------------
+def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = "strict") -> tuple[str, list[str]]:
+    """Markdown that compares the policies' held-out `key` share after training (greedy evaluations:
+    name -> trainer.evaluate row; `before`: the same before the first step), each with its standard
+    error, and the names within two standard errors of the best (a tie at this sample size). Whatever
+    the numbers are, the sentence says what they show, including that nothing was learned yet."""
+    share = {name: e[key] for name, e in after.items()}
+    n = next(iter(after.values()))["n"]
+    se = {name: (p * (1 - p) / n) ** 0.5 for name, p in share.items()}
+    listed = ", ".join(f"{name} {before[name][key]:.2f} → {share[name]:.2f} (± {se[name]:.2f})" for name in share)
+    head = f"Held-out, greedy ({n} problems), the strict reward per policy before → after: {listed}."
+    learned = [name for name in share
+               if share[name] - before[name][key] > 2 * share_se(before[name][key], share[name], n)]
+    if not learned:
+        return (f"{head} No policy has improved by more than two standard errors yet: this run is too short (or its "
+                f"sample too small) to say anything about rank. Run more steps (Run N above) and evaluate again.",
+                list(share))
+    best = max(share, key=share.get)
+    tied = [name for name in share if share[best] - share[name] <= 2 * (se[best] ** 2 + se[name] ** 2) ** 0.5]
+    if len(tied) == len(share):
+        tail = (f"The best is {best}, and every policy is within two standard errors of it: at this size and length "
+                f"of run the rank does **not** separate them, which is what LoRA Without Regret reports for "
+                f"policy-gradient RL (rank 1 learning as well as much larger ranks).")
+    else:
+        behind = [name for name in share if name not in tied]
+        tail = (f"The best is **{best}**; within two standard errors of it: {', '.join(tied)}; behind by more than "
+                f"that: {', '.join(behind)}. Here the rank **did** matter.")
+    return f"{head} {tail}", tied

@@ -125,6 +125,35 @@ def plot_delta_norm(rows, ax=None):
     return ax
 
 
+# --- several policies side by side (a policy group) ---------------------------------------------------
+POLICY_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#8c8c8c"]
+GROUP_VIEWS = (("reward/mean", "Reward (mean of 5 steps)", "mean over the step's completions", False, True),
+               ("mismatch/mean", "Mismatch, trainer vs engine", "mean |Δ log-prob| (nats)", True, False),
+               ("refresh/total_s", "Adapter refresh after each step", "s", False, False),
+               ("adapter/delta_norm", "How far each adapter has moved: ‖ΔW‖", "‖ΔW‖ (Frobenius)", False, False))
+
+
+def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel: str, ax=None, log: bool = False,
+                  rolling: bool = False):
+    """One line per policy of `key` against the step (`histories`: name -> metrics rows)."""
+    ax = ax or plt.subplots(figsize=(6, 3.5))[1]
+    for (name, rows), color in zip(histories.items(), POLICY_COLORS * 4):
+        steps, values = _series(rows, key)
+        if not values:
+            continue
+        if rolling:
+            ax.plot(steps, values, ".", alpha=0.3, color=color)
+        values = _rolling(values) if rolling else values
+        if log:
+            ax.semilogy(steps, [max(v, 1e-9) for v in values], "-", color=color, label=name)
+        else:
+            ax.plot(steps, values, "-", color=color, label=name)
+    ax.set(xlabel="GRPO step", ylabel=ylabel)
+    title_with_legend(ax, title, ncol=4)
+    ax.grid(alpha=0.3)
+    return ax
+
+
 def run_plot_images(rows, evals) -> dict[str, bytes]:
     """The run's three figures as PNG bytes (reward, refresh, mismatch), for runlog.RunLog.save_plots."""
     images = {}
@@ -469,3 +498,21 @@ def ms_text(ms: float, digits: int = 3) -> str:
     if abs(ms) >= 10 ** (digits - 1):
         return f"{ms:,.0f}"
     return "0" if abs(ms) < 1e-3 else f"{ms:.{digits}g}"
+
+
+def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], key: str = "strict"):
+    """Notebook 04: the policies' training reward (mean of 5 steps) beside their held-out `key` share
+    with two standard errors."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained", width_ratios=(3, 2))
+    fig.set_label("rank_sweep")
+    plot_policies(histories, "reward/mean", "Training reward (mean of 5 steps)", "mean over the step's completions",
+                  ax=left, rolling=True)
+    names = list(after)
+    shares = [after[name][key] for name in names]
+    n = after[names[0]]["n"]
+    errors = [2 * (p * (1 - p) / n) ** 0.5 for p in shares]
+    right.bar(names, shares, yerr=errors, capsize=4, color=POLICY_COLORS[:len(names)])
+    right.set(ylabel=f"held-out {key} reward (greedy)", ylim=(0, 1.05), xlabel="policy")
+    title_with_legend(right, f"After training ({n} problems, ± 2 s.e.)")
+    right.grid(alpha=0.3, axis="y")
+    return fig

@@ -47,7 +47,17 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from .interrupts import interrupts_to_the_main_thread
-from .viz import STYLE, empty_axes, plot_delta_norm, plot_mismatch, plot_refresh, plot_rewards, use_style
+from .viz import (
+    GROUP_VIEWS,
+    STYLE,
+    empty_axes,
+    plot_delta_norm,
+    plot_mismatch,
+    plot_policies,
+    plot_refresh,
+    plot_rewards,
+    use_style,
+)
 
 
 def setup_notebook() -> None:
@@ -286,7 +296,7 @@ class StepPanel:
                     self.log.append_stdout(f"stopped after {i} of {n} step(s)\n")
                     break
                 self.status.value = running_line(self.trainer.step_count + 1, i, n, time.perf_counter() - started)
-                self.last = self.trainer.step()
+                self.last = self._one_step()
                 self.render()
             self.trainer.wait_committed()   # an idle panel means the run dir holds every step it ran
         except Exception as err:  # shown in the panel and re-raised by wait()
@@ -297,9 +307,62 @@ class StepPanel:
             self._set_running(False)
             self._idle.set()
 
+    def _one_step(self):
+        return self.trainer.step()
+
     def _set_running(self, running: bool) -> None:
         self.step_button.disabled = self.run_button.disabled = running or self._ended
         self.stop_button.disabled = not running
+
+
+class GroupPanel(StepPanel):
+    """The step panel of a policy group (group.PolicyGroup): Step / Run N / Stop step every policy
+    at once; the views put the policies side by side (reward, mismatch, refresh, ‖ΔW‖ per policy)
+    with a table of each policy's last step. `panel.last` is {name: StepRecord}."""
+
+    def __init__(self, group, figsize=(11, 6.6), dpi: int = 90):
+        super().__init__(group, figsize, dpi)
+        self.figure.set_label("group_panel")
+        self.render()
+
+    def render(self) -> None:
+        histories = {name: list(t.history) for name, t in self.trainer.trainers.items()}
+        with self._draw_lock, matplotlib.rc_context(STYLE):
+            for ax, (key, title, ylabel, log, rolling) in zip(self.axes, GROUP_VIEWS):
+                ax.clear()
+                plot_policies(histories, key, title, ylabel, ax=ax, log=log, rolling=rolling)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                if not any(histories.values()):
+                    empty_axes(ax, "no step yet")
+            png = io.BytesIO()
+            self.figure.savefig(png, format="png", dpi=self.dpi, bbox_inches="tight")
+            self.plot.value = png.getvalue()
+        self.step_label.value = f"steps done: {self.trainer.step_count}"
+        self.status.value = policies_table(histories)
+        self.completions.value = ""
+        self.refresh.value = ""
+
+
+def policies_table(histories: dict[str, list[dict]]) -> str:
+    """HTML: each policy's last step (reward, mismatch, probe gap, refresh, served version)."""
+    if not any(histories.values()):
+        return "<i>no step yet: click Step (every policy takes one)</i>"
+    head = ("<tr><th>policy</th><th>step</th><th>reward</th><th>reward, mean of 5</th><th>mismatch mean</th>"
+            "<th>probe gap</th><th>refresh ms</th><th>served version</th></tr>")
+    rows = []
+    for name, history in histories.items():
+        if not history:
+            rows.append(f"<tr><td>{name}</td><td colspan=7><i>no step yet</i></td></tr>")
+            continue
+        m = history[-1]
+        recent = [r["reward/mean"] for r in history[-5:]]
+        rows.append(f"<tr><td><b>{name}</b></td><td>{m['step']}</td><td>{m['reward/mean']:.3f}</td>"
+                    f"<td>{sum(recent) / len(recent):.3f}</td><td>{_fmt(m['mismatch/mean'], '.1e')}</td>"
+                    f"<td>{_fmt(m.get('probe/adapter_gap'), '.3g')}</td><td>{1e3 * m['refresh/total_s']:.1f}</td>"
+                    f"<td>v{m['adapter/served_version']}</td></tr>")
+    return (f"{_TABLE_STYLE}<div>One engine batch per step for all policies; each policy trained, refreshed and "
+            f"checked on its own (its rollouts served by its own adapter at the trainer's version)</div>"
+            f"<table class='lb-table'>{head}{''.join(rows)}</table>")
 
 
 _RUNNING: weakref.WeakSet[StepPanel] = weakref.WeakSet()   # panels whose steps are running now

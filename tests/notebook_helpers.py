@@ -26,6 +26,7 @@ SMALL = {
     "01_step_through": {"STEPS": 3, "BREAK_STEPS": 3, "OVERRIDES": SMALL_RUN},
     "02_refresh_methods": {"RANK": 4, "REPEATS": 2, "MERGED_POINTS": 3, "RANKS": [4, 16]},
     "03_how_hotswap_works": {"STEPS": 3, "COMPARE_STEPS": 3, "SEEDS": 2, "OVERRIDES": SMALL_RUN},
+    "04_which_rank": {"RANKS": [1, 8], "STEPS": 3, "OVERRIDES": SMALL_RUN},
 }
 
 

@@ -1,4 +1,4 @@
-"""The three notebooks in a real browser, as a learner meets them: JupyterLab served on 127.0.0.1
+"""The notebooks in a real browser, as a learner meets them: JupyterLab served on 127.0.0.1
 (random port, random token) and driven in headless Chromium (Playwright, Debian's /usr/bin/chromium)
 at 1400 px wide. Each notebook, with the tests' small parameters injected, is run from the Run
 menu (Run All Cells); after notebook 01's Run All its panel must still work: Step, then Run N
@@ -74,7 +74,7 @@ def lab_settings(settings_dir) -> None:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """JupyterLab on 127.0.0.1 with a random token, serving a temp dir holding the three notebooks
+    """JupyterLab on 127.0.0.1 with a random token, serving a temp dir holding the notebooks
     with the small parameters injected (01's runs go to the temp dir); isolated config."""
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "root"

@@ -186,3 +186,21 @@ def test_four_ranks_learn_side_by_side_through_the_cli(warm_model, tmp_path):
     lorabench("resume", str(group / "r1"), "grpo.steps=13", "data.eval_size=16")
     lorabench("resume", str(group), "grpo.steps=14", "data.eval_size=16")
     assert {r: len(read_jsonl(group / f"r{r}" / "metrics.jsonl")) for r in ranks} == {r: 14 for r in ranks}
+
+
+def test_the_group_panel_steps_every_policy_and_shows_them_side_by_side(tiny_model_dir, tmp_path):
+    from lorabench.widgets import GroupPanel
+    group = GroupSession.open(group_cfg(tiny_model_dir, tmp_path, "g", *SMALL, "grpo.steps=5"), **QUIET)
+    try:
+        panel = GroupPanel(group.trainer)
+        assert "no step yet" in panel.status.value
+        panel.step_button.click()          # as a click's widget message does
+        panel.wait(timeout=300)
+        panel.start(2)
+        last = panel.wait(timeout=300)
+        assert set(last) == {"r2", "r8"} and all(r.step == 3 for r in last.values())
+        assert {name: len(t.history) for name, t in group.trainer.trainers.items()} == {"r2": 3, "r8": 3}
+        assert all(f"<b>{name}</b>" in panel.status.value for name in ("r2", "r8")) and panel.plot.value
+        panel.close()
+    finally:
+        group.close()

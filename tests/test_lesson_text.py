@@ -62,3 +62,18 @@ def test_broken_summary_words_follow_the_numbers():
                                   per_step=64)
     assert explain.stated_directions(flat)[0] == "held", flat
     assert "served versions 0 to 5" in flat, flat
+
+
+def _evals(**shares):
+    return {name: {"strict": p, "n": 128} for name, p in shares.items()}
+
+
+@pytest.mark.parametrize("after, words, tied", [
+    (_evals(r1=0.05, r8=0.06), "No policy has improved", ["r1", "r8"]),
+    (_evals(r1=0.60, r8=0.62), "does **not** separate them", ["r1", "r8"]),
+    (_evals(r1=0.20, r8=0.70), "behind by more than that: r1", ["r8"]),
+])
+def test_rank_verdict_says_what_the_numbers_say(after, words, tied):
+    from lorabench.explain import rank_verdict
+    text, got = rank_verdict(after, _evals(r1=0.05, r8=0.05))
+    assert words in text and got == tied, text

@@ -33,9 +33,9 @@ from notebook_helpers import (
 pytestmark = pytest.mark.skipif(not NOTEBOOKS, reason="no notebooks found")
 
 
-def test_three_notebooks_are_committed():
+def test_four_notebooks_are_committed():
     assert [p.name for p in NOTEBOOKS] == ["01_step_through.ipynb", "02_refresh_methods.ipynb",
-                                           "03_how_hotswap_works.ipynb"]
+                                           "03_how_hotswap_works.ipynb", "04_which_rank.ipynb"]
     assert sorted(SMALL) == [p.stem for p in NOTEBOOKS]
 
 
@@ -177,3 +177,17 @@ def test_03_how_hotswap_works_runs(kernel_env, tmp_path):
                                                      "refreshed_vs_stale"]
     shown = "".join(str(o.get("data", {}).get("text/markdown", "")) for c in nb.cells for o in c.get("outputs", []))
     assert "**Trained here:**" in shown and f"trained {SMALL['03_how_hotswap_works']['STEPS']} GRPO steps" in shown
+
+
+def test_04_which_rank_runs(kernel_env, tmp_path):
+    """The ranks train side by side in one group dir: one run dir per policy, every step of each."""
+    from lorabench.runlog import read_jsonl
+    small = SMALL["04_which_rank"]
+    nb = execute(NOTEBOOK_DIR / "04_which_rank.ipynb", tmp_path, RUN_ROOT=str(tmp_path / "runs"))
+    assert [f["figure"] for _, f in figures(nb)] == ["rank_sweep", "group_panel"]
+    (group,) = (tmp_path / "runs").iterdir()
+    assert sorted(os.listdir(group)) == ["group.json", *sorted(f"r{r}" for r in small["RANKS"])]
+    for r in small["RANKS"]:
+        assert [row["step"] for row in read_jsonl(group / f"r{r}" / "metrics.jsonl")] == list(range(1, 4))
+    shown = "".join(str(o.get("data", {}).get("text/markdown", "")) for c in nb.cells for o in c.get("outputs", []))
+    assert "Held-out, greedy" in shown and "before → after" in shown

@@ -134,6 +134,12 @@ class GroupSession:
         """{name: the rows of its metrics.jsonl}, once every step so far is written."""
         return {name: member.metrics() for name, member in self.members.items()}
 
+    def resume_command(self, extra_steps: int = 0) -> str:
+        """The shell command that continues every policy of the group from its last checkpoint."""
+        import shlex
+        total = self.trainer.step_count + extra_steps
+        return shlex.join(["lorabench", "resume", str(self.run_dir), f"grpo.steps={total}"])
+
     def close_engine(self) -> None:
         """The trainers' commits and refreshers, then the shared engine; the run dirs stay locked."""
         try:
