@@ -14,6 +14,7 @@
 #        train (benchmarks/train_gpu.py, the training settings alone, with a profile; no engine),
 #        memory (benchmarks/activation_memory.py on the GPU),
 #        lora_decode (benchmarks/lora_decode_gpu.py: SGLang decode with/without LoRA per kernel backend),
+#        group_step (benchmarks/group_step.py: K=4 policies on one engine vs one policy, $LORABENCH_GROUP_ARGS),
 #        notebooks (the three notebooks with SGLang in a Jupyter kernel; needs .gpu-extras).
 # Carry .gpu-extras (its lean tarball and with-extras.sh) for `tests` too: its torch_memory_saver
 # runs the release/resume test, which skips without it.
@@ -60,6 +61,7 @@ for part in "$@"; do
     train) "${part_timeout[@]}" python benchmarks/train_gpu.py --out "$RES/train.json" --profile-out "$RES/train_profile.txt" \
              ${LORABENCH_TRAIN_ARGS:-} ;;
     lora_decode) "${part_timeout[@]}" python benchmarks/lora_decode_gpu.py --out "$RES/lora_decode.json" ${LORABENCH_DECODE_ARGS:-} ;;
+    group_step) "${part_timeout[@]}" python benchmarks/group_step.py --out "$RES/group_step.json" ${LORABENCH_GROUP_ARGS:-} ;;
     memory) "${part_timeout[@]}" python benchmarks/activation_memory.py --device cuda --out "$RES/activation_memory_gpu.json" ;;
     notebooks) "${part_timeout[@]}" bash $extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
     *) echo "unknown part $part"; false ;;

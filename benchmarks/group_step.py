@@ -1,0 +1,142 @@
+"""K policies on one engine against one policy alone, through the user's path: `GroupSession.open`
+(what `lorabench run` does with a `policies` list) beside `RunSession.open` at the same setting,
+each step timed from outside.
+
+    python benchmarks/group_step.py --out results/gpu/group_step.json                 # the H200 setting
+    python benchmarks/group_step.py --tiny --sizes 2x4x16 --out /tmp/group_step_cpu.json   # CPU, the script's check
+
+GPU setting: a random-init model of Qwen3-0.6B's shape in bf16, LoRA r=32 alpha=64, refresh.mode=inplace,
+temperature 1, the engine arguments of the SGLang stack (step_gpu.STACK). K policies differ in their
+learning rate only (same rank: the same work per policy). Per size PxGxT (prompts x group x new
+tokens, per policy): p50 of steps 2..n of the group's step and of one policy's, the ratio to K
+single steps, each policy's trainer-vs-engine mismatch (mean, max) and served versions, the
+device memory in use (all processes: trainer + engine) with the group and with one policy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lorabench.data import synthetic_problems  # noqa: E402
+from lorabench.session import Config, GroupSession, RunSession  # noqa: E402
+
+GPU_SETTING = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.temperature=1.0"]
+LRS = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
+
+
+def device_used_gb() -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 1e9
+
+
+def timed(step, n: int) -> tuple[list[float], list]:
+    walls, records = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        records.append(step())
+        walls.append(time.perf_counter() - t0)
+    return walls, records
+
+
+def run_group(base: list[str], k: int, size: str, root: Path, steps: int) -> dict:
+    entries = [{"name": f"lr{i}", "grpo": {"lr": LRS[i]}} for i in range(k)]
+    cfg = Config.load(None, [*base, *size_overrides(size), f"policies={json.dumps(entries)}",
+                             f"run.out_dir={root}", f"run.name=group-{size}"])
+    t0 = time.perf_counter()
+    session = GroupSession.open(cfg, log=lambda *a: None, evaluate_first=False)
+    try:
+        opened = time.perf_counter() - t0
+        walls, records = timed(session.trainer.step, steps)
+        session.trainer.wait_committed()
+        used = device_used_gb()
+        rows = {name: [r[name].metrics for r in records] for name in records[0]}
+    finally:
+        session.close()
+    later = {name: policy_rows[1:] for name, policy_rows in rows.items()}
+    return {"open_s": opened, "first_step_s": walls[0], "step_wall_s_p50": statistics.median(walls[1:]),
+            "step_wall_s": walls, "device_used_gb": used,
+            "rollout_s_p50": statistics.median(r["time/rollout_s"] for r in later["lr0"]),
+            "per_policy": {name: {"mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in policy_rows),
+                                  "mismatch_max": max(r["mismatch/max"] for r in policy_rows),
+                                  "served_versions": [r["adapter/served_version"] for r in rows[name]],
+                                  "train_s_p50": statistics.median(r["time/train_s"] for r in policy_rows)}
+                           for name, policy_rows in later.items()}}
+
+
+def run_single(base: list[str], size: str, root: Path, steps: int) -> dict:
+    cfg = Config.load(None, [*base, *size_overrides(size), f"grpo.lr={LRS[0]}", f"run.out_dir={root}",
+                             f"run.name=single-{size}"])
+    session = RunSession.open(cfg, log=lambda *a: None, evaluate_first=False)
+    try:
+        walls, records = timed(session.trainer.step, steps)
+        session.trainer.wait_committed()
+        used = device_used_gb()
+    finally:
+        session.close()
+    later = [r.metrics for r in records[1:]]
+    return {"first_step_s": walls[0], "step_wall_s_p50": statistics.median(walls[1:]), "step_wall_s": walls,
+            "device_used_gb": used, "rollout_s_p50": statistics.median(r["time/rollout_s"] for r in later),
+            "mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in later),
+            "mismatch_max": max(r["mismatch/max"] for r in later),
+            "served_versions": [r.metrics["adapter/served_version"] for r in records]}
+
+
+def size_overrides(size: str) -> list[str]:
+    p, g, t = (int(x) for x in size.split("x"))
+    return [f"grpo.prompts_per_step={p}", f"grpo.group_size={g}", f"grpo.max_new_tokens={t}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the hf engine (CPU)")
+    parser.add_argument("--k", type=int, default=4, help="policies in the group")
+    parser.add_argument("--sizes", nargs="+", default=["16x8x128", "64x8x256"], help="PxGxT per policy")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
+    parser.add_argument("--overrides", nargs="*", default=[])
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="group-step-"))
+    if args.tiny:
+        base = ["model.name_or_path=tiny", "data.eval_size=2"]
+    else:
+        from step_gpu import STACK
+        from synthetic import random_qwen3_dir
+
+        from lorabench.tiny import build_tiny_tokenizer
+        build_tiny_tokenizer(root / "tok")
+        model_dir = random_qwen3_dir("0.6B", str(root / "tok"), Path(args.cache) / "qwen3-0.6b-random")
+        data = root / "gsm8k.jsonl"
+        data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                                for p in synthetic_problems(4096, "group-bench")))
+        base = [*STACK, *GPU_SETTING, f"model.name_or_path={model_dir}", f"data.source={data}", "data.eval_size=4"]
+    base += args.overrides
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
+              "date": time.strftime("%Y-%m-%d %H:%M"), "k": args.k, "overrides": base, "sizes": {}}
+    for size in args.sizes:
+        single = run_single(base, size, root / "runs", args.steps)
+        group = run_group(base, args.k, size, root / "runs", args.steps)
+        result["sizes"][size] = {
+            "single": single, "group": group,
+            "group_vs_one_step": group["step_wall_s_p50"] / single["step_wall_s_p50"],
+            "group_vs_k_steps": group["step_wall_s_p50"] / (args.k * single["step_wall_s_p50"])}
+        print(json.dumps({size: {k: v for k, v in result["sizes"][size].items() if k.startswith("group_vs")}}),
+              flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
