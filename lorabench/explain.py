@@ -1043,9 +1043,10 @@ def group_loss_sentence(stale: dict, fresh: dict) -> str:
 # --- notebook 04: which LoRA rank does RL need? ------------------------------------------------------------
 def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = "strict") -> tuple[str, list[str]]:
     """Markdown that compares the policies' held-out `key` share after training (greedy evaluations:
-    name -> trainer.evaluate row; `before`: the same before the first step), each with its standard
-    error, and the names within two standard errors of the best (a tie at this sample size). Whatever
-    the numbers are, the sentence says what they show, including that nothing was learned yet."""
+    name -> trainer.evaluate row, in the order of what varies, e.g. the rank; `before`: the same
+    before the first step), each with its standard error, and the names within two standard errors
+    of the best (a tie at this sample size). Whatever the numbers are, the sentence says what they
+    show: nothing learned yet, a tie, a gap at one end of the order, or one that does not follow it."""
     share = {name: e[key] for name, e in after.items()}
     n = next(iter(after.values()))["n"]
     se = {name: (p * (1 - p) / n) ** 0.5 for name, p in share.items()}
@@ -1064,7 +1065,13 @@ def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = "st
                 f"of run the rank does **not** separate them, which is what LoRA Without Regret reports for "
                 f"policy-gradient RL (rank 1 learning as well as much larger ranks).")
     else:
-        behind = [name for name in share if name not in tied]
+        names = list(share)   # in the order the policies were given: by rank in notebook 04
+        behind = [name for name in names if name not in tied]
+        at_one_end = behind in (names[:len(behind)], names[len(names) - len(behind):])
         tail = (f"The best is **{best}**; within two standard errors of it: {', '.join(tied)}; behind by more than "
-                f"that: {', '.join(behind)}. Here the rank **did** matter.")
+                f"that: {', '.join(behind)}. "
+                + ("Those behind are all at one end of the list, so here the rank **did** matter." if at_one_end else
+                   "Those behind are not at one end of the list but between policies that did as well as the best, "
+                   "so this does not follow the rank: on one seed it is as likely this run's chance (its samples, "
+                   "its initialisation) as the rank's capacity. Run another seed to tell them apart."))
     return f"{head} {tail}", tied

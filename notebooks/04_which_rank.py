@@ -25,8 +25,8 @@
 # policy-gradient RL it does, because RL feeds the model very few bits per episode.
 #
 # **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached; Run All in
-# a fresh kernel): about 4 minutes, from a 12-step run of four ranks at these settings (10 s
-# per step of all four, on a machine running nothing else). The first time, the tiny model is built and warm-started (2-4
+# a fresh kernel): **135 s** on a quiet machine (load average 0.02; `benchmarks/notebook_times.py`),
+# about 7 s per step of all four policies. The first time, the tiny model is built and warm-started (2-4
 # minutes) into `~/.cache/lorabench`, where the other notebooks and `lorabench demo` find it too.
 # On a GPU (`ENGINE = "sglang"`): not measured yet.
 
@@ -111,9 +111,9 @@ last = panel.wait()   # {policy: its last StepRecord}
 
 # %% [markdown]
 # ## Read the curves
-# The training reward is noisy (a step is 64 completions), so the comparison that counts is the
-# held-out one after training, with its standard error: a difference smaller than two standard
-# errors is not a difference at this sample size.
+# The training reward is noisy (each step's is a mean over a few dozen completions), so the
+# comparison that counts is the held-out one after training, with its standard error: a difference
+# smaller than two standard errors is not a difference at this sample size.
 
 # %%
 with WaitProgress("held-out evaluation of every policy") as progress:

@@ -71,9 +71,16 @@ def _evals(**shares):
 @pytest.mark.parametrize("after, words, tied", [
     (_evals(r1=0.05, r8=0.06), "No policy has improved", ["r1", "r8"]),
     (_evals(r1=0.60, r8=0.62), "does **not** separate them", ["r1", "r8"]),
-    (_evals(r1=0.20, r8=0.70), "behind by more than that: r1", ["r8"]),
+    (_evals(r1=0.20, r8=0.70), "behind by more than that: r1. Those behind are all at one end", ["r8"]),
 ])
 def test_rank_verdict_says_what_the_numbers_say(after, words, tied):
     from lorabench.explain import rank_verdict
     text, got = rank_verdict(after, _evals(r1=0.05, r8=0.05))
     assert words in text and got == tied, text
+
+
+def test_a_gap_that_does_not_follow_the_order_is_called_so():
+    from lorabench.explain import rank_verdict
+    before = _evals(r1=0.0, r4=0.0, r16=0.0, r64=0.0)
+    text, tied = rank_verdict(_evals(r1=0.59, r4=0.38, r16=0.52, r64=0.50), before)
+    assert tied == ["r1", "r16", "r64"] and "does not follow the rank" in text, text
