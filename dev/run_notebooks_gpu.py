@@ -66,6 +66,9 @@ def parameters(out: Path) -> dict[str, callable]:
         # 03 looks into the adapter of 01's run dir (only reads it; it trains its own when 01 did not run)
         "03_how_hotswap_works": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(out / "runs"),
                                          "OVERRIDES": ENGINE_ARGS},
+        # four policies on one engine: its own group dir, not 01's runs (03 scans those)
+        "04_which_rank": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(out / "group-runs"),
+                                  "OVERRIDES": ENGINE_ARGS},
     }
 
 

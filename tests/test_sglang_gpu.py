@@ -615,3 +615,42 @@ def test_scheduler_death_mid_run(tiny_path, tmp_path):
     assert free_after > free_before - 1e9, out           # the dead engine's ~40 GB came back
     assert rows_after == list(range(1, len(rows_after) + 1)), out   # whole rows, in order
     assert out["resume_returncode"] == 0 and out["rows_final"] == list(range(1, steps + 1)), out
+
+
+# --- several policies on one engine (group.py) --------------------------------------------------------
+def test_policy_group_on_sglang(tiny_path, tmp_path):
+    """Two policies of different rank on one SGLang engine, refreshed in place: one mixed batch per
+    step (each prompt names its policy's adapter), every rollout served by its own policy's version,
+    each policy's mismatch at the single-policy level; in the mixed batch each policy's completions
+    carry its own adapter's log-probs, far from the other adapter's once the two differ."""
+    from lorabench.engines.base import generate_each
+    from lorabench.session import GroupSession
+    entries = [{"name": "r4", "lora": {"r": 4}}, {"name": "r16", "lora": {"r": 16}}]
+    cfg = gpu_config(f"policies={json.dumps(entries)}", "grpo.steps=6", "refresh.mode=inplace", "grpo.compile=off")
+    group = GroupSession.open(cfg, tmp_path / "group", log=print, evaluate_first=False)
+    out = {}
+    try:
+        records = group.trainer.run(progress=False)
+        rows = {name: [r[name].metrics for r in records] for name in group.trainer.trainers}
+        out["served_versions"] = {n: [r["adapter/served_version"] for r in policy] for n, policy in rows.items()}
+        out["mismatch_active_mean"] = {n: [r["mismatch/active_mean"] for r in policy] for n, policy in rows.items()}
+        a, b = group.trainer.trainers["r4"], group.trainer.trainers["r16"]
+        with torch.no_grad():   # far apart: r16 moved strongly
+            for p in b.policy.params:
+                p.add_(0.05 * torch.randn_like(p))
+        b.refresher.refresh(b.policy.adapter())
+        (_, request_a), (_, request_b) = a.rollout_request(), b.rollout_request()
+        done_a, done_b = generate_each(group.engine, [request_a, request_b])
+        seqs = [c.prompt_ids + c.token_ids for c in done_b]
+        plens = [len(c.prompt_ids) for c in done_b]
+        own = diff([torch.tensor(c.logprobs) for c in done_b], group.engine.score(seqs, plens, "r16"))
+        other = diff([torch.tensor(c.logprobs) for c in done_b], group.engine.score(seqs, plens, "r4"))
+        out.update(mixed_batch_own_adapter=own, mixed_batch_other_adapter=other)
+    finally:
+        group.close()
+    record("group_sglang", out)
+    for name, versions in out["served_versions"].items():
+        assert versions == list(range(6)), (name, versions)
+        active = [m for m in out["mismatch_active_mean"][name] if m == m and m is not None]
+        assert not active or max(active) < 0.05, (name, active)
+    assert out["mixed_batch_other_adapter"][1] > 10 * out["mixed_batch_own_adapter"][1], out
