@@ -20,6 +20,14 @@ Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath"), outcome s
   gradients, adapter disabled; with grpo.kl_metric on), both of the policy that sampled the step
   (policy.Diagnostics); and `completions/last_number_right`, how often the last number is the
   answer whatever the format, beside the format-strict reward;
+- with grpo.max_staleness >= 1 (default 0: all of the above is on-policy), the next step's rollouts
+  are sampled on a thread of their own while this step trains, from the adapter the engine has then
+  (one update behind; the pipeline is one step deep). Each rollout's served version is read with it
+  and checked to lag by at most max_staleness, and every token's surrogate is weighted by the
+  truncated importance ratio min(π_old / π_sample, C), C = grpo.tis_cap, π_sample the engine's
+  reported log-prob (truncated importance sampling: Espeholt et al. 2018, IMPALA's V-trace
+  truncation; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+  Training"). The row records the lag (`adapter/lag`) and the weights' mean and truncated share;
 - log-probs of the sampling distribution (logits / temperature), as the engine reports them;
 - after the optimizer step the policy publishes its new flat adapter, the refresher moves it into
   the engine, and the next rollout checks that the engine served exactly that version.
@@ -34,6 +42,8 @@ import contextlib
 import copy
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import torch
@@ -41,20 +51,22 @@ import torch
 from .clock import Clock
 from .commits import BackgroundCommits, host_copy
 from .data import Problem, ProblemSource, prompt_ids
-from .engines.base import GenerateRequest, ReleasesMemory, Sampling, StaleAdapter, require
-from .interrupts import interrupts_deferred
+from .engines.base import GenerateRequest, ReleasesMemory, Sampling, StaleAdapter, generate_served, require
+from .interrupts import interrupts_deferred, interrupts_to_the_main_thread, wait_interruptibly
 from .policy import Policy
 from .refresh import RefreshRecord
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, rollout_request, rollouts_of, score
 from .rundir import METRICS, ROLLOUTS, SYNC
 from .runlog import NullRunLog
-from .settings import ALLOWED, REFUSED, Section, check, setting
+from .settings import ALLOWED, REFUSED, ConfigError, Section, check, setting
 
 _DATA = "it defines the data stream: which problems each step draws"
 _SAMPLING = "it defines the sampling distribution: the rollouts and the log-probs the loss uses"
 _OBJECTIVE = "it defines the objective; rows before and after would not be one experiment"
 LORA_COMPUTE = ("auto", "float32", "bfloat16")
+STALE_AND_RELEASED = ("grpo.max_staleness > 0 with engine.release_memory_during_training=true: the engine samples the "
+                      "next step while this one trains, so it cannot be released then; set one of them off")
 COMPILE = ("off", "head", "all", "auto")
 
 
@@ -121,6 +133,15 @@ class GRPOSettings(Section):
                                          "computes")
     epochs: int = setting(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).",
                           resume=REFUSED, why=_OBJECTIVE)
+    max_staleness: int = setting(0, "Steps a rollout's adapter may lag behind the trainer. 0: every step samples "
+                                 "from the adapter it trains (on-policy). 1: the next step's rollouts are sampled "
+                                 "while this step trains, from the adapter the engine has (one update behind), and "
+                                 "the loss weights each token by min(π_old / π_sample, tis_cap); the pipeline is "
+                                 "one step deep, so a larger value acts as 1. A rollout older than this is refused.",
+                                 resume=REFUSED, why=_SAMPLING)
+    tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
+                             "max_staleness > 0 (truncated importance sampling, as in IMPALA's V-trace and "
+                             "Yao et al. 2025's TIS).", resume=REFUSED, why=_OBJECTIVE)
 
     def __post_init__(self):
         super().__post_init__()
@@ -146,6 +167,9 @@ class GRPOSettings(Section):
             *check(self.clip_eps > 0, f"grpo.clip_eps={self.clip_eps}: must be > 0 (e.g. 0.2)"),
             *check(self.kl_beta >= 0, f"grpo.kl_beta={self.kl_beta}: must be >= 0 (0 = no KL term)"),
             *check(self.epochs >= 1, f"grpo.epochs={self.epochs}: must be >= 1"),
+            *check(self.max_staleness >= 0, f"grpo.max_staleness={self.max_staleness}: must be >= 0 (0 = on-policy)"),
+            *check(self.tis_cap >= 1, f"grpo.tis_cap={self.tis_cap}: must be >= 1 (e.g. 2.0; 1 never weights a "
+                   f"token up)"),
             *check(self.lora_compute in LORA_COMPUTE,
                    f"grpo.lora_compute={self.lora_compute!r}: use one of {list(LORA_COMPUTE)}"),
             *check(self.compile in COMPILE, f"grpo.compile={self.compile!r}: use one of {list(COMPILE)}"),
@@ -217,6 +241,14 @@ class GRPOTrainer:
         self._uncommitted = ""                 # why no step may follow: a commit failed half way
         self._commits = (BackgroundCommits(self.runlog.dir.name)
                          if self.runlog.dir is not None and self.runlog.settings.commit_in_background else None)
+        if settings.max_staleness and release_engine_memory:
+            raise ConfigError(STALE_AND_RELEASED)
+        # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
+        self._ahead: tuple[int, Future] | None = None
+        self._sampler = None
+        if settings.max_staleness:
+            self._sampler = ThreadPoolExecutor(1, thread_name_prefix="lorabench-rollouts",
+                                               initializer=interrupts_to_the_main_thread)
         self._restore()
         self.refresher.refresh(self.policy.adapter())  # the engine starts with the trainer's adapter
 
@@ -254,18 +286,32 @@ class GRPOTrainer:
         if self._engine_stale:
             self.refresher.refresh(self.policy.adapter())
             self._engine_stale = False
-        g, step = self.settings, self.policy.version + 1
+        return self._request_for(self.policy.version + 1)
+
+    def _request_for(self, step: int) -> tuple[list[Problem], GenerateRequest]:
+        g = self.settings
         problems = self.source.train_batch(step, g.prompts_per_step)
         return problems, rollout_request(self.tokenizer, problems, g.group_size, self.sampling(step),
                                          self.refresher.serving_adapter, self.enable_thinking)
 
+    def _sample(self, step: int) -> Rollouts:
+        """Step `step`'s rollouts with the version that served them, read in the same engine call."""
+        problems, request = self._request_for(step)
+        completions, served = generate_served(self.engine, request.prompt_ids, request.sampling, request.adapter)
+        rollouts = rollouts_of(self.engine, self.tokenizer, problems, request, completions, served)
+        return rollouts
+
     def _step(self, rollouts: Rollouts | None, rollout_s: float) -> StepRecord:
         g, step, clock = self.settings, self.policy.version + 1, StepClock()
         if rollouts is None:
-            problems, request = self.rollout_request()
-            rollouts = rollouts_of(self.engine, self.tokenizer, problems, request,
-                                   self.engine.generate(request.prompt_ids, request.sampling, request.adapter))
+            if self._engine_stale:
+                self.refresher.refresh(self.policy.adapter())
+                self._engine_stale = False
+            ahead = self._take_ahead(step)
+            rollouts = ahead if ahead is not None else self._sample(step)
             clock.lap("rollout")
+            if self._sampler is not None and step < g.steps:   # the next step's, sampled while this one trains
+                self._ahead = (step + 1, self._sampler.submit(self._sample, step + 1))
         else:
             self._check_given(rollouts, step)
             clock.add("rollout", rollout_s)
@@ -282,6 +328,10 @@ class GRPOTrainer:
                 refresh = self.refresher.refresh(adapter)
                 clock.lap("refresh")
                 metrics = step_metrics(step, rollouts, batch, stats, reward_means, refresh, adapter.delta_norm())
+                if g.max_staleness:   # how many updates the sampling adapter lagged; the loss's weights
+                    metrics.update({"adapter/lag": step - 1 - rollouts.served_version,
+                                    "train/is_weight_mean": stats["is_weight_mean"],
+                                    "train/is_truncated_fraction": stats["is_truncated_fraction"]})
                 metrics["probe/adapter_gap"] = self.probe_gap()
                 clock.lap("probe")
                 committing.enter_context(interrupts_deferred())   # from here on the step is committed whole
@@ -299,14 +349,36 @@ class GRPOTrainer:
             raise StaleAdapter(f"step {step}: the rollouts given were served by adapter {rollouts.adapter!r}, this "
                                f"trainer's is {self.refresher.serving_adapter!r}; nothing was trained on them")
 
+    def _take_ahead(self, step: int) -> Rollouts | None:
+        """The rollouts sampled ahead for `step`, if any (waited for; an interrupt stops the wait)."""
+        if self._ahead is None:
+            return None
+        for_step, future = self._ahead
+        self._ahead = None
+        rollouts = wait_interruptibly(future.result)
+        return rollouts if for_step == step else None
+
+    def _drop_ahead(self) -> None:
+        """Rollouts sampled ahead for a step that will not follow (a rolled-back step, close): waited
+        for, so that no engine call of this trainer is left running, and dropped."""
+        if self._ahead is not None:
+            _, future = self._ahead
+            self._ahead = None
+            futures_wait([future])
+
     def _check_served(self, rollouts: Rollouts) -> None:
-        """The engine must have served the trainer's current version (the numeric mismatch stays as a
-        second, statistical check). The stale-adapter control is exempt by design."""
-        if self.refresher.keeps_engine_fresh and rollouts.served_version != self.policy.version:
+        """The engine must have served the trainer's current version, or one at most
+        grpo.max_staleness updates older (the numeric mismatch stays as a second, statistical check).
+        The stale-adapter control is exempt by design."""
+        lag = self.policy.version - (rollouts.served_version if rollouts.served_version is not None else -1)
+        if self.refresher.keeps_engine_fresh and not 0 <= lag <= self.settings.max_staleness:
+            allowed = (f"the trainer is at version {self.policy.version}" if not self.settings.max_staleness else
+                       f"more than grpo.max_staleness={self.settings.max_staleness} behind the trainer's version "
+                       f"{self.policy.version}")
             raise StaleAdapter(f"step {self.policy.version + 1}: the engine served adapter "
-                               f"{rollouts.adapter!r} at version {rollouts.served_version}, the trainer is at "
-                               f"version {self.policy.version}; the last refresh did not reach the engine "
-                               f"(refresh.mode={self.refresher.mode}). Nothing was trained on these rollouts")
+                               f"{rollouts.adapter!r} at version {rollouts.served_version}, {allowed}; the last "
+                               f"refresh did not reach the engine (refresh.mode={self.refresher.mode}). Nothing "
+                               f"was trained on these rollouts")
 
     @contextlib.contextmanager
     def _whole_step(self, step: int):
@@ -316,6 +388,7 @@ class GRPOTrainer:
         try:
             yield
         except BaseException as err:
+            self._drop_ahead()   # sampled for the step after this one, which does not come next
             self.policy.restore(saved)
             self._engine_stale = True  # the engine may have lost the adapter mid-refresh (unloaded, not loaded)
             err.add_note(f"lorabench: GRPO step {step} was rolled back; the trainer is still at step "
@@ -487,8 +560,11 @@ class GRPOTrainer:
         """Once the last commit is written (TrainerStopped if it failed and no step said so yet),
         release the commit thread and the refresher."""
         try:
+            self._drop_ahead()
             self._raise_if_commit_failed(wait=True)
         finally:
+            if self._sampler is not None:
+                self._sampler.shutdown()
             if self._commits is not None:
                 self._commits.close()
             self.refresher.close()

@@ -47,11 +47,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return ((r - r.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
 
 
-def grpo_loss(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=None, kl_beta: float = 0.0):
-    """Returns (loss, metrics). logp, old_logp, ref_logp, mask: [n, L-1]; advantages: [n]."""
+def grpo_loss(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=None, kl_beta: float = 0.0,
+              is_weight=None):
+    """Returns (loss, metrics). logp, old_logp, ref_logp, mask, is_weight: [n, L-1]; advantages: [n].
+    is_weight (no gradient): each token's truncated importance weight min(π_old / π_sample, C) when the
+    rollouts were sampled by an older adapter (grpo.max_staleness), multiplying its surrogate."""
     ratio = torch.exp(logp - old_logp)                                          # [n, L-1]
     adv = advantages[:, None]                                                   # [n, 1]
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if is_weight is not None:
+        per_token = per_token * is_weight.detach()
     metrics = {"clip_fraction": ((ratio - 1).abs() > clip_eps).float()[mask.bool()].mean().item()}
     if ref_logp is not None and kl_beta > 0:
         diff = ref_logp - logp

@@ -181,6 +181,8 @@ class Policy:
         batch = batch.to(self.device).padded_to_multiple(multiple)
         micro = token_budget_batches([round_up(n, multiple) for n in batch.lengths], grpo.micro_batch_tokens)
         old_logp = torch.zeros_like(batch.engine_logprobs)          # [N, L-1] π_old: before the update
+        stale = grpo.max_staleness > 0                              # sampled by an older adapter: weighted
+        is_weight = torch.ones_like(batch.engine_logprobs) if stale else None   # [N, L-1] min(π_old/π_sample, C)
         stats = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "tokens": 0}
         diagnostics = Diagnostics()
         self._activate()
@@ -194,13 +196,17 @@ class Policy:
                 width = logp.shape[1]
                 if epoch == 0:
                     old_logp[index, :width] = logp.detach()
+                    if stale:
+                        weight = torch.exp(logp.detach() - part.engine_logprobs).clamp(max=grpo.tis_cap)
+                        is_weight[index, :width] = weight * part.completion_mask
                 ref = self._reference_logprobs(part, mask, grpo.temperature) if grpo.kl_beta > 0 else None
                 if epoch == 0:   # the policy that sampled the batch
                     if ref is None and grpo.kl_metric:
                         ref = self._reference_logprobs(part, mask, grpo.temperature)
                     diagnostics.add(logp.detach(), entropy, ref, part.completion_mask)
                 loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
-                                    grpo.clip_eps, ref, grpo.kl_beta)
+                                    grpo.clip_eps, ref, grpo.kl_beta,
+                                    is_weight[index, :width] if stale else None)
                 share = len(index) / batch.size
                 if loss.requires_grad:   # not when no completion in the micro-batch has a token
                     (loss * share).backward()                       # micro-batches sum to the batch mean
@@ -216,6 +222,11 @@ class Policy:
             self.optimizer.step()
         self.model.eval()
         self.version += 1
+        if stale:
+            tokens = batch.completion_mask.bool()
+            stats["is_weight_mean"] = is_weight[tokens].mean().item() if tokens.any() else float("nan")
+            stats["is_truncated_fraction"] = (torch.exp(old_logp - batch.engine_logprobs)[tokens] > grpo.tis_cap
+                                              ).float().mean().item() if tokens.any() else float("nan")
         return {**stats, **mismatch(old_logp, batch), **diagnostics.means()}
 
     def _activate(self) -> None:

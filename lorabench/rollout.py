@@ -106,10 +106,12 @@ def rollout_request(tokenizer, problems: list[Problem], group_size: int, samplin
 
 
 def rollouts_of(engine, tokenizer, problems: list[Problem], request: GenerateRequest,
-                completions: list[Completion]) -> Rollouts:
-    """What the engine returned for `request`, decoded, with the version it serves the adapter at."""
+                completions: list[Completion], served: int | None = None) -> Rollouts:
+    """What the engine returned for `request`, decoded, with the version that served it (`served`,
+    read with the generate: engines.base.generate_served; else asked of the engine now)."""
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    return Rollouts(problems, completions, texts, request.adapter, engine.served_version(request.adapter))
+    version = served if served is not None else engine.served_version(request.adapter)
+    return Rollouts(problems, completions, texts, request.adapter, version)
 
 
 def score(rollouts: Rollouts, reward_fns: list[tuple[str, object, float]]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -120,7 +120,9 @@ def status_lines(m: dict | None, rewards: list[tuple[str, object, float]]) -> st
     step, version = m["step"], m["adapter/version"]
     head = (f"<b>step {step}</b>: completions sampled from adapter v{m['adapter/served_version']} → trained to "
             f"v{version} → v{version} refreshed into the engine in {1e3 * m['refresh/total_s']:.1f} ms "
-            f"({m['refresh/mode']}) · step {m['time/step_s']:.2f} s · ‖ΔW‖ {m['adapter/delta_norm']:.4f}")
+            f"({m['refresh/mode']}) · step {m['time/step_s']:.2f} s · ‖ΔW‖ {m['adapter/delta_norm']:.4f}"
+            + (f" · sampled {m['adapter/lag']} update(s) behind the trainer (grpo.max_staleness), importance "
+               f"weights mean {m['train/is_weight_mean']:.3f}" if "adapter/lag" in m else ""))
     correct = m.get("reward/correct/mean", m["reward/mean"])
     weights = {name: (fn, weight) for name, fn, weight in rewards}
     rule = weights["correct"][0].rule

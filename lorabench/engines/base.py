@@ -124,6 +124,15 @@ def generate_each(engine, requests: list[GenerateRequest]) -> list[list[Completi
     return [engine.generate(r.prompt_ids, r.sampling, r.adapter) for r in requests]
 
 
+def generate_served(engine, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None):
+    """(completions, the version that served them): in one engine call where the engine has it (hf,
+    sglang: no write can come between), else generate then served_version (an engine nobody writes
+    to meanwhile)."""
+    if hasattr(engine, "generate_served"):
+        return engine.generate_served(prompt_ids, sampling, adapter)
+    return engine.generate(prompt_ids, sampling, adapter), engine.served_version(adapter)
+
+
 @runtime_checkable
 class UpdatesAdapterInPlace(Protocol):
     """Overwrite a loaded adapter's values where the engine keeps them: no unload, no reload."""

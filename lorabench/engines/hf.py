@@ -8,7 +8,9 @@ every optional capability: in-place adapter updates, base-weight pushes and (no-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +68,16 @@ class HFSettings(Section):
                      f"engine.hf.device={self.device!r}: use '', cpu, cuda, cuda:N or mps")
 
 
+def _serialized(method):
+    """One call at a time (a trainer with grpo.max_staleness samples from another thread while its
+    refresh writes the adapter): each call sees the adapter whole, before or after a write."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call
+
+
 class HFEngine:
     Settings = HFSettings
     name = "hf"
@@ -77,6 +89,7 @@ class HFEngine:
         self.device = pick_device(device)
         self.dtype = dtype
         self.model_path = model_path
+        self._lock = threading.RLock()
         self._base = load_model(model_path, self.dtype, self.device)
         for p in self._base.parameters():
             p.requires_grad_(False)
@@ -123,12 +136,14 @@ class HFEngine:
     def loaded_adapters(self) -> list[str]:
         return sorted(self._adapters)
 
+    @_serialized
     def served_version(self, adapter: str | None) -> int | None:
         return self._versions.get(adapter)
 
     def load_adapter(self, name: str, path: Path, version: int = 0) -> None:
         self.load_adapter_tensors(name, FlatAdapter.load_peft_dir(path, version))
 
+    @_serialized
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
         if name in self._adapters:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
@@ -159,6 +174,7 @@ class HFEngine:
         self._peft.eval()
 
     @torch.no_grad()
+    @_serialized
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         """Copy new values into adapter `name`'s PEFT parameters (all checked before any is written)."""
         if name not in self._adapters:
@@ -181,6 +197,7 @@ class HFEngine:
             self._versions[name] = adapter.version
         return {}
 
+    @_serialized
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
             raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()})")
@@ -211,6 +228,7 @@ class HFEngine:
 
     # -- base weights -------------------------------------------------------------------------
     @torch.no_grad()
+    @_serialized
     def update_weights(self, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
         params = {base_param_name(n): p for n, p in self._base.named_parameters() if ".lora_" not in n}
         with interrupts_deferred():   # never half the new weights under the old version
@@ -222,6 +240,12 @@ class HFEngine:
 
     # -- generation and scoring -------------------------------------------------------------
     @torch.no_grad()
+    @_serialized
+    def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
+        """generate, and the version that served it, in one call (no write can come between)."""
+        return self.generate(prompt_ids, sampling, adapter), self._versions.get(adapter)
+
+    @_serialized
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None) -> list[Completion]:
         model, ctx = self._model_for(adapter)
         out: list[Completion] = []
@@ -264,6 +288,7 @@ class HFEngine:
         return completions
 
     @torch.no_grad()
+    @_serialized
     def score(self, sequences, prompt_lens, adapter, temperature: float = 1.0) -> list[torch.Tensor]:
         model, ctx = self._model_for(adapter)
         width = max(map(len, sequences))

@@ -364,6 +364,10 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def served_version(self, adapter: str | None) -> int | None:
+        return self._served_now(adapter)
+
+    def _served_now(self, adapter: str | None) -> int | None:
+        """On the engine's thread."""
         if adapter is not None and adapter in self.pool.mapped:
             return self.pool.version(adapter)  # kept in the engine, beside its copy of the adapter
         return self._versions.get(adapter)
@@ -437,6 +441,14 @@ class SGLangEngine:
         outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=_params(sampling),
                                     return_logprob=True, lora_path=self._lora(adapter, len(prompt_ids)))
         return [_completion(p, out) for p, out in zip(prompt_ids, outs)]
+
+    @_on_engine_thread(abort_on_interrupt=True)
+    def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
+        """generate, and the version that served it, in one call on the engine's thread (a write
+        sent meanwhile runs after it)."""
+        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=_params(sampling),
+                                    return_logprob=True, lora_path=self._lora(adapter, len(prompt_ids)))
+        return [_completion(p, out) for p, out in zip(prompt_ids, outs)], self._served_now(adapter)
 
     @_on_engine_thread(abort_on_interrupt=True)
     def generate_mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:

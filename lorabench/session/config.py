@@ -22,7 +22,7 @@ from .. import settings as st
 from ..data import DataSettings
 from ..engines import ENGINES, EngineNeeds, EngineSettings, engine_class
 from ..group import PolicySpec, member_dict, parse_policies
-from ..grpo import GRPOSettings
+from ..grpo import STALE_AND_RELEASED, GRPOSettings
 from ..models import ModelSettings
 from ..policy import LoraSettings
 from ..refresh import REFRESH_MODES, RefreshSettings
@@ -112,6 +112,8 @@ def problems(cfg: Config) -> list[str]:
     if cfg.grpo.lora_compute == "bfloat16" and cfg.model.dtype != "bfloat16":
         found.append(f"grpo.lora_compute=bfloat16 with model.dtype={cfg.model.dtype}: autocast would run the base "
                      f"model's matmuls in bf16 too; set model.dtype=bfloat16, or grpo.lora_compute=auto")
+    if cfg.grpo.max_staleness and cfg.engine.release_memory_during_training:
+        found.append(STALE_AND_RELEASED)
     if cfg.policies:
         found += group_problems(cfg)
     return found + engine_class(cfg.engine.backend).needs_problems(cfg.engine.chosen, engine_needs(cfg))
@@ -123,6 +125,8 @@ def group_problems(cfg: Config) -> list[str]:
     return [*st.check(cfg.refresh.mode != "merged", "refresh.mode=merged with policies: a merged refresh overwrites "
                       "the engine's base weights, which every policy of the group shares; use refresh.mode=inplace, "
                       "tensor or file"),
+            *st.check(not cfg.grpo.max_staleness, "grpo.max_staleness > 0 with policies: a policy group samples every "
+                      "policy's rollouts in one batch per step, on-policy; set grpo.max_staleness=0"),
             *st.check(not cfg.engine.release_memory_during_training, "engine.release_memory_during_training=true with "
                       "policies: each policy would release and resume the shared engine around its own update; "
                       "not supported for a group, set it to false")]
