@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lorabench.data import synthetic_problems  # noqa: E402
 from lorabench.session import Config, GroupSession, RunSession  # noqa: E402
 
 GPU_SETTING = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.temperature=1.0"]
@@ -113,15 +112,8 @@ def main() -> None:
         base = ["model.name_or_path=tiny", "data.eval_size=2"]
     else:
         from step_gpu import STACK
-        from synthetic import random_qwen3_dir
-
-        from lorabench.tiny import build_tiny_tokenizer
-        build_tiny_tokenizer(root / "tok")
-        model_dir = random_qwen3_dir("0.6B", str(root / "tok"), Path(args.cache) / "qwen3-0.6b-random")
-        data = root / "gsm8k.jsonl"
-        data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
-                                for p in synthetic_problems(4096, "group-bench")))
-        base = [*STACK, *GPU_SETTING, f"model.name_or_path={model_dir}", f"data.source={data}", "data.eval_size=4"]
+        from synthetic import qwen3_06b_run
+        base = [*STACK, *GPU_SETTING, *qwen3_06b_run(root, args.cache, "group-bench")]
     base += args.overrides
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),

@@ -28,11 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from synthetic import random_qwen3_dir  # noqa: E402  (this folder)
+from synthetic import qwen3_06b_run  # noqa: E402  (this folder)
 
-from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
+from lorabench.data import prompt_ids  # noqa: E402
 from lorabench.session import Config, RunSession  # noqa: E402
-from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
 GPU_SETTING = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.prompts_per_step=64", "grpo.group_size=8",
                "grpo.max_new_tokens=256", "grpo.temperature=1.0"]
@@ -112,12 +111,7 @@ def main() -> None:
         base = ["model.name_or_path=tiny"]
     else:
         from step_gpu import STACK
-        build_tiny_tokenizer(root / "tok")
-        model_dir = random_qwen3_dir("0.6B", str(root / "tok"), Path(args.cache) / "qwen3-0.6b-random")
-        data = root / "gsm8k.jsonl"
-        data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
-                                for p in synthetic_problems(4096, "step-bench")))
-        base = [*STACK, *GPU_SETTING, f"model.name_or_path={model_dir}", f"data.source={data}", "data.eval_size=4"]
+        base = [*STACK, *GPU_SETTING, *qwen3_06b_run(root, args.cache, "step-bench")]
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),

@@ -61,3 +61,20 @@ def random_tokens_like_rollouts(prompt_lens: list[int], completion_lens: list[in
         attn[i, :p + c] = 1
         cmask[i, p - 1:p - 1 + c] = 1   # log-prob row t predicts token t+1
     return ids * attn, attn, cmask
+
+
+def qwen3_06b_run(root: Path, cache: str | Path, data_name: str) -> list[str]:
+    """The config overrides of a GPU benchmark run at Qwen3-0.6B's shape: a random-init model of that
+    shape with the tiny tokenizer (cached under `cache`), and 4096 synthetic GSM8K-style problems as
+    a local data file in `root`."""
+    import json
+
+    from lorabench.data import synthetic_problems
+    from lorabench.tiny import build_tiny_tokenizer
+    build_tiny_tokenizer(root / "tok")
+    model_dir = random_qwen3_dir("0.6B", str(root / "tok"), Path(cache) / "qwen3-0.6b-random")
+    data = root / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                            for p in synthetic_problems(4096, data_name)))
+    return [f"model.name_or_path={model_dir}", f"data.source={data}", "data.eval_size=4"]
+

@@ -245,6 +245,7 @@ class GRPOTrainer:
             raise ConfigError(STALE_AND_RELEASED)
         # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
         self._ahead: tuple[int, Future] | None = None
+        self._requested: tuple[int, list[Problem]] | None = None   # the last rollout_request(): step, problems
         self._sampler = None
         if settings.max_staleness:
             self._sampler = ThreadPoolExecutor(1, thread_name_prefix="lorabench-rollouts",
@@ -283,10 +284,16 @@ class GRPOTrainer:
     def rollout_request(self) -> tuple[list[Problem], GenerateRequest]:
         """The next step's problems and the engine request for their rollouts, once the engine serves
         the trainer's adapter (after a rolled-back step it is sent again first)."""
+        self._resend_if_stale()
+        problems, request = self._request_for(self.policy.version + 1)
+        self._requested = (self.policy.version + 1, problems)   # what step(rollouts) checks rollouts against
+        return problems, request
+
+    def _resend_if_stale(self) -> None:
+        """After a rolled-back step the engine may have lost the adapter mid-refresh: send it again."""
         if self._engine_stale:
             self.refresher.refresh(self.policy.adapter())
             self._engine_stale = False
-        return self._request_for(self.policy.version + 1)
 
     def _request_for(self, step: int) -> tuple[list[Problem], GenerateRequest]:
         g = self.settings
@@ -298,15 +305,12 @@ class GRPOTrainer:
         """Step `step`'s rollouts with the version that served them, read in the same engine call."""
         problems, request = self._request_for(step)
         completions, served = generate_served(self.engine, request.prompt_ids, request.sampling, request.adapter)
-        rollouts = rollouts_of(self.engine, self.tokenizer, problems, request, completions, served)
-        return rollouts
+        return rollouts_of(self.engine, self.tokenizer, problems, request, completions, served)
 
     def _step(self, rollouts: Rollouts | None, rollout_s: float) -> StepRecord:
         g, step, clock = self.settings, self.policy.version + 1, StepClock()
         if rollouts is None:
-            if self._engine_stale:
-                self.refresher.refresh(self.policy.adapter())
-                self._engine_stale = False
+            self._resend_if_stale()
             ahead = self._take_ahead(step)
             rollouts = ahead if ahead is not None else self._sample(step)
             clock.lap("rollout")
@@ -340,9 +344,10 @@ class GRPOTrainer:
         return record
 
     def _check_given(self, rollouts: Rollouts, step: int) -> None:
-        """Rollouts sampled by the caller must be of this step's problems, under this trainer's adapter."""
-        expected = self.source.train_batch(step, self.settings.prompts_per_step)
-        if [p.question for p in rollouts.problems] != [p.question for p in expected]:
+        """Rollouts sampled by the caller must be of this step's problems (those rollout_request gave
+        for it), under this trainer's adapter."""
+        asked_step, expected = self._requested or (None, [])
+        if asked_step != step or [p.question for p in rollouts.problems] != [p.question for p in expected]:
             raise ValueError(f"step {step}: the rollouts given are not of this step's problems; sample them for "
                              f"trainer.rollout_request() of this step")
         if rollouts.adapter != self.refresher.serving_adapter:

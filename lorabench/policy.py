@@ -90,17 +90,15 @@ class Policy:
 
     def __init__(self, model_path: str, lora, grpo, dtype: str = "float32", device: str = "",
                  adapter_name: str = "default", init_seed: int | None = None, beside: Policy | None = None):
-        if beside is None:
-            self.device = pick_device(device)
-            base = load_model(model_path, dtype, self.device)
-            if init_seed is not None:
-                torch.manual_seed(init_seed)
-            self.model = _peft_model(base, lora, model_path, adapter_name)
-        else:
-            self.device, self.model = beside.device, beside.model
-            if init_seed is not None:
-                torch.manual_seed(init_seed)
+        self.device = beside.device if beside else pick_device(device)
+        base = beside.model if beside else load_model(model_path, dtype, self.device)
+        if init_seed is not None:
+            torch.manual_seed(init_seed)
+        if beside:
+            self.model = base
             _add_adapter(self.model, lora, model_path, adapter_name)
+        else:
+            self.model = _peft_model(base, lora, model_path, adapter_name)
         self.adapter_name = adapter_name
         self.lora_layers = LoraLayers(self.model, adapter_name, flatten=True)  # before the optimizer sees them
         self.bf16_lora = lora_compute_dtype(grpo.lora_compute, dtype) == "bfloat16"

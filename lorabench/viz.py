@@ -9,6 +9,7 @@ shows is named by its label (`fig.set_label`).
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import statistics
 
@@ -137,7 +138,7 @@ def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel
                   rolling: bool = False):
     """One line per policy of `key` against the step (`histories`: name -> metrics rows)."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    for (name, rows), color in zip(histories.items(), POLICY_COLORS * 4):
+    for (name, rows), color in zip(histories.items(), itertools.cycle(POLICY_COLORS)):
         steps, values = _series(rows, key)
         if not values:
             continue

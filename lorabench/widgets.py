@@ -158,6 +158,8 @@ def _fmt(value, spec: str) -> str:
 
 
 class StepPanel:
+    label = "step_panel"   # the figure's name (fig.set_label)
+
     def __init__(self, trainer, figsize=(11, 6.6), dpi: int = 90):
         self.trainer = trainer
         self.last = None                     # the latest StepRecord
@@ -172,7 +174,7 @@ class StepPanel:
         self._draw_lock = threading.Lock()   # one redraw at a time
         self.dpi = dpi
         self.figure = Figure(figsize=figsize, layout="constrained", dpi=dpi)
-        self.figure.set_label("step_panel")
+        self.figure.set_label(self.label)
         FigureCanvasAgg(self.figure)
         # a list, not numpy's object array: gc can see through a list, so a closed panel's figure is
         # freed in one collection
@@ -321,11 +323,7 @@ class GroupPanel(StepPanel):
     """The step panel of a policy group (group.PolicyGroup): Step / Run N / Stop step every policy
     at once; the views put the policies side by side (reward, mismatch, refresh, ‖ΔW‖ per policy)
     with a table of each policy's last step. `panel.last` is {name: StepRecord}."""
-
-    def __init__(self, group, figsize=(11, 6.6), dpi: int = 90):
-        super().__init__(group, figsize, dpi)
-        self.figure.set_label("group_panel")
-        self.render()
+    label = "group_panel"
 
     def render(self) -> None:
         histories = {name: list(t.history) for name, t in self.trainer.trainers.items()}

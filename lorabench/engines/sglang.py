@@ -438,17 +438,19 @@ class SGLangEngine:
 
     @_on_engine_thread(abort_on_interrupt=True)
     def generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
-        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=_params(sampling),
-                                    return_logprob=True, lora_path=self._lora(adapter, len(prompt_ids)))
-        return [_completion(p, out) for p, out in zip(prompt_ids, outs)]
+        return self._generate(prompt_ids, sampling, adapter)
 
     @_on_engine_thread(abort_on_interrupt=True)
     def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
         """generate, and the version that served it, in one call on the engine's thread (a write
         sent meanwhile runs after it)."""
+        return self._generate(prompt_ids, sampling, adapter), self._served_now(adapter)
+
+    def _generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
+        """On the engine's thread."""
         outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=_params(sampling),
                                     return_logprob=True, lora_path=self._lora(adapter, len(prompt_ids)))
-        return [_completion(p, out) for p, out in zip(prompt_ids, outs)], self._served_now(adapter)
+        return [_completion(p, out) for p, out in zip(prompt_ids, outs)]
 
     @_on_engine_thread(abort_on_interrupt=True)
     def generate_mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:

@@ -23,13 +23,13 @@ from pathlib import Path
 
 from ..machine import cpu_threads
 from .config import Config, ConfigError, engine_needs
-from .run import RunSession, build_trainer, plan_run, resolve_model
+from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, resolve_model
 
 GROUP_FILE = "group.json"
 
 
 @dataclass
-class GroupSession:
+class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
     cfg: Config                     # the group's config: the shared sections and `policies`
     members: dict[str, RunSession]  # name -> the policy's session (its runlog, trainer; the engine is shared)
     engine: object
@@ -134,25 +134,9 @@ class GroupSession:
         """{name: the rows of its metrics.jsonl}, once every step so far is written."""
         return {name: member.metrics() for name, member in self.members.items()}
 
-    def resume_command(self, extra_steps: int = 0) -> str:
-        """The shell command that continues every policy of the group from its last checkpoint."""
-        import shlex
-        total = self.trainer.step_count + extra_steps
-        return shlex.join(["lorabench", "resume", str(self.run_dir), f"grpo.steps={total}"])
-
-    def close_engine(self) -> None:
-        """The trainers' commits and refreshers, then the shared engine; the run dirs stay locked."""
-        try:
-            self.trainer.close()
-        finally:
-            self.engine.close()
-
-    def close(self) -> None:
-        try:
-            self.close_engine()
-        finally:
-            for member in self.members.values():
-                member.runlog.close()
+    def _release_run_dirs(self) -> None:
+        for member in self.members.values():
+            member.runlog.close()
 
 
 def _group_path(cfg: Config, run_dir) -> Path:

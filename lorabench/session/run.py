@@ -144,8 +144,32 @@ def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPla
     return RunPlan(path, state, named_by_config=named_by_config)
 
 
+class _SessionLifecycle:
+    """What every session (one run, a policy group) does the same way with its trainer (which has
+    `step_count` and `close`), engine and run dir(s): the resume command, the close."""
+
+    def resume_command(self, extra_steps: int = 0) -> str:
+        """The shell command that continues the run from its last checkpoint."""
+        total = self.trainer.step_count + extra_steps
+        return shlex.join(["lorabench", "resume", str(self.run_dir), f"grpo.steps={total}"])
+
+    def close_engine(self) -> None:
+        """Release the trainer (its commits, refresher and temp dirs) and the engine; run dirs stay locked."""
+        try:
+            self.trainer.close()
+        finally:
+            self.engine.close()
+
+    def close(self) -> None:
+        """Release the trainer, the engine and the run dirs' locks."""
+        try:
+            self.close_engine()
+        finally:
+            self._release_run_dirs()
+
+
 @dataclass
-class RunSession:
+class RunSession(_SessionLifecycle):
     cfg: Config
     runlog: object        # runlog.RunLog
     engine: object        # a RolloutEngine
@@ -223,24 +247,8 @@ class RunSession:
         self.trainer.wait_committed()
         return self.runlog.metrics()
 
-    def resume_command(self, extra_steps: int = 0) -> str:
-        """The shell command that continues this run from its last checkpoint."""
-        total = self.trainer.step_count + extra_steps
-        return shlex.join(["lorabench", "resume", str(self.run_dir), f"grpo.steps={total}"])
-
-    def close_engine(self) -> None:
-        """Release the trainer's refresher (temp dirs) and the engine; the run dir stays locked."""
-        try:
-            self.trainer.close()
-        finally:
-            self.engine.close()
-
-    def close(self) -> None:
-        """Release the refresher, the engine and the run dir's lock."""
-        try:
-            self.close_engine()
-        finally:
-            self.runlog.close()
+    def _release_run_dirs(self) -> None:
+        self.runlog.close()
 
 
 def _no_progress(what: str, done: int | None = None, total: int | None = None) -> None:
