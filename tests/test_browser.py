@@ -282,7 +282,11 @@ def save_executed(page, lab, name: str):
     path = lab["tmp"] / "root" / name
 
     def last_cell_saved() -> bool:
-        code = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+        try:
+            notebook = nbformat.read(path, as_version=4)
+        except nbformat.reader.NotJSONError:   # read while JupyterLab was writing it: not saved yet
+            return False
+        code = [c for c in notebook.cells if c.cell_type == "code"]
         return bool(code and code[-1].get("outputs"))
     page.locator(".lm-MenuBar-itemLabel", has_text="File").first.click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save Notebook$")).first.click()
