@@ -4,9 +4,14 @@ sys.path; the CPU tests use `saved_activation_bytes` to check what the training 
 - `saved_activation_bytes`: the bytes autograd saves for backward, what grows with the tokens of a
   micro-batch (activation_memory.py);
 - `matmul_params`, `model_flops_per_token`: the FLOPs of a trained token, for model FLOPs
-  utilisation (step_gpu.py, train_gpu.py).
+  utilisation (step_gpu.py, train_gpu.py, step_user_path.py);
+- `GpuBusy`: the share of time each GPU was running a kernel while a block ran (step_user_path.py).
 """
 from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
 
 import torch
 
@@ -60,3 +65,35 @@ def model_flops_per_token(model_config, seq_len: int = 0) -> float:
     head_dim = _config_value(model_config, "head_dim", _config_value(model_config, "hidden_size") // heads)
     layers = _config_value(model_config, "num_hidden_layers")
     return 6.0 * matmul_params(model_config) + 12.0 * layers * heads * head_dim * seq_len
+
+
+class GpuBusy:
+    """`with GpuBusy() as busy: ...`, then `busy.percent` = {gpu index: mean utilization.gpu}: nvidia-smi's
+    share of each sample period (every `period_ms`) in which a kernel ran on that GPU, averaged over the
+    block. Empty where nvidia-smi is missing (a CPU machine)."""
+
+    def __init__(self, period_ms: int = 100):
+        self.period_ms, self.samples, self.percent = period_ms, {}, {}
+        self._proc = self._reader = None
+
+    def __enter__(self) -> GpuBusy:
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu",
+                                           "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            index, _, busy = line.partition(",")
+            if busy.strip().isdigit():
+                self.samples.setdefault(int(index), []).append(int(busy))
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+            self._reader.join(timeout=10)
+        self.percent = {gpu: sum(v) / len(v) for gpu, v in sorted(self.samples.items())}

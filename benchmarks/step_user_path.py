@@ -8,8 +8,13 @@ written in the background (the default) and in line, beside SGLang's own decode 
 GPU setting: a random-init model of Qwen3-0.6B's shape in bf16, LoRA r=32 alpha=64 on the default
 targets, refresh.mode=inplace, 64 prompts x 8 x 256 new tokens, temperature 1, the engine arguments
 of the SGLang stack (step_gpu.STACK). --tiny: the tiny model on the hf engine at the demo's size.
-Reported per commit mode: the first step (the compile, when grpo.compile compiles), p50 of steps
-2..n of the whole step and of each part, and the background commit's write time. torch keeps its
+Reported per run (a commit mode, and with --staleness a grpo.max_staleness each): the first step (the
+compile, when grpo.compile compiles), p50 of steps 2..n of the whole step and of each part, the
+background commit's write time, each GPU's busy share over the steps (meters.GpuBusy) and the
+training part's model FLOPs utilisation against the H200's bf16 peak (GPU setting only).
+The engine on a GPU of its own (two GPUs):
+    python benchmarks/step_user_path.py --out results/step_own_gpu.json --modes background --staleness 0 1 \
+        --overrides engine.sglang.base_gpu_id=1 engine.sglang.mem_fraction_static=0.85 torch keeps its
 compiled graphs in its on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): the first run on a
 machine pays the compile; a later process (`--modes background` again) shows the first step with a warm cache.
 """
@@ -28,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from meters import GpuBusy, model_flops_per_token  # noqa: E402  (this folder)
 from synthetic import qwen3_06b_run  # noqa: E402  (this folder)
 
 from lorabench.data import prompt_ids  # noqa: E402
@@ -40,10 +46,14 @@ GPU_SETTING = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.promp
 def timed_steps(session, steps: int) -> dict:
     """Each step timed from outside (the commit's wait for the previous one included)."""
     walls, rows = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        rows.append(session.trainer.step().metrics)
-        walls.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    rows.append(session.trainer.step().metrics)
+    walls.append(time.perf_counter() - t0)
+    with GpuBusy() as busy:   # steps 2..n, as the p50s
+        for _ in range(steps - 1):
+            t0 = time.perf_counter()
+            rows.append(session.trainer.step().metrics)
+            walls.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     session.trainer.wait_committed()
     drain = time.perf_counter() - t0
@@ -54,6 +64,8 @@ def timed_steps(session, steps: int) -> dict:
             "background_write_s_last": session.trainer.commit_write_s,
             "completion_tokens_p50": statistics.median(r["completions/mean_length"] for r in later),
             "served_versions": [r["adapter/served_version"] for r in rows],
+            "lags": [r.get("adapter/lag", 0) for r in rows], "gpu_busy_percent": busy.percent,
+            "train_tokens_p50": statistics.median(r["train/tokens"] for r in later),
             "memory_peak_gb_p50": {k[7:-8]: statistics.median(r[k] for r in later)
                                    for k in later[0] if k.startswith("memory/")}}
 
@@ -79,6 +91,16 @@ def sglang_decode(session, t: int) -> dict:
             "adapter_tok_s": statistics.median(r[1]["tok_s"] for r in rounds)}
 
 
+def train_mfu(cfg, row: dict) -> float:
+    """Model FLOPs (meters.model_flops_per_token at the step's mean sequence length) of the training
+    part's tokens per second, over the H200's bf16 peak (step_gpu.PEAK_BF16_TFLOPS)."""
+    from step_gpu import PEAK_BF16_TFLOPS
+    from transformers import AutoConfig
+    tokens, sequences = row["train_tokens_p50"], cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    flops = model_flops_per_token(AutoConfig.from_pretrained(cfg.model.name_or_path), int(tokens / sequences)) * tokens
+    return flops / row["parts_s_p50"]["train"] / (PEAK_BF16_TFLOPS * 1e12)
+
+
 def measure(overrides: list[str], out_dir: Path, name: str, steps: int, decode: bool) -> dict:
     cfg = Config.load(None, [*overrides, f"run.out_dir={out_dir}", f"run.name={name}"])
     t0 = time.perf_counter()
@@ -87,6 +109,7 @@ def measure(overrides: list[str], out_dir: Path, name: str, steps: int, decode: 
         row = {"name": name, "open_s": time.perf_counter() - t0, **timed_steps(session, steps),
                "compile_caches": compile_cache_counters()}
         if decode:
+            row["train_mfu"] = train_mfu(cfg, row)
             row["sglang_decode"] = sglang_decode(session, cfg.grpo.max_new_tokens)
             p, g = cfg.grpo.prompts_per_step, cfg.grpo.group_size
             rollout_tok_s = p * g * row["completion_tokens_p50"] / row["parts_s_p50"]["rollout"]
@@ -105,6 +128,8 @@ def main() -> None:
     parser.add_argument("--overrides", nargs="*", default=[], help="more config overrides for both runs")
     parser.add_argument("--modes", nargs="+", choices=["background", "in_line"], default=["background", "in_line"],
                         help="the commit modes to run, one run each, in this order")
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0],
+                        help="grpo.max_staleness of the runs: each commit mode runs once per value")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="step-user-"))
     if args.tiny:
@@ -116,13 +141,15 @@ def main() -> None:
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
               "overrides": [*base, *args.overrides], "runs": []}
-    for name in args.modes:
-        background = name == "background"
-        row = measure([*base, *args.overrides, f"run.commit_in_background={str(background).lower()}"],
-                      root / "runs", name, args.steps, decode=not args.tiny)
-        result["runs"].append(row)
-        print(json.dumps({k: row[k] for k in ("name", "first_step_s", "step_wall_s_p50", "parts_s_p50")}), flush=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    for mode in args.modes:
+        for staleness in args.staleness:
+            name = mode + (f"-stale{staleness}" if staleness else "")
+            row = measure([*base, *args.overrides, f"run.commit_in_background={str(mode == 'background').lower()}",
+                           f"grpo.max_staleness={staleness}"], root / "runs", name, args.steps, decode=not args.tiny)
+            result["runs"].append(row)
+            print(json.dumps({k: row[k] for k in ("name", "first_step_s", "step_wall_s_p50", "parts_s_p50",
+                                                  "gpu_busy_percent")}), flush=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

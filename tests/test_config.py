@@ -263,6 +263,9 @@ def test_other_invalid_values_name_the_field(override, field_name):
     (["engine.backend=sglang", "engine.sglang.tp_size=0"], ["engine.sglang.tp_size=0"], ">= 1"),
     (["engine.backend=sglang", 'engine.sglang.extra_args={"dp_size": 2}'], ["dp_size=2"], "engine.sglang.tp_size"),
     (["engine.backend=sglang", 'engine.sglang.extra_args={"tp_size": 2}'], ["tp_size=2"], "use engine.sglang.tp_size"),
+    (["engine.backend=sglang", "engine.sglang.base_gpu_id=-1"], ["engine.sglang.base_gpu_id=-1"], ">= 0"),
+    (["engine.backend=sglang", 'engine.sglang.extra_args={"base_gpu_id": 1}'], ["base_gpu_id=1"],
+     "use engine.sglang.base_gpu_id"),
 ])
 def test_parallelism_settings_name_value_and_fix(overrides, names, fix):
     msg = _error(overrides)
@@ -272,6 +275,20 @@ def test_parallelism_settings_name_value_and_fix(overrides, names, fix):
 def test_tensor_parallel_engine_accepted():
     from lorabench.session.config import Config
     assert Config.load(None, ["engine.backend=sglang", "engine.sglang.tp_size=2"]).engine.sglang.tp_size == 2
+
+
+def test_engine_on_gpus_of_its_own_reaches_sglang_and_must_exist():
+    """engine.sglang.base_gpu_id is passed to sglang.Engine (which also places the in-place staging
+    buffers there) only when set, and a placement past the visible GPUs is named with the fix."""
+    from lorabench.session.config import Config, engine_needs
+    cfg = Config.load(None, ["engine.backend=sglang", "engine.sglang.base_gpu_id=1", "engine.sglang.tp_size=2"])
+    kwargs = cfg.engine.sglang.engine_kwargs("/m", engine_needs(cfg))
+    assert (kwargs["base_gpu_id"], kwargs["tp_size"]) == (1, 2)
+    assert "base_gpu_id" not in Config.load(None, ["engine.backend=sglang"]).engine.sglang.engine_kwargs(
+        "/m", engine_needs(cfg))
+    assert cfg.engine.sglang.gpu_problems(3) == []
+    (problem,) = cfg.engine.sglang.gpu_problems(2)
+    assert "GPUs 1..2" in problem and "sees 2" in problem and "lower base_gpu_id or tp_size" in problem
 
 
 def test_max_lora_rank_below_r():

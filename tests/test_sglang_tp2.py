@@ -1,9 +1,10 @@
-"""The SGLang engine with tensor parallelism (engine.sglang.tp_size=2) on two GPUs.
+"""The SGLang engine on two GPUs: with tensor parallelism (engine.sglang.tp_size=2: the trainer and
+the hf reference share cuda:0 with TP rank 0, rank 1 is on cuda:1), and alone on a GPU of its own
+(engine.sglang.base_gpu_id=1: the trainer on cuda:0, the engine on cuda:1).
 Marker `gpu`; run on the two-GPU machine (nvidia-h200-x2) with
     bash .sglang/with-sglang.sh bash dev/gpu_suite.sh tests/test_sglang_tp2.py
-Skips with the reason on machines with fewer than two GPUs. The trainer (and the hf reference)
-stays on cuda:0, which it shares with TP rank 0; rank 1 is on cuda:1. Figures go to
-$LORABENCH_GPU_OUT as tp2_*.json.
+Skips with the reason on machines with fewer than two GPUs. Figures go to $LORABENCH_GPU_OUT as
+tp2_*.json and own_gpu_*.json.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from test_sglang_gpu import (  # noqa: E402,F401
 from lorabench.session import start_engine  # noqa: E402
 
 TP2 = ["engine.backend=sglang", "engine.sglang.tp_size=2"]
+OWN_GPU = ["engine.sglang.base_gpu_id=1", "engine.sglang.mem_fraction_static=0.85"]
 
 
 def test_tp2_parity_refresh_and_static_greedy_tiny(tiny_path, tmp_path):
@@ -89,3 +91,40 @@ def test_tp2_release_resume_symmetric(tiny_path):
     assert out["greedy_same_after_resume"]
     active = [m for m in out["grpo_mismatch_active"] if m == m and m is not None]
     assert active and max(active) < 0.05, active
+
+
+def test_own_gpu_parity_and_refresh_tiny(tiny_path, tmp_path):
+    """The engine alone on cuda:1, the trainer's adapters and the hf reference on cuda:0: file,
+    tensor and in-place refresh cross devices (in place: the staging buffer on cuda:1, filled by one
+    device-to-device copy), with the single-GPU test's tolerances and greedy equalities."""
+    out = parity_run(tiny_path, tmp_path, gpu_config(*OWN_GPU), check_greedy=True)
+    record("own_gpu_parity_tiny", out)
+    assert_parity(out, max_tol=0.25)
+    assert out["greedy_dynamic_equals_static"]
+    assert out["greedy_in_place_equals_file_refresh"]
+
+
+def test_own_gpu_grpo_every_mode_and_one_step_stale(tiny_path):
+    """Trainer on cuda:0, engine on cuda:1: the engine's memory is taken on cuda:1 alone; with each
+    refresh mode the held-out reward rises, and on-policy every rollout is served by the trainer's
+    version at the parity level of mismatch; with grpo.max_staleness=1 the rollouts lag one update
+    (recorded per step) and the run still learns. Merged goes last: it rewrites the engine's base."""
+    steps = int(os.environ.get("LORABENCH_GPU_STEPS", "30"))
+    free = [torch.cuda.mem_get_info(gpu)[0] for gpu in (0, 1)]
+    with start_engine(gpu_config(*OWN_GPU), tiny_path) as engine:
+        taken_gb = [(before - torch.cuda.mem_get_info(gpu)[0]) / 1e9 for gpu, before in enumerate(free)]
+        summary = grpo_per_mode(engine, tiny_path, ("inplace", "tensor", "file"), steps, *OWN_GPU, name="own-gpu")
+        stale = grpo_per_mode(engine, tiny_path, ("inplace",), steps, *OWN_GPU, "grpo.max_staleness=1",
+                              name="own-gpu-stale")
+        merged = grpo_per_mode(engine, tiny_path, ("merged",), steps, *OWN_GPU, name="own-gpu")
+    summary = {**summary, "inplace_stale": stale["inplace"], **merged}
+    record("own_gpu_grpo", {"engine_start_taken_gb": taken_gb, **summary})
+    assert taken_gb[1] > 10 and taken_gb[0] < 2, taken_gb
+    for mode, s in summary.items():
+        assert s["heldout_strict_after"] - s["heldout_strict_before"] >= 0.2, (mode, s)
+    for mode in ("inplace", "tensor", "file"):
+        assert summary[mode]["served_versions"] == list(range(steps)), (mode, summary[mode]["served_versions"])
+        active = [m for m in summary[mode]["mismatch_active_mean_per_step"] if m == m and m is not None]
+        assert active and max(active) < 0.05, (mode, max(active))
+    lags = [r["adapter/lag"] for r in summary["inplace_stale"]["rows"]]
+    assert set(lags) <= {0, 1} and sum(lags) >= steps // 2, lags

@@ -93,7 +93,8 @@ class SGLangSettings(Section):
     (rank, target modules), the largest batch and the seed come from the run (EngineNeeds)."""
     mem_fraction_static: float = setting(0.3, "Fraction of GPU memory for the engine's weights + KV cache. 0.3 "
                                          "leaves the README's command room for the trainer on a 24 GB GPU "
-                                         "(docs/results.md).", resume=ALLOWED, why=SERVED)
+                                         "(docs/results.md); an engine on GPUs of its own "
+                                         "(base_gpu_id >= 1) can take ~0.85.", resume=ALLOWED, why=SERVED)
     dtype: str = setting("auto", "The engine's model dtype ('auto', 'bfloat16', 'float16').", resume=ALLOWED,
                          why=SERVED)
     max_lora_rank: int = setting(0, "Largest LoRA rank the engine holds; 0 = the run's lora.r.", resume=ALLOWED,
@@ -111,8 +112,13 @@ class SGLangSettings(Section):
     cuda_graph_max_bs: int = setting(0, "Largest decode batch run as a CUDA graph; 0 = the largest batch the run "
                                      "sends (a rollout or the held-out eval): a batch above it decodes without "
                                      "graphs, several times slower (docs/results.md).", resume=ALLOWED, why=SERVED)
-    tp_size: int = setting(1, "Tensor-parallel size: the GPUs the engine spans from base_gpu_id (0) on; the "
+    tp_size: int = setting(1, "Tensor-parallel size: the GPUs the engine spans from base_gpu_id on; the "
                            "trainer stays on cuda:0 (docs/multi_gpu.md).", resume=ALLOWED, why=SERVED)
+    base_gpu_id: int = setting(0, "The engine's first GPU (a visible CUDA index); the trainer is on cuda:0. 0 = "
+                               "they share GPU 0; 1 = the engine on GPUs 1..tp_size of its own, so training "
+                               "never waits for its memory and, with grpo.max_staleness=1, the next step's "
+                               "rollouts run beside this step's training (docs/multi_gpu.md).",
+                               resume=ALLOWED, why=SERVED)
     extra_args: str = setting("", "A JSON object of further sglang.Engine arguments, e.g. "
                               '\'{"enable_memory_saver": true}\'.', resume=ALLOWED, why=SERVED)
     log_file: str = setting("", "A file (appended) for the output of the engine's own processes: its progress "
@@ -137,6 +143,8 @@ class SGLangSettings(Section):
                    f">= 0 (0 = the largest batch the run sends)"),
             *check(self.tp_size >= 1, f"engine.sglang.tp_size={self.tp_size}: must be >= 1 (the GPUs the engine "
                    f"spans)"),
+            *check(self.base_gpu_id >= 0, f"engine.sglang.base_gpu_id={self.base_gpu_id}: must be >= 0 (a CUDA "
+                   f"index; 0 = beside the trainer, 1 = a GPU of its own)"),
         ]
         return found or self._extra_problems()
 
@@ -148,8 +156,9 @@ class SGLangSettings(Section):
                     f'\'{{"enable_memory_saver": true}}\'']
         if not isinstance(extra, dict):
             return [f'engine.sglang.extra_args={self.extra_args!r}: must be a JSON object {{"name": value, ...}}']
-        return [*check("tp_size" not in extra, f"engine.sglang.extra_args sets tp_size={extra.get('tp_size')!r}; use "
-                       f"engine.sglang.tp_size instead (one place for it)"),
+        placed = [key for key in ("tp_size", "base_gpu_id") if key in extra]
+        return [*[f"engine.sglang.extra_args sets {key}={extra[key]!r}; use engine.sglang.{key} instead (one place "
+                  f"for where the engine runs)" for key in placed],
                 *check(extra.get("dp_size", 1) == 1, f"engine.sglang.extra_args sets dp_size={extra.get('dp_size')!r}: "
                        f"sglang 0.5.17 refuses adapter and weight updates with dp_size > 1; run one engine per "
                        f"data-parallel group, or use engine.sglang.tp_size (docs/multi_gpu.md)")]
@@ -173,7 +182,16 @@ class SGLangSettings(Section):
             kwargs["disable_cuda_graph"] = True
         if self.tp_size > 1:
             kwargs["tp_size"] = self.tp_size
+        if self.base_gpu_id:
+            kwargs["base_gpu_id"] = self.base_gpu_id
         return {**kwargs, **self.extra()}
+
+    def gpu_problems(self, visible: int) -> list[str]:
+        """Where the engine runs against the `visible` CUDA GPUs of this process."""
+        last = self.base_gpu_id + self.tp_size - 1
+        return check(last < visible, f"engine.sglang.base_gpu_id={self.base_gpu_id} with tp_size={self.tp_size} puts "
+                     f"the engine on GPUs {self.base_gpu_id}..{last}, but this process sees {visible} (cuda:0.."
+                     f"{visible - 1}; CUDA_VISIBLE_DEVICES chooses them); lower base_gpu_id or tp_size")
 
 
 def needs_problems(settings: SGLangSettings, needs: EngineNeeds) -> list[str]:
@@ -318,6 +336,8 @@ class SGLangEngine:
         if not torch.cuda.is_available():
             raise EngineError(f"engine.backend='sglang' needs a CUDA GPU; torch {torch.__version__} sees none here. "
                               f"Use engine.backend=hf on this machine")
+        for problem in settings.gpu_problems(torch.cuda.device_count()):
+            raise EngineError(problem)
 
     def __init__(self, model_path: str, settings: SGLangSettings | None = None, needs: EngineNeeds | None = None,
                  **engine_overrides):

@@ -184,7 +184,9 @@ class PoolWriter:
         for device in self.devices:
             mapping.staging[device].copy_(adapter.buffer, non_blocking=True)   # cast to the pool's dtype
             mapping.version[device].fill_(adapter.version)
-        for device in self.devices:  # the engine reads these from another process: finish writing first
+        # the engine reads these from another process: finish writing first, on the engine's GPUs and,
+        # for an engine on GPUs of its own, on the trainer's, where a device-to-device copy is issued
+        for device in {*self.devices, adapter.buffer.device.index or 0}:
             torch.cuda.synchronize(device)
 
     def _send(self, command: str, mapping: _Mapping, extra: list, flush_cache: bool,
