@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -20,6 +19,7 @@ from matplotlib.ticker import MaxNLocator
 from .adapters import base_param_name
 from .data import prompt_ids
 from .loss import token_logprobs
+from .progress import WaitProgress
 from .viz import MIN_FONT_PT, PART_COLORS, title_with_legend
 
 
@@ -662,67 +662,7 @@ def cliff_sentence(spectrum: dict) -> str:
             f"threshold.")
 
 
-# --- notebook 03: the progress of a long wait -----------------------------------------------------------
-class Progress:
-    """A progress bar for one long wait of a lesson: done / total, the time so far and the time left
-    estimated from the rate so far. It is one display_data output (an HTML <progress> and a text
-    line) redrawn in place by its display id, not a widget: a saved notebook keeps its last state,
-    and it is never a library's tqdm bar (notebook tests refuse those). Outside IPython it prints."""
-
-    def __init__(self, what: str, total: int, unit: str = "step"):
-        self.what, self.total, self.unit = what, max(1, int(total)), unit
-        self.done, self.note, self.t0, self.seconds = 0, "", time.perf_counter(), None
-        self.handle = _show(self._bundle())
-
-    def update(self, done: int, note: str = "") -> None:
-        self.done, self.note = min(int(done), self.total), note
-        self._draw()
-
-    def advance(self, n: int = 1, note: str = "") -> None:
-        self.update(self.done + n, note)
-
-    def finish(self, note: str = "") -> float:
-        """The bar at its end, with the time it took; returns that time in seconds."""
-        self.seconds, self.note = time.perf_counter() - self.t0, note
-        self.done = self.total
-        self._draw()
-        return self.seconds
-
-    def text(self) -> str:
-        elapsed = time.perf_counter() - self.t0 if self.seconds is None else self.seconds
-        head = f"{self.what}: {self.done}/{self.total} {self.unit}s"
-        if self.seconds is not None:
-            when = f"done in {self.seconds:.0f} s"
-        elif self.done:
-            when = f"{elapsed:.0f} s so far, about {elapsed / self.done * (self.total - self.done):.0f} s left"
-        else:
-            when = f"{elapsed:.0f} s so far (an estimate after the first {self.unit})"
-        return f"{head}, {when}{f'; {self.note}' if self.note else ''}"
-
-    def _bundle(self) -> dict:
-        import html
-        return {"text/plain": self.text(),
-                "text/html": f"<progress value='{self.done}' max='{self.total}' style='width:14em'></progress> "
-                             f"<span style='font-family:monospace'>{html.escape(self.text())}</span>"}
-
-    def _draw(self) -> None:
-        _show(self._bundle(), self.handle)
-
-
-def _show(bundle: dict, handle=None):
-    """Show a mime bundle in the notebook, or replace the one `handle` shows; outside IPython,
-    print its text. Returns the handle (None outside IPython)."""
-    from IPython import get_ipython
-    from IPython.display import display
-    if get_ipython() is None:
-        print(bundle["text/plain"])
-        return None
-    if handle is None:
-        return display(bundle, raw=True, display_id=True)
-    handle.update(bundle, raw=True)
-    return handle
-
-
+# --- notebook 03: long waits shown as they go (progress.WaitProgress) ------------------------------------
 WARM_START_LINE = re.compile(r"warm-start step (\d+)/(\d+)")
 
 
@@ -735,35 +675,28 @@ def resolve_model_shown(model, warmstart, seed: int) -> tuple[str, bool, float]:
     t0 = time.perf_counter()
     if model_ref(model).kind != "tiny" or (tiny_cache_path(model.cache_dir, warmstart, seed) / "config.json").is_file():
         return resolve_model_path(model, warmstart, seed, log=lambda *a: None), False, time.perf_counter() - t0
-    bar = Progress("building and warm-starting the tiny model (cached afterwards)", warmstart.steps)
+    what = "building and warm-starting the tiny model (cached afterwards)"
+    with WaitProgress(what) as progress:
+        progress(what, 0, warmstart.steps)
 
-    def log(line, *rest):
-        found = WARM_START_LINE.search(str(line))
-        if found:
-            bar.update(int(found.group(1)))
-    path = resolve_model_path(model, warmstart, seed, log=log)
-    bar.finish()
+        def log(line, *rest):
+            found = WARM_START_LINE.search(str(line))
+            if found:
+                progress(what, int(found.group(1)), warmstart.steps)
+        path = resolve_model_path(model, warmstart, seed, log=log)
     return path, True, time.perf_counter() - t0
 
 
 def train_shown(trainer, steps: int, what: str = "GRPO steps") -> float:
     """`steps` trainer steps with a progress bar (reward and step time as its note); the seconds taken."""
-    bar = Progress(what, steps)
-    for i in range(steps):
-        t0 = time.perf_counter()
-        m = trainer.step().metrics
-        bar.update(i + 1, f"reward {m['reward/mean']:.2f}, last step {time.perf_counter() - t0:.1f} s")
-    return bar.finish(f"reward of the last step {trainer.history[-1]['reward/mean']:.2f}")
-
-
-@contextmanager
-def shown_wait(what: str, expected: str = ""):
-    """One line for a wait with no steps to count: what it is and how long it is expected to take
-    (as measured), then the time it took. A display_data output like `Progress`, not a widget."""
-    t0 = time.perf_counter()
-    handle = _show({"text/plain": f"{what}…{f' ({expected})' if expected else ''}"})
-    yield
-    _show({"text/plain": f"{what}: done in {time.perf_counter() - t0:.1f} s"}, handle)
+    with WaitProgress(what) as progress:
+        progress(what, 0, steps)
+        for i in range(steps):
+            t0 = time.perf_counter()
+            m = trainer.step().metrics
+            progress(what, i + 1, steps,
+                     note=f"reward {m['reward/mean']:.2f}, last step {time.perf_counter() - t0:.1f} s")
+        return progress.finish(f"reward of the last step {trainer.history[-1]['reward/mean']:.2f}")
 
 
 # --- notebook 03: the adapter of a trained run, or one trained here ----------------------------------------
@@ -816,14 +749,24 @@ def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
     seeds = list(seeds)
     out = {"seeds": seeds, "steps": steps, "rows": {a: [] for a in ARMS}, "heldout": {a: [] for a in ARMS},
            "first_adapter": [], "check": []}
-    bar = Progress("refreshed and stale runs", 2 * steps * len(seeds))
+    what, total = "refreshed and stale runs", 2 * steps * len(seeds)
+    with WaitProgress(what) as progress:
+        progress(what, 0, total)
+        _compare_arms(make_trainer, steps, seeds, out, lambda done, note: progress(what, done, total, note=note))
+    return out
+
+
+def _compare_arms(make_trainer, steps: int, seeds: list, out: dict, progress) -> None:
+    """refreshed_vs_stale's runs, into `out`; `progress(steps done, note)` after each step."""
+    done = 0
     for seed in seeds:
         for arm in ARMS:
             trainer = make_trainer(arm, seed)
             try:
                 for _ in range(steps):
                     reward = trainer.step().metrics["reward/mean"]
-                    bar.advance(note=f"seed {seed}, {arm} run: step {trainer.step_count}, reward {reward:.2f}")
+                    done += 1
+                    progress(done, f"seed {seed}, {arm} run: step {trainer.step_count}, reward {reward:.2f}")
                 out["rows"][arm].append(list(trainer.history))
                 if arm == "stale":
                     out["first_adapter"].append(trainer.evaluate(greedy=True))   # the engine still serves v0
@@ -834,8 +777,6 @@ def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
                 name = trainer.refresher.serving_adapter
                 if name in trainer.engine.loaded_adapters():   # the next arm's name is its own: free this one
                     trainer.engine.unload_adapter(name)
-    bar.finish()
-    return out
 
 
 def refresh_once(trainer) -> dict:

@@ -37,7 +37,6 @@ import time
 import traceback
 import warnings
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
 
 import ipywidgets as widgets
@@ -47,6 +46,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from .interrupts import interrupts_to_the_main_thread
+from .progress import PROGRESS_TEXT, WaitProgress, duration  # noqa: F401  (WaitProgress: the lessons' import)
 from .viz import (
     GROUP_VIEWS,
     STYLE,
@@ -144,13 +144,9 @@ def status_lines(m: dict | None, rewards: list[tuple[str, object, float]]) -> st
 def running_line(step: int, done: int, total: int, elapsed_s: float) -> str:
     """The status while a Run N goes: a bar, the step, the time so far and, from the second step
     on, the time left at the mean pace of this run's steps."""
-    left = f" · about {_duration(elapsed_s / done * (total - done))} left" if done else ""
+    left = f" · about {duration(elapsed_s / done * (total - done))} left" if done else ""
     return (f"<progress value='{done}' max='{total}' style='width:180px'></progress> <i>running step {step} "
-            f"({done + 1} of {total}) · {_duration(elapsed_s)} so far{left}…</i>")
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+            f"({done + 1} of {total}) · {duration(elapsed_s)} so far{left}…</i>")
 
 
 def _fmt(value, spec: str) -> str:
@@ -387,91 +383,7 @@ def _stop_panels_on_idle_interrupt() -> None:
         kernel.saved_sigint_handler = _on_idle_interrupt
 
 
-# --- notebook 01: a long wait shown as it goes, and closing the session by hand -------------------------
-PROGRESS_TEXT = "lorabench progress: "   # a WaitProgress's text/plain: no library's progress bar looks like it
-
-
-class WaitProgress:
-    """A lesson's display of a long wait: a bar and one line, 'what: k of n · 12 s so far · about 30 s
-    left' (the estimate: this part's mean time per step so far), or 'what · 12 s so far' for a part
-    without steps; the line ticks every second until `finish()`, which shows the time of each part
-    (also kept in `parts`, seconds). Call it as `progress(what, done=None, total=None)`
-    (RunSession.open's `progress`, a loop's steps).
-    Its text/plain is PROGRESS_TEXT + the description, so a notebook test tells it from a library's
-    progress bar (tqdm's text/plain is the bar: '40%|####  | 4/10 [00:02<00:03, 1.9it/s]')."""
-
-    def __init__(self, description: str, tick_s: float = 1.0):
-        self.description = description
-        self.bar = widgets.IntProgress(value=0, min=0, max=1, layout=widgets.Layout(width="240px"))
-        self.line = widgets.HTML(f"<i>{html.escape(description)}</i>")
-        self.widget = widgets.HBox([self.bar, self.line])
-        self.widget.add_class("lorabench-progress")
-        self.parts: dict[str, float] = {}
-        self._started = self._part_started = time.perf_counter()
-        self._part, self._done, self._total = None, None, None
-        self._lock = threading.Lock()
-        self._finished = threading.Event()
-        threading.Thread(target=self._tick, args=(tick_s,), name="lorabench-progress", daemon=True).start()
-
-    def _repr_mimebundle_(self, **kwargs):
-        return {**self.widget._repr_mimebundle_(**kwargs), "text/plain": PROGRESS_TEXT + self.description}
-
-    def __enter__(self):
-        """`with WaitProgress(...) as progress:` shows it, and finishes it however the block ends."""
-        from IPython.display import display
-        display(self)
-        return self
-
-    def __exit__(self, kind, error, trace):
-        self.finish(f"stopped by {kind.__name__}" if kind else "")
-        return False
-
-    def __call__(self, what: str, done: int | None = None, total: int | None = None) -> None:
-        with self._lock:
-            now = time.perf_counter()
-            if what != self._part:
-                self._close_part(now)
-                self._part, self._part_started = what, now
-            self._done, self._total = done, total
-            self._render(now)
-
-    def _render(self, now: float) -> None:
-        if self._part is None:
-            return
-        what, done, total, elapsed = html.escape(self._part), self._done, self._total, now - self._part_started
-        if total:
-            self.bar.max, self.bar.value = total, min(done or 0, total)
-            left = f" · about {_duration(elapsed / done * (total - done))} left" if done else ""
-            self.line.value = f"{what}: {done or 0} of {total} · {_duration(elapsed)} so far{left}"
-        else:
-            self.bar.max, self.bar.value = 1, 0
-            self.line.value = f"{what} · {_duration(elapsed)} so far"
-
-    def _tick(self, tick_s: float) -> None:
-        while not self._finished.wait(tick_s):
-            with self._lock:
-                self._render(time.perf_counter())
-
-    def _close_part(self, now: float) -> None:
-        if self._part is not None:
-            self.parts[self._part] = self.parts.get(self._part, 0.0) + now - self._part_started
-
-    def finish(self, note: str = "") -> float:
-        """End the display: the whole wait and its parts; returns the whole wait in seconds."""
-        self._finished.set()
-        with self._lock:
-            now = time.perf_counter()
-            self._close_part(now)
-            self._part = None
-            total = now - self._started
-            self.bar.max, self.bar.value = 1, 1
-            parts = ", ".join(f"{what} {_duration(s)}" for what, s in self.parts.items() if s >= 0.5)
-            self.line.value = (f"{html.escape(self.description)}: done in {_duration(total)}"
-                               f"{f' ({html.escape(parts)})' if parts else ''}"
-                               f"{f' · {html.escape(note)}' if note else ''}")
-        return total
-
-
+# --- closing the session by hand --------------------------------------------------------------------
 class SessionCloser:
     """The lesson's last step, taken by hand: a button that ends the panel (it waits for a running
     step, then disables Step / Run N / Stop; its views stay), closes the session (the engine and the
@@ -509,66 +421,3 @@ class SessionCloser:
                                                  f"```bash\n{command}\n```"))
 
 
-# --- notebook 02: progress with an estimate, for a lesson's long waits ----------------------------------
-def _seconds(s: float) -> str:
-    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
-
-
-class Progress:
-    """A lesson's own progress bar for a wait made of counted pieces: pieces done of the total, the
-    time so far and an estimate of the time left (the mean time per piece so far, times the pieces
-    left). Its text never has a library bar's rate ("it/s"), so the notebook tests tell it from tqdm.
-
-        progress = Progress("timing refreshes", total=20)
-        rows = refresh_bench.measure_many(engine, points, repeats, progress=progress)   # calls progress(i, n)
-    """
-
-    def __init__(self, what: str, total: int):
-        import ipywidgets as widgets
-        from IPython.display import display
-        self.what, self.total, self.start = what, total, time.perf_counter()
-        self.bar = widgets.IntProgress(value=0, min=0, max=max(total, 1), description=what,
-                                       style={"description_width": "initial"})
-        self.label = widgets.HTML(f"0 of {total}")
-        display(widgets.HBox([self.bar, self.label]))
-
-    def __call__(self, done: int, total: int | None = None) -> None:
-        total = total or self.total
-        elapsed = time.perf_counter() - self.start
-        self.bar.max, self.bar.value = max(total, 1), done
-        if done >= total:
-            self.label.value = f"{done} of {total}, done in {_seconds(elapsed)}"
-            self.bar.bar_style = "success"
-        else:
-            left = elapsed / done * (total - done) if done else float("nan")
-            estimate = f", about {_seconds(left)} left" if done else ""
-            self.label.value = f"{done} of {total}: {_seconds(elapsed)} so far{estimate}"
-
-
-@contextmanager
-def waiting(what: str, about_s: float, tick_s: float = 0.5):
-    """A progress bar for one long call that reports nothing itself (an engine starting): the time so
-    far against `about_s`, the time it is expected to take (a measured time the lesson states), updated
-    from a thread while the call runs in the cell."""
-    import ipywidgets as widgets
-    from IPython.display import display
-    bar = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description=what, style={"description_width": "initial"})
-    label = widgets.HTML(f"expected: about {_seconds(about_s)}")
-    display(widgets.HBox([bar, label]))
-    start, stop = time.perf_counter(), threading.Event()
-
-    def tick():
-        while not stop.wait(tick_s):
-            elapsed = time.perf_counter() - start
-            bar.value = min(elapsed / about_s, 0.97)   # never full before the call returns
-            label.value = f"{_seconds(elapsed)} so far; expected about {_seconds(about_s)}"
-
-    ticker = threading.Thread(target=tick, name="lorabench-waiting", daemon=True)
-    ticker.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        ticker.join()
-    bar.value, bar.bar_style = 1.0, "success"
-    label.value = f"done in {_seconds(time.perf_counter() - start)} (expected about {_seconds(about_s)})"

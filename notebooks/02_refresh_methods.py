@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -58,7 +60,7 @@ from IPython.display import Markdown, display
 from lorabench import explain, viz
 from lorabench import refresh_bench as rb
 from lorabench.session import Config, resolve_model, start_engine
-from lorabench.widgets import Progress, setup_notebook, sglang_in_notebook, waiting
+from lorabench.widgets import WaitProgress, setup_notebook, sglang_in_notebook
 
 setup_notebook()
 
@@ -83,7 +85,7 @@ if ENGINE == "sglang":   # its progress bars go to a log file, not here; it must
 cfg = Config.load(None, [f"engine.backend={ENGINE}", f"model.name_or_path={MODEL}", "warmstart.steps=0",
                          f"lora.r={RANK}", *OVERRIDES])
 threads_before = torch.get_num_threads()
-with waiting("starting the engine", about_s=40 if ENGINE == "sglang" else 5):
+with WaitProgress("starting the engine", expected_s=40 if ENGINE == "sglang" else 5):
     model_path = resolve_model(cfg)
     engine = start_engine(cfg, model_path)  # a scratch engine: a merged refresh overwrites its base weights
     trainer_model = rb.adapter_model(model_path, RANK, dtype=cfg.model.dtype, device=str(engine.device))
@@ -106,8 +108,8 @@ print(f"{label}; fastest copy measured: {bandwidth:.1f} GB/s (copying {copy_mb} 
 # %%
 cpus = len(os.sched_getaffinity(0))
 thread_counts = sorted({1, min(2, cpus), cpus})
-probe = rb.thread_probe(engine, trainer_model, thread_counts, REPEATS,
-                        progress=Progress("rounds over the thread counts", total=REPEATS))
+with WaitProgress("rounds over the thread counts") as progress:
+    probe = rb.thread_probe(engine, trainer_model, thread_counts, REPEATS, progress=progress.counting(REPEATS))
 fig = viz.thread_probe_figure(probe, label=f"{label}, {rb.load_label()}")
 threads = THREADS or rb.steadiest_threads(probe)
 display(Markdown(explain.threads_markdown(probe, cpus, os.getloadavg()[0], threads, asked=bool(THREADS))))
@@ -155,8 +157,9 @@ display(Markdown(explain.storage_markdown(storage)))
 # that the parts' lengths compare.
 
 # %%
-progress = Progress("refresh modes", total=len(rb.MODES))
-rows = rb.measure_many(engine, [(trainer_model, mode, BUCKET_MB) for mode in rb.MODES], REPEATS, progress, threads)
+with WaitProgress("refresh modes") as progress:
+    rows = rb.measure_many(engine, [(trainer_model, mode, BUCKET_MB) for mode in rb.MODES], REPEATS,
+                           progress.counting(len(rb.MODES)), threads)
 modes_fig = viz.refresh_modes_figure(rows, bandwidth, label=f"{label}: LoRA r={RANK}, {BUCKET_MB:g} MB buckets, "
                                                             f"{REPEATS} repeats, {threads} thread(s), {rb.load_label()}")
 
@@ -203,8 +206,9 @@ display(Markdown(explain.modes_markdown(rows, bandwidth)))
 # %%
 pushed = rb.merged_push_tensors(trainer_model)
 buckets_mb = rb.distinct_push_buckets(pushed, MERGED_POINTS)
-progress = Progress("bucket sizes", total=len(buckets_mb))
-merged = rb.measure_many(engine, [(trainer_model, "merged", mb) for mb in buckets_mb], REPEATS, progress, threads)
+with WaitProgress("bucket sizes") as progress:
+    merged = rb.measure_many(engine, [(trainer_model, "merged", mb) for mb in buckets_mb], REPEATS,
+                             progress.counting(len(buckets_mb)), threads)
 fig = viz.merged_buckets_figure(merged, rb.push_curve(pushed), bandwidth,
                                 label=f"{label}: {merged[0]['bytes'] / 2**20:.3g} MB of weights, {REPEATS} repeats, "
                                       f"{threads} thread(s), {rb.load_label()}")
@@ -227,9 +231,9 @@ display(Markdown(explain.buckets_markdown(merged)))
 # the bytes do; the adapter's size is under each rank.
 
 # %%
-progress = Progress("ranks × modes", total=len(RANKS) * len(rb.MODES))
-by_rank = rb.rank_sweep(engine, model_path, RANKS, BUCKET_MB, REPEATS, dtype=cfg.model.dtype, progress=progress,
-                        threads=threads)
+with WaitProgress("ranks × modes") as progress:
+    by_rank = rb.rank_sweep(engine, model_path, RANKS, BUCKET_MB, REPEATS, dtype=cfg.model.dtype,
+                            progress=progress.counting(len(RANKS) * len(rb.MODES)), threads=threads)
 fig = viz.refresh_rank_figure(by_rank, label=f"{label}: {BUCKET_MB:g} MB buckets, {REPEATS} repeats, "
                                               f"{threads} thread(s), {rb.load_label()}")
 display(Markdown(explain.rank_markdown(by_rank)))

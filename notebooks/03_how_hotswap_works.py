@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -59,7 +61,7 @@ from lorabench.adapters import AdapterError, plain_config
 from lorabench.data import prompt_ids
 from lorabench.session import Config, ConfigError, build_trainer, start_engine
 from lorabench.session.reuse import dir_listing, find_trained_run
-from lorabench.widgets import setup_notebook, sglang_in_notebook
+from lorabench.widgets import WaitProgress, setup_notebook, sglang_in_notebook
 
 setup_notebook()
 STARTED = time.perf_counter()   # the closing cell says how long this Run All took
@@ -84,8 +86,7 @@ LESSON = [f"engine.backend={ENGINE}", f"model.name_or_path={MODEL}", "refresh.mo
           *OVERRIDES]
 cfg = Config.load(None, LESSON)
 model_path, model_built, model_seconds = explain.resolve_model_shown(cfg.model, cfg.warmstart, cfg.run.seed)
-with explain.shown_wait("starting the engine and the trainer",
-                        "about 35 s for SGLang on one H200" if ENGINE == "sglang" else "a few seconds"):
+with WaitProgress("starting the engine and the trainer", expected_s=35 if ENGINE == "sglang" else 5):
     engine = start_engine(cfg, model_path)
     trainer = build_trainer(cfg, model_path, engine, log=lambda *a: None)   # its run log writes nothing
 adapter, tok = trainer.refresher.serving_adapter, trainer.tokenizer

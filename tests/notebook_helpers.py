@@ -72,7 +72,7 @@ def code_outputs(nb):
 
 # a library's progress bar as its widget's text/plain shows it: tqdm's is the bar itself ('40%|####  | 4/10
 # [00:02<00:03, 1.9it/s]'), or its container's repr. A lesson's own display of a long wait
-# (lorabench.widgets.WaitProgress) shows 'lorabench progress: <what>' there, which matches none of these.
+# (lorabench.progress.WaitProgress) shows 'lorabench progress: <what>' there, which matches none of these.
 LIBRARY_BAR = re.compile(r"it/s|s/it|\d+%\||TqdmHBox")
 # a tqdm bar as text, wherever it is written: " 40%|████      | 4/10 [00:01<00:02,  2.50it/s]"
 TQDM_TEXT = re.compile(r"\d+%\|[^|\n]*\|\s*\d+(\.\d+)?[kMG]?/\d+(\.\d+)?[kMG]?\s*\[")
@@ -81,7 +81,7 @@ TQDM_TEXT = re.compile(r"\d+%\|[^|\n]*\|\s*\d+(\.\d+)?[kMG]?/\d+(\.\d+)?[kMG]?\s
 def noise(nb) -> list[str]:
     """What a lesson must not show: stderr text (warnings, logs) and library progress bars (tqdm's
     widgets, or its text bars, on stderr or printed anywhere else). A lesson's own progress display
-    (explain.Progress: an HTML <progress> and a line "what: done/total steps, time left") is neither."""
+    (progress.WaitProgress: a widget whose text/plain is 'lorabench progress: <what>') is neither."""
     found = []
     for i, out in code_outputs(nb):
         if out.get("output_type") == "stream" and out.get("name") == "stderr":

@@ -1,16 +1,19 @@
-"""Notebook 03's own progress display (explain.Progress) against the notebook tests' noise check:
-a bar tqdm itself draws is refused wherever it is printed, the lesson's bar is not; and the lesson's
-bar counts and estimates the time left from the rate so far."""
+"""The lessons' one progress display (progress.WaitProgress) against the notebook tests' noise check:
+a bar tqdm itself draws is refused wherever it is printed, the lesson's bar is not; the bar counts
+pieces, estimates the time left from the rate so far, and fills towards a measured expected time."""
 from __future__ import annotations
 
 import io
+import re
+import threading
 import time
 
 import nbformat
+import pytest
 from notebook_helpers import noise
 from tqdm import tqdm
 
-from lorabench import explain
+from lorabench.progress import PROGRESS_TEXT, WaitProgress
 
 
 def notebook_with(*outputs):
@@ -34,20 +37,37 @@ def test_a_tqdm_bar_is_noise_wherever_it_is_printed():
     assert noise(notebook_with(nbformat.v4.new_output("display_data", data={"text/plain": text})))
 
 
-def test_the_lessons_progress_bar_is_not_noise(capsys):
-    bar = explain.Progress("GRPO steps", 5)
-    bar.update(2, "reward 0.25")
-    bundle = bar._bundle()
-    assert "<progress value='2' max='5'" in bundle["text/html"]
+def test_the_lessons_progress_bar_is_not_noise():
+    progress = WaitProgress("GRPO steps", tick_s=0.02)
+    progress("GRPO steps", 2, 5, note="reward 0.25")
+    bundle = progress._repr_mimebundle_()
+    assert bundle["text/plain"] == PROGRESS_TEXT + "GRPO steps"
+    assert "2 of 5" in progress.line.value and "reward 0.25" in progress.line.value
     assert noise(notebook_with(nbformat.v4.new_output("display_data", data=bundle))) == []
-    assert "GRPO steps: 0/5 steps" in capsys.readouterr().out   # outside IPython it prints
+    progress.finish()
 
 
-def test_the_estimate_follows_the_rate_so_far():
-    bar = explain.Progress("waiting", 4)
-    time.sleep(1.0)
-    bar.update(1)
-    left = float(bar.text().split("about ")[1].split(" s left")[0])
-    elapsed = time.perf_counter() - bar.t0
-    assert abs(left - 3 * elapsed) <= 0.6    # 3 steps to go at the rate of the first (4 s if it took the total)
-    assert bar.finish() >= 1.0 and "done in" in bar.text() and "4/4" in bar.text()
+def test_counting_estimates_the_time_left_from_the_rate_so_far():
+    progress = WaitProgress("refresh modes", tick_s=0.02)
+    count = progress.counting(4)          # what refresh_bench.measure_many calls: count(done, total)
+    time.sleep(0.05)
+    count(1, 4)
+    seconds_so_far, seconds_left = map(float, re.findall(r"(\d+) s", progress.line.value))
+    assert progress.bar.value == 1 and "1 of 4" in progress.line.value and "left" in progress.line.value
+    assert seconds_left == pytest.approx(3 * seconds_so_far, abs=1)   # 3 pieces left at the mean time so far
+    count(4)
+    assert progress.bar.value == progress.bar.max == 4
+    assert progress.finish() >= 0.05 and progress.line.value.startswith("refresh modes: done in")
+
+
+def test_an_expected_time_fills_the_bar_but_never_before_the_wait_ends(capsys):
+    with WaitProgress("starting the engine", tick_s=0.02, expected_s=0.1) as progress:
+        time.sleep(0.3)                    # past the expected time: the bar stays short of full
+        ticker = [t for t in threading.enumerate() if t.name == "lorabench-progress"]
+        assert ticker and progress.bar.value == 97 and "expected about 0 s" in progress.line.value
+    assert progress.bar.value == progress.bar.max and "done in" in progress.line.value
+    assert PROGRESS_TEXT + "starting the engine" in capsys.readouterr().out   # outside a kernel it prints
+    with pytest.raises(RuntimeError), WaitProgress("failing", tick_s=0.02) as failed:
+        raise RuntimeError("the call failed")
+    assert "stopped by RuntimeError" in failed.line.value
+    assert failed.finish("again") == failed.seconds         # once finished, it stays as it ended

@@ -452,31 +452,3 @@ def test_push_cost_fit_recovers_the_cost_per_push():
     assert fixed == pytest.approx(5.0) and per_push == pytest.approx(0.2)
 
 
-# --- notebook 02's progress displays -----------------------------------------------------------------
-def test_progress_estimates_the_time_left_and_is_no_library_bar(capsys):
-    from lorabench.widgets import Progress
-    progress = Progress("refresh modes", total=4)
-    shown = capsys.readouterr().out                   # outside a kernel, display() prints the widget's repr
-    assert "refresh modes" in shown and "it/s" not in shown   # notebook_helpers.noise() flags tqdm's "it/s"
-    time.sleep(0.05)
-    progress(1, 4)
-    seconds_so_far, seconds_left = map(float, re.findall(r"(\d+) s", progress.label.value))
-    assert progress.bar.value == 1 and "1 of 4" in progress.label.value and "left" in progress.label.value
-    assert seconds_left == pytest.approx(3 * seconds_so_far, abs=1)   # 3 pieces left at the mean time so far
-    progress(4, 4)
-    assert progress.bar.value == 4 and progress.bar.bar_style == "success" and "done in" in progress.label.value
-
-
-def test_waiting_ticks_while_the_call_runs_and_says_when_it_is_done(capsys):
-    import threading
-
-    import lorabench.widgets as w
-    with w.waiting("starting the engine", about_s=10, tick_s=0.02):
-        time.sleep(0.2)
-        ticker = [t for t in threading.enumerate() if t.name == "lorabench-waiting"]
-        assert len(ticker) == 1 and ticker[0].is_alive()
-    assert not ticker[0].is_alive()                   # the ticker ends with the call
-    assert "starting the engine" in capsys.readouterr().out
-    with pytest.raises(RuntimeError), w.waiting("failing", about_s=1, tick_s=0.02):
-        raise RuntimeError("the call failed")
-    assert not [t for t in threading.enumerate() if t.name == "lorabench-waiting"]
