@@ -46,12 +46,14 @@ class BackgroundCommits:
         self.write_s = 0.0                 # how long the last finished commit took to write
 
     def submit(self, step: int, write, *args) -> None:
-        """Start `write(*args)`, the commit of `step`, on the commit thread, once the commit in flight
-        is written; a failed commit's error is raised instead (see `settle`)."""
-        error = self.settle()
-        if error is not None:
-            raise error
+        """Start `write(*args)`, the commit of `step`, on the commit thread; a failed commit's error is
+        raised instead. The caller settles first: one commit at a time, in step order."""
         with self._guard:
+            if self._failure is not None:
+                raise self._failure
+            if self._in_flight is not None:
+                raise RuntimeError(f"BackgroundCommits.submit(step {step}): the commit of step "
+                                   f"{self._in_flight_step} is not settled; call settle() first")
             self._in_flight, self._in_flight_step = self._pool.submit(self._timed, write, args), step
 
     def _timed(self, write, args) -> None:

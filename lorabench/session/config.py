@@ -114,14 +114,14 @@ def problems(cfg: Config) -> list[str]:
                      f"model's matmuls in bf16 too; set model.dtype=bfloat16, or grpo.lora_compute=auto")
     if cfg.grpo.max_staleness and cfg.engine.release_memory_during_training:
         found.append(STALE_AND_RELEASED)
+    members = cfg.members()   # built once here; a policy's invalid value raises, naming the policy
     if cfg.policies:
         found += group_problems(cfg)
-    return found + engine_class(cfg.engine.backend).needs_problems(cfg.engine.chosen, engine_needs(cfg))
+    return found + engine_class(cfg.engine.backend).needs_problems(cfg.engine.chosen, engine_needs(cfg, members))
 
 
 def group_problems(cfg: Config) -> list[str]:
-    """What a policy group cannot do (each policy's own config is checked when it is built)."""
-    cfg.members()   # a policy's invalid value raises here, naming the policy
+    """What a policy group cannot do (each policy's own config is checked as Config.members builds it)."""
     return [*st.check(cfg.refresh.mode != "merged", "refresh.mode=merged with policies: a merged refresh overwrites "
                       "the engine's base weights, which every policy of the group shares; use refresh.mode=inplace, "
                       "tensor or file"),
@@ -136,12 +136,13 @@ def _section_problems(section) -> list[str]:
     return [*section.problems(), *(p for sub in section.subsections.values() for p in _section_problems(sub))]
 
 
-def engine_needs(cfg: Config) -> EngineNeeds:
+def engine_needs(cfg: Config, members: dict[str, Config] | None = None) -> EngineNeeds:
     """What this run asks of its engine, from the lora, grpo, data and run sections; for a policy
     group: room for every policy's adapter, the largest rank, all target modules, the K policies'
-    rollouts in one batch."""
+    rollouts in one batch. `members`: cfg.members(), when the caller has built them already."""
     g, d = cfg.grpo, cfg.data
-    loras = [m.lora for m in cfg.members().values()] if cfg.policies else [cfg.lora]
+    members = cfg.members() if members is None else members
+    loras = [m.lora for m in members.values()] if cfg.policies else [cfg.lora]
     targets = [lora.target_modules for lora in loras]
     if any(t == "all-linear" for t in targets):
         target = "all-linear"
