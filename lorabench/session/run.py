@@ -185,7 +185,7 @@ class RunSession(_SessionLifecycle):
         engine and trainer. A run dir that already holds a run is continued, as `lorabench resume`
         does, if `cfg` is compatible with it (compat.py). `progress(what, done=None, total=None)`,
         if given, hears each part as it starts (a tiny build's warm-start at every step), for a
-        notebook's progress display (widgets.WaitProgress)."""
+        notebook's progress display (progress.WaitProgress)."""
         progress = progress or _no_progress
         import torch
 
@@ -259,7 +259,7 @@ def _no_progress(what: str, done: int | None = None, total: int | None = None) -
 def resolve_model(cfg: Config, log=print, progress=None) -> str:
     """The base model's dir (the tiny one built from its recipe on first use) or hub name.
     `progress(what, done, total)`: called at each warm-start step of a tiny build (a notebook's
-    progress display, widgets.WaitProgress)."""
+    progress display, progress.WaitProgress)."""
     from ..models import resolve_model_path
     return resolve_model_path(cfg.model, cfg.warmstart, cfg.run.seed, log=log, progress=progress)
 
