@@ -1,0 +1,54 @@
+"""The checks behind each failure mode: the engine's rollouts or greedy completions re-scored by the
+trainer, trainer vs engine log-probs, and a lesson's self-check table.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..data import prompt_ids
+from ..loss import token_logprobs
+
+
+def rollout_sequences(trainer, n_prompts: int = 2, adapter: str | None = "serving") -> tuple[list, list]:
+    """Greedy engine completions for held-out prompts: (prompt + completion token lists, prompt lengths).
+    `adapter='serving'` uses the adapter the trainer's refresher serves."""
+    name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
+    prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in trainer.source.eval_set(n_prompts)]
+    outs = trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)
+    return [o.prompt_ids + o.token_ids for o in outs], [len(o.prompt_ids) for o in outs]
+
+
+def greedy_completions(trainer, problems, adapter: str | None = "serving") -> list[str]:
+    """The engine's greedy completion of each problem, as text: with the adapter the trainer's
+    refresher serves (`'serving'`), another adapter name, or None for the base model."""
+    name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
+    prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in problems]
+    outs = trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)
+    return trainer.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def trainer_vs_engine(trainer, sequences: list[list[int]], prompt_lens: list[int], adapter: str | None) -> dict:
+    """|trainer log-prob − engine log-prob| over the completion tokens (mean, p99, max): the check that
+    a request ran the trainer's current policy (GRPO logs it every step as mismatch/mean, /p99, /max).
+    The mean and p99 are the robust figures; the max of one token is a rounding tail in bf16.
+    Both sides score at temperature 1 whatever the run samples at: the check is about the weights, a
+    temperature divides both sides' logits alike, and SGLang's prefill scores at temperature 1 only."""
+    engine_lp = trainer.engine.score(sequences, prompt_lens, adapter)
+    diffs = []
+    for seq, plen, lp in zip(sequences, prompt_lens, engine_lp):
+        ids = torch.tensor([seq], device=trainer.device)
+        mine = token_logprobs(trainer.model, ids, torch.ones_like(ids), 1.0)[0, plen - 1:].cpu()
+        diffs.append((mine - lp).abs())
+    diffs = torch.cat(diffs)
+    return {"mean": diffs.mean().item(), "p99": diffs.quantile(0.99).item(), "max": diffs.max().item()}
+
+
+def self_check(checks: dict[str, bool]) -> None:
+    """Print each check with ✓ or ✗; raise AssertionError naming the failed ones."""
+    for name, ok in checks.items():
+        print(f"{'✓' if ok else '✗'} {name}")
+    failed = [name for name, ok in checks.items() if not ok]
+    if failed:
+        raise AssertionError(f"self-check failed: {failed}")
+    print(f"self-check: all {len(checks)} checks passed")

@@ -1,0 +1,144 @@
+"""One LoRA layer looked into (its factors A and B), base vs adapter-applied predictions (the next
+token's top k, the per-token log-prob effect), and a refresh drawn as a timeline of its parts.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import torch
+
+from ..adapters import base_param_name
+from ..viz import MIN_FONT_PT, PART_COLORS, title_with_legend
+
+
+def lora_factors(peft_model, module: str = "model.layers.0.self_attn.q_proj", adapter: str = "default") -> dict:
+    """A [r, in], B [out, r], scaling α/r, the frozen W [out, in] and ΔW = (α/r)·B·A of one layer."""
+    layer = peft_model.get_submodule(f"base_model.model.{module}")
+    a = layer.lora_A[adapter].weight.detach().float().cpu()          # [r, in]
+    b = layer.lora_B[adapter].weight.detach().float().cpu()          # [out, r]
+    scaling = float(layer.scaling[adapter])
+    w = layer.base_layer.weight.detach().float().cpu()               # [out, in]
+    return {"module": module, "A": a, "B": b, "scaling": scaling, "W": w, "delta": scaling * (b @ a)}
+
+
+def plot_lora_factors(f: dict):
+    """The two factors a LoRA layer learns, B [out, r] and A [r, in], each on its own symmetric
+    colour scale (their product ΔW is drawn by `plot_delta_w`, beside W)."""
+    r = f["A"].shape[0]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 3.4), gridspec_kw={"width_ratios": [0.45, 1]}, layout="constrained")
+    fig.set_label("lora_factors")
+    for ax, (m, title) in zip(axes, [(f["B"], f"B {tuple(f['B'].shape)}, its own scale"),
+                                     (f["A"], f"A {tuple(f['A'].shape)}, its own scale")]):
+        lim = float(m.abs().max()) or 1.0
+        im = ax.imshow(m.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
+        ax.set_title(title, loc="left")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(f"{f['module']}: the LoRA factors, rank r = {r}", x=0.01, ha="left")
+    return fig
+
+
+@torch.no_grad()
+def lora_layer_facts(peft_model, f: dict, n_inputs: int = 3, seed: int = 0) -> dict:
+    """What the ΔW picture claims, measured on the layer itself: its output on random inputs equals
+    W·x + ΔW·x, and ΔW's rank is at most r."""
+    layer = peft_model.get_submodule(f"base_model.model.{f['module']}")
+    x = torch.randn(n_inputs, f["W"].shape[1], generator=torch.Generator().manual_seed(seed))
+    param = next(layer.parameters())
+    y = layer(x.to(device=param.device, dtype=param.dtype)).float().cpu()
+    return {"r": f["A"].shape[0], "α/r": f["scaling"], "rank of ΔW": int(torch.linalg.matrix_rank(f["delta"])),
+            "max |layer(x) − (W + ΔW)·x|": float((y - x @ (f["W"] + f["delta"]).T).abs().max()),
+            "‖ΔW‖ / ‖W‖": float(f["delta"].norm() / f["W"].norm())}
+
+
+# --- base vs adapter-applied predictions -------------------------------------------------------------
+@torch.no_grad()
+def next_token_topk(peft_model, tokenizer, prefix_ids: list[int], k: int = 8) -> dict:
+    """Next-token probabilities after `prefix_ids`, adapter on and off: the union of both top-k,
+    ordered by the adapter's probability."""
+    ids = torch.tensor([prefix_ids], device=peft_model.device)
+    with_adapter = torch.softmax(peft_model(input_ids=ids).logits[0, -1].float(), -1).cpu()
+    with peft_model.disable_adapter():
+        base = torch.softmax(peft_model(input_ids=ids).logits[0, -1].float(), -1).cpu()
+    top = torch.cat([base.topk(k).indices, with_adapter.topk(k).indices]).unique()
+    top = top[torch.argsort(with_adapter[top], descending=True)]
+    return {"tokens": [repr(tokenizer.decode([int(t)])) for t in top], "base": base[top], "adapter": with_adapter[top]}
+
+
+def plot_topk(topk: dict, ax=None, title: str = "Next token, base vs adapter"):
+    ax = ax or plt.subplots(figsize=(7, 1.2 + 0.32 * len(topk["tokens"])), layout="constrained")[1]
+    ax.figure.set_label("next_token_topk")
+    y = torch.arange(len(topk["tokens"])).float()
+    ax.barh(y - 0.2, topk["base"].numpy(), height=0.4, color="#999999", label="base (no adapter)")
+    ax.barh(y + 0.2, topk["adapter"].numpy(), height=0.4, color="#4c72b0", label="adapter applied")
+    ax.set_yticks(y.tolist(), topk["tokens"])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("next-token probability")
+    title_with_legend(ax, title, ncol=2)
+    ax.grid(alpha=0.3, axis="x")
+    return ax
+
+
+def logprob_difference(engine, sequence: list[int], prompt_len: int, adapter: str) -> torch.Tensor:
+    """Engine log-prob of each completion token with the adapter minus without it: [T]."""
+    with_adapter = engine.score([sequence], [prompt_len], adapter)[0]
+    base = engine.score([sequence], [prompt_len], None)[0]
+    return with_adapter - base
+
+
+def token_labels(tokenizer, ids: list[int]) -> list[str]:
+    """Each token as it reads in a plot: newlines as ⏎, a blank token as its repr."""
+    labels = [tokenizer.decode([t]) for t in ids]
+    return [t.replace("\n", "⏎") if t.strip() else repr(t) for t in labels]
+
+
+def top_effects(tokens: list[str], diff: torch.Tensor, k: int = 3) -> list[tuple[int, str, float]]:
+    """The `k` tokens with the largest |Δ log-prob|: (position, token, Δ), largest first."""
+    order = diff.abs().argsort(descending=True)[:k].tolist()
+    return [(i, tokens[i], float(diff[i])) for i in order]
+
+
+def plot_logprob_difference(tokens: list[str], diff: torch.Tensor, ax=None):
+    ax = ax or plt.subplots(figsize=(12, 3.6), layout="constrained")[1]
+    ax.figure.set_label("per_token_effect")
+    colors = ["#55a868" if v >= 0 else "#c44e52" for v in diff.tolist()]
+    ax.bar(range(len(diff)), diff.numpy(), color=colors)
+    ax.set_xticks(range(len(tokens)), tokens, rotation=0 if len(tokens) <= 24 else 90, fontsize=MIN_FONT_PT + 1)
+    ax.set_xlim(-0.7, len(tokens) - 0.3)
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_ylabel("log p(adapter) − log p(base)")
+    ax.set_title("Per-token effect of the adapter on the reference answer (engine log-probs; green: more likely)",
+                 loc="left")
+    ax.grid(alpha=0.3, axis="y")
+    return ax
+
+
+# --- a refresh as a timeline ----------------------------------------------------------------------------
+def plot_refresh_timeline(rows: list[dict], ax=None, title: str = "One refresh, part by part"):
+    """One row per refresh (refresh_bench rows): its parts end to end, in the order they ran; the
+    parts are named in the legend above the axes, the total and bytes at the end of each bar."""
+    ax = ax or plt.subplots(figsize=(12, 1.8 + 0.5 * len(rows)), layout="constrained")[1]
+    ax.figure.set_label("refresh_timeline")
+    seen = set()
+    for i, row in enumerate(rows):
+        t = 0.0
+        for part, seconds in row["parts"].items():
+            ms = 1e3 * seconds
+            ax.barh(i, ms, left=t, color=PART_COLORS.get(part), edgecolor="white",
+                    label=None if part in seen else part)
+            seen.add(part)
+            t += ms
+        ax.text(t, i, f"  {t:.1f} ms, {row['bytes'] / 2**20:.2f} MB moved", va="center")
+    ax.set_yticks(range(len(rows)), [r["mode"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the refresh started")
+    ax.set_xlim(0, 1.45e3 * max(r["total_s"] for r in rows))
+    title_with_legend(ax, title, ncol=7)
+    ax.grid(alpha=0.3, axis="x")
+    return ax
+
+
+@torch.no_grad()
+def restore_base_weights(engine, peft_model) -> None:
+    """Undo a merged refresh: push the trainer's frozen base weights back into the engine."""
+    plain = [(base_param_name(n), p.detach()) for n, p in peft_model.named_parameters() if ".lora_" not in n]
+    engine.update_weights(plain, flush_cache=True, version=0)  # the plain base weights again

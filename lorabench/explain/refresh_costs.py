@@ -1,0 +1,218 @@
+"""Notebook 02: what a refresh does to the engine's memory (the same storage before and after, or a
+new one) and what its timings say, each order stated only where the repeats' spreads do not overlap.
+"""
+from __future__ import annotations
+
+import torch
+
+
+# (imports inside the functions: this section is notebook 02's alone)
+def engine_lora_weight(engine, adapter: str, module: str, half: str = "lora_B") -> torch.Tensor:
+    """The hf engine's own tensor for `half` of `module` in its adapter `adapter`: PEFT's parameter, not
+    a copy. The engine protocol has no such accessor (callers never reach into an engine's weights);
+    a lesson looks all the same. SGLang's copy lives in its scheduler process, out of this one's reach."""
+    peft_model = getattr(engine, "_peft", None) if getattr(engine, "name", "") == "hf" else None
+    if peft_model is None or adapter not in engine.loaded_adapters():
+        raise ValueError(f"engine_lora_weight reads an hf engine holding adapter {adapter!r}; got "
+                         f"{getattr(engine, 'name', type(engine).__name__)} with {engine.loaded_adapters()}")
+    return getattr(peft_model.base_model.model.get_submodule(module), half)[adapter].weight
+
+
+@torch.no_grad()
+def storage_across_refresh(engine, peft_model, mode: str, module: str = "model.layers.0.self_attn.q_proj",
+                           adapter_name: str = "storage", seed: int = 0) -> dict:
+    """Refresh `peft_model`'s adapter into the hf `engine` by `mode`, change the trainer's LoRA weights
+    as an optimizer step does, refresh again, and look at the engine's lora_B of `module`: where its
+    values live before and after (storage pointers) and which values each holds. A handle on the
+    engine's tensor is kept across the second refresh; it keeps the old memory alive, so a new
+    tensor cannot be given the old address by chance."""
+    from ..adapters import PEFT_PREFIX
+    from ..engines.base import AdapterNotLoaded
+    from ..policy import LoraLayers
+    from ..refresh import make_refresher, refresh_settings
+    layers = LoraLayers(peft_model, flatten=True)   # as the policy keeps them
+    refresher = make_refresher(refresh_settings(mode), engine, adapter_name)
+    try:
+        refresher.refresh(layers.snapshot(0))
+        held = engine_lora_weight(engine, adapter_name, module)
+        old = held.detach().clone()
+        gen = torch.Generator(device=layers.buffer.device).manual_seed(seed)
+        layers.buffer.add_(1e-3 * torch.randn(layers.buffer.shape, generator=gen, device=layers.buffer.device,
+                                              dtype=layers.buffer.dtype))   # "an optimizer step"
+        new = layers.snapshot(1)
+        refresher.refresh(new)
+        now = engine_lora_weight(engine, adapter_name, module)
+        trainer = new.tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"].to(now.device, now.dtype)
+        return {"mode": mode, "tensor": f"{module}.lora_B {tuple(now.shape)}",
+                "storage before": held.untyped_storage().data_ptr(), "storage after": now.untyped_storage().data_ptr(),
+                "data_ptr before": held.data_ptr(), "data_ptr after": now.data_ptr(),
+                "values changed": not torch.equal(now, old), "engine = trainer": torch.equal(now, trainer),
+                "old handle reads": "the new values" if torch.equal(held, now) else
+                                    "the old values" if torch.equal(held, old) else "neither",
+                "before": old.flatten()[:3].tolist(), "after": now.flatten()[:3].tolist()}
+    finally:
+        refresher.close()
+        try:
+            engine.unload_adapter(adapter_name)
+        except AdapterNotLoaded:
+            pass
+
+
+def storage_table(results: list[dict]):
+    """storage_across_refresh results as a table (pointers in hex, the first values rounded)."""
+    import pandas as pd
+    rows = [{"mode": r["mode"], "engine tensor": r["tensor"], "storage before": hex(r["storage before"]),
+             "storage after": hex(r["storage after"]), "same storage": r["storage before"] == r["storage after"],
+             "first values before": ", ".join(f"{v:+.5f}" for v in r["before"]),
+             "first values after": ", ".join(f"{v:+.5f}" for v in r["after"]),
+             "engine = trainer's new values": r["engine = trainer"], "old handle reads": r["old handle reads"]}
+            for r in results]
+    return pd.DataFrame(rows).set_index("mode")
+
+
+def storage_markdown(results: list[dict]) -> str:
+    """What the table shows, from its own values."""
+    lines = []
+    for r in results:
+        same = r["storage before"] == r["storage after"]
+        lines.append(f"- `{r['mode']}`: the engine's tensor is {'the same' if same else 'a new'} storage after the "
+                     f"refresh ({'pointer unchanged' if same else 'pointer changed'}), its values "
+                     f"{'changed' if r['values changed'] else 'did not change'}, it "
+                     f"{'equals' if r['engine = trainer'] else 'does not equal'} the trainer's new weights, and the "
+                     f"handle taken before the refresh reads {r['old handle reads']}.")
+    return "\n".join(lines)
+
+
+def _median_ms(row) -> float:
+    from ..viz import end_to_end_ms, quartiles
+    return quartiles(end_to_end_ms(row))[1]
+
+
+def _overlap(a: list[float], b: list[float]) -> bool:
+    """Whether the middle halves (interquartile ranges) of two samples overlap."""
+    from ..viz import quartiles
+    qa, qb = quartiles(a), quartiles(b)
+    return qa[0] <= qb[2] and qb[0] <= qa[2]
+
+
+def mode_groups(rows) -> list[list[str]]:
+    """Modes by median end to end, fastest first, in groups: a mode whose middle half overlaps the
+    previous mode's joins its group (their order is within the spread and can swap between runs)."""
+    from ..viz import end_to_end_ms
+    groups: list[list[dict]] = []
+    for row in sorted(rows, key=_median_ms):
+        if groups and _overlap(end_to_end_ms(groups[-1][-1]), end_to_end_ms(row)):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return [[r["mode"] for r in g] for g in groups]
+
+
+def modes_markdown(rows, bandwidth_gbps: float) -> str:
+    """Section 1's reading, computed from its rows: the order of the medians (with what the spread
+    allows), the largest part of each call, and the distance to the floor."""
+    from ..refresh_bench import floor_seconds
+    from ..viz import ms_text
+    by_mode = {r["mode"]: r for r in rows}
+    groups = mode_groups(rows)
+    order = " < ".join(" ≈ ".join(f"`{m}` {ms_text(_median_ms(by_mode[m]))} ms" for m in g) for g in groups)
+    tied = [g for g in groups if len(g) > 1]
+    spread = ("; ≈ joins modes whose middle halves overlap: their order is within the spread and can swap "
+              "between runs" if tied else "; every mode's middle half is clear of the next one's")
+    largest = ", ".join(f"`{r['mode']}` {max(r['parts'], key=r['parts'].get)} "
+                        f"({100 * max(r['parts'].values()) / r['total_s']:.0f}% of its call)" for r in rows)
+    ratios = {r["mode"]: r["total_s"] / floor_seconds(r["bytes"], bandwidth_gbps) for r in rows}
+    near, far = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
+    return (f"- Fastest to slowest by median end to end: {order}{spread}.\n"
+            f"- The largest part of each median call: {largest}.\n"
+            f"- Each median call against its floor: from {ratios[near]:,.0f}× (`{near}`) to {ratios[far]:,.0f}× "
+            f"(`{far}`).")
+
+
+def buckets_markdown(rows) -> str:
+    """Section 3's reading, computed from its merged rows: the push counts, whether the median push
+    part grows at every step toward more pushes, the line through the medians and how close they sit
+    to it, and the rest of the call, which the bucket size does not touch."""
+    from ..viz import call_ms, ms_text, part_ms, push_cost_fit, quartiles
+    rows = sorted(rows, key=lambda r: r["buckets"])
+    pushes = [part_ms(r, "push") for r in rows]
+    medians = [quartiles(p)[1] for p in pushes]
+    counts = ", ".join(f"{r['buckets']} ({r['bucket_mb']:g} MB)" for r in rows)
+    falls = [(a, b, pa, pb) for a, b, pa, pb, ma, mb in zip(rows, rows[1:], pushes, pushes[1:], medians, medians[1:])
+             if mb < ma]
+    if not falls:
+        trend = "From the fewest pushes to the most, the median push part grows at every step."
+    else:
+        steps = ", ".join(f"{a['buckets']} -> {b['buckets']} pushes{' (within the spread)' if _overlap(pa, pb) else ''}"
+                          for a, b, pa, pb in falls)
+        trend = f"The median push part does not grow at every step toward more pushes: it falls from {steps}."
+    fixed, per_push = push_cost_fit(rows)
+    worst = max(abs(m - (fixed + per_push * r["buckets"])) for r, m in zip(rows, medians))
+    rest = [quartiles([c - p for c, p in zip(call_ms(r), part)])[1] for r, part in zip(rows, pushes)]
+    return (f"- Pushes (bucket size): {counts}; {rows[0]['bytes'] / 2**20:.3g} MB of weights at every size.\n"
+            f"- {trend}\n"
+            f"- A straight line through the medians: {ms_text(fixed)} ms {'+' if per_push >= 0 else '−'} "
+            f"{abs(per_push):.2g} ms per push; the medians sit within {ms_text(worst, 2)} ms of it.\n"
+            f"- The rest of the call (snapshot and merge), which the bucket size does not change: a median of "
+            f"{ms_text(min(rest))} to {ms_text(max(rest))} ms across the bucket sizes.")
+
+
+def _rank_tiers(at: dict, modes: list[str], ranks: list[int]) -> list[list[str]]:
+    """The modes in tiers that hold at every rank, fastest first: a cut between two tiers stands where,
+    at every rank, each mode before it has its middle half below the middle half of each mode after it
+    (the order within a tier can change with the rank)."""
+    from ..viz import end_to_end_ms, quartiles
+    q = {key: quartiles(end_to_end_ms(row)) for key, row in at.items()}
+    order = sorted(modes, key=lambda m: q[(m, ranks[0])][1])
+    cuts = [s for s in range(1, len(order))
+            if all(max(q[(m, k)][2] for m in order[:s]) < min(q[(m, k)][0] for m in order[s:]) for k in ranks)]
+    bounds = [0, *cuts, len(order)]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def rank_markdown(rows) -> str:
+    """Section 4's reading, computed from its rows: how the adapter's bytes and each mode's median end
+    to end change from the smallest rank to the largest (and whether that change is within the
+    spread), and the order of the modes that holds at every rank, if any does."""
+    from ..viz import end_to_end_ms
+    ranks = sorted({r["rank"] for r in rows})
+    low, high = ranks[0], ranks[-1]
+    at = {(r["mode"], r["rank"]): r for r in rows}
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    size = {k: at[("tensor", k)]["bytes"] / 2**20 for k in (low, high)} if ("tensor", low) in at else None
+
+    def change(m):
+        within = _overlap(end_to_end_ms(at[(m, low)]), end_to_end_ms(at[(m, high)]))
+        return f"`{m}` ×{_median_ms(at[(m, high)]) / _median_ms(at[(m, low)]):.2f}{' (within the spread)' * within}"
+    tiers = _rank_tiers(at, modes, ranks)
+    if len(tiers) > 1:
+        order = (f"- At every rank: {' < '.join(', '.join(f'`{m}`' for m in t) for t in tiers)} (each group's "
+                 f"middle halves below the next group's at every rank; within a group the order can change)")
+    else:
+        fastest = {k: min((at[(m, k)] for m in modes), key=_median_ms)["mode"] for k in ranks}
+        order = ("- No mode's middle half is clear of another's at every rank; the fastest median at each: "
+                 + ", ".join(f"r={k}: `{m}`" for k, m in fastest.items()))
+    adapter = (f"the adapter grows ×{size[high] / size[low]:.0f} ({size[low]:.2g} MB -> {size[high]:.2g} MB)"
+               if size else f"the adapter grows ×{high / low:.0f}")
+    return (f"- From r={low} to r={high} {adapter}; each mode's median end to end changes by: "
+            f"{', '.join(change(m) for m in modes)}.\n{order}.")
+
+
+def threads_markdown(rows, cpus: int, load_average: float, chosen: int | None = None, asked: bool = False) -> str:
+    """Section 0's reading: each thread count's median, upper quartile and slowest repeat, the machine's
+    load, and the count the later sections time with (`chosen`: asked for, or refresh_bench.steadiest_threads's)."""
+    from ..viz import end_to_end_ms, ms_text, quartiles
+
+    def threads(n):
+        return f"{n} thread{'s' if n > 1 else ''}"
+    parts = []
+    for r in rows:
+        _, median, upper = quartiles(end_to_end_ms(r))
+        parts.append(f"{threads(r['threads'])}: median {ms_text(median)} ms, upper quartile {ms_text(upper)} ms, "
+                     f"slowest {ms_text(max(end_to_end_ms(r)))} ms")
+    text = f"- {'; '.join(parts)} (load average {load_average:.2g} on {cpus} CPUs while measured)."
+    if chosen is not None:
+        why = ("as `THREADS` asks" if asked else
+               "the fewest threads whose upper quartile is within 10% of the lowest")
+        text += f"\n- Sections 2-4 time with {threads(chosen)}: {why}."
+    return text

@@ -1,0 +1,258 @@
+"""Notebook 03: what a stale adapter does to learning (refreshed vs stale runs over seeds, held-out
+after each), and one group's advantages and clipped loss with a fresh and a stale engine.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.ticker import MaxNLocator
+
+from ..loss import token_logprobs
+from ..progress import WaitProgress
+from ..viz import title_with_legend
+from .checks import rollout_sequences, trainer_vs_engine
+from .hotswap import last_mean
+
+ARMS = ("refreshed", "stale")
+
+
+def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
+    """For each seed, two runs of `steps` GRPO steps from the same start, `make_trainer("refreshed",
+    seed)` (refreshed after every step) and `make_trainer("stale", seed)` (refresh.mode=none), on one
+    engine, each serving an adapter name of its own; then each trainer's held-out greedy reward with
+    its own adapter served (the stale trainer's after one real refresh, with the trainer-vs-engine
+    check before and after it) and, for the stale arm before that refresh, the first adapter's. A
+    progress bar covers all of it."""
+    seeds = list(seeds)
+    out = {"seeds": seeds, "steps": steps, "rows": {a: [] for a in ARMS}, "heldout": {a: [] for a in ARMS},
+           "first_adapter": [], "check": []}
+    what, total = "refreshed and stale runs", 2 * steps * len(seeds)
+    with WaitProgress(what) as progress:
+        progress(what, 0, total)
+        _compare_arms(make_trainer, steps, seeds, out, lambda done, note: progress(what, done, total, note=note))
+    return out
+
+
+def _compare_arms(make_trainer, steps: int, seeds: list, out: dict, progress) -> None:
+    """refreshed_vs_stale's runs, into `out`; `progress(steps done, note)` after each step."""
+    done = 0
+    for seed in seeds:
+        for arm in ARMS:
+            trainer = make_trainer(arm, seed)
+            try:
+                for _ in range(steps):
+                    reward = trainer.step().metrics["reward/mean"]
+                    done += 1
+                    progress(done, f"seed {seed}, {arm} run: step {trainer.step_count}, reward {reward:.2f}")
+                out["rows"][arm].append(list(trainer.history))
+                if arm == "stale":
+                    out["first_adapter"].append(trainer.evaluate(greedy=True))   # the engine still serves v0
+                    out["check"].append(refresh_once(trainer))
+                out["heldout"][arm].append(trainer.evaluate(greedy=True))
+            finally:
+                trainer.close()
+                name = trainer.refresher.serving_adapter
+                if name in trainer.engine.loaded_adapters():   # the next arm's name is its own: free this one
+                    trainer.engine.unload_adapter(name)
+
+
+def refresh_once(trainer) -> dict:
+    """The stale check: trainer vs engine on the engine's own greedy completions, before and after
+    one real (tensor) refresh of the trainer's adapter; the version the engine served before it; and
+    one group's GRPO loss (one_group_loss) on a held-out problem before and after, same sampling seed."""
+    from ..refresh import make_refresher
+    name = trainer.refresher.serving_adapter
+    served = trainer.engine.served_version(name)
+    seqs, plens = rollout_sequences(trainer, 2)
+    problem, next_step = trainer.source.eval_set(1)[0], trainer.step_count + 1
+    before = trainer_vs_engine(trainer, seqs, plens, name)
+    group_before = one_group_loss(trainer, problem, next_step)
+    make_refresher("tensor", trainer.engine, name).refresh(trainer.policy.adapter())
+    after = trainer_vs_engine(trainer, seqs, plens, name)
+    return {"served_before": served, "served_after": trainer.engine.served_version(name), "trainer_version":
+            trainer.step_count, "before": before, "after": after,
+            "group_before": group_before, "group_after": one_group_loss(trainer, problem, next_step)}
+
+
+def compare_summary(result: dict, last: int = 5) -> dict:
+    """Per arm and seed, the mean reward of the last `last` steps; per seed, which arm's is higher."""
+    per_seed = {a: [last_mean(rows, last=last) for rows in result["rows"][a]] for a in ARMS}
+    pairs = list(zip(per_seed["refreshed"], per_seed["stale"]))
+    return {"last": min(last, result["steps"]), "per_seed": per_seed,
+            "mean": {a: sum(v) / len(v) for a, v in per_seed.items()},
+            "refreshed_higher": sum(r > s for r, s in pairs), "stale_higher": sum(s > r for r, s in pairs),
+            "heldout": {a: heldout_means(result["heldout"][a]) for a in ARMS},
+            "first_adapter": heldout_means(result["first_adapter"]),
+            "stale_served": sorted({r["adapter/served_version"] for rows in result["rows"]["stale"] for r in rows})}
+
+
+HELDOUT_MEASURES = {"format": "answers ending '#### N'", "flexible": "last number right, any format",
+                    "strict": "right and ending '#### N' (the strict reward)"}
+
+
+def heldout_means(evaluations: list[dict]) -> dict[str, float]:
+    """The mean over seeds of each held-out measure of GRPOTrainer.evaluate."""
+    return {k: sum(e[k] for e in evaluations) / len(evaluations) for k in HELDOUT_MEASURES}
+
+
+def heldout_table(summary: dict):
+    """Held-out greedy measures (means over seeds) of the first adapter (what the stale engine served),
+    the refreshed trainer's adapter and the stale trainer's (after one real refresh)."""
+    import pandas as pd
+    columns = {"first adapter (the stale engine's)": summary["first_adapter"],
+               "refreshed trainer": summary["heldout"]["refreshed"],
+               "stale trainer, after one refresh": summary["heldout"]["stale"]}
+    table = pd.DataFrame({c: {HELDOUT_MEASURES[k]: v[k] for k in HELDOUT_MEASURES} for c, v in columns.items()})
+    return table.style.format("{:.0%}")
+
+
+ARM_COLORS = {"refreshed": "#4c72b0", "stale": "#c44e52"}
+
+
+def plot_refreshed_vs_stale(result: dict):
+    """Reward and trainer-vs-engine mismatch per step, refreshed vs stale: one thin line per seed,
+    the mean over seeds thick."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.0), layout="constrained")
+    fig.set_label("refreshed_vs_stale")
+    floor = 1e-9   # a mismatch of exactly 0 has no place on a log axis
+    for ax, key, transform in ((axes[0], "reward/mean", float), (axes[1], "mismatch/mean", lambda v: max(v, floor))):
+        for arm in ARMS:
+            runs = [[transform(r[key]) for r in rows] for rows in result["rows"][arm]]
+            steps = range(1, result["steps"] + 1)
+            for values in runs:
+                ax.plot(steps, values, "-", color=ARM_COLORS[arm], alpha=0.35, lw=1)
+            mean = [sum(v) / len(v) for v in zip(*runs)]
+            ax.plot(steps, mean, "-", color=ARM_COLORS[arm], lw=2.5,
+                    label=f"{arm}, mean of {len(runs)} seed{'s' if len(runs) > 1 else ''}")
+        ax.plot([], [], "-", color="#777777", alpha=0.5, lw=1, label="one seed")
+        ax.set_xlabel("GRPO step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(bottom=-0.02)   # rewards are >= 0; the top follows the data (a format bonus adds to 1)
+    axes[0].set_ylabel("reward of the step's completions")
+    axes[1].set(ylabel="|trainer − engine| log-prob, mean", yscale="log")
+    title_with_legend(axes[0], "Reward: the engine's rollouts, scored", ncol=2)
+    title_with_legend(axes[1], "Mismatch: does the engine serve the trainer's policy?", ncol=2)
+    return fig
+
+
+def _verdict(won: int, lost: int, n: int) -> str:
+    """Which arm's reward was higher, seed by seed, in words."""
+    if n == 1:
+        return "the refreshed run's was higher" if won else "the stale run's was higher" if lost else "they were equal"
+    if won == n or lost == n:
+        return f"the {'refreshed' if won == n else 'stale'} run's was higher in every seed"
+    ties = n - won - lost
+    return (f"the refreshed run's was higher in {won} of {n} seeds, the stale run's in {lost}"
+            + (f", equal in {ties}" if ties else ""))
+
+
+def compare_sentence(summary: dict, steps: int) -> str:
+    """What the comparison showed, from its numbers (Markdown); true whichever arm came out ahead."""
+    n, k, mean = len(summary["per_seed"]["refreshed"]), summary["last"], summary["mean"]
+    per = {a: ", ".join(f"{v:.2f}" for v in summary["per_seed"][a]) for a in ARMS}
+    verdict = _verdict(summary["refreshed_higher"], summary["stale_higher"], n)
+    text = (f"Over the last {k} of {steps} steps the refreshed runs' reward averaged **{mean['refreshed']:.2f}** "
+            f"(per seed: {per['refreshed']}), the stale runs' **{mean['stale']:.2f}** ({per['stale']}): {verdict}. "
+            f"These are {n} seed{'s' if n > 1 else ''} of {steps} steps on a small model: a difference no larger "
+            f"than the spread between seeds (the thin lines) can be noise.")
+    if summary["stale_served"] == [0]:
+        text += (" The stale engine served adapter version 0 at every step, so the stale reward curve is the "
+                 "first adapter's reward on each step's problems, whatever its trainer learned.")
+    return text
+
+
+def heldout_sentence(summary: dict) -> str:
+    """How each trainer's adapter compares with the first one on held-out problems, measure by measure,
+    from the numbers (Markdown)."""
+    first, parts = summary["first_adapter"], []
+    for k, what in HELDOUT_MEASURES.items():
+        values = {arm: summary["heldout"][arm][k] for arm in ARMS}
+        moved = [f"the {arm} trainer's {v:.0%} ({_relation(v, first[k])})" for arm, v in values.items()]
+        parts.append(f"{what}: the first adapter {first[k]:.0%}, {', '.join(moved)}")
+    return ("Held-out, greedy (means over the seeds), " + "; ".join(parts) + ". The stale trainer learned from "
+            "the first adapter's rollouts only; what its own adapter does shows once it is served.")
+
+
+def _relation(value: float, reference: float) -> str:
+    """Higher, lower or the same, as the percentages shown (whole per cent) compare."""
+    shown, ref = round(100 * value), round(100 * reference)
+    return "higher" if shown > ref else "lower" if shown < ref else "the same"
+
+
+# --- notebook 03: one group's advantages and clipped loss, and what a stale engine hides from it ---------
+@torch.no_grad()
+def one_group_loss(trainer, problem, step: int) -> dict:
+    """One group of G completions for `problem`, sampled by the engine with the adapter the trainer's
+    refresher serves (whatever version that is), then scored and turned into GRPO's advantages and
+    clipped loss with the package's own functions (rollout.sample, score, collate: group_advantages;
+    loss.token_logprobs, grpo_loss), twice: with π_old = the trainer's own log-probs, as Policy.train
+    takes it, and with π_old = the log-probs of the policy that sampled the tokens (the engine's)."""
+    from ..loss import grpo_loss
+    from ..rollout import collate, sample, score
+    g, name = trainer.settings, trainer.refresher.serving_adapter
+    rollouts = sample(trainer.engine, trainer.tokenizer, [problem], g.group_size, trainer.sampling(step), name,
+                      trainer.enable_thinking)
+    rewards, _ = score(rollouts, trainer.rewards)
+    batch = collate(rollouts, rewards, trainer.tokenizer.pad_token_id).to(trainer.device)
+    with trainer.policy.compute():
+        logp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, g.temperature).float()
+    mask = batch.completion_mask                                                 # [G, L-1]
+    own_loss, own = grpo_loss(logp, logp, batch.advantages, mask, g.clip_eps)    # what the trainer computes
+    sampler_loss, sampler = grpo_loss(logp, batch.engine_logprobs, batch.advantages, mask, g.clip_eps)
+    ratio = torch.exp(logp - batch.engine_logprobs)[mask.bool()].cpu()          # [tokens] π_θ / π_sampler
+    return {"served_version": rollouts.served_version, "trainer_version": trainer.step_count,
+            "clip_eps": g.clip_eps, "rewards": batch.rewards.cpu(), "advantages": batch.advantages.cpu(),
+            "tokens": mask.sum(1).int().cpu(), "shapes": {"input_ids": tuple(batch.input_ids.shape),
+                                                          "logp": tuple(logp.shape), "advantages":
+                                                          tuple(batch.advantages.shape)},
+            "texts": rollouts.texts, "ratio": ratio,
+            "own": {"loss": own_loss.item(), **own}, "sampler": {"loss": sampler_loss.item(), **sampler}}
+
+
+def group_table(group: dict, width: int = 60):
+    """The group as rows: each completion's reward, advantage (r − mean) / std and tokens, and the
+    mean ratio π_θ / π_sampler over its tokens."""
+    import pandas as pd
+    mask_lengths = group["tokens"].tolist()
+    ratios, start = [], 0
+    for n in mask_lengths:
+        part = group["ratio"][start:start + n]
+        ratios.append(float(part.mean()) if n else float("nan"))
+        start += n
+    return pd.DataFrame({"completion": [t.strip().replace("\n", " ⏎ ")[:width] for t in group["texts"]],
+                         "reward r": group["rewards"].tolist(),
+                         "advantage (r − mean)/std": group["advantages"].tolist(),
+                         "tokens": mask_lengths, "mean π_θ/π_sampler": ratios})
+
+
+def group_loss_table(groups: dict):
+    """Per group (e.g. {"stale engine": g, "after one refresh": g2}): the loss and the share of tokens
+    whose ratio lies outside 1 ± ε (grpo_loss's clip_fraction), with π_old = the trainer's own log-probs
+    (what it computes) and with π_old = the policy that sampled the tokens."""
+    import pandas as pd
+    rows = {}
+    for label, g in groups.items():
+        lo, hi = float(g["ratio"].min()), float(g["ratio"].max())
+        rows[f"{label}: engine served v{g['served_version']}, trainer at v{g['trainer_version']}"] = {
+            "loss, π_old = trainer": g["own"]["loss"], "outside 1 ± ε, π_old = trainer": g["own"]["clip_fraction"],
+            "loss, π_old = sampler": g["sampler"]["loss"],
+            "outside 1 ± ε, π_old = sampler": g["sampler"]["clip_fraction"],
+            "π_θ/π_sampler min": lo, "π_θ/π_sampler max": hi}
+    return pd.DataFrame(rows).T
+
+
+def group_loss_sentence(stale: dict, fresh: dict) -> str:
+    """What the two groups show, from their numbers (Markdown)."""
+    eps = stale["clip_eps"]
+
+    def outside(g):
+        return f"{g['sampler']['clip_fraction']:.0%}"
+    return (f"With π_old = its own log-probs (as `Policy.train` takes it) the ratio is exactly 1: "
+            f"{stale['own']['clip_fraction']:.0%} of the stale engine's tokens lie outside 1 ± {eps:g}, and "
+            f"{fresh['own']['clip_fraction']:.0%} after the refresh. The loss cannot see who sampled them. Measured "
+            f"against the policy that did sample them, the stale engine's tokens have ratios "
+            f"from {float(stale['ratio'].min()):.2f} to {float(stale['ratio'].max()):.2f}, and {outside(stale)} of "
+            f"them lie outside 1 ± {eps:g}; after one refresh {float(fresh['ratio'].min()):.3f} to "
+            f"{float(fresh['ratio'].max()):.3f}, {outside(fresh)} outside. The stale trainer takes each step as if "
+            f"its rollouts were its own; only the mismatch check (`mismatch/*`) tells them apart.")

@@ -1,0 +1,181 @@
+"""Notebook 01: one GRPO step by hand (shapes, a group's advantages, ratio and clipped loss), what the
+run learned stated from the numbers on screen, and a broken refresh compared with a working one.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+
+def gradient_norm(params, clear: bool = True) -> float:
+    """‖∇‖ over `params` (what grpo logs as grad_norm: before clipping); their .grad set back to None
+    when `clear`, so the next optimizer step starts from nothing."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() if grads else 0.0
+    if clear:
+        for p in params:
+            p.grad = None
+    return norm
+
+
+def tensor_shapes(tensors: dict[str, tuple[torch.Tensor, str]]):
+    """One row per tensor: its shape, dtype and what it holds (the shape comments, on screen)."""
+    import pandas as pd
+    return pd.DataFrame([{"tensor": name, "shape": str(list(t.shape)), "dtype": str(t.dtype).replace("torch.", ""),
+                          "what it holds": what} for name, (t, what) in tensors.items()]).set_index("tensor")
+
+
+def group_view(batch, texts: list[str], logp, old_logp, group: int, group_size: int, clip_eps: float,
+               max_chars: int = 70):
+    """Completion by completion, one group of a batch: reward, advantage, completion tokens, mean log π
+    and mean ratio over its tokens, and its term of the loss (`loss.grpo_loss` on that row alone: the
+    batch's loss is the mean of these terms)."""
+    import pandas as pd
+
+    from ..loss import grpo_loss
+    rows = []
+    for i in range(group * group_size, (group + 1) * group_size):
+        mask = batch.completion_mask[i:i + 1]
+        tokens = mask.sum().clamp(min=1)
+        term, _ = grpo_loss(logp[i:i + 1].detach(), old_logp[i:i + 1], batch.advantages[i:i + 1], mask, clip_eps)
+        ratio = torch.exp(logp[i].detach() - old_logp[i])
+        rows.append({"completion": texts[i][:max_chars].replace("\n", " ⏎ "), "reward": batch.rewards[i].item(),
+                     "advantage": batch.advantages[i].item(), "tokens": int(mask.sum()),
+                     "mean log π": ((logp[i].detach() * mask[0]).sum() / tokens).item(),
+                     "mean ratio ρ": ((ratio * mask[0]).sum() / tokens).item(), "loss term": term.item()})
+    return pd.DataFrame(rows).rename_axis(f"group {group}")
+
+
+def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
+    """The groups whose rewards are all equal: their advantages are all 0, so they add no gradient."""
+    groups = rewards.view(-1, group_size)                                   # [P, G]
+    return [i for i, g in enumerate(groups) if bool((g == g[0]).all())]
+
+
+def advantage_note(rewards: torch.Tensor, group_size: int, group: int = 0) -> str:
+    """Markdown: the advantage formula as `loss.group_advantages` computes it (its eps read from the
+    function), worked out for `group`, and how many of the batch's groups have all-equal rewards."""
+    import inspect
+
+    from ..loss import group_advantages
+    eps = inspect.signature(group_advantages).parameters["eps"].default
+    groups = rewards.view(-1, group_size)
+    r = groups[group]
+    mean, std = r.mean().item(), r.std(unbiased=False).item()
+    equal = equal_reward_groups(rewards, group_size)
+    worked = "; ".join(f"reward {v:g} → {(v - mean) / (std + eps):+.2f}" for v in sorted(set(r.tolist())))
+    which = f" (group{'s' if len(equal) > 1 else ''} {', '.join(map(str, equal))})" if equal else ""
+    return (f"**The advantage column.** `loss.group_advantages` gives completion *i* of a group "
+            f"A<sub>i</sub> = (r<sub>i</sub> − mean(r)) / (std(r) + {eps:g}), with the mean and the population "
+            f"standard deviation (divided by G = {group_size}) of that group's rewards. The same A<sub>i</sub> "
+            f"goes to every token of the completion, and a group's advantages sum to 0: completions better than "
+            f"their group are pushed up, worse ones down. Group {group} here: mean {mean:.2f}, std {std:.2f}, so "
+            f"{worked}.\n\n"
+            f"A group whose rewards are all equal has std 0 and every advantage exactly 0: it adds nothing to "
+            f"the gradient, whatever its reward. In this batch **{len(equal)} of {groups.shape[0]} groups** had "
+            f"equal rewards{which}, so {groups.shape[0] - len(equal)} carry the learning signal.")
+
+
+def direction(before: float, after: float, se: float) -> str:
+    """'rose', 'fell' or 'held': a change counts only beyond two standard errors `se` of the
+    difference (so 'held' means within that noise)."""
+    if abs(after - before) <= 2 * se or after == before:
+        return "held"
+    return "rose" if after > before else "fell"
+
+
+def stated_directions(text: str) -> list[str]:
+    """The direction words of a generated sentence, in order ('rose', 'fell', 'held')."""
+    return re.findall(r"\b(rose|fell|held)\b(?!-)", text)
+
+
+def share_se(before: float, after: float, n: int) -> float:
+    """Standard error of the difference of two shares, each measured on n items."""
+    return ((before * (1 - before) + after * (1 - after)) / n) ** 0.5
+
+
+def learned_summary(before: dict, after: dict) -> str:
+    """Markdown that says what this run learned, from the greedy held-out evaluations before and
+    after (dicts of GRPOTrainer.evaluate: 'format', 'flexible', 'strict', 'n'); every direction word
+    comes from `direction`, never assumed."""
+    n = after["n"]
+    fmt, right, reward = (direction(before[k], after[k], share_se(before[k], after[k], n))
+                          for k in ("format", "flexible", "strict"))
+    verdict = {("rose", "fell"): "the reward was learned, the arithmetic got worse",
+               ("rose", "held"): "the run learned the format the reward pays for, not the arithmetic",
+               ("rose", "rose"): "the run learned the format, and more answers are right in any format too"
+               }.get((fmt, right), f"the format did not catch on in this run (it {fmt}), and any-format "
+                                   f"correctness {right}")
+    return (f"**What this run learned** ({n} held-out problems, greedy): ending with `#### N` {fmt} "
+            f"({before['format']:.2f} → {after['format']:.2f}), the last number right in any format {right} "
+            f"({before['flexible']:.2f} → {after['flexible']:.2f}), and the reward, which needs both, {reward} "
+            f"({before['strict']:.2f} → {after['strict']:.2f}): **{verdict}**. (A change within two standard "
+            f"errors of a share of {n} problems is called *held*.)")
+
+
+def clip_note(ratio: torch.Tensor, mask: torch.Tensor, clip_eps: float, steps: int) -> str:
+    """Markdown: the ratio ρ = π_now / π_old on a batch's completion tokens after `steps` updates, and
+    the share of tokens the clip would hold at 1 ± ε were the batch trained on again."""
+    values = ratio[mask.bool()]
+    outside = ((values - 1).abs() > clip_eps).float().mean().item()
+    return (f"After {steps} steps the ratio ρ = π<sub>θ</sub> / π<sub>old</sub> on these tokens spans "
+            f"{values.min().item():.2f} to {values.max().item():.2f} (median {values.median().item():.2f}); "
+            f"{outside:.0%} of them are outside [1 − ε, 1 + ε] = [{1 - clip_eps:g}, {1 + clip_eps:g}], where the "
+            f"clip holds ρ fixed and their gradient is 0. Inside one step ρ starts at exactly 1 (π<sub>old</sub> "
+            f"is the same weights), so with `grpo.epochs = 1` the clip never acts; it matters when a batch is "
+            f"trained on more than once (`grpo.epochs` > 1).")
+
+
+def half_means(rows: list[dict], per_step: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(mean, standard error) of reward/mean over the first and the second half of `rows`; a step's
+    standard error is its completions' reward/std over sqrt(per_step)."""
+    half = max(1, len(rows) // 2)
+
+    def mean_se(part):
+        mean = sum(r["reward/mean"] for r in part) / len(part)
+        return mean, (sum(r["reward/std"] ** 2 / per_step for r in part) ** 0.5) / len(part)
+    return mean_se(rows[:half]), mean_se(rows[half:] or rows[:half])
+
+
+FOLD = 10.0   # a mismatch spans decades (1e-7 when the engine serves the trainer's adapter, 1e-2 when not)
+
+
+def fold_direction(before: float, after: float) -> str:
+    """'rose' or 'fell' for a change beyond FOLD-fold either way, else 'held': the direction word for a
+    quantity that moves by decades, like the mismatch."""
+    fold = after / max(before, 1e-12)
+    return "rose" if fold > FOLD else "fell" if fold < 1 / FOLD else "held"
+
+
+def broken_summary(refreshed: list[dict], broken: list[dict], per_step: int, mode: str = "none") -> str:
+    """Markdown: what the run with refresh.mode=`mode` showed against the refreshed run over the same
+    steps: the mismatch at its first and last step, against the refreshed run's mismatch and probe gap
+    there, and the reward's direction in each run (first half of the steps against the second, within
+    two standard errors: `direction`); `per_step`: completions per step."""
+    k = min(len(broken), len(refreshed))
+    first, last = broken[0]["mismatch/mean"], broken[k - 1]["mismatch/mean"]
+    ref_last, gap_last = refreshed[k - 1]["mismatch/mean"], refreshed[k - 1]["probe/adapter_gap"]
+    fold = last / max(first, 1e-12)
+    climb = {"rose": f"rose {fold:.2g}-fold", "fell": f"fell {1 / fold:.2g}-fold",
+             "held": f"held (×{fold:.2g}: under {FOLD:g}-fold either way)"}[fold_direction(first, last)]
+    served = [r["adapter/served_version"] for r in broken[:k]]
+    engine = (f"the engine served adapter version {served[0]} at every step while the trainer moved on to version "
+              f"{broken[k - 1]['adapter/version']}" if len(set(served)) == 1 else
+              f"the engine served versions {served[0]} to {served[-1]} while the trainer moved on to version "
+              f"{broken[k - 1]['adapter/version']}")
+    scale = gap_last / last if last > 0 else float("inf")
+    where = ("of the order of the refreshed run's probe gap" if 1 / 3 <= scale <= 3 else
+             f"{max(scale, 1 / scale):.0f}× {'below' if scale > 3 else 'above'} the refreshed run's probe gap")
+    words = []
+    for rows in (broken[:k], refreshed[:k]):
+        (a, se_a), (b, se_b) = half_means(rows, per_step)
+        words.append((direction(a, b, (se_a ** 2 + se_b ** 2) ** 0.5), a, b))
+    (word_b, a_b, b_b), (word_r, a_r, b_r) = words
+    return (f"**What breaking it showed** (`refresh.mode={mode}`, {k} steps on the same problems as the run "
+            f"above): {engine}. The mismatch {climb}, "
+            f"from {first:.1e} nats at step 1 (the engine still had the trainer's adapter) to {last:.1e} at step "
+            f"{k}: {last / max(ref_last, 1e-12):.2g}× the refreshed run's {ref_last:.1e} there, and {where} "
+            f"({gap_last:.2g}). The reward, earned by the engine's completions, {word_b} (mean {a_b:.2f} over the "
+            f"first half of the steps, {b_b:.2f} over the second); in the refreshed run it {word_r} "
+            f"({a_r:.2f} → {b_r:.2f}). *Held* means within two standard errors.")
