@@ -4,8 +4,9 @@ Adding an engine is one file here plus one line in ENGINES: a class with `name`,
 `Settings` (its settings dataclass, the `engine.<name>` section, or None), `needs_problems(settings,
 needs)` (what it cannot do for this run, each a fix-it line), `check_available(settings,
 capabilities)` (packages, devices; before anything is written), `device_of(settings)` (where the
-trainer beside it runs), `from_settings(model_path, settings, needs)` and the RolloutEngine
-methods. The run config's `engine` section, its validation, the CLI's help and the benchmarks read
+trainer beside it runs), `process_memory(settings, needs, vocab, base_weight_bytes)` (what it
+allocates in the trainer's process, for the size check), `from_settings(model_path, settings, needs)`
+and the RolloutEngine methods. The run config's `engine` section, its validation, the CLI's help and the benchmarks read
 ENGINES; engine modules import their optional dependency (sglang) only when the engine starts, so
 a missing one fails only for the engine that needs it.
 """

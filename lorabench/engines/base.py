@@ -37,6 +37,7 @@ class EngineNeeds:
     seed: int = 0
     model_dtype: str = "float32"
     adapters: int = 1           # adapters served side by side (a policy group: one per policy)
+    max_new_tokens: int = 48    # the longest completion it will be asked for
 
 
 class EngineError(RuntimeError):

@@ -85,7 +85,10 @@ class HFEngine:
     max_lora_rank = None     # PEFT holds any rank
     adapter_dtype = None     # keeps what it is sent: the trainer's dtype, so its weights equal the trainer's
 
-    def __init__(self, model_path: str, device: str = "", dtype: str = "float32", generate_batch: int = 128):
+    GENERATE_BATCH = 128   # sequences generated at once: the logits of all their positions are kept
+
+    def __init__(self, model_path: str, device: str = "", dtype: str = "float32",
+                 generate_batch: int = GENERATE_BATCH):
         self.device = pick_device(device)
         self.dtype = dtype
         self.model_path = model_path
@@ -126,6 +129,16 @@ class HFEngine:
     def device_of(settings: HFSettings) -> str:
         """The device it (and the trainer beside it) will use."""
         return pick_device(settings.device)
+
+    @classmethod
+    def process_memory(cls, settings: HFSettings, needs, vocab: int, base_weight_bytes: int) -> list[tuple]:
+        """(what, bytes, fix) it certainly allocates beside the trainer, in the same memory: its own copy
+        of the base weights, and the float32 logits of every position of one generate chunk."""
+        chunk, tokens = min(cls.GENERATE_BATCH, needs.largest_batch or cls.GENERATE_BATCH), needs.max_new_tokens
+        return [(f"the hf engine's logits ({chunk} sequences x {tokens} tokens x {vocab:,} vocab, float32)",
+                 chunk * tokens * vocab * 4, f"lower grpo.max_new_tokens (now {tokens})"),
+                ("the hf engine's copy of the base weights", base_weight_bytes,
+                 "use a smaller model, or model.dtype=bfloat16")]
 
     @classmethod
     def from_settings(cls, model_path: str, settings: HFSettings, needs, **overrides) -> HFEngine:

@@ -369,8 +369,14 @@ class SGLangEngine:
 
     @staticmethod
     def device_of(settings: SGLangSettings) -> str:
-        """The trainer beside the engine uses the first GPU (the engine's rank 0)."""
+        """The trainer beside the engine uses cuda:0 (rank 0's GPU, unless base_gpu_id moves the engine)."""
         return "cuda"
+
+    @staticmethod
+    def process_memory(settings: SGLangSettings, needs, vocab: int, base_weight_bytes: int) -> list[tuple]:
+        """Nothing in the trainer's process: its weights, KV cache and logits live in its own processes,
+        within mem_fraction_static of each GPU it uses."""
+        return []
 
     @classmethod
     def from_settings(cls, model_path: str, settings: SGLangSettings, needs: EngineNeeds,

@@ -151,7 +151,8 @@ def engine_needs(cfg: Config, members: dict[str, Config] | None = None) -> Engin
         target = names[0] if len(names) == 1 else tuple(names)
     return EngineNeeds(lora_rank=max(lora.r for lora in loras), target_modules=target,
                        largest_batch=max(len(loras) * g.prompts_per_step * g.group_size, d.eval_size * d.eval_samples),
-                       seed=cfg.run.seed, model_dtype=cfg.model.dtype, adapters=len(loras))
+                       seed=cfg.run.seed, model_dtype=cfg.model.dtype, adapters=len(loras),
+                       max_new_tokens=g.max_new_tokens)
 
 
 def flat(cfg: Config) -> dict[str, object]:

@@ -10,20 +10,21 @@ fitted. A run that passes may still not fit (activations, allocator slack); that
 Terms (bytes):
 - sequences held at once: max(prompts_per_step x group_size, eval_size x eval_samples) sequences,
   each ~1 KiB of Python objects plus 64 bytes per new token (ids, masks, log-probs, Python lists);
-- hf engine logits: it keeps every generated position's logits of a chunk of up to 128 sequences,
-  float32: 128 x max_new_tokens x vocab x 4;
 - LoRA state: every LoRA parameter in float32 eight times (weights, gradients, two Adam moments, the
   rollback snapshot of those three, the published adapter);
-- base weights: the model's parameters in model.dtype, twice for the hf engine (trainer + engine).
+- base weights: the model's parameters in model.dtype (the trainer's);
+- what the engine allocates in this process beside them (its class's `process_memory`: the hf
+  engine's own base weights and one generate chunk's float32 logits; nothing for SGLang, whose
+  memory is its own processes').
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engines import engine_class
 from ..machine import machine_memory
-from .config import Config, ConfigError
+from .config import Config, ConfigError, engine_needs
 
-GENERATE_CHUNK = 128          # engines.hf.HFEngine's default generate_batch
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -73,21 +74,18 @@ def needs(cfg: Config, shape: ModelShape) -> list[Need]:
            if train >= held_out else f"lower data.eval_size x data.eval_samples (now {d.eval_size} x {d.eval_samples})")
     terms = [Need(f"{sequences:,} sequences of {g.max_new_tokens} new tokens held at once",
                   sequences * (1024 + 64 * g.max_new_tokens), fix)]
-    if cfg.engine.backend == "hf":
-        chunk = min(GENERATE_CHUNK, sequences)
-        terms.append(Need(f"the hf engine's logits ({chunk} sequences x {g.max_new_tokens} tokens x {shape.vocab:,} "
-                          f"vocab, float32)", chunk * g.max_new_tokens * shape.vocab * 4,
-                          f"lower grpo.max_new_tokens (now {g.max_new_tokens})"))
     targets = cfg.lora.target_modules
     linears = shape.linear_shapes()
     chosen = linears if targets == "all-linear" else {k: v for k, v in linears.items() if k in targets}
     lora_params = shape.layers * cfg.lora.r * sum(a + b for a, b in chosen.values())
     terms.append(Need(f"LoRA state ({lora_params:,} parameters at lora.r={cfg.lora.r}, float32 x 8)",
                       lora_params * 4 * 8, f"lower lora.r (now {cfg.lora.r})"))
-    copies = 2 if cfg.engine.backend == "hf" else 1
-    terms.append(Need(f"base weights ({shape.parameters():,} parameters in {cfg.model.dtype} x {copies})",
-                      shape.parameters() * _DTYPE_BYTES[cfg.model.dtype] * copies,
+    base_bytes = shape.parameters() * _DTYPE_BYTES[cfg.model.dtype]
+    terms.append(Need(f"base weights ({shape.parameters():,} parameters in {cfg.model.dtype})", base_bytes,
                       "use a smaller model, or model.dtype=bfloat16"))
+    engine = engine_class(cfg.engine.backend)
+    terms += [Need(*term) for term in engine.process_memory(cfg.engine.chosen, engine_needs(cfg), shape.vocab,
+                                                              base_bytes)]
     return sorted(terms, key=lambda n: -n.nbytes)
 
 
