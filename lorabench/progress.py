@@ -11,7 +11,9 @@ A wait is made of parts ("warm-start", "starting the engine"); the line shows th
 'what: k of n · 12 s so far · about 30 s left' (the estimate: this part's mean time per step so far),
 'what · 12 s so far · expected about 40 s' for a part with a measured expected time, or
 'what · 12 s so far'; a note (a step's reward) follows it. `finish()` (the end of the `with` block,
-however it ends) shows the whole wait and each part's time, kept in `parts` (seconds).
+however it ends) shows the whole wait and each part's time, kept in `parts` (seconds), and replaces
+the widget by the same line as plain HTML: a saved notebook keeps how long the wait took (a widget's
+state is not saved with the notebook by default).
 
 It ticks from a thread of its own through widget messages, which reach the cell's output whether or
 not the kernel is busy. Its text/plain is PROGRESS_TEXT + the description, so a notebook test tells
@@ -40,10 +42,11 @@ class WaitProgress:
         self.widget = widgets.HBox([self.bar, self.line])
         self.widget.add_class("lorabench-progress")
         self.parts: dict[str, float] = {}
+        self.counts: dict[str, tuple[int, int]] = {}   # part -> (done, total), parts that count
         self.seconds: float | None = None    # the whole wait, once finished
         self._started = self._part_started = time.perf_counter()
         self._part = self._done = self._total = self._expected = None
-        self._note = ""
+        self._note, self._handle = "", None
         self._lock = threading.Lock()
         self._finished = threading.Event()
         if expected_s:
@@ -59,7 +62,7 @@ class WaitProgress:
     def __enter__(self):
         """`with WaitProgress(...) as progress:` shows it, and finishes it however the block ends."""
         from IPython.display import display
-        display(self)
+        self._handle = display(self, display_id=True)   # None outside a kernel (it prints)
         return self
 
     def __exit__(self, kind, error, trace):
@@ -74,6 +77,8 @@ class WaitProgress:
                 self._close_part(now)
                 self._part, self._part_started = what, now
             self._done, self._total, self._note, self._expected = done, total, note, expected_s
+            if total:
+                self.counts[what] = (done or 0, total)
             self._render(now)
 
     def counting(self, total: int, what: str | None = None):
@@ -105,6 +110,17 @@ class WaitProgress:
         if self._part is not None:
             self.parts[self._part] = self.parts.get(self._part, 0.0) + now - self._part_started
 
+    def _summary(self, total: float, note: str) -> str:
+        """'what: done in 2.1 min, 30 of 30 (part 12 s, part 40 s) · note', as HTML."""
+        count = self.counts.get(self.description)
+        parts = ", ".join(f"{what} {duration(s)}" + (f", {self.counts[what][0]} of {self.counts[what][1]}"
+                                                     if what in self.counts else "")
+                          for what, s in self.parts.items() if s >= 0.5 and what != self.description)
+        return (f"{html.escape(self.description)}: done in {duration(total)}"
+                f"{f', {count[0]} of {count[1]}' if count else ''}"
+                f"{f' ({html.escape(parts)})' if parts else ''}"
+                f"{f' · {html.escape(note)}' if note else ''}")
+
     def finish(self, note: str = "") -> float:
         """End the display: the whole wait and its parts; returns the whole wait in seconds. Once:
         a later call (the end of the `with` block after an explicit finish) changes nothing."""
@@ -117,9 +133,11 @@ class WaitProgress:
             self._part = None
             self.seconds = total = now - self._started
             self.bar.max, self.bar.value = 1, 1
-            parts = ", ".join(f"{what} {duration(s)}" for what, s in self.parts.items()
-                              if s >= 0.5 and what != self.description)
-            self.line.value = (f"{html.escape(self.description)}: done in {duration(total)}"
-                               f"{f' ({html.escape(parts)})' if parts else ''}"
-                               f"{f' · {html.escape(note)}' if note else ''}")
+            self.line.value = self._summary(total, note)
+        if self._handle is not None:   # the widget's last state, as plain HTML a saved notebook keeps
+            self._handle.update({"text/plain": PROGRESS_TEXT + html.unescape(self.line.value),
+                                 "text/html": f"<div class='lorabench-progress'><progress value='1' max='1' "
+                                              f"style='width:240px'></progress> {self.line.value}</div>"}, raw=True)
+            for widget in (self.widget, self.bar, self.line):
+                widget.close()
         return total

@@ -71,3 +71,23 @@ def test_an_expected_time_fills_the_bar_but_never_before_the_wait_ends(capsys):
         raise RuntimeError("the call failed")
     assert "stopped by RuntimeError" in failed.line.value
     assert failed.finish("again") == failed.seconds         # once finished, it stays as it ended
+
+
+def test_a_saved_notebook_keeps_how_long_the_wait_took(tmp_path):
+    """In a real kernel: once the wait ends, its output is the final line as plain HTML (the widget
+    closed), so the saved notebook still says what it waited for and how long, whatever happens to
+    widget state; while it runs it is the ticking widget."""
+    from nbclient import NotebookClient
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import time\nfrom lorabench.progress import WaitProgress\n"
+        "with WaitProgress('GRPO steps', tick_s=0.05) as progress:\n"
+        "    for i in range(3):\n        time.sleep(0.1)\n        progress('GRPO steps', i + 1, 3, note=f'step {i + 1}')\n"
+        "    progress.finish('reward 0.5')\n")]
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    (output,) = nb.cells[0].outputs
+    assert output["output_type"] == "display_data", output
+    assert "application/vnd.jupyter.widget-view+json" not in output["data"]      # the widget is gone
+    plain, shown = output["data"]["text/plain"], output["data"]["text/html"]
+    assert plain.startswith(PROGRESS_TEXT + "GRPO steps: done in ") and "3 of 3" in plain and "reward 0.5" in plain
+    assert "<progress value='1' max='1'" in shown and noise(nb) == []
