@@ -336,8 +336,9 @@ class SGLangEngine:
         if not torch.cuda.is_available():
             raise EngineError(f"engine.backend='sglang' needs a CUDA GPU; torch {torch.__version__} sees none here. "
                               f"Use engine.backend=hf on this machine")
-        for problem in settings.gpu_problems(torch.cuda.device_count()):
-            raise EngineError(problem)
+        placement = settings.gpu_problems(torch.cuda.device_count())
+        if placement:
+            raise EngineError(placement[0])
 
     def __init__(self, model_path: str, settings: SGLangSettings | None = None, needs: EngineNeeds | None = None,
                  **engine_overrides):
