@@ -16,9 +16,9 @@
 #        lora_decode (benchmarks/lora_decode_gpu.py: SGLang decode with/without LoRA per kernel backend),
 #        group_step (benchmarks/group_step.py: K=4 policies on one engine vs one policy, $LORABENCH_GROUP_ARGS),
 #        notebooks (the notebooks with SGLang in a Jupyter kernel; needs .gpu-extras),
-#        own_gpu (two GPUs: step_user_path.py with the engine on cuda:1, grpo.max_staleness 0 and 1, then
-#                 benchmarks/staleness_learning.py's demo runs there; the two-GPU tests are `tests` with
-#                 LORABENCH_GPU_TESTS=tests/test_sglang_tp2.py).
+#        own_gpu (two GPUs: step_user_path.py with the engine on cuda:1, grpo.max_staleness 0 and 1),
+#        own_gpu_learning (two GPUs: staleness_learning.py's demo runs, engine on cuda:1; ~1.5 min a run);
+#        the two-GPU tests are `tests` with LORABENCH_GPU_TESTS=tests/test_sglang_tp2.py.
 # Carry .gpu-extras (its lean tarball and with-extras.sh) for `tests` too: its torch_memory_saver
 # runs the release/resume test, which skips without it.
 # Results (JSON, PNG, one log per part) are packed into $OUT/results.tgz (the device tool brings
@@ -67,12 +67,13 @@ for part in "$@"; do
     group_step) "${part_timeout[@]}" python benchmarks/group_step.py --out "$RES/group_step.json" ${LORABENCH_GROUP_ARGS:-} ;;
     memory) "${part_timeout[@]}" python benchmarks/activation_memory.py --device cuda --out "$RES/activation_memory_gpu.json" ;;
     notebooks) "${part_timeout[@]}" bash $extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
-    own_gpu) own=(engine.sglang.base_gpu_id=1 engine.sglang.mem_fraction_static=0.85)
-             "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_own_gpu.json" --modes background \
-               --staleness 0 1 --overrides "${own[@]}" \
-             && "${part_timeout[@]}" python benchmarks/staleness_learning.py --out "$RES/staleness_learning_own_gpu.json" \
+    own_gpu) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_own_gpu.json" --modes background \
+               --staleness 0 1 --overrides engine.sglang.base_gpu_id=1 engine.sglang.mem_fraction_static=0.85 ;;
+    own_gpu_learning) "${part_timeout[@]}" python benchmarks/staleness_learning.py \
+               --out "$RES/staleness_learning_own_gpu.json" ${LORABENCH_SEEDS:+--seeds $LORABENCH_SEEDS} \
                engine.backend=sglang engine.sglang.attention_backend=triton engine.sglang.sampling_backend=pytorch \
-               engine.sglang.grammar_backend=none engine.sglang.dtype=bfloat16 "${own[@]}" ;;
+               engine.sglang.grammar_backend=none engine.sglang.dtype=bfloat16 engine.sglang.base_gpu_id=1 \
+               engine.sglang.mem_fraction_static=0.85 ;;
     *) echo "unknown part $part"; false ;;
   esac > "$OUT/$part.log" 2>&1
   rc=$?
