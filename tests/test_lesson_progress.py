@@ -82,7 +82,9 @@ def test_a_saved_notebook_keeps_how_long_the_wait_took(tmp_path):
     nb.cells = [nbformat.v4.new_code_cell(
         "import time\nfrom lorabench.progress import WaitProgress\n"
         "with WaitProgress('GRPO steps', tick_s=0.05) as progress:\n"
-        "    for i in range(3):\n        time.sleep(0.1)\n        progress('GRPO steps', i + 1, 3, note=f'step {i + 1}')\n"
+        "    for i in range(3):\n"
+        "        time.sleep(0.1)\n"
+        "        progress('GRPO steps', i + 1, 3, note=f'step {i + 1}')\n"
         "    progress.finish('reward 0.5')\n")]
     NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     (output,) = nb.cells[0].outputs
