@@ -3,8 +3,8 @@ sys.path; the CPU tests use `saved_activation_bytes` to check what the training 
 
 - `saved_activation_bytes`: the bytes autograd saves for backward, what grows with the tokens of a
   micro-batch (activation_memory.py);
-- `matmul_params`, `model_flops_per_token`: the FLOPs of a trained token, for model FLOPs
-  utilisation (step_gpu.py, train_gpu.py, step_user_path.py);
+- `matmul_params`, `model_flops_per_token`, `trained_flops`: the FLOPs of a trained token and of a
+  batch, for model FLOPs utilisation (step_gpu.py, train_gpu.py, step_user_path.py);
 - `GpuBusy`: the share of time each GPU was running a kernel while a block ran (step_user_path.py).
 """
 from __future__ import annotations
@@ -66,6 +66,12 @@ def model_flops_per_token(model_config, seq_len: int = 0) -> float:
     layers = _config_value(model_config, "num_hidden_layers")
     return 6.0 * matmul_params(model_config) + 12.0 * layers * heads * head_dim * seq_len
 
+
+
+def trained_flops(model_config, tokens: float, sequences: int) -> float:
+    """Forward + backward FLOPs of training `tokens` tokens in `sequences` sequences of equal length
+    (model_flops_per_token at their mean length)."""
+    return model_flops_per_token(model_config, int(tokens / sequences)) * tokens
 
 class GpuBusy:
     """`with GpuBusy() as busy: ...`, then `busy.percent` = {gpu index: mean utilization.gpu}: nvidia-smi's

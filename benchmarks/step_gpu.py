@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meters import model_flops_per_token  # noqa: E402  (this folder)
+from meters import trained_flops  # noqa: E402  (this folder)
 from synthetic import random_qwen3_dir  # noqa: E402
 
 from lorabench.clock import synced_time  # noqa: E402
@@ -120,7 +120,7 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
     rollout_tokens = p * g * med["completions/mean_length"]
     train_tokens = med["train/tokens"]
     mc = trainer.policy.model.get_base_model().config
-    flops = model_flops_per_token(mc, int(train_tokens / (p * g))) * train_tokens
+    flops = trained_flops(mc, train_tokens, p * g)
     prompt_len = int(train_tokens / (p * g) - med["completions/mean_length"])
     est_decode_s = decode_bytes_estimate(mc, p * g, prompt_len, t) / (HBM_TBPS * 1e12)
     return {

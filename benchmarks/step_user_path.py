@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meters import GpuBusy, model_flops_per_token  # noqa: E402  (this folder)
+from meters import GpuBusy, trained_flops  # noqa: E402  (this folder)
 from synthetic import qwen3_06b_run  # noqa: E402  (this folder)
 
 from lorabench.data import prompt_ids  # noqa: E402
@@ -91,13 +91,13 @@ def sglang_decode(session, t: int) -> dict:
             "adapter_tok_s": statistics.median(r[1]["tok_s"] for r in rounds)}
 
 
-def train_mfu(cfg, row: dict) -> float:
-    """Model FLOPs (meters.model_flops_per_token at the step's mean sequence length) of the training
-    part's tokens per second, over the H200's bf16 peak (step_gpu.PEAK_BF16_TFLOPS)."""
+def train_mfu(session, row: dict) -> float:
+    """Model FLOPs (meters.trained_flops) of the training part's tokens per second, over the H200's
+    bf16 peak (step_gpu.PEAK_BF16_TFLOPS)."""
     from step_gpu import PEAK_BF16_TFLOPS
-    from transformers import AutoConfig
-    tokens, sequences = row["train_tokens_p50"], cfg.grpo.prompts_per_step * cfg.grpo.group_size
-    flops = model_flops_per_token(AutoConfig.from_pretrained(cfg.model.name_or_path), int(tokens / sequences)) * tokens
+    g = session.trainer.settings
+    flops = trained_flops(session.trainer.policy.model.get_base_model().config, row["train_tokens_p50"],
+                          g.prompts_per_step * g.group_size)
     return flops / row["parts_s_p50"]["train"] / (PEAK_BF16_TFLOPS * 1e12)
 
 
@@ -109,7 +109,7 @@ def measure(overrides: list[str], out_dir: Path, name: str, steps: int, decode: 
         row = {"name": name, "open_s": time.perf_counter() - t0, **timed_steps(session, steps),
                "compile_caches": compile_cache_counters()}
         if decode:
-            row["train_mfu"] = train_mfu(cfg, row)
+            row["train_mfu"] = train_mfu(session, row)
             row["sglang_decode"] = sglang_decode(session, cfg.grpo.max_new_tokens)
             p, g = cfg.grpo.prompts_per_step, cfg.grpo.group_size
             rollout_tok_s = p * g * row["completion_tokens_p50"] / row["parts_s_p50"]["rollout"]

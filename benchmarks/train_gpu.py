@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meters import model_flops_per_token  # noqa: E402  (this folder)
+from meters import trained_flops  # noqa: E402  (this folder)
 from step_gpu import PEAK_BF16_TFLOPS  # noqa: E402  (the H200's vendor peak, one place)
 from synthetic import random_qwen3_dir, random_tokens_like_rollouts  # noqa: E402
 
@@ -94,7 +94,7 @@ def measure(model_dir: str, batch: RolloutBatch, setting, repeats: int, referenc
             reserved.append(torch.cuda.max_memory_reserved() / 1e9 if DEVICE == "cuda" else float("nan"))
     tokens = stats["tokens"]
     mc = policy.model.get_base_model().config
-    flops = model_flops_per_token(mc, int(tokens / batch.size)) * tokens
+    flops = trained_flops(mc, tokens, batch.size)
     row = {"lora_compute": compute, "activation_checkpointing": checkpointing, "micro_batch_tokens": budget,
            "compile": compiled, "first_call_s": first_call,
            "train_s_p50": statistics.median(seconds), "train_s": seconds, "tokens": tokens,
