@@ -8,9 +8,11 @@ each step timed from outside.
 GPU setting: a random-init model of Qwen3-0.6B's shape in bf16, LoRA r=32 alpha=64, refresh.mode=inplace,
 temperature 1, the engine arguments of the SGLang stack (step_gpu.STACK). K policies differ in their
 learning rate only (same rank: the same work per policy). Per size PxGxT (prompts x group x new
-tokens, per policy): p50 of steps 2..n of the group's step and of one policy's, the ratio to K
-single steps, each policy's trainer-vs-engine mismatch (mean, max) and served versions, the
-device memory in use (all processes: trainer + engine) with the group and with one policy.
+tokens, per policy) and group size K (--ks): p50 of steps 2..n of the group's step and of one
+policy's, the ratio to K single steps, where each policy's step goes (time/<part>_s), each policy's
+trainer-vs-engine mismatch (mean, max) and served versions, the device memory in use (all
+processes: trainer + engine) with the group and with one policy. Every phase prints a line with its
+time and stops the run if it overruns (watch.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import watch  # noqa: E402  (this folder)
+
 from lorabench.session import Config, GroupSession, RunSession  # noqa: E402
 
 GPU_SETTING = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.temperature=1.0"]
@@ -40,29 +44,41 @@ def device_used_gb() -> float:
     return (total - free) / 1e9
 
 
-def timed(step, n: int) -> tuple[list[float], list]:
+PARTS = ("rollout", "reward", "train", "refresh", "probe", "log")   # time/<part>_s of a step's metrics
+
+
+def timed(step, n: int, what: str, deadline_s: float) -> tuple[list[float], list]:
     walls, records = [], []
-    for _ in range(n):
+    for i in range(n):
         t0 = time.perf_counter()
-        records.append(step())
+        with watch.phase(f"{what} step {i + 1}", deadline_s):
+            records.append(step())
         walls.append(time.perf_counter() - t0)
     return walls, records
+
+
+def parts_p50(rows: list[dict]) -> dict[str, float]:
+    """p50 of each part of a policy's step (time/rollout_s of a group's step is the shared batch's)."""
+    return {part: statistics.median(r.get(f"time/{part}_s", 0.0) for r in rows) for part in PARTS}
 
 
 def run_group(base: list[str], k: int, size: str, root: Path, steps: int) -> dict:
     entries = [{"name": f"lr{i}", "grpo": {"lr": LRS[i]}} for i in range(k)]
     cfg = Config.load(None, [*base, *size_overrides(size), f"policies={json.dumps(entries)}",
-                             f"run.out_dir={root}", f"run.name=group-{size}"])
+                             f"run.out_dir={root}", f"run.name=group{k}-{size}"])
     t0 = time.perf_counter()
-    session = GroupSession.open(cfg, log=lambda *a: None, evaluate_first=False)
+    with watch.phase(f"K={k} {size}: GroupSession.open", 300):
+        session = GroupSession.open(cfg, log=lambda *a: None, evaluate_first=False)
+    watch.engine = session.engine
     try:
         opened = time.perf_counter() - t0
-        walls, records = timed(session.trainer.step, steps)
+        walls, records = timed(session.trainer.step, steps, f"K={k} {size}", 60 + 4 * k * _size_s(size))
         session.trainer.wait_committed()
         used = device_used_gb()
         rows = {name: [r[name].metrics for r in records] for name in records[0]}
     finally:
-        session.close()
+        with watch.phase(f"K={k} {size}: close", 120):
+            session.close()
     later = {name: policy_rows[1:] for name, policy_rows in rows.items()}
     return {"open_s": opened, "first_step_s": walls[0], "step_wall_s_p50": statistics.median(walls[1:]),
             "step_wall_s": walls, "device_used_gb": used,
@@ -70,26 +86,35 @@ def run_group(base: list[str], k: int, size: str, root: Path, steps: int) -> dic
             "per_policy": {name: {"mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in policy_rows),
                                   "mismatch_max": max(r["mismatch/max"] for r in policy_rows),
                                   "served_versions": [r["adapter/served_version"] for r in rows[name]],
-                                  "train_s_p50": statistics.median(r["time/train_s"] for r in policy_rows)}
+                                  "parts_s_p50": parts_p50(policy_rows)}
                            for name, policy_rows in later.items()}}
 
 
 def run_single(base: list[str], size: str, root: Path, steps: int) -> dict:
     cfg = Config.load(None, [*base, *size_overrides(size), f"grpo.lr={LRS[0]}", f"run.out_dir={root}",
                              f"run.name=single-{size}"])
-    session = RunSession.open(cfg, log=lambda *a: None, evaluate_first=False)
+    with watch.phase(f"one policy {size}: RunSession.open", 300):
+        session = RunSession.open(cfg, log=lambda *a: None, evaluate_first=False)
+    watch.engine = session.engine
     try:
-        walls, records = timed(session.trainer.step, steps)
+        walls, records = timed(session.trainer.step, steps, f"one policy {size}", 60 + 4 * _size_s(size))
         session.trainer.wait_committed()
         used = device_used_gb()
     finally:
-        session.close()
+        with watch.phase(f"one policy {size}: close", 120):
+            session.close()
     later = [r.metrics for r in records[1:]]
     return {"first_step_s": walls[0], "step_wall_s_p50": statistics.median(walls[1:]), "step_wall_s": walls,
             "device_used_gb": used, "rollout_s_p50": statistics.median(r["time/rollout_s"] for r in later),
-            "mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in later),
+            "parts_s_p50": parts_p50(later), "mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in later),
             "mismatch_max": max(r["mismatch/max"] for r in later),
             "served_versions": [r.metrics["adapter/served_version"] for r in records]}
+
+
+def _size_s(size: str) -> float:
+    """A generous bound on one policy's step at `size` on an H200 (the watchdog's deadline), in s."""
+    p, g, t = (int(x) for x in size.split("x"))
+    return 2.0 + p * g * t / 20_000
 
 
 def size_overrides(size: str) -> list[str]:
@@ -105,14 +130,17 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["16x8x128", "64x8x256"], help="PxGxT per policy")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
+    parser.add_argument("--ks", type=int, nargs="+", default=None, help="group sizes to run (default: --k)")
+    parser.add_argument("--limit", type=float, default=560, help="the run stops itself after this many seconds")
     parser.add_argument("--overrides", nargs="*", default=[])
     args = parser.parse_args()
+    watch.limit(args.limit)
+    watch.stacks_in_children()
     root = Path(tempfile.mkdtemp(prefix="group-step-"))
     if args.tiny:
         base = ["model.name_or_path=tiny", "data.eval_size=2"]
     else:
-        from step_gpu import STACK
-        from synthetic import qwen3_06b_run
+        from synthetic import STACK, qwen3_06b_run
         base = [*STACK, *GPU_SETTING, *qwen3_06b_run(root, args.cache, "group-bench")]
     base += args.overrides
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -120,14 +148,17 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d %H:%M"), "k": args.k, "overrides": base, "sizes": {}}
     for size in args.sizes:
         single = run_single(base, size, root / "runs", args.steps)
-        group = run_group(base, args.k, size, root / "runs", args.steps)
-        result["sizes"][size] = {
-            "single": single, "group": group,
-            "group_vs_one_step": group["step_wall_s_p50"] / single["step_wall_s_p50"],
-            "group_vs_k_steps": group["step_wall_s_p50"] / (args.k * single["step_wall_s_p50"])}
-        print(json.dumps({size: {k: v for k, v in result["sizes"][size].items() if k.startswith("group_vs")}}),
-              flush=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        result["sizes"][size] = {"single": single}
+        for k in args.ks or [args.k]:
+            group = run_group(base, k, size, root / "runs", args.steps)
+            result["sizes"][size][f"group_k{k}"] = {
+                **group, "vs_one_step": group["step_wall_s_p50"] / single["step_wall_s_p50"],
+                "vs_k_steps": group["step_wall_s_p50"] / (k * single["step_wall_s_p50"])}
+            ratios = result["sizes"][size][f"group_k{k}"]
+            watch.say(f"{size} K={k}: step p50 {group['step_wall_s_p50']:.2f} s vs one policy's "
+                      f"{single['step_wall_s_p50']:.2f} s ({ratios['vs_one_step']:.2f}x; {ratios['vs_k_steps']:.2f}x "
+                      f"of {k} single steps)")
+            Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meters import trained_flops  # noqa: E402  (this folder)
-from synthetic import random_qwen3_dir  # noqa: E402
+from synthetic import STACK, random_qwen3_dir  # noqa: E402,F401  (STACK: the stack's engine arguments)
 
 from lorabench.clock import synced_time  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
@@ -43,8 +43,6 @@ from lorabench.session import build_trainer, start_engine  # noqa: E402
 from lorabench.session.config import Config  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
-STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
-         "engine.sglang.grammar_backend=none", "engine.sglang.dtype=bfloat16", "model.dtype=bfloat16"]
 PEAK_BF16_TFLOPS = 989.0     # H200 SXM dense bf16, the vendor's figure (a large matmul measured ~790 here)
 HBM_TBPS = 4.8               # H200 HBM3e, the vendor's figure
 

@@ -17,6 +17,10 @@ import torch
 from lorabench.fsutil import atomic_dir
 from lorabench.models import load_tokenizer
 
+# the engine arguments of our offline GPU stack (no FlashInfer, FA3 or xgrammar; a full install needs none)
+STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
+         "engine.sglang.grammar_backend=none", "engine.sglang.dtype=bfloat16", "model.dtype=bfloat16"]
+
 QWEN3_SHAPES = {
     "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),
     "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16),

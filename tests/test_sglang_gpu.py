@@ -618,34 +618,132 @@ def test_scheduler_death_mid_run(tiny_path, tmp_path):
 
 
 # --- several policies on one engine (group.py) --------------------------------------------------------
+def drawn_adapters(model_path: str, k: int, r: int, scale: float, seed: int, version: int = 0) -> list[FlatAdapter]:
+    """k LoRA adapters drawn far apart (A ~ N(0, 1/in), B ~ N(0, scale)): a row served by another of
+    them moves its log-probs by far more than the engine's rounding."""
+    from peft import LoraConfig, get_peft_model
+
+    from lorabench.models import load_model
+    model = get_peft_model(load_model(model_path), LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+    adapters = []
+    for i in range(k):
+        torch.manual_seed(seed + i)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_A" in name:
+                    p.normal_(0, p.shape[1] ** -0.5)
+                elif "lora_B" in name:
+                    p.normal_(0, scale)
+        adapters.append(FlatAdapter.from_peft(model, version=version))
+    return adapters
+
+
+def served_by(distance: dict[str, dict[str, float]], owner: dict[str, str], margin: float = 10.0) -> dict[str, str]:
+    """Which rows were not served by their owner's adapter: `distance[rows][adapter]` is the mean
+    |sampled - scored| log-prob of the rows sampled for `rows` re-scored alone under `adapter`; the
+    rows of `rows` pass when their owner's adapter is the nearest by `margin` over every other one.
+    {rows: why} for each that fails (empty: every row was served by its owner's adapter)."""
+    failed = {}
+    for rows, owner_name in owner.items():
+        own = distance[rows][owner_name]
+        nearest_other = min(d for name, d in distance[rows].items() if name != owner_name)
+        if not nearest_other > margin * own:
+            failed[rows] = f"own {owner_name} {own:.4f} vs nearest other {nearest_other:.4f}"
+    return failed
+
+
+def mixed_batch_distances(engine, names: list[str], prompts: list[list[int]], new_tokens: int = 32) -> dict:
+    """One mixed batch (each policy's prompts name its adapter), then every policy's rows re-scored
+    alone under every adapter: {rows: {adapter: mean |sampled - scored|}}."""
+    from lorabench.engines.base import GenerateRequest, generate_each
+    requests = [GenerateRequest(prompts, Sampling(new_tokens, 1.0, seed=i), name) for i, name in enumerate(names)]
+    done = generate_each(engine, requests)
+    seqs = [c.prompt_ids + c.token_ids for per in done for c in per]
+    plens = [len(c.prompt_ids) for per in done for c in per]
+    scored = {adapter: engine.score(seqs, plens, adapter) for adapter in names}
+    distance, start = {}, 0
+    for name, per in zip(names, done):
+        sampled = [torch.tensor(c.logprobs) for c in per]
+        distance[name] = {adapter: diff(sampled, s[start:start + len(per)])[1] for adapter, s in scored.items()}
+        start += len(per)
+    return distance
+
+
+def test_mixed_batch_right_adapter_06b(q06_model):
+    """Policies' rollouts in one SGLang batch, each prompt naming its policy's adapter, at K=2, 4 and
+    8 on the 0.6B shape: every policy's rows carry its own adapter's log-probs (re-scored alone) and
+    are >= 10x further from every other adapter's, with the adapters loaded by tensors, then mapped
+    and written in place, then written in place again. The same numbers with the owners rotated (what
+    a batch that served each policy's rows with its neighbour's adapter would give) must fail."""
+    from lorabench.refresh import make_refresher
+    model_path, k_max, out = str(q06_model), 8, {}
+    seqs, plens = probe_sequences(model_path, 4)
+    prompts = [s[:p] for s, p in zip(seqs, plens)] * 4              # 16 rows per policy
+    names = [f"p{i}" for i in range(k_max)]
+    cfg = gpu_config("lora.r=32", f"engine.sglang.max_loras_per_batch={k_max + 1}")
+    t0 = time.perf_counter()
+    with start_engine(cfg, model_path) as engine:
+        progress(f"mixed batch: engine open in {time.perf_counter() - t0:.0f} s")
+        rounds = [("tensor", 0), ("inplace", 1), ("inplace", 2)]   # load; map (first in-place write); apply
+        refreshers = {}
+        for mode, version in rounds:
+            adapters = drawn_adapters(model_path, k_max, 32, 0.1, seed=100 * (version + 1), version=version)
+            for name, adapter in zip(names, adapters):
+                if refreshers.get(name, ("",))[0] != mode:   # the in-place refresher takes over the loaded adapter
+                    refreshers[name] = (mode, make_refresher(mode, engine, name))
+                refreshers[name][1].refresh(adapter.to("cuda"))
+            for k in (2, 4, 8):
+                distance = mixed_batch_distances(engine, names[:k], prompts)
+                rotated = {rows: names[(i + 1) % k] for i, rows in enumerate(names[:k])}
+                key = f"{mode}-v{version}-K{k}"
+                out[key] = {"distance": distance, "served_versions": [engine.served_version(n) for n in names[:k]],
+                            "failed": served_by(distance, {n: n for n in names[:k]}),
+                            "rotated_owners_failed": sorted(served_by(distance, rotated))}
+                progress(f"mixed batch {key}: {len(out[key]['failed'])} policies failed, rotated owners: "
+                         f"{len(out[key]['rotated_owners_failed'])} of {k} failed "
+                         f"({time.perf_counter() - t0:.0f} s)")
+    record("mixed_batch_06b", out)
+    for key, result in out.items():
+        k = int(key.split("K")[1])
+        assert not result["failed"], (key, result)
+        assert len(result["rotated_owners_failed"]) == k, (key, result)   # the check can fail for this reason
+        assert result["served_versions"] == [int(key.split("-v")[1][0])] * k, (key, result)
+
+
 def test_policy_group_on_sglang(tiny_path, tmp_path):
-    """Two policies of different rank on one SGLang engine, refreshed in place: one mixed batch per
-    step (each prompt names its policy's adapter), every rollout served by its own policy's version,
-    each policy's mismatch at the single-policy level; in the mixed batch each policy's completions
-    carry its own adapter's log-probs, far from the other adapter's once the two differ."""
-    from lorabench.engines.base import generate_each
+    """Two policies of different rank on one SGLang engine through GroupSession, refreshed in place:
+    one mixed batch per step, every rollout served by its own policy's version, each policy's
+    mismatch at the single-policy level; then with the two adapters drawn far apart, each policy's
+    rows of a mixed batch are nearest its own adapter (by >= 10x), and would fail the check if the
+    batch had swapped them."""
     from lorabench.session import GroupSession
     entries = [{"name": "r4", "lora": {"r": 4}}, {"name": "r16", "lora": {"r": 16}}]
     cfg = gpu_config(f"policies={json.dumps(entries)}", "grpo.steps=6", "refresh.mode=inplace", "grpo.compile=off")
+    t0 = time.perf_counter()
     group = GroupSession.open(cfg, tmp_path / "group", log=print, evaluate_first=False)
+    progress(f"group of 2: open in {time.perf_counter() - t0:.0f} s")
     out = {}
     try:
-        records = group.trainer.run(progress=False)
+        records = []
+        for _ in range(6):
+            records.append(group.trainer.step())
+            progress(f"group of 2: step {len(records)} at {time.perf_counter() - t0:.0f} s")
         rows = {name: [r[name].metrics for r in records] for name in group.trainer.trainers}
         out["served_versions"] = {n: [r["adapter/served_version"] for r in policy] for n, policy in rows.items()}
         out["mismatch_active_mean"] = {n: [r["mismatch/active_mean"] for r in policy] for n, policy in rows.items()}
-        a, b = group.trainer.trainers["r4"], group.trainer.trainers["r16"]
-        with torch.no_grad():   # far apart: r16 moved strongly
-            for p in b.policy.params:
-                p.add_(0.05 * torch.randn_like(p))
-        b.refresher.refresh(b.policy.adapter())
-        (_, request_a), (_, request_b) = a.rollout_request(), b.rollout_request()
-        done_a, done_b = generate_each(group.engine, [request_a, request_b])
-        seqs = [c.prompt_ids + c.token_ids for c in done_b]
-        plens = [len(c.prompt_ids) for c in done_b]
-        own = diff([torch.tensor(c.logprobs) for c in done_b], group.engine.score(seqs, plens, "r16"))
-        other = diff([torch.tensor(c.logprobs) for c in done_b], group.engine.score(seqs, plens, "r4"))
-        out.update(mixed_batch_own_adapter=own, mixed_batch_other_adapter=other)
+        for i, trainer in enumerate(group.trainer.trainers.values()):   # drawn apart, written in place
+            adapter = trainer.policy.adapter()          # a copy: the policy's own weights stay
+            torch.manual_seed(7 + i)
+            with torch.no_grad():
+                for tensor_name, t in adapter.tensors.items():
+                    t.normal_(0, t.shape[1] ** -0.5 if ".lora_A." in tensor_name else 0.3)
+            trainer.refresher.refresh(adapter)
+        seqs, plens = probe_sequences(tiny_path, 4)
+        prompts = [s[:p] for s, p in zip(seqs, plens)] * 4
+        names = list(group.trainer.trainers)
+        distance = mixed_batch_distances(group.engine, names, prompts)
+        out.update(distance=distance, failed=served_by(distance, {n: n for n in names}),
+                   swapped_failed=sorted(served_by(distance, dict(zip(names, names[::-1])))))
     finally:
         group.close()
     record("group_sglang", out)
@@ -653,4 +751,37 @@ def test_policy_group_on_sglang(tiny_path, tmp_path):
         assert versions == list(range(6)), (name, versions)
         active = [m for m in out["mismatch_active_mean"][name] if m == m and m is not None]
         assert not active or max(active) < 0.05, (name, active)
-    assert out["mixed_batch_other_adapter"][1] > 10 * out["mixed_batch_own_adapter"][1], out
+    assert not out["failed"], out
+    assert out["swapped_failed"] == sorted(names), out   # the check fails when the two are swapped
+
+
+@pytest.mark.parametrize("mode", ["inplace", "tensor"])
+def test_policy_group_of_four_06b(q06_model, tmp_path, mode):
+    """Four policies of the 0.6B shape (r=32, differing in grpo.lr) opened as `lorabench run` opens a
+    group (GroupSession.open with its held-out evaluation first) and stepped three times, every phase
+    bounded: a step that waits past its deadline prints every stack here and in the engine's
+    processes and ends the test (benchmarks/watch.py), so a hang shows where it is. Every rollout is
+    served by its own policy's version."""
+    import watch  # benchmarks/
+
+    from lorabench.session import GroupSession
+    watch.stacks_in_children()
+    entries = [{"name": f"lr{i}", "grpo": {"lr": lr}} for i, lr in enumerate((1e-4, 3e-4, 1e-3, 3e-3))]
+    cfg = gpu_config(f"model.name_or_path={q06_model}", "model.dtype=bfloat16", "lora.r=32", "lora.alpha=64",
+                     f"refresh.mode={mode}", "grpo.compile=off", "grpo.prompts_per_step=16", "grpo.group_size=8",
+                     "grpo.max_new_tokens=128", "grpo.temperature=1.0", f"policies={json.dumps(entries)}")
+    with watch.phase(f"group of four ({mode}): GroupSession.open with its held-out evaluation", 300):
+        group = GroupSession.open(cfg, tmp_path / "group", log=progress)
+    watch.engine = group.engine
+    try:
+        records = []
+        for step in range(1, 4):
+            with watch.phase(f"group of four ({mode}): step {step}", 120):
+                records.append(group.trainer.step())
+    finally:
+        with watch.phase(f"group of four ({mode}): close", 120):
+            group.close()
+    versions = {name: [r[name].metrics["adapter/served_version"] for r in records] for name in records[0]}
+    record(f"group_of_four_06b_{mode}", {"served_versions": versions,
+                                         "step_s": [max(r[n].metrics["time/step_s"] for n in r) for r in records]})
+    assert all(v == [0, 1, 2] for v in versions.values()), versions
