@@ -21,6 +21,7 @@ import base64
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,20 +55,21 @@ def qwen3_06b_shape_dir(out: Path) -> str:
     return str(random_qwen3_dir("0.6B", str(tokenizer), CACHE / "qwen3-0.6b-random"))
 
 
-def parameters(out: Path) -> dict[str, callable]:
-    """Per notebook: the values injected on top of its learner defaults (made when it runs)."""
+def parameters(out: Path, work: Path) -> dict[str, callable]:
+    """Per notebook: the values injected on top of its learner defaults (made when it runs); run dirs and
+    the model go to `work`, what is kept to `out`."""
     return {
-        "01_step_through": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(out / "runs"),
+        "01_step_through": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(work / "runs"),
                                     "OVERRIDES": ENGINE_ARGS},
-        "02_refresh_methods": lambda: {"ENGINE": "sglang", "MODEL": qwen3_06b_shape_dir(out), "RANK": 32, "REPEATS": 10,
-                               "MERGED_POINTS": 7,
+        "02_refresh_methods": lambda: {"ENGINE": "sglang", "MODEL": qwen3_06b_shape_dir(work), "RANK": 32,
+                               "REPEATS": 10, "MERGED_POINTS": 7,
                                "SAVE_TO": str(out / "refresh_notebook02_sglang.json"),
                                "OVERRIDES": [*ENGINE_ARGS, "model.dtype=bfloat16"]},
         # 03 looks into the adapter of 01's run dir (only reads it; it trains its own when 01 did not run)
-        "03_how_hotswap_works": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(out / "runs"),
+        "03_how_hotswap_works": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(work / "runs"),
                                          "OVERRIDES": ENGINE_ARGS},
         # four policies on one engine: its own group dir, not 01's runs (03 scans those)
-        "04_which_rank": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(out / "group-runs"),
+        "04_which_rank": lambda: {"ENGINE": "sglang", "MODEL": "tiny", "RUN_ROOT": str(work / "group-runs"),
                                   "OVERRIDES": ENGINE_ARGS},
     }
 
@@ -141,9 +143,11 @@ def versions() -> dict:
 def main() -> int:
     out = Path(sys.argv[1]).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    copy = copy_without_benchmarks(out / "checkout-without-benchmarks")
+    # what is not kept (the copy, run dirs, the kernelspec) stays out of OUT: OUT comes back whole
+    work = Path(tempfile.mkdtemp(prefix="notebooks-gpu-"))
+    copy = copy_without_benchmarks(work / "checkout-without-benchmarks")
     # the notebook tests' kernel: this interpreter, each figure's name and text size in its PNG
-    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(write_kernelspec(out / "jupyter")),
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(write_kernelspec(work / "jupyter")),
                                                                os.environ.get("JUPYTER_PATH")]))
     chosen = os.environ.get("LORABENCH_NOTEBOOKS", "").split()   # e.g. "01_step_through 02_refresh_methods"
     import torch
@@ -151,7 +155,7 @@ def main() -> int:
                "commit": os.environ.get("LORABENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d %H:%M"),
                "ran_from": "a copy of the checkout without benchmarks/ (lorabench imported from it)",
                "versions": versions(), "notebooks": []}
-    notebooks = parameters(out)
+    notebooks = parameters(out, work)
     for stem in chosen or list(notebooks):   # in the order asked (03 reads the run dir 01 leaves)
         values = notebooks[stem]
         record = run_notebook(stem, values(), out, copy / "notebooks")

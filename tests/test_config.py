@@ -291,6 +291,21 @@ def test_engine_on_gpus_of_its_own_reaches_sglang_and_must_exist():
     assert "GPUs 1..2" in problem and "sees 2" in problem and "lower base_gpu_id or tp_size" in problem
 
 
+def test_kv_cache_too_small_for_the_largest_batch_is_said_with_the_fix():
+    """A group's largest batch that SGLang's KV cache cannot hold at once decodes in waves, silently
+    slower: the engine's note names both sizes and a mem_fraction_static that holds it."""
+    from lorabench.engines.sglang import kv_capacity_note
+    from lorabench.session.config import Config, engine_needs
+    entries = [{"name": f"p{i}"} for i in range(4)]
+    cfg = Config.load(None, ["engine.backend=sglang", "grpo.prompts_per_step=64", "grpo.group_size=8",
+                             "grpo.max_new_tokens=256", f"policies={json.dumps(entries)}"])
+    needs = engine_needs(cfg)                                   # 4 x 64 x 8 sequences of 256 new tokens
+    note = kv_capacity_note(340_000, needs, 0.3)
+    assert "340,000 tokens" in note and "524,288" in note and "mem_fraction_static=0.47 (now 0.3)" in note
+    assert kv_capacity_note(600_000, needs, 0.3) == "" and kv_capacity_note(None, needs, 0.3) == ""
+    assert "mem_fraction_static=0.9 " in kv_capacity_note(10_000, needs, 0.3)   # never all of the GPU
+
+
 def test_max_lora_rank_below_r():
     msg = _error(["engine.backend=sglang", "engine.sglang.max_lora_rank=8", "lora.r=16"])
     assert "engine.sglang.max_lora_rank=8" in msg and "lora.r=16" in msg

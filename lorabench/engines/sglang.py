@@ -206,6 +206,20 @@ def needs_problems(settings: SGLangSettings, needs: EngineNeeds) -> list[str]:
     return found
 
 
+def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> str:
+    """'' or why the run's largest batch will not decode at once: a batch whose tokens SGLang's KV
+    cache (`held` tokens) cannot hold is decoded in waves (the rest waits in its queue), slower per
+    token, with nothing else to show for it; and the mem_fraction_static that would hold it."""
+    wanted = needs.largest_batch * needs.max_new_tokens   # prompts not counted: a lower bound
+    if not held or wanted <= held:
+        return ""
+    enough = min(0.9, math.ceil(100 * fraction * wanted / held) / 100)   # the weights' share too: a little over
+    return (f"the engine's KV cache holds {held:,} tokens, fewer than the {wanted:,} its largest batch needs at "
+            f"once ({needs.largest_batch} sequences x {needs.max_new_tokens} new tokens, prompts not counted): "
+            f"SGLang decodes that batch in waves, slower per token. engine.sglang.mem_fraction_static={enough:g} "
+            f"(now {fraction:g}) would hold it, where the trainer's memory on the same GPU leaves room")
+
+
 def check_reply(result, what: str):
     """Engine replies carry .success/.error_message (LoRA calls) or (success, message) tuples. SGLang
     0.5.17 gives no error code: this engine's own record of what it loaded raises AdapterNotLoaded and
@@ -352,6 +366,7 @@ class SGLangEngine:
         try:
             with _interrupts_ignored_by_children():
                 self._thread.call(self._start, model_path, settings.engine_kwargs(model_path, needs), engine_overrides)
+            self.notes = self._thread.call(self._capacity_notes, needs)
         except BaseException:
             self._thread.close("the engine did not start")
             self._thread = None
@@ -367,6 +382,12 @@ class SGLangEngine:
         self._released: list[str] = []
         self.pool = sglang_pool.PoolWriter(self)
         self.eos_ids = _eos_ids(model_path)
+
+    def _capacity_notes(self, needs: EngineNeeds) -> list[str]:
+        """What the session tells the user about this engine's room for the run (on the engine's thread)."""
+        note = kv_capacity_note(self.engine.get_server_info().get("max_total_num_tokens"), needs,
+                                self.settings.mem_fraction_static)
+        return [note] if note else []
 
     @staticmethod
     def device_of(settings: SGLangSettings) -> str:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..machine import cpu_threads
-from .config import Config, ConfigError, engine_needs
-from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, resolve_model
+from .config import Config, ConfigError
+from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, resolve_model, start_engine
 
 GROUP_FILE = "group.json"
 
@@ -105,11 +105,10 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
     @classmethod
     def _build(cls, cfg, members, runlogs, root, model_path, model_seconds, log):
-        from ..engines import make_engine
         from ..group import PolicyGroup
         log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
             + "; ".join(spec.label() for spec in cfg.policies))
-        engine = make_engine(cfg.engine, model_path, engine_needs(cfg))
+        engine = start_engine(cfg, model_path, log)
         try:
             trainers, sessions, beside = {}, {}, None
             for name, member in members.items():

@@ -211,7 +211,7 @@ class RunSession(_SessionLifecycle):
     @classmethod
     def _build(cls, cfg, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool, progress):
         progress(f"starting the {cfg.engine.backend} engine")
-        engine = start_engine(cfg, model_path)
+        engine = start_engine(cfg, model_path, log)
         try:
             progress("building the trainer")
             trainer = build_trainer(cfg, model_path, engine, runlog, log=log)
@@ -264,10 +264,14 @@ def resolve_model(cfg: Config, log=print, progress=None) -> str:
     return resolve_model_path(cfg.model, cfg.warmstart, cfg.run.seed, log=log, progress=progress)
 
 
-def start_engine(cfg: Config, model_path: str, **overrides):
-    """The engine cfg.engine chooses, started with its own section and what the run needs of it."""
+def start_engine(cfg: Config, model_path: str, log=None, **overrides):
+    """The engine cfg.engine chooses, started with its own section and what the run needs of it; what
+    it notes about its room for the run (SGLang: a KV cache too small for the largest batch) is logged."""
     from ..engines import make_engine
-    return make_engine(cfg.engine, model_path, engine_needs(cfg), **overrides)
+    engine = make_engine(cfg.engine, model_path, engine_needs(cfg), **overrides)
+    for note in getattr(engine, "notes", ()) if log is not None else ():
+        log(f"note: {note}")
+    return engine
 
 
 def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, beside=None,
