@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .datafiles import DataError, read_rows
+from .rewards import MAX_DIGITS, normalize_number
 from .settings import ALLOWED, REFUSED, Section, check, setting
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -35,12 +36,20 @@ class Problem:
 
 
 def parse_ground_truth(answer: str, where: str = "answer") -> str:
+    """N of the answer's last '#### N', commas removed, refused unless the reward reads it as a
+    number (rewards.normalize_number: what training and evaluation compare completions with)."""
     if "####" not in answer:
         raise DataError(f"{where}: answer has no '####' line ({answer[:60]!r}); GSM8K answers must end "
                         f"with '#### N'")
-    truth = answer.split("####")[-1].strip().replace(",", "")
+    written = answer.split("####")[-1].strip()
+    truth = written.replace(",", "")
     if not truth:
         raise DataError(f"{where}: nothing after '####' in {answer[-60:]!r}; write '#### N'")
+    if normalize_number(truth) is None:
+        shown = written if len(written) <= 40 else f"{written[:40]}..."
+        raise DataError(f"{where}: field 'answer' ends with {'#### ' + shown!r}, which the reward cannot read as a "
+                        f"number to compare completions with (such as 18, -3, 1,000 or $2.50, at most {MAX_DIGITS:,} "
+                        f"digits); write the answer's last line as '#### N' with N a number")
     return truth
 
 
@@ -55,6 +64,12 @@ def _problem(loc: str, row: dict) -> Problem:
                             f"string; write it as text (quoted in JSON)")
         if not row[key].strip():
             raise DataError(f"{loc}: field '{key}' is empty; give a non-empty string")
+        try:
+            row[key].encode("utf-8")
+        except UnicodeEncodeError as err:   # JSON's '\ud800' escape: half of a UTF-16 pair, no character
+            raise DataError(f"{loc}: field '{key}' holds {row[key][err.start]!r} at character {err.start + 1}, a "
+                            f"lone UTF-16 surrogate (an escape such as \\ud800 without its pair), which is not "
+                            f"text; write the character itself, or the escape's whole pair") from err
     return Problem(row["question"].strip(), row["answer"], parse_ground_truth(row["answer"], loc), loc)
 
 

@@ -32,11 +32,22 @@ def read_rows(source: str, split: str) -> list[tuple[str, dict]]:
     if not path.is_file():
         raise DataError(f"dataset file {path} does not exist; pass a .jsonl or .parquet file with "
                         f"question/answer fields, 'hub' or 'synthetic'")
-    if path.suffix == ".jsonl":
-        return jsonl_rows(path)
-    if path.suffix == ".parquet":
-        return parquet_rows(path)
-    raise DataError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl or .parquet")
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise DataError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl or .parquet")
+    _refuse_too_large(path, path.stat().st_size, "is")
+    return jsonl_rows(path) if path.suffix == ".jsonl" else parquet_rows(path)
+
+
+def _refuse_too_large(path: Path, nbytes: int, what: str) -> None:
+    """The rows of a file are held in memory for the whole run: a file (or, parquet, its text
+    uncompressed) larger than half the machine's memory is refused before it is read, instead of a
+    wait that ends in the OOM killer (a sparse 1 TB file costs its maker nothing)."""
+    from .machine import machine_memory
+    memory, where = machine_memory("cpu")
+    if nbytes > memory // 2:
+        raise DataError(f"dataset file {path} {what} {nbytes:,} bytes, more than half {where} ({memory:,} bytes), and "
+                        f"its rows are held in memory for the whole run; use a smaller file (GSM8K's training split "
+                        f"is 4 MB)")
 
 
 def _too_long(where: str, lines: list[tuple[int, int]], unit: str) -> DataError:
@@ -108,6 +119,10 @@ def parquet_rows(path: Path) -> list[tuple[str, dict]]:
         typ = pf.schema_arrow.field(name).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise DataError(f"{path}: column {name!r} holds {typ}, not text; write it as strings")
+    columns = [pf.schema_arrow.get_field_index(name) for name in FIELDS]
+    text = sum(pf.metadata.row_group(g).column(c).total_uncompressed_size
+               for g in range(pf.metadata.num_row_groups) for c in columns)
+    _refuse_too_large(path, text, "holds question and answer columns of")
     rows, too_long, offset = [], [], 0
     for batch in pf.iter_batches(batch_size=1024, columns=list(FIELDS)):
         # byte lengths first: a huge value is counted, never turned into a Python string

@@ -10,24 +10,30 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Context, Decimal, InvalidOperation
 
 # a number as people write it: optional sign and $, digits with thousands commas, optional decimals
 _NUMBER = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _STRICT = re.compile(r"####\s*(" + _NUMBER + r")")
 _FLEXIBLE = re.compile(_NUMBER)
+# a number with a digit this far from the decimal point or farther (10**1000, 1e-1000) is no answer:
+# Python refuses to print an int of more than 4,300 digits (a ValueError), and 1e999999999 would be a
+# billion characters
+MAX_DIGITS = 1000
 
 
 def normalize_number(text: str) -> str | None:
-    """'$1,000.50' -> '1000.5', '18.0' -> '18'; None if it is not a number."""
+    """'$1,000.50' -> '1000.5', '18.0' -> '18'; None if it is not a number, or not one of at most
+    MAX_DIGITS digits (and none that far from the point). The one reading of a number that the
+    rewards, the evaluation and the data check (data.parse_ground_truth) share."""
     cleaned = text.replace("$", "").replace(",", "").replace(" ", "").rstrip(".")
     try:
         value = Decimal(cleaned)
     except InvalidOperation:
         return None
-    if not value.is_finite():
+    if not value.is_finite() or len(value.as_tuple().digits) > MAX_DIGITS or abs(value.adjusted()) >= MAX_DIGITS:
         return None
-    normalized = value.normalize()
+    normalized = value.normalize(Context(prec=MAX_DIGITS))   # exact: the default context rounds to 28 digits
     # Decimal('1E+3').normalize() prints in exponent form; force plain notation
     return format(normalized, "f") if normalized != normalized.to_integral() else str(int(normalized))
 

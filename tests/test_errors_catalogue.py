@@ -462,3 +462,103 @@ def test_dataset_file_missing_on_the_command_line(run_cli, tmp_path):
     line = run_cli(f"data.eval_source={tmp_path / 'test.jsonl'}")
     assert f"data.eval_source='{tmp_path / 'test.jsonl'}': dataset file" in line and "does not exist" in line
     assert "'synthetic'" in line
+
+
+# --- every input whole, before anything exists: rows as the reward reads them, sizes ----------------------
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GOOD_ROWS = [{"question": f"Tom has {i} apples. How many?", "answer": f"#### {i}"} for i in range(4)]
+
+
+@pytest.mark.parametrize("field", ["data.source", "data.eval_source"])
+@pytest.mark.parametrize("final", ["five", "5 apples", "NaN", "1e999999999", "7" * 1001])
+def test_answer_the_reward_cannot_read_is_refused_before_the_run(run_cli, tmp_path, field, final):
+    """A row whose '#### N' the reward cannot read as a number used to pass the check and end the run
+    with a traceback when it was drawn (a training row at its step, a held-out row at the first
+    evaluation); the fixed file was then refused on resume as changed data. Now it is found with the
+    reward's own reading of a number (rewards.normalize_number), before the run dir exists."""
+    path = _jsonl(tmp_path / "d.jsonl", [*GOOD_ROWS[:2], {"question": "How many?", "answer": f"so\n#### {final}"},
+                                         *GOOD_ROWS[2:]])
+    line = run_cli(f"{field}={path}")
+    shown = final if len(final) <= 40 else f"{final[:40]}..."
+    assert line.startswith(f"lorabench: error: {path} line 3: field 'answer' ends with '#### {shown}'"), line
+    assert "which the reward cannot read as a number" in line and "write the answer's last line as '#### N'" in line
+
+
+@pytest.mark.parametrize("field", ["question", "answer"])
+def test_lone_surrogate_in_a_row(run_cli, tmp_path, field):
+    """JSON's '\\ud800' escape without its pair: json reads it, and it used to end the check with a
+    UnicodeEncodeError traceback (question) or pass it (answer)."""
+    row = {"question": "Ana has 2 pens?", "answer": "#### 2"}
+    row[field] = row[field].replace("2", "\ud8002", 1)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(GOOD_ROWS[0]) + "\n" + json.dumps(row) + "\n")   # ensure_ascii: the escape
+    line = run_cli(f"data.source={path}")
+    assert f"{path} line 2: field '{field}' holds '\\ud800'" in line and "lone UTF-16 surrogate" in line
+
+
+def test_training_file_smaller_than_a_step(run_cli, tmp_path):
+    """Fewer rows than grpo.prompts_per_step: every step would hold some problem twice."""
+    path = _jsonl(tmp_path / "d.jsonl", GOOD_ROWS[:1])
+    line = run_cli(f"data.source={path}")
+    assert f"data.source='{path}' has 1 row(s), fewer than grpo.prompts_per_step=2" in line
+    assert "set grpo.prompts_per_step <= 1, or give more rows" in line
+
+
+@pytest.mark.parametrize("field", ["data.source", "data.eval_source"])
+def test_data_file_larger_than_half_the_memory(run_cli, tmp_path, field):
+    """A sparse 1 TB jsonl used to be read through in 1 MiB pieces for hours; refused by its size."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(GOOD_ROWS[0]) + "\n")
+    os.truncate(path, 10**12)
+    line = run_cli(f"{field}={path}")
+    assert f"dataset file {path} is 1,000,000,000,000 bytes, more than half" in line
+    assert "held in memory for the whole run" in line
+
+
+def test_parquet_text_larger_than_half_the_memory(run_cli, tmp_path, monkeypatch):
+    """Parquet by its question and answer columns uncompressed (its metadata: nothing is read);
+    the machine made small here, as a 1 TB parquet file is not."""
+    pd = pytest.importorskip("pandas")
+    import lorabench.machine
+    path = tmp_path / "d.parquet"
+    rows = [{"question": f"Tom has {i} apples. How many?", "answer": f"#### {i}"} for i in range(200)]
+    pd.DataFrame(rows).to_parquet(path)    # ~4.4 KB on disk, ~9.4 KB of text uncompressed
+    monkeypatch.setattr(lorabench.machine, "machine_memory", lambda device: (16_000, "the memory of this machine"))
+    line = run_cli(f"data.source={path}")
+    assert f"dataset file {path} holds question and answer columns of" in line and "more than half" in line
+
+
+def test_warm_start_batch_beyond_the_machine(run_cli, tmp_path):
+    """The tiny model's warm-start batch (only while it is still to be built): refused before the
+    cache entry exists, instead of an allocation that exhausts the machine."""
+    cache = tmp_path / "cache"
+    line = run_cli("warmstart.steps=1", "warmstart.batch_size=1000000000", f"model.cache_dir={cache}", model="tiny")
+    assert "the tiny model's warm-start: float32 logits of 1,000,000,000 sequences" in line
+    assert "lower warmstart.batch_size (now 1000000000" in line
+    assert not cache.exists()
+
+
+def test_bad_row_with_the_tiny_model_leaves_no_cache_entry(run_cli, tmp_path):
+    """With model 'tiny' not cached yet, the rows are checked before the model is built: no cache entry."""
+    cache = tmp_path / "cache"
+    path = _jsonl(tmp_path / "d.jsonl", [*GOOD_ROWS, {"question": "How many?", "answer": "#### five"}])
+    line = run_cli("warmstart.steps=1", f"model.cache_dir={cache}", f"data.source={path}", model="tiny")
+    assert f"{path} line 5: field 'answer' ends with '#### five'" in line
+    assert not cache.exists()
+
+
+def test_held_out_file_smaller_than_eval_size_is_a_note(tiny_model_dir, tmp_path):
+    """Not an error: the evaluation scores every held-out row (each evals.jsonl row carries its n), as
+    `data.source=data/gsm8k_sample.jsonl` (48 rows) does at the default data.eval_size=128."""
+    from lorabench.session.preflight import preflight
+    held_out = _jsonl(tmp_path / "test.jsonl", GOOD_ROWS[:3])
+    cfg = Config.load(overrides=[f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}", *QUICK_RUN,
+                                 f"data.eval_source={held_out}", "data.eval_size=4"])
+    notes = []
+    preflight(cfg, log=notes.append)
+    assert f"note: {held_out} has 3 rows, fewer than data.eval_size=4; all are used" in notes
+    assert not (tmp_path / "out").exists()

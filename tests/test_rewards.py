@@ -191,3 +191,13 @@ def test_score_sums_weighted_rewards_and_reports_each_mean():
 def test_rewards_docstring_examples():
     result = doctest.testmod(rewards_module)
     assert result.attempted >= 6 and result.failed == 0
+
+
+def test_numbers_too_long_are_no_answer():
+    """A completion with 5,000 digits after '####' raised ValueError in the reward (Python prints no
+    int of more than 4,300 digits); 1e999999999 in a data file would print as a billion digits; and
+    numbers of more than 28 digits were compared rounded to 28 (Decimal's default precision)."""
+    assert gsm8k_reward("#### " + "7" * 5000, "7") == 0.0
+    assert gsm8k_reward("#### 1" + "0" * 30 + "2", "1" + "0" * 30 + "1") == 0.0
+    assert normalize_number("7" * 1000) == "7" * 1000 and normalize_number("7" * 1001) is None
+    assert normalize_number("1e999999999") is None and normalize_number("1e-1000") is None

@@ -33,7 +33,8 @@ def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False,
     ref = model_ref(cfg.model)
     shape = model_shape(ref)
     if shape is not None:
-        check_sizes(cfg, shape, engine_class(cfg.engine.backend).device_of(cfg.engine.chosen))
+        check_sizes(cfg, shape, engine_class(cfg.engine.backend).device_of(cfg.engine.chosen),
+                    warm_start=tiny_to_build(cfg) and cfg.warmstart.steps > 0)
     check_prompts(cfg, ref, log)
     return ref
 
@@ -57,6 +58,13 @@ def check_engine(cfg: Config) -> None:
     if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
         raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {cpus} CPU(s); set run.threads <= "
                           f"{cpus}, or 0 (auto: as many as the load average leaves free)")
+
+
+def tiny_to_build(cfg: Config) -> bool:
+    """The model is 'tiny' and its recipe is not cached yet: the run builds (and warm-starts) it first."""
+    from ..tiny import tiny_cache_path
+    return cfg.model.name_or_path == "tiny" and not (
+        tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file()
 
 
 def _writable(path: str | Path, field: str) -> None:
@@ -91,10 +99,9 @@ def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False
         _run_dir_writable(Path(run_dir), continued)
     else:   # a new run dir is made in run.out_dir
         _writable(cfg.run.out_dir, "run.out_dir")
-    if cfg.model.name_or_path == "tiny":
-        from ..tiny import cache_root, tiny_cache_path
-        if not (tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file():
-            _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
+    if tiny_to_build(cfg):
+        from ..tiny import cache_root
+        _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
     if cfg.refresh.file.tmp_dir:
         _writable(cfg.refresh.file.tmp_dir, "refresh.file.tmp_dir")
     log_file = cfg.engine.sglang.log_file
@@ -131,6 +138,10 @@ def _problem_sets(cfg: Config, log) -> list[tuple[str, str, list]]:
     check_source_paths(d.source, d.eval_source)
     train = (step_problems(seed, 1, cfg.grpo.prompts_per_step) if d.source == "synthetic"
              else load_gsm8k("train", d.source))
+    if len(train) < cfg.grpo.prompts_per_step:   # train_batch would draw some row twice in one step
+        raise DataError(f"data.source={d.source!r} has {len(train)} row(s), fewer than grpo.prompts_per_step="
+                        f"{cfg.grpo.prompts_per_step}: every step would train on some problem twice (its group "
+                        f"counted twice in the loss); set grpo.prompts_per_step <= {len(train)}, or give more rows")
     source = d.eval_source or d.source
     if source == "synthetic":
         held_out = synthetic_problems(d.eval_size, f"eval-{seed}")

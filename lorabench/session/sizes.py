@@ -6,6 +6,7 @@ fitted. A run that passes may still not fit (activations, allocator slack); that
 
     needs(cfg, shape) -> [Need]        # the terms, largest first
     check_sizes(cfg, shape, device)    # refuses (ConfigError) when their sum exceeds the machine
+                                       # (warm_start=True: or the tiny model's warm-start batch does)
 
 Terms (bytes):
 - sequences held at once: max(prompts_per_step x group_size, eval_size x eval_samples) sequences,
@@ -89,14 +90,32 @@ def needs(cfg: Config, shape: ModelShape) -> list[Need]:
     return sorted(terms, key=lambda n: -n.nbytes)
 
 
+WARMSTART_TOKENS = 32   # fewer than any warm-start sequence has: the chat template and instruction alone are ~48
+
+
+def warmstart_need(cfg: Config, shape: ModelShape) -> Need:
+    """The tiny model's warm-start, run while it is built (before the run, so not added to needs()):
+    the float32 logits of one SFT batch over the vocabulary."""
+    n = cfg.warmstart.batch_size
+    return Need(f"the tiny model's warm-start: float32 logits of {n:,} sequences of at least {WARMSTART_TOKENS} tokens "
+                f"over {shape.vocab} tokens", n * WARMSTART_TOKENS * shape.vocab * 4,
+                f"lower warmstart.batch_size (now {n}; 32 is the default)")
+
+
 def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:,.1f} GB"
 
 
-def check_sizes(cfg: Config, shape: ModelShape, device: str) -> None:
+def check_sizes(cfg: Config, shape: ModelShape, device: str, warm_start: bool = False) -> None:
+    """Refuses a run whose needs() exceed the machine; with `warm_start` (the tiny model will be
+    built first) also a warm-start batch that does."""
+    have, where = machine_memory(device)
+    warm = warmstart_need(cfg, shape) if warm_start else None
+    if warm is not None and warm.nbytes > have:
+        raise ConfigError(f"{warm.what} need at least {_gb(warm.nbytes)} of memory, more than {where} ({_gb(have)}); "
+                          f"{warm.fix}")
     terms = needs(cfg, shape)
     total = sum(t.nbytes for t in terms)
-    have, where = machine_memory(device)
     if total <= have:
         return
     listed = "; ".join(f"{t.what}: {_gb(t.nbytes)}" for t in terms if t.nbytes >= total / 100)
