@@ -193,7 +193,10 @@ def main(argv=None) -> int:
     resume = sub.add_parser("resume", help="continue a run from its last checkpoint")
     resume.add_argument("run_dir")
     resume.add_argument("overrides", nargs="*", help="e.g. grpo.steps=80 to extend the run")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)   # overrides after --config are the rest (argparse stops there)
+    if any(arg.startswith("-") for arg in rest):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = [*args.overrides, *rest]
     on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
     try:

@@ -157,8 +157,8 @@ class GRPOSettings(Section):
             *check(self.micro_batch_tokens >= 1, f"grpo.micro_batch_tokens={self.micro_batch_tokens}: must be >= 1 "
                    f"(e.g. 4096; a sequence longer than the budget forms its own micro-batch)"),
             *check(self.max_new_tokens >= 1, f"grpo.max_new_tokens={self.max_new_tokens}: must be >= 1"),
-            *check(self.temperature > 0, f"grpo.temperature={self.temperature}: must be > 0 (greedy rollouts give "
-                   f"identical groups and zero advantages)"),
+            *check(self.temperature >= 0.01, f"grpo.temperature={self.temperature}: must be >= 0.01 (below it sampling "
+                   f"is greedy in effect: identical groups and zero advantages); e.g. 0.7"),
             *check(0 < self.top_p <= 1, f"grpo.top_p={self.top_p}: must be in (0, 1]"),
             *check(self.lr > 0, f"grpo.lr={self.lr}: must be > 0 (e.g. 1e-3)"),
             *check(self.max_grad_norm > 0, f"grpo.max_grad_norm={self.max_grad_norm}: must be > 0 (e.g. 1.0)"),

@@ -61,7 +61,8 @@ class RefreshSettings(Section):
 
     def problems(self) -> list[str]:
         return [*check(self.mode in REFRESH_MODES, f"refresh.mode={self.mode!r}: use one of {sorted(REFRESH_MODES)}"),
-                *check(self.bucket_mb > 0, f"refresh.bucket_mb={self.bucket_mb}: must be > 0 (e.g. 64)")]
+                *check(0 < self.bucket_mb <= 2**20, f"refresh.bucket_mb={self.bucket_mb}: must be in (0, 1048576] "
+                       f"(e.g. 64; 1048576 MB = 1 TiB, more than any model's weights, is one bucket for everything)")]
 
 
 @dataclass

@@ -100,6 +100,7 @@ class RunSettings(Section):
             *check(self.save_adapter_every >= 1, f"run.save_adapter_every={self.save_adapter_every}: must be >= 1"),
             *check(self.checkpoint_every >= 1, f"run.checkpoint_every={self.checkpoint_every}: must be >= 1"),
             *check(self.threads >= 0, f"run.threads={self.threads}: must be >= 0 (0 = auto)"),
+            *check(self.sample_completions >= 0, f"run.sample_completions={self.sample_completions}: must be >= 0"),
         ]
 
     def due(self, step: int, last_step: int) -> tuple[bool, bool]:

@@ -14,8 +14,10 @@ session/compat.py reads these and nothing else. A section validates itself in `p
 problem a fix-it line); a section whose parts come from a registry (engine backends, refresh
 modes) lists them in `parts()`, one sub-section each (`engine.sglang`, `refresh.file`).
 
-Values arrive as text (overrides, `grpo.lr=3e-4`) or from TOML/JSON files and are converted to the
-field's type here, or refused naming the field and how to write it.
+Values arrive as text (overrides, `grpo.lr=3e-4`), converted to the field's type here, or typed from
+TOML/JSON files, where a value must already have the field's type (`check_types`: `steps = "30"` or
+`steps = 2.0` is refused, as TOML and JSON can say 30); either way a refusal names the field, where
+the value came from and how to write it.
 """
 from __future__ import annotations
 
@@ -80,23 +82,80 @@ def field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def build(cls, values: dict, where: str, prefix: str, suggest=lambda prefix, key: ""):
+def build(cls, values: dict, where: str, prefix: str, suggest=lambda prefix, key: "", origin=None):
     """An instance of section `cls` (dotted name `prefix`) from `values`: its fields and sub-section
     tables, each value converted to its field's type. `suggest(prefix, key)` adds a "did you mean" to
-    an unknown key. Validation is the composing config's (problems() of every section, then across)."""
+    an unknown key; `origin(dotted key)`, where that key's value came from (a file, an override),
+    replaces `where`'s source in the messages. Validation is the composing config's (problems() of
+    every section, then across)."""
     if not isinstance(values, dict):
-        raise ConfigError(f"{where} must be a table/object, got {values!r:.60}")
+        raise ConfigError(f"{where} must be a table/object, got {shown(values)}")
     parts, names = cls.parts(), field_names(cls)
     unknown = set(values) - names - set(parts)
     if unknown:
         valid = sorted(names) + [f"{p}.*" for p in parts]
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}{suggest(prefix, min(unknown))}; valid keys: "
+        at = f"{origin(f'{prefix}.{min(unknown)}')}: {prefix}" if origin else where
+        raise ConfigError(f"{at}: unknown key(s) {sorted(unknown)}{suggest(prefix, min(unknown))}; valid keys: "
                           f"{valid}")
     hints = typing.get_type_hints(cls)
-    section = cls(**{k: convert(v, hints[k], f"{where}.{k}") for k, v in values.items() if k in names})
-    section.subsections = {name: build(part, values.get(name, {}), f"{where}.{name}", f"{prefix}.{name}", suggest)
-                           for name, part in parts.items()}
+    section = cls(**{k: convert(v, hints[k], f"{origin(f'{prefix}.{k}')}: {prefix}.{k}" if origin else f"{where}.{k}")
+                     for k, v in values.items() if k in names})
+    section.subsections = {name: build(part, values.get(name, {}), f"{where}.{name}", f"{prefix}.{name}", suggest,
+                                       origin) for name, part in parts.items()}
     return section
+
+
+def check_types(cls, values, where: str) -> None:
+    """Values of section `cls` read from a TOML/JSON file (`where`: 'FILE: grpo'), which carry their
+    type: each must already be its field's (an int for an int, a number for a float, true/false,
+    a string, a list of strings), or ConfigError says how to write it; a section must be a table
+    (absent, None: the defaults). Unknown keys are left to build(), which suggests the key meant."""
+    if values is None:
+        return
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a table/object, got {shown(values)}")
+    hints, parts = typing.get_type_hints(cls), cls.parts()
+    for key, value in values.items():
+        if key in parts:
+            check_types(parts[key], value, f"{where}.{key}")
+        elif key in hints:
+            problem = _type_problem(value, hints[key])
+            if problem:
+                raise ConfigError(f"{where}.{key}: {shown(value)} is {problem}")
+
+
+def _kind(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string (in quotes)",
+            list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _type_problem(value, typ) -> str | None:
+    """Why a typed file value cannot be a field of type `typ`, with how to write it; None if it can."""
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):   # str | list[str]
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return None
+        what = _kind(value) if not isinstance(value, list) else "a list with " + _kind(
+            next(v for v in value if not isinstance(v, str)))
+        return f"{what}; write a string or a list of strings, e.g. [\"q_proj\", \"v_proj\"]"
+    if typ is bool:
+        return None if isinstance(value, bool) else f"{_kind(value)}, not a boolean; write true or false (no quotes)"
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return None
+        return f"{_kind(value)}, not a whole number; write one without quotes or a decimal point, e.g. 8"
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        return f"{_kind(value)}, not a number; write one without quotes, e.g. 1e-3"
+    if typ is str:
+        return None if isinstance(value, str) else f"{_kind(value)}, not a string; put it in quotes"
+    return None
+
+
+def shown(value, width: int = 60) -> str:
+    """repr(value), cut to about `width` characters (a 5,000-digit number is not printed whole)."""
+    text = repr(value)
+    return text if len(text) <= width else f"{text[:width]}... ({len(text):,} characters)"
 
 
 def to_dict(section) -> dict:
@@ -130,10 +189,21 @@ def default_of(f: dataclasses.Field):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def finite_problems(section, prefix: str) -> list[str]:
-    """inf and nan parse as floats (TOML, JSON, an override) but are never a setting."""
-    return [f"{key}={value}: must be a finite number (the default is {default_of(f)})"
-            for key, f, value in walk(section, prefix) if isinstance(value, float) and not math.isfinite(value)]
+def value_problems(section, prefix: str) -> list[str]:
+    """Values of the right type that are never a setting: inf and nan (they parse as floats in TOML,
+    JSON and an override), and text with a NUL character (no path, name or mode holds one; a path
+    with one fails in the OS call that first uses it)."""
+    found = [f"{key}={value}: must be a finite number (the default is {default_of(f)})"
+             for key, f, value in walk(section, prefix) if isinstance(value, float) and not math.isfinite(value)]
+    return found + [f"{key}={value!r} contains a NUL character; no setting can hold one: remove it"
+                    for key, _, value in walk(section, prefix) if any("\0" in text for text in _texts(value))]
+
+
+def _texts(value) -> list[str]:
+    """The strings of a str or list-of-str value."""
+    if isinstance(value, str):
+        return [value]
+    return [v for v in value if isinstance(v, str)] if isinstance(value, (list, tuple)) else []
 
 
 def convert(value, typ, where: str):
@@ -147,7 +217,7 @@ def convert(value, typ, where: str):
         return _number(value, typ, where)
     if typ is str:
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {shown(value)}")
         return str(value)
     return value
 
@@ -171,16 +241,16 @@ def _boolean(value, where: str) -> bool:
         return value
     if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
         return value.lower() in ("true", "1", "yes", "on")
-    raise ConfigError(f"{where}: {value!r} is not a boolean; use true or false")
+    raise ConfigError(f"{where}: {shown(value)} is not a boolean; use true or false")
 
 
 def _number(value, typ, where: str):
     if isinstance(value, bool):
-        raise ConfigError(f"{where}: {value!r} is a boolean, expected a {typ.__name__}")
+        raise ConfigError(f"{where}: {value!r} is a boolean, expected {'an int' if typ is int else 'a float'}")
     try:
         converted = typ(value)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"{where}: {value!r} is not a {typ.__name__}; write e.g. "
+    except (TypeError, ValueError, OverflowError) as err:   # OverflowError: int(inf)
+        raise ConfigError(f"{where}: {shown(value)} is not {'an int' if typ is int else 'a float'}; write e.g. "
                           f"{'8' if typ is int else '1e-3'}") from err
     if typ is int and isinstance(value, float) and value != int(value):
         raise ConfigError(f"{where}: {value!r} is not a whole number")

@@ -371,3 +371,13 @@ def test_auto_threads_leave_the_cpus_other_work_keeps_busy(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert machine.cpu_threads(0)[0] == 2        # never above torch's own default
+
+
+def test_a_written_config_reads_back_under_the_strict_file_rules(tmp_path):
+    """What lorabench writes (config.json: to_dict) passes the file checks it asks of a user's file:
+    `lorabench run --config RUN/config.json` starts a new run from it."""
+    cfg = Config.load(None, ['lora.target_modules=["q_proj","v_proj"]', "grpo.lr=3e-4", "run.name=x",
+                             'policies=[{"name": "a", "lora": {"r": 2}}, {"name": "b", "grpo": {"lr": 0.01}}]'])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict(), indent=1))
+    assert Config.load(path).to_dict() == cfg.to_dict()

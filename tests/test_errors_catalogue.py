@@ -464,7 +464,7 @@ def test_dataset_file_missing_on_the_command_line(run_cli, tmp_path):
     assert "'synthetic'" in line
 
 
-# --- every input whole, before anything exists: rows as the reward reads them, sizes ----------------------
+# --- every input whole, before anything exists: rows as the reward reads them, sizes, config files ----------
 def _jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -540,6 +540,122 @@ def test_warm_start_batch_beyond_the_machine(run_cli, tmp_path):
     assert "the tiny model's warm-start: float32 logits of 1,000,000,000 sequences" in line
     assert "lower warmstart.batch_size (now 1000000000" in line
     assert not cache.exists()
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("grpo.temperature=1e-300", "grpo.temperature=1e-300: must be >= 0.01"),   # NaN probabilities at step 0
+    ("refresh.bucket_mb=1e308", "refresh.bucket_mb=1e+308: must be in (0, 1048576]"),   # int(inf) building it
+    ("run.sample_completions=-1", "run.sample_completions=-1: must be >= 0"),            # rows[:-1]: all but one
+    ("grpo.epochs=" + "1" * 5000, "grpo.epochs: '1111111111"),                           # printed whole before
+])
+def test_numbers_later_code_cannot_take(run_cli, override, needle):
+    line = run_cli(override)
+    assert needle in line and len(line) < 400, line
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"grpo": {"epochs": "2"}}', "grpo.epochs: '2' is a string (in quotes), not a whole number"),
+    ('{"grpo": {"epochs": 2.0}}', "grpo.epochs: 2.0 is a float, not a whole number"),
+    ('{"grpo": {"epochs": Infinity}}', "grpo.epochs: inf is a float, not a whole number"),   # was OverflowError
+    ('{"grpo": {"kl_metric": "false"}}', "grpo.kl_metric: 'false' is a string (in quotes), not a boolean"),
+    ('{"grpo": {"lr": true}}', "grpo.lr: True is a boolean, not a number"),
+    ('{"run": {"name": 5}}', "run.name: 5 is an integer, not a string; put it in quotes"),
+    ('{"lora": {"target_modules": ["q_proj", 1]}}', "lora.target_modules: ['q_proj', 1] is a list with an integer"),
+    ('{"grpo": 5}', "grpo must be a table/object, got 5"),
+    ('{"policies": [{"name": "a", "lora": {"r": "4"}}]}', "policies[0].lora.r: '4' is a string (in quotes)"),
+])
+def test_config_file_values_must_have_their_type(run_cli, tmp_path, text, needle):
+    """A file's values are typed: '2' for an int, 2.0 for an int or 'false' for a boolean were taken
+    (and Infinity for an int was an OverflowError traceback); text is converted only from overrides."""
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    line = run_cli("--config", str(path))
+    assert line.startswith(f"lorabench: config error: {path}: {needle}"), line
+
+
+def test_config_file_values_must_have_their_type_in_toml(run_cli, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[grpo]\nepochs = inf\n")
+    assert f"{path}: grpo.epochs: inf is a float, not a whole number" in run_cli("--config", str(path))
+    path.write_text('[run]\nseed = "7"\n')
+    assert f"{path}: run.seed: '7' is a string (in quotes), not a whole number" in run_cli("--config", str(path))
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"grpo": {\n  "epochs": 2,\n  "epochs": 3\n}}', "grpo.epochs is given twice (lines 2 and 3), 2 then 3"),
+    ('{"grpo": {"epochs": 2}, "grpo": {"lr": 0.1}}', "grpo is given twice (line 1), {'epochs': 2} then {'lr': 0.1}"),
+    ('{"policies": [{"name": "a", "name": "b"}]}', "policies[0].name is given twice (line 1), 'a' then 'b'"),
+])
+def test_json_key_given_twice(run_cli, tmp_path, text, needle):
+    """json.loads keeps the last of two values; TOML refuses the file (tomllib: 'Cannot overwrite a
+    value'), and so does lorabench for JSON now."""
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    line = run_cli("--config", str(path))
+    assert f"config file {path}: {needle}" in line and "keep the one you mean" in line, line
+    toml = tmp_path / "c.toml"
+    toml.write_text("[grpo]\nepochs = 2\nepochs = 3\n")
+    line = run_cli("--config", str(toml))
+    assert f"config file {toml} is not valid toml: Cannot overwrite a value (at line 3" in line
+
+
+def test_config_file_that_is_not_an_object(run_cli, tmp_path):
+    """A JSON list at the top level (an AttributeError traceback once an override was applied to it)."""
+    path = tmp_path / "c.json"
+    path.write_text("[1]")
+    assert f"config file {path}: the top level must be an object of sections, got [1]" in run_cli("--config", str(path))
+
+
+@pytest.mark.parametrize("suffix, text", [(".json", '{"grpo": {"epochs": 1' + "0" * 5000 + "}}"),
+                                          (".toml", "[grpo]\nepochs = 1" + "0" * 5000 + "\n")])
+def test_config_file_number_longer_than_python_reads(run_cli, tmp_path, suffix, text):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    line = run_cli("--config", str(path))
+    assert f"config file {path} holds a number of more than 4,300 digits" in line and "shorten it" in line
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_override_errors_name_the_override_not_the_file(run_cli, tmp_path, where):
+    """With --config, an override's bad value was reported as the file's; overrides after --config
+    were refused by argparse ('unrecognized arguments')."""
+    path = tmp_path / "c.json"
+    path.write_text('{"grpo": {"epochs": 1}, "model": {"dtype": "float32"}}')
+
+    def refused(override):
+        return run_cli(*(["--config", str(path), override] if where == "after" else [override, "--config", str(path)]))
+    line = refused("grpo.lr=abc")
+    assert line.startswith("lorabench: config error: override 'grpo.lr=abc': grpo.lr: 'abc' is not a float"), line
+    assert str(path) not in line
+    line = refused("grpo.lrr=1")
+    assert line.startswith("lorabench: config error: override 'grpo.lrr=1': grpo: unknown key(s) ['lrr']"), line
+    line = refused("grpo.group_size=1")
+    assert line.startswith("lorabench: config error: override 'grpo.group_size=1': grpo.group_size=1: "), line
+    line = refused("grpo.lora_compute=bfloat16")   # a problem of two values from two places names both
+    assert line.startswith(f"lorabench: config error: override 'grpo.lora_compute=bfloat16' (grpo.lora_compute), "
+                           f"{path} (model.dtype): grpo.lora_compute=bfloat16 with model.dtype=float32"), line
+
+
+def test_file_problems_name_the_file(run_cli, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[grpo]\nepochs = 0\n")
+    line = run_cli("--config", str(path))
+    assert line.startswith(f"lorabench: config error: {path}: grpo.epochs=0: must be >= 1"), line
+
+
+@pytest.mark.parametrize("section, value, key", [
+    ("model", {"cache_dir": "a\0b"}, "model.cache_dir='a\\x00b'"),
+    ("refresh", {"file": {"tmp_dir": "a\0b"}}, "refresh.file.tmp_dir='a\\x00b'"),
+    ("data", {"source": "a\0b.jsonl"}, "data.source='a\\x00b.jsonl'"),
+    ("lora", {"target_modules": ["q_proj", "v\0"]}, "lora.target_modules=['q_proj', 'v\\x00']"),
+])
+def test_nul_character_in_a_string_setting(run_cli, tmp_path, section, value, key):
+    """A NUL passed the checks of every path but run.out_dir, and the OS call that first used it raised
+    ValueError (or the message printed it raw)."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({section: value}))
+    line = run_cli("--config", str(path))
+    assert f"{path}: {key} contains a NUL character; no setting can hold one: remove it" in line, line
 
 
 def test_bad_row_with_the_tiny_model_leaves_no_cache_entry(run_cli, tmp_path):

@@ -6,14 +6,18 @@ sub-section per engine (engines/, e.g. `engine.sglang`), `refresh` with one per 
 settings (refresh.py, e.g. `refresh.file`), `run` (runlog.py); `policies` (group.py) lists the
 policies of a policy group. This module composes them, checks what involves several at once, and
 turns files and `key=value` overrides into a Config: every default is chosen so that `lorabench
-demo` runs offline on a 2-core CPU; an invalid value raises ConfigError naming the field, the value
-and the fix; an unknown key gets a "did you mean"; files are UTF-8 (a BOM is accepted). Run dirs
-written before the sections moved are read through MOVED.
+demo` runs offline on a 2-core CPU; an invalid value raises ConfigError naming the field, the value,
+where it came from (the file, or the override) and the fix; an unknown key gets a "did you mean".
+Files are strict: UTF-8 (a BOM is accepted), a key given twice is refused in JSON as TOML refuses
+it, and every value must have its field's type (settings.check_types). Run dirs written before the
+sections moved are read through MOVED.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,18 +83,34 @@ class Config:
         return members
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "config") -> Config:
+    def from_dict(cls, data: dict, source: str = "config", origins: dict[str, str] | None = None) -> Config:
+        """The config of `data` (sections as in to_dict). `origins`: {dotted key: where its value came
+        from} for the keys not from `source` (Config.load: the overrides); an invalid value is named
+        with its own source, and where some values are from `source` (a file) and some from `origins`,
+        a problem names the source of each field it names."""
         if not isinstance(data, dict):
-            raise ConfigError(f"{source}: the top level must be a table/object of sections, got {data!r:.60}")
+            raise ConfigError(f"{source}: the top level must be a table/object of sections, got {st.shown(data)}")
+        mixed = origins is not None and any(key not in origins for key in leaf_keys(data))
+        origins = origins or {}
+
+        def origin(key: str) -> str:
+            return origins.get(key, source)
         unknown = set(data) - set(SECTIONS) - {"policies"}
         if unknown:
             name = min(unknown)
             near = st.closest(name, list(SECTIONS))
-            raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}"
+            given = next((origins[k] for k in origins if k.partition(".")[0] == name), source)
+            raise ConfigError(f"{given}: unknown section(s) {sorted(unknown)}"
                               f"{f' (did you mean {near!r}?)' if near else ''}; valid sections: {list(SECTIONS)}")
-        return cls(**{name: st.build(section, data.get(name, {}), f"{source}: {name}", name, did_you_mean)
-                      for name, section in SECTIONS.items()},
-                   policies=parse_policies(data.get("policies"), source, SECTIONS))
+        sections = {name: st.build(section, data.get(name, {}), f"{source}: {name}", name, did_you_mean, origin)
+                    for name, section in SECTIONS.items()}
+        policies = parse_policies(data.get("policies"), origin("policies"), SECTIONS)
+        try:
+            return cls(**sections, policies=policies)
+        except ConfigError as err:
+            if not mixed:   # every value from one place: the message needs no attribution
+                raise
+            raise ConfigError(attributed(str(err), origin, leaf_keys(data))) from err
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -98,14 +118,40 @@ class Config:
         data: dict = {}
         if path is not None:
             data = read_config_file(path)
+        origins = {}
         for item in overrides:
-            apply_override(data, item)
-        return cls.from_dict(data, source=str(path) if path else "overrides")
+            origins[apply_override(data, item)] = f"override {st.shown(item)}"
+        return cls.from_dict(data, source=str(path) if path else "overrides", origins=origins)
+
+
+def leaf_keys(data: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of a config dict's values ('grpo.lr', 'engine.sglang.tp_size', 'policies')."""
+    keys = []
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        keys += leaf_keys(value, f"{dotted}.") if isinstance(value, dict) and key != "policies" else [dotted]
+    return keys
+
+
+def attributed(message: str, origin, keys: list[str]) -> str:
+    """`message` (a problem naming fields as 'grpo.lr=...') prefixed with where each named field's
+    value came from: 'c.toml: grpo.group_size=1: ...', or 'override 'grpo.lora_compute=bfloat16'
+    (grpo.lora_compute), c.toml (model.dtype): ...' when they came from several places."""
+    named = ["policies"] if message.startswith("policies") else [   # a policy's own value: its entry's
+        k for k in keys if re.search(rf"(?<![\w.]){re.escape(k)}=", message)]
+    sources: dict[str, list[str]] = {}
+    for key in named:
+        sources.setdefault(origin(key), []).append(key)
+    if not sources:
+        return message
+    if len(sources) == 1:
+        return f"{next(iter(sources))}: {message}"
+    return ", ".join(f"{where} ({', '.join(k)})" for where, k in sources.items()) + f": {message}"
 
 
 def problems(cfg: Config) -> list[str]:
     """Each section's own problems, then what involves several sections."""
-    found = [p for name in SECTIONS for p in st.finite_problems(getattr(cfg, name), name)]
+    found = [p for name in SECTIONS for p in st.value_problems(getattr(cfg, name), name)]
     found = found or [p for name in SECTIONS for p in _section_problems(getattr(cfg, name))]
     if found:
         return found
@@ -189,13 +235,13 @@ def did_you_mean(prefix: str, key: str) -> str:
     return f" (did you mean {own}?)" if own else ""
 
 
-def apply_override(data: dict, item: str) -> None:
+def apply_override(data: dict, item: str) -> str:
     """`grpo.lr=3e-4` -> data['grpo']['lr'] = '3e-4'; `engine.sglang.tp_size=2` -> data['engine']['sglang']
-    ['tp_size'] (converted to the field's type when the section is built)."""
+    ['tp_size'] (converted to the field's type when the section is built). Returns the dotted key."""
     key, sep, value = item.partition("=")
     if key.strip() == "policies" and sep:   # a list of tables, as JSON: policies=[{"name": "r1", "lora": {"r": 1}}]
         data["policies"] = value
-        return
+        return "policies"
     parts = key.strip().split(".")
     if not sep or len(parts) < 2 or not all(parts):
         raise ConfigError(f"override {item!r} must look like section.field=value, e.g. grpo.lr=3e-4")
@@ -205,6 +251,7 @@ def apply_override(data: dict, item: str) -> None:
         if not isinstance(table, dict):
             raise ConfigError(f"override {item!r}: {'.'.join(parts[:-1])} is a value, not a section")
     table[parts[-1]] = value
+    return ".".join(parts)
 
 
 def moved_layout(data: dict) -> dict:
@@ -221,12 +268,49 @@ def moved_layout(data: dict) -> dict:
 
 
 def read_config_file(path: str | Path) -> dict:
+    """A config file's sections, each value of its field's type (settings.check_types)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass an existing .json or .toml file")
     if path.suffix not in (".toml", ".json"):
         raise ConfigError(f"config file {path}: unsupported suffix {path.suffix!r}; use .json or .toml")
-    return parse_config_bytes(path.read_bytes(), path)
+    data = parse_config_bytes(path.read_bytes(), path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be an object of sections, got {st.shown(data)}")
+    for name, section in SECTIONS.items():
+        st.check_types(section, data.get(name), f"{path}: {name}")
+    policies = data.get("policies")
+    for i, entry in enumerate(policies if isinstance(policies, list) else []):
+        for name, values in entry.items() if isinstance(entry, dict) else ():
+            if name in SECTIONS:
+                st.check_types(SECTIONS[name], values, f"{path}: policies[{i}].{name}")
+    return data
+
+
+class _Object(dict):
+    """A JSON object that remembers its first key given twice (json.loads keeps the last silently)."""
+    twice: tuple = ()
+
+    @classmethod
+    def of(cls, pairs) -> _Object:
+        obj = cls()
+        for key, value in pairs:
+            if key in obj and not obj.twice:
+                obj.twice = (key, obj[key], value)
+            obj[key] = value
+        return obj
+
+
+def _given_twice(value, path: str = "") -> tuple[str, object, object] | None:
+    """(dotted key, first value, second value) of the first key given twice in parsed JSON, or None."""
+    if isinstance(value, list):
+        return next(filter(None, (_given_twice(v, f"{path}[{i}]") for i, v in enumerate(value))), None)
+    if not isinstance(value, dict):
+        return None
+    if getattr(value, "twice", ()):
+        key, first, second = value.twice
+        return f"{path}.{key}" if path else key, first, second
+    return next(filter(None, (_given_twice(v, f"{path}.{k}" if path else k) for k, v in value.items())), None)
 
 
 def parse_config_bytes(raw: bytes, path: Path) -> dict:
@@ -237,9 +321,26 @@ def parse_config_bytes(raw: bytes, path: Path) -> dict:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
                           f"{err.start}); save it as UTF-8") from err
     try:
-        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text, object_pairs_hook=_Object.of)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {err}") from err
+    except ValueError as err:   # int() of a longer number than Python reads, in TOML and JSON alike
+        if "integer string conversion" not in str(err):
+            raise
+        raise ConfigError(f"config file {path} holds a number of more than {sys.get_int_max_str_digits():,} digits, "
+                          f"which Python does not read and no setting takes; shorten it") from err
+    twice = _given_twice(data)
+    if twice:
+        key, first, second = twice
+        name = json.dumps(key.rsplit(".", 1)[-1])
+        pattern = re.compile(rf"{re.escape(name)}\s*:")
+        lines = [i + 1 for i, line in enumerate(text.splitlines()) for _ in pattern.finditer(line)]
+        at = "" if len(lines) != 2 else f" (line {lines[0]})" if lines[0] == lines[1] else \
+            f" (lines {lines[0]} and {lines[1]})"   # where the key's name is found twice only: no guessing
+        raise ConfigError(f"config file {path}: {key} is given twice{at}, {st.shown(first, 30)} then "
+                          f"{st.shown(second, 30)}; JSON readers keep the last one without a word, and lorabench "
+                          f"refuses it as TOML does: keep the one you mean")
+    return data
 
 
 def describe() -> str:
