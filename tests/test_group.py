@@ -1,6 +1,7 @@
 """Policy groups (group.py, session/group.py): the `policies` config, K policies on one engine and
 one base model, each policy's rows equal to the same policy run alone, every rollout checked
-against its own policy, the group dir's refusals, and resume together or alone."""
+against its own policy, the group dir's refusals (through the CLI: exit 2, one line, nothing
+written), and resume together or alone."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reliability_util import refused
 
 from lorabench.engines import StaleAdapter
 from lorabench.engines.base import generate_each
@@ -41,7 +43,7 @@ def group_cfg(model, out, name, *extra, ranks=(2, 8)) -> Config:
     ([{"name": "a/b"}], "is a path, not a name"),
     ([{"name": "a"}, {"name": "a"}], "two policies are named 'a'"),
     ([{"lora": {"r": 2}}], "has no name"),
-    ([{"name": "a", "lora": {"r": 0}}], "in policy 'a': lora.r=0"),
+    ([{"name": "a", "lora": {"r": 0}}], "policies[0] (a): lora.r=0"),
     ([{"name": "a", "engine": {"backend": "sglang"}}], "engine.* is shared"),
 ])
 def test_a_policy_may_set_only_its_own_fields_and_bad_entries_say_which(entries, words):
@@ -91,6 +93,70 @@ def test_the_group_dir_refuses_links_strangers_and_other_policies(tiny_model_dir
     (tmp_path / "g" / "group.json").symlink_to(target)
     with pytest.raises(RunDirError, match="link"):
         GroupSession.resume(tmp_path / "g", **QUIET)
+
+
+# --- the group dir as strict as a run dir, through the CLI ------------------------------------------
+# Each case: exit 2, one 'lorabench: ...' line naming the culprit, no traceback (reliability_util.refused), and
+# nothing written: no run.out_dir for a bad config.
+RANKS = ({"name": "r2", "lora": {"r": 2}}, {"name": "r8", "lora": {"r": 8}})
+
+
+def cli_run(model, out, entries, *extra) -> list[str]:
+    """`lorabench run` of a group `out/g` on the tiny model, two steps."""
+    listed = entries if isinstance(entries, str) else json.dumps(list(entries))
+    return ["run", f"policies={listed}", f"model.name_or_path={model}", f"run.out_dir={out}", "run.name=g",
+            f"refresh.file.tmp_dir={out}", "grpo.steps=2", *SMALL, *extra]
+
+
+@pytest.mark.parametrize("key, value", [("lora.r", "16"), ("lora.r", 16.0), ("lora.r", "abc"), ("lora.r", 2.5),
+                                        ("lora.r", True), ("grpo.lr", "3e-4"), ("grpo.lr", "fast"),
+                                        ("lora.target_modules", "q_proj,v_proj")])
+def test_a_policy_field_is_read_as_the_same_field_outside_policies(key, value):
+    """{"lora": {"r": "16"}} in a policy was kept as the string "16" (group.json recorded it so) and
+    converted only where the policy's config was built; a wrong type was named twice over. A policy's
+    field is now converted, or refused, by the code that reads the same field outside `policies`."""
+    section, name = key.split(".")
+
+    def outcome(data):
+        try:
+            return Config.from_dict(data)
+        except ConfigError as err:
+            return err
+    alone = outcome({section: {name: value}})
+    grouped = outcome({"policies": [{"name": "a", section: {name: value}}]})
+    if isinstance(alone, ConfigError):
+        assert isinstance(grouped, ConfigError), grouped.policies
+        assert f"config: policies[0] (a): {key}: {value!r}" in str(grouped)
+        assert str(grouped).split(f"{key}: ")[1] == str(alone).split(f"{key}: ")[1]   # the same words
+    else:
+        typed = getattr(getattr(alone, section), name)
+        assert json.dumps(grouped.policies[0].overrides) == json.dumps({section: {name: typed}})   # group.json's
+        assert getattr(getattr(grouped.members()["a"], section), name) == typed
+
+
+@pytest.mark.parametrize("entries, words", [
+    ('[{"name": "a", "lora": {"r": "abc"}}]', "overrides: policies[0] (a): lora.r: 'abc' is not a int"),
+    ('[{"name": "a"}, {"name": "b", "lora": {"r": 0}}]', "overrides: policies[1] (b): lora.r=0: the LoRA rank"),
+    ('[{"name": "a", "grpo": {"lr": Infinity}}]', "policies[0] (a): grpo.lr=inf: must be a finite number"),
+    ('[{"name": 5}]', "overrides: policies[0]: name 5 is not a string"),
+    ('[{"name": "group.json"}, {"name": "b"}]', "name 'group.json' is the group dir's own file"),
+    ('[{"name": "a", "lora": {"r": 1}, "lora": {"r": 16}}]', "overrides: policies: key 'lora' appears twice"),
+    ('[{"name": "a", "name": "b"}]', "key 'name' appears twice in one table"),
+])
+def test_a_bad_policy_entry_is_one_line_before_anything_exists(tiny_model_dir, tmp_path, capsys, entries, words):
+    """A policy named group.json used to get as far as writing group.json, then fail on the dir; a key
+    given twice in an entry was dropped unseen (json keeps the last)."""
+    line = refused(capsys, *cli_run(tiny_model_dir, tmp_path / "out", entries))
+    assert words in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_key_twice_in_a_json_config_file(tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "policies.json"
+    path.write_text('{"policies": [{"name": "a", "lora": {"r": 1}, "lora": {"r": 16}}]}')
+    line = refused(capsys, "run", "--config", path, *cli_run(tiny_model_dir, tmp_path / "out", RANKS)[2:])
+    assert f"config file {path}: key 'lora' appears twice in one table; keep one of them" in line
+    assert not (tmp_path / "out").exists()
 
 
 # --- on the demo model: the same as alone, every rollout its own policy's ---------------------------

@@ -71,11 +71,12 @@ class Config:
     def members(self) -> dict[str, Config]:
         """A policy group's policies, each as its own whole run config (group.member_dict)."""
         shared, members = self.to_dict(), {}
-        for spec in self.policies:
+        for spec in self.policies:   # each field's type is checked already (parse_policies): here its range
+            where = f"{spec.where or 'policies'} ({spec.name})"
             try:
-                members[spec.name] = Config.from_dict(member_dict(shared, spec), source=f"policy {spec.name!r}")
+                members[spec.name] = Config.from_dict(member_dict(shared, spec), source=where)
             except ConfigError as err:
-                raise ConfigError(f"policies: in policy {spec.name!r}: {err}") from err
+                raise ConfigError(f"{where}: {err}") from err
         return members
 
     @classmethod
@@ -237,9 +238,11 @@ def parse_config_bytes(raw: bytes, path: Path) -> dict:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
                           f"{err.start}); save it as UTF-8") from err
     try:
-        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text, object_pairs_hook=st.unique_keys)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {err}") from err
+    except ConfigError as err:   # unique_keys: a key twice
+        raise ConfigError(f"config file {path}: {err}") from err
 
 
 def describe() -> str:

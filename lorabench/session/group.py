@@ -21,11 +21,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..group import GROUP_FILE
 from ..machine import cpu_threads
 from .config import Config, ConfigError, engine_needs
 from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, resolve_model
-
-GROUP_FILE = "group.json"
 
 
 @dataclass
