@@ -49,6 +49,11 @@ class PolicySpec:
     def to_dict(self) -> dict:
         return {"name": self.name, **copy.deepcopy(self.overrides)}
 
+    def sets(self, key: str) -> bool:
+        """Whether this policy sets the dotted field `key` itself (else the group's value holds)."""
+        section, _, name = key.partition(".")
+        return name in self.overrides.get(section, {})
+
     def label(self) -> str:
         """'r1: lora.r=1, grpo.lr=0.003'."""
         parts = [f"{s}.{k}={v}" for s, fields in self.overrides.items() for k, v in fields.items()]
@@ -142,7 +147,7 @@ def shared_differences(configs: dict[str, dict]) -> list[str]:
     whose members disagree on the shared batch, engine or model cannot step together."""
     where = ("engine.adapter_name", "run.out_dir", "run.name")   # a policy's own, by its name and run dir
     def shared(flat: dict) -> dict:
-        return {k: v for k, v in flat.items() if k not in where and not _owned_key(k)}
+        return {k: v for k, v in flat.items() if k not in where and not owned_key(k)}
     flats = {name: shared(_flatten(d)) for name, d in configs.items()}
     first_name, first = next(iter(flats.items()))
     found = []
@@ -153,7 +158,8 @@ def shared_differences(configs: dict[str, dict]) -> list[str]:
     return found
 
 
-def _owned_key(key: str) -> bool:
+def owned_key(key: str) -> bool:
+    """Whether a policy may set the dotted field `key` for itself (OWNED)."""
     section, _, rest = key.partition(".")
     return section in OWNED and (OWNED[section] is None or rest in OWNED[section])
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from reliability_util import refused
+from reliability_util import refused, tree_state
 
+from lorabench.cli import main
 from lorabench.engines import StaleAdapter
 from lorabench.engines.base import generate_each
 from lorabench.rollout import rollouts_of
@@ -97,7 +99,7 @@ def test_the_group_dir_refuses_links_strangers_and_other_policies(tiny_model_dir
 
 # --- the group dir as strict as a run dir, through the CLI ------------------------------------------
 # Each case: exit 2, one 'lorabench: ...' line naming the culprit, no traceback (reliability_util.refused), and
-# nothing written: no run.out_dir for a bad config.
+# nothing written: no run.out_dir for a bad config, the group dir unchanged (tree_state) for a refused resume.
 RANKS = ({"name": "r2", "lora": {"r": 2}}, {"name": "r8", "lora": {"r": 8}})
 
 
@@ -106,6 +108,20 @@ def cli_run(model, out, entries, *extra) -> list[str]:
     listed = entries if isinstance(entries, str) else json.dumps(list(entries))
     return ["run", f"policies={listed}", f"model.name_or_path={model}", f"run.out_dir={out}", "run.name=g",
             f"refresh.file.tmp_dir={out}", "grpo.steps=2", *SMALL, *extra]
+
+
+@pytest.fixture(scope="module")
+def finished_group(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("group")
+    assert main(cli_run(tiny_model_dir, out, RANKS)) == 0
+    return out / "g"
+
+
+@pytest.fixture
+def group_dir(finished_group, tmp_path) -> Path:
+    copy = tmp_path / "g"
+    shutil.copytree(finished_group, copy, symlinks=True)
+    return copy
 
 
 @pytest.mark.parametrize("key, value", [("lora.r", "16"), ("lora.r", 16.0), ("lora.r", "abc"), ("lora.r", 2.5),
@@ -157,6 +173,96 @@ def test_a_key_twice_in_a_json_config_file(tiny_model_dir, tmp_path, capsys):
     line = refused(capsys, "run", "--config", path, *cli_run(tiny_model_dir, tmp_path / "out", RANKS)[2:])
     assert f"config file {path}: key 'lora' appears twice in one table; keep one of them" in line
     assert not (tmp_path / "out").exists()
+
+
+def _rewrite(edit):
+    """A group.json edit: `edit(data)` returns the new data, or the new text as a string."""
+    def apply(group: Path) -> None:
+        data = edit(json.loads((group / "group.json").read_text()))
+        (group / "group.json").write_text(data if isinstance(data, str) else json.dumps(data))
+    return apply
+
+
+def _set(data, i, section, key, value):
+    data["policies"][i][section][key] = value
+    return data
+
+
+def _swap_dirs(group: Path) -> None:
+    os.rename(group / "r2", group / "tmp")
+    os.rename(group / "r8", group / "r2")
+    os.rename(group / "tmp", group / "r8")
+
+
+@pytest.mark.parametrize("change, words", [
+    (_rewrite(lambda d: _set(d, 1, "lora", "r", 4)),   # resumed with exit 0, training r=8 while the log said r=4
+     "G/group.json has lora.r=4 for policy 'r8', but G/r8/config.json has lora.r=8 (was group.json edited?); "
+     "nothing was changed. Put policies[1].lora.r back to 8 in G/group.json, or resume that policy alone"),
+    (_rewrite(lambda d: {"policies": [{"name": p["name"]} for p in d["policies"]]}),
+     "G/group.json sets no lora.r for policies 'r2' and 'r8' (they take the group's value), but G/r2/config.json "
+     "has lora.r=2 and G/r8/config.json has lora.r=8"),
+    (_rewrite(lambda d: _set(d, 1, "lora", "r", "abc")), "G/group.json: policies[1] (r8): lora.r: 'abc' is not a int"),
+    (_rewrite(lambda d: d["policies"]), "(it holds a list, not an object with the one key 'policies')"),
+    (_rewrite(lambda d: {**d, "note": "mine"}), "(it holds keys ['note', 'policies'], not an object with the one"),
+    (_rewrite(lambda d: {"policies": []}), "('policies' is [], not the non-empty list"),   # was a traceback
+    (_rewrite(lambda d: '{"policies": [{"name": "r2"}, {"name": "r8"}], "policies": []}'),
+     "G/group.json cannot be read as a policy group (key 'policies' appears twice in one table"),
+    (_rewrite(lambda d: {"policies": [*d["policies"], {"name": "r4", "lora": {"r": 4}}]}),
+     "G/group.json names policy 'r4', but G has no dir r4 (moved, or the group stopped while it made its dirs)"),
+    (lambda g: shutil.rmtree(g / "r8"), "G/group.json names policy 'r8', but G has no dir r8"),
+    (lambda g: os.truncate(g / "group.json", 10**12),      # sparse: read whole, it would exhaust the memory
+     "G/group.json is 1,000,000,000,000 bytes; the group.json lorabench writes holds a few lines per policy"),
+    (_rewrite(lambda d: {"policies": d["policies"][:1]}),
+     "G holds ['r8'], which are not the dirs of the policies its group.json names ['r2']"),
+    (_swap_dirs, "G/r2/config.json has engine.adapter_name='r8', but G/group.json names that dir's policy 'r2': "
+                 "the dir holds another policy's run"),
+])
+def test_resume_refuses_a_group_json_that_is_not_its_run_dirs(group_dir, capsys, change, words):
+    change(group_dir)
+    before = tree_state(group_dir)
+    line = refused(capsys, "resume", group_dir)
+    assert words.replace("G/", f"{group_dir}/").replace("G ", f"{group_dir} ") in line, line
+    assert tree_state(group_dir) == before
+
+
+def test_run_naming_a_group_refuses_a_group_json_that_is_not_its_run_dirs(group_dir, tiny_model_dir, capsys):
+    """`lorabench run` naming the group continues it: the same check as resume, before anything is written."""
+    _rewrite(lambda d: _set(d, 1, "lora", "r", 4))(group_dir)
+    before = tree_state(group_dir)
+    line = refused(capsys, *cli_run(tiny_model_dir, group_dir.parent, RANKS))
+    assert f"{group_dir}/group.json has lora.r=4 for policy 'r8', but {group_dir}/r8/config.json has lora.r=8" in line
+    assert tree_state(group_dir) == before
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["lora.r=4"], "G/r2 cannot continue with a changed lora.r 2 -> 4 (it defines the adapter's shape"),
+    (['policies=[{"name": "r2", "lora": {"r": 4}}]'], "a continued run keeps its policies"),   # resumed, exit 0
+    (["engine.adapter_name=x", "grpo.steps=3"],   # both policies served as 'x': the run died at its next step
+     "override 'engine.adapter_name=x': in a policy group each policy's adapter is served under the policy's name"),
+])
+def test_resume_refuses_an_override_a_group_cannot_take(group_dir, capsys, overrides, words):
+    before = tree_state(group_dir)
+    line = refused(capsys, "resume", group_dir, *overrides)
+    assert words.replace("G/", f"{group_dir}/") in line, line
+    assert tree_state(group_dir) == before
+
+
+def test_resume_of_one_policy_refuses_policies(group_dir, capsys):
+    """A single run resumed with `policies=...` was told its run dir "is not a policy group lorabench made"."""
+    before = tree_state(group_dir)
+    line = refused(capsys, "resume", group_dir / "r2", 'policies=[{"name": "a"}]')
+    assert "override policies=[{\"name\": \"a\"}]: a continued run keeps its policies" in line, line
+    assert tree_state(group_dir) == before
+
+
+def test_a_policy_renamed_alone_is_served_under_its_name_in_the_group(group_dir):
+    """`resume GROUP/NAME engine.adapter_name=x` is a single run's allowed change; resumed with the
+    group, the policy is served under its name again (recorded in its config_changes.jsonl)."""
+    assert main(["resume", str(group_dir / "r8"), "engine.adapter_name=x", "grpo.steps=3"]) == 0
+    assert main(["resume", str(group_dir), "grpo.steps=4"]) == 0
+    rows = read_jsonl(group_dir / "r8" / "config_changes.jsonl")
+    assert [r["changes"].get("engine.adapter_name") for r in rows] == [["r8", "x"], ["x", "r8"]]
+    assert [r["step"] for r in read_jsonl(group_dir / "r2" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 # --- on the demo model: the same as alone, every rollout its own policy's ---------------------------
