@@ -182,6 +182,7 @@ class PolicyGroup:
     def __init__(self, trainers: dict, engine):
         self.trainers = trainers      # name -> GRPOTrainer, all on `engine`, their policies on one model
         self.engine = engine
+        self.current = None           # the policy whose step is under way; after step() raised, the one that did
 
     @property
     def step_count(self) -> int:
@@ -193,15 +194,21 @@ class PolicyGroup:
         go out as one batch; a policy's step that fails is rolled back (its trainer says so) and
         raised at once: the policies after it have not taken this step (`run` evens them out)."""
         names = list(self.trainers) if names is None else list(names)
-        asked = {name: self.trainers[name].rollout_request() for name in names}
+        asked = {}
+        for name in names:
+            self.current = name
+            asked[name] = self.trainers[name].rollout_request()
+        self.current = None   # the shared batch: a failure there is no one policy's
         t0 = synced_time()
         completions = generate_each(self.engine, [request for _, request in asked.values()])
         rollout_s = synced_time() - t0
         records = {}
         for name, (problems, request), done in zip(names, asked.values(), completions):
+            self.current = name
             trainer = self.trainers[name]
             rollouts = rollouts_of(self.engine, trainer.tokenizer, problems, request, done)
             records[name] = trainer.step(rollouts, rollout_s)
+        self.current = None
         return records
 
     def run(self, n: int | None = None, progress: bool = True) -> list[dict]:

@@ -265,6 +265,17 @@ def test_a_policy_renamed_alone_is_served_under_its_name_in_the_group(group_dir)
     assert [r["step"] for r in read_jsonl(group_dir / "r2" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+def test_a_policy_that_diverges_is_named(tiny_model_dir, tmp_path, capsys):
+    """grpo.lr=1e30 in one policy: the run stopped with the single run's message, which did not say
+    which policy, and offered `lorabench resume`, which repeats the same seeded step."""
+    entries = [{"name": "calm"}, {"name": "wild", "grpo": {"lr": 1e30}}]
+    line = refused(capsys, *cli_run(tiny_model_dir, tmp_path, entries, "grpo.steps=10", "grpo.reward_mode=flexible",
+                                   "grpo.group_size=4", "grpo.max_new_tokens=8"))
+    assert line.startswith("lorabench: error: policy 'wild': GRPO step ") and "diverged" in line, line
+    assert f"{tmp_path}/g/wild is intact" in line and "Lower grpo.lr (now 1e+30" in line
+    assert f"lorabench run --config {tmp_path}/g/wild/config.json run.name=NEW grpo.lr=1e+29" in line
+
+
 # --- on the demo model: the same as alone, every rollout its own policy's ---------------------------
 @pytest.fixture(scope="module")
 def warm_model() -> str:
