@@ -100,7 +100,7 @@ def test_the_group_dir_refuses_links_strangers_and_other_policies(tiny_model_dir
 # --- the group dir as strict as a run dir, through the CLI ------------------------------------------
 # Each case: exit 2, one 'lorabench: ...' line naming the culprit, no traceback (reliability_util.refused), and
 # nothing written: no run.out_dir for a bad config, the group dir unchanged (tree_state) for a refused resume.
-RANKS = ({"name": "r2", "lora": {"r": 2}}, {"name": "r8", "lora": {"r": 8}})
+RANKS = ({"name": "r2", "lora": {"r": 2}}, {"name": "r16"})   # r16 leaves lora.r to the group (16, the default)
 
 
 def cli_run(model, out, entries, *extra) -> list[str]:
@@ -190,31 +190,33 @@ def _set(data, i, section, key, value):
 
 def _swap_dirs(group: Path) -> None:
     os.rename(group / "r2", group / "tmp")
-    os.rename(group / "r8", group / "r2")
-    os.rename(group / "tmp", group / "r8")
+    os.rename(group / "r16", group / "r2")
+    os.rename(group / "tmp", group / "r16")
 
 
 @pytest.mark.parametrize("change, words", [
-    (_rewrite(lambda d: _set(d, 1, "lora", "r", 4)),   # resumed with exit 0, training r=8 while the log said r=4
-     "G/group.json has lora.r=4 for policy 'r8', but G/r8/config.json has lora.r=8 (was group.json edited?); "
-     "nothing was changed. Put policies[1].lora.r back to 8 in G/group.json, or resume that policy alone"),
+    (_rewrite(lambda d: _set(d, 0, "lora", "r", 4)),   # resumed with exit 0, training r=2 while the log said r=4
+     "G/group.json has lora.r=4 for policy 'r2', but G/r2/config.json has lora.r=2 (was group.json edited?); "
+     "nothing was changed. Put policies[0].lora.r back to 2 in G/group.json, or resume that policy alone"),
     (_rewrite(lambda d: {"policies": [{"name": p["name"]} for p in d["policies"]]}),
-     "G/group.json sets no lora.r for policies 'r2' and 'r8' (they take the group's value), but G/r2/config.json "
-     "has lora.r=2 and G/r8/config.json has lora.r=8"),
-    (_rewrite(lambda d: _set(d, 1, "lora", "r", "abc")), "G/group.json: policies[1] (r8): lora.r: 'abc' is not a int"),
+     "G/group.json sets no lora.r for policies 'r2' and 'r16' (they take the group's value), but G/r2/config.json "
+     "has lora.r=2 and G/r16/config.json has lora.r=16"),
+    (_rewrite(lambda d: {"policies": [d["policies"][0], {"name": "r16", "lora": {"r": 8}}]}),
+     "G/group.json has lora.r=8 for policy 'r16', but G/r16/config.json has lora.r=16"),
+    (_rewrite(lambda d: _set(d, 0, "lora", "r", "abc")), "G/group.json: policies[0] (r2): lora.r: 'abc' is not a int"),
     (_rewrite(lambda d: d["policies"]), "(it holds a list, not an object with the one key 'policies')"),
     (_rewrite(lambda d: {**d, "note": "mine"}), "(it holds keys ['note', 'policies'], not an object with the one"),
     (_rewrite(lambda d: {"policies": []}), "('policies' is [], not the non-empty list"),   # was a traceback
-    (_rewrite(lambda d: '{"policies": [{"name": "r2"}, {"name": "r8"}], "policies": []}'),
+    (_rewrite(lambda d: '{"policies": [{"name": "r2"}, {"name": "r16"}], "policies": []}'),
      "G/group.json cannot be read as a policy group (key 'policies' appears twice in one table"),
     (_rewrite(lambda d: {"policies": [*d["policies"], {"name": "r4", "lora": {"r": 4}}]}),
      "G/group.json names policy 'r4', but G has no dir r4 (moved, or the group stopped while it made its dirs)"),
-    (lambda g: shutil.rmtree(g / "r8"), "G/group.json names policy 'r8', but G has no dir r8"),
+    (lambda g: shutil.rmtree(g / "r16"), "G/group.json names policy 'r16', but G has no dir r16"),
     (lambda g: os.truncate(g / "group.json", 10**12),      # sparse: read whole, it would exhaust the memory
      "G/group.json is 1,000,000,000,000 bytes; the group.json lorabench writes holds a few lines per policy"),
     (_rewrite(lambda d: {"policies": d["policies"][:1]}),
-     "G holds ['r8'], which are not the dirs of the policies its group.json names ['r2']"),
-    (_swap_dirs, "G/r2/config.json has engine.adapter_name='r8', but G/group.json names that dir's policy 'r2': "
+     "G holds ['r16'], which are not the dirs of the policies its group.json names ['r2']"),
+    (_swap_dirs, "G/r2/config.json has engine.adapter_name='r16', but G/group.json names that dir's policy 'r2': "
                  "the dir holds another policy's run"),
 ])
 def test_resume_refuses_a_group_json_that_is_not_its_run_dirs(group_dir, capsys, change, words):
@@ -227,10 +229,10 @@ def test_resume_refuses_a_group_json_that_is_not_its_run_dirs(group_dir, capsys,
 
 def test_run_naming_a_group_refuses_a_group_json_that_is_not_its_run_dirs(group_dir, tiny_model_dir, capsys):
     """`lorabench run` naming the group continues it: the same check as resume, before anything is written."""
-    _rewrite(lambda d: _set(d, 1, "lora", "r", 4))(group_dir)
+    _rewrite(lambda d: _set(d, 0, "lora", "r", 4))(group_dir)
     before = tree_state(group_dir)
     line = refused(capsys, *cli_run(tiny_model_dir, group_dir.parent, RANKS))
-    assert f"{group_dir}/group.json has lora.r=4 for policy 'r8', but {group_dir}/r8/config.json has lora.r=8" in line
+    assert f"{group_dir}/group.json has lora.r=4 for policy 'r2', but {group_dir}/r2/config.json has lora.r=2" in line
     assert tree_state(group_dir) == before
 
 
@@ -258,11 +260,24 @@ def test_resume_of_one_policy_refuses_policies(group_dir, capsys):
 def test_a_policy_renamed_alone_is_served_under_its_name_in_the_group(group_dir):
     """`resume GROUP/NAME engine.adapter_name=x` is a single run's allowed change; resumed with the
     group, the policy is served under its name again (recorded in its config_changes.jsonl)."""
-    assert main(["resume", str(group_dir / "r8"), "engine.adapter_name=x", "grpo.steps=3"]) == 0
+    assert main(["resume", str(group_dir / "r16"), "engine.adapter_name=x", "grpo.steps=3"]) == 0
     assert main(["resume", str(group_dir), "grpo.steps=4"]) == 0
-    rows = read_jsonl(group_dir / "r8" / "config_changes.jsonl")
-    assert [r["changes"].get("engine.adapter_name") for r in rows] == [["r8", "x"], ["x", "r8"]]
+    rows = read_jsonl(group_dir / "r16" / "config_changes.jsonl")
+    assert [r["changes"].get("engine.adapter_name") for r in rows] == [["r16", "x"], ["x", "r16"]]
     assert [r["step"] for r in read_jsonl(group_dir / "r2" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_resumed_group_is_its_policies_own_configs(group_dir):
+    """The resumed group took its shared settings from its first policy: r16, which leaves lora.r to the
+    group, counted as rank 2 there, and the engine was sized for rank 2 while r16 trained rank 16 (an
+    SGLang engine sized so cannot hold r16's adapter)."""
+    from lorabench.session.config import engine_needs
+    group = GroupSession.resume(group_dir, evaluate_first=False, **QUIET)
+    try:
+        assert {name: m.lora.r for name, m in group.cfg.members().items()} == {"r2": 2, "r16": 16}
+        assert engine_needs(group.cfg).lora_rank == 16
+    finally:
+        group.close()
 
 
 def test_a_policy_that_diverges_is_named(tiny_model_dir, tmp_path, capsys):

@@ -51,7 +51,9 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
     @classmethod
     def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
         """The group in `group_dir`, each policy continued from its own run dir's effective config plus
-        `overrides` (as `lorabench resume` does for one run)."""
+        `overrides` (as `lorabench resume` does for one run) and served under its name. Refused before
+        anything is written: a group.json that does not describe the policies' run dirs
+        (check_group_dir), a policy's dir missing, `engine.adapter_name` or `policies` as an override."""
         from ..group import owned_key
         from ..rundir import RunDirError
         from .compat import resume_config
@@ -72,10 +74,10 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         # served under its name, as when the group was made (a policy resumed alone may have been renamed)
         members = {spec.name: resume_config(root / spec.name, [*overrides, f"engine.adapter_name={spec.name}"])
                    for spec in specs}
-        shared = next(iter(members.values())).to_dict()
+        shared = members[specs[0].name].to_dict()
         # the group's value of a field a policy leaves to it is that policy's (check_recorded: they agree), so
         # that cfg.members() are the policies' own configs (the engine is sized from them)
-        for key in (k for k in flat(next(iter(members.values()))) if owned_key(k)):
+        for key in filter(owned_key, flat(members[specs[0].name])):
             leaving = [spec.name for spec in specs if not spec.sets(key)]
             if leaving:
                 section, name = key.split(".")
