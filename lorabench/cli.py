@@ -99,9 +99,13 @@ def run_group(cfg, group_dir: str | Path | None = None, log=log_line,
                 after = [member.trainer.evaluate(greedy=False), member.trainer.evaluate(greedy=True)]
                 done[name] = {"after": after, "evals": member.runlog.set_evals(member.trainer.step_count, after),
                               "seconds_grpo": seconds}
-        except USER_ERRORS as err:
-            raise RunStopped(f"{err}; the run stopped: each policy's run dir holds its last checkpoint, and "
-                             f"`lorabench resume {group.run_dir}` continues the group") from err
+        except USER_ERRORS as err:   # one line, naming the policy whose step raised
+            name = group.trainer.current
+            if name is None:
+                raise RunStopped(f"{err}; the run stopped: each policy's run dir holds its last checkpoint, and "
+                                 f"`lorabench resume {group.run_dir}` continues the group") from err
+            runlog = group.members[name].runlog
+            raise RunStopped(f"policy {name!r}: {stopped_message(err, runlog, group.run_dir)}") from err
         finally:
             group.close_engine()
         summaries = {name: _write_summary(member, done[name], t0) for name, member in group.members.items()}
@@ -111,8 +115,9 @@ def run_group(cfg, group_dir: str | Path | None = None, log=log_line,
             member.runlog.close()
 
 
-def stopped_message(err: Exception, runlog) -> str:
-    """The cause, then what the run dir holds and the command that continues it."""
+def stopped_message(err: Exception, runlog, group_dir: Path | None = None) -> str:
+    """The cause, then what the run dir holds and the command that continues it (the run's, or for a
+    policy of a group, the group's)."""
     text = str(err)
     if "lorabench resume" in text:   # RunDirWriteError says it already
         return text
@@ -121,6 +126,8 @@ def stopped_message(err: Exception, runlog) -> str:
     if isinstance(err, UpdateDiverged):   # resuming would repeat the same seeded step
         return (f"{text}; the run stopped: {held}; a new run from its config: lorabench run --config "
                 f"{runlog.dir / 'config.json'} run.name=NEW {err.override}")
+    if group_dir is not None:
+        return f"{text}; the run stopped: {held} and `lorabench resume {group_dir}` continues the group"
     return f"{text}; the run stopped: {held} and `lorabench resume {runlog.dir}` continues it"
 
 

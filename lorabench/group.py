@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from .clock import synced_time
 from .engines.base import generate_each
 from .rollout import rollouts_of
-from .settings import ConfigError, closest, path_component_problem
+from .settings import ConfigError, closest, path_component_problem, unique_keys
+
+GROUP_FILE = "group.json"   # the group dir's own file, beside the policies' run dirs (session/group.py)
 
 # what a policy of a group may set for itself: section -> fields (None: every field of the section)
 OWNED: dict[str, tuple[str, ...] | None] = {
@@ -41,10 +43,16 @@ _WHY_SHARED = {"run": "the run's schedule and seed; run.seed also seeds the demo
 class PolicySpec:
     """One entry of the run config's `policies` list: a name and the fields it sets for itself."""
     name: str
-    overrides: dict[str, dict] = field(default_factory=dict)   # {"lora": {"r": 1}, "grpo": {"lr": 0.003}}
+    overrides: dict[str, dict] = field(default_factory=dict)   # {"lora": {"r": 1}, "grpo": {"lr": 0.003}}, typed
+    where: str = field(default="", compare=False, repr=False)  # "FILE: policies[1]", for errors found later
 
     def to_dict(self) -> dict:
         return {"name": self.name, **copy.deepcopy(self.overrides)}
+
+    def sets(self, key: str) -> bool:
+        """Whether this policy sets the dotted field `key` itself (else the group's value holds)."""
+        section, _, name = key.partition(".")
+        return name in self.overrides.get(section, {})
 
     def label(self) -> str:
         """'r1: lora.r=1, grpo.lr=0.003'."""
@@ -54,16 +62,19 @@ class PolicySpec:
 
 def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
     """The `policies` list of a config (a list of tables), each entry checked: a unique name usable
-    as a directory name, and only fields a policy may own. ConfigError names the entry and the fix."""
+    as a directory name, and only fields a policy may own, each converted to its field's type as the
+    same field outside `policies` is (settings.build). ConfigError names the entry and the fix."""
     if entries in (None, []):
         return []
     if isinstance(entries, str):
         import json
         try:
-            entries = json.loads(entries)
+            entries = json.loads(entries, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as err:
             raise ConfigError(f"{source}: policies={entries!r:.80} is not JSON ({err}); write a list of tables, e.g. "
                               f'policies=[{{"name": "r1", "lora": {{"r": 1}}}}]') from err
+        except ConfigError as err:   # a key twice: json would keep the last one silently
+            raise ConfigError(f"{source}: policies: {err}") from err
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ConfigError(f"{source}: policies must be a list of tables, e.g. policies = [{{name = \"r1\", "
                           f"lora.r = 1}}, {{name = \"r16\", lora.r = 16}}] in TOML; got {entries!r:.80}")
@@ -71,9 +82,11 @@ def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
     for i, entry in enumerate(entries):
         where = f"{source}: policies[{i}]"
         name = entry.get("name")
-        if not isinstance(name, str):
+        if name is None:
             raise ConfigError(f"{where} has no name; give each policy one, e.g. name = \"r{i + 1}\"")
-        problem = path_component_problem(name)
+        if not isinstance(name, str):
+            raise ConfigError(f"{where}: name {name!r} is not a string; write it as text, e.g. name = \"r{i + 1}\"")
+        problem = path_component_problem(name) or ("is the group dir's own file" if name == GROUP_FILE else None)
         if problem:
             raise ConfigError(f"{where}: name {name!r} {problem}; it names the policy's run dir and adapter")
         if name in seen:
@@ -84,7 +97,7 @@ def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
             if section == "name":
                 continue
             overrides[section] = _owned_fields(f"{where} ({name})", section, values, sections)
-        specs.append(PolicySpec(name, overrides))
+        specs.append(PolicySpec(name, overrides, where))
     return specs
 
 
@@ -110,7 +123,8 @@ def _owned_fields(where: str, section: str, values, sections: dict) -> dict:
         if allowed is not None and key not in allowed:
             raise ConfigError(f"{where}: {dotted} is shared by all policies of a run ({_WHY_SHARED[section]}); set it "
                               f"outside `policies`. A policy may set {_owned_names()}")
-    return dict(values)
+    typed = st.to_dict(st.build(sections[section], values, f"{where}: {section}", section))   # the top level's types
+    return {key: typed[key] for key in values}
 
 
 def _owned_names() -> str:
@@ -133,7 +147,7 @@ def shared_differences(configs: dict[str, dict]) -> list[str]:
     whose members disagree on the shared batch, engine or model cannot step together."""
     where = ("engine.adapter_name", "run.out_dir", "run.name")   # a policy's own, by its name and run dir
     def shared(flat: dict) -> dict:
-        return {k: v for k, v in flat.items() if k not in where and not _owned_key(k)}
+        return {k: v for k, v in flat.items() if k not in where and not owned_key(k)}
     flats = {name: shared(_flatten(d)) for name, d in configs.items()}
     first_name, first = next(iter(flats.items()))
     found = []
@@ -144,7 +158,8 @@ def shared_differences(configs: dict[str, dict]) -> list[str]:
     return found
 
 
-def _owned_key(key: str) -> bool:
+def owned_key(key: str) -> bool:
+    """Whether a policy may set the dotted field `key` for itself (OWNED)."""
     section, _, rest = key.partition(".")
     return section in OWNED and (OWNED[section] is None or rest in OWNED[section])
 
@@ -167,6 +182,7 @@ class PolicyGroup:
     def __init__(self, trainers: dict, engine):
         self.trainers = trainers      # name -> GRPOTrainer, all on `engine`, their policies on one model
         self.engine = engine
+        self.current = None           # the policy whose step is under way; after step() raised, the one that did
 
     @property
     def step_count(self) -> int:
@@ -178,15 +194,21 @@ class PolicyGroup:
         go out as one batch; a policy's step that fails is rolled back (its trainer says so) and
         raised at once: the policies after it have not taken this step (`run` evens them out)."""
         names = list(self.trainers) if names is None else list(names)
-        asked = {name: self.trainers[name].rollout_request() for name in names}
+        asked = {}
+        for name in names:
+            self.current = name
+            asked[name] = self.trainers[name].rollout_request()
+        self.current = None   # the shared batch: a failure there is no one policy's
         t0 = synced_time()
         completions = generate_each(self.engine, [request for _, request in asked.values()])
         rollout_s = synced_time() - t0
         records = {}
         for name, (problems, request), done in zip(names, asked.values(), completions):
+            self.current = name
             trainer = self.trainers[name]
             rollouts = rollouts_of(self.engine, trainer.tokenizer, problems, request, done)
             records[name] = trainer.step(rollouts, rollout_s)
+        self.current = None
         return records
 
     def run(self, n: int | None = None, progress: bool = True) -> list[dict]:

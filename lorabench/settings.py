@@ -257,6 +257,16 @@ def _number(value, typ, where: str):
     return converted
 
 
+def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object_pairs_hook: a key given twice in one object is refused (json keeps the last
+    one silently, so one of the two values a user wrote would be dropped unseen; TOML refuses it too)."""
+    keys = [key for key, _ in pairs]
+    twice = [key for i, key in enumerate(keys) if key in keys[:i]]
+    if twice:
+        raise ConfigError(f"key {twice[0]!r} appears twice in one table; keep one of them")
+    return dict(pairs)
+
+
 def closest(name: str, candidates: list[str]) -> str | None:
     found = difflib.get_close_matches(name, candidates, n=1)
     return found[0] if found else None

@@ -104,6 +104,15 @@ def one_line_error(err: str) -> str:
     return lines[0]
 
 
+def refused(capsys, *argv) -> str:
+    """`lorabench ARGV` (cli.main, in this process) exits 2 with one line and no traceback; returns the line."""
+    from lorabench.cli import main
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    return one_line_error(captured.err)
+
+
 def dir_bytes(root: Path) -> dict[str, bytes]:
     """Every file under `root` with its bytes (and every dir, as None): equal before and after
     means nothing was written, truncated, added or removed."""

@@ -1,17 +1,21 @@
 """Policy groups (group.py, session/group.py): the `policies` config, K policies on one engine and
 one base model, each policy's rows equal to the same policy run alone, every rollout checked
-against its own policy, the group dir's refusals, and resume together or alone."""
+against its own policy, the group dir's refusals (through the CLI: exit 2, one line, nothing
+written), and resume together or alone."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from reliability_util import refused, tree_state
 
+from lorabench.cli import main
 from lorabench.engines import StaleAdapter
 from lorabench.engines.base import generate_each
 from lorabench.rollout import rollouts_of
@@ -41,7 +45,7 @@ def group_cfg(model, out, name, *extra, ranks=(2, 8)) -> Config:
     ([{"name": "a/b"}], "is a path, not a name"),
     ([{"name": "a"}, {"name": "a"}], "two policies are named 'a'"),
     ([{"lora": {"r": 2}}], "has no name"),
-    ([{"name": "a", "lora": {"r": 0}}], "in policy 'a': lora.r=0"),
+    ([{"name": "a", "lora": {"r": 0}}], "policies[0] (a): lora.r=0"),
     ([{"name": "a", "engine": {"backend": "sglang"}}], "engine.* is shared"),
 ])
 def test_a_policy_may_set_only_its_own_fields_and_bad_entries_say_which(entries, words):
@@ -91,6 +95,200 @@ def test_the_group_dir_refuses_links_strangers_and_other_policies(tiny_model_dir
     (tmp_path / "g" / "group.json").symlink_to(target)
     with pytest.raises(RunDirError, match="link"):
         GroupSession.resume(tmp_path / "g", **QUIET)
+
+
+# --- the group dir as strict as a run dir, through the CLI ------------------------------------------
+# Each case: exit 2, one 'lorabench: ...' line naming the culprit, no traceback (reliability_util.refused), and
+# nothing written: no run.out_dir for a bad config, the group dir unchanged (tree_state) for a refused resume.
+RANKS = ({"name": "r2", "lora": {"r": 2}}, {"name": "r16"})   # r16 leaves lora.r to the group (16, the default)
+
+
+def cli_run(model, out, entries, *extra) -> list[str]:
+    """`lorabench run` of a group `out/g` on the tiny model, two steps."""
+    listed = entries if isinstance(entries, str) else json.dumps(list(entries))
+    return ["run", f"policies={listed}", f"model.name_or_path={model}", f"run.out_dir={out}", "run.name=g",
+            f"refresh.file.tmp_dir={out}", "grpo.steps=2", *SMALL, *extra]
+
+
+@pytest.fixture(scope="module")
+def finished_group(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("group")
+    assert main(cli_run(tiny_model_dir, out, RANKS)) == 0
+    return out / "g"
+
+
+@pytest.fixture
+def group_dir(finished_group, tmp_path) -> Path:
+    copy = tmp_path / "g"
+    shutil.copytree(finished_group, copy, symlinks=True)
+    return copy
+
+
+@pytest.mark.parametrize("key, value", [("lora.r", "16"), ("lora.r", 16.0), ("lora.r", "abc"), ("lora.r", 2.5),
+                                        ("lora.r", True), ("grpo.lr", "3e-4"), ("grpo.lr", "fast"),
+                                        ("lora.target_modules", "q_proj,v_proj")])
+def test_a_policy_field_is_read_as_the_same_field_outside_policies(key, value):
+    """{"lora": {"r": "16"}} in a policy was kept as the string "16" (group.json recorded it so) and
+    converted only where the policy's config was built; a wrong type was named twice over. A policy's
+    field is now converted, or refused, by the code that reads the same field outside `policies`."""
+    section, name = key.split(".")
+
+    def outcome(data):
+        try:
+            return Config.from_dict(data)
+        except ConfigError as err:
+            return err
+    alone = outcome({section: {name: value}})
+    grouped = outcome({"policies": [{"name": "a", section: {name: value}}]})
+    if isinstance(alone, ConfigError):
+        assert isinstance(grouped, ConfigError), grouped.policies
+        assert f"config: policies[0] (a): {key}: {value!r}" in str(grouped)
+        assert str(grouped).split(f"{key}: ")[1] == str(alone).split(f"{key}: ")[1]   # the same words
+    else:
+        typed = getattr(getattr(alone, section), name)
+        assert json.dumps(grouped.policies[0].overrides) == json.dumps({section: {name: typed}})   # group.json's
+        assert getattr(getattr(grouped.members()["a"], section), name) == typed
+
+
+@pytest.mark.parametrize("entries, words", [
+    ('[{"name": "a", "lora": {"r": "abc"}}]', "policies[0] (a): lora.r: 'abc' is not an int"),
+    ('[{"name": "a"}, {"name": "b", "lora": {"r": 0}}]', "policies[1] (b): lora.r=0: the LoRA rank"),
+    ('[{"name": "a", "grpo": {"lr": Infinity}}]', "policies[0] (a): grpo.lr=inf: must be a finite number"),
+    ('[{"name": 5}]', "policies[0]: name 5 is not a string"),
+    ('[{"name": "group.json"}, {"name": "b"}]', "name 'group.json' is the group dir's own file"),
+    ('[{"name": "a", "lora": {"r": 1}, "lora": {"r": 16}}]', "policies: key 'lora' appears twice"),
+    ('[{"name": "a", "name": "b"}]', "key 'name' appears twice in one table"),
+])
+def test_a_bad_policy_entry_is_one_line_before_anything_exists(tiny_model_dir, tmp_path, capsys, entries, words):
+    """A policy named group.json used to get as far as writing group.json, then fail on the dir; a key
+    given twice in an entry was dropped unseen (json keeps the last)."""
+    line = refused(capsys, *cli_run(tiny_model_dir, tmp_path / "out", entries))
+    assert words in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_key_twice_in_a_json_config_file(tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "policies.json"
+    path.write_text('{"policies": [{"name": "a", "lora": {"r": 1}, "lora": {"r": 16}}]}')
+    line = refused(capsys, "run", "--config", path, *cli_run(tiny_model_dir, tmp_path / "out", RANKS)[2:])
+    assert f"config file {path}: policies" in line and "lora is given twice" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def _rewrite(edit):
+    """A group.json edit: `edit(data)` returns the new data, or the new text as a string."""
+    def apply(group: Path) -> None:
+        data = edit(json.loads((group / "group.json").read_text()))
+        (group / "group.json").write_text(data if isinstance(data, str) else json.dumps(data))
+    return apply
+
+
+def _set(data, i, section, key, value):
+    data["policies"][i][section][key] = value
+    return data
+
+
+def _swap_dirs(group: Path) -> None:
+    os.rename(group / "r2", group / "tmp")
+    os.rename(group / "r16", group / "r2")
+    os.rename(group / "tmp", group / "r16")
+
+
+@pytest.mark.parametrize("change, words", [
+    (_rewrite(lambda d: _set(d, 0, "lora", "r", 4)),   # resumed with exit 0, training r=2 while the log said r=4
+     "G/group.json has lora.r=4 for policy 'r2', but G/r2/config.json has lora.r=2 (was group.json edited?); "
+     "nothing was changed. Put policies[0].lora.r back to 2 in G/group.json, or resume that policy alone"),
+    (_rewrite(lambda d: {"policies": [{"name": p["name"]} for p in d["policies"]]}),
+     "G/group.json sets no lora.r for policies 'r2' and 'r16' (they take the group's value), but G/r2/config.json "
+     "has lora.r=2 and G/r16/config.json has lora.r=16"),
+    (_rewrite(lambda d: {"policies": [d["policies"][0], {"name": "r16", "lora": {"r": 8}}]}),
+     "G/group.json has lora.r=8 for policy 'r16', but G/r16/config.json has lora.r=16"),
+    (_rewrite(lambda d: _set(d, 0, "lora", "r", "abc")), "G/group.json: policies[0] (r2): lora.r: 'abc' is not an int"),
+    (_rewrite(lambda d: d["policies"]), "(it holds a list, not an object with the one key 'policies')"),
+    (_rewrite(lambda d: {**d, "note": "mine"}), "(it holds keys ['note', 'policies'], not an object with the one"),
+    (_rewrite(lambda d: {"policies": []}), "('policies' is [], not the non-empty list"),   # was a traceback
+    (_rewrite(lambda d: '{"policies": [{"name": "r2"}, {"name": "r16"}], "policies": []}'),
+     "G/group.json cannot be read as a policy group (key 'policies' appears twice in one table"),
+    (_rewrite(lambda d: {"policies": [*d["policies"], {"name": "r4", "lora": {"r": 4}}]}),
+     "G/group.json names policy 'r4', but G has no dir r4 (moved, or the group stopped while it made its dirs)"),
+    (lambda g: shutil.rmtree(g / "r16"), "G/group.json names policy 'r16', but G has no dir r16"),
+    (lambda g: os.truncate(g / "group.json", 10**12),      # sparse: read whole, it would exhaust the memory
+     "G/group.json is 1,000,000,000,000 bytes; the group.json lorabench writes holds a few lines per policy"),
+    (_rewrite(lambda d: {"policies": d["policies"][:1]}),
+     "G holds ['r16'], which are not the dirs of the policies its group.json names ['r2']"),
+    (_swap_dirs, "G/r2/config.json has engine.adapter_name='r16', but G/group.json names that dir's policy 'r2': "
+                 "the dir holds another policy's run"),
+])
+def test_resume_refuses_a_group_json_that_is_not_its_run_dirs(group_dir, capsys, change, words):
+    change(group_dir)
+    before = tree_state(group_dir)
+    line = refused(capsys, "resume", group_dir)
+    assert words.replace("G/", f"{group_dir}/").replace("G ", f"{group_dir} ") in line, line
+    assert tree_state(group_dir) == before
+
+
+def test_run_naming_a_group_refuses_a_group_json_that_is_not_its_run_dirs(group_dir, tiny_model_dir, capsys):
+    """`lorabench run` naming the group continues it: the same check as resume, before anything is written."""
+    _rewrite(lambda d: _set(d, 0, "lora", "r", 4))(group_dir)
+    before = tree_state(group_dir)
+    line = refused(capsys, *cli_run(tiny_model_dir, group_dir.parent, RANKS))
+    assert f"{group_dir}/group.json has lora.r=4 for policy 'r2', but {group_dir}/r2/config.json has lora.r=2" in line
+    assert tree_state(group_dir) == before
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["lora.r=4"], "G/r2 cannot continue with a changed lora.r 2 -> 4 (it defines the adapter's shape"),
+    (['policies=[{"name": "r2", "lora": {"r": 4}}]'], "a continued run keeps its policies"),   # resumed, exit 0
+    (["engine.adapter_name=x", "grpo.steps=3"],   # both policies served as 'x': the run died at its next step
+     "override 'engine.adapter_name=x': in a policy group each policy's adapter is served under the policy's name"),
+])
+def test_resume_refuses_an_override_a_group_cannot_take(group_dir, capsys, overrides, words):
+    before = tree_state(group_dir)
+    line = refused(capsys, "resume", group_dir, *overrides)
+    assert words.replace("G/", f"{group_dir}/") in line, line
+    assert tree_state(group_dir) == before
+
+
+def test_resume_of_one_policy_refuses_policies(group_dir, capsys):
+    """A single run resumed with `policies=...` was told its run dir "is not a policy group lorabench made"."""
+    before = tree_state(group_dir)
+    line = refused(capsys, "resume", group_dir / "r2", 'policies=[{"name": "a"}]')
+    assert "override policies=[{\"name\": \"a\"}]: a continued run keeps its policies" in line, line
+    assert tree_state(group_dir) == before
+
+
+def test_a_policy_renamed_alone_is_served_under_its_name_in_the_group(group_dir):
+    """`resume GROUP/NAME engine.adapter_name=x` is a single run's allowed change; resumed with the
+    group, the policy is served under its name again (recorded in its config_changes.jsonl)."""
+    assert main(["resume", str(group_dir / "r16"), "engine.adapter_name=x", "grpo.steps=3"]) == 0
+    assert main(["resume", str(group_dir), "grpo.steps=4"]) == 0
+    rows = read_jsonl(group_dir / "r16" / "config_changes.jsonl")
+    assert [r["changes"].get("engine.adapter_name") for r in rows] == [["r16", "x"], ["x", "r16"]]
+    assert [r["step"] for r in read_jsonl(group_dir / "r2" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_resumed_group_is_its_policies_own_configs(group_dir):
+    """The resumed group took its shared settings from its first policy: r16, which leaves lora.r to the
+    group, counted as rank 2 there, and the engine was sized for rank 2 while r16 trained rank 16 (an
+    SGLang engine sized so cannot hold r16's adapter)."""
+    from lorabench.session.config import engine_needs
+    group = GroupSession.resume(group_dir, evaluate_first=False, **QUIET)
+    try:
+        assert {name: m.lora.r for name, m in group.cfg.members().items()} == {"r2": 2, "r16": 16}
+        assert engine_needs(group.cfg).lora_rank == 16
+    finally:
+        group.close()
+
+
+def test_a_policy_that_diverges_is_named(tiny_model_dir, tmp_path, capsys):
+    """grpo.lr=1e30 in one policy: the run stopped with the single run's message, which did not say
+    which policy, and offered `lorabench resume`, which repeats the same seeded step."""
+    entries = [{"name": "calm"}, {"name": "wild", "grpo": {"lr": 1e30}}]
+    line = refused(capsys, *cli_run(tiny_model_dir, tmp_path, entries, "grpo.steps=10", "grpo.reward_mode=flexible",
+                                   "grpo.group_size=4", "grpo.max_new_tokens=8"))
+    assert line.startswith("lorabench: error: policy 'wild': GRPO step ") and "diverged" in line, line
+    assert f"{tmp_path}/g/wild is intact" in line and "Lower grpo.lr (now 1e+30" in line
+    assert f"lorabench run --config {tmp_path}/g/wild/config.json run.name=NEW grpo.lr=1e+29" in line
 
 
 # --- on the demo model: the same as alone, every rollout its own policy's ---------------------------

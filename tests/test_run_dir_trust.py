@@ -24,7 +24,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_util import QUICK_RUN, FullDisk, cli, make_trainer, mounted_disk, one_line_error, tree_state  # noqa: F401
+from reliability_util import (  # noqa: F401 (make_trainer: a fixture)
+    QUICK_RUN,
+    FullDisk,
+    cli,
+    make_trainer,
+    mounted_disk,
+    one_line_error,
+    refused,
+    tree_state,
+)
 
 from lorabench.cli import main
 from lorabench.grpo import TrainerStopped
@@ -35,14 +44,6 @@ from lorabench.session.config import Config, ConfigError
 
 # flexible reward: the random tiny model earns a reward now and then, so its adapter really moves
 LEARNS = ["grpo.reward_mode=flexible", "grpo.group_size=4", "grpo.max_new_tokens=8", "grpo.lr=0.05"]
-
-
-def _refused(capsys, *argv) -> str:
-    """cli.main exits 2 with one line and no traceback; returns the line."""
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    assert code == 2, captured
-    return one_line_error(captured.err)
 
 
 @pytest.fixture(scope="module")
@@ -89,25 +90,25 @@ LINKED = ["lock", "config.json", "config_changes.jsonl", "metrics.jsonl", "sync.
 
 
 @pytest.mark.parametrize("entry", LINKED)
-def test_a_linked_file_in_a_run_dir_is_refused(run_dir, victim, capsys, entry):
+def test_a_linked_file_in_a_run_dir_isrefused(run_dir, victim, capsys, entry):
     """`lock` -> a file elsewhere used to truncate that file to 0 bytes (exit 0); every other file a
     resume reads, appends, repairs or replaces is refused the same way when it is a link."""
     _replace_with_link(run_dir / entry, victim / "notes.txt")
     before, outside = tree_state(run_dir), tree_state(victim)
-    line = _refused(capsys, "resume", run_dir)
+    line = refused(capsys, "resume", run_dir)
     assert f"{run_dir / entry} is a symbolic link (to {victim / 'notes.txt'})" in line, line
     assert "lorabench did not open it" in line and "replace the link with a copy of the target" in line
     assert tree_state(run_dir) == before and tree_state(victim) == outside
 
 
 @pytest.mark.parametrize("entry", ["checkpoint", "adapters", "plots", "adapters/step_2"])
-def test_a_linked_folder_in_a_run_dir_is_refused(run_dir, victim, capsys, entry):
+def test_a_linked_folder_in_a_run_dir_isrefused(run_dir, victim, capsys, entry):
     """A folder that is a link (the checkpoint would be written, old adapter dirs swapped out and
     removed, plots written into the folder it names)."""
     shutil.copytree(run_dir / entry, victim / "folder" / "copy")          # what the link points to
     _replace_with_link(run_dir / entry, victim / "folder")
     before, outside = tree_state(run_dir), tree_state(victim)
-    line = _refused(capsys, "resume", run_dir)
+    line = refused(capsys, "resume", run_dir)
     assert f"{run_dir / entry} is a symbolic link (to {victim / 'folder'}) where lorabench expects a directory" in line
     assert tree_state(run_dir) == before and tree_state(victim) == outside
 
@@ -116,10 +117,10 @@ def test_the_run_dir_itself_as_a_link(run_dir, tmp_path, capsys):
     link = tmp_path / "shared"
     os.symlink(run_dir, link)
     before = tree_state(run_dir)
-    line = _refused(capsys, "resume", link)
+    line = refused(capsys, "resume", link)
     assert f"{link} is a symbolic link (to {run_dir}), not a run directory" in line and f"realpath {link}" in line
     assert tree_state(run_dir) == before and os.readlink(link) == str(run_dir)
-    line = _refused(capsys, "run", "--config", run_dir / "config.json", f"run.out_dir={tmp_path}", "run.name=shared")
+    line = refused(capsys, "run", "--config", run_dir / "config.json", f"run.out_dir={tmp_path}", "run.name=shared")
     assert f"{link} is a symbolic link" in line and tree_state(run_dir) == before
 
 
@@ -143,7 +144,7 @@ def test_other_things_where_a_file_is_expected(run_dir, victim, capsys, entry, k
         os.symlink(victim / "gone.txt", path)
     before, outside = tree_state(run_dir), tree_state(victim)
     t0 = time.monotonic()
-    line = _refused(capsys, "resume", run_dir)
+    line = refused(capsys, "resume", run_dir)
     assert time.monotonic() - t0 < 30
     want = {"hard_link": "has 2 names (hard links)", "fifo": "is a FIFO where lorabench expects a file",
             "folder": "is a directory where lorabench expects a file", "dangling_link": "is a symbolic link",
@@ -169,7 +170,7 @@ def test_a_leftover_dir_with_a_linked_lock_is_refused_before_the_model(tiny_mode
     (out / "x").mkdir(parents=True)
     os.symlink(victim / "notes.txt", out / "x" / "lock")
     before, outside = tree_state(out), tree_state(victim)
-    line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", "run.name=x",
+    line = refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={out}", "run.name=x",
                     *QUICK_RUN)
     assert f"{out / 'x' / 'lock'} is a symbolic link" in line
     assert tree_state(out) == before and tree_state(victim) == outside
@@ -224,7 +225,7 @@ def test_safedir_never_follows_a_link(tmp_path, victim):
 ])
 def test_run_name_is_one_path_component(tiny_model_dir, tmp_path, capsys, name, problem):
     """`run.name=../x` used to put the run outside run.out_dir: refused at config time."""
-    line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
+    line = refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
                     f"run.name={name}", *QUICK_RUN)
     assert line.startswith(f"lorabench: config error: run.name={name!r} ") and problem in line, line
     assert "give one directory name" in line and "point run.out_dir at the parent" in line
@@ -250,7 +251,7 @@ def test_diverged_update_stops_the_run_and_its_last_checkpoint_resumes(tiny_mode
     the run stops with one line naming the step, the norms and what to lower; the run dir holds
     steps 1..k-1 and their checkpoint; resuming with the same settings stops at the same step and
     changes nothing; raising the bound (allowed on resume) continues it."""
-    line = _refused(capsys, *_run_args(tiny_model_dir, tmp_path))
+    line = refused(capsys, *_run_args(tiny_model_dir, tmp_path))
     run = tmp_path / "run"
     step = int(line.split("GRPO step ")[1].split()[0])
     assert step > 1 and "diverged: its adapter changes model.layers." in line and "||dW||/||W|| = " in line
@@ -259,7 +260,7 @@ def test_diverged_update_stops_the_run_and_its_last_checkpoint_resumes(tiny_mode
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, step))
     assert read_checkpoint(run)["step"] == step - 1 and not (run / "summary.json").exists()
     before = tree_state(run)
-    assert _refused(capsys, "resume", run).split("GRPO step ")[1].split()[0] == str(step)   # seeded: the same step
+    assert refused(capsys, "resume", run).split("GRPO step ")[1].split()[0] == str(step)   # seeded: the same step
     assert tree_state(run) == before
     assert main(["resume", str(run), "grpo.max_delta_ratio=0"]) == 0
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, 11))
@@ -268,7 +269,7 @@ def test_diverged_update_stops_the_run_and_its_last_checkpoint_resumes(tiny_mode
 def test_finite_divergence_far_too_large_is_one_line(tiny_model_dir, tmp_path, capsys):
     """grpo.lr=1e30: the adapter's weights reach ~1e30, finite, so a NaN check alone let it be
     served; the next step died inside transformers. Now the first such step stops the run."""
-    line = _refused(capsys, *_run_args(tiny_model_dir, tmp_path, "grpo.lr=1e30"))
+    line = refused(capsys, *_run_args(tiny_model_dir, tmp_path, "grpo.lr=1e30"))
     assert "diverged" in line and "||dW||/||W|| = " in line and "e+" in line and "Lower grpo.lr (now 1e+30" in line
 
 
@@ -317,12 +318,12 @@ def test_checkpoint_holding_a_diverged_adapter_is_not_served(run_dir, capsys):
     state["adapter_buffer"] = state["adapter_buffer"] + 1e15
     torch.save(state, path)
     before = tree_state(run_dir)
-    line = _refused(capsys, "resume", run_dir)
+    line = refused(capsys, "resume", run_dir)
     assert "the checkpoint's adapter (step 2) changes" in line and "resuming would serve it" in line
     assert "grpo.max_delta_ratio" in line and tree_state(run_dir) == before
 
 
-def test_checkpoint_with_non_finite_optimizer_state_is_refused(run_dir, capsys):
+def test_checkpoint_with_non_finite_optimizer_state_isrefused(run_dir, capsys):
     """NaN in the Adam moments makes every later update NaN: refused on resume, naming it."""
     path = run_dir / "checkpoint" / "trainer_state.pt"
     state = torch.load(path, weights_only=True)
@@ -330,7 +331,7 @@ def test_checkpoint_with_non_finite_optimizer_state_is_refused(run_dir, capsys):
     moments["exp_avg_sq"][0] = float("nan")
     torch.save(state, path)
     before = tree_state(run_dir)
-    line = _refused(capsys, "resume", run_dir)
+    line = refused(capsys, "resume", run_dir)
     assert "the checkpoint (step 2) holds NaN/Inf in its optimizer state" in line and "exp_avg_sq" in line
     assert tree_state(run_dir) == before
 
@@ -349,11 +350,11 @@ def _edit_config(run_dir: Path, section: str, key: str, value) -> None:
     ("run", "seed", 3, "run.seed=3, but its checkpoint (step 2) was trained with run.seed=0"),
     ("grpo", "reward_mode", "flexible", "grpo.reward_mode='flexible', but"),
 ])
-def test_hand_edited_config_json_is_refused(run_dir, capsys, section, key, value, shown):
+def test_hand_edited_config_json_isrefused(run_dir, capsys, section, key, value, shown):
     """A hand-edited sampling temperature used to be resumed with exit 0 and trained on."""
     _edit_config(run_dir, section, key, value)
     before = tree_state(run_dir)
-    line = _refused(capsys, "resume", run_dir)
+    line = refused(capsys, "resume", run_dir)
     assert f"{run_dir / 'config.json'} has {shown}" in line and "was config.json edited?" in line, line
     assert "nothing was changed" in line and "lorabench run --config" in line
     assert tree_state(run_dir) == before
@@ -367,23 +368,23 @@ def test_hand_edited_allowed_field_is_taken(run_dir, capsys):
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_refused_change_written_into_config_changes_is_refused(run_dir, capsys):
+def test_refused_change_written_into_config_changes_isrefused(run_dir, capsys):
     with open(run_dir / "config_changes.jsonl", "w") as fh:
         fh.write(json.dumps({"step": 2, "changes": {"grpo.temperature": [0.7, 1.3]}}) + "\n")
     before = tree_state(run_dir)
-    line = _refused(capsys, "resume", run_dir)
+    line = refused(capsys, "resume", run_dir)
     assert "grpo.temperature=1.3, but its checkpoint (step 2) was trained with grpo.temperature=0.7" in line
     assert tree_state(run_dir) == before
 
 
-def test_edited_data_file_is_refused(run_dir, tmp_path, capsys):
+def test_edited_data_file_isrefused(run_dir, tmp_path, capsys):
     """The data a run trains on is identified by its bytes, not by its path as typed."""
     source = Path(json.loads((run_dir / "config.json").read_text())["data"]["source"])
     saved = source.read_bytes()
     try:
         source.write_bytes(saved.replace(b"Tom has 3 apples", b"Tom has 4 apples"))
         before = tree_state(run_dir)
-        line = _refused(capsys, "resume", run_dir)
+        line = refused(capsys, "resume", run_dir)
         assert f"data.source='{source}' ({source}) is not the data the checkpoint (step 2)" in line, line
         assert f"{len(saved):,} bytes, sha256" in line and "now," in line and "then at" in line
         assert "Restore that file" in line and tree_state(run_dir) == before
@@ -391,7 +392,7 @@ def test_edited_data_file_is_refused(run_dir, tmp_path, capsys):
         source.write_bytes(saved)
 
 
-def test_relative_data_path_from_another_directory_is_refused(tiny_model_dir, tmp_path, capsys, monkeypatch):
+def test_relative_data_path_from_another_directory_isrefused(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """A relative data.source resolves against the working directory: resumed from another one it
     names another file (or none); refused naming the file the checkpoint was trained on."""
     first, second = tmp_path / "a", tmp_path / "b"
@@ -406,23 +407,23 @@ def test_relative_data_path_from_another_directory_is_refused(tiny_model_dir, tm
     monkeypatch.chdir(second)
     run = tmp_path / "out" / "r"
     before = tree_state(run)
-    line = _refused(capsys, "resume", run)
+    line = refused(capsys, "resume", run)
     assert f"data.source='d.jsonl' ({second / 'd.jsonl'}) is not the data" in line
     assert f"then at {first / 'd.jsonl'}" in line
     (second / "d.jsonl").unlink()
-    line = _refused(capsys, "resume", run)
+    line = refused(capsys, "resume", run)
     assert f"(relative to {second}) is not the data" in line and "missing now" in line
     assert tree_state(run) == before
     monkeypatch.chdir(first)
     assert main(["resume", str(run), "grpo.steps=3"]) == 0                  # from where it was started: fine
 
 
-def test_changed_model_is_refused(run_dir, tiny_model_dir, tmp_path, capsys):
+def test_changed_model_isrefused(run_dir, tiny_model_dir, tmp_path, capsys):
     """model.name_or_path names a dir whose files changed (another checkpoint saved over it)."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     _edit_config(run_dir, "model", "name_or_path", str(model))
-    line = _refused(capsys, "resume", run_dir)        # a different path is a config edit first
+    line = refused(capsys, "resume", run_dir)        # a different path is a config edit first
     assert "model.name_or_path=" in line and "was config.json edited?" in line
     _edit_config(run_dir, "model", "name_or_path", str(tiny_model_dir))
     weights = tiny_model_dir / "model.safetensors"
@@ -430,7 +431,7 @@ def test_changed_model_is_refused(run_dir, tiny_model_dir, tmp_path, capsys):
     try:
         weights.write_bytes(original[:-8] + bytes(8))                      # the last weights changed
         before = tree_state(run_dir)
-        line = _refused(capsys, "resume", run_dir)
+        line = refused(capsys, "resume", run_dir)
         assert f"model.name_or_path='{tiny_model_dir}' is not the model the checkpoint (step 2)" in line, line
         assert "model.safetensors is" in line and "now," in line and tree_state(run_dir) == before
     finally:
@@ -496,7 +497,7 @@ def test_run_name_on_a_read_only_filesystem(read_only_mount, tmp_path, capsys):
     is built (an EROFS traceback after the model build, and a half-made run dir, before)."""
     cache = tmp_path / "cache"
     before = tree_state(tmp_path / "out")
-    line = _refused(capsys, "run", "model.name_or_path=tiny", f"model.cache_dir={cache}",
+    line = refused(capsys, "run", "model.name_or_path=tiny", f"model.cache_dir={cache}",
                     f"run.out_dir={tmp_path / 'out'}", "run.name=ro", *QUICK_RUN)
     assert f"the run dir {read_only_mount} is on a read-only filesystem" in line
     assert "choose another run.name or run.out_dir" in line
@@ -508,9 +509,9 @@ def test_run_name_on_a_read_only_filesystem(read_only_mount, tmp_path, capsys):
     ("grpo.group_size=100000000", ["200,000,000 sequences", "lower grpo.prompts_per_step x grpo.group_size"]),
     ("data.eval_size=1000000000", ["2,000,000,000 sequences", "lower data.eval_size x data.eval_samples"]),
 ])
-def test_sizes_far_beyond_the_machine_are_refused(tiny_model_dir, tmp_path, capsys, override, needles):
+def test_sizes_far_beyond_the_machine_arerefused(tiny_model_dir, tmp_path, capsys, override, needles):
     """Instead of a silent wait (swapping, or the OOM killer), an estimate and a refusal."""
-    line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
+    line = refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
                     *QUICK_RUN, override)
     assert "this run needs at least" in line and "GB of memory" in line and "more than the memory" in line
     assert all(n in line for n in needles), line
@@ -527,31 +528,31 @@ def test_sizes_far_beyond_the_machine_are_refused(tiny_model_dir, tmp_path, caps
     ("run.threads=100000", "run.threads=100000: this process may use"),    # torch segfaulted at the first matmul
 ])
 def test_more_values_refused_before_anything_exists(tiny_model_dir, tmp_path, capsys, override, needle):
-    line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
+    line = refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
                     "run.name=r", *QUICK_RUN, override)
     assert needle in line, line
     assert not (tmp_path / "out").exists()
 
 
 def test_engine_log_file_that_is_a_directory(tiny_model_dir, tmp_path, capsys):
-    line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
+    line = refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
                     *QUICK_RUN, f"engine.sglang.log_file={tmp_path}")
     assert f"engine.sglang.log_file='{tmp_path}' is a directory" in line and "name a file" in line
     assert not (tmp_path / "out").exists()
 
 
 def test_data_source_that_is_a_directory(tiny_model_dir, tmp_path, capsys):
-    line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
+    line = refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
                     *QUICK_RUN, f"data.source={tmp_path}")
     assert f"data.source='{tmp_path}': dataset file {tmp_path} is a directory" in line
     assert not (tmp_path / "out").exists()
 
 
-def test_huge_file_in_a_run_dir_is_refused(run_dir, capsys):
+def test_huge_file_in_a_run_dir_isrefused(run_dir, capsys):
     """A sparse metrics.jsonl of 1 TB costs the sender of a run dir nothing; resume reads it whole."""
     os.truncate(run_dir / "metrics.jsonl", 10**12)
     before = tree_state(run_dir)
-    line = _refused(capsys, "resume", run_dir)
+    line = refused(capsys, "resume", run_dir)
     assert f"{run_dir / 'metrics.jsonl'} is 1,000,000,000,000 bytes, more than half the memory" in line
     assert tree_state(run_dir) == before
 
@@ -562,7 +563,7 @@ def test_tiny_model_build_on_a_full_disk(tmp_path, capsys):
     if not disk.mount():
         pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
     try:
-        line = _refused(capsys, "run", "model.name_or_path=tiny", f"model.cache_dir={disk.path}",
+        line = refused(capsys, "run", "model.name_or_path=tiny", f"model.cache_dir={disk.path}",
                         f"run.out_dir={tmp_path / 'out'}", *QUICK_RUN)
         assert f"model.cache_dir: the tiny model could not be written to {disk.path}" in line, line
         assert "Free space on that filesystem" in line

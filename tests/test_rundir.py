@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from reliability_util import QUICK_RUN, cli, dir_bytes, one_line_error
+from reliability_util import QUICK_RUN, cli, dir_bytes, one_line_error, refused
 
 from lorabench.cli import main
 from lorabench.rundir import RunDirError, inspect, read_jsonl
@@ -83,12 +83,6 @@ def run_dir(finished_run, tmp_path):
     return copy
 
 
-def _refused(capsys, *argv) -> str:
-    """cli.main exits 2 with one line and no traceback; returns the line."""
-    assert main(list(argv)) == 2
-    return one_line_error(capsys.readouterr().err)
-
-
 @pytest.mark.parametrize("overrides, needles", [
     (["run.seed=5"], ["run.seed 0 -> 5", "seeds the data, the sampling, the LoRA init and (tiny) the base model"]),
     (["lora.r=8"], ["lora.r 16 -> 8", "adapter's shape"]),
@@ -99,7 +93,7 @@ def test_resume_with_a_forbidden_override(run_dir, capsys, overrides, needles):
     """Refused before anything is written (config.json used to be rewritten first, leaving the run
     unresumable); a plain resume is still possible afterwards."""
     before = dir_bytes(run_dir)
-    line = _refused(capsys, "resume", str(run_dir), *overrides)
+    line = refused(capsys, "resume", str(run_dir), *overrides)
     assert all(n in line for n in needles), line
     assert f"lorabench run --config {run_dir / 'config.json'} run.name=NEW" in line
     assert "continue without those overrides" in line and "nothing was changed" in line
@@ -109,7 +103,7 @@ def test_resume_with_a_forbidden_override(run_dir, capsys, overrides, needles):
 
 def test_run_naming_an_existing_run_is_checked_like_resume(run_dir, tiny_model_dir, capsys):
     before = dir_bytes(run_dir)
-    line = _refused(capsys, "run", "--config", str(run_dir / "config.json"), f"run.out_dir={run_dir.parent}",
+    line = refused(capsys, "run", "--config", str(run_dir / "config.json"), f"run.out_dir={run_dir.parent}",
                     "run.name=run", "lora.r=8")
     assert f"name the existing run {run_dir}, which `lorabench run` continues" in line
     assert "lora.r 16 -> 8" in line and "run.name=NEW" in line
@@ -134,7 +128,7 @@ def test_run_naming_a_dir_that_is_not_a_run(tmp_path, tiny_model_dir, capsys):
     (tmp_path / "out" / "notes").mkdir(parents=True)
     (tmp_path / "out" / "notes" / "todo.txt").write_text("mine")
     before = dir_bytes(tmp_path / "out")
-    line = _refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
+    line = refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
                     "run.name=notes", *QUICK_RUN)
     assert "notes exists and is not a lorabench run dir" in line and "todo.txt" in line
     assert "choose another run.name" in line
@@ -166,7 +160,7 @@ def test_corrupt_middle_line_is_refused_and_kept(run_dir, capsys):
     lines = metrics.read_bytes().splitlines(keepends=True)
     metrics.write_bytes(lines[0][:40] + b"\x00garbage\n" + lines[1])
     before = dir_bytes(run_dir)
-    line = _refused(capsys, "resume", str(run_dir))
+    line = refused(capsys, "resume", str(run_dir))
     assert f"{metrics} line 1 is not a whole row" in line and "The rows after it are intact" in line
     assert "repair that line (from a backup) or delete it" in line
     assert dir_bytes(run_dir) == before
@@ -175,23 +169,23 @@ def test_corrupt_middle_line_is_refused_and_kept(run_dir, capsys):
     assert state.step == 2 and state.repairs == [] and "no row for step(s) [1]" in state.notes[0]
 
 
-def test_missing_checkpoint_with_rows_is_refused(run_dir, capsys):
+def test_missing_checkpoint_with_rows_isrefused(run_dir, capsys):
     """Resume used to start again at step 0, delete every row and leave the old adapters beside the
     new ones."""
     (run_dir / "checkpoint" / "trainer_state.pt").unlink()
     before = dir_bytes(run_dir)
-    line = _refused(capsys, "resume", str(run_dir))
+    line = refused(capsys, "resume", str(run_dir))
     assert f"{run_dir} has no checkpoint (checkpoint/trainer_state.pt is missing)" in line
     assert "metrics.jsonl: 2 rows" in line and "evals.jsonl: evaluations at step 2" in line
     assert "Restore checkpoint/trainer_state.pt from a backup" in line and "start a new run" in line
     assert dir_bytes(run_dir) == before
 
 
-def test_truncated_checkpoint_is_refused(run_dir, capsys):
+def test_truncated_checkpoint_isrefused(run_dir, capsys):
     state = run_dir / "checkpoint" / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
     before = dir_bytes(run_dir)
-    line = _refused(capsys, "resume", str(run_dir))
+    line = refused(capsys, "resume", str(run_dir))
     assert f"{state} cannot be read" in line and "Restore it from a backup" in line
     assert dir_bytes(run_dir) == before
 
@@ -201,7 +195,7 @@ def test_truncated_checkpoint_is_refused(run_dir, capsys):
     ("row_past", "line 3 holds step 3, past the checkpoint's step 2"),
     ("row_differs", "line 2 (step 2) differs from the row the checkpoint holds for it"),
 ])
-def test_rows_the_checkpoint_cannot_vouch_for_are_refused(run_dir, capsys, damage, needle):
+def test_rows_the_checkpoint_cannot_vouch_for_arerefused(run_dir, capsys, damage, needle):
     metrics = run_dir / "metrics.jsonl"
     rows = read_jsonl(metrics)
     if damage == "step_twice":        # what two writers used to leave
@@ -212,13 +206,13 @@ def test_rows_the_checkpoint_cannot_vouch_for_are_refused(run_dir, capsys, damag
         rows[1]["reward/mean"] = 0.123456
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     before = dir_bytes(run_dir)
-    line = _refused(capsys, "resume", str(run_dir))
+    line = refused(capsys, "resume", str(run_dir))
     assert needle in line and "nothing in the run dir was changed" in line
     assert dir_bytes(run_dir) == before
 
 
 # --- one writer per run dir ------------------------------------------------------------------------------
-def test_second_writer_in_this_process_is_refused(tmp_path):
+def test_second_writer_in_this_process_isrefused(tmp_path):
     first = RunLog(tmp_path / "run", lock=True)
     try:
         with pytest.raises(RunDirError) as info:
@@ -328,7 +322,7 @@ def test_adapter_dirs_past_the_checkpoint(run_dir, capsys):
     for step in (3, 4):
         shutil.copytree(run_dir / "adapters" / "step_2", run_dir / "adapters" / f"step_{step}")
     before = dir_bytes(run_dir)
-    line = _refused(capsys, "resume", str(run_dir))
+    line = refused(capsys, "resume", str(run_dir))
     assert "holds step_3 and step_4, past the checkpoint's step 2" in line and "Restore the matching one" in line
     assert dir_bytes(run_dir) == before
     shutil.rmtree(run_dir / "adapters" / "step_4")

@@ -65,9 +65,10 @@ def flat_config(cfg: Config) -> dict[str, object]:
     return flat(cfg)
 
 
-def effective_config(run_dir: Path) -> Config:
-    """The run's config now: config.json with the allowed changes of config_changes.jsonl applied.
-    Both are read through the run dir itself (safedir.py: a link in their place is refused)."""
+def effective_config(run_dir: Path, changes: bool = True) -> Config:
+    """The run's config now: config.json with the allowed changes of config_changes.jsonl applied
+    (`changes=False`: config.json alone, as the run was started). Both are read through the run dir
+    itself (safedir.py: a link in their place is refused)."""
     run_dir = Path(run_dir)
     try:
         root = SafeDir.open(run_dir)
@@ -80,12 +81,12 @@ def effective_config(run_dir: Path) -> Config:
             raise RunDirError(f"{run_dir} is not a lorabench run dir: it has no config.json; pass a run dir written "
                               f"by lorabench, or start a run there with lorabench run ... run.name=NAME")
         data = parse_config_bytes(raw, run_dir / CONFIG)
-        changes = scan_in(root, CONFIG_CHANGES).rows
+        rows = scan_in(root, CONFIG_CHANGES).rows if changes else []
     if isinstance(data.get("run"), dict):   # where the run dir is now (it may have been moved or renamed)
         name_ok = path_component_problem(run_dir.name) is None
         data["run"].update(out_dir=str(run_dir.parent), name=run_dir.name if name_ok else "")
     data = Config.from_dict(moved_layout(data), source=str(run_dir / CONFIG)).to_dict()
-    for row in changes:
+    for row in rows:
         for key, (_, new) in row.get("changes", {}).items():
             *path, name = MOVED.get(key, key).split(".")
             table = data
@@ -98,9 +99,13 @@ def effective_config(run_dir: Path) -> Config:
 def resume_config(run_dir: Path, overrides: list[str]) -> Config:
     """The config `lorabench resume RUN overrides` asks for: the effective config plus overrides."""
     for item in overrides:
-        if item.partition("=")[0].strip() in LOCATION:
+        key = item.partition("=")[0].strip()
+        if key in LOCATION:
             raise ConfigError(f"override {item!r}: a continued run stays in its dir ({run_dir}); to continue a copy "
                               f"elsewhere, copy the run dir and resume the copy")
+        if key == "policies":   # a group's are in its group.json, each policy's settings in its own run dir
+            raise ConfigError(f"override {item:.80}: a continued run keeps its policies; for other policies start a "
+                              f"new run (lorabench run ... run.name=NEW 'policies=[...]')")
     data = json.loads(json.dumps(effective_config(run_dir).to_dict()))
     for item in overrides:
         apply_override(data, item)

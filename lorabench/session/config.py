@@ -75,11 +75,12 @@ class Config:
     def members(self) -> dict[str, Config]:
         """A policy group's policies, each as its own whole run config (group.member_dict)."""
         shared, members = self.to_dict(), {}
-        for spec in self.policies:
+        for spec in self.policies:   # each field's type is checked already (parse_policies): here its range
+            where = f"{spec.where or 'policies'} ({spec.name})"
             try:
-                members[spec.name] = Config.from_dict(member_dict(shared, spec), source=f"policy {spec.name!r}")
+                members[spec.name] = Config.from_dict(member_dict(shared, spec), source=where)
             except ConfigError as err:
-                raise ConfigError(f"policies: in policy {spec.name!r}: {err}") from err
+                raise ConfigError(f"{where}: {err}") from err
         return members
 
     @classmethod

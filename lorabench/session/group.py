@@ -10,7 +10,8 @@ policy's whole config), checkpoint, rows and lock. So a policy is resumable alon
 (`lorabench resume GROUP/<name>`, on an engine of its own) or with the others (`lorabench resume
 GROUP`). Each policy's run dir is planned, checked and continued by the same rules as any run dir
 (run.py: plan_run); the group dir itself may hold nothing else, and is refused if it is a link,
-holds anything but group.json and the policies' dirs, or names other policies.
+holds anything but group.json and the policies' dirs, names other policies, or its group.json does
+not describe the policies' run dirs (check_recorded).
 """
 from __future__ import annotations
 
@@ -21,11 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..group import GROUP_FILE
 from ..machine import cpu_threads
-from .config import Config, ConfigError
+from .config import Config, ConfigError, flat
 from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, resolve_model, start_engine
-
-GROUP_FILE = "group.json"
 
 
 @dataclass
@@ -51,12 +51,37 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
     @classmethod
     def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
         """The group in `group_dir`, each policy continued from its own run dir's effective config plus
-        `overrides` (as `lorabench resume` does for one run)."""
+        `overrides` (as `lorabench resume` does for one run) and served under its name. Refused before
+        anything is written: a group.json that does not describe the policies' run dirs
+        (check_group_dir), a policy's dir missing, `engine.adapter_name` or `policies` as an override."""
+        from ..group import owned_key
+        from ..rundir import RunDirError
         from .compat import resume_config
         root = Path(group_dir)
+        for item in overrides:
+            if item.partition("=")[0].strip() == "engine.adapter_name":
+                raise ConfigError(f"override {item!r}: in a policy group each policy's adapter is served under the "
+                                  f"policy's name; to serve one under another, resume it alone (lorabench resume "
+                                  f"{root}/NAME {item})")
         specs = read_group(root)
-        members = {spec.name: resume_config(root / spec.name, list(overrides)) for spec in specs}
-        shared = next(iter(members.values())).to_dict()
+        check_group_dir(root, [spec.name for spec in specs])   # its entries; group.json against each config.json
+        for spec in specs:
+            if not os.path.lexists(root / spec.name):
+                raise RunDirError(f"{root / GROUP_FILE} names policy {spec.name!r}, but {root} has no dir {spec.name} "
+                                  f"(moved, or the group stopped while it made its dirs); nothing was changed. Put it "
+                                  f"back (the `lorabench run` command that made the group makes it again), or resume "
+                                  f"the other policies alone (lorabench resume {root}/NAME)")
+        # served under its name, as when the group was made (a policy resumed alone may have been renamed)
+        members = {spec.name: resume_config(root / spec.name, [*overrides, f"engine.adapter_name={spec.name}"])
+                   for spec in specs}
+        shared = members[specs[0].name].to_dict()
+        # the group's value of a field a policy leaves to it is that policy's (check_recorded: they agree), so
+        # that cfg.members() are the policies' own configs (the engine is sized from them)
+        for key in filter(owned_key, flat(members[specs[0].name])):
+            leaving = [spec.name for spec in specs if not spec.sets(key)]
+            if leaving:
+                section, name = key.split(".")
+                shared[section][name] = getattr(getattr(members[leaving[0]], section), name)
         cfg = Config.from_dict({**shared, "policies": [s.to_dict() for s in specs]}, source=str(root / GROUP_FILE))
         return cls._open(cfg, members, root, log, evaluate_first)
 
@@ -161,7 +186,8 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
         raise RunDirError(f"{root} holds links {links[:5]}; a policy group's dir holds {GROUP_FILE} and one run dir "
                           f"per policy only: choose another run.name or run.out_dir")
     if GROUP_FILE in entries:   # read_group refuses a link or an unreadable file
-        recorded = [spec.name for spec in read_group(root)]
+        specs = read_group(root)
+        recorded = [spec.name for spec in specs]
         if recorded != list(names):
             raise RunDirError(f"{root} is a policy group of {recorded}, not {list(names)}: continue it with its own "
                               f"policies (lorabench resume {root}), or choose another run.name for a new group")
@@ -170,16 +196,57 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
                           f"choose another run.name or run.out_dir")
     odd = [e for e in entries if e != GROUP_FILE and e not in names]
     if odd:
-        raise RunDirError(f"{root} holds {odd[:5]}, which are not the dirs of its policies {names}; a policy group's "
-                          f"dir holds {GROUP_FILE} and one run dir per policy only: move them out, or choose another "
-                          f"run.name or run.out_dir")
+        raise RunDirError(f"{root} holds {odd[:5]}, which are not the dirs of the policies its {GROUP_FILE} names "
+                          f"{names}; a policy group's dir holds {GROUP_FILE} and one run dir per policy only: move "
+                          f"them out, or choose another run.name or run.out_dir")
+    if GROUP_FILE in entries:
+        check_recorded(root, specs)
     return GROUP_FILE in entries
+
+
+def check_recorded(root: Path, specs: list) -> None:
+    """group.json must describe the policies' run dirs as their config.json files were written (a
+    hand-edited group.json would print one setting while the policy trains another): a field a policy
+    sets has that value in its config.json, a field it leaves to the group has the value of every other
+    policy that leaves it, and each dir serves its own policy. A policy dir not made yet is skipped."""
+    from ..group import owned_key
+    from ..rundir import CONFIG, RunDirError
+    from .compat import effective_config
+    path = root / GROUP_FILE
+    configs = {spec.name: flat(effective_config(root / spec.name, changes=False))
+               for spec in specs if os.path.lexists(root / spec.name / CONFIG)}
+    left = {}   # a field some policies leave to the group -> (the first of them, its value)
+    for i, spec in enumerate(specs):
+        has, file = configs.get(spec.name), root / spec.name / CONFIG
+        if has is None:
+            continue
+        if has["engine.adapter_name"] != spec.name:
+            raise RunDirError(f"{file} has engine.adapter_name={has['engine.adapter_name']!r}, but {path} names that "
+                              f"dir's policy {spec.name!r}: the dir holds another policy's run (renamed or copied?); "
+                              f"nothing was changed. Put the policies' dirs back under their names, or resume that "
+                              f"dir alone (lorabench resume {root / spec.name})")
+        for key in (k for k in has if owned_key(k)):
+            if spec.sets(key):
+                said = spec.overrides[key.split(".")[0]][key.split(".")[1]]
+                if json.dumps(has[key]) != json.dumps(said):
+                    raise RunDirError(f"{path} has {key}={said!r} for policy {spec.name!r}, but {file} has "
+                                      f"{key}={has[key]!r} (was {GROUP_FILE} edited?); nothing was changed. Put "
+                                      f"policies[{i}].{key} back to {json.dumps(has[key])} in {path}, or resume "
+                                      f"that policy alone (lorabench resume {root / spec.name})")
+                continue
+            first, value = left.setdefault(key, (spec.name, has[key]))
+            if json.dumps(has[key]) != json.dumps(value):
+                raise RunDirError(f"{path} sets no {key} for policies {first!r} and {spec.name!r} (they take the "
+                                  f"group's value), but {root / first / CONFIG} has {key}={value!r} and {file} has "
+                                  f"{key}={has[key]!r} (was {GROUP_FILE} edited?); nothing was changed. Give each "
+                                  f"its {key} in {path}, or resume each policy alone (lorabench resume {root}/NAME)")
 
 
 def read_group(root: Path) -> list:
     """The policies `root/group.json` names (a regular file, not a link; refused if unreadable)."""
     from ..group import parse_policies
     from ..rundir import RunDirError
+    from ..settings import unique_keys
     from .config import SECTIONS
     path = root / GROUP_FILE
     try:
@@ -190,10 +257,19 @@ def read_group(root: Path) -> list:
     if not stat.S_ISREG(info.st_mode):
         raise RunDirError(f"{path} is not a regular file (a link?); a policy group's {GROUP_FILE} is a file lorabench "
                           f"wrote: restore it, or resume each policy's run dir alone")
+    if info.st_size > 1 << 20:   # it is read whole: a sparse file costs its sender nothing, the reader its memory
+        raise RunDirError(f"{path} is {info.st_size:,} bytes; the {GROUP_FILE} lorabench writes holds a few lines per "
+                          f"policy (is it this group's file?); nothing was changed: restore it, or resume each "
+                          f"policy's run dir alone (lorabench resume {root}/NAME)")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+        if not isinstance(data, dict) or set(data) != {"policies"}:   # what write_group writes, and nothing else
+            found = f"keys {sorted(data)}" if isinstance(data, dict) else f"a {type(data).__name__}"
+            raise ConfigError(f"it holds {found}, not an object with the one key 'policies'")
+        if not isinstance(data["policies"], list) or not data["policies"]:
+            raise ConfigError(f"'policies' is {data['policies']!r:.60}, not the non-empty list lorabench writes")
         return parse_policies(data["policies"], str(path), SECTIONS)
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ConfigError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, ConfigError) as err:
         raise RunDirError(f"{path} cannot be read as a policy group ({err}); nothing was changed: restore it, or "
                           f"resume each policy's run dir alone (lorabench resume {root}/NAME)") from err
 
