@@ -363,3 +363,21 @@ def test_top_level_holds_only_the_design_cards_entries(tracked):
 def test_data_folder_holds_a_data_file(tracked):
     data = [p for p in tracked if p.relative_to(ROOT).parts[0] == "data" and p.suffix in (".jsonl", ".parquet")]
     assert data, "data/ holds no data file"
+
+
+def test_license_is_an_spdx_string(pyproject):
+    # a TOML table ({text = ...}) makes setuptools warn on every install; the SPDX string needs setuptools 77
+    assert isinstance(pyproject["project"]["license"], str)
+    requires = pyproject["build-system"]["requires"]
+    floor = next(re.search(r"setuptools>=(\d+)", r) for r in requires if r.startswith("setuptools"))
+    assert floor and int(floor.group(1)) >= 77, requires
+
+
+def test_building_the_wheel_warns_nothing_about_the_project(tmp_path):
+    # the project's own metadata must not trip a setuptools deprecation (pip prints the backend's warnings)
+    pytest.importorskip("setuptools")
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    assert "deprecated" not in text.lower(), [line for line in text.splitlines() if "deprecat" in line.lower()]
