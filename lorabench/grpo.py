@@ -309,6 +309,7 @@ class GRPOTrainer:
 
     def _step(self, rollouts: Rollouts | None, rollout_s: float) -> StepRecord:
         g, step, clock = self.settings, self.policy.version + 1, StepClock()
+        self.clock = clock   # the step under way: its parts so far (a step panel shows which one runs)
         if rollouts is None:
             self._resend_if_stale()
             ahead = self._take_ahead(step)

@@ -18,6 +18,9 @@ Design:
 - The live figure is one matplotlib `Figure` created with the panel and redrawn in place into a
   PNG for an `Image` widget; it is not registered with pyplot, so stepping opens no figures and
   nothing accumulates.
+- While a step runs, a ticker thread rewrites the status line every `tick_s` seconds: which part of
+  the step is under way (rollout, reward, train, refresh, probe, commit: the trainer's step clock),
+  its time so far, and a bar that moves towards the last step's time.
 - The status line says what the step did with adapter versions (sampled with v(k-1), trained to
   v(k), v(k) refreshed into the engine) and explains reward, probe gap and mismatch in one line each.
 - Kernel -> Interrupt: while a cell runs, it interrupts that cell as always (a cell waiting in
@@ -141,12 +144,34 @@ def status_lines(m: dict | None, rewards: list[tuple[str, object, float]]) -> st
     return "<br>".join([head, reward, probe, mismatch])
 
 
-def running_line(step: int, done: int, total: int, elapsed_s: float) -> str:
+# a step's parts in the order they run (grpo.GRPOTrainer._step laps its clock after each)
+STEP_PHASES = {"rollout": "sampling rollouts in the engine", "reward": "scoring the rewards",
+               "train": "training the adapter", "refresh": "refreshing the engine's adapter",
+               "probe": "measuring the probe gap", "log": "committing the step"}
+
+
+def step_phase(trainer) -> str | None:
+    """What the trainer's step is doing now: the first part its clock has not lapped yet (None
+    before its first step or once a step is done)."""
+    clock = getattr(trainer, "clock", None)
+    if clock is None:
+        return None
+    return next((text for part, text in STEP_PHASES.items() if part not in clock.parts), None)
+
+
+def running_line(step: int, done: int, total: int, elapsed_s: float, phase: str | None = None,
+                 step_s: float | None = None, expected_s: float | None = None) -> str:
     """The status while a Run N goes: a bar, the step, the time so far and, from the second step
-    on, the time left at the mean pace of this run's steps."""
+    on, the time left at the mean pace of this run's steps. Inside a step (`step_s` into it): what
+    it is doing and, with the last step's time `expected_s`, the bar moves towards the step's end
+    (held short of it until the step is done)."""
     left = f" · about {duration(elapsed_s / done * (total - done))} left" if done else ""
-    return (f"<progress value='{done}' max='{total}' style='width:180px'></progress> <i>running step {step} "
-            f"({done + 1} of {total}) · {duration(elapsed_s)} so far{left}…</i>")
+    inside = min(step_s / expected_s, 0.95) if step_s is not None and expected_s else 0.0
+    now = "".join([f" · {html.escape(phase)}" if phase else "",
+                   f" · this step {duration(step_s)}" if step_s is not None else "",
+                   f" (the last took {duration(expected_s)})" if step_s is not None and expected_s else ""])
+    return (f"<progress value='{done + inside:.3g}' max='{total}' style='width:180px'></progress> <i>running step "
+            f"{step} ({done + 1} of {total}){now} · {duration(elapsed_s)} so far{left}…</i>")
 
 
 def _fmt(value, spec: str) -> str:
@@ -156,8 +181,12 @@ def _fmt(value, spec: str) -> str:
 class StepPanel:
     label = "step_panel"   # the figure's name (fig.set_label)
 
-    def __init__(self, trainer, figsize=(11, 6.6), dpi: int = 90):
+    def __init__(self, trainer, figsize=(11, 6.6), dpi: int = 90, tick_s: float = 1.0):
         self.trainer = trainer
+        self.tick_s = tick_s                 # how often the status line is updated while a step runs
+        self._status_lock = threading.Lock()
+        self._running = None                 # while a step runs: (step, done, total, run started, step started)
+        self._last_step_s = None             # the last step's wall time: how far the bar moves inside a step
         self.last = None                     # the latest StepRecord
         self.error: BaseException | None = None
         # set when the worker's run ends; waited on instead of Thread.join, which an interrupt can
@@ -290,22 +319,50 @@ class StepPanel:
     def _run(self, n: int) -> None:
         interrupts_to_the_main_thread()   # an interrupt while the panel steps is the kernel's (Stop)
         started = time.perf_counter()
+        done = threading.Event()
+        threading.Thread(target=self._tick, args=(done,), name="lorabench-panel-tick", daemon=True).start()
         try:
             for i in range(n):
                 if self._stop.is_set():
                     self.log.append_stdout(f"stopped after {i} of {n} step(s)\n")
                     break
-                self.status.value = running_line(self.trainer.step_count + 1, i, n, time.perf_counter() - started)
+                step_started = time.perf_counter()
+                with self._status_lock:
+                    self._running = (self.trainer.step_count + 1, i, n, started, step_started)
+                self._show_running()
                 self.last = self._one_step()
+                self._last_step_s = time.perf_counter() - step_started
+                with self._status_lock:   # from here on the ticker leaves the status line to render()
+                    self._running = None
                 self.render()
             self.trainer.wait_committed()   # an idle panel means the run dir holds every step it ran
         except Exception as err:  # shown in the panel and re-raised by wait()
             self.error = err
             self.log.append_stderr(traceback.format_exc())
         finally:
+            done.set()
+            with self._status_lock:
+                self._running = None
             _RUNNING.discard(self)
             self._set_running(False)
             self._idle.set()
+
+    def _tick(self, done: threading.Event) -> None:
+        """While the run goes: the status line says, every tick_s, what the step is doing and for how long."""
+        while not done.wait(self.tick_s):
+            self._show_running()
+
+    def _show_running(self) -> None:
+        with self._status_lock:
+            if self._running is None:
+                return
+            step, i, n, started, step_started = self._running
+            now = time.perf_counter()
+            self.status.value = running_line(step, i, n, now - started, self._phase(), now - step_started,
+                                             self._last_step_s)
+
+    def _phase(self) -> str | None:
+        return step_phase(self.trainer)
 
     def _one_step(self):
         return self.trainer.step()
@@ -337,6 +394,13 @@ class GroupPanel(StepPanel):
         self.status.value = policies_table(histories)
         self.completions.value = ""
         self.refresh.value = ""
+
+    def _phase(self) -> str | None:
+        name = getattr(self.trainer, "current", None)   # None while the policies' shared batch is sampled
+        if name is None:
+            return "sampling every policy's rollouts in one engine batch"
+        phase = step_phase(self.trainer.trainers[name])
+        return f"policy {name}: {phase}" if phase else f"policy {name}"
 
 
 def policies_table(histories: dict[str, list[dict]]) -> str:

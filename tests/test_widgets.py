@@ -452,3 +452,51 @@ def test_push_cost_fit_recovers_the_cost_per_push():
     assert fixed == pytest.approx(5.0) and per_push == pytest.approx(0.2)
 
 
+
+
+def test_the_status_line_says_what_the_step_is_doing_while_it_runs(trainer):
+    """Inside a step the status line is not frozen: it names the part under way (from the trainer's
+    step clock) and its time, and from the second step on the bar moves inside the step."""
+    panel = StepPanel(trainer, tick_s=0.05)
+    train = trainer.policy.train
+
+    def slow_train(*args, **kwargs):   # a step long enough to be watched
+        time.sleep(0.5)
+        return train(*args, **kwargs)
+
+    trainer.policy.train = slow_train
+    assert panel.start(2)
+    seen, deadline = [], time.monotonic() + 120
+    while panel.busy and time.monotonic() < deadline:
+        seen.append(panel.status.value)
+        time.sleep(0.02)
+    panel.wait(60)
+    training = [s for s in seen if "training the adapter" in s]
+    assert training and all("this step " in s and "so far" in s for s in training), set(seen)
+    second = [s for s in training if "(2 of 2)" in s]
+    assert second and all("the last took" in s for s in second)
+    values = [float(re.search(r"<progress value='([\d.]+)'", s).group(1)) for s in second]
+    assert all(1 <= v < 2 for v in values) and max(values) > 1   # inside step 2: past 1 of 2, short of 2
+    assert "running step" not in panel.status.value and "<b>step 2</b>" in panel.status.value
+    panel.close()
+
+
+def test_step_phase_follows_the_step_clock():
+    from lorabench.clock import Clock
+    from lorabench.widgets import STEP_PHASES, step_phase
+
+    class Trainer:
+        clock = None
+
+    t = Trainer()
+    assert step_phase(t) is None
+    t.clock = Clock()
+    assert step_phase(t) == STEP_PHASES["rollout"]
+    for part in ("rollout", "reward"):
+        t.clock.lap(part)
+    assert step_phase(t) == STEP_PHASES["train"]
+    for part in ("train", "refresh", "probe", "log"):
+        t.clock.lap(part)
+    assert step_phase(t) is None
+    assert "training the adapter" in running_line(3, 0, 2, 4.0, STEP_PHASES["train"], 4.0, 10.0)
+    assert "<progress value='0.4'" in running_line(3, 0, 2, 4.0, "x", 4.0, 10.0)
