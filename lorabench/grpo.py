@@ -86,8 +86,12 @@ class GRPOSettings(Section):
     lr: float = setting(1e-3, "AdamW learning rate for the LoRA parameters.", resume=REFUSED,
                         why="it is saved in the checkpoint's optimizer state: a new value would silently not apply")
     clip_eps: float = setting(0.2, "PPO-style ratio clip.", resume=REFUSED, why=_OBJECTIVE)
-    kl_beta: float = setting(0.0, "Weight of the k3 KL to the base model (adapter disabled); 0 = off, as in DAPO "
-                             "and Dr. GRPO.", resume=REFUSED, why=_OBJECTIVE)
+    kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model (adapter disabled) added to the loss, "
+                             "per token. 0 = off, as in DAPO and Dr. GRPO: the reward is checked by a rule, not a "
+                             "learned reward model the policy could exploit, and the policy has to move away from "
+                             "the base to learn; a KL term holds it back. > 0 keeps it near the base (e.g. 0.04, "
+                             "DeepSeekMath's) at one more forward pass per micro-batch.",
+                             resume=REFUSED, why=_OBJECTIVE)
     kl_metric: bool = setting(False, "Log kl/mean, the k3 estimate of KL(policy || base model) on the sampled tokens, "
                               "also when kl_beta = 0 (a metric, not in the loss): one more forward pass without "
                               "gradients with the adapter disabled, about a quarter of an update's compute, so off by "

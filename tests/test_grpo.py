@@ -409,6 +409,28 @@ def test_kl_to_base_is_zero_before_the_first_update_and_grows_with_updates(make_
     assert off["kl/mean"] is None and off["entropy/mean"] > 0
 
 
+def test_kl_beta_changes_the_update_and_zero_leaves_it_bit_identical(tiny_model_dir, engine, tokenizer, tmp_path):
+    """grpo.kl_beta > 0 puts the k3 KL to the base (adapter disabled) into the loss: the gradients
+    differ from kl_beta = 0; kl_beta = 0 (with or without the KL metric) is the plain update, bit for bit."""
+    problems = [Problem("Tom has 3 apples and buys 4 more. How many?", "#### 7", "7")]
+    rollouts = sample(engine, tokenizer, problems, 4, Sampling(8, 1.0, 1.0, seed=5), None)
+    batch = collate(rollouts, torch.tensor([len(t) / 40.0 for t in rollouts.texts]), tokenizer.pad_token_id)
+    grads, stats = {}, {}
+    for name, extra in {"plain": [], "zero": ["grpo.kl_beta=0", "grpo.kl_metric=true"],
+                        "kl": ["grpo.kl_beta=0.5"]}.items():
+        cfg = small_config(tmp_path, "tensor", "grpo.temperature=0.7", *extra)
+        torch.manual_seed(0)
+        policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
+        perturb_lora_B(policy.model, seed=2)   # away from the base, so the KL and its gradient are not 0
+        stats[name] = policy.train(batch, cfg.grpo)
+        grads[name] = [p.grad.clone() for p in policy.params]
+    assert all(torch.equal(a, b) for a, b in zip(grads["plain"], grads["zero"]))
+    assert stats["plain"]["loss"] == stats["zero"]["loss"] and stats["plain"]["kl"] == 0.0
+    assert any(not torch.equal(a, b) for a, b in zip(grads["plain"], grads["kl"]))
+    assert stats["kl"]["kl"] > 0
+    assert stats["kl"]["loss"] == pytest.approx(stats["plain"]["loss"] + 0.5 * stats["kl"]["kl"])
+
+
 def test_kl_and_entropy_are_metrics_of_the_sampling_policy_not_the_loss(tiny_model_dir, engine, tokenizer, tmp_path):
     """With and without the KL metric the update is the same (gradients equal); kl_to_base is the k3
     estimate on the sampled tokens against the base model's log-probs (adapter disabled) and the

@@ -54,6 +54,25 @@ def tiny_plain_qwen3(vocab_size: int, hidden_size: int = 64, seed: int = 0):
 
 
 # --- token_logprobs: values ------------------------------------------------------------------------
+def test_loss_kl_off_is_bit_identical_and_on_pulls_towards_the_reference():
+    """kl_beta = 0 with the reference given: the loss and its gradient are exactly those without a
+    reference; kl_beta > 0 adds β·(ref/p - 1) to d loss / d logp per token (mean over tokens): the
+    gradient moves each token's log-prob towards the reference's."""
+    ref, adv, mask = torch.tensor([[-1.5, -1.0]]), torch.tensor([1.0]), torch.ones(1, 2)
+
+    def grad(**kl):
+        logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        loss, _ = grpo_loss(logp, logp.detach(), adv, mask, 0.2, **kl)
+        loss.backward()
+        return loss.detach(), logp.grad
+
+    (plain, g0), (off, g_off), (on, g_on) = grad(), grad(ref_logp=ref, kl_beta=0.0), grad(ref_logp=ref, kl_beta=0.5)
+    assert torch.equal(plain, off) and torch.equal(g0, g_off)
+    logp = torch.tensor([[-1.0, -2.0]])
+    assert torch.allclose(g_on - g0, 0.5 * (1 - torch.exp(ref - logp)) / 2)   # d k3 / d logp = 1 - e^(ref-logp)
+    assert on > plain
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_lean_logprobs_equal_plain_on_peft_model(make_peft_model, batch, temperature):
     model = make_peft_model()
