@@ -132,8 +132,10 @@ def status_lines(m: dict | None, rewards: list[tuple[str, object, float]]) -> st
     share = m.get("reward/format/mean", 0.0)
     bonus = (f" + {weights['format'][1]:g} × share ending '#### N' ({share:.2f}), a format bonus paid right or wrong"
              if "format" in weights else "; no format bonus in this run")
+    own = "".join(f" + {weight:g} × {html.escape(name)} ({_fmt(m.get(f'reward/{name}/mean'), '.3f')})"
+                  for name, _, weight in rewards if name not in ("correct", "format"))   # a reward of your own
     reward = (f"<b>reward</b> {m['reward/mean']:.3f} = correct {correct:.3f} (a completion scores 1 when {rule})"
-              f"{bonus}")
+              f"{bonus}{own}")
     probe = (f"<b>probe gap</b> {_fmt(m.get('probe/adapter_gap'), '.3g')} nats: mean |log p(adapter) − log p(base)| "
              "on one fixed held-out answer, scored by the engine; how far the served adapter has moved the model "
              "(0 = the base model)")

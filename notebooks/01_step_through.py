@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -68,6 +70,7 @@ MODEL = "tiny"         # "tiny": built offline and warm-started (cached) | "Qwen
 DATA = "synthetic"     # "synthetic": seeded GSM8K-style problems | "hub": openai/gsm8k
 STEPS = 30             # GRPO steps run below (the demo's); Step and Run N add more
 BREAK_STEPS = 20       # steps of the "break it yourself" run (at most STEPS)
+EXERCISE_STEPS = 5     # steps the panel takes with the reward you write
 RUN_ROOT = "../runs"   # run directories go here (git-ignored)
 CLOSE_AT_END = False   # True: the last cell closes the session itself (for a run without a person, e.g. papermill)
 # more config overrides, e.g. ["refresh.mode=file", "grpo.group_size=16"]
@@ -144,17 +147,33 @@ explain.tensor_shapes({
 })
 
 # %% [markdown]
-# One group with a learning signal (its rewards not all equal), completion by completion; the panel's
-# table shows the same for its last group. The loss term of a completion is `grpo_loss` on that row alone, −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A)
-# averaged over its tokens; the loss is the mean of these terms over all N completions.
+# **Predict first.** Here are the rewards of one group with a learning signal (its rewards not all
+# equal). Before you look at its advantages, work out the advantage of its best completion:
+# A = (r − mean(r)) / (std(r) + 0.0001), the mean and the standard deviation over the group's G
+# completions (divided by G). Write your number into `my_prediction` in the cell after them, run it,
+# then run the table.
 
 # %%
 equal = explain.equal_reward_groups(batch.rewards, g.group_size)                 # groups whose advantages are all 0
 shown = next((i for i in range(g.prompts_per_step) if i not in equal), 0)        # the first group that is not
-display(explain.group_view(batch, rollouts.texts, logp, old_logp, shown, g.group_size, g.clip_eps).style.format(
-    {"reward": "{:.2f}", "advantage": "{:+.2f}", "mean log π": "{:.3f}", "mean ratio ρ": "{:.3f}",
-     "loss term": "{:+.3f}"}).set_properties(subset=["completion"], **{"text-align": "left"}))
-display(Markdown(explain.advantage_note(batch.rewards, g.group_size, shown) + "\n\n" +
+Markdown(explain.group_rewards_note(batch.rewards, g.group_size, shown))
+
+# %%
+my_prediction = None   # your advantage of the group's best completion, e.g. 1.5
+
+# %% [markdown]
+# The group completion by completion, with the answer the reward read (the number after the last
+# `#### `) and the end of each completion, where that answer is; the panel's table shows the same
+# for its last group. The loss term of a completion is `grpo_loss` on that row alone,
+# −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) averaged over its tokens; the loss is the mean of these terms over
+# all N completions.
+
+# %%
+display(explain.fit_table(explain.group_view(batch, rollouts.texts, logp, old_logp, shown, g.group_size, g.clip_eps),
+                          {"reward": "{:.2f}", "advantage": "{:+.2f}", "mean log π": "{:.3f}",
+                           "mean ratio ρ": "{:.3f}", "loss term": "{:+.3f}"}))
+display(Markdown(explain.prediction_note(my_prediction, batch.rewards, g.group_size, shown) + "\n\n" +
+                 explain.advantage_note(batch.rewards, g.group_size, shown) + "\n\n" +
                  f"**Why the loss is ~0 but the gradient is not.** Inside a step π<sub>old</sub> is the same "
                  f"weights, so ρ = 1 on every token ({loss_parts['clip_fraction']:.0%} clipped) and each "
                  f"completion's term is −A<sub>i</sub>; the terms of a group sum to 0, so the loss is "
@@ -194,7 +213,8 @@ last = panel.wait()   # the last step's record (StepRecord: .metrics, .refresh, 
 # ## What the run did
 # One row per step from `metrics.jsonl` (the panel's plots, as numbers), with the policy's KL to the
 # base model (k3 estimator on the sampled tokens, adapter disabled) and its entropy (nats per
-# token): metrics only, neither is in the loss.
+# token): metrics only, neither is in this run's loss (`grpo.kl_beta` = 0; what a KL penalty would
+# add is computed further down).
 
 # %%
 rows = session.metrics()
@@ -205,10 +225,10 @@ columns = {"step": "step", "adapter/served_version": "sampled with", "adapter/ve
            "mismatch/mean": "mismatch mean", "mismatch/p99": "mismatch p99", "refresh/total_s": "refresh s",
            "time/step_s": "step s"}
 table = pd.DataFrame(rows)[list(columns)].rename(columns=columns).set_index("step")
-table.style.format({"reward": "{:.3f}", "ends '#### N'": "{:.3f}", "last number right": "{:.3f}",
+explain.fit_table(table, {"reward": "{:.3f}", "ends '#### N'": "{:.3f}", "last number right": "{:.3f}",
                     "groups with signal": "{:.0%}", "KL to base": "{:.2e}", "entropy": "{:.3f}",
                     "probe gap": "{:.2e}", "mismatch mean": "{:.2e}", "mismatch p99": "{:.2e}",
-                    "refresh s": "{:.3f}", "step s": "{:.2f}"})
+                    "refresh s": "{:.3f}", "step s": "{:.2f}"})   # one line per step, nothing cut
 
 # %% [markdown]
 # Held-out problems the run never trained on, before the first step and now (the same scoring
@@ -248,14 +268,19 @@ Markdown(learned_text)
 # the one that can.
 #
 # Step 1's batch again, scored by the trained adapter: the ratio ρ = π<sub>θ</sub> / π<sub>old</sub>
-# that the clip bounds.
+# that the clip bounds, and the KL to the base model that a KL penalty would add to the loss (scored
+# with the adapter disabled).
 
 # %%
 with torch.no_grad(), t.policy.compute():
     logp_now = loss.token_logprobs(t.model, batch.input_ids, batch.attention_mask, g.temperature,
                                    positions=mask)                               # [N, L-1] the trained policy
+    with t.model.disable_adapter():
+        logp_base = loss.token_logprobs(t.model, batch.input_ids, batch.attention_mask, g.temperature,
+                                        positions=mask)                          # [N, L-1] the base model
 ratio_now = torch.exp(logp_now - old_logp)                                       # [N, L-1]
 display(Markdown(explain.clip_note(ratio_now, batch.completion_mask, g.clip_eps, t.step_count)))
+display(Markdown(explain.kl_penalty_note(logp_now, logp_base, batch.completion_mask, g.clip_eps, g.kl_beta)))
 
 # %% [markdown]
 # Three held-out problems answered greedily before the first step (adapter v0: LoRA starts at
@@ -267,6 +292,32 @@ pd.DataFrame({"question": [p.question for p in problems], "answer": [p.ground_tr
              ).style.set_properties(**{"white-space": "pre-wrap", "text-align": "left"}).hide(axis="index")
 
 # %% [markdown]
+# ## Write your own reward
+# A reward is a plain function `fn(prompts, completions, answers, **kwargs) -> list[float]`, one
+# number per completion (`lorabench/rewards.py` has the run's own). The one below pays 0.1 for a
+# completion under 100 characters; the cell adds it to the trainer's rewards, a list of
+# `(name, fn, weight)`, and the panel above takes `EXERCISE_STEPS` steps with it: its reward line
+# gains a term `+ 1 × short`, and `reward/short/mean` is logged with every step. **Predict first:**
+# will the completions be shorter over these steps than over as many steps before? Then change the
+# rule (pay for something else, or weight it higher) and run the cell again.
+
+# %%
+def short(prompts, completions, answers, **kwargs):
+    return [0.1 if len(c) < 100 else 0.0 for c in completions]
+
+
+panel.wait()
+own = [*session.trainer.rewards, ("short", short, 1.0)]
+session.trainer.rewards = own
+panel.start(EXERCISE_STEPS)
+panel.wait()
+session.trainer.rewards = [r for r in own if r[0] != "short"]   # the run goes on with its configured reward
+Markdown(explain.reward_exercise_note(session.metrics(), "short", EXERCISE_STEPS))
+
+# %% [markdown]
+# The held-out evaluation still scores GSM8K correctness, and the run dir does not record the
+# change: a resumed run uses `grpo.reward_mode` and `grpo.format_bonus`.
+#
 # ## Break it yourself
 # What if the adapter never reached the engine? Set `broken_mode` to `"none"`, the stale-adapter
 # control (`lorabench run --help-config` lists the modes: `none` loads the first adapter, then never
@@ -370,6 +421,15 @@ checks = {
         (run_dir / "config.json").is_file() and (run_dir / "checkpoint").is_dir()
         and len(read_jsonl(run_dir / "evals.jsonl")) == 4,
 }
+exercise = logged[-EXERCISE_STEPS:]
+reward_parts = {name: weight for name, _, weight in own}
+checks["your reward was logged with each of its steps, and reward/mean is the weighted sum of the parts"] = all(
+    abs(r["reward/mean"] - sum(w * r[f"reward/{name}/mean"] for name, w in reward_parts.items())) < 1e-4
+    for r in exercise)
+checks["the reveal's advantage is the table's, the mean of the group's advantages 0"] = (
+    f"**{advantages.view(-1, g.group_size)[shown].max().item():+.2f}**" in
+    explain.prediction_note(None, batch.rewards, g.group_size, shown)
+    and abs(advantages.view(-1, g.group_size)[shown].mean().item()) < 1e-4)
 if broken_mode == "none":
     checks["with refresh.mode=none the engine served one adapter version at every step, the trainer's first"] = {
         r["adapter/served_version"] for r in broken.history} == {logged[0]["adapter/served_version"]}

@@ -23,7 +23,7 @@ SMALL_RUN = ["warmstart.steps=40", "warmstart.batch_size=16", "warmstart.lr=1e-2
              "warmstart.strict_format_fraction=0.5", "grpo.prompts_per_step=2", "grpo.group_size=8",
              "grpo.max_new_tokens=40", "grpo.lr=3e-3", "grpo.format_bonus=0.5", "data.eval_size=8"]
 SMALL = {
-    "01_step_through": {"STEPS": 3, "BREAK_STEPS": 3, "OVERRIDES": SMALL_RUN},
+    "01_step_through": {"STEPS": 3, "BREAK_STEPS": 3, "EXERCISE_STEPS": 1, "OVERRIDES": SMALL_RUN},
     "02_refresh_methods": {"RANK": 4, "REPEATS": 2, "MERGED_POINTS": 3, "RANKS": [4, 16]},
     "03_how_hotswap_works": {"STEPS": 3, "COMPARE_STEPS": 3, "SEEDS": 2, "OVERRIDES": SMALL_RUN},
     "04_which_rank": {"RANKS": [1, 8], "STEPS": 3, "OVERRIDES": SMALL_RUN},

@@ -142,13 +142,15 @@ def test_01_step_through_runs_and_the_cli_resumes_it(kernel_env, tmp_path):
                if m["model_name"] == "ButtonModel"}
     assert buttons == {"Step": True, "Run N": True, "Stop": True, "Close the session": True}, buttons
     from lorabench.runlog import read_jsonl
-    assert len(read_jsonl(run_dir / "metrics.jsonl")) == SMALL["01_step_through"]["STEPS"]
+    small = SMALL["01_step_through"]
+    ran = small["STEPS"] + small["EXERCISE_STEPS"]   # the panel's run, then the steps with the learner's reward
+    assert len(read_jsonl(run_dir / "metrics.jsonl")) == ran
     # the notebook closed its session: the CLI continues the run for one more step
-    done = subprocess.run([sys.executable, "-m", "lorabench.cli", "resume", str(run_dir), "grpo.steps=4"],
+    done = subprocess.run([sys.executable, "-m", "lorabench.cli", "resume", str(run_dir), f"grpo.steps={ran + 1}"],
                           capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout + done.stderr
-    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, ran + 2))
 
 
 def test_02_refresh_methods_runs(kernel_env, tmp_path):

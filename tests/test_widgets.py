@@ -157,6 +157,8 @@ def test_status_explains_a_format_bonus():
     assert "its last '#### N' is the right number" in status
     assert "no format bonus" in status_lines(row, reward_functions("flexible", 0.0))
     assert "sampled from adapter v2 → trained to v3" in status
+    short = [*reward_functions("strict", 0.0), ("short", lambda *a, **k: [], 1.0)]   # a reward of one's own
+    assert "+ 1 × short (0.100)" in status_lines({**row, "reward/short/mean": 0.1}, short)
 
 
 def test_end_disables_the_panel(trainer):

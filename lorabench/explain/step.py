@@ -19,29 +19,55 @@ def gradient_norm(params, clear: bool = True) -> float:
     return norm
 
 
+# a table that fits the notebook's width: small monospace cells, numbers and shapes never wrapped
+FIT = [{"selector": "td, th", "props": "font-size: 12px; padding: 2px 6px; text-align: left; vertical-align: top"},
+       {"selector": "td", "props": "white-space: nowrap"}]
+
+
+def fit_table(frame, formats: dict | str | None = None, wrap: tuple[str, ...] = ()):
+    """A DataFrame's Styler for the lessons: `formats` as Styler.format takes them, cells unwrapped
+    (a number or a shape is never cut across lines) but for the text columns in `wrap`."""
+    styler = frame.style.format(formats) if formats is not None else frame.style
+    styler = styler.set_table_styles(FIT)
+    if wrap:
+        styler = styler.set_properties(subset=list(wrap), **{"white-space": "normal", "min-width": "18em"})
+    return styler
+
+
 def tensor_shapes(tensors: dict[str, tuple[torch.Tensor, str]]):
     """One row per tensor: its shape, dtype and what it holds (the shape comments, on screen)."""
     import pandas as pd
-    return pd.DataFrame([{"tensor": name, "shape": str(list(t.shape)), "dtype": str(t.dtype).replace("torch.", ""),
-                          "what it holds": what} for name, (t, what) in tensors.items()]).set_index("tensor")
+    frame = pd.DataFrame([{"tensor": name, "shape": str(list(t.shape)), "dtype": str(t.dtype).replace("torch.", ""),
+                           "what it holds": what} for name, (t, what) in tensors.items()]).set_index("tensor")
+    return fit_table(frame, wrap=("what it holds",))
+
+
+def completion_end(text: str, max_chars: int = 60) -> str:
+    """The last `max_chars` characters of a completion, newlines shown as ⏎: its end is where the
+    `#### N` that the reward reads is."""
+    flat = text.replace("\n", " ⏎ ")
+    return flat if len(flat) <= max_chars else "…" + flat[-(max_chars - 1):]
 
 
 def group_view(batch, texts: list[str], logp, old_logp, group: int, group_size: int, clip_eps: float,
-               max_chars: int = 70):
-    """Completion by completion, one group of a batch: reward, advantage, completion tokens, mean log π
-    and mean ratio over its tokens, and its term of the loss (`loss.grpo_loss` on that row alone: the
-    batch's loss is the mean of these terms)."""
+               max_chars: int = 60):
+    """Completion by completion, one group of a batch: reward, advantage, the answer the reward read
+    (the number after its last `#### `, or — when there is none) and the completion's end, where that
+    answer is; its tokens, mean log π and mean ratio over them, and its term of the loss
+    (`loss.grpo_loss` on that row alone: the batch's loss is the mean of these terms)."""
     import pandas as pd
 
     from ..loss import grpo_loss
+    from ..rewards import extract_answer
     rows = []
     for i in range(group * group_size, (group + 1) * group_size):
         mask = batch.completion_mask[i:i + 1]
         tokens = mask.sum().clamp(min=1)
         term, _ = grpo_loss(logp[i:i + 1].detach(), old_logp[i:i + 1], batch.advantages[i:i + 1], mask, clip_eps)
         ratio = torch.exp(logp[i].detach() - old_logp[i])
-        rows.append({"completion": texts[i][:max_chars].replace("\n", " ⏎ "), "reward": batch.rewards[i].item(),
-                     "advantage": batch.advantages[i].item(), "tokens": int(mask.sum()),
+        rows.append({"reward": batch.rewards[i].item(), "advantage": batch.advantages[i].item(),
+                     "'#### N' read": extract_answer(texts[i]) or "—",
+                     "completion (its end)": completion_end(texts[i], max_chars), "tokens": int(mask.sum()),
                      "mean log π": ((logp[i].detach() * mask[0]).sum() / tokens).item(),
                      "mean ratio ρ": ((ratio * mask[0]).sum() / tokens).item(), "loss term": term.item()})
     return pd.DataFrame(rows).rename_axis(f"group {group}")
@@ -75,6 +101,70 @@ def advantage_note(rewards: torch.Tensor, group_size: int, group: int = 0) -> st
             f"A group whose rewards are all equal has std 0 and every advantage exactly 0: it adds nothing to "
             f"the gradient, whatever its reward. In this batch **{len(equal)} of {groups.shape[0]} groups** had "
             f"equal rewards{which}, so {groups.shape[0] - len(equal)} carry the learning signal.")
+
+
+def group_rewards_note(rewards: torch.Tensor, group_size: int, group: int) -> str:
+    """Markdown: one group's rewards only, before its advantages are shown (the learner predicts them)."""
+    r = rewards.view(-1, group_size)[group].tolist()
+    return (f"**Group {group}'s rewards**, completion by completion: {', '.join(f'{v:g}' for v in r)} "
+            f"(G = {group_size}; best {max(r):g}).")
+
+
+def prediction_note(predicted: float | None, rewards: torch.Tensor, group_size: int, group: int) -> str:
+    """Markdown: the advantage of the group's best completion against the learner's prediction, and,
+    for rewards of 0 and 1 only, the closed form √((G−k)/k) of k right answers out of G."""
+    from ..loss import group_advantages
+    r = rewards.view(-1, group_size)[group]
+    advantages = group_advantages(r, group_size)
+    best = advantages[r.argmax()].item()
+    if predicted is None:
+        verdict = "You wrote no prediction (set `my_prediction` and run the two cells again)."
+    else:
+        off = abs(predicted - best)
+        verdict = (f"You predicted {predicted:+.2f}: " +
+                   ("right (within 0.1)." if off <= 0.1 else f"off by {off:.2f}."))
+    closed = ""
+    if set(r.tolist()) <= {0.0, 1.0} and 0 < r.sum().item() < group_size:
+        k = int(r.sum().item())
+        closed = (f" With rewards 0 and 1 and k = {k} of G = {group_size} right, the mean is k/G and the "
+                  f"std √(k/G·(1−k/G)), so a right answer gets √((G−k)/k) = {((group_size - k) / k) ** 0.5:+.2f} "
+                  f"and a wrong one −√(k/(G−k)) = {-(k / (group_size - k)) ** 0.5:+.2f} (the eps in the "
+                  f"denominator takes a little off): the rarer a success in "
+                  f"its group, the harder it is pushed up.")
+    return f"**The reveal.** The best completion of group {group} has advantage **{best:+.2f}**. {verdict}{closed}"
+
+
+def kl_penalty_note(logp, ref_logp, mask, clip_eps: float, kl_beta: float, example_beta: float = 0.04) -> str:
+    """Markdown: the KL penalty `grpo.kl_beta` would add to the loss on a batch, computed by
+    `loss.grpo_loss` from the policy's log-probs and the base model's (adapter disabled), beside
+    what the run's own kl_beta is."""
+    from ..loss import grpo_loss
+    zero = torch.zeros(logp.shape[0])
+    _, parts = grpo_loss(logp, logp, zero, mask, clip_eps, ref_logp=ref_logp, kl_beta=example_beta)
+    kl = parts["kl"]
+    own = ("off (the default, as in DAPO and Dr. GRPO: a reward checked by a rule has no reward model to "
+           "exploit, and the policy has to move away from the base to learn), so the column *KL to base* "
+           "above is a metric only" if kl_beta == 0 else f"{kl_beta:g}, so the loss holds β × KL per token")
+    return (f"**KL penalty.** This run's `grpo.kl_beta` is {own}. On step 1's batch the trained adapter is "
+            f"{kl:.2e} nats per token from the base (k3 estimate, the loss's own: `loss.grpo_loss` with "
+            f"`ref_logp`); `grpo.kl_beta={example_beta:g}` (DeepSeekMath's β) would add β × KL = "
+            f"{example_beta * kl:.1e} to the loss, and its gradient β(1 − π<sub>base</sub>/π) per token pulls "
+            f"each log-prob back towards the base's. To train with it, add `\"grpo.kl_beta={example_beta:g}\"` to "
+            f"`OVERRIDES`.")
+
+
+def reward_exercise_note(rows: list[dict], name: str, steps: int) -> str:
+    """Markdown: what the reward `name` paid over the last `steps` rows, beside the completions'
+    length then and over as many steps before."""
+    ran, before = rows[-steps:], rows[-2 * steps:-steps]
+    paid = sum(r.get(f"reward/{name}/mean", 0.0) for r in ran) / len(ran)
+
+    def length(part):
+        return sum(r["completions/mean_length"] for r in part) / len(part) if part else float("nan")
+    return (f"**Your reward `{name}`** paid {paid:.3f} on average over its {len(ran)} step(s) (logged as "
+            f"`reward/{name}/mean`; the panel's reward line shows it as a term of `reward/mean`). The completions "
+            f"were {length(ran):.1f} tokens long on average then, {length(before):.1f} over the {len(before)} "
+            f"step(s) before: a few steps move a reward this small little, so try a larger weight or more steps.")
 
 
 def direction(before: float, after: float, se: float) -> str:
