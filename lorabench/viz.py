@@ -458,14 +458,20 @@ def refresh_rank_figure(rows, label: str = ""):
                                log_position=True)[1] for r in sel]
         ax.plot([r["rank"] * shift for r in sel], medians, "-", color=color, lw=1.8, label=mode)
     adapter_mb = {r["rank"]: r["bytes"] / 2**20 for r in rows if r["mode"] == "tensor"}
+    if len(adapter_mb) > 1:   # the reference: a time in proportion to the adapter's bytes (slope 1 here)
+        low = min(adapter_mb)
+        start = min(statistics.median(end_to_end_ms(r)) for r in rows if r["rank"] == low)
+        xs = sorted(adapter_mb)
+        ax.plot(xs, [start * adapter_mb[k] / adapter_mb[low] for k in xs], "--", color="black", lw=1.2,
+                label="∝ adapter bytes")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(ranks, [f"{k}\n{adapter_mb[k]:.2g} MB" if k in adapter_mb else f"{k}" for k in ranks])
     ax.minorticks_off()
     _log_ticks(ax.yaxis)
     ax.set(xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
-    title_with_legend(ax, "Refresh end to end vs LoRA rank: each mode's median joined (bars: middle half; "
-                          "dots: each repeat)", ncol=4)
+    title_with_legend(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each "
+                          "repeat; dashed: a time in proportion to the bytes)", ncol=5)
     ax.grid(alpha=0.3, which="both")
     fig.suptitle(label, x=0.01, ha="left")
     return fig

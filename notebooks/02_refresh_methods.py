@@ -155,6 +155,13 @@ display(Markdown(explain.storage_markdown(storage)))
 # faster than one that streams from memory, so the fastest size gives a floor no refresh can beat.
 # Right: the median call split into its parts, then the median first request, on a linear axis so
 # that the parts' lengths compare.
+#
+# **Predict first.** Which mode will be fastest end to end on this machine? On a GPU with SGLang the
+# recorded answer is in section 5; this is a CPU (or whatever `ENGINE` runs on), and the engine
+# runs in this process. Write `"file"`, `"tensor"`, `"inplace"` or `"merged"` into `my_prediction`.
+
+# %%
+my_prediction = None   # the mode you expect to be fastest here
 
 # %%
 with WaitProgress("refresh modes") as progress:
@@ -164,15 +171,17 @@ modes_fig = viz.refresh_modes_figure(rows, bandwidth, label=f"{label}: LoRA r={R
                                                             f"{REPEATS} repeats, {threads} thread(s), {rb.load_label()}")
 
 # %%
-pd.DataFrame([{"mode": r["mode"], "MB moved": r["bytes"] / 2**20,
-               "end to end ms (median)": 1e3 * r["end_to_end_s"],
-               "IQR ms": "–".join(f"{q:.3g}" for q in viz.quartiles(viz.end_to_end_ms(r))[::2]),
-               "call ms": 1e3 * r["total_s"], "first request ms": 1e3 * r["first_request_s"],
-               "floor ms": 1e3 * rb.floor_seconds(r["bytes"], bandwidth),
-               "× floor": r["total_s"] / rb.floor_seconds(r["bytes"], bandwidth)} for r in rows]
-             ).set_index("mode").round(3)
+explain.fit_table(pd.DataFrame([{
+    "mode": r["mode"], "MB moved": r["bytes"] / 2**20, "end to end ms (median)": 1e3 * r["end_to_end_s"],
+    "IQR ms": "–".join(viz.ms_text(q) for q in viz.quartiles(viz.end_to_end_ms(r))[::2]),
+    "call ms": 1e3 * r["total_s"], "first request ms": 1e3 * r["first_request_s"],
+    "floor ms": 1e3 * rb.floor_seconds(r["bytes"], bandwidth),
+    "× floor": r["total_s"] / rb.floor_seconds(r["bytes"], bandwidth)} for r in rows]).set_index("mode"),
+    {"MB moved": "{:.3g}", "end to end ms (median)": viz.ms_text, "call ms": viz.ms_text,
+     "first request ms": viz.ms_text, "floor ms": "{:.2g}", "× floor": "{:,.0f}"})
 
 # %%
+display(Markdown(explain.mode_prediction_note(my_prediction, rows)))
 display(Markdown(explain.modes_markdown(rows, bandwidth)))
 
 # %% [markdown]
@@ -227,8 +236,10 @@ display(Markdown(explain.buckets_markdown(merged)))
 # ## 4. How does the cost change with the LoRA rank?
 # The adapter's bytes grow in proportion to the rank: `r` rows of A and `r` columns of B per layer.
 # Each rank in `RANKS` gets its own trainer-side adapter and every mode refreshes it `REPEATS` times.
-# The figure is log-log, so a time that grew in proportion to the bytes would climb as steeply as
-# the bytes do; the adapter's size is under each rank.
+# The figure is log-log, and the dashed line is a time in proportion to the adapter's bytes (slope
+# 1, drawn from the fastest median at the smallest rank): a mode that climbs as steeply pays per byte,
+# a flatter one pays mostly per call or per tensor, whatever the rank. The adapter's size is under
+# each rank.
 
 # %%
 with WaitProgress("ranks × modes") as progress:
@@ -253,13 +264,22 @@ engine.close()
 
 # %% [markdown]
 # ## 5. On a GPU, with SGLang
-# With `ENGINE = "sglang"` on a GPU, sections 0, 2, 3 and 4 measure SGLang itself. The lorabench
-# repository's results page (`docs/results.md`) records this lesson's earlier figures from an H200,
-# with a random-init model of Qwen3-0.6B's shape in bf16 (the refresh cost depends on the shapes, not
-# on the values) and `RANK = 32`. In that recording, `inplace` was the fastest end to end and most of
-# its time was the first request (a full prefill: the prefix cache was flushed), SGLang's load was
-# the largest part of the `file` and `tensor` calls, and a merged refresh's pushes were most of its
-# time at every bucket size.
+# With `ENGINE = "sglang"` on a GPU, sections 0, 2, 3 and 4 measure SGLang itself. The repository
+# records this lesson's section 2 from one H200 (`benchmarks/results/gpu/refresh_notebook02_sglang.json`,
+# `docs/results.md`), with a random-init model of Qwen3-0.6B's shape in bf16 (the refresh cost
+# depends on the shapes, not on the values) and `RANK = 32`. Side by side with this run (the GPU's
+# end to end is its median call plus its median first request; the models and ranks differ, so
+# compare the orders, not the milliseconds):
+
+# %%
+gpu = explain.gpu_mode_rows()
+display(explain.fit_table(explain.cpu_gpu_table(rows, gpu), "{:.3g}"))
+display(Markdown(explain.cpu_gpu_markdown(rows, gpu)))
+
+# %% [markdown]
+# In that recording most of `inplace`'s time was the first request (a full prefill: the prefix cache
+# was flushed), SGLang's load was the largest part of the `file` and `tensor` calls, and a merged
+# refresh's pushes were most of its time at every bucket size.
 #
 # ## Try it yourself
 # Write down what you expect before you run each one.
@@ -293,6 +313,11 @@ explain.self_check({
         and by_name["tensor"]["engine = trainer"] and by_name["tensor"]["old handle reads"] == "the old values",
     "section 2's sentence names the modes in the figure's order, fastest on top":
         stated == [t.get_text() for t in modes_fig.axes[0].get_yticklabels()],
+    "the reveal names the fastest mode the figure shows on top":
+        f"`{stated[0]}`" in explain.mode_prediction_note(None, rows).split("You wrote")[0],
+    "section 5's table puts the modes in this run's order, the places 1 to 4":
+        list(explain.cpu_gpu_table(rows, gpu).index) == [r["mode"] for r in sorted(rows, key=explain.refresh_costs._median_ms)]
+        and list(explain.cpu_gpu_table(rows, gpu)["here: place"]) == list(range(1, len(rows) + 1)),
     "every bucket size gave a different push count, the one the packing computed":
         len({r["buckets"] for r in merged}) == len(merged)
         and all(r["buckets"] == rb.push_count(pushed, r["bucket_mb"]) for r in merged),

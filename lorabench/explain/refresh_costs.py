@@ -3,6 +3,9 @@ new one) and what its timings say, each order stated only where the repeats' spr
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 
@@ -216,3 +219,90 @@ def threads_markdown(rows, cpus: int, load_average: float, chosen: int | None = 
                "the fewest threads whose upper quartile is within 10% of the lowest")
         text += f"\n- Sections 2-4 time with {threads(chosen)}: {why}."
     return text
+
+
+# notebook 02's sweep on SGLang (one H200, Qwen3-0.6B's shape in bf16, r=32), as the repository records it
+GPU_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu" / "refresh_notebook02_sglang.json"
+
+
+def gpu_mode_rows(path: Path = GPU_RESULTS) -> tuple[list[dict], str] | None:
+    """The GPU recording's rows of section 2 (one per mode, the first at each mode's 64 MB bucket) with
+    its label, or None where the file is not there (an installed package without the repository)."""
+    if not Path(path).is_file():
+        return None
+    data = json.loads(Path(path).read_text())
+    rows = {}
+    for r in data.get("rows", []):
+        if r.get("bucket_mb") == 64:
+            rows.setdefault(r["mode"], r)
+    rank = next(iter(rows.values()))["rank"] if rows else "?"
+    return list(rows.values()), f"{data.get('engine', 'GPU')}, r={rank}, {str(data.get('date', ''))[:10]}"
+
+
+def cpu_gpu_table(rows, gpu: tuple[list[dict], str] | None):
+    """Each mode's median end to end here (refresh call + first request) and its place, beside the
+    GPU recording's (its median call + its median first request) and place there."""
+    import pandas as pd
+    here = sorted(rows, key=_median_ms)
+    table = pd.DataFrame({"mode": [r["mode"] for r in here],
+                          "here: ms": [_median_ms(r) for r in here],
+                          "here: place": range(1, len(here) + 1)}).set_index("mode")
+    if gpu is not None:
+        gpu_rows, label = gpu
+        there = sorted(gpu_rows, key=_gpu_ms)
+        table[f"{label}: ms"] = pd.Series({r["mode"]: _gpu_ms(r) for r in there})
+        table[f"{label}: place"] = pd.Series({r["mode"]: i + 1 for i, r in enumerate(there)})
+    return table
+
+
+def _gpu_ms(row) -> float:
+    return 1e3 * (row["total_s"] + row["first_request_s"])
+
+
+def cpu_gpu_markdown(rows, gpu: tuple[list[dict], str] | None) -> str:
+    """The two orders in words, computed from the table's numbers: the same, or which modes trade places."""
+    here = [r["mode"] for r in sorted(rows, key=_median_ms)]
+    if gpu is None:
+        return f"Fastest to slowest here: {', '.join(f'`{m}`' for m in here)}; no GPU recording found to compare."
+    there = [r["mode"] for r in sorted(gpu[0], key=_gpu_ms)]
+    if here == there:
+        return (f"Here and on the GPU ({gpu[1]}) the order is the same: {' < '.join(f'`{m}`' for m in here)}.")
+    moved = [f"`{m}` {here.index(m) + 1} here, {there.index(m) + 1} there" for m in here
+             if m in there and here.index(m) != there.index(m)]
+    why = []
+    if "merged" in here and "merged" in there and here.index("merged") < there.index("merged"):
+        why.append("here the engine is in this process and a copy of the whole weights is a memory copy like "
+                   "any other, so `merged` costs little more than moving the adapter")
+    if there[0] == "inplace" and here[0] != "inplace":
+        why.append("on the GPU every engine call is a request to SGLang's scheduler and a load or a push "
+                   "costs far more than its bytes, so `inplace`, which only writes values into memory the "
+                   "engine holds, is fastest")
+    tied = [" and ".join(f"`{m}`" for m in g) for g in mode_groups(rows) if len(g) > 1]
+    ties = (f" Here {'; '.join(tied)} are within each other's spread: their places can swap in the next run."
+            if tied else "")
+    return (f"Fastest to slowest here: {' < '.join(f'`{m}`' for m in here)}; on the GPU ({gpu[1]}): "
+            f"{' < '.join(f'`{m}`' for m in there)}. Places that differ: {'; '.join(moved)}.{ties}"
+            + (f" Why: {'; '.join(why)}." if why else ""))
+
+
+def mode_prediction_note(predicted: str | None, rows) -> str:
+    """The fastest mode measured (with those tied with it within the spread) against the learner's guess."""
+    first = mode_groups(rows)[0]
+    fastest = " ≈ ".join(f"`{m}`" for m in first)
+    if predicted is None:
+        return (f"**The reveal.** Fastest end to end on this machine: {fastest}. You wrote no prediction "
+                f"(set `my_prediction` before section 2 and run it again).")
+    if predicted not in {r["mode"] for r in rows}:
+        return f"**The reveal.** Fastest here: {fastest}; `{predicted}` is not a mode ({', '.join(rb_modes(rows))})."
+    right = predicted in first
+    return (f"**The reveal.** Fastest end to end on this machine: {fastest}. You predicted `{predicted}`: "
+            + ("right." if right else f"it came {_place(predicted, rows)} of {len(rows)}."))
+
+
+def rb_modes(rows) -> list[str]:
+    return [f"`{r['mode']}`" for r in rows]
+
+
+def _place(mode: str, rows) -> str:
+    place = [r["mode"] for r in sorted(rows, key=_median_ms)].index(mode) + 1
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(place, f"{place}th")
