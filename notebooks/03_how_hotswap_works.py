@@ -228,8 +228,8 @@ seqs, plens = explain.rollout_sequences(trainer, 2)
 after_merge = explain.trainer_vs_engine(trainer, seqs, plens, adapter)
 explain.restore_base_weights(engine, trainer.model)
 restored = explain.trainer_vs_engine(trainer, seqs, plens, adapter)
-pd.DataFrame({"after the merged refresh": after_merge, "base weights restored": restored}).T.rename(
-    columns=lambda c: f"|Δ log-prob| {c}")
+explain.fit_table(pd.DataFrame({"after the merged refresh": after_merge, "base weights restored": restored}).T.rename(
+    columns=lambda c: f"|Δ log-prob| {c}"), "{:.2e}")
 
 # %% [markdown]
 # ## 4. Three failure modes, reproduced safely
@@ -252,7 +252,8 @@ pd.DataFrame({"with the adapter's name": explain.greedy_completions(trainer, pro
 # %%
 with_name = explain.trainer_vs_engine(trainer, seqs, plens, adapter)
 without_name = explain.trainer_vs_engine(trainer, seqs, plens, None)
-pd.DataFrame({"with the name": with_name, "without": without_name}).T.rename(columns=lambda c: f"|Δ log-prob| {c}")
+explain.fit_table(pd.DataFrame({"with the name": with_name, "without": without_name}).T.rename(
+    columns=lambda c: f"|Δ log-prob| {c}"), "{:.2e}")
 
 # %% [markdown]
 # ### 4.2 `'all-linear'` passed through `list()` becomes characters
@@ -297,6 +298,13 @@ except ConfigError as err:
 # on this engine; for each of `SEEDS` seeds (`run.seed`: the problems, the sampling and the LoRA
 # init; the base model stays the same). Then each trainer's adapter is scored on held-out problems,
 # the stale one after one real refresh.
+#
+# **Predict first.** The stale trainer takes the same gradient steps, on rollouts of the first
+# adapter. Once its own adapter is served, will its held-out reward be *lower* than the refreshed
+# trainer's, *the same*, or *higher*? Write it into `my_prediction` before you run the cells.
+
+# %%
+my_prediction = None   # "lower", "the same" or "higher": the stale trainer's held-out reward against the refreshed one's
 
 # %%
 def arm_trainer(arm, seed):
@@ -330,6 +338,8 @@ display(Markdown(sentence))
 held, held_text = explain.heldout_table(summary), explain.heldout_sentence(summary)
 display(held)
 display(Markdown(held_text))
+harm_text, harm_verdict = explain.harm_sentence(summary, my_prediction)
+display(Markdown(harm_text))
 
 # %% [markdown]
 # **The check:** the same trainer-vs-engine comparison, on each stale run's last state: the engine
@@ -342,7 +352,7 @@ pd.DataFrame({f"seed {seed}: engine at v{c['served_before']}, trainer at v{c['tr
                   "|Δ log-prob| mean, after one refresh": c["after"]["mean"],
                   "|Δ log-prob| p99, stale engine": c["before"]["p99"],
                   "|Δ log-prob| p99, after one refresh": c["after"]["p99"]}
-              for seed, c in zip(comparison["seeds"], comparison["check"])}).transpose()
+              for seed, c in zip(comparison["seeds"], comparison["check"])}).transpose().style.format("{:.2e}")
 
 # %% [markdown]
 # ### Why the trainer does not notice: one group's GRPO loss
@@ -417,6 +427,15 @@ explain.self_check({
         c["before"]["p99"] > 2 * c["after"]["p99"] and c["after"]["mean"] < noise_limit for c in comparison["check"]),
     "the sentence under the curves quotes their means": all(f"**{v:.2f}**" in sentence for v in recomputed.values()),
     "the held-out sentence quotes its table": all(f"{v:.0%}" in held_text for v in held.data.to_numpy().ravel()),
+    "where the harm shows: the sentence quotes the served rewards and the held-out shares it compares": all(
+        f"{summary['mean'][a]:.2f}" in harm_text for a in explain.ARMS) and all(
+        f"{summary['heldout'][a][k]:.0%}" in harm_text for a in explain.ARMS for k in explain.HELDOUT_MEASURES),
+    "its served-reward claim holds: 'shows' only if the refreshed run's reward was higher in every seed":
+        ("it shows in the served reward" in harm_text) == (summary["refreshed_higher"] == SEEDS),
+    "its held-out claim holds: 'does not show' only if no held-out share of the stale trainer is lower": (
+        "does not show**" in harm_text) == all(explain.direction(summary["heldout"]["refreshed"][k],
+        summary["heldout"]["stale"][k], explain.share_se(summary["heldout"]["refreshed"][k],
+        summary["heldout"]["stale"][k], summary["heldout_n"])) != "fell" for k in explain.HELDOUT_MEASURES),
     "the group's advantages are (r − mean r) / (std r + 1e-4), as the formula above says": torch.allclose(
         stale_group["advantages"], (r - r.mean()) / (r.std(unbiased=False) + 1e-4), atol=1e-5),
     "with π_old = its own log-probs, the trainer's ratio is 1 (no token outside 1 ± ε)":

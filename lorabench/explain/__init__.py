@@ -35,7 +35,7 @@ from .lora import (
     token_labels,
     top_effects,
 )
-from .ranks import rank_verdict
+from .ranks import prediction_sentence, rank_verdict, update_sentence, update_table
 from .refresh_costs import (
     buckets_markdown,
     cpu_gpu_markdown,
@@ -60,6 +60,7 @@ from .staleness import (
     group_loss_sentence,
     group_loss_table,
     group_table,
+    harm_sentence,
     heldout_means,
     heldout_sentence,
     heldout_table,
@@ -97,12 +98,13 @@ __all__ = [
     "completion_end", "cpu_gpu_markdown", "cpu_gpu_table", "delta_w_spectrum", "direction", "engine_lora_weight",
     "equal_reward_groups", "fit_table", "fold_direction", "gpu_mode_rows", "gradient_norm", "greedy_completions",
     "group_loss_sentence", "group_loss_table", "group_rewards_note", "group_table", "group_view", "half_means",
-    "heldout_means", "heldout_sentence", "heldout_table", "kl_penalty_note", "last_mean", "learned_summary",
-    "logprob_difference", "lora_factors", "lora_layer_facts", "mode_groups", "mode_prediction_note",
-    "modes_markdown", "next_token_topk", "one_group_loss", "plot_delta_w", "plot_logprob_difference",
-    "plot_lora_factors", "plot_refresh_timeline", "plot_refreshed_vs_stale", "plot_singular_values", "plot_topk",
-    "prediction_note", "rank_markdown", "rank_verdict", "refresh_once", "refreshed_vs_stale", "resolve_model_shown",
-    "restore_base_weights", "reward_exercise_note", "rollout_sequences", "self_check", "share_se",
-    "stated_directions", "storage_across_refresh", "storage_markdown", "storage_table", "tensor_shapes",
-    "threads_markdown", "token_labels", "top_effects", "train_shown", "trainer_vs_engine", "use_trained_run"
+    "harm_sentence", "heldout_means", "heldout_sentence", "heldout_table", "kl_penalty_note", "last_mean",
+    "learned_summary", "logprob_difference", "lora_factors", "lora_layer_facts", "mode_groups",
+    "mode_prediction_note", "modes_markdown", "next_token_topk", "one_group_loss", "plot_delta_w",
+    "plot_logprob_difference", "plot_lora_factors", "plot_refresh_timeline", "plot_refreshed_vs_stale",
+    "plot_singular_values", "plot_topk", "prediction_note", "prediction_sentence", "rank_markdown", "rank_verdict",
+    "refresh_once", "refreshed_vs_stale", "resolve_model_shown", "restore_base_weights", "reward_exercise_note",
+    "rollout_sequences", "self_check", "share_se", "stated_directions", "storage_across_refresh",
+    "storage_markdown", "storage_table", "tensor_shapes", "threads_markdown", "token_labels", "top_effects",
+    "train_shown", "trainer_vs_engine", "update_sentence", "update_table", "use_trained_run"
 ]

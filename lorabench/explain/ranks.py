@@ -39,3 +39,70 @@ def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = "st
                    "so this does not follow the rank: on one seed it is as likely this run's chance (its samples, "
                    "its initialisation) as the rank's capacity. Run another seed to tell them apart."))
     return f"{head} {tail}", tied
+
+
+def update_table(histories: dict[str, list[dict]], ranks: dict[str, int], alpha: float):
+    """Per policy: its rank, the scale α/r its ΔW = (α/r)·B·A carries, ‖ΔW‖ after its last step, and
+    the GRPO numbers behind the update (mean over its steps: gradient norm, share of groups with a
+    learning signal, the loss)."""
+    import pandas as pd
+
+    from .step import fit_table
+    rows = []
+    for name, rows_ in histories.items():
+        mean = {k: sum(r[k] for r in rows_) / len(rows_) for k in ("grad_norm", "advantage/active_groups",
+                                                                   "loss/policy")}
+        rows.append({"policy": name, "rank r": ranks[name], "α/r": alpha / ranks[name],
+                     "‖ΔW‖ now": rows_[-1]["adapter/delta_norm"], "‖∇‖ mean": mean["grad_norm"],
+                     "groups with signal": mean["advantage/active_groups"], "loss mean": mean["loss/policy"]})
+    return fit_table(pd.DataFrame(rows).set_index("policy"), {"α/r": "{:g}", "‖ΔW‖ now": "{:.3g}",
+                                                              "‖∇‖ mean": "{:.3g}", "groups with signal": "{:.0%}",
+                                                              "loss mean": "{:+.1e}"})
+
+
+def update_sentence(histories: dict[str, list[dict]], ranks: dict[str, int], alpha: float, tied: list[str],
+                    lr: float) -> str:
+    """Markdown: how far each policy's adapter moved (‖ΔW‖) against its rank, and what that says about
+    the verdict, from the numbers: whether the policies behind the best are the ones that moved least
+    (then the comparison at one learning rate is one of update sizes as much as of the rank's room)."""
+    norms = {name: rows[-1]["adapter/delta_norm"] for name, rows in histories.items()}
+    by_rank = sorted(norms, key=lambda n: ranks[n])
+    values = [norms[n] for n in by_rank]
+    falling = all(a > b for a, b in zip(values, values[1:]))
+    rising = all(a < b for a, b in zip(values, values[1:]))
+    trend = ("falls as the rank grows, at every step up" if falling else
+             "grows with the rank, at every step up" if rising else "does not follow the rank")
+    listed = ", ".join(f"{n} {norms[n]:.3g}" for n in by_rank)
+    text = (f"**The update size per rank.** After {len(next(iter(histories.values())))} steps ‖ΔW‖ is {listed}: it "
+            f"{trend}. Every policy has the same learning rate ({lr:g}) and α ({alpha:g}), and ΔW = (α/r)·B·A "
+            f"multiplies B·A by α/r ({', '.join(f'{alpha / ranks[n]:g}' for n in by_rank)}): "
+            + ("here the smaller the rank, the further the same steps moved its adapter. " if falling else
+               "how far the same steps moved each adapter differs by rank. "))
+    behind = [n for n in norms if n not in tied]
+    if not behind:
+        text += ("No policy is behind the best by more than two standard errors, so at this learning rate and "
+                 "length of run neither the rank's room nor the update size separated them.")
+    elif all(norms[b] < min(norms[t] for t in tied) for b in behind):
+        text += (f"The policies behind ({', '.join(behind)}) are the ones whose adapters moved least: here the rank "
+                 f"comparison is also a comparison of how far each policy got at this learning rate. LoRA Without "
+                 f"Regret's claim, that even rank 1 has enough room for RL, is about capacity at each rank's own "
+                 f"best learning rate; this run does not contradict it, and a learning-rate sweep per rank (Try it, "
+                 f"below) is how to tell the two apart.")
+    else:
+        text += (f"The policies behind ({', '.join(behind)}) are not simply those that moved least, so the update "
+                 f"size alone does not explain the gap; on one seed it may be chance as much as the rank.")
+    return text
+
+
+def prediction_sentence(predicted: str | None, after: dict[str, dict], tied: list[str], key: str = "strict") -> str:
+    """The learner's predicted winner against the best held-out policy (and those tied with it)."""
+    best = max(after, key=lambda n: after[n][key])
+    with_it = [n for n in tied if n != best]
+    head = f"**The reveal.** Best held-out: **{best}**" + (f" (tied within two standard errors: {', '.join(with_it)})"
+                                                           if with_it else "") + "."
+    if predicted is None:
+        return head + " You wrote no prediction (set `my_prediction` before the run)."
+    if predicted not in after:
+        return head + f" `{predicted}` is not one of the policies ({', '.join(after)})."
+    return head + (f" You predicted {predicted}: " + ("right." if predicted == best else
+                   "tied with the best, so right at this sample size." if predicted in tied else "not this time."))

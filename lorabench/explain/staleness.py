@@ -83,6 +83,7 @@ def compare_summary(result: dict, last: int = 5) -> dict:
             "refreshed_higher": sum(r > s for r, s in pairs), "stale_higher": sum(s > r for r, s in pairs),
             "heldout": {a: heldout_means(result["heldout"][a]) for a in ARMS},
             "first_adapter": heldout_means(result["first_adapter"]),
+            "heldout_n": sum(e["n"] for e in result["heldout"]["refreshed"]),   # problems scored, all seeds
             "stale_served": sorted({r["adapter/served_version"] for rows in result["rows"]["stale"] for r in rows})}
 
 
@@ -220,10 +221,14 @@ def group_table(group: dict, width: int = 60):
         part = group["ratio"][start:start + n]
         ratios.append(float(part.mean()) if n else float("nan"))
         start += n
-    return pd.DataFrame({"completion": [t.strip().replace("\n", " ⏎ ")[:width] for t in group["texts"]],
-                         "reward r": group["rewards"].tolist(),
-                         "advantage (r − mean)/std": group["advantages"].tolist(),
-                         "tokens": mask_lengths, "mean π_θ/π_sampler": ratios})
+    from .step import completion_end, fit_table
+    frame = pd.DataFrame({"reward r": group["rewards"].tolist(),
+                          "advantage (r − mean)/std": group["advantages"].tolist(),
+                          "tokens": mask_lengths, "mean π_θ/π_sampler": ratios,
+                          "completion (its end, where '#### N' is)": [completion_end(t.strip(), width)
+                                                                      for t in group["texts"]]})
+    return fit_table(frame, {"reward r": "{:.2f}", "advantage (r − mean)/std": "{:+.2f}",
+                             "mean π_θ/π_sampler": "{:.4f}"})
 
 
 def group_loss_table(groups: dict):
@@ -239,7 +244,11 @@ def group_loss_table(groups: dict):
             "loss, π_old = sampler": g["sampler"]["loss"],
             "outside 1 ± ε, π_old = sampler": g["sampler"]["clip_fraction"],
             "π_θ/π_sampler min": lo, "π_θ/π_sampler max": hi}
-    return pd.DataFrame(rows).T
+    from .step import fit_table
+    losses = {c: "{:+.2e}" for c in ("loss, π_old = trainer", "loss, π_old = sampler")}
+    shares = {c: "{:.1%}" for c in ("outside 1 ± ε, π_old = trainer", "outside 1 ± ε, π_old = sampler")}
+    return fit_table(pd.DataFrame(rows).T, {**losses, **shares, "π_θ/π_sampler min": "{:.4f}",
+                                            "π_θ/π_sampler max": "{:.4f}"})
 
 
 def group_loss_sentence(stale: dict, fresh: dict) -> str:
@@ -256,3 +265,48 @@ def group_loss_sentence(stale: dict, fresh: dict) -> str:
             f"them lie outside 1 ± {eps:g}; after one refresh {float(fresh['ratio'].min()):.3f} to "
             f"{float(fresh['ratio'].max()):.3f}, {outside(fresh)} outside. The stale trainer takes each step as if "
             f"its rollouts were its own; only the mismatch check (`mismatch/*`) tells them apart.")
+
+
+def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str]:
+    """Where the harm of a stale refresh shows and where it does not, from the numbers on screen
+    (Markdown), and the held-out verdict for the learner's prediction: 'lower', 'the same' or
+    'higher' (the stale trainer's strict reward against the refreshed trainer's, beyond two standard
+    errors of a share of the problems scored). The served reward's harm counts only if the refreshed
+    run's reward was higher in every seed."""
+    from .step import direction, share_se
+    n, mean, seeds = summary["heldout_n"], summary["mean"], len(summary["per_seed"]["refreshed"])
+    served_gap = mean["refreshed"] - mean["stale"]
+    if summary["refreshed_higher"] == seeds:
+        served = (f"**it shows in the served reward**: the engine's rollouts scored {mean['refreshed']:.2f} refreshed "
+                  f"against {mean['stale']:.2f} stale over the last {summary['last']} steps ({served_gap:+.2f}, the "
+                  f"refreshed run higher in every seed), because the stale engine kept serving the first adapter")
+    else:
+        served = (f"the served reward does not show it clearly in these runs: {mean['refreshed']:.2f} refreshed "
+                  f"against {mean['stale']:.2f} stale over the last {summary['last']} steps, the refreshed run higher "
+                  f"in {summary['refreshed_higher']} of {seeds} seeds")
+    parts, words = [], {}
+    for k, what in HELDOUT_MEASURES.items():
+        fresh, stale = summary["heldout"]["refreshed"][k], summary["heldout"]["stale"][k]
+        word = direction(fresh, stale, share_se(fresh, stale, n))
+        words[k] = {"rose": "higher", "fell": "lower", "held": "the same"}[word]
+        parts.append(f"{what} {stale:.0%} stale against {fresh:.0%} refreshed ({words[k]}"
+                     f"{' within two standard errors' if word == 'held' else ''})")
+    verdict = words["strict"]
+    unharmed = all(w != "lower" for w in words.values())
+    shows_served = summary["refreshed_higher"] == seeds
+    heldout = "**On held-out problems it does not show**" if unharmed else "**On held-out problems it shows too**"
+    if unharmed and shows_served:
+        close = ("The stale trainer still took every gradient step, on the first adapter's rollouts: in these runs "
+                 "what the stale refresh cost is what the engine served meanwhile, not what the trainer learned.")
+    elif unharmed:
+        close = ("In these runs it shows in neither: the first adapter and the trainers' own earn about the same "
+                 "reward after this few steps, and the check that sees the stale engine at once is the mismatch "
+                 "(right plot).")
+    else:
+        close = "The stale trainer learned from the first adapter's rollouts only, and its own adapter is behind too."
+    text = (f"**Where the harm shows.** {served[0].upper()}{served[1:]}. {heldout}, each trainer's own adapter served "
+            f"({n // seeds} problems × {seeds} seed{'s' if seeds > 1 else ''}, greedy): {'; '.join(parts)}. {close}")
+    if predicted is not None:
+        text += (f"\n\nYou predicted the stale trainer's held-out reward to be *{predicted}*: it is *{verdict}* "
+                 f"({'right' if predicted == verdict else 'not what the numbers say'}).")
+    return text, verdict
