@@ -101,6 +101,14 @@ display(pd.DataFrame([{"policy": name, "rank": t.policy.lora_layers.config["r"],
 # buttons checks what a policy alone would: every policy's rollouts came from its own adapter at its
 # trainer's version. The cell below runs `STEPS` steps; the panel stays live afterwards.
 
+# %% [markdown]
+# **Predict first.** Which policy will be best on held-out problems after `STEPS` steps: the
+# smallest rank, the largest, or one between? Write its name (`"r1"`, `"r4"`, ...) into
+# `my_prediction` before the run; the verdict below checks it.
+
+# %%
+my_prediction = None   # e.g. "r1"
+
 # %%
 panel = GroupPanel(session.trainer)
 display(panel)
@@ -122,16 +130,32 @@ histories = {name: list(t.history) for name, t in session.trainer.trainers.items
 before = {name: evals[1] for name, evals in session.before.items()}   # greedy, before step 1
 verdict, tied = explain.rank_verdict(after, before)
 display(Markdown(verdict))
+display(Markdown(explain.prediction_sentence(my_prediction, after, tied)))
 fig = rank_sweep_figure(histories, after)
 
 # %% [markdown]
+# ## How far each policy moved
+# The panel's ‖ΔW‖ plot, as numbers, with the GRPO quantities behind each update (means over the
+# policy's steps): the gradient's norm, the share of groups whose rewards differed (the others have
+# all-zero advantages and add nothing), and the loss (~0 inside a step: ρ = 1, and a group's
+# advantages sum to 0).
+
+# %%
+ranks = {name: t.policy.lora_layers.config["r"] for name, t in session.trainer.trainers.items()}
+display(explain.update_table(histories, ranks, cfg.lora.alpha))
+update_text = explain.update_sentence(histories, ranks, cfg.lora.alpha, tied, g.lr)
+display(Markdown(update_text))
+
+# %% [markdown]
 # **What to take from it.** This is one seed of a small model on a short run: it says whether rank
-# separated these policies here, not in general. LoRA Without Regret's claim is about capacity: an
-# RL run needs to store little information, so even rank 1 has enough room; a supervised run on a
-# large dataset is where small ranks fall behind.
+# separated these policies here, not in general; the two paragraphs above say what it did here.
+# LoRA Without Regret's claim is about capacity (an RL run stores little information per episode,
+# so a small rank has room enough), measured at each rank's best learning rate; a supervised run on
+# a large dataset is where small ranks fall behind.
 #
 # **Try it.** Put a learning-rate sweep in the same way: one rank, `policies` differing in
-# `grpo.lr` (e.g. 1e-3, 3e-3, 1e-2). Or continue this group from a shell (the command appears
+# `grpo.lr` (e.g. 1e-3, 3e-3, 1e-2). Predict first: will the best learning rate for rank 64 be
+# higher or lower than for rank 1, given the α/r column above? Or continue this group from a shell (the command appears
 # after you close the session below).
 
 # %% [markdown]
@@ -155,5 +179,14 @@ checks = {
     "each policy's run dir is an ordinary run dir": all(
         (group_dir / name / "config.json").is_file() for name in session.trainer.trainers),
     "the verdict names the policies the numbers tie": tied == explain.rank_verdict(after, before)[1],
+    "the update sentence quotes each policy's last ‖ΔW‖ and α/r": all(
+        f"{name} {policy_rows[-1]['adapter/delta_norm']:.3g}" in update_text
+        and f"{cfg.lora.alpha / ranks[name]:g}" in update_text for name, policy_rows in rows.items()),
+    "the update sentence's trend word follows the ‖ΔW‖ numbers": (
+        "falls as the rank grows" in update_text) == all(
+        rows[a][-1]["adapter/delta_norm"] > rows[b][-1]["adapter/delta_norm"]
+        for a, b in zip(sorted(rows, key=ranks.get), sorted(rows, key=ranks.get)[1:])),
+    "the reveal names the best held-out policy": f"**{max(after, key=lambda n: after[n]['strict'])}**" in
+        explain.prediction_sentence(None, after, tied),
 }
 explain.self_check(checks)
