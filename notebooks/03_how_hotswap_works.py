@@ -431,7 +431,7 @@ explain.self_check({
         f"{summary['mean'][a]:.2f}" in harm_text for a in explain.ARMS) and all(
         f"{summary['heldout'][a][k]:.0%}" in harm_text for a in explain.ARMS for k in explain.HELDOUT_MEASURES),
     "its served-reward claim holds: 'shows' only if the refreshed run's reward was higher in every seed":
-        ("it shows in the served reward" in harm_text) == (summary["refreshed_higher"] == SEEDS),
+        ("It shows in the served reward" in harm_text) == (summary["refreshed_higher"] == SEEDS),
     "its held-out claim holds: 'does not show' only if no held-out share of the stale trainer is lower": (
         "does not show**" in harm_text) == all(explain.direction(summary["heldout"]["refreshed"][k],
         summary["heldout"]["stale"][k], explain.share_se(summary["heldout"]["refreshed"][k],

@@ -11,7 +11,9 @@ Each figure is saved as a screenshot. With LORABENCH_RECORD=1 the notebooks run 
 defaults instead (what a learner sees; ~4 minutes on 2 cores with the tiny model cached) and the
 screenshots are copied to benchmarks/results/browser_<notebook>_<figure>.png. Each notebook is saved by
 JupyterLab once it ran (its outputs: what the run showed); LB_BROWSER_KEEP_DIR=DIR keeps a copy there.
-The markdown outputs each notebook rendered (sentences a lesson computes from its run) are printed.
+The markdown outputs each notebook rendered (sentences a lesson computes from its run) are printed,
+and each claim/number pairing in them is checked (tests/lesson_claims.py: a verdict agrees with the
+numbers it quotes; the reveal after each prediction names what the numbers show).
 The server and its kernels are shut down in the fixture's teardown."""
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 
+import lesson_claims
 import nbformat
 import papermill
 import pytest
@@ -323,6 +326,8 @@ def test_notebook_in_chromium(lab, browser, path):
         # what the lesson's text said on this run (its sentences computed from the run): `-s` shows it
         said = page.locator(f".jp-OutputArea-output{MARKDOWN}").all_inner_texts()
         print(f"{path.stem} said, as rendered:\n" + "\n".join(said))
+        # each verdict sentence agrees with the numbers it quotes, as the learner reads them
+        assert lesson_claims.problems(path.stem, "\n".join(said)) == []
     except Exception:
         failure = lab["tmp"] / f"failure_{path.stem}.png"
         page.screenshot(path=str(failure), full_page=True)

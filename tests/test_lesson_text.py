@@ -1,6 +1,8 @@
-"""The sentences notebook 01 generates from its numbers (lorabench.explain): every direction word
+"""The sentences the lessons generate from their numbers (lorabench.explain): every direction word
 is chosen from the numbers (rose / fell / held within two standard errors), never assumed, and the
-advantage note states what loss.group_advantages computes."""
+advantage note states what loss.group_advantages computes; the browser test's claim checks
+(tests/lesson_claims.py) pass on each lesson's sentences and catch a sentence that disagrees with its
+numbers."""
 import pytest
 import torch
 
@@ -84,3 +86,89 @@ def test_a_gap_that_does_not_follow_the_order_is_called_so():
     before = _evals(r1=0.0, r4=0.0, r16=0.0, r64=0.0)
     text, tied = rank_verdict(_evals(r1=0.59, r4=0.38, r16=0.52, r64=0.50), before)
     assert tied == ["r1", "r16", "r64"] and "does not follow the rank" in text, text
+
+
+# --- the claims the browser test reads back (tests/lesson_claims.py), on the sentences the lessons generate ---
+def _rendered(*markdown: str) -> str:
+    from lesson_claims import plain
+    return "\n".join(plain(m) for m in markdown)
+
+
+def test_notebook_01_claims_agree_with_their_numbers():
+    from lesson_claims import problems
+    rewards = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    logp, base = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    history = [{"reward/short/mean": 0.1, "completions/mean_length": 30.0, "reward/mean": 0.1}] * 4
+    texts = [explain.learned_summary(evals(0.0, 0.81, 0.0), evals(1.0, 0.60, 0.60)),
+             explain.prediction_note(2.5, rewards, 8, 0), explain.advantage_note(rewards, 8, 0),
+             explain.broken_summary(rows([5e-7] * 6, [0.1] * 6, served=range(6)),
+                                    rows([5e-7, 0.01, 0.02, 0.03, 0.04, 0.05], [0.1] * 6), per_step=64),
+             explain.kl_penalty_note(logp, base, torch.ones(1, 2), 0.2, 0.0),
+             explain.reward_exercise_note(history, "short", 2)]
+    assert problems("01_step_through", _rendered(*texts)) == []
+    wrong = _rendered(*texts).replace("has advantage +2.64", "has advantage +1.00")
+    assert any("reveal" in p for p in problems("01_step_through", wrong))
+    assert any("not rendered" in p for p in problems("01_step_through", _rendered(*texts[:2])))
+
+
+def _refresh_rows():
+    import json
+
+    from lorabench.explain.refresh_costs import GPU_RESULTS
+    rows = [r for r in json.loads(GPU_RESULTS.read_text())["rows"] if r["bucket_mb"] == 64]
+    return list({r["mode"]: r for r in reversed(rows)}.values())   # one per mode
+
+
+def test_notebook_02_claims_agree_with_their_numbers():
+    from lesson_claims import problems
+    rows, gpu = _refresh_rows(), explain.gpu_mode_rows()
+    texts = [explain.mode_prediction_note("merged", rows), explain.modes_markdown(rows, 100.0),
+             explain.cpu_gpu_markdown(rows, gpu)]
+    assert problems("02_refresh_methods", _rendered(*texts)) == []
+    assert "right" not in texts[0] and "`inplace`" in texts[0]   # inplace is the H200's fastest
+    table = explain.cpu_gpu_table(rows, gpu)
+    assert list(table["here: place"]) == [1, 2, 3, 4] and table.index[0] == "inplace"
+    swapped = _rendered(texts[0].replace("machine: `inplace`", "machine: `file`"), *texts[1:])
+    assert problems("02_refresh_methods", swapped)
+
+
+def _summary(refreshed, stale, heldout_fresh, heldout_stale, n=64):
+    seeds = len(refreshed)
+    return {"last": 5, "per_seed": {"refreshed": refreshed, "stale": stale},
+            "mean": {"refreshed": sum(refreshed) / seeds, "stale": sum(stale) / seeds},
+            "refreshed_higher": sum(r > s for r, s in zip(refreshed, stale)),
+            "stale_higher": sum(s > r for r, s in zip(refreshed, stale)),
+            "heldout": {"refreshed": heldout_fresh, "stale": heldout_stale},
+            "first_adapter": heldout_stale, "heldout_n": n * seeds, "stale_served": [0]}
+
+
+@pytest.mark.parametrize("stale_strict, shows_heldout", [(0.17, False), (0.02, True)])
+def test_notebook_03_harm_sentence_says_where_the_harm_shows(stale_strict, shows_heldout):
+    from lesson_claims import problems
+    fresh = {"format": 0.17, "flexible": 0.3, "strict": 0.17}
+    summary = _summary([0.13, 0.14], [0.07, 0.06], fresh, {"format": 0.20, "flexible": 0.3, "strict": stale_strict})
+    text, verdict = explain.harm_sentence(summary, "the same")
+    assert "It shows in the served reward" in text and ("does not show" in text) != shows_heldout, text
+    assert verdict == ("lower" if shows_heldout else "the same")
+    assert problems("03_how_hotswap_works", _rendered(text)) == []
+    tampered = text.replace(f"{summary['mean']['refreshed']:.2f} refreshed", "0.01 refreshed")
+    assert problems("03_how_hotswap_works", _rendered(tampered))
+    mixed, _ = explain.harm_sentence(_summary([0.13, 0.05], [0.07, 0.06], fresh, fresh))
+    assert "does not show it clearly" in mixed and "higher in 1 of 2 seeds" in mixed
+
+
+def test_notebook_04_update_sentence_and_reveal_follow_the_numbers():
+    from lesson_claims import problems
+    ranks = {"r1": 1, "r4": 4, "r16": 16, "r64": 64}
+    norms = {"r1": 25.0, "r4": 18.0, "r16": 12.0, "r64": 10.0}
+    histories = {n: [{"adapter/delta_norm": v, "grad_norm": 1.0, "advantage/active_groups": 0.5,
+                      "loss/policy": 0.0}] for n, v in norms.items()}
+    after, before = _evals(r1=0.45, r4=0.52, r16=0.38, r64=0.35), _evals(r1=0.1, r4=0.1, r16=0.1, r64=0.1)
+    verdict, tied = explain.rank_verdict(after, before)
+    update = explain.update_sentence(histories, ranks, 32, tied, 3e-3)
+    assert "falls as the rank grows" in update and "the ones whose adapters moved least" in update, update
+    reveal = explain.prediction_sentence("r1", after, tied)
+    assert "Best held-out: **r4**" in reveal and ("right at this sample size" in reveal) == ("r1" in tied)
+    assert problems("04_which_rank", _rendered(verdict, update, reveal)) == []
+    assert problems("04_which_rank", _rendered(verdict, update.replace("r64 10", "r64 30"), reveal))
+    assert "‖ΔW‖ now" in explain.update_table(histories, ranks, 32).data.columns

@@ -277,11 +277,11 @@ def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str
     n, mean, seeds = summary["heldout_n"], summary["mean"], len(summary["per_seed"]["refreshed"])
     served_gap = mean["refreshed"] - mean["stale"]
     if summary["refreshed_higher"] == seeds:
-        served = (f"**it shows in the served reward**: the engine's rollouts scored {mean['refreshed']:.2f} refreshed "
+        served = (f"**It shows in the served reward**: the engine's rollouts scored {mean['refreshed']:.2f} refreshed "
                   f"against {mean['stale']:.2f} stale over the last {summary['last']} steps ({served_gap:+.2f}, the "
                   f"refreshed run higher in every seed), because the stale engine kept serving the first adapter")
     else:
-        served = (f"the served reward does not show it clearly in these runs: {mean['refreshed']:.2f} refreshed "
+        served = (f"The served reward does not show it clearly in these runs: {mean['refreshed']:.2f} refreshed "
                   f"against {mean['stale']:.2f} stale over the last {summary['last']} steps, the refreshed run higher "
                   f"in {summary['refreshed_higher']} of {seeds} seeds")
     parts, words = [], {}
@@ -304,7 +304,7 @@ def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str
                  "(right plot).")
     else:
         close = "The stale trainer learned from the first adapter's rollouts only, and its own adapter is behind too."
-    text = (f"**Where the harm shows.** {served[0].upper()}{served[1:]}. {heldout}, each trainer's own adapter served "
+    text = (f"**Where the harm shows.** {served}. {heldout}, each trainer's own adapter served "
             f"({n // seeds} problems × {seeds} seed{'s' if seeds > 1 else ''}, greedy): {'; '.join(parts)}. {close}")
     if predicted is not None:
         text += (f"\n\nYou predicted the stale trainer's held-out reward to be *{predicted}*: it is *{verdict}* "
