@@ -240,8 +240,11 @@ def steps_done(panel) -> int:
 def step_through(page, lab) -> dict:
     """Notebook 01: Run All; then the panel, still live: Step (the plot redrawn), Run N with a large N
     stopped at once by Stop, and last the "Close the session" button."""
-    steps = PARAMETERS["01_step_through"].get("STEPS") or int(papermill.inspect_notebook(
-        str(ROOT / "notebooks" / "01_step_through.ipynb"))["STEPS"]["default"])
+    defaults = papermill.inspect_notebook(str(ROOT / "notebooks" / "01_step_through.ipynb"))
+
+    def parameter(name: str) -> int:
+        return PARAMETERS["01_step_through"].get(name) or int(defaults[name]["default"])
+    steps = parameter("STEPS") + parameter("EXERCISE_STEPS")   # the panel's run, then the steps with your reward
     load, t0 = os.getloadavg(), time.perf_counter()
     run_menu(page, "Run All Cells")
     wait_for_self_check(page)
