@@ -214,7 +214,7 @@ last = panel.wait()   # the last step's record (StepRecord: .metrics, .refresh, 
 # One row per step from `metrics.jsonl` (the panel's plots, as numbers), with the policy's KL to the
 # base model (k3 estimator on the sampled tokens, adapter disabled) and its entropy (nats per
 # token): metrics only, neither is in this run's loss (`grpo.kl_beta` = 0; what a KL penalty would
-# add is computed further down).
+# add is computed under the table).
 
 # %%
 rows = session.metrics()
@@ -229,6 +229,9 @@ explain.fit_table(table, {"reward": "{:.3f}", "ends '#### N'": "{:.3f}", "last n
                     "groups with signal": "{:.0%}", "KL to base": "{:.2e}", "entropy": "{:.3f}",
                     "probe gap": "{:.2e}", "mismatch mean": "{:.2e}", "mismatch p99": "{:.2e}",
                     "refresh s": "{:.3f}", "step s": "{:.2f}"})   # one line per step, nothing cut
+
+# %%
+Markdown(explain.kl_penalty_note(rows, g.kl_beta))   # beside the KL column: what a KL penalty would add
 
 # %% [markdown]
 # Held-out problems the run never trained on, before the first step and now (the same scoring
@@ -268,19 +271,14 @@ Markdown(learned_text)
 # the one that can.
 #
 # Step 1's batch again, scored by the trained adapter: the ratio ρ = π<sub>θ</sub> / π<sub>old</sub>
-# that the clip bounds, and the KL to the base model that a KL penalty would add to the loss (scored
-# with the adapter disabled).
+# that the clip bounds.
 
 # %%
 with torch.no_grad(), t.policy.compute():
     logp_now = loss.token_logprobs(t.model, batch.input_ids, batch.attention_mask, g.temperature,
                                    positions=mask)                               # [N, L-1] the trained policy
-    with t.model.disable_adapter():
-        logp_base = loss.token_logprobs(t.model, batch.input_ids, batch.attention_mask, g.temperature,
-                                        positions=mask)                          # [N, L-1] the base model
 ratio_now = torch.exp(logp_now - old_logp)                                       # [N, L-1]
 display(Markdown(explain.clip_note(ratio_now, batch.completion_mask, g.clip_eps, t.step_count)))
-display(Markdown(explain.kl_penalty_note(logp_now, logp_base, batch.completion_mask, g.clip_eps, g.kl_beta)))
 
 # %% [markdown]
 # Three held-out problems answered greedily before the first step (adapter v0: LoRA starts at

@@ -35,17 +35,15 @@
 # numbers on screen. On a CPU the engine is the `hf` reference engine, so the absolute numbers are not
 # SGLang's; with `ENGINE = "sglang"` on a GPU they are SGLang's.
 #
-# **How long.** On a CPU (2 cores), these defaults, Run All in a fresh kernel with the tiny model
-# cached, measured: 33 s on a quiet machine (no other heavy work; a load average of 1.6-2.0 while it
-# ran, its own work included) and 98 s on a loaded one (two CPU-bound processes started beside other
-# work; a load average of 14). The longest cells are section 0's, whose two-thread refreshes stall
-# when a core is busy (14 s of the quiet run), and the rank sweep (7 s quiet); they and every other
-# measuring cell show a progress bar with an estimate of the time left.
-# A refresh needs no trained model, so an empty model cache adds only the tiny model's build without
-# warm-start (3.5 s, measured at a load average of 5). On a GPU (one H200, `ENGINE = "sglang"`) not measured with these
-# sections yet: the engine's start takes about 40 s there (measured with the earlier version of this
-# lesson, whose Run All took 80-137 s with a model of Qwen3-0.6B's shape and `RANK = 32`); the rank
-# sweep adds one model build per rank.
+# **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached; Run All in
+# a fresh kernel; measured with `benchmarks/notebook_times.py`): expect **0.5-2 minutes**: 33 s on a
+# quiet machine (load average 1.6-2.0), 93 s on a 2-core machine shared with other work (load average
+# 7.2), 98 s beside two busy loops (load average 14). The longest cells are section 0's two-thread
+# refreshes, which stall when a core is busy, and the rank sweep (33 s of the 93); every measuring cell
+# shows a progress bar with the time left. A refresh needs no trained model, so an empty model cache
+# adds only the tiny model's build without warm-start (3.5 s). On a GPU (one H200, `ENGINE = "sglang"`,
+# a model of Qwen3-0.6B's shape, `RANK = 32`): 149 s for Run All in a fresh kernel with SGLang in it
+# (about 40 s of it starting the engine; the rank sweep adds one model build per rank).
 
 # %%
 # setup

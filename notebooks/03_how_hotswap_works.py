@@ -141,7 +141,7 @@ display(Markdown(explain.cliff_sentence(spectrum)))
 # The same claims, measured on the layer itself (random inputs x):
 
 # %%
-pd.Series(explain.lora_layer_facts(trainer.model, f)).to_frame(LAYER)
+explain.facts_frame(explain.lora_layer_facts(trainer.model, f), LAYER)
 
 # %% [markdown]
 # ΔW is a change to W of the size the table's ‖ΔW‖ / ‖W‖ gives, with at most r directions. A's rows

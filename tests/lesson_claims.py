@@ -71,7 +71,7 @@ def step_through(text: str) -> list[str]:
     if kl is None:
         out += _missing("KL penalty.")
     else:
-        m = re.search(rf"is ({NUM}) nats per token from the base.*?kl_beta=({NUM}).*?β × KL = ({NUM})", kl)
+        m = re.search(rf"({NUM}) nats per token from the base.*?kl_beta=({NUM}).*?β × KL = ({NUM})", kl)
         if not m or not math.isclose(_f(m.group(1)) * _f(m.group(2)), _f(m.group(3)), rel_tol=0.06, abs_tol=1e-12):
             out.append(f"KL penalty: β × KL is not β times the KL it quotes ({m and m.groups()})")
     if "paid" not in (_sentence(text, "Your reward") or ""):

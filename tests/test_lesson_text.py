@@ -97,13 +97,12 @@ def _rendered(*markdown: str) -> str:
 def test_notebook_01_claims_agree_with_their_numbers():
     from lesson_claims import problems
     rewards = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-    logp, base = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
     history = [{"reward/short/mean": 0.1, "completions/mean_length": 30.0, "reward/mean": 0.1}] * 4
     texts = [explain.learned_summary(evals(0.0, 0.81, 0.0), evals(1.0, 0.60, 0.60)),
              explain.prediction_note(2.5, rewards, 8, 0), explain.advantage_note(rewards, 8, 0),
              explain.broken_summary(rows([5e-7] * 6, [0.1] * 6, served=range(6)),
                                     rows([5e-7, 0.01, 0.02, 0.03, 0.04, 0.05], [0.1] * 6), per_step=64),
-             explain.kl_penalty_note(logp, base, torch.ones(1, 2), 0.2, 0.0),
+             explain.kl_penalty_note([{"step": 1, "kl/mean": 0.0}, {"step": 2, "kl/mean": 0.0123}], 0.0),
              explain.reward_exercise_note(history, "short", 2)]
     assert problems("01_step_through", _rendered(*texts)) == []
     wrong = _rendered(*texts).replace("has advantage +2.64", "has advantage +1.00")

@@ -49,6 +49,18 @@ def lora_layer_facts(peft_model, f: dict, n_inputs: int = 3, seed: int = 0) -> d
             "‖ΔW‖ / ‖W‖": float(f["delta"].norm() / f["W"].norm())}
 
 
+def facts_frame(facts: dict, column: str):
+    """A dict of facts as a one-column table of readable numbers: whole numbers as they are, others to
+    3 significant digits, tiny ones (a rounding error) as 1.2e-07."""
+    import pandas as pd
+
+    def text(v):
+        if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) < 1e6):
+            return f"{v:g}"
+        return f"{v:.1e}" if isinstance(v, float) and abs(v) < 1e-3 else f"{v:.3g}"
+    return pd.Series({k: text(v) for k, v in facts.items()}).to_frame(column)
+
+
 # --- base vs adapter-applied predictions -------------------------------------------------------------
 @torch.no_grad()
 def next_token_topk(peft_model, tokenizer, prefix_ids: list[int], k: int = 8) -> dict:

@@ -134,23 +134,24 @@ def prediction_note(predicted: float | None, rewards: torch.Tensor, group_size: 
     return f"**The reveal.** The best completion of group {group} has advantage **{best:+.2f}**. {verdict}{closed}"
 
 
-def kl_penalty_note(logp, ref_logp, mask, clip_eps: float, kl_beta: float, example_beta: float = 0.04) -> str:
-    """Markdown: the KL penalty `grpo.kl_beta` would add to the loss on a batch, computed by
-    `loss.grpo_loss` from the policy's log-probs and the base model's (adapter disabled), beside
-    what the run's own kl_beta is."""
-    from ..loss import grpo_loss
-    zero = torch.zeros(logp.shape[0])
-    _, parts = grpo_loss(logp, logp, zero, mask, clip_eps, ref_logp=ref_logp, kl_beta=example_beta)
-    kl = parts["kl"]
+def kl_penalty_note(rows: list[dict], kl_beta: float, example_beta: float = 0.04) -> str:
+    """Markdown: what the KL penalty `grpo.kl_beta` would add to the loss, from the run's own KL metric
+    (`kl/mean`: the k3 estimate on each step's sampled tokens, the policy that sampled them against
+    the base model, adapter disabled; the estimate the loss uses), beside what the run's kl_beta is."""
+    logged = [r for r in rows if r.get("kl/mean") is not None]
+    if not logged:
+        return "**KL penalty.** No KL was logged in this run (`grpo.kl_metric` is off)."
+    last = logged[-1]
+    kl = last["kl/mean"]
     own = ("off (the default, as in DAPO and Dr. GRPO: a reward checked by a rule has no reward model to "
            "exploit, and the policy has to move away from the base to learn), so the column *KL to base* "
-           "above is a metric only" if kl_beta == 0 else f"{kl_beta:g}, so the loss holds β × KL per token")
-    return (f"**KL penalty.** This run's `grpo.kl_beta` is {own}. On step 1's batch the trained adapter is "
-            f"{kl:.2e} nats per token from the base (k3 estimate, the loss's own: `loss.grpo_loss` with "
-            f"`ref_logp`); `grpo.kl_beta={example_beta:g}` (DeepSeekMath's β) would add β × KL = "
-            f"{example_beta * kl:.1e} to the loss, and its gradient β(1 − π<sub>base</sub>/π) per token pulls "
-            f"each log-prob back towards the base's. To train with it, add `\"grpo.kl_beta={example_beta:g}\"` to "
-            f"`OVERRIDES`.")
+           "is a metric only" if kl_beta == 0 else f"{kl_beta:g}, so the loss holds β × KL per token")
+    return (f"**KL penalty.** This run's `grpo.kl_beta` is {own}. At step {last['step']} the policy that sampled "
+            f"was {kl:.2e} nats per token from the base (the table's *KL to base*: the k3 estimate on the "
+            f"sampled tokens, which is what the loss would use); `grpo.kl_beta={example_beta:g}` (DeepSeekMath's β) "
+            f"would add β × KL = {example_beta * kl:.1e} to that step's loss, and its gradient "
+            f"β(1 − π<sub>base</sub>/π) per token pulls each log-prob back towards the base's. To train with it, "
+            f"add `\"grpo.kl_beta={example_beta:g}\"` to `OVERRIDES`.")
 
 
 def reward_exercise_note(rows: list[dict], name: str, steps: int) -> str:
