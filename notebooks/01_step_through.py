@@ -28,21 +28,16 @@
 # command that continues the run from a shell.
 #
 # **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached; Run All in
-# a fresh kernel; the load average is the machine's 1-minute one when Run All started):
-# - **341 s** on a machine shared with other jobs (load average 4.7), `benchmarks/notebook_times.py`;
-# - **447 s and 532 s** in JupyterLab with a busy-loop process beside it (load average 11.8 and 7.9);
-# - a quiet machine (load average 1.4-1.5) was not available for a whole Run All; there a GRPO step
-#   of these defaults took 2.5-3.0 s (`benchmarks/results/cpu_threads.json`), so the 50 steps below
-#   (the panel's 30, the broken run's 20) take about 2.5 minutes.
-#
-# The GRPO steps are most of it; the run's bar and the panel's line show the time left. The first
-# time, the tiny model is built and warm-started (400 steps: 0.3-0.6 s each at load 1.4-1.5, so 2-4
-# minutes; 4-19 s each beside two busy loops) into `~/.cache/lorabench` (or `$LORABENCH_CACHE`),
-# where notebook 03 and `lorabench demo` find it too.
-# On a GPU (one H200, `ENGINE = "sglang"`): not measured for this version of the lesson. The version
-# without the step by hand and the broken run took 96 s (Run All in a fresh kernel, the tiny model
-# built in it; about 30 s of it starting the engine); the 20 steps of the broken run add about as
-# much as the panel's 30 steps took there (20 s).
+# a fresh kernel; `benchmarks/notebook_times.py`, the load average the machine's 1-minute one): expect
+# **6-10 minutes** on a machine shared with other work: 446 s at load average 2.5-2.9 and 341 s at
+# 4.7 (the panel's 30 steps 257 s of the 446, the reward exercise's 5 steps 62 s, the broken run's 20
+# steps 194 s), 447 s and 532 s in JupyterLab with a busy loop beside it (load 11.8 and 7.9). The
+# first time, the tiny model is built and warm-started first (400 steps) into `~/.cache/lorabench` (or
+# `$LORABENCH_CACHE`), where notebook 03 and `lorabench demo` find it too: that added 10.5 minutes at
+# load 6-7 (Run All 1,183 s), 2-4 minutes on a quiet machine. The bars and the panel's line show the
+# time left. On a GPU (one H200, `ENGINE = "sglang"`, the tiny model cached): **107-131 s** for Run
+# All in a fresh kernel with SGLang in it, about 30 s of it starting the engine (measured before the
+# reward exercise's 5 steps were added; a step takes well under a second there).
 
 # %%
 # setup
