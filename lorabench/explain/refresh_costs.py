@@ -278,7 +278,7 @@ def cpu_gpu_markdown(rows, gpu: tuple[list[dict], str] | None) -> str:
                    "costs far more than its bytes, so `inplace`, which only writes values into memory the "
                    "engine holds, is fastest")
     tied = [" and ".join(f"`{m}`" for m in g) for g in mode_groups(rows) if len(g) > 1]
-    ties = (f" Here {'; '.join(tied)} are within each other's spread: their places can swap in the next run."
+    ties = (f" Within each other's spread here (their places can swap in the next run): {'; '.join(tied)}."
             if tied else "")
     return (f"Fastest to slowest here: {' < '.join(f'`{m}`' for m in here)}; on the GPU ({gpu[1]}): "
             f"{' < '.join(f'`{m}`' for m in there)}. Places that differ: {'; '.join(moved)}.{ties}"

@@ -162,10 +162,13 @@ def reward_exercise_note(rows: list[dict], name: str, steps: int) -> str:
 
     def length(part):
         return sum(r["completions/mean_length"] for r in part) / len(part) if part else float("nan")
+    now, then = length(ran), length(before)
+    change = ("shorter" if now < then else "longer" if now > then else "as long") if before else "not compared"
     return (f"**Your reward `{name}`** paid {paid:.3f} on average over its {len(ran)} step(s) (logged as "
             f"`reward/{name}/mean`; the panel's reward line shows it as a term of `reward/mean`). The completions "
-            f"were {length(ran):.1f} tokens long on average then, {length(before):.1f} over the {len(before)} "
-            f"step(s) before: a few steps move a reward this small little, so try a larger weight or more steps.")
+            f"were {now:.1f} tokens long on average then, {then:.1f} over the {len(before)} step(s) before: "
+            f"{change}. A reward that every completion of a group earns alike moves no advantage (A subtracts "
+            f"the group's mean): it teaches only where it tells the completions of one group apart.")
 
 
 def direction(before: float, after: float, se: float) -> str:
