@@ -295,7 +295,9 @@ class StepPanel:
             _stop_panels_on_idle_interrupt()
             self._set_running(True)
             self._idle.clear()
-            threading.Thread(target=self._run, args=(int(n),), name="lorabench-steps", daemon=True).start()
+            done = threading.Event()   # the run's end, for the ticker; started here, so the steps start at once
+            threading.Thread(target=self._tick, args=(done,), name="lorabench-panel-tick", daemon=True).start()
+            threading.Thread(target=self._run, args=(int(n), done), name="lorabench-steps", daemon=True).start()
             return True
 
     def stop(self, note: str = "") -> None:
@@ -318,11 +320,9 @@ class StepPanel:
             raise RuntimeError(f"a GRPO step failed: {self.error!r}") from self.error
         return self.last
 
-    def _run(self, n: int) -> None:
+    def _run(self, n: int, done: threading.Event) -> None:
         interrupts_to_the_main_thread()   # an interrupt while the panel steps is the kernel's (Stop)
         started = time.perf_counter()
-        done = threading.Event()
-        threading.Thread(target=self._tick, args=(done,), name="lorabench-panel-tick", daemon=True).start()
         try:
             for i in range(n):
                 if self._stop.is_set():
