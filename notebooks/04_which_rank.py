@@ -28,7 +28,7 @@
 # a fresh kernel): **135 s** on a quiet machine (load average 0.02; `benchmarks/notebook_times.py`),
 # about 7 s per step of all four policies. The first time, the tiny model is built and warm-started (2-4
 # minutes) into `~/.cache/lorabench`, where the other notebooks and `lorabench demo` find it too.
-# On one H200 (`ENGINE = "sglang"`, the tiny model, Run All in a fresh kernel): **93 s**.
+# On one H200 GPU (`ENGINE = "sglang"`, the tiny model, Run All in a fresh kernel): **93 s**.
 
 # %%
 # setup
