@@ -1,4 +1,4 @@
-"""The in-place refresh's CPU-side plumbing (engines/sglang_pool, which replaced sglang_inplace): the
+"""The in-place refresh's CPU-side plumbing (engines/sglang_internals): the
 copy plan's strided blocks, the status reply each scheduler rank writes and the trainer reads, the
 command protocol around a mapped adapter, and the layout as it crosses to the engine. The pool
 writes themselves run inside SGLang's scheduler and are tested on the GPU (test_sglang_gpu.py)."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lorabench.adapters import AdapterLayout
-from lorabench.engines import sglang_pool as pool
+from lorabench.engines import sglang_internals as pool
 
 
 # --- the copy plan: index maps -> strided blocks of the staging buffer ---------------------------------
