@@ -12,13 +12,10 @@ Invariants: every request names its adapter per prompt (`lora_path=[name]*n`, `[
 base model); 'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts;
 adapter configs are plain JSON (adapters.plain_config) and PEFT state-dict names; tensors are on
 the GPU before CUDA-IPC serialisation; only the memory tags released are resumed; a failed call
-raises EngineError with the engine's own message; a multi-bucket push flushes once, after the last.
+raises EngineError with the engine's own message.
 
-Threads and signals: the Engine is created and driven on a thread of its own (engine_thread.py),
-with its own asyncio loop, so a notebook kernel's loop is never touched; its processes ignore
-Ctrl-C / Kernel -> Interrupt; a failed engine process fails the engine, not this process
-(SGLangEngine's docstring). Scripts that start an Engine need an `if __name__ == "__main__":`
-guard (SGLang spawns its scheduler process).
+Threads and signals: SGLangEngine's docstring. Scripts that start an Engine need an `if __name__ ==
+"__main__":` guard (SGLang spawns its scheduler process).
 """
 from __future__ import annotations
 
@@ -371,14 +368,11 @@ class SGLangEngine:
 
     @staticmethod
     def device_of(settings: SGLangSettings) -> str:
-        """The trainer beside the engine uses cuda:0 (rank 0's GPU, unless base_gpu_id moves the engine)."""
-        return "cuda"
+        return "cuda"   # the trainer's: cuda:0, rank 0's GPU unless base_gpu_id moves the engine
 
     @staticmethod
     def process_memory(settings: SGLangSettings, needs, vocab: int, base_weight_bytes: int) -> list[tuple]:
-        """Nothing in the trainer's process: its weights, KV cache and logits live in its own processes,
-        within mem_fraction_static of each GPU it uses."""
-        return []
+        return []   # nothing in the trainer's process: the engine's memory is its processes' own
 
     @classmethod
     def from_settings(cls, model_path: str, settings: SGLangSettings, needs: EngineNeeds,

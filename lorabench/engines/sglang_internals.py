@@ -2,50 +2,45 @@
 through its public methods and comes here for anything else. Each internal is named once below with
 the check that proves it still holds; all were verified on the releases in VERIFIED. On another
 release `check_version` refuses the in-place writer (refresh.mode=tensor is the public fallback) and
-`release_notes` names, for every mode, which life-cycle internals the started engine lacks.
+`release_notes` names, for every mode, the life-cycle internals the started engine lacks.
 
 Every refresh mode (the engine's life cycle):
-- `shut_down`: sglang.Engine.shutdown's steps without its last, kill_process_tree(os.getpid()), which
+- `shut_down`: sglang.Engine.shutdown's steps but its last, kill_process_tree(os.getpid()), which
   SIGKILLs every child of this process (in a notebook kernel: the user's own). It reads
   `tokenizer_manager._subprocess_watchdog`, `Engine.send_to_rpc`, `Engine._weight_cache_daemon_procs`
-  and `_terminate_weight_cache_daemons`, each looked up and skipped where absent (`missing`), and stops
-  the processes the public `get_all_child_pids` names. The atexit hook SGLang registers is removed.
-- `watch`: SGLang's processes send SIGQUIT to this one when one of them fails (its own handler kills
-  this process); which one exited is read from /proc/<pid>/stat without reaping it.
-- `abort_requests`: `tokenizer_manager.abort_request(abort_all=True)`, SGLang having no public abort;
-  where it is not callable nothing is aborted and an interrupted request runs to its end.
-- `check_reply`: SGLang's replies carry no error code; its texts for a missing or an already loaded
-  adapter are read only where the engine's own record of what it loaded did not answer first.
+  (`_terminate_weight_cache_daemons`), each skipped where absent (`missing`), stops the processes the
+  public `get_all_child_pids` names, and removes the atexit hook SGLang registers.
+- `watch`: SGLang's processes send SIGQUIT to this one when one fails (its own handler kills this
+  process); which one exited is read from /proc/<pid>/stat, without reaping it.
+- `abort_requests`: `tokenizer_manager.abort_request(abort_all=True)` (no public abort); where it is
+  not callable, an interrupted request runs to its end.
+- `check_reply`: replies carry no error code; the texts for a missing or an already loaded adapter
+  are read only where the engine's own record of what it loaded did not answer first.
 - `LORA_BACKENDS`: the choices of `--lora-backend`.
 
-refresh.mode=inplace only (`check_version` keeps it to VERIFIED):
-- in this process: `tokenizer_manager.lora_registry` (an adapter's id) and `rid_to_state` (requests in
-  flight: a write then is refused);
-- the pool writer (`PoolWriter`, `handle`): registered at start as a custom weight loader when the
-  engine may be written in place (engine.sglang.in_place), called only through
-  `update_weights_from_tensor(..., load_format=LOADER)`, which runs `handle(model, named_tensors)` in
-  every scheduler process (one per tensor-parallel rank). It reads LoRAManager (loras, lora_refs,
-  num_pinned_loras, memory_pool, lora_modules, fetch_new_loras), LoRAAdapter._normalize_weights,
-  LoRAMemoryPool (A_buffer, B_buffer, uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils
-  (get_target_module_name, get_stacked_multiply) and the layers' slice_lora_{a,b}_weights. Its proof:
-  every map writes the adapter once with SGLang's own loader and once with its plan, and refuses the
-  plan unless the two are bit-identical.
+refresh.mode=inplace only (`check_version`):
+- `lora_id`, `requests_in_flight`: the tokenizer manager's lora_registry and rid_to_state;
+- the pool writer (`PoolWriter`; `handle`, registered at start as a custom weight loader when the
+  engine may be written in place, engine.sglang.in_place): `update_weights_from_tensor(...,
+  load_format=LOADER)` runs `handle(model, named_tensors)` in every scheduler process (one per
+  tensor-parallel rank), which reads LoRAManager (loras, lora_refs, num_pinned_loras, memory_pool,
+  lora_modules, fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer,
+  uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils (get_target_module_name,
+  get_stacked_multiply) and the layers' slice_lora_{a,b}_weights. Its proof: each map writes the
+  adapter with SGLang's own loader and with the plan, and refuses the plan unless they are bit-identical.
 
-The pool writer writes the trainer's flat adapter straight into the GPU LoRA pool the kernels read,
-one batched device copy per refresh (SGLang's public path copies every tensor to the host and back,
-~400 small copies per step). Two commands:
- - map (once per adapter): the trainer lends each GPU a staging buffer (CUDA IPC) and the layout; the
-   scheduler pins the adapter in a pool slot (never evicted, so SGLang's host copy is never reloaded
-   over it) and runs SGLang's own stacking (q/k/v, gate/up) and tensor-parallel slicing on tensors of
-   *source indices*: the index maps reduce to a few hundred strided blocks, the copy plan.
- - apply (every refresh): one cast copy into the staging buffers, then the plan (`torch._foreach_copy_`)
-   and the new version into an engine-owned tensor in the same batch of copies, so a skipped or failed
-   write cannot bump the version; the prefix cache is flushed (the adapter keeps its id).
-Each rank replies in a small GPU status buffer. A slot that moved or a plan the scheduler lost (a
-restart) -> apply is refused and the writer maps again; a model or adapter the plan does not cover
-(MoE, embedding/lm_head LoRA) -> map is refused with the reason. SGLang calls custom loaders without
-a try/except and an exception in a scheduler kills the process tree, so every check raises `Refused`,
-which `handle` turns into a reply; nothing is written before all checks pass.
+The writer puts the trainer's flat adapter straight into the GPU LoRA pool the kernels read, one
+batched device copy per refresh (SGLang's public path goes through the host). `map` (once per
+adapter): the trainer lends each GPU a staging buffer (CUDA IPC) and the layout; the scheduler pins
+the adapter in a slot (never evicted, so its host copy is never reloaded over it) and runs SGLang's
+stacking (q/k/v, gate/up) and tensor-parallel slicing on tensors of *source indices*, which reduce
+to a few hundred strided blocks: the copy plan. `apply` (every refresh): a cast copy into staging,
+then the plan and the version into an engine-owned tensor in one batch of copies (a skipped or
+failed write cannot bump it), and a prefix-cache flush (the adapter keeps its id). Each rank replies
+in a GPU status buffer. A moved slot or a lost plan -> apply is refused and the writer maps again;
+what the plan does not cover (MoE, embedding/lm_head LoRA) -> map is refused with the reason. An
+exception in a scheduler kills the process tree, so every check raises `Refused`, which `handle`
+turns into a reply; nothing is written before every check passes.
 """
 from __future__ import annotations
 
