@@ -74,10 +74,6 @@ class Section:
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
-def section_fields(cls) -> tuple[dataclasses.Field, ...]:
-    return dataclasses.fields(cls)
-
-
 def field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
