@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout, without pip install -e
 
 from lorabench.data import synthetic_problems  # noqa: E402
-from lorabench.fsutil import atomic_write  # noqa: E402
+from lorabench.safedir import atomic_write  # noqa: E402
 
 SAMPLE_ROWS, SAMPLE_SEED = 48, "sample-0"
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .fsutil import atomic_dir, write_new_file
+from .safedir import atomic_dir, write_new_file
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -229,7 +229,7 @@ class FlatAdapter:
 
     # -- PEFT directories ---------------------------------------------------------------------------
     def save_peft_dir(self, path: str | Path) -> Path:
-        """Write adapter_config.json + adapter_model.safetensors into `path` atomically (fsutil.atomic_dir:
+        """Write adapter_config.json + adapter_model.safetensors into `path` atomically (safedir.atomic_dir:
         a 0700 temp dir, files 0600 and fsynced, renamed onto `path`; an existing `path` is swapped out).
         A failed write (disk full) raises AdapterWriteError and leaves the previous dir intact."""
         path = Path(path)

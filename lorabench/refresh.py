@@ -35,7 +35,7 @@ import torch
 from .adapters import FlatAdapter, merge_weights
 from .clock import Clock
 from .engines.base import AdapterNotLoaded, PushesWeights, UpdatesAdapterInPlace, require
-from .fsutil import remove_stale_temps
+from .safedir import remove_stale_temps
 from .settings import ALLOWED, Section, check, setting
 
 _HOW = "how the adapter reaches the engine; what it serves is the same"

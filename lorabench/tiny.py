@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .data import INSTRUCTION, final_line_variants, prompt_ids, synthetic_problems, warmstart_completion
-from .fsutil import atomic_dir, remove_dead_dir_temps
+from .safedir import atomic_dir, remove_dead_dir_temps
 from .settings import REFUSED, Section, check, setting
 
 _RECIPE = "it is part of the tiny base model's recipe: another value builds another model"
