@@ -286,9 +286,8 @@ class FlatAdapter:
         return cls.from_tensors(tensors, config, version)
 
 
-# Kept because it is measured faster (benchmarks/adapter_write.py): for the 0.6B-shape r=32 adapter
-# (392 tensors, 38 MB) writing the flat buffer as it is took 15 ms where safetensors.torch.save_file,
-# which refuses tensors that share one storage and so needs a clone of each, took 32 ms.
+# Our own writer: the flat buffer as one data section, where safetensors.torch.save_file refuses
+# tensors that share one storage and needs a clone of each (faster: docs/results.md, "Adapter writes").
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 

@@ -167,7 +167,7 @@ class Refresher:
     def _stage(self, adapter: FlatAdapter, device, record: RefreshRecord, clock: Clock) -> FlatAdapter:
         """The adapter in the engine's dtype on `device`, in a new buffer filled bucket by bucket (a
         bucket is a run of whole tensors: the names are sorted, so each is one contiguous range);
-        one record row per bucket. Pinned host memory when it goes to the host (~20x faster)."""
+        one record row per bucket. Pinned host memory when it goes to the host (a faster copy)."""
         src = adapter.buffer
         to_host = torch.device(device).type == "cpu" and src.is_cuda
         out = torch.empty(src.numel(), dtype=self.engine.adapter_dtype or src.dtype, device=device,

@@ -67,7 +67,7 @@ def cache_root(cache_dir: str = "") -> Path:
 
 
 def build_tiny_tokenizer(out_dir: Path | None = None, seed: int = 0):
-    """Train a byte-level BPE on generated problems (0.3 s) as a PreTrainedTokenizerFast; saved
+    """Train a byte-level BPE on generated problems (well under a second) as a PreTrainedTokenizerFast; saved
     into `out_dir` when given (preflight checks prompt lengths with one kept in memory)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -598,7 +598,7 @@ def _interrupts_ignored_by_children():
     """While the engine starts, SIGINT is ignored on the main thread, so the processes SGLang
     spawns inherit 'ignore' (a disposition survives exec; a handler does not): Jupyter sends
     Kernel -> Interrupt to the kernel's whole process group, and a scheduler stopped by it would
-    take the engine down. The start itself cannot be interrupted (it takes ~30 s)."""
+    take the engine down. The start itself cannot be interrupted."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
