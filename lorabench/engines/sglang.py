@@ -394,10 +394,17 @@ class SGLangEngine:
             return self.pool.version(adapter)  # kept in the engine, beside its copy of the adapter
         return self._versions.get(adapter)
 
-    @_on_engine_thread()
-    def load_adapter(self, name: str, path: Path, version: int = 0) -> None:
+    def _new(self, name: str) -> None:
         if name in self._adapters:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
+
+    def _known(self, name: str, why: str = "") -> None:
+        if name not in self._adapters:
+            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)}){why}")
+
+    @_on_engine_thread()
+    def load_adapter(self, name: str, path: Path, version: int = 0) -> None:
+        self._new(name)
         internals.check_reply(self.engine.load_lora_adapter(name, str(path)), f"load_lora_adapter({name!r}, {path})")
         self._adapters.add(name)
         self._configs.pop(name, None)
@@ -405,8 +412,7 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
-        if name in self._adapters:
-            raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
+        self._new(name)
         if not adapter.buffer.is_cuda:  # CUDA-IPC carries GPU tensors only
             raise EngineError(f"load_adapter_tensors: the adapter is on {adapter.buffer.device}; move it to the "
                               f"GPU first (FlatAdapter.to('cuda'))")
@@ -422,9 +428,7 @@ class SGLangEngine:
         """Overwrite loaded adapter `name` inside the engine's GPU LoRA pool (sglang_internals.PoolWriter).
         Calls run one at a time on the engine thread, so none of ours is in flight now; a request
         someone else sent through `self.engine` would read a half-written adapter, so that refuses."""
-        if name not in self._adapters:
-            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)}); load it "
-                                   f"before updating it in place")
+        self._known(name, "; load it before updating it in place")
         if name not in self._configs:
             raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
                               f"first (load_adapter_tensors), so its config is known")
@@ -442,8 +446,7 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def unload_adapter(self, name: str) -> None:
-        if name not in self._adapters:
-            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)})")
+        self._known(name)
         if self.pool is not None:
             self.pool.forget(name)
         internals.check_reply(self.engine.unload_lora_adapter(name), f"unload_lora_adapter({name!r})")
@@ -476,15 +479,16 @@ class SGLangEngine:
         return self._generate(prompt_ids, sampling, adapter), self._served_now(adapter)
 
     def _generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
-        """On the engine's thread."""
-        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=_params(sampling),
-                                    return_logprob=True, lora_path=self._lora(adapter, len(prompt_ids)))
-        return [_completion(p, out) for p, out in zip(prompt_ids, outs)]
+        return self._mixed([GenerateRequest(prompt_ids, sampling, adapter)])[0]
 
     @_on_engine_thread(abort_on_interrupt=True)
     def generate_mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
         """One sglang generate call for all requests: each prompt names its request's adapter and
         carries its sampling parameters, so K policies' rollouts decode as one batch."""
+        return self._mixed(requests)
+
+    def _mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
+        """On the engine's thread."""
         prompts = [list(p) for r in requests for p in r.prompt_ids]
         params = [_params(r.sampling) for r in requests for _ in r.prompt_ids]
         lora = [name for r in requests for name in self._lora(r.adapter, len(r.prompt_ids))]

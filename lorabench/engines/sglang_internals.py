@@ -113,12 +113,15 @@ def release_notes(engine) -> list[str]:
             f"(engines/sglang_internals.py); {found}; refresh.mode=inplace is refused on this release"]
 
 
+def _outcome(result) -> tuple[bool, str]:
+    """Engine replies carry .success/.error_message (LoRA calls) or (success, message, ...) tuples."""
+    if isinstance(result, tuple) and len(result) >= 2 and isinstance(result[0], bool):
+        return result[0], result[1]
+    return getattr(result, "success", True), getattr(result, "error_message", "") or ""
+
+
 def check_reply(result, what: str):
-    """Engine replies carry .success/.error_message (LoRA calls) or (success, message) tuples."""
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
-        ok, message = result
-    else:
-        ok, message = getattr(result, "success", True), getattr(result, "error_message", "") or ""
+    ok, message = _outcome(result)
     if ok:
         return result
     if "does not exist" in message or "not loaded" in message:
@@ -345,7 +348,7 @@ class PoolWriter:
         t0 = time.perf_counter()
         result = self.engine.engine.update_weights_from_tensor(named, load_format=LOADER, flush_cache=flush_cache)
         t1 = time.perf_counter()
-        ok, message = (result if isinstance(result, tuple) else (result.success, result.error_message))[:2]
+        ok, message = _outcome(result)
         if not ok:
             raise EngineError(f"in-place {command} of adapter id {mapping.lora_id} failed; engine says: {message}")
         replies = [read_status(s) for s in mapping.status.values()]
