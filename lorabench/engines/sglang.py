@@ -418,7 +418,7 @@ class SGLangEngine:
                               f"GPU first (FlatAdapter.to('cuda'))")
         validate(adapter.tensors, adapter.config, max_rank=self.max_lora_rank)  # refused here, not in the scheduler
         internals.check_reply(self.engine.load_lora_adapter_from_tensors(name, adapter.tensors, adapter.config),
-                    f"load_lora_adapter_from_tensors({name!r})")
+                              f"load_lora_adapter_from_tensors({name!r})")
         self._adapters.add(name)
         self._configs[name] = dict(adapter.config)
         self._versions[name] = adapter.version
@@ -436,12 +436,12 @@ class SGLangEngine:
         if not self.settings.in_place:
             raise EngineError("this engine was started with engine.sglang.in_place=false, without the in-place "
                               "writer; start one with true, or use refresh.mode=tensor")
-        if internals.requests_in_flight(self.engine):
-            raise EngineError(f"in-place update of adapter {name!r} refused: requests are in flight, and they "
-                              f"would read a half-written adapter; update between generate calls")
         if self.pool is None:
             internals.check_version()
             self.pool = internals.PoolWriter(self)
+        if internals.requests_in_flight(self.engine):
+            raise EngineError(f"in-place update of adapter {name!r} refused: requests are in flight, and they "
+                              f"would read a half-written adapter; update between generate calls")
         return self.pool.write(name, adapter)
 
     @_on_engine_thread()
@@ -457,7 +457,7 @@ class SGLangEngine:
     @_on_engine_thread()
     def update_weights(self, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
         internals.check_reply(self.engine.update_weights_from_tensor(list(named_tensors), flush_cache=flush_cache),
-                    "update_weights_from_tensor")
+                              "update_weights_from_tensor")
         if version is not None:
             self._versions[None] = version
 
