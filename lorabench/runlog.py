@@ -208,9 +208,6 @@ class RunLog(_Settled):
     def log_metrics(self, rows: list[dict]) -> None:
         self._append(METRICS, rows)
 
-    def log_eval(self, row: dict) -> None:
-        self._append(EVALS, [row])
-
     def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
                save_adapter: bool) -> None:
         """The commit point of steps up to `step`: adapters/step_<n> (when due), then one atomic
@@ -279,9 +276,6 @@ class NullRunLog(_Settled):
     dir = None
 
     def log_metrics(self, rows: list[dict]) -> None:
-        pass
-
-    def log_eval(self, row: dict) -> None:
         pass
 
     def commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
