@@ -268,7 +268,7 @@ class MergedRefresh(Refresher):
         self.base_weights = base_weights
         # Only the adapted layers change between refreshes; the embeddings, norms (and any layer an
         # earlier run in this engine merged) are pushed with the first refresh and after the engine's
-        # weights were released. The 0.6B shape: 0.88 of 1.19 GB per refresh.
+        # weights were released (what that saves per refresh: docs/results.md, "Merged refresh").
         self._push_every_weight = True
 
     @classmethod
