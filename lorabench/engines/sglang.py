@@ -124,8 +124,9 @@ class SGLangSettings(Section):
             *check(0 < self.mem_fraction_static < 1, f"engine.sglang.mem_fraction_static={self.mem_fraction_static}: "
                    f"must be between 0 and 1 (e.g. 0.3 when the trainer shares the GPU)"),
             *check(self.dtype in DTYPES, f"engine.sglang.dtype={self.dtype!r}: use one of {sorted(DTYPES)}"),
-            *check(self.lora_backend in internals.LORA_BACKENDS, f"engine.sglang.lora_backend={self.lora_backend!r}: "
-                   f"use one of {sorted(internals.LORA_BACKENDS)} ('' = SGLang's default)"),
+            *check(internals.lora_backend_known(self.lora_backend),
+                   f"engine.sglang.lora_backend={self.lora_backend!r}: use one of {sorted(internals.LORA_BACKENDS)} "
+                   f"('' = SGLang's default)"),
             *check(self.max_lora_rank >= 0, f"engine.sglang.max_lora_rank={self.max_lora_rank}: must be >= 0 "
                    f"(0 = lora.r)"),
             *check(self.cuda_graph_max_bs >= 0, f"engine.sglang.cuda_graph_max_bs={self.cuda_graph_max_bs}: must be "

@@ -16,7 +16,8 @@ Every refresh mode (the engine's life cycle):
   not callable, an interrupted request runs to its end.
 - `check_reply`: replies carry no error code; the texts for a missing or an already loaded adapter
   are read only where the engine's own record of what it loaded did not answer first.
-- `LORA_BACKENDS`: the choices of `--lora-backend`.
+- `LORA_BACKENDS`: the choices of `--lora-backend`, checked where sglang is absent or verified; on
+  another release SGLang checks the name itself (`lora_backend_known`).
 
 refresh.mode=inplace only (`check_version`):
 - `lora_id`, `requests_in_flight`: the tokenizer manager's lora_registry and rid_to_state;
@@ -90,6 +91,10 @@ def check_version(release: str | None = None) -> None:
         raise EngineError(f"refresh.mode=inplace writes into SGLang's LoRA pool through internals verified on sglang "
                           f"{', '.join(VERIFIED)}; this Python has sglang {release}. Use refresh.mode=tensor "
                           f"(public API, any release), or install the tested release: pip install 'lorabench[sglang]'")
+
+
+def lora_backend_known(name: str) -> bool:
+    return name in LORA_BACKENDS or installed() not in (None, *VERIFIED)
 
 
 def missing(engine) -> list[str]:
