@@ -39,8 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .fsutil import pid_alive
-from .safedir import RunDirError, SafeDir, read_no_follow, write_failure
+from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow, write_failure
 
 # The run dir's layout: each name is written down here only; the other modules use these.
 CONFIG, CONFIG_CHANGES, SUMMARY = "config.json", "config_changes.jsonl", "summary.json"

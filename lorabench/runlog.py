@@ -118,16 +118,27 @@ def redact(config: dict) -> dict:
             for k, v in config.items()}
 
 
-class RunLog:
+class _Settled:
+    """What RunLog and NullRunLog share: their run settings, and from them when a step is committed."""
+
+    def __init__(self, settings: RunSettings | None = None):
+        self.settings = settings or RunSettings()
+        self.samples_per_step = self.settings.sample_completions   # completions per step in rollouts.jsonl
+
+    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
+        """Whether step `step` of a run ending at `last_step` is checkpointed, and its adapter saved."""
+        return self.settings.due(step, last_step)
+
+
+class RunLog(_Settled):
     """Writes one run dir, entered only through itself (safedir.py: no link in it is followed).
     With lock=True (RunSession, the CLI) it first takes the run dir's one-writer lock, refusing if
     another process holds it; `close()` releases it. `fingerprint` (fingerprint.py), when set, is
     recorded in every checkpoint; `committed_step` is the step of the last checkpoint."""
 
     def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None):
+        super().__init__(settings)
         self.dir, self.log = Path(run_dir), log
-        self.settings = settings or RunSettings()
-        self.samples_per_step = self.settings.sample_completions   # completions per step in rollouts.jsonl
         self.root = SafeDir.open(self.dir, create=True, mode=0o750)  # never world-writable (nor -readable)
         self._lock, self.sub = None, {}
         self.fingerprint: dict | None = None
@@ -139,10 +150,6 @@ class RunLog:
         except (RunDirError, OSError):
             self.close()
             raise
-
-    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
-        """Whether step `step` of a run ending at `last_step` is checkpointed, and its adapter saved."""
-        return self.settings.due(step, last_step)
 
     @classmethod
     def create(cls, out_dir: str, name: str = "", log=print, lock: bool = False,
@@ -200,9 +207,6 @@ class RunLog:
 
     def log_metrics(self, rows: list[dict]) -> None:
         self._append(METRICS, rows)
-
-    def log_eval(self, row: dict) -> None:
-        self._append(EVALS, [row])
 
     def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
                save_adapter: bool) -> None:
@@ -266,22 +270,12 @@ class RunLog:
         return [self.dir / PLOTS / f"{name}.png" for name in images]
 
 
-class NullRunLog:
+class NullRunLog(_Settled):
     """Same methods as RunLog, writes nothing: the loop never branches on whether it is logging.
     Every method is spelled out, so a misspelled call fails instead of silently doing nothing."""
     dir = None
 
-    def __init__(self, settings: RunSettings | None = None):
-        self.settings = settings or RunSettings()
-        self.samples_per_step = self.settings.sample_completions
-
-    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
-        return self.settings.due(step, last_step)
-
     def log_metrics(self, rows: list[dict]) -> None:
-        pass
-
-    def log_eval(self, row: dict) -> None:
         pass
 
     def commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:

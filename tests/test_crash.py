@@ -322,7 +322,8 @@ def test_resume_after_kill_between_before_evaluations(reference_run, tiny_model_
     cfg = Config.load(overrides=_run_args(tiny_model_dir, tmp_path, "run", shm)[1:])
     runlog = RunLog(run_dir)
     runlog.write_config(cfg.to_dict())
-    runlog.log_eval(read_jsonl(reference_run / "evals.jsonl")[0])
+    before = read_jsonl(reference_run / "evals.jsonl")[0]
+    runlog.set_evals(before["step"], [before])
     _finish(_start(["resume", str(run_dir)], log), log)
     _check_against_reference(run_dir, reference_run, "kill between before-evaluations")
 
@@ -400,7 +401,7 @@ def test_kill_in_first_step_before_any_checkpoint(make_trainer, tmp_path):
     ref = reference.step().metrics
     run = tmp_path / "run"
     from lorabench.runlog import RunLog
-    RunLog(run).log_eval({"step": 0, "greedy": False, "strict": 0.0})
+    RunLog(run).set_evals(0, [{"step": 0, "greedy": False, "strict": 0.0}])
     with open(run / "evals.jsonl", "a") as fh:
         fh.write('{"step": 0, "gree')                               # torn by the kill
     trainer = make_trainer(run)

@@ -28,6 +28,8 @@ if not _SGLANG:
     pytest.skip("needs sglang (pip install -e .[sglang], or .sglang/with-sglang.sh on the GPU machine)",
                 allow_module_level=True)
 
+from sglang_calls import call_sglang  # noqa: E402  (benchmarks/, on sys.path by conftest)
+
 from lorabench.adapters import FlatAdapter  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
 from lorabench.engines.base import AdapterNotLoaded, EngineError, Sampling  # noqa: E402
@@ -461,7 +463,7 @@ def test_inplace_versions_and_hazards(tiny_path):
         out["write_after_generate"] = finished["write"] > finished["generate"]
         check(eng, 3)
         # the engine loses the plan
-        eng.call_sglang(lambda _: eng.pool._send("forget", eng.pool.mapped["policy"], [], flush_cache=False))
+        call_sglang(eng, lambda _: eng.pool._send("forget", eng.pool.mapped["policy"], [], flush_cache=False))
         record_ = refresher.refresh(versions[4].to("cuda"))
         out["remapped"] = record_.engine_ms.get("remapped")
         check(eng, 4)

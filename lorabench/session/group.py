@@ -276,7 +276,7 @@ def read_group(root: Path) -> list:
 
 def write_group(root: Path, cfg: Config) -> None:
     """group.json, once, atomically (the dir is made here if it is not there)."""
-    from ..fsutil import atomic_write
+    from ..safedir import atomic_write
     root.mkdir(parents=True, exist_ok=True)
     atomic_write(root / GROUP_FILE, json.dumps({"policies": [p.to_dict() for p in cfg.policies]}, indent=1).encode(),
                  mode=0o640)
