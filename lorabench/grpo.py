@@ -512,10 +512,9 @@ class GRPOTrainer:
 
     # -- state ----------------------------------------------------------------------------------
     def _restore(self) -> None:
-        state, adapter = self.runlog.load_checkpoint()
+        state, _ = self.runlog.load_checkpoint(take=self.policy.load)   # checked by the policy before any repair
         if state is None:
             return
-        self.policy.load(state, adapter)
         self.history = self.runlog.metrics()
         self.log(f"resumed from {self.runlog.dir} at step {self.step_count}")
 

@@ -295,9 +295,14 @@ class Policy:
         if adapter.layout != self.layout:
             raise AdapterError("the checkpoint's adapter has other tensors or shapes than this policy (a different "
                                "lora.r, target modules or base model); resume with the run's own config")
+        if adapter.buffer.dtype != self.params[0].dtype:   # a wider dtype could hold values this one cannot
+            raise AdapterError(f"the checkpoint's field 'adapter_buffer' is {adapter.buffer.dtype}, but this "
+                               f"policy's adapter is {self.params[0].dtype}; nothing was changed. Restore "
+                               f"checkpoint/trainer_state.pt from a backup, or start a new run")
+        _refuse_misshapen_moments(state["optimizer"], self.params)
+        _refuse_non_finite_moments(state["optimizer"], adapter.version)
         for owner, value in zip(self.lora_layers.owners, adapter.tensors.values()):
             owner.weight.copy_(value.to(owner.weight.device, owner.weight.dtype))
-        _refuse_non_finite_moments(state["optimizer"], adapter.version)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.version = adapter.version
@@ -312,6 +317,20 @@ class Policy:
 
 def _lower_lr(grpo) -> str:
     return f"Lower grpo.lr (now {grpo.lr:g}; e.g. grpo.lr={grpo.lr / 10:g}) in a new run"
+
+
+def _refuse_misshapen_moments(optimizer_state: dict, params: list[torch.Tensor]) -> None:
+    """Each Adam moment must have its parameter's shape: load_state_dict does not check it, and the
+    first update from a misshapen one fails mid-step."""
+    order = [p for group in optimizer_state["param_groups"] for p in group["params"]]
+    for index, moments in optimizer_state["state"].items():
+        param = params[order.index(index)]
+        for key, value in moments.items():
+            if key != "step" and tuple(value.shape) != tuple(param.shape):
+                raise AdapterError(f"the checkpoint's field 'optimizer' holds {key} of parameter {index} with shape "
+                                   f"{list(value.shape)}, but that parameter of this policy has shape "
+                                   f"{list(param.shape)}; nothing was changed. Restore checkpoint/trainer_state.pt "
+                                   f"from a backup, or start a new run")
 
 
 def _refuse_non_finite_moments(optimizer_state: dict, step: int) -> None:

@@ -221,10 +221,18 @@ class RunLog:
         for name in (SYNC, ROLLOUTS):
             self._append(name, rows.get(name, []))
 
-    def load_checkpoint(self) -> tuple[dict | None, FlatAdapter | None]:
+    def load_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None]:
         """The last checkpoint (None, None before the first), after making the files agree with it:
-        rundir.inspect refuses what cannot be matched; its repairs are applied and logged here."""
+        rundir.inspect refuses what cannot be matched; `take(state, adapter)` (the policy's load, which
+        checks it against the model) runs next; only then are the repairs applied and logged, so a
+        refusal by either leaves the run dir as it was."""
         found = inspect(self.dir)
+        state = found.checkpoint
+        adapter = None if state is None else FlatAdapter(state["adapter_buffer"],
+                                                         AdapterLayout.from_json(state["adapter_layout"]),
+                                                         state["adapter_config"], int(state["step"]))
+        if take is not None and state is not None:
+            take(state, adapter)
         for note in found.notes:
             self.log(f"note: {note}")
         for repair in found.repairs:
@@ -235,12 +243,9 @@ class RunLog:
                 self._end_with_newline(repair.path.name)
             else:
                 self._append(repair.path.name, repair.rows)
-        state = found.checkpoint
-        if state is None:
-            return None, None
-        self.committed_step = int(state["step"])
-        layout = AdapterLayout.from_json(state["adapter_layout"])
-        return state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], int(state["step"]))
+        if state is not None:
+            self.committed_step = int(state["step"])
+        return state, adapter
 
     def metrics(self) -> list[dict]:
         return scan_in(self.root, METRICS).rows
@@ -287,7 +292,7 @@ class NullRunLog:
     def commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
         pass
 
-    def load_checkpoint(self):
+    def load_checkpoint(self, take=None):
         return None, None
 
     def metrics(self) -> list[dict]:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from reliability_util import QUICK_RUN, cli, dir_bytes, one_line_error, refused
 
 from lorabench.cli import main
@@ -187,6 +188,91 @@ def test_truncated_checkpoint_isrefused(run_dir, capsys):
     before = dir_bytes(run_dir)
     line = refused(capsys, "resume", str(run_dir))
     assert f"{state} cannot be read" in line and "Restore it from a backup" in line
+    assert dir_bytes(run_dir) == before
+
+
+def _tamper(state: dict, field: str) -> None:
+    """One field of a checkpoint damaged the way a cut-short copy, a hand edit or another tool leaves it."""
+    optimizer = state["optimizer"]
+    if field == "torch_rng_cut_short":
+        state["torch_rng"] = state["torch_rng"][:1000]
+    elif field == "torch_rng_not_bytes":
+        state["torch_rng"] = state["torch_rng"].float()
+    elif field == "adapter_buffer_short":
+        state["adapter_buffer"] = state["adapter_buffer"][:-5]
+    elif field == "adapter_buffer_nan":
+        state["adapter_buffer"][3] = float("nan")
+    elif field == "adapter_buffer_float64":
+        state["adapter_buffer"] = state["adapter_buffer"].double()
+    elif field == "step_text":
+        state["step"] = "2"
+    elif field == "adapter_layout_not_json":
+        state["adapter_layout"] = "[[1"
+    elif field == "adapter_config_rank":
+        state["adapter_config"]["r"] = 8
+    elif field == "optimizer_moment_shape":
+        optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    elif field == "optimizer_moments_swapped":
+        optimizer["state"][0], optimizer["state"][1] = optimizer["state"][1], optimizer["state"][0]
+    elif field == "optimizer_params":
+        optimizer["param_groups"][0]["params"] = [0, 1]
+    elif field == "optimizer_lr":
+        optimizer["param_groups"][0]["lr"] = 0.5
+    elif field == "rows_not_a_dict":
+        state["rows"] = []
+    elif field == "fingerprint_not_dicts":
+        state["fingerprint"] = {"config": 5}
+    elif field == "extra_buffer_short":   # a field a newer lorabench writes, of the wrong size
+        state["adapter_behind_buffer"] = state["adapter_buffer"][:7]
+
+
+@pytest.mark.parametrize("field, needle", [
+    ("torch_rng_cut_short", "field 'torch_rng' is a uint8 tensor of shape (1000,), which torch cannot restore"),
+    ("torch_rng_not_bytes", "field 'torch_rng' is a float32 tensor"),
+    ("adapter_buffer_short", "field 'adapter_buffer' is a float32 tensor of shape (262139,); the adapter layout needs"),
+    ("adapter_buffer_nan", "field 'adapter_buffer' holds NaN/Inf"),
+    ("adapter_buffer_float64", "field 'adapter_buffer' is torch.float64, but this policy's adapter is torch.float32"),
+    ("step_text", "field 'step' is '2', not a step count"),
+    ("adapter_layout_not_json", "field 'adapter_layout': adapter layout is not a JSON list"),
+    ("adapter_config_rank", "not a LoRA tensor of the adapter config's rank r=8"),
+    ("optimizer_moment_shape", "field 'optimizer' has state 0 'exp_avg' = a float32 tensor of shape (3, 3)"),
+    ("optimizer_moments_swapped", "field 'optimizer' holds exp_avg of parameter 0 with shape"),
+    ("optimizer_params", "field 'optimizer' holds parameters [0, 1], not the adapter's 56 tensors"),
+    ("optimizer_lr", "field 'optimizer' applies learning rate(s) [0.5], but the run's grpo.lr is 0.001"),
+    ("rows_not_a_dict", "field 'rows' is [], not the rows of its steps"),
+    ("fingerprint_not_dicts", "field 'fingerprint' is {'config': 5}"),
+    ("extra_buffer_short", "field 'adapter_behind_buffer' is a float32 tensor of shape (7,)"),
+])
+def test_a_checkpoint_field_resume_cannot_use_is_refused_before_anything_is_written(run_dir, capsys, field, needle):
+    """Every field is checked before a byte is written (config_changes.jsonl was appended first, then a
+    traceback, e.g. for a cut-short RNG state); all but the two that need the policy's own tensors
+    (its dtype, which moment is whose) before the model is built."""
+    path = run_dir / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    _tamper(state, field)
+    torch.save(state, path)
+    before = dir_bytes(run_dir)
+    line = refused(capsys, "resume", str(run_dir), "grpo.steps=3")
+    assert needle in line and "checkpoint/trainer_state.pt" in line and "nothing" in line, line
+    assert dir_bytes(run_dir) == before
+
+
+def test_a_newer_checkpoint_field_is_kept(run_dir, capsys):
+    """A field this lorabench does not write (grpo.max_staleness=1's adapter one version behind) is not
+    refused: checked by its kind, a buffer of the adapter's size."""
+    path = run_dir / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    state["adapter_behind_buffer"] = state["adapter_buffer"].clone()
+    torch.save(state, path)
+    assert main(["resume", str(run_dir), "grpo.steps=3"]) == 0
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_evaluations_before_the_first_step_missing_is_refused(run_dir, capsys):
+    (run_dir / "evals.jsonl").unlink()
+    before = dir_bytes(run_dir)
+    line = refused(capsys, "resume", str(run_dir), "grpo.steps=3")
+    assert f"{run_dir / 'evals.jsonl'} lacks the step-0 (before GRPO) evaluations of a run at step 2" in line
     assert dir_bytes(run_dir) == before
 
 

@@ -116,6 +116,8 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
                 runlogs[name] = plan.open(members[name], log)
                 runlogs[name].fingerprint = fingerprints[name]
             session = cls._build(cfg, members, runlogs, root, model_path, model_seconds, log)
+            for name, plan in plans.items():   # once every policy's checkpoint is loaded and checked
+                plan.record_changes(runlogs[name], log)
         except BaseException:
             for runlog in runlogs.values():
                 runlog.close()
