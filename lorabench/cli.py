@@ -123,9 +123,10 @@ def stopped_message(err: Exception, runlog, group_dir: Path | None = None) -> st
         return text
     step = runlog.committed_step
     held = f"{runlog.dir} is intact ({f'its last checkpoint is step {step}' if step else 'no step checkpointed'})"
-    if isinstance(err, UpdateDiverged):   # resuming would repeat the same seeded step
+    if isinstance(err, UpdateDiverged):   # resuming as it was would repeat the same seeded step
+        past = f"; or continue it without the bound: lorabench resume {runlog.dir} {err.past_bound}"
         return (f"{text}; the run stopped: {held}; a new run from its config: lorabench run --config "
-                f"{runlog.dir / 'config.json'} run.name=NEW {err.override}")
+                f"{runlog.dir / 'config.json'} run.name=NEW {err.override}{past if err.past_bound else ''}")
     if group_dir is not None:
         return f"{text}; the run stopped: {held} and `lorabench resume {group_dir}` continues the group"
     return f"{text}; the run stopped: {held} and `lorabench resume {runlog.dir}` continues it"

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -337,6 +338,8 @@ class GRPOTrainer:
                                     "train/is_weight_mean": stats["is_weight_mean"],
                                     "train/is_truncated_fraction": stats["is_truncated_fraction"]})
                 metrics["probe/adapter_gap"] = self.probe_gap()
+                if self.refresher.serving_adapter is not None and not math.isfinite(metrics["probe/adapter_gap"]):
+                    raise self.policy.diverged_output(adapter)   # the engine could not sample from it
                 clock.lap("probe")
                 committing.enter_context(interrupts_deferred())   # from here on the step is committed whole
             record = StepRecord(step, metrics, refresh, step_samples(step, rollouts, batch))
