@@ -374,7 +374,7 @@ def inspect(run_dir: Path) -> RunDirState:
         files = {name: scan_in(root, name) for name in (*ROW_FILES, EVALS, CONFIG_CHANGES)}
         state = RunDirState(run_dir, read_checkpoint(root))
         adapters_ahead = [s for s in _adapter_steps(root) if s > state.step]
-        has_summary = root.expect(SUMMARY, "file")
+        has_summary = _summary_of_steps(root)
     for scan in files.values():
         state.repairs += _tail_repairs(scan)
     if state.checkpoint is None:
@@ -407,6 +407,15 @@ def _tail_repairs(scan: JsonlFile) -> list[Repair]:
     if scan.tail_is_row:
         return [Repair(scan.path, "add_newline", note=f"{scan.path.name}: ending its last row with a newline")]
     return []
+
+
+def _summary_of_steps(root: SafeDir) -> bool:
+    """Whether summary.json may be of trained steps: any but the summary of a zero-step run (which
+    has no checkpoint, and is extended like any run)."""
+    if not root.expect(SUMMARY, "file"):
+        return False
+    row, _ = _parse_row(root.read_bytes(SUMMARY) or b"")
+    return not (row is not None and row.get("steps") == 0)
 
 
 def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[int], has_summary: bool) -> None:

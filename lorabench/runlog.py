@@ -247,6 +247,14 @@ class RunLog:
             self.committed_step = int(state["step"])
         return state, adapter
 
+    def export_if_missing(self, adapter: FlatAdapter, last_step: int) -> None:
+        """adapters/step_<n> of the checkpoint's adapter when that export is due and missing (deleted,
+        or lost with its disk): written again from the checkpoint, which holds the same tensors."""
+        name = adapter_dir_name(adapter.version)
+        if self.due(adapter.version, last_step)[1] and not self.sub[ADAPTERS].expect(name, "dir"):
+            adapter.save_into(self.sub[ADAPTERS], name)
+            self.log(f"repair: {ADAPTERS}/{name} was missing: exported again from the checkpoint")
+
     def metrics(self) -> list[dict]:
         return scan_in(self.root, METRICS).rows
 
@@ -294,6 +302,9 @@ class NullRunLog:
 
     def load_checkpoint(self, take=None):
         return None, None
+
+    def export_if_missing(self, adapter, last_step: int) -> None:
+        pass
 
     def metrics(self) -> list[dict]:
         return []

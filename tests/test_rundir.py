@@ -413,3 +413,55 @@ def test_adapter_dirs_past_the_checkpoint(run_dir, capsys):
     assert dir_bytes(run_dir) == before
     shutil.rmtree(run_dir / "adapters" / "step_4")
     assert inspect(run_dir).step == 2                               # one is accepted
+
+
+# --- the ways on from a finished run -------------------------------------------------------------------
+def _comparable(row: dict) -> dict:
+    """A metrics row without its wall-clock parts."""
+    return {k: v for k, v in row.items() if not k.startswith("time/") and not
+            (k.startswith("refresh/") and k.endswith("_s"))}
+
+
+def _quick_run(model, out: Path, name: str, *extra) -> Path:
+    assert main(["run", f"model.name_or_path={model}", f"run.out_dir={out}", f"run.name={name}",
+                 f"refresh.file.tmp_dir={out}", *QUICK_RUN, *extra]) == 0
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def three_steps(tiny_model_dir, tmp_path_factory) -> Path:
+    """The finished run's experiment run for 3 steps uninterrupted: what an extension must equal."""
+    return _quick_run(tiny_model_dir, tmp_path_factory.mktemp("three"), "run", "grpo.steps=3")
+
+
+def _same_run(extended: Path, reference: Path) -> None:
+    assert [_comparable(r) for r in read_jsonl(extended / "metrics.jsonl")] == [
+        _comparable(r) for r in read_jsonl(reference / "metrics.jsonl")]
+    last = read_jsonl(reference / "evals.jsonl")[-1]["step"]
+    assert [r for r in read_jsonl(extended / "evals.jsonl") if r["step"] in (0, last)] == read_jsonl(
+        reference / "evals.jsonl")
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_extending_a_finished_run(run_dir, tiny_model_dir, tmp_path, three_steps, steps):
+    """`lorabench resume RUN grpo.steps=N` of a finished run, whatever it reached: the run goes on to N
+    and equals an uninterrupted N-step run. A zero-step run (no checkpoint, its summary.json) was
+    refused as one whose checkpoint went missing; a run resumed at the steps it has is evaluated
+    again, nothing trained."""
+    run = run_dir if steps else _quick_run(tiny_model_dir, tmp_path, "zero", "grpo.steps=0")
+    assert main(["resume", str(run), f"grpo.steps={steps}"]) == 0
+    assert len(read_jsonl(run / "metrics.jsonl")) == steps
+    assert main(["resume", str(run), "grpo.steps=3"]) == 0
+    _same_run(run, three_steps)
+    assert read_jsonl(run / "config_changes.jsonl")[-1]["changes"] == {"grpo.steps": [steps, 3]}
+
+
+def test_a_deleted_final_adapter_export_is_written_again(run_dir, capsys):
+    """adapters/step_2, the finished run's final export, deleted: a resume (which trains nothing) wrote
+    a summary without it; now it is exported again from the checkpoint, the same bytes."""
+    export = run_dir / "adapters" / "step_2"
+    original = {p.name: p.read_bytes() for p in export.iterdir()}
+    shutil.rmtree(export)
+    assert main(["resume", str(run_dir)]) == 0
+    assert "repair: adapters/step_2 was missing: exported again from the checkpoint" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in export.iterdir()} == original
