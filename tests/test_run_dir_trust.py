@@ -659,6 +659,22 @@ def test_disk_failure_during_a_run_is_one_line_and_resumes(tiny_model_dir, small
     assert inspect(run).step == last
 
 
+def test_disk_full_at_the_start_says_to_run_the_command_again(tiny_model_dir, small_disk, tmp_path, capsys):
+    """The run dir's disk is full before the run writes its config: the line said `lorabench resume
+    RUN`, which refuses a dir without config.json. Now it says to run the same command again, and that
+    command, once there is space, makes the run."""
+    args = ["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={small_disk.path}", "run.name=run",
+            f"refresh.file.tmp_dir={tmp_path}", *QUICK_RUN]
+    small_disk.fill()
+    line = refused(capsys, *args)
+    run = small_disk.path / "run"
+    assert f"cannot write {run}/lock: no space left" in line and "(ENOSPC)" in line, line
+    assert "no run was started" in line and "run the same command again" in line and "resume" not in line, line
+    small_disk.free()
+    assert main(args) == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2] and (run / "summary.json").is_file()
+
+
 def _remount(path: Path, mode: str) -> None:
     """Remount read-only (or back): refused as busy while a write is in flight, so tried again."""
     t0 = time.monotonic()

@@ -55,17 +55,14 @@ class RunPlan:
         """The run dir under its lock: config.json for a new run; a continued one is checked again under
         the lock, and its changes wait for `record_changes`, once its checkpoint is loaded."""
         from ..runlog import RunDirError, RunLog
+        from ..safedir import RunDirWriteError
         from .compat import check_continuation, effective_config
         if self.continued is None:
-            runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
-                cfg.run.out_dir, "", log, lock=True, settings=cfg.run)
             try:
-                runlog.write_config(cfg.to_dict())   # refuses if another process made this run meanwhile
-            except RunDirError:
-                runlog.close()
-                raise
-            log(f"run dir: {runlog.dir}")
-            return runlog
+                return self._start(cfg, log)
+            except RunDirWriteError as err:   # no config.json: there is no run to resume yet
+                raise RunDirWriteError(err.errno, f"{err.cause}; no run was started (its config.json is not "
+                                       f"written): once {err.fix}, run the same command again") from None
         runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run)
         try:  # again under the lock: another writer may have finished since plan_run looked
             self.changes = check_continuation(self.run_dir, effective_config(self.run_dir), cfg, self.continued.step)
@@ -75,6 +72,18 @@ class RunPlan:
         if self.named_by_config:
             log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
         log(f"run dir: {runlog.dir} (continued at step {self.continued.step})")
+        return runlog
+
+    def _start(self, cfg: Config, log):
+        from ..runlog import RunDirError, RunLog
+        runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
+            cfg.run.out_dir, "", log, lock=True, settings=cfg.run)
+        try:
+            runlog.write_config(cfg.to_dict())   # refuses if another process made this run meanwhile
+        except (RunDirError, OSError):
+            runlog.close()
+            raise
+        log(f"run dir: {runlog.dir}")
         return runlog
 
     def record_changes(self, runlog, log=print) -> None:
