@@ -388,8 +388,27 @@ def _build_then_signal(tmp_path: Path, sig: int) -> tuple[subprocess.Popen, Path
 def test_sigterm_during_tiny_build_leaves_no_temp(tmp_path):
     proc, cache, err = _build_then_signal(tmp_path, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert "stopped by SIGTERM" in one_line_error(err)
+    line = one_line_error(err)
+    assert "stopped by SIGTERM" in line and "run the same command again" in line, line   # no run dir to resume
     assert list(cache.iterdir()) == []
+
+
+def test_sigterm_mid_run_names_the_run_dir_that_continues(tiny_model_dir, tmp_path):
+    """SIGTERM during the steps: the line gave `lorabench resume RUN_DIR`; now it names the run dir,
+    and that command (with a shorter grpo.steps, an allowed change) finishes every step once."""
+    run = tmp_path / "run"
+    proc = cli("run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path}", "run.name=run",
+               f"refresh.file.tmp_dir={tmp_path}", *QUICK_RUN, "grpo.steps=200", stdout=subprocess.PIPE,
+               stderr=subprocess.PIPE, text=True)
+    _wait(lambda: (run / "metrics.jsonl").is_file() and read_jsonl(run / "metrics.jsonl"), proc, "a step's row")
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    command = one_line_error(err).split("; `")[1].split("`")[0].split()
+    assert command == ["lorabench", "resume", str(run)], err[-2000:]
+    last = inspect(run).step + 2
+    assert main([*command[1:], f"grpo.steps={last}"]) == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, last + 1))
 
 
 def test_sigkilled_tiny_build_temp_removed_by_next_access(tmp_path):
