@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shlex
 import signal
 import sys
 import threading
@@ -130,9 +131,11 @@ def stopped_message(err: Exception, runlog, group_dir: Path | None = None) -> st
     step = runlog.committed_step
     held = f"{runlog.dir} is intact ({f'its last checkpoint is step {step}' if step else 'no step checkpointed'})"
     if isinstance(err, UpdateDiverged):   # resuming as it was would repeat the same seeded step
-        past = f"; or continue it without the bound: lorabench resume {runlog.dir} {err.past_bound}"
-        return (f"{text}; the run stopped: {held}; a new run from its config: lorabench run --config "
-                f"{runlog.dir / 'config.json'} run.name=NEW {err.override}{past if err.past_bound else ''}")
+        config = str(runlog.dir / "config.json")
+        new = shlex.join(["lorabench", "run", "--config", config, "run.name=NEW", err.override])
+        unbounded = shlex.join(["lorabench", "resume", str(runlog.dir), err.past_bound])
+        past = f"; or continue it without the bound: {unbounded}" if err.past_bound else ""
+        return f"{text}; the run stopped: {held}; a new run from its config: {new}{past}"
     if group_dir is not None:
         return f"{text}; the run stopped: {held} and `lorabench resume {group_dir}` continues the group"
     return f"{text}; the run stopped: {held} and `lorabench resume {runlog.dir}` continues it"

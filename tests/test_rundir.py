@@ -102,6 +102,22 @@ def test_resume_with_a_forbidden_override(run_dir, capsys, overrides, needles):
     assert compat.changes(compat.effective_config(run_dir), Config.load(run_dir / "config.json")) == {}
 
 
+def test_the_new_run_a_refused_override_suggests_runs(run_dir, capsys):
+    """The refusal's command, pasted into a shell as it is: a list value (lora.target_modules) was
+    written unquoted, so the shell split it and the command failed."""
+    import shlex
+    line = refused(capsys, "resume", str(run_dir), 'lora.target_modules=["q_proj", "v_proj"]')
+    command = shlex.split(line.split("Start a new run for that (")[1].split("), or continue")[0])
+    assert command[:5] == ["lorabench", "run", "--config", str(run_dir / "config.json"), "run.name=NEW"], line
+    assert main([a.replace("run.name=NEW", "run.name=qv") for a in command[1:]]) == 0
+    new = Path(json.loads((run_dir / "config.json").read_text())["run"]["out_dir"]) / "qv"   # beside the original
+    try:
+        assert json.loads((new / "config.json").read_text())["lora"]["target_modules"] == ["q_proj", "v_proj"]
+        assert len(read_jsonl(new / "metrics.jsonl")) == 2
+    finally:
+        shutil.rmtree(new)
+
+
 def test_run_naming_an_existing_run_is_checked_like_resume(run_dir, tiny_model_dir, capsys):
     before = dir_bytes(run_dir)
     line = refused(capsys, "run", "--config", str(run_dir / "config.json"), f"run.out_dir={run_dir.parent}",

@@ -23,6 +23,7 @@ new refresh mode's included, follows these rules from the line that defines it.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
@@ -126,12 +127,10 @@ def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) ->
     if refused_diff:
         listed = "; ".join(f"{k} {a!r} -> {b!r} ({reasons.get(k, 'not decided as safe to change')})"
                            for k, (a, b) in refused_diff.items())
-        overrides = " ".join(f"{k}={json.dumps(b) if not isinstance(b, str) else b}"
-                             for k, (_, b) in refused_diff.items())
-        config = Path(run_dir) / CONFIG
+        overrides = [f"{k}={json.dumps(b) if not isinstance(b, str) else b}" for k, (_, b) in refused_diff.items()]
+        command = shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / CONFIG), "run.name=NEW", *overrides])
         raise RunDirError(f"{run_dir} cannot continue with a changed {listed}; nothing was changed. Start a new run "
-                          f"for that (lorabench run --config {config} run.name=NEW {overrides}), or continue "
-                          f"without those overrides")
+                          f"for that ({command}), or continue without those overrides")
     if "grpo.steps" in diff and diff["grpo.steps"][1] < at_step:
         raise RunDirError(f"{run_dir} is at step {at_step}; grpo.steps={diff['grpo.steps'][1]} would end it before "
                           f"that; nothing was changed. Pass grpo.steps >= {at_step}")
