@@ -515,10 +515,10 @@ class GRPOTrainer:
 
     # -- state ----------------------------------------------------------------------------------
     def _restore(self) -> None:
-        state, adapter = self.runlog.load_checkpoint(take=self.policy.load)   # checked by the policy before any repair
+        state, _ = self.runlog.load_checkpoint(take=self.policy.load)   # checked by the policy before any repair
         if state is None:
             return
-        self.runlog.export_if_missing(adapter, self.settings.steps)
+        self.runlog.export_if_missing(self.policy.adapter(), self.settings.steps)   # with the policy's own config
         self.history = self.runlog.metrics()
         self.log(f"resumed from {self.runlog.dir} at step {self.step_count}")
 

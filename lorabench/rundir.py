@@ -270,8 +270,10 @@ def _optimizer_problem(optimizer, layout: AdapterLayout) -> str | None:
 
 def _is_moment(name: str, value, shapes: set) -> bool:
     """AdamW's per-tensor state: its step count (a scalar) or a moment of one of the adapter's shapes."""
-    if name == "step":
-        return isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+    if name == "step":   # a count: a negative or NaN one would scale every later update wrongly
+        count = value if isinstance(value, (int, float)) else value.item() if isinstance(
+            value, torch.Tensor) and value.numel() == 1 else None
+        return count is not None and math.isfinite(count) and count >= 0
     return isinstance(value, torch.Tensor) and value.is_floating_point() and tuple(value.shape) in shapes
 
 

@@ -228,6 +228,8 @@ def _tamper(state: dict, field: str) -> None:
         state["adapter_config"]["r"] = 8
     elif field == "optimizer_moment_shape":
         optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    elif field == "optimizer_step_negative":
+        optimizer["state"][0]["step"] = torch.tensor(-3.0)
     elif field == "optimizer_moments_swapped":
         optimizer["state"][0], optimizer["state"][1] = optimizer["state"][1], optimizer["state"][0]
     elif field == "optimizer_params":
@@ -252,6 +254,7 @@ def _tamper(state: dict, field: str) -> None:
     ("adapter_layout_not_json", "field 'adapter_layout': adapter layout is not a JSON list"),
     ("adapter_config_rank", "not a LoRA tensor of the adapter config's rank r=8"),
     ("optimizer_moment_shape", "field 'optimizer' has state 0 'exp_avg' = a float32 tensor of shape (3, 3)"),
+    ("optimizer_step_negative", "field 'optimizer' has state 0 'step' = a float32 tensor of shape ()"),
     ("optimizer_moments_swapped", "field 'optimizer' holds exp_avg of parameter 0 with shape"),
     ("optimizer_params", "field 'optimizer' holds parameters [0, 1], not the adapter's 56 tensors"),
     ("optimizer_lr", "field 'optimizer' applies learning rate(s) [0.5], but the run's grpo.lr is 0.001"),
