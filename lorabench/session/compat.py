@@ -80,7 +80,7 @@ def effective_config(run_dir: Path, changes: bool = True) -> Config:
         raw = root.read_bytes(CONFIG)
         if raw is None:
             raise RunDirError(f"{run_dir} is not a lorabench run dir: it has no config.json; pass a run dir written "
-                              f"by lorabench, or start a run there with lorabench run ... run.name=NAME")
+                              f"by lorabench (`lorabench run` prints 'run dir: ...')")   # a run there may be refused
         data = parse_config_bytes(raw, run_dir / CONFIG)
         rows = scan_in(root, CONFIG_CHANGES).rows if changes else []
     if isinstance(data.get("run"), dict):   # where the run dir is now (it may have been moved or renamed)
