@@ -503,3 +503,17 @@ def test_a_deleted_final_adapter_export_is_written_again(run_dir, capsys):
     assert main(["resume", str(run_dir)]) == 0
     assert "repair: adapters/step_2 was missing: exported again from the checkpoint" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in export.iterdir()} == original
+
+
+@pytest.mark.parametrize("row, needle", [
+    ({"step": 2, "changes": [1]}, "'changes' is [1], not the {field: [old, new]} lorabench appends"),
+    ({"step": 2, "changes": {"grpo.steps": 5}}, "'changes' is {'grpo.steps': 5}, not the {field: [old, new]}"),
+])
+def test_a_config_change_row_not_as_lorabench_appends_it_is_refused(run_dir, capsys, row, needle):
+    """A hand-written config_changes.jsonl row of another shape: a traceback (AttributeError, TypeError)."""
+    with open(run_dir / "config_changes.jsonl", "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    before = dir_bytes(run_dir)
+    line = refused(capsys, "resume", str(run_dir))
+    assert f"{run_dir / 'config_changes.jsonl'} line 1: {needle}" in line and "nothing in the run dir" in line, line
+    assert dir_bytes(run_dir) == before
