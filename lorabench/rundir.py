@@ -179,8 +179,8 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
 def checkpoint_problem(state) -> str | None:
     """The first field of a checkpoint that resume could not use, as "field 'X' ... (why)", or None.
     Every field is checked by what it must be for the policy that wrote it, not against a closed
-    list: a field this lorabench does not know is kept, and any tensor named *_buffer is an adapter
-    buffer (the layout's size, adapter_buffer's dtype, finite)."""
+    list: a field this lorabench does not know is kept, and any field named *_buffer is an adapter
+    buffer (the layout's size, adapter_buffer's dtype, finite) or, but for adapter_buffer, None."""
     if not isinstance(state, dict):
         return f"it holds {type(state).__name__}, not the dict of fields a checkpoint is"
     missing = [k for k in _CHECKPOINT_KEYS if k not in state]
@@ -199,7 +199,7 @@ def checkpoint_problem(state) -> str | None:
     if found:
         return found
     dtype = state["adapter_buffer"].dtype if isinstance(state["adapter_buffer"], torch.Tensor) else None
-    for key in [k for k in state if k.endswith("_buffer")]:
+    for key in [k for k in state if k.endswith("_buffer") and (k == "adapter_buffer" or state[k] is not None)]:
         found = _buffer_problem(key, state[key], layout, dtype)
         if found:
             return found

@@ -276,12 +276,13 @@ def test_a_checkpoint_field_resume_cannot_use_is_refused_before_anything_is_writ
     assert dir_bytes(run_dir) == before
 
 
-def test_a_newer_checkpoint_field_is_kept(run_dir, capsys):
+@pytest.mark.parametrize("behind", ["a_buffer", "none"])
+def test_a_newer_checkpoint_field_is_kept(run_dir, capsys, behind):
     """A field this lorabench does not write (grpo.max_staleness=1's adapter one version behind) is not
-    refused: checked by its kind, a buffer of the adapter's size."""
+    refused: checked by its kind, a buffer of the adapter's size (or None: no such adapter yet)."""
     path = run_dir / "checkpoint" / "trainer_state.pt"
     state = torch.load(path, weights_only=True)
-    state["adapter_behind_buffer"] = state["adapter_buffer"].clone()
+    state["adapter_behind_buffer"] = state["adapter_buffer"].clone() if behind == "a_buffer" else None
     torch.save(state, path)
     assert main(["resume", str(run_dir), "grpo.steps=3"]) == 0
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
