@@ -10,10 +10,11 @@ It writes nothing, so a refusal leaves the run dir byte for byte as it was. What
   are appended from the checkpoint;
 - one adapters/step_<n> dir past the checkpoint (a kill between that dir and the checkpoint): the
   step is redone and the dir rewritten with the same values.
-What it refuses: any other bad line; a checkpoint that cannot be read; no checkpoint while rows,
-later evaluations or several adapter dirs show that steps were done; rows past the checkpoint or
-differing from the rows it holds; a step logged twice (two writers). Nothing is truncated or
-rewritten to make such a dir fit.
+What it refuses: any other bad line; a checkpoint that cannot be read, or a field of it resume
+could not use (checkpoint_problem); no checkpoint while rows, later evaluations or several adapter
+dirs show that steps were done; a checkpoint past step 0 without the step-0 evaluations; rows past
+the checkpoint or differing from the rows it holds; a step logged twice (two writers). Nothing is
+truncated or rewritten to make such a dir fit.
 
 Everything is read through the run dir itself (safedir.py): `check_entries` refuses, before
 anything is written, any entry lorabench would open that is a link, of another kind than expected,

@@ -14,8 +14,10 @@ A step is committed by its checkpoint: `commit` writes the adapter dir (when due
 checkpoint (which also holds the rows it vouches for), then appends the sync and rollout rows; the
 trainer appends the metrics rows last. Rows are flushed and fsynced as they are written. So the
 files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
-`load_checkpoint` appends them from the checkpoint and says so. Anything else that does not fit is
-refused by rundir.inspect, which reads without writing; nothing is truncated but a torn last line.
+`load_checkpoint` appends them from the checkpoint and says so (after the policy has checked the
+checkpoint: until then resume writes nothing), and a due export that is missing is written again.
+Anything else that does not fit is refused by rundir.inspect, which reads without writing; nothing
+is truncated but a torn last line.
 Every file and folder is reached through the run dir's fd without following links (safedir.py), and
 each checkpoint records the experiment's fingerprint (fingerprint.py). The trainer may call `commit`
 and `log_metrics` from its commit thread (commits.py), one commit at a time, while its own thread
