@@ -12,9 +12,9 @@ It writes nothing, so a refusal leaves the run dir byte for byte as it was. What
   step is redone and the dir rewritten with the same values.
 What it refuses: any other bad line; a checkpoint that cannot be read, or a field of it resume
 could not use (checkpoint_problem); no checkpoint while rows, later evaluations or several adapter
-dirs show that steps were done; a checkpoint past step 0 without the step-0 evaluations; rows past
-the checkpoint or differing from the rows it holds; a step logged twice (two writers). Nothing is
-truncated or rewritten to make such a dir fit.
+dirs show that steps were done; rows past the checkpoint or differing from the rows it holds; a
+step logged twice (two writers). Nothing is truncated or rewritten to make such a dir fit. A
+session also refuses a run past step 0 without its step-0 evaluations (check_before_evals).
 
 Everything is read through the run dir itself (safedir.py): `check_entries` refuses, before
 anything is written, any entry lorabench would open that is a link, of another kind than expected,
@@ -395,11 +395,18 @@ def inspect(run_dir: Path) -> RunDirState:
             state.repairs.append(Repair(files[name].path, "append_rows", rows=missing, note=(
                 f"{name}: appending the {len(missing)} row(s) of step(s) {steps} that the checkpoint holds (the run "
                 f"was stopped between its checkpoint and these rows)")))
-    if len([r for r in files[EVALS].rows if _step(r) == 0]) < 2:   # both are written at once, before step 1
-        raise RunDirError(f"{files[EVALS].path} lacks the step-0 (before GRPO) evaluations of a run at step "
-                          f"{state.step}; {_RECOVER}. Restore the file from a backup, or start a new run")
     state.notes += _metrics_gaps(files[METRICS], state.checkpoint["rows"].get(METRICS, []))
     return state
+
+
+def check_before_evals(run_dir: Path, step: int) -> None:
+    """A session continuing a run at `step` > 0 reads its step-0 (before GRPO) evaluations back: both
+    are written at once, before step 1 (a trainer alone, without a session, writes none)."""
+    with SafeDir.open(run_dir) as root:
+        scan = scan_in(root, EVALS)
+    if step > 0 and len([r for r in scan.rows if _step(r) == 0]) < 2:
+        raise RunDirError(f"{scan.path} lacks the step-0 (before GRPO) evaluations of a run at step {step}; "
+                          f"{_RECOVER}. Restore the file from a backup, or start a new run")
 
 
 def _tail_repairs(scan: JsonlFile) -> list[Repair]:

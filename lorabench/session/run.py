@@ -219,9 +219,12 @@ class RunSession(_SessionLifecycle):
         progress = progress or _no_progress
         import torch
 
+        from ..rundir import check_before_evals
         from .preflight import preflight
 
         plan = plan_run(cfg, run_dir)
+        if evaluate_first and plan.continued is not None:
+            check_before_evals(plan.run_dir, plan.continued.step)
         preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
         threads, how = cpu_threads(cfg.run.threads)   # after preflight checked it against this machine's CPUs
         torch.set_num_threads(threads)
