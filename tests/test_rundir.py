@@ -6,6 +6,10 @@
 - what resume cannot match is refused, never truncated or rewritten: a corrupt middle line, a
   missing or unreadable checkpoint beside the rows of committed steps, rows past the checkpoint,
   a step logged twice;
+- every field of a checkpoint is checked before a byte is written (and all but two before the model is
+  built); a field a newer lorabench writes is kept;
+- the ways on: a finished run is extended from any step (zero included) and equals an uninterrupted
+  run, a missing final export is written again, the commands the messages give run as pasted;
 - one writer per run dir (real processes): a second `lorabench run`/`resume` is refused naming the
   first one's PID, and a lock left by a killed writer is reclaimed;
 - SIGTERM during the tiny model's build cleans up; a SIGKILLed build's temp is removed by the next
