@@ -317,11 +317,15 @@ def _write_error(path: Path, err: OSError, nbytes: int = 0) -> AdapterWriteError
             free = "free space unknown"
         return AdapterWriteError(errno.ENOSPC, f"no space left to write adapter dir {path} (needs ~{nbytes} "
                                  f"bytes, {free}); the previous adapter is untouched. Free space on that "
-                                 f"filesystem or point refresh.file.tmp_dir (file refresh) / run.out_dir (run "
-                                 f"dirs) at a larger one. Cause: {err}")
+                                 f"filesystem, or {_ELSEWHERE}. Cause: {err}")
     return AdapterWriteError(err.errno or errno.EIO, f"writing adapter dir {path} failed ({err}); the previous "
                              f"adapter is untouched. Check that {path.parent} is writable and has space, or "
-                             f"set refresh.file.tmp_dir / run.out_dir elsewhere")
+                             f"{_ELSEWHERE}")
+
+
+# a run dir stays where it is on resume (run.out_dir cannot be an override there): it moves by a copy
+_ELSEWHERE = ("point refresh.file.tmp_dir at a larger one (file refresh), or copy the run dir to one and resume the "
+              "copy (a run dir's adapters/)")
 
 
 # --- validation --------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -337,6 +338,8 @@ class GRPOTrainer:
                                     "train/is_weight_mean": stats["is_weight_mean"],
                                     "train/is_truncated_fraction": stats["is_truncated_fraction"]})
                 metrics["probe/adapter_gap"] = self.probe_gap()
+                if self.refresher.serving_adapter is not None and not math.isfinite(metrics["probe/adapter_gap"]):
+                    raise self.policy.diverged_output(adapter)   # the engine could not sample from it
                 clock.lap("probe")
                 committing.enter_context(interrupts_deferred())   # from here on the step is committed whole
             record = StepRecord(step, metrics, refresh, step_samples(step, rollouts, batch))
@@ -512,10 +515,10 @@ class GRPOTrainer:
 
     # -- state ----------------------------------------------------------------------------------
     def _restore(self) -> None:
-        state, adapter = self.runlog.load_checkpoint()
+        state, _ = self.runlog.load_checkpoint(take=self.policy.load)   # checked by the policy before any repair
         if state is None:
             return
-        self.policy.load(state, adapter)
+        self.runlog.export_if_missing(self.policy.adapter(), self.settings.steps)   # with the policy's own config
         self.history = self.runlog.metrics()
         self.log(f"resumed from {self.runlog.dir} at step {self.step_count}")
 

@@ -14,8 +14,10 @@ A step is committed by its checkpoint: `commit` writes the adapter dir (when due
 checkpoint (which also holds the rows it vouches for), then appends the sync and rollout rows; the
 trainer appends the metrics rows last. Rows are flushed and fsynced as they are written. So the
 files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
-`load_checkpoint` appends them from the checkpoint and says so. Anything else that does not fit is
-refused by rundir.inspect, which reads without writing; nothing is truncated but a torn last line.
+`load_checkpoint` appends them from the checkpoint and says so (after the policy has checked the
+checkpoint: until then resume writes nothing), and a due export that is missing is written again.
+Anything else that does not fit is refused by rundir.inspect, which reads without writing; nothing
+is truncated but a torn last line.
 Every file and folder is reached through the run dir's fd without following links (safedir.py), and
 each checkpoint records the experiment's fingerprint (fingerprint.py). The trainer may call `commit`
 and `log_metrics` from its commit thread (commits.py), one commit at a time, while its own thread
@@ -225,10 +227,18 @@ class RunLog(_Settled):
         for name in (SYNC, ROLLOUTS):
             self._append(name, rows.get(name, []))
 
-    def load_checkpoint(self) -> tuple[dict | None, FlatAdapter | None]:
+    def load_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None]:
         """The last checkpoint (None, None before the first), after making the files agree with it:
-        rundir.inspect refuses what cannot be matched; its repairs are applied and logged here."""
+        rundir.inspect refuses what cannot be matched; `take(state, adapter)` (the policy's load, which
+        checks it against the model) runs next; only then are the repairs applied and logged, so a
+        refusal by either leaves the run dir as it was."""
         found = inspect(self.dir)
+        state = found.checkpoint
+        adapter = None if state is None else FlatAdapter(state["adapter_buffer"],
+                                                         AdapterLayout.from_json(state["adapter_layout"]),
+                                                         state["adapter_config"], int(state["step"]))
+        if take is not None and state is not None:
+            take(state, adapter)
         for note in found.notes:
             self.log(f"note: {note}")
         for repair in found.repairs:
@@ -239,12 +249,17 @@ class RunLog(_Settled):
                 self._end_with_newline(repair.path.name)
             else:
                 self._append(repair.path.name, repair.rows)
-        state = found.checkpoint
-        if state is None:
-            return None, None
-        self.committed_step = int(state["step"])
-        layout = AdapterLayout.from_json(state["adapter_layout"])
-        return state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], int(state["step"]))
+        if state is not None:
+            self.committed_step = int(state["step"])
+        return state, adapter
+
+    def export_if_missing(self, adapter: FlatAdapter, last_step: int) -> None:
+        """adapters/step_<n> of the checkpoint's adapter when that export is due and missing (deleted,
+        or lost with its disk): written again from the checkpoint, which holds the same tensors."""
+        name = adapter_dir_name(adapter.version)
+        if self.due(adapter.version, last_step)[1] and not self.sub[ADAPTERS].expect(name, "dir"):
+            adapter.save_into(self.sub[ADAPTERS], name)
+            self.log(f"repair: {ADAPTERS}/{name} was missing: exported again from the checkpoint")
 
     def metrics(self) -> list[dict]:
         return scan_in(self.root, METRICS).rows
@@ -281,8 +296,11 @@ class NullRunLog(_Settled):
     def commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
         pass
 
-    def load_checkpoint(self):
+    def load_checkpoint(self, take=None):
         return None, None
+
+    def export_if_missing(self, adapter, last_step: int) -> None:
+        pass
 
     def metrics(self) -> list[dict]:
         return []

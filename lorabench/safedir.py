@@ -106,9 +106,11 @@ def write_failure(path: Path, err: OSError, root: Path | None = None) -> RunDirW
     fix = {errno.ENOSPC: "there is space again", errno.EDQUOT: "there is quota again",
            errno.EROFS: "the filesystem is writable again"}.get(err.errno, "that is fixed")
     code = errno.errorcode.get(err.errno, err.errno)
-    return RunDirWriteError(err.errno or errno.EIO, f"cannot write {path}: {cause} ({code}); what {where} held "
-                            f"before is intact: once {fix}, `lorabench resume {where}` continues from its last "
-                            f"checkpoint")
+    failure = RunDirWriteError(err.errno or errno.EIO, f"cannot write {path}: {cause} ({code}); what {where} held "
+                               f"before is intact: once {fix}, `lorabench resume {where}` continues from its last "
+                               f"checkpoint")
+    failure.cause, failure.fix = f"cannot write {path}: {cause} ({code})", fix   # for a run not started yet
+    return failure
 
 
 class _Sink:
