@@ -273,10 +273,10 @@ def behind_adapter(state: dict, adapter: FlatAdapter) -> FlatAdapter | None:
     buffer = state.get(BEHIND)
     if buffer is None:
         return None
-    like = isinstance(buffer, torch.Tensor) and (buffer.shape, buffer.dtype) == (adapter.buffer.shape, adapter.buffer.dtype)
-    if not like:
-        shown = tuple(buffer.shape) if isinstance(buffer, torch.Tensor) else type(buffer).__name__
-        raise RunDirError(f"{CHECKPOINT}: {BEHIND} is {shown}, not a buffer like adapter_buffer "
+    expected = (adapter.buffer.shape, adapter.buffer.dtype)
+    if not isinstance(buffer, torch.Tensor) or (buffer.shape, buffer.dtype) != expected:
+        shown = f"{tuple(buffer.shape)}, {buffer.dtype}" if isinstance(buffer, torch.Tensor) else type(buffer).__name__
+        raise RunDirError(f"{CHECKPOINT}: {BEHIND} is ({shown}), not a buffer like adapter_buffer "
                           f"({tuple(adapter.buffer.shape)}, {adapter.buffer.dtype}); the checkpoint is damaged: "
                           f"restore it from a backup, or start a new run")
     return FlatAdapter(buffer, adapter.layout, adapter.config, adapter.version - 1)
