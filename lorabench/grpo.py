@@ -136,9 +136,13 @@ class GRPOSettings(Section):
                           resume=REFUSED, why=_OBJECTIVE)
     max_staleness: int = setting(0, "Steps a rollout's adapter may lag behind the trainer. 0: every step samples "
                                  "from the adapter it trains (on-policy). 1: the next step's rollouts are sampled "
-                                 "while this step trains, from the adapter the engine has (one update behind), and "
-                                 "the loss weights each token by min(π_old / π_sample, tis_cap); the pipeline is "
-                                 "one step deep, so a larger value acts as 1. A rollout older than this is refused.",
+                                 "while this step trains, from the adapter one update behind (the refresh waits for "
+                                 "them), and the loss weights each token by min(π_old / π_sample, tis_cap); the "
+                                 "pipeline is one step deep, so a larger value acts as 1. Step 1 samples on-policy. "
+                                 "The checkpoint keeps the adapter one update behind, so a resumed or extended run "
+                                 "samples its next step as the run would have (a checkpoint written without it: "
+                                 "that one step on-policy, said in the log); on the hf engine a seeded run repeats "
+                                 "bit for bit. A rollout older than this is refused.",
                                  resume=REFUSED, why=_SAMPLING)
     tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
                              "max_staleness > 0 (truncated importance sampling, as in IMPALA's V-trace and "
@@ -554,8 +558,9 @@ class GRPOTrainer:
         it) makes that one step on-policy."""
         self.policy.load(state, adapter)
         self.history = history
-        self._behind = behind_adapter(state, adapter) if self.settings.max_staleness else None
-        if self.settings.max_staleness and self._behind is None:
+        behind = behind_adapter(state, adapter) if self.settings.max_staleness else None
+        self._behind = behind.to(self.device) if behind is not None else None   # beside the policy's adapters
+        if self.settings.max_staleness and behind is None:
             self.log(f"note: the checkpoint of step {adapter.version} holds no adapter one version behind (written "
                      f"before lorabench kept it): step {adapter.version + 1} is sampled on-policy (adapter/lag 0), "
                      f"the steps after it one version behind as before")
