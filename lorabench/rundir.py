@@ -60,6 +60,7 @@ def adapter_dir_name(step: int) -> str:
 
 # the fields every checkpoint holds; others (a newer lorabench's) are kept, checked by their kind
 _CHECKPOINT_KEYS = ("step", "optimizer", "torch_rng", "adapter_buffer", "adapter_layout", "adapter_config", "rows")
+BEHIND = "adapter_behind_buffer"   # optional (grpo.max_staleness): the adapter one version before the checkpoint's
 _RECOVER = "nothing in the run dir was changed"
 
 
