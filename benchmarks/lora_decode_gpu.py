@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from synthetic import random_qwen3_dir  # noqa: E402  (this folder)
+from sglang_calls import call_sglang  # noqa: E402  (this folder)
+from synthetic import random_qwen3_dir  # noqa: E402
 
 from lorabench.adapters import FlatAdapter  # noqa: E402
 from lorabench.clock import synced_time  # noqa: E402
@@ -46,7 +47,7 @@ VARIANTS = {  # name -> extra sglang.Engine arguments
 def decode(engine, ids: list[list[int]], new_tokens: int, adapter) -> float:
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     t0 = synced_time()
-    engine.call_sglang(lambda e: e.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids)))
+    call_sglang(engine, lambda e: e.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids)))
     return synced_time() - t0
 
 

@@ -29,11 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sglang_calls import call_sglang  # noqa: E402  (this folder)
 from synthetic import random_qwen3_dir  # noqa: E402  (this folder)
 
 from lorabench.clock import synced_time  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
-from lorabench.engines.sglang import SGLangEngine, SGLangSettings, check_reply  # noqa: E402
+from lorabench.engines.sglang import SGLangEngine, SGLangSettings  # noqa: E402
+from lorabench.engines.sglang_internals import check_reply  # noqa: E402
 from lorabench.loss import plain_token_logprobs  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
 from lorabench.policy import LoraLayers  # noqa: E402
@@ -95,7 +97,7 @@ class Probe:
             self.plens.append(len(prompt))
 
     def request(self, adapter, ids=None):
-        return self.engine.call_sglang(lambda e: e.generate(input_ids=[ids or self.request_ids], lora_path=[adapter],
+        return call_sglang(self.engine, lambda e: e.generate(input_ids=[ids or self.request_ids], lora_path=[adapter],
                                                             sampling_params={"max_new_tokens": 1, "temperature": 0.0}))
 
     def engine_logprobs(self, adapter) -> torch.Tensor:
@@ -119,14 +121,14 @@ def naive_refresh(engine, model, name: str, how: str, root: Path, i: int) -> Non
     config = json.loads(json.dumps(config, default=str))
     if how == "naive_tensor":
         tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-        check_reply(engine.call_sglang(lambda e: e.unload_lora_adapter(name)), "unload")
-        check_reply(engine.call_sglang(lambda e: e.load_lora_adapter_from_tensors(name, tensors, config)),
+        check_reply(call_sglang(engine, lambda e: e.unload_lora_adapter(name)), "unload")
+        check_reply(call_sglang(engine, lambda e: e.load_lora_adapter_from_tensors(name, tensors, config)),
                     "load from tensors")
     else:
         path = root / f"naive-{i}"
         model.save_pretrained(path)
-        check_reply(engine.call_sglang(lambda e: e.unload_lora_adapter(name)), "unload")
-        check_reply(engine.call_sglang(lambda e: e.load_lora_adapter(name, str(path))), "load")
+        check_reply(call_sglang(engine, lambda e: e.unload_lora_adapter(name)), "unload")
+        check_reply(call_sglang(engine, lambda e: e.load_lora_adapter(name, str(path))), "load")
 
 
 def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict:

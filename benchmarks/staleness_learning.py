@@ -77,7 +77,7 @@ def main() -> int:
                   ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "cpus": os.cpu_count(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "overrides": args.overrides, "runs": []}
+              "overrides": args.overrides, "load_before": os.getloadavg(), "runs": []}   # a shared machine's load
     overrides = args.overrides
     if not any(o.startswith("model.name_or_path=") for o in overrides):
         sys.path.insert(0, str(ROOT))
@@ -89,6 +89,7 @@ def main() -> int:
                 row = demo_run(Path(tmp), staleness, seed, overrides)
                 result["runs"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "lags"}), flush=True)
+    result["load_after"] = os.getloadavg()
     summarise(result)
     Path(args.out).write_text(json.dumps(result, indent=1))
     on, off = result["staleness_0"]["heldout_after"], result["staleness_1"]["heldout_after"]

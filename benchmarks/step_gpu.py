@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meters import trained_flops  # noqa: E402  (this folder)
+from sglang_calls import call_sglang  # noqa: E402
 from synthetic import STACK, random_qwen3_dir  # noqa: E402,F401  (STACK: the stack's engine arguments)
 
 from lorabench.clock import synced_time  # noqa: E402
@@ -61,7 +62,7 @@ def decode_reference(engine, ids: list[list[int]], new_tokens: int, adapter, log
     log-prob return's share)."""
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     t0 = synced_time()
-    outs = engine.call_sglang(lambda e: e.generate(input_ids=ids, sampling_params=params,
+    outs = call_sglang(engine, lambda e: e.generate(input_ids=ids, sampling_params=params,
                                                    lora_path=[adapter] * len(ids), return_logprob=logprobs))
     seconds = synced_time() - t0
     tokens = sum(len(o["output_ids"]) for o in outs)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from lorabench.fsutil import atomic_dir
 from lorabench.models import load_tokenizer
+from lorabench.safedir import atomic_dir
 
 # the engine arguments of our offline GPU stack (no FlashInfer, FA3 or xgrammar; a full install needs none)
 STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .fsutil import atomic_dir, write_new_file
+from .safedir import atomic_dir, write_new_file
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -229,7 +229,7 @@ class FlatAdapter:
 
     # -- PEFT directories ---------------------------------------------------------------------------
     def save_peft_dir(self, path: str | Path) -> Path:
-        """Write adapter_config.json + adapter_model.safetensors into `path` atomically (fsutil.atomic_dir:
+        """Write adapter_config.json + adapter_model.safetensors into `path` atomically (safedir.atomic_dir:
         a 0700 temp dir, files 0600 and fsynced, renamed onto `path`; an existing `path` is swapped out).
         A failed write (disk full) raises AdapterWriteError and leaves the previous dir intact."""
         path = Path(path)
@@ -286,9 +286,8 @@ class FlatAdapter:
         return cls.from_tensors(tensors, config, version)
 
 
-# Kept because it is measured faster (benchmarks/adapter_write.py): for the 0.6B-shape r=32 adapter
-# (392 tensors, 38 MB) writing the flat buffer as it is took 15 ms where safetensors.torch.save_file,
-# which refuses tensors that share one storage and so needs a clone of each, took 32 ms.
+# Our own writer: the flat buffer as one data section, where safetensors.torch.save_file refuses
+# tensors that share one storage and needs a clone of each (faster: docs/results.md, "Adapter writes").
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -318,11 +317,15 @@ def _write_error(path: Path, err: OSError, nbytes: int = 0) -> AdapterWriteError
             free = "free space unknown"
         return AdapterWriteError(errno.ENOSPC, f"no space left to write adapter dir {path} (needs ~{nbytes} "
                                  f"bytes, {free}); the previous adapter is untouched. Free space on that "
-                                 f"filesystem or point refresh.file.tmp_dir (file refresh) / run.out_dir (run "
-                                 f"dirs) at a larger one. Cause: {err}")
+                                 f"filesystem, or {_ELSEWHERE}. Cause: {err}")
     return AdapterWriteError(err.errno or errno.EIO, f"writing adapter dir {path} failed ({err}); the previous "
                              f"adapter is untouched. Check that {path.parent} is writable and has space, or "
-                             f"set refresh.file.tmp_dir / run.out_dir elsewhere")
+                             f"{_ELSEWHERE}")
+
+
+# a run dir stays where it is on resume (run.out_dir cannot be an override there): it moves by a copy
+_ELSEWHERE = ("point refresh.file.tmp_dir at a larger one (file refresh), or copy the run dir to one and resume the "
+              "copy (a run dir's adapters/)")
 
 
 # --- validation --------------------------------------------------------------------------------

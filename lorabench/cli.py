@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shlex
 import signal
 import sys
 import threading
@@ -70,6 +71,9 @@ def run_experiment(cfg, run_dir: str | Path | None = None, log=log_line) -> dict
             timing = _train_and_evaluate(session, log)
         except USER_ERRORS as err:   # one line, with where the run stands (the cause stays chained)
             raise RunStopped(stopped_message(err, session.runlog)) from err
+        except (Terminated, KeyboardInterrupt) as stop:
+            stop.run_dir = session.runlog.dir   # the stop's line names the run dir that continues
+            raise
         finally:
             session.close_engine()
         return _write_summary(session, timing, t0)
@@ -99,6 +103,9 @@ def run_group(cfg, group_dir: str | Path | None = None, log=log_line,
                 after = [member.trainer.evaluate(greedy=False), member.trainer.evaluate(greedy=True)]
                 done[name] = {"after": after, "evals": member.runlog.set_evals(member.trainer.step_count, after),
                               "seconds_grpo": seconds}
+        except (Terminated, KeyboardInterrupt) as stop:
+            stop.run_dir = group.run_dir
+            raise
         except USER_ERRORS as err:   # one line, naming the policy whose step raised
             name = group.trainer.current
             if name is None:
@@ -123,9 +130,12 @@ def stopped_message(err: Exception, runlog, group_dir: Path | None = None) -> st
         return text
     step = runlog.committed_step
     held = f"{runlog.dir} is intact ({f'its last checkpoint is step {step}' if step else 'no step checkpointed'})"
-    if isinstance(err, UpdateDiverged):   # resuming would repeat the same seeded step
-        return (f"{text}; the run stopped: {held}; a new run from its config: lorabench run --config "
-                f"{runlog.dir / 'config.json'} run.name=NEW {err.override}")
+    if isinstance(err, UpdateDiverged):   # resuming as it was would repeat the same seeded step
+        config = str(runlog.dir / "config.json")
+        new = shlex.join(["lorabench", "run", "--config", config, "run.name=NEW", err.override])
+        unbounded = shlex.join(["lorabench", "resume", str(runlog.dir), err.past_bound])
+        past = f"; or continue it without the bound: {unbounded}" if err.past_bound else ""
+        return f"{text}; the run stopped: {held}; a new run from its config: {new}{past}"
     if group_dir is not None:
         return f"{text}; the run stopped: {held} and `lorabench resume {group_dir}` continues the group"
     return f"{text}; the run stopped: {held} and `lorabench resume {runlog.dir}` continues it"
@@ -214,8 +224,7 @@ def main(argv=None) -> int:
         return 2
     except (Terminated, KeyboardInterrupt) as stop:
         name, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(stop, Terminated) else ("Ctrl-C", 130)
-        print(f"lorabench: stopped by {name}; `lorabench resume RUN_DIR` continues from the last checkpoint",
-              file=sys.stderr)
+        print(f"lorabench: stopped by {name}; {_way_on(stop, args)}", file=sys.stderr)
         return code
     finally:
         if on_main_thread:
@@ -223,6 +232,16 @@ def main(argv=None) -> int:
     if summary is not None:
         print_summary(summary)
     return 0
+
+
+def _way_on(stop: BaseException, args) -> str:
+    """What continues a run stopped by a signal: its run dir's resume, or (stopped before the run dir
+    was opened, e.g. while the tiny model was built) the same command again."""
+    where = getattr(stop, "run_dir", None) or (args.run_dir if args.command == "resume" else None)
+    if where:
+        return f"`lorabench resume {where}` continues from its last checkpoint"
+    return ("it stopped before training: run the same command again (or, if it printed a run dir, "
+            "`lorabench resume` that dir)")
 
 
 def _command(args) -> dict | None:

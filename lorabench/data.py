@@ -5,12 +5,10 @@ Schema everywhere: `question` (str) and `answer` (str whose last line is '#### N
 truth is the text after '####' with commas removed. Prompts are one user chat message: the
 question followed by the instruction below (as in verl's GSM8K recipe). Files are read by
 datafiles.py (bounded bytes per row, UTF-8, errors naming the line); data/README.md describes the
-formats and `python -m lorabench.data --write-sample data/gsm8k_sample.jsonl` writes the sample.
+formats (data/write_sample.py writes the committed sample).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +18,6 @@ from .rewards import MAX_DIGITS, normalize_number
 from .settings import ALLOWED, REFUSED, Section, check, setting
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-SAMPLE_ROWS, SAMPLE_SEED = 48, "sample-0"   # data/gsm8k_sample.jsonl
 
 
 @dataclass(frozen=True)
@@ -266,27 +263,3 @@ class ProblemSource:
         if self._eval is None:
             self._eval = load_gsm8k("test" if source == "hub" else "train", source)
         return self._eval[:n]
-
-
-# --- the committed sample file ---------------------------------------------------------------------
-def sample_jsonl(rows: int = SAMPLE_ROWS, seed: str = SAMPLE_SEED) -> bytes:
-    """data/gsm8k_sample.jsonl: GSM8K-format rows from the seeded generator (written, never edited)."""
-    return "".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
-                   for p in synthetic_problems(rows, seed)).encode()
-
-
-def main(argv=None) -> int:
-    from .fsutil import atomic_write
-    parser = argparse.ArgumentParser(prog="python -m lorabench.data", description="Write the GSM8K-format "
-                                     "sample file from the seeded synthetic generator.")
-    parser.add_argument("--write-sample", metavar="PATH", required=True, help="e.g. data/gsm8k_sample.jsonl")
-    parser.add_argument("--rows", type=int, default=SAMPLE_ROWS)
-    parser.add_argument("--seed", default=SAMPLE_SEED)
-    args = parser.parse_args(argv)
-    atomic_write(Path(args.write_sample), sample_jsonl(args.rows, args.seed), mode=0o644)
-    print(f"wrote {args.rows} rows to {args.write_sample}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

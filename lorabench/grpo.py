@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .adapters import FlatAdapter
 from .clock import Clock
 from .commits import BackgroundCommits, host_copy
 from .data import Problem, ProblemSource, prompt_ids
@@ -58,7 +60,7 @@ from .refresh import RefreshRecord
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, rollout_request, rollouts_of, score
 from .rundir import METRICS, ROLLOUTS, SYNC
-from .runlog import NullRunLog
+from .runlog import BEHIND, NullRunLog, behind_adapter
 from .settings import ALLOWED, REFUSED, ConfigError, Section, check, setting
 
 _DATA = "it defines the data stream: which problems each step draws"
@@ -139,9 +141,13 @@ class GRPOSettings(Section):
                           resume=REFUSED, why=_OBJECTIVE)
     max_staleness: int = setting(0, "Steps a rollout's adapter may lag behind the trainer. 0: every step samples "
                                  "from the adapter it trains (on-policy). 1: the next step's rollouts are sampled "
-                                 "while this step trains, from the adapter the engine has (one update behind), and "
-                                 "the loss weights each token by min(π_old / π_sample, tis_cap); the pipeline is "
-                                 "one step deep, so a larger value acts as 1. A rollout older than this is refused.",
+                                 "while this step trains, from the adapter one update behind (the refresh waits for "
+                                 "them), and the loss weights each token by min(π_old / π_sample, tis_cap); the "
+                                 "pipeline is one step deep, so a larger value acts as 1. Step 1 samples on-policy. "
+                                 "The checkpoint keeps the adapter one update behind, so a resumed or extended run "
+                                 "samples its next step as the run would have (a checkpoint written without it: "
+                                 "that one step on-policy, said in the log); on the hf engine a seeded run repeats "
+                                 "bit for bit. A rollout older than this is refused.",
                                  resume=REFUSED, why=_SAMPLING)
     tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
                              "max_staleness > 0 (truncated importance sampling, as in IMPALA's V-trace and "
@@ -254,8 +260,16 @@ class GRPOTrainer:
         if settings.max_staleness:
             self._sampler = ThreadPoolExecutor(1, thread_name_prefix="lorabench-rollouts",
                                                initializer=interrupts_to_the_main_thread)
-        self._restore()
-        self.refresher.refresh(self.policy.adapter())  # the engine starts with the trainer's adapter
+        # the adapter the engine serves (the policy's), and with max_staleness the one a version before it,
+        # which the next step's rollouts come from: re-sampled from it when none were sampled ahead
+        self._current: FlatAdapter | None = None
+        self._behind: FlatAdapter | None = None
+        state, _ = self.runlog.load_checkpoint(take=self._take)   # checked here before any repair is written
+        if state is not None:
+            self.runlog.export_if_missing(self.policy.adapter(), self.settings.steps)   # with the policy's own config
+            self.history = self.runlog.metrics()
+            self.log(f"resumed from {self.runlog.dir} at step {self.step_count}")
+        self._serve(self.policy.adapter())   # the engine starts with the trainer's adapter
 
     @property
     def step_count(self) -> int:
@@ -296,8 +310,12 @@ class GRPOTrainer:
     def _resend_if_stale(self) -> None:
         """After a rolled-back step the engine may have lost the adapter mid-refresh: send it again."""
         if self._engine_stale:
-            self.refresher.refresh(self.policy.adapter())
+            self.refresher.refresh(self._current)
             self._engine_stale = False
+
+    def _serve(self, adapter: FlatAdapter) -> RefreshRecord:
+        self._current = adapter
+        return self.refresher.refresh(adapter)
 
     def _request_for(self, step: int) -> tuple[list[Problem], GenerateRequest]:
         g = self.settings
@@ -317,7 +335,7 @@ class GRPOTrainer:
         if rollouts is None:
             self._resend_if_stale()
             ahead = self._take_ahead(step)
-            rollouts = ahead if ahead is not None else self._sample(step)
+            rollouts = ahead if ahead is not None else self._sample_in_line(step)
             clock.lap("rollout")
             if self._sampler is not None and step < g.steps:   # the next step's, sampled while this one trains
                 self._ahead = (step + 1, self._sampler.submit(self._sample, step + 1))
@@ -333,6 +351,9 @@ class GRPOTrainer:
                 with self._engine_memory_released():
                     stats = self.policy.train(batch, g)
                 clock.lap("train")
+                if self._ahead is not None:   # sampled from this adapter whatever the timing: the refresh waits
+                    wait_interruptibly(self._ahead[1].exception)
+                    clock.lap("rollout_wait")
                 adapter = self.policy.adapter()
                 refresh = self.refresher.refresh(adapter)
                 clock.lap("refresh")
@@ -342,8 +363,11 @@ class GRPOTrainer:
                                     "train/is_weight_mean": stats["is_weight_mean"],
                                     "train/is_truncated_fraction": stats["is_truncated_fraction"]})
                 metrics["probe/adapter_gap"] = self.probe_gap()
+                if self.refresher.serving_adapter is not None and not math.isfinite(metrics["probe/adapter_gap"]):
+                    raise self.policy.diverged_output(adapter)   # the engine could not sample from it
                 clock.lap("probe")
                 committing.enter_context(interrupts_deferred())   # from here on the step is committed whole
+            self._behind, self._current = (self._current if g.max_staleness else None), adapter
             record = StepRecord(step, metrics, refresh, step_samples(step, rollouts, batch))
             self._commit(record, adapter, clock)
         return record
@@ -358,6 +382,18 @@ class GRPOTrainer:
         if rollouts.adapter != self.refresher.serving_adapter:
             raise StaleAdapter(f"step {step}: the rollouts given were served by adapter {rollouts.adapter!r}, this "
                                f"trainer's is {self.refresher.serving_adapter!r}; nothing was trained on them")
+
+    def _sample_in_line(self, step: int) -> Rollouts:
+        """This step's rollouts when none were sampled ahead. With max_staleness, from the adapter one
+        version behind, as the pipeline samples them (after a resume or a rolled-back step: the same
+        rollouts again); step 1 and a checkpoint that holds no behind adapter sample on-policy."""
+        if self._behind is None:
+            return self._sample(step)
+        self._engine_stale = True   # until the engine serves the current adapter again
+        self.refresher.refresh(self._behind)
+        rollouts = self._sample(step)
+        self._resend_if_stale()
+        return rollouts
 
     def _take_ahead(self, step: int) -> Rollouts | None:
         """The rollouts sampled ahead for `step`, if any (waited for; an interrupt stops the wait)."""
@@ -445,7 +481,7 @@ class GRPOTrainer:
 
     def _commit_in_line(self, record: StepRecord, adapter, clock: StepClock, save_adapter: bool) -> None:
         try:
-            self.runlog.commit(record.step, self.policy.state(), adapter, self._pending_rows(), save_adapter)
+            self.runlog.commit(record.step, self._state(), adapter, self._pending_rows(), save_adapter)
             self._finish_metrics(record, clock, waited=0.0)
             self.runlog.log_metrics([r.metrics for r in self._pending])
             self._pending = []
@@ -457,7 +493,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         self._raise_if_commit_failed(wait=True)
         waited = time.perf_counter() - t0
-        state = host_copy(self.policy.state())   # the next step changes the optimizer's moments in place
+        state = host_copy(self._state())   # the next step changes the optimizer's moments in place
         self._finish_metrics(record, clock, waited)
         rows = copy.deepcopy(self._pending_rows())   # the metrics dicts are also the history's
         self._pending = []
@@ -516,13 +552,31 @@ class GRPOTrainer:
         return records
 
     # -- state ----------------------------------------------------------------------------------
-    def _restore(self) -> None:
-        state, adapter = self.runlog.load_checkpoint()
-        if state is None:
-            return
+    def _state(self) -> dict:
+        """The checkpoint's trainer state: the policy's, and the adapter one version behind (max_staleness)."""
+        state = self.policy.state()
+        if self._behind is not None:
+            state[BEHIND] = self._behind.buffer
+        return state
+
+    def load_state(self, state: dict, adapter: FlatAdapter, history: list[dict]) -> None:
+        """The trainer at a checkpoint's step (`adapter`, its version), the engine serving its adapter."""
+        self._take(state, adapter)
+        self.history = history
+        self._serve(self.policy.adapter())
+
+    def _take(self, state: dict, adapter: FlatAdapter) -> None:
+        """A checkpoint's state taken by the policy, which checks it against the model. With max_staleness
+        the next step is sampled from the adapter one version behind, as the run that wrote the
+        checkpoint went on; a checkpoint that holds none (written before lorabench kept it) makes that
+        one step on-policy."""
+        behind = behind_adapter(state, adapter) if self.settings.max_staleness else None
         self.policy.load(state, adapter)
-        self.history = self.runlog.metrics()
-        self.log(f"resumed from {self.runlog.dir} at step {self.step_count}")
+        self._behind = behind.to(self.device) if behind is not None else None   # beside the policy's adapters
+        if self.settings.max_staleness and behind is None:
+            self.log(f"note: the checkpoint of step {adapter.version} holds no adapter one version behind (written "
+                     f"before lorabench kept it): step {adapter.version + 1} is sampled on-policy (adapter/lag 0), "
+                     f"the steps after it one version behind as before")
 
     def _make_probe(self):
         """A fixed (prompt, reference answer) pair whose log-probs show whether the adapter is live."""

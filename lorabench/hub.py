@@ -1,7 +1,7 @@
 """Is a hub model or dataset usable *now*? Answered in seconds, before anything is built or written.
 
 Without this, an unreachable hub shows up deep inside transformers or datasets after minutes of
-retries (49 s for a mistyped model dir looked up as a hub name, then a traceback). The rule:
+retries, then a traceback (a mistyped model dir is looked up as a hub name too). The rule:
 - HF_HUB_OFFLINE=1 (the libraries' own switch): only the local cache counts;
 - otherwise the hub's API is asked once, with a short timeout (stdlib urllib, so the usual
   https_proxy variables apply); offline, that fails at once (no DNS) or after TIMEOUT_S.

@@ -27,14 +27,9 @@ _TORCH_DEFAULT_THREADS: list[int] = []   # torch's own thread count, read before
 def cpu_threads(setting: int) -> tuple[int, str]:
     """run.threads resolved: (torch CPU threads, how they were chosen). A positive setting is taken as
     given. 0 = auto: torch's default count less the CPUs that the machine's 1-minute load average says
-    other work keeps busy, at least 1. Threads that wait on each other lose most when another process
-    holds their cores: on a 2-core machine beside two busy-loop processes (load average 2.6-9.3) a
-    GRPO step of the demo took 38-200 s with two threads and 8-18 s with one, a warm-start step 13-19 s
-    and 3.6-5.1 s; with no busy loop (load average 1.4-1.5) two threads made a warm-start step 1.7x
-    faster (0.33 s vs 0.58 s) and a GRPO step about as fast (benchmarks/cpu_threads.py;
-    benchmarks/results/cpu_threads.json). One thread too few cost at most that 1.7x; one too many
-    made the median steps 3.7x (warm-start) and 9.4x (GRPO) slower. The load average counts this
-    process too, so it is read before the run computes anything."""
+    other work keeps busy, at least 1: threads that wait on each other lose far more to a core another
+    process holds than one thread too few costs (docs/results.md, "Torch threads on a shared 2-core
+    machine"). The load average counts this process too, so it is read before the run computes anything."""
     import torch
     if not _TORCH_DEFAULT_THREADS:
         _TORCH_DEFAULT_THREADS.append(torch.get_num_threads())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -75,11 +76,13 @@ class LoraSettings(Section):
 class UpdateDiverged(AdapterError):
     """A GRPO update is unusable (non-finite, or beyond grpo.max_delta_ratio); the message names the
     step, the norms and what to lower. Nothing of it was served, saved or checkpointed. `override`:
-    the setting a new run could start with (e.g. 'grpo.lr=0.0001')."""
+    the setting a new run could start with (e.g. 'grpo.lr=0.0001'); `past_bound`: the resume override
+    that continues without grpo.max_delta_ratio, given only where the update is not far beyond it."""
 
-    def __init__(self, message: str, override: str = ""):
+    def __init__(self, message: str, override: str = "", past_bound: str = ""):
         super().__init__(message)
         self.override = override
+        self.past_bound = past_bound   # the override that continues without the bound, where that can work
 
 
 class Policy:
@@ -158,12 +161,22 @@ class Policy:
             return
         module, ratio = found
         loss, grad = self.last_stats.get("loss", math.nan), self.last_stats.get("grad_norm", math.nan)
+        past = _past_bound(ratio)
         raise UpdateDiverged(
             f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = {ratio:.3g}, "
             f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss {loss:.3g}, gradient norm {grad:.3g} "
             f"before clipping to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed. "
-            f"{_lower_lr(self.grpo)}, or raise grpo.max_delta_ratio if an update this large is intended",
-            f"grpo.lr={self.grpo.lr / 10:g}")
+            f"{_lower_lr(self.grpo)}" + (f", or continue without the bound ({past}) if an update this large is "
+                                         f"intended" if past else ""), _lr_override(self.grpo), past)
+
+    def diverged_output(self, adapter: FlatAdapter) -> UpdateDiverged:
+        """The engine's log-probs under `adapter` are not finite: an update no bound stopped (the bound
+        off or raised) that the engine cannot sample from."""
+        ratio = float(self.delta_ratios(adapter).max())
+        return UpdateDiverged(
+            f"GRPO step {adapter.version} diverged: under its adapter the engine's log-probs are not finite (its "
+            f"largest ||dW||/||W|| is {ratio:.3g}; grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}); the update "
+            f"was rolled back, not saved or checkpointed. {_lower_lr(self.grpo)}", _lr_override(self.grpo))
 
     def base_weights(self) -> dict[str, torch.Tensor]:
         return base_weights(self.model)
@@ -295,23 +308,66 @@ class Policy:
         if adapter.layout != self.layout:
             raise AdapterError("the checkpoint's adapter has other tensors or shapes than this policy (a different "
                                "lora.r, target modules or base model); resume with the run's own config")
+        if adapter.buffer.dtype != self.params[0].dtype:   # a wider dtype could hold values this one cannot
+            raise AdapterError(f"the checkpoint's field 'adapter_buffer' is {adapter.buffer.dtype}, but this "
+                               f"policy's adapter is {self.params[0].dtype}; nothing was changed. Restore "
+                               f"checkpoint/trainer_state.pt from a backup, or start a new run")
+        _refuse_misshapen_moments(state["optimizer"], self.params)
+        _refuse_non_finite_moments(state["optimizer"], adapter.version)
         for owner, value in zip(self.lora_layers.owners, adapter.tensors.values()):
             owner.weight.copy_(value.to(owner.weight.device, owner.weight.dtype))
-        _refuse_non_finite_moments(state["optimizer"], adapter.version)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.version = adapter.version
         found = self._beyond_bound(adapter)
         if found:   # a checkpoint written without this bound, or under a larger one
+            past = _past_bound(found[1])
             raise UpdateDiverged(
                 f"the checkpoint's adapter (step {self.version}) changes {found[0]} by ||dW||/||W|| = {found[1]:.3g}, "
                 f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}: that update diverged, and resuming would "
-                f"serve it; nothing was changed. {_lower_lr(self.grpo)} (adapters/step_<n> hold earlier adapters), or "
-                f"raise grpo.max_delta_ratio if an adapter this large is intended", f"grpo.lr={self.grpo.lr / 10:g}")
+                f"serve it; nothing was changed. {_lower_lr(self.grpo)} (adapters/step_<n> hold earlier adapters)"
+                + (f", or resume without the bound ({past}) if an adapter this large is intended" if past else ""),
+                _lr_override(self.grpo), past)
+
+
+# The largest ratio after which the divergence message offers to continue without the bound: a
+# change of up to ten times a layer's weight may be intended (at grpo.lr=0.05 the tiny model's ratio
+# passes 1 at step 6 and 12 at step 10, and the run trains on); far beyond, the model is another one
+# (at grpo.lr=1e30 the ratio is ~1e31 and the engine's log-probs overflow): only a lower rate helps.
+OFFER_UNBOUNDED_BELOW = 10.0
+
+
+def _past_bound(ratio: float) -> str:
+    return "grpo.max_delta_ratio=0" if ratio < OFFER_UNBOUNDED_BELOW else ""
+
+
+def _sane_lr(grpo) -> float:
+    """A tenth of the rate that diverged, and at most the default (measured far inside the bound,
+    docs/reliability.md §2b): a tenth of 1e30 diverges as surely."""
+    default = next(f.default for f in dataclasses.fields(grpo) if f.name == "lr")
+    return min(grpo.lr / 10, default)
+
+
+def _lr_override(grpo) -> str:
+    return f"grpo.lr={_sane_lr(grpo):g}"
 
 
 def _lower_lr(grpo) -> str:
-    return f"Lower grpo.lr (now {grpo.lr:g}; e.g. grpo.lr={grpo.lr / 10:g}) in a new run"
+    return f"Lower grpo.lr (now {grpo.lr:g}; e.g. {_lr_override(grpo)}) in a new run"
+
+
+def _refuse_misshapen_moments(optimizer_state: dict, params: list[torch.Tensor]) -> None:
+    """Each Adam moment must have its parameter's shape: load_state_dict does not check it, and the
+    first update from a misshapen one fails mid-step."""
+    order = [p for group in optimizer_state["param_groups"] for p in group["params"]]
+    for index, moments in optimizer_state["state"].items():
+        param = params[order.index(index)]
+        for key, value in moments.items():
+            if key != "step" and tuple(value.shape) != tuple(param.shape):
+                raise AdapterError(f"the checkpoint's field 'optimizer' holds {key} of parameter {index} with shape "
+                                   f"{list(value.shape)}, but that parameter of this policy has shape "
+                                   f"{list(param.shape)}; nothing was changed. Restore checkpoint/trainer_state.pt "
+                                   f"from a backup, or start a new run")
 
 
 def _refuse_non_finite_moments(optimizer_state: dict, step: int) -> None:
@@ -329,7 +385,7 @@ def _diverged_loss(step: int, stats: dict, grpo) -> UpdateDiverged:
     loss, grad = stats["loss"], stats["grad_norm"]
     return UpdateDiverged(f"GRPO step {step} diverged: loss {loss:.3g}, gradient norm {grad:.3g} (before clipping to "
                          f"grpo.max_grad_norm={grpo.max_grad_norm:g}); the update was not applied, served, saved or "
-                         f"checkpointed. {_lower_lr(grpo)}", f"grpo.lr={grpo.lr / 10:g}")
+                         f"checkpointed. {_lower_lr(grpo)}", _lr_override(grpo))
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ import torch
 from .adapters import FlatAdapter, merge_weights
 from .clock import Clock
 from .engines.base import AdapterNotLoaded, PushesWeights, UpdatesAdapterInPlace, require
-from .fsutil import remove_stale_temps
+from .safedir import remove_stale_temps
 from .settings import ALLOWED, Section, check, setting
 
 _HOW = "how the adapter reaches the engine; what it serves is the same"
@@ -167,7 +167,7 @@ class Refresher:
     def _stage(self, adapter: FlatAdapter, device, record: RefreshRecord, clock: Clock) -> FlatAdapter:
         """The adapter in the engine's dtype on `device`, in a new buffer filled bucket by bucket (a
         bucket is a run of whole tensors: the names are sorted, so each is one contiguous range);
-        one record row per bucket. Pinned host memory when it goes to the host (~20x faster)."""
+        one record row per bucket. Pinned host memory when it goes to the host (a faster copy)."""
         src = adapter.buffer
         to_host = torch.device(device).type == "cpu" and src.is_cuda
         out = torch.empty(src.numel(), dtype=self.engine.adapter_dtype or src.dtype, device=device,
@@ -268,7 +268,7 @@ class MergedRefresh(Refresher):
         self.base_weights = base_weights
         # Only the adapted layers change between refreshes; the embeddings, norms (and any layer an
         # earlier run in this engine merged) are pushed with the first refresh and after the engine's
-        # weights were released. The 0.6B shape: 0.88 of 1.19 GB per refresh.
+        # weights were released (what that saves per refresh: docs/results.md, "Merged refresh").
         self._push_every_weight = True
 
     @classmethod

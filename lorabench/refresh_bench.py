@@ -6,7 +6,7 @@ engine, next to the physical floor: the bytes moved divided by the measured copy
     model = adapter_model(model_path, rank=16)          # a scratch trainer-side adapter of that size
     rows = [measure_refresh(engine, model, mode, bucket_mb=64) for mode in MODES]
     bandwidth = measure_bandwidth()                     # GB/s, host memcpy (or on-device on a GPU)
-    save_results("refresh.json", rows, bandwidth)       # load_results reads it back
+    save_results("refresh.json", rows, bandwidth)       # JSON: {"kind": "refresh_sweep", ..., "rows": rows}
 
 Each row summarises `repeats` refreshes of the same adapter after `warmup` untimed ones, timed with
 one torch thread unless told otherwise (`torch_threads` says why):
@@ -325,14 +325,6 @@ def save_results(path: str | Path, rows: list[dict], bandwidth_gbps: float, **me
                **meta, "rows": rows}
     path.write_text(json.dumps(payload, indent=1))
     return path
-
-
-def load_results(path: str | Path) -> dict | None:
-    """A refresh-sweep file (as `save_results` writes it), or None if the file is something else."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or data.get("kind") != "refresh_sweep":
-        return None
-    return data
 
 
 def engine_label(engine) -> str:

@@ -10,10 +10,11 @@ It writes nothing, so a refusal leaves the run dir byte for byte as it was. What
   are appended from the checkpoint;
 - one adapters/step_<n> dir past the checkpoint (a kill between that dir and the checkpoint): the
   step is redone and the dir rewritten with the same values.
-What it refuses: any other bad line; a checkpoint that cannot be read; no checkpoint while rows,
-later evaluations or several adapter dirs show that steps were done; rows past the checkpoint or
-differing from the rows it holds; a step logged twice (two writers). Nothing is truncated or
-rewritten to make such a dir fit.
+What it refuses: any other bad line; a checkpoint that cannot be read, or a field of it resume
+could not use (checkpoint_problem); no checkpoint while rows, later evaluations or several adapter
+dirs show that steps were done; rows past the checkpoint or differing from the rows it holds; a
+step logged twice (two writers). Nothing is truncated or rewritten to make such a dir fit. A
+session also refuses a run past step 0 without its step-0 evaluations (check_before_evals).
 
 Everything is read through the run dir itself (safedir.py): `check_entries` refuses, before
 anything is written, any entry lorabench would open that is a link, of another kind than expected,
@@ -39,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from .fsutil import pid_alive
-from .safedir import RunDirError, SafeDir, read_no_follow, write_failure
+from .adapters import AdapterError, AdapterLayout
+from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow, write_failure
 
 # The run dir's layout: each name is written down here only; the other modules use these.
 CONFIG, CONFIG_CHANGES, SUMMARY = "config.json", "config_changes.jsonl", "summary.json"
@@ -57,7 +58,9 @@ def adapter_dir_name(step: int) -> str:
     return f"step_{step}"
 
 
+# the fields every checkpoint holds; others (a newer lorabench's) are kept, checked by their kind
 _CHECKPOINT_KEYS = ("step", "optimizer", "torch_rng", "adapter_buffer", "adapter_layout", "adapter_config", "rows")
+BEHIND = "adapter_behind_buffer"   # optional (grpo.max_staleness): the adapter one version before the checkpoint's
 _RECOVER = "nothing in the run dir was changed"
 
 
@@ -166,11 +169,126 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
         raise RunDirError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}); {_RECOVER}. Restore it "
                           f"from a backup and resume, or start a new run (adapters/step_<n> hold the trained "
                           f"adapters as PEFT dirs)") from err
-    missing = [k for k in _CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise RunDirError(f"{path} lacks {missing} (written by another lorabench version?); {_RECOVER}. Resume it "
-                          f"with the lorabench that wrote it, or start a new run")
+    problem = checkpoint_problem(state)
+    if problem:
+        raise RunDirError(f"{path}: {problem}; {_RECOVER}. Restore it from a backup and resume, or start a new run "
+                          f"(adapters/step_<n> hold the trained adapters as PEFT dirs)")
     return state
+
+
+# --- what a checkpoint must hold (read before anything is built or written) ---------------------------
+def checkpoint_problem(state) -> str | None:
+    """The first field of a checkpoint that resume could not use, as "field 'X' ... (why)", or None.
+    Every field is checked by what it must be for the policy that wrote it, not against a closed
+    list: a field this lorabench does not know is kept, and any field named *_buffer is an adapter
+    buffer (the layout's size, adapter_buffer's dtype, finite) or, but for adapter_buffer, None."""
+    if not isinstance(state, dict):
+        return f"it holds {type(state).__name__}, not the dict of fields a checkpoint is"
+    missing = [k for k in _CHECKPOINT_KEYS if k not in state]
+    if missing:
+        return f"it lacks the field(s) {missing} (written by another lorabench version?)"
+    step = state["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"field 'step' is {_shown(step)}, not a step count"
+    try:
+        layout = AdapterLayout.from_json(state["adapter_layout"])
+    except AdapterError as err:
+        return f"field 'adapter_layout': {err}"
+    found = (_layout_problem(layout, state["adapter_config"]) or _rng_problem(state["torch_rng"])
+             or _optimizer_problem(state["optimizer"], layout) or _rows_problem(state["rows"])
+             or _fingerprint_problem(state.get("fingerprint", {})))
+    if found:
+        return found
+    dtype = state["adapter_buffer"].dtype if isinstance(state["adapter_buffer"], torch.Tensor) else None
+    for key in [k for k in state if k.endswith("_buffer") and (k == "adapter_buffer" or state[k] is not None)]:
+        found = _buffer_problem(key, state[key], layout, dtype)
+        if found:
+            return found
+    return None
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 40 else f"a {type(value).__name__}"
+
+
+def _layout_problem(layout: AdapterLayout, config) -> str | None:
+    """LoRA pairs of the adapter config's rank: lora_A [r, in], lora_B [out, r]."""
+    if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
+        return f"field 'adapter_config' is {_shown(config)}, not a PEFT LoRA config with a rank r >= 1"
+    if not layout.names:
+        return "field 'adapter_layout' names no tensor"
+    r = config["r"]
+    for name, shape in zip(layout.names, layout.shapes):
+        rank_dim = 0 if name.endswith("lora_A.weight") else 1 if name.endswith("lora_B.weight") else None
+        if rank_dim is None or len(shape) != 2 or min(shape) < 1 or shape[rank_dim] != r:
+            return (f"field 'adapter_layout' has {name} of shape {list(shape)}, not a LoRA tensor of the adapter "
+                    f"config's rank r={r}")
+    return None
+
+
+def _buffer_problem(key: str, buffer, layout: AdapterLayout, dtype) -> str | None:
+    if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != layout.numel:
+        return f"field {key!r} is {_shown(buffer)}; the adapter layout needs one dimension of {layout.numel:,}"
+    if not buffer.is_floating_point() or (dtype is not None and buffer.dtype != dtype):
+        return f"field {key!r} is {_shown(buffer)}, not the adapter's floating dtype ({dtype})"
+    if not bool(torch.isfinite(buffer).all()):
+        return f"field {key!r} holds NaN/Inf: that adapter diverged"
+    return None
+
+
+def _rng_problem(rng) -> str | None:
+    """The saved torch RNG state must be one torch can restore (tried on a generator of its own)."""
+    try:
+        torch.Generator().set_state(rng)
+    except (RuntimeError, TypeError) as err:
+        return f"field 'torch_rng' is {_shown(rng)}, which torch cannot restore as its random state ({err})"
+    return None
+
+
+def _optimizer_problem(optimizer, layout: AdapterLayout) -> str | None:
+    """AdamW's state_dict over the adapter's tensors: one param group holding each of them once, and
+    moments of the layout's shapes (which tensor is which is checked once the policy exists)."""
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    moments = optimizer.get("state") if isinstance(optimizer, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or not isinstance(moments, dict):
+        return f"field 'optimizer' is {_shown(optimizer)}, not an optimizer state_dict"
+    params = [p for g in groups for p in (g.get("params") if isinstance(g.get("params"), list) else [None])]
+    if sorted(map(str, params)) != sorted(map(str, range(len(layout.names)))):
+        return (f"field 'optimizer' holds parameters {params[:8]}{' ...' if len(params) > 8 else ''}, not the "
+                f"adapter's {len(layout.names)} tensors")
+    shapes = set(layout.shapes)
+    for index, entry in moments.items():
+        tensors = entry.items() if isinstance(entry, dict) else [("state", entry)]
+        for name, value in tensors:
+            if index not in params or not _is_moment(name, value, shapes):
+                return (f"field 'optimizer' has state {index} {name!r} = {_shown(value)}, not a moment of an adapter "
+                        f"tensor")
+    return None
+
+
+def _is_moment(name: str, value, shapes: set) -> bool:
+    """AdamW's per-tensor state: its step count (a scalar) or a moment of one of the adapter's shapes."""
+    if name == "step":   # a count: a negative or NaN one would scale every later update wrongly
+        count = value if isinstance(value, (int, float)) else value.item() if isinstance(
+            value, torch.Tensor) and value.numel() == 1 else None
+        return count is not None and math.isfinite(count) and count >= 0
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and tuple(value.shape) in shapes
+
+
+def _rows_problem(rows) -> str | None:
+    if not isinstance(rows, dict) or not all(isinstance(v, list) and all(isinstance(r, dict) for r in v)
+                                             for v in rows.values()):
+        return f"field 'rows' is {_shown(rows)}, not the rows of its steps ({{file name: [row, ...]}})"
+    return None
+
+
+def _fingerprint_problem(fingerprint) -> str | None:
+    if not isinstance(fingerprint, dict) or not all(isinstance(v, dict) for v in fingerprint.values()):
+        return f"field 'fingerprint' is {_shown(fingerprint)}, not a dict of what the run was trained on"
+    return None
 
 
 def _step(row: dict) -> int:
@@ -259,7 +377,7 @@ def inspect(run_dir: Path) -> RunDirState:
         files = {name: scan_in(root, name) for name in (*ROW_FILES, EVALS, CONFIG_CHANGES)}
         state = RunDirState(run_dir, read_checkpoint(root))
         adapters_ahead = [s for s in _adapter_steps(root) if s > state.step]
-        has_summary = root.expect(SUMMARY, "file")
+        has_summary = _summary_of_steps(root)
     for scan in files.values():
         state.repairs += _tail_repairs(scan)
     if state.checkpoint is None:
@@ -281,6 +399,16 @@ def inspect(run_dir: Path) -> RunDirState:
     return state
 
 
+def check_before_evals(run_dir: Path, step: int) -> None:
+    """A session continuing a run at `step` > 0 reads its step-0 (before GRPO) evaluations back: both
+    are written at once, before step 1 (a trainer alone, without a session, writes none)."""
+    with SafeDir.open(run_dir) as root:
+        scan = scan_in(root, EVALS)
+    if step > 0 and len([r for r in scan.rows if _step(r) == 0]) < 2:
+        raise RunDirError(f"{scan.path} lacks the step-0 (before GRPO) evaluations of a run at step {step}; "
+                          f"{_RECOVER}. Restore the file from a backup, or start a new run")
+
+
 def _tail_repairs(scan: JsonlFile) -> list[Repair]:
     if scan.torn:
         return [Repair(scan.path, "cut_torn_tail", end=scan.end, note=(
@@ -289,6 +417,15 @@ def _tail_repairs(scan: JsonlFile) -> list[Repair]:
     if scan.tail_is_row:
         return [Repair(scan.path, "add_newline", note=f"{scan.path.name}: ending its last row with a newline")]
     return []
+
+
+def _summary_of_steps(root: SafeDir) -> bool:
+    """Whether summary.json may be of trained steps: any but the summary of a zero-step run (which
+    has no checkpoint, and is extended like any run)."""
+    if not root.expect(SUMMARY, "file"):
+        return False
+    row, _ = _parse_row(root.read_bytes(SUMMARY) or b"")
+    return not (row is not None and row.get("steps") == 0)
 
 
 def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[int], has_summary: bool) -> None:

@@ -14,8 +14,10 @@ A step is committed by its checkpoint: `commit` writes the adapter dir (when due
 checkpoint (which also holds the rows it vouches for), then appends the sync and rollout rows; the
 trainer appends the metrics rows last. Rows are flushed and fsynced as they are written. So the
 files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
-`load_checkpoint` appends them from the checkpoint and says so. Anything else that does not fit is
-refused by rundir.inspect, which reads without writing; nothing is truncated but a torn last line.
+`load_checkpoint` appends them from the checkpoint and says so (after the policy has checked the
+checkpoint: until then resume writes nothing), and a due export that is missing is written again.
+Anything else that does not fit is refused by rundir.inspect, which reads without writing; nothing
+is truncated but a torn last line.
 Every file and folder is reached through the run dir's fd without following links (safedir.py), and
 each checkpoint records the experiment's fingerprint (fingerprint.py). The trainer may call `commit`
 and `log_metrics` from its commit thread (commits.py), one commit at a time, while its own thread
@@ -35,6 +37,7 @@ import torch
 from .adapters import AdapterLayout, FlatAdapter
 from .rundir import (
     ADAPTERS,
+    BEHIND,
     CHECKPOINT,
     CHECKPOINT_DIR,
     CONFIG,
@@ -118,16 +121,27 @@ def redact(config: dict) -> dict:
             for k, v in config.items()}
 
 
-class RunLog:
+class _Settled:
+    """What RunLog and NullRunLog share: their run settings, and from them when a step is committed."""
+
+    def __init__(self, settings: RunSettings | None = None):
+        self.settings = settings or RunSettings()
+        self.samples_per_step = self.settings.sample_completions   # completions per step in rollouts.jsonl
+
+    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
+        """Whether step `step` of a run ending at `last_step` is checkpointed, and its adapter saved."""
+        return self.settings.due(step, last_step)
+
+
+class RunLog(_Settled):
     """Writes one run dir, entered only through itself (safedir.py: no link in it is followed).
     With lock=True (RunSession, the CLI) it first takes the run dir's one-writer lock, refusing if
     another process holds it; `close()` releases it. `fingerprint` (fingerprint.py), when set, is
     recorded in every checkpoint; `committed_step` is the step of the last checkpoint."""
 
     def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None):
+        super().__init__(settings)
         self.dir, self.log = Path(run_dir), log
-        self.settings = settings or RunSettings()
-        self.samples_per_step = self.settings.sample_completions   # completions per step in rollouts.jsonl
         self.root = SafeDir.open(self.dir, create=True, mode=0o750)  # never world-writable (nor -readable)
         self._lock, self.sub = None, {}
         self.fingerprint: dict | None = None
@@ -139,10 +153,6 @@ class RunLog:
         except (RunDirError, OSError):
             self.close()
             raise
-
-    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
-        """Whether step `step` of a run ending at `last_step` is checkpointed, and its adapter saved."""
-        return self.settings.due(step, last_step)
 
     @classmethod
     def create(cls, out_dir: str, name: str = "", log=print, lock: bool = False,
@@ -201,9 +211,6 @@ class RunLog:
     def log_metrics(self, rows: list[dict]) -> None:
         self._append(METRICS, rows)
 
-    def log_eval(self, row: dict) -> None:
-        self._append(EVALS, [row])
-
     def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
                save_adapter: bool) -> None:
         """The commit point of steps up to `step`: adapters/step_<n> (when due), then one atomic
@@ -221,10 +228,18 @@ class RunLog:
         for name in (SYNC, ROLLOUTS):
             self._append(name, rows.get(name, []))
 
-    def load_checkpoint(self) -> tuple[dict | None, FlatAdapter | None]:
+    def load_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None]:
         """The last checkpoint (None, None before the first), after making the files agree with it:
-        rundir.inspect refuses what cannot be matched; its repairs are applied and logged here."""
+        rundir.inspect refuses what cannot be matched; `take(state, adapter)` (the policy's load, which
+        checks it against the model) runs next; only then are the repairs applied and logged, so a
+        refusal by either leaves the run dir as it was."""
         found = inspect(self.dir)
+        state = found.checkpoint
+        adapter = None if state is None else FlatAdapter(state["adapter_buffer"],
+                                                         AdapterLayout.from_json(state["adapter_layout"]),
+                                                         state["adapter_config"], int(state["step"]))
+        if take is not None and state is not None:
+            take(state, adapter)
         for note in found.notes:
             self.log(f"note: {note}")
         for repair in found.repairs:
@@ -235,12 +250,17 @@ class RunLog:
                 self._end_with_newline(repair.path.name)
             else:
                 self._append(repair.path.name, repair.rows)
-        state = found.checkpoint
-        if state is None:
-            return None, None
-        self.committed_step = int(state["step"])
-        layout = AdapterLayout.from_json(state["adapter_layout"])
-        return state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], int(state["step"]))
+        if state is not None:
+            self.committed_step = int(state["step"])
+        return state, adapter
+
+    def export_if_missing(self, adapter: FlatAdapter, last_step: int) -> None:
+        """adapters/step_<n> of the checkpoint's adapter when that export is due and missing (deleted,
+        or lost with its disk): written again from the checkpoint, which holds the same tensors."""
+        name = adapter_dir_name(adapter.version)
+        if self.due(adapter.version, last_step)[1] and not self.sub[ADAPTERS].expect(name, "dir"):
+            adapter.save_into(self.sub[ADAPTERS], name)
+            self.log(f"repair: {ADAPTERS}/{name} was missing: exported again from the checkpoint")
 
     def metrics(self) -> list[dict]:
         return scan_in(self.root, METRICS).rows
@@ -266,29 +286,37 @@ class RunLog:
         return [self.dir / PLOTS / f"{name}.png" for name in images]
 
 
-class NullRunLog:
+def behind_adapter(state: dict, adapter: FlatAdapter) -> FlatAdapter | None:
+    """The checkpoint's adapter one version behind `adapter` (what a grpo.max_staleness run samples the
+    next step from), laid out as `adapter`; None if the checkpoint holds none."""
+    buffer = state.get(BEHIND)
+    if buffer is None:
+        return None
+    expected = (adapter.buffer.shape, adapter.buffer.dtype)
+    if not isinstance(buffer, torch.Tensor) or (buffer.shape, buffer.dtype) != expected:
+        shown = f"{tuple(buffer.shape)}, {buffer.dtype}" if isinstance(buffer, torch.Tensor) else type(buffer).__name__
+        raise RunDirError(f"{CHECKPOINT}: {BEHIND} is ({shown}), not a buffer like adapter_buffer "
+                          f"({tuple(adapter.buffer.shape)}, {adapter.buffer.dtype}); the checkpoint is damaged: "
+                          f"restore it from a backup, or start a new run")
+    return FlatAdapter(buffer, adapter.layout, adapter.config, adapter.version - 1)
+
+
+class NullRunLog(_Settled):
     """Same methods as RunLog, writes nothing: the loop never branches on whether it is logging.
     Every method is spelled out, so a misspelled call fails instead of silently doing nothing."""
     dir = None
 
-    def __init__(self, settings: RunSettings | None = None):
-        self.settings = settings or RunSettings()
-        self.samples_per_step = self.settings.sample_completions
-
-    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
-        return self.settings.due(step, last_step)
-
     def log_metrics(self, rows: list[dict]) -> None:
-        pass
-
-    def log_eval(self, row: dict) -> None:
         pass
 
     def commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
         pass
 
-    def load_checkpoint(self):
+    def load_checkpoint(self, take=None):
         return None, None
+
+    def export_if_missing(self, adapter, last_step: int) -> None:
+        pass
 
     def metrics(self) -> list[dict]:
         return []

@@ -19,19 +19,29 @@ cause and says that what the run dir held before is intact.
     root.append("metrics.jsonl", b'{"step": 1}\\n')
     with root.sub("checkpoint", create=True) as ckpt:
         ckpt.write_atomic("trainer_state.pt", writer=lambda fh: torch.save(state, fh))
+
+Every write here appears whole or not at all: it goes to a hidden temp sibling, fsynced, then renamed
+onto its name. A process killed mid-write leaves only such a temp, named after its pid
+(`.<name>.tmp-<pid>-...`); the next write next to it removes temps whose writer is dead, never a live
+writer's. The same holds for the paths outside a run dir, written by path (the model cache, a
+policy group's group.json, an adapter dir a refresh hands to the engine):
+
+    atomic_write(path, b"...")                     # a file
+    with atomic_dir(path, replace=True) as tmp:    # a directory, swapped in whole
+        (tmp / "a.json").write_text("...")
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import re
 import secrets
 import shutil
 import stat
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
-from .fsutil import pid_alive
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC   # NONBLOCK: a FIFO never hangs the open
@@ -96,9 +106,11 @@ def write_failure(path: Path, err: OSError, root: Path | None = None) -> RunDirW
     fix = {errno.ENOSPC: "there is space again", errno.EDQUOT: "there is quota again",
            errno.EROFS: "the filesystem is writable again"}.get(err.errno, "that is fixed")
     code = errno.errorcode.get(err.errno, err.errno)
-    return RunDirWriteError(err.errno or errno.EIO, f"cannot write {path}: {cause} ({code}); what {where} held "
-                            f"before is intact: once {fix}, `lorabench resume {where}` continues from its last "
-                            f"checkpoint")
+    failure = RunDirWriteError(err.errno or errno.EIO, f"cannot write {path}: {cause} ({code}); what {where} held "
+                               f"before is intact: once {fix}, `lorabench resume {where}` continues from its last "
+                               f"checkpoint")
+    failure.cause, failure.fix = f"cannot write {path}: {cause} ({code})", fix   # for a run not started yet
+    return failure
 
 
 class _Sink:
@@ -383,9 +395,7 @@ class SafeDir:
     def remove_dead_temps(self, prefixes: tuple[str, ...]) -> None:
         """Remove `<prefix><pid>...` entries whose writer is dead (a link is removed, not followed)."""
         for entry in os.scandir(self.fd):
-            prefix = next((p for p in prefixes if entry.name.startswith(p)), None)
-            head = entry.name[len(prefix):].replace(".", "-").split("-", 1)[0] if prefix else ""
-            if not head.isdigit() or int(head) == os.getpid() or pid_alive(int(head)):
+            if not _dead_writer(_writer_pid(entry.name, prefixes)):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.name, dir_fd=self.fd, ignore_errors=True)
@@ -415,3 +425,155 @@ def read_no_follow(path: str | Path) -> bytes | None:
         return None
     with parent:
         return parent.read_bytes(path.name)
+
+
+# === by path, outside a run dir's fd: caches, group.json, adapter dirs, temp roots =============
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_dead(parent: Path, writer_pid, dirs_only: bool = False) -> list[Path]:
+    """Remove the entries of `parent` for which `writer_pid(name)` names a dead process (never this
+    one's or a live one's temps). Returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        is_dir = entry.is_dir(follow_symlinks=False)
+        if (dirs_only and not is_dir) or not _dead_writer(writer_pid(entry.name)):
+            continue
+        target = Path(entry.path)
+        if is_dir:
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+        removed.append(target)
+    return removed
+
+
+def _writer_pid(name: str, prefixes: tuple[str, ...]) -> int | None:
+    """`pid` of a temp named `<prefix><pid>-...` or `<prefix><pid>.`...; None for any other name."""
+    prefix = next((p for p in prefixes if name.startswith(p)), None)
+    head = name[len(prefix):].replace(".", "-").split("-", 1)[0] if prefix is not None else ""
+    return int(head) if head.isdigit() else None
+
+
+def _dead_writer(pid: int | None) -> bool:
+    return pid is not None and pid != os.getpid() and not pid_alive(pid)
+
+
+def remove_stale_temps(parent: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    """Remove entries of `parent` named `<prefix><pid>-...` (or `<prefix><pid>.`) whose writer
+    process `pid` is dead: the garbage a killed atomic write leaves. Returns what was removed."""
+    return _remove_dead(parent, lambda name: _writer_pid(name, prefixes))
+
+
+# `.NAME.tmp-PID-xxxx` / `.NAME.old-PID-xxxx`: the temp dirs atomic_dir makes (any NAME)
+_DIR_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-")
+
+
+def remove_dead_dir_temps(parent: Path) -> list[Path]:
+    """Remove every atomic_dir temp under `parent` whose writer is dead, whatever final name it was
+    for. A cache needs this: a writer killed while building one entry leaves a temp that the next
+    build of *that* entry would remove, but that build may never come (another process finished
+    the entry, or the recipe changed)."""
+    def writer_pid(name: str) -> int | None:
+        match = _DIR_TEMP.match(name)
+        return int(match.group(1)) if match else None
+    return _remove_dead(parent, writer_pid, dirs_only=True)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes a rename inside it durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_new_file(path: Path | str, *chunks, mode: int = 0o600, dir_fd: int | None = None) -> None:
+    """Create `path` (it must not exist; relative to `dir_fd` when given) with `mode` whatever the
+    umask, write `chunks` (bytes-like) and fsync it. O_EXCL never follows a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as fh:
+        for chunk in chunks:
+            fh.write(chunk)
+        fh.flush()
+        os.fsync(fh.fileno())
+        os.fchmod(fh.fileno(), mode)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Make the file `path` hold `data` whole: a fsynced temp file in the same directory is renamed
+    onto it. Temps a killed writer left next to it are removed first."""
+    path = Path(path)
+    remove_stale_temps(path.parent, (f".{path.name}.",))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        fsync_path(Path(tmp))
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path, replace: bool = False, mode: int = 0o700) -> Iterator[Path]:
+    """Yield a temp directory next to `final`; on success it becomes `final` in one rename.
+
+    replace=False (caches): if `final` appeared meanwhile (another process built the same thing),
+    theirs is kept and ours dropped. replace=True (adapter dirs): an existing `final` is swapped
+    out and removed only after the new one is in place; if the swap fails it is put back. Either
+    way a crash leaves the old directory, the new one, or nothing, never a torn one; the hidden
+    temps it may leave (`.<name>.tmp-<pid>-*`, `.<name>.old-<pid>-*`) are removed by the next
+    atomic_dir for the same name once their process is gone."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(final.parent, (f".{final.name}.tmp-", f".{final.name}.old-"))
+    pid = os.getpid()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{pid}-", dir=final.parent))
+    os.chmod(tmp, mode)
+    try:
+        yield tmp
+        for child in tmp.iterdir():
+            if child.is_file():
+                fsync_path(child)
+        fsync_path(tmp)
+        if replace and final.exists():
+            _swap_in(tmp, final, pid)
+        else:
+            try:
+                os.rename(tmp, final)
+            except OSError:  # `final` appeared meanwhile: keep theirs
+                if not final.is_dir():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+        fsync_path(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_in(tmp: Path, final: Path, pid: int) -> None:
+    old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-{pid}-", dir=final.parent))
+    os.rename(final, old / "dir")
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        os.rename(old / "dir", final)  # put the previous directory back
+        shutil.rmtree(old, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

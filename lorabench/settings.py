@@ -74,10 +74,6 @@ class Section:
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
-def section_fields(cls) -> tuple[dataclasses.Field, ...]:
-    return dataclasses.fields(cls)
-
-
 def field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
@@ -257,14 +253,40 @@ def _number(value, typ, where: str):
     return converted
 
 
+class JSONObject(dict):
+    """json.loads' object_pairs_hook (`JSONObject.of`): an object that remembers its first key given
+    twice. json keeps the last one silently, so one of the two values a user wrote would be dropped
+    unseen; TOML refuses such a file, and so does lorabench for JSON (`given_twice`, `unique_keys`)."""
+    twice: tuple = ()
+
+    @classmethod
+    def of(cls, pairs) -> JSONObject:
+        obj = cls()
+        for key, value in pairs:
+            if key in obj and not obj.twice:
+                obj.twice = (key, obj[key], value)
+            obj[key] = value
+        return obj
+
+
+def given_twice(value, path: str = "") -> tuple[str, object, object] | None:
+    """(dotted key, first value, second value) of the first key given twice in parsed JSON, or None."""
+    if isinstance(value, list):
+        return next(filter(None, (given_twice(v, f"{path}[{i}]") for i, v in enumerate(value))), None)
+    if not isinstance(value, dict):
+        return None
+    if getattr(value, "twice", ()):
+        key, first, second = value.twice
+        return f"{path}.{key}" if path else key, first, second
+    return next(filter(None, (given_twice(v, f"{path}.{k}" if path else k) for k, v in value.items())), None)
+
+
 def unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """json.loads' object_pairs_hook: a key given twice in one object is refused (json keeps the last
-    one silently, so one of the two values a user wrote would be dropped unseen; TOML refuses it too)."""
-    keys = [key for key, _ in pairs]
-    twice = [key for i, key in enumerate(keys) if key in keys[:i]]
-    if twice:
-        raise ConfigError(f"key {twice[0]!r} appears twice in one table; keep one of them")
-    return dict(pairs)
+    """An object_pairs_hook that refuses a key given twice in one object at once."""
+    obj = JSONObject.of(pairs)
+    if obj.twice:
+        raise ConfigError(f"key {obj.twice[0]!r} appears twice in one table; keep one of them")
+    return obj
 
 
 def closest(name: str, candidates: list[str]) -> str | None:

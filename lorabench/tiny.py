@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .data import INSTRUCTION, final_line_variants, prompt_ids, synthetic_problems, warmstart_completion
-from .fsutil import atomic_dir, remove_dead_dir_temps
+from .safedir import atomic_dir, remove_dead_dir_temps
 from .settings import REFUSED, Section, check, setting
 
 _RECIPE = "it is part of the tiny base model's recipe: another value builds another model"
@@ -67,7 +67,7 @@ def cache_root(cache_dir: str = "") -> Path:
 
 
 def build_tiny_tokenizer(out_dir: Path | None = None, seed: int = 0):
-    """Train a byte-level BPE on generated problems (0.3 s) as a PreTrainedTokenizerFast; saved
+    """Train a byte-level BPE on generated problems (well under a second) as a PreTrainedTokenizerFast; saved
     into `out_dir` when given (preflight checks prompt lengths with one kept in memory)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -308,9 +308,10 @@ _request_s = _time.perf_counter() - _t0
 # a request of a few seconds. SGLang: one batch of 1024 that ignores EOS (the tiny model's answers
 # stop after ~30 tokens), through the engine's thread as every call goes; hf: generate calls in a row
 LONG_REQUEST = {
-    "sglang": _REQUEST.format(call="session.engine.call_sglang(lambda e: e.generate(input_ids=[_prompt] * 1024, "
+    "sglang": _REQUEST.format(call="session.engine._thread.call(lambda e: e.generate(input_ids=[_prompt] * 1024, "
                                    "sampling_params={'max_new_tokens': 400, 'ignore_eos': True, 'temperature': 1.0}, "
-                                   "lora_path=[_adapter] * 1024))"),
+                                   "lora_path=[_adapter] * 1024), session.engine.engine, "
+                                   "on_interrupt=session.engine._abort)"),
     "hf": _REQUEST.format(call="for _ in range(20):\n    session.engine.generate([_prompt] * 16, "
                                "Sampling(max_new_tokens=40, temperature=1.0), _adapter)"),
 }

@@ -11,6 +11,13 @@ import re
 import sys
 from pathlib import Path
 
+
+def load_results(path: str | Path) -> dict | None:
+    """A refresh-sweep file (as refresh_bench.save_results writes it), or None if it is something else."""
+    data = json.loads(Path(path).read_text())
+    return data if isinstance(data, dict) and data.get("kind") == "refresh_sweep" else None
+
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 NOTEBOOK_DIR = ROOT / "notebooks"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import stat
@@ -21,6 +22,23 @@ TINY_RUN = ["grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.max_new_tokens
 # the smallest CLI run (a second or two of work once the model is loaded), for the process tests
 QUICK_RUN = ["grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.max_new_tokens=4",
              "warmstart.steps=0", "data.eval_size=4", "run.threads=1"]
+
+
+def tens_problems(folder: Path) -> Path:
+    """A problem file whose every answer is 10: the tiny random model's completions end with that number
+    often enough (about 1 in 8) for groups of unequal rewards, so its adapter learns, and what it learns
+    depends on which completions were sampled."""
+    path = Path(folder) / "tens.jsonl"
+    rows = [{"question": f"Sam has {a} {item} and gets {10 - a} more. How many {item} does Sam have?",
+             "answer": f"{a} + {10 - a} = 10\n#### 10"} for a in range(1, 10) for item in ("pens", "cards")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def stale_run(problems: Path) -> list[str]:
+    """One-step-stale overrides of the tiny runs, learning on `tens_problems`, every completion in rollouts.jsonl."""
+    return ["grpo.max_staleness=1", f"data.source={problems}", "grpo.reward_mode=flexible", "grpo.max_new_tokens=16",
+            "run.sample_completions=8"]
 
 
 def rss_mb() -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import max_abs_diff, model_logprobs, perturb_lora_B
-from reliability_util import TINY_RUN, cli, make_trainer, mounted_disk  # noqa: F401 (fixture)
+from reliability_util import TINY_RUN, cli, make_trainer, mounted_disk, stale_run, tens_problems  # noqa: F401
 
 from lorabench.adapters import CONFIG_NAME, PEFT_PREFIX, WEIGHTS_NAME, AdapterWriteError, FlatAdapter
 from lorabench.refresh import FileRefresh
@@ -229,17 +229,22 @@ def _check_against_reference(run_dir: Path, reference: Path, context) -> None:
     assert all(torch.equal(final.tensors[k], ref_final.tensors[k]) for k in ref_final.tensors), context
 
 
+STOPPED = {signal.SIGKILL: -signal.SIGKILL, signal.SIGINT: 130, signal.SIGTERM: 128 + signal.SIGTERM}  # exit codes
+
+
 def _killed_and_resumed(reference: Path, tiny_model_dir: Path, work: Path, kill_points: list[int],
-                        rng: random.Random) -> list[dict]:
-    """One run killed -9 at each kill point (k: once step k's row is written, then a random
-    delay of up to a step; 0: once the before-eval is written, i.e. during step 1, before any
-    checkpoint), resumed after each kill, then resumed to the end; checked against the reference."""
+                        rng: random.Random, stop: signal.Signals = signal.SIGKILL, extra=()) -> list[dict]:
+    """One run (the tiny run plus `extra`) stopped by `stop` at each kill point (k: once step k's row
+    is written, then a random delay of up to a step; 0: once the before-eval is written, i.e. during
+    step 1, before any checkpoint), resumed after each stop, then resumed to the end; checked against
+    the reference."""
     shm, run_dir, log = work / "shm", work / "run", work / "log.txt"
     shm.mkdir()
     kills = []
     for k in kill_points:
         launched = bool(kills)
-        proc = _start(["resume", str(run_dir)] if launched else _run_args(tiny_model_dir, work, "run", shm), log)
+        proc = _start(["resume", str(run_dir)] if launched else
+                      [*_run_args(tiny_model_dir, work, "run", shm), *extra], log)
         # a resumed run may first append rows its checkpoint holds: wait for a row of a step it runs
         target = max(k, max(_steps(run_dir), default=0) + 1) if launched else k
         if target > 5:
@@ -251,8 +256,8 @@ def _killed_and_resumed(reference: Path, tiny_model_dir: Path, work: Path, kill_
         time.sleep(rng.uniform(0.0, 0.6))  # a step takes ~0.5 s: anywhere in the next step
         if proc.poll() is not None or 6 in _steps(run_dir):
             break  # training is over: the final evaluation is tested separately
-        os.killpg(proc.pid, signal.SIGKILL)
-        assert proc.wait() == -signal.SIGKILL
+        os.killpg(proc.pid, stop)
+        assert proc.wait(timeout=120) == STOPPED[stop], log.read_text()[-3000:]
         proc = None
         kills.append({"after_step": target, "rows_at_kill": len(_steps(run_dir)),
                       "checkpoint": (run_dir / "checkpoint" / "trainer_state.pt").is_file()})
@@ -292,6 +297,46 @@ def test_kill_and_resume_many(reference_run, tiny_model_dir, tmp_path):
     assert len(kills) >= 10
 
 
+# --- one step stale (grpo.max_staleness=1): stopped, resumed, extended ---------------------------
+@pytest.fixture(scope="module")
+def stale_extra(tmp_path_factory) -> list[str]:
+    return stale_run(tens_problems(tmp_path_factory.mktemp("tens")))
+
+
+@pytest.fixture(scope="module")
+def stale_reference(tiny_model_dir, stale_extra, tmp_path_factory):
+    """The uninterrupted stale run: it learns (the adapter moves with the rollouts), every step after
+    the first sampled one version behind."""
+    out = tmp_path_factory.mktemp("stale-reference")
+    _finish(_start([*_run_args(tiny_model_dir, out, "ref", out), *stale_extra], out / "log.txt"), out / "log.txt")
+    rows = read_jsonl(out / "ref" / "metrics.jsonl")
+    assert [r["adapter/lag"] for r in rows] == [0, 1, 1, 1, 1, 1]
+    assert any(r["advantage/abs_mean"] > 0 for r in rows) and rows[-1]["adapter/delta_norm"] > 0
+    return out / "ref"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_stopped_stale_run_resumes_as_the_uninterrupted_run(stale_reference, stale_extra, tiny_model_dir, tmp_path,
+                                                              stop):
+    """Ctrl-C, SIGTERM and kill -9 at random moments (kill -9 twice in one run): the resumed run samples
+    its first step from the checkpoint's adapter one version behind, with the same seed, so lags, rows,
+    evaluations and the final adapter are the uninterrupted run's."""
+    rng = random.Random(int(stop))
+    points = sorted(rng.sample(range(1, 5), 2 if stop == signal.SIGKILL else 1))
+    kills = _killed_and_resumed(stale_reference, tiny_model_dir, tmp_path, points, rng, stop, stale_extra)
+    assert len(kills) == len(points), kills
+
+
+def test_an_extended_stale_run_continues_as_the_longer_run(stale_reference, stale_extra, tiny_model_dir, tmp_path):
+    """A finished 3-step stale run extended to 6 (`lorabench resume RUN grpo.steps=6`): step 4 samples
+    from the adapter of step 2, as in the 6-step run."""
+    log = tmp_path / "log.txt"
+    _finish(_start([*_run_args(tiny_model_dir, tmp_path, "run", tmp_path), *stale_extra, "grpo.steps=3"], log), log)
+    _finish(_start(["resume", str(tmp_path / "run"), "grpo.steps=6"], log), log)
+    _check_against_reference(tmp_path / "run", stale_reference, "extension")
+    assert "holds no adapter one version behind" not in log.read_text()
+
+
 # --- the before/after evaluations the CLI writes around training -------------------------------
 @pytest.mark.slow
 def test_resume_after_kill_during_final_evaluation(reference_run, tmp_path):
@@ -322,7 +367,8 @@ def test_resume_after_kill_between_before_evaluations(reference_run, tiny_model_
     cfg = Config.load(overrides=_run_args(tiny_model_dir, tmp_path, "run", shm)[1:])
     runlog = RunLog(run_dir)
     runlog.write_config(cfg.to_dict())
-    runlog.log_eval(read_jsonl(reference_run / "evals.jsonl")[0])
+    before = read_jsonl(reference_run / "evals.jsonl")[0]
+    runlog.set_evals(before["step"], [before])
     _finish(_start(["resume", str(run_dir)], log), log)
     _check_against_reference(run_dir, reference_run, "kill between before-evaluations")
 
@@ -400,7 +446,7 @@ def test_kill_in_first_step_before_any_checkpoint(make_trainer, tmp_path):
     ref = reference.step().metrics
     run = tmp_path / "run"
     from lorabench.runlog import RunLog
-    RunLog(run).log_eval({"step": 0, "greedy": False, "strict": 0.0})
+    RunLog(run).set_evals(0, [{"step": 0, "greedy": False, "strict": 0.0}])
     with open(run / "evals.jsonl", "a") as fh:
         fh.write('{"step": 0, "gree')                               # torn by the kill
     trainer = make_trainer(run)

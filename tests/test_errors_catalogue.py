@@ -201,7 +201,7 @@ def test_failed_refresh_rolls_the_step_back(make_trainer, small_disk, tmp_path, 
     err = info.value
     assert err.errno == errno.ENOSPC
     assert "no space left" in str(err) and str(trainer.refresher.root) in str(err)
-    assert "refresh.file.tmp_dir" in str(err)
+    assert "refresh.file.tmp_dir" in str(err) and "run.out_dir" not in str(err)   # a resume refuses run.out_dir=
     assert any("rolled back" in note and "step 1" in note for note in err.__notes__)
     # nothing lost, nothing half-done
     assert trainer.step_count == 1 and len(trainer.history) == 1
@@ -278,6 +278,7 @@ def run_cli(tiny_model_dir, tmp_path, capsys):
 def test_resume_of_a_dir_that_is_not_a_run(tmp_path, run_cli):
     line = run_cli(str(tmp_path), command="resume")
     assert str(tmp_path) in line and "no config.json" in line and "run dir written by lorabench" in line
+    assert "start a run there" not in line   # refused by `lorabench run` in a dir that holds other files
     line = run_cli(str(tmp_path / "nope"), command="resume")
     assert f"{tmp_path / 'nope'} does not exist" in line and "that `lorabench run` wrote" in line
 

@@ -282,13 +282,18 @@ def test_a_resumed_group_is_its_policies_own_configs(group_dir):
 
 def test_a_policy_that_diverges_is_named(tiny_model_dir, tmp_path, capsys):
     """grpo.lr=1e30 in one policy: the run stopped with the single run's message, which did not say
-    which policy, and offered `lorabench resume`, which repeats the same seeded step."""
+    which policy, and offered `lorabench resume`, which repeats the same seeded step. The new run it
+    gives for that policy trains, beside the group dir."""
     entries = [{"name": "calm"}, {"name": "wild", "grpo": {"lr": 1e30}}]
     line = refused(capsys, *cli_run(tiny_model_dir, tmp_path, entries, "grpo.steps=10", "grpo.reward_mode=flexible",
                                    "grpo.group_size=4", "grpo.max_new_tokens=8"))
     assert line.startswith("lorabench: error: policy 'wild': GRPO step ") and "diverged" in line, line
     assert f"{tmp_path}/g/wild is intact" in line and "Lower grpo.lr (now 1e+30" in line
-    assert f"lorabench run --config {tmp_path}/g/wild/config.json run.name=NEW grpo.lr=1e+29" in line
+    command = f"run --config {tmp_path}/g/wild/config.json run.name=NEW grpo.lr=0.001"
+    assert f"lorabench {command}" in line and "without the bound" not in line, line   # 1e+29 diverged too
+    assert main(command.replace("NEW", "tamed").split()) == 0   # a single run beside the group, which it leaves
+    assert len(read_jsonl(tmp_path / "tamed" / "metrics.jsonl")) == 10 and sorted(os.listdir(tmp_path / "g")) == [
+        "calm", "group.json", "wild"]
 
 
 # --- on the demo model: the same as alone, every rollout its own policy's ---------------------------

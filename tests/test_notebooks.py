@@ -156,7 +156,7 @@ def test_01_step_through_runs_and_the_cli_resumes_it(kernel_env, tmp_path):
 def test_02_refresh_methods_runs(kernel_env, tmp_path):
     saved = tmp_path / "refresh.json"
     nb = execute(NOTEBOOK_DIR / "02_refresh_methods.ipynb", tmp_path, SAVE_TO=str(saved))
-    from lorabench.refresh_bench import load_results
+    from notebook_helpers import load_results
     results = load_results(saved)
     assert {r["mode"] for r in results["rows"]} == {"file", "tensor", "inplace", "merged"}
     assert results["bandwidth_gbps"] > 0 and "hf engine, CPU (not SGLang)" in results["engine"]

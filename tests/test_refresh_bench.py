@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 from conftest import LORA_R, merged_state_dict
+from notebook_helpers import load_results
 from refresh_sweep import refresh_sweep_figure, sweep  # benchmarks/
 
 from lorabench import explain
@@ -108,9 +109,9 @@ def test_sweep_covers_every_combination_and_saves(engine, tiny_model_dir, tmp_pa
     assert size[8] == 4 * size[2]                          # adapter bytes grow linearly with the rank
     assert len({r["bytes"] for r in rows if r["mode"] == "merged"}) == 1   # merged: the model, any rank
     path = rb.save_results(tmp_path / "sweep.json", rows, 12.5, engine="hf engine, CPU (not SGLang)")
-    loaded = rb.load_results(path)
+    loaded = load_results(path)
     assert loaded["rows"] == json.loads(json.dumps(rows)) and loaded["bandwidth_gbps"] == 12.5
-    assert rb.load_results(ROOT / "benchmarks" / "results" / "gpu" / "parity_tiny.json") is None
+    assert load_results(ROOT / "benchmarks" / "results" / "gpu" / "parity_tiny.json") is None
 
     fig = refresh_sweep_figure(rows, 12.5, label="hf engine, CPU (not SGLang)")
     try:

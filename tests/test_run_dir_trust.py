@@ -246,31 +246,59 @@ def _run_args(tiny_model_dir, out: Path, *extra) -> list[str]:
             "run.threads=1", *LEARNS, *extra]
 
 
+def _advice(line: str, run: Path) -> tuple[list[str], list[str]]:
+    """The commands a divergence stop gives: (the new run's argv, the resume without the bound's or [])."""
+    new = line.split("a new run from its config: lorabench ")[1].split("; or continue")[0].split()
+    past = line.split("or continue it without the bound: lorabench ")[1].split() if "without the bound:" in line else []
+    assert new[:3] == ["run", "--config", str(run / "config.json")] and "run.name=NEW" in new, line
+    return new, past
+
+
 def test_diverged_update_stops_the_run_and_its_last_checkpoint_resumes(tiny_model_dir, tmp_path, capsys):
     """The adapter's change outgrows grpo.max_delta_ratio (here the default 1.0) at some step k > 1:
     the run stops with one line naming the step, the norms and what to lower; the run dir holds
     steps 1..k-1 and their checkpoint; resuming with the same settings stops at the same step and
-    changes nothing; raising the bound (allowed on resume) continues it."""
+    changes nothing. Both ways on the line gives work: the new run at a lower grpo.lr, and the
+    resume without the bound (allowed on resume) it offers for a ratio not far beyond it."""
     line = refused(capsys, *_run_args(tiny_model_dir, tmp_path))
     run = tmp_path / "run"
     step = int(line.split("GRPO step ")[1].split()[0])
     assert step > 1 and "diverged: its adapter changes model.layers." in line and "||dW||/||W|| = " in line
     assert "above grpo.max_delta_ratio=1" in line and "gradient norm" in line and "Lower grpo.lr (now 0.05" in line
-    assert f"its last checkpoint is step {step - 1}" in line and "run.name=NEW grpo.lr=0.005" in line
+    assert f"its last checkpoint is step {step - 1}" in line and "run.name=NEW grpo.lr=0.001" in line
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, step))
     assert read_checkpoint(run)["step"] == step - 1 and not (run / "summary.json").exists()
     before = tree_state(run)
     assert refused(capsys, "resume", run).split("GRPO step ")[1].split()[0] == str(step)   # seeded: the same step
     assert tree_state(run) == before
-    assert main(["resume", str(run), "grpo.max_delta_ratio=0"]) == 0
+    new, past = _advice(line, run)
+    assert past == ["resume", str(run), "grpo.max_delta_ratio=0"], line
+    assert main(past) == 0
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, 11))
+    assert main([a.replace("run.name=NEW", "run.name=lower") for a in new]) == 0
+    assert [r["step"] for r in read_jsonl(tmp_path / "lower" / "metrics.jsonl")] == list(range(1, 11))
 
 
 def test_finite_divergence_far_too_large_is_one_line(tiny_model_dir, tmp_path, capsys):
     """grpo.lr=1e30: the adapter's weights reach ~1e30, finite, so a NaN check alone let it be
-    served; the next step died inside transformers. Now the first such step stops the run."""
-    line = refused(capsys, *_run_args(tiny_model_dir, tmp_path, "grpo.lr=1e30"))
+    served; the next step died inside transformers. Now the first such step stops the run, the line
+    offers no resume without the bound (a tenth of the rate, 1e29, diverged as surely: the rate offered
+    is the default), and the new run it gives trains. Resuming with the bound off anyway (what
+    reliability.md used to give) died in the engine with a traceback, at every resume after it too:
+    now the step whose log-probs are not finite is rolled back, one line, the checkpoint unchanged."""
+    line = refused(capsys, *_run_args(tiny_model_dir, tmp_path, "grpo.lr=1e30", "grpo.steps=6"))
     assert "diverged" in line and "||dW||/||W|| = " in line and "e+" in line and "Lower grpo.lr (now 1e+30" in line
+    run = tmp_path / "run"
+    new, past = _advice(line, run)
+    assert past == [] and "grpo.lr=0.001" in new and "without the bound" not in line, line
+    step = read_checkpoint(run)["step"]
+    for overrides in (["grpo.max_delta_ratio=0"], []):
+        off = refused(capsys, "resume", run, *overrides)
+        assert f"GRPO step {step + 1} diverged: under its adapter the engine's log-probs are not finite" in off, off
+        assert "was rolled back" in off and f"its last checkpoint is step {step}" in off and "grpo.lr=0.001" in off
+        assert read_checkpoint(run)["step"] == step
+    assert main([a.replace("run.name=NEW", "run.name=lower") for a in new]) == 0
+    assert [r["step"] for r in read_jsonl(tmp_path / "lower" / "metrics.jsonl")] == list(range(1, 7))
 
 
 def test_diverged_step_is_rolled_back_and_never_served(make_trainer, sample_sequences):
@@ -629,6 +657,22 @@ def test_disk_failure_during_a_run_is_one_line_and_resumes(tiny_model_dir, small
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, last + 1))
     assert [r["step"] for r in read_jsonl(run / "sync.jsonl") if r["row"] == "refresh"] == list(range(1, last + 1))
     assert inspect(run).step == last
+
+
+def test_disk_full_at_the_start_says_to_run_the_command_again(tiny_model_dir, small_disk, tmp_path, capsys):
+    """The run dir's disk is full before the run writes its config: the line said `lorabench resume
+    RUN`, which refuses a dir without config.json. Now it says to run the same command again, and that
+    command, once there is space, makes the run."""
+    args = ["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={small_disk.path}", "run.name=run",
+            f"refresh.file.tmp_dir={tmp_path}", *QUICK_RUN]
+    small_disk.fill()
+    line = refused(capsys, *args)
+    run = small_disk.path / "run"
+    assert f"cannot write {run}/lock: no space left" in line and "(ENOSPC)" in line, line
+    assert "no run was started" in line and "run the same command again" in line and "resume" not in line, line
+    small_disk.free()
+    assert main(args) == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2] and (run / "summary.json").is_file()
 
 
 def _remount(path: Path, mode: str) -> None:

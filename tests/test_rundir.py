@@ -6,6 +6,10 @@
 - what resume cannot match is refused, never truncated or rewritten: a corrupt middle line, a
   missing or unreadable checkpoint beside the rows of committed steps, rows past the checkpoint,
   a step logged twice;
+- every field of a checkpoint is checked before a byte is written (and all but two before the model is
+  built); a field a newer lorabench writes is kept;
+- the ways on: a finished run is extended from any step (zero included) and equals an uninterrupted
+  run, a missing final export is written again, the commands the messages give run as pasted;
 - one writer per run dir (real processes): a second `lorabench run`/`resume` is refused naming the
   first one's PID, and a lock left by a killed writer is reclaimed;
 - SIGTERM during the tiny model's build cleans up; a SIGKILLed build's temp is removed by the next
@@ -25,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from reliability_util import QUICK_RUN, cli, dir_bytes, one_line_error, refused
 
 from lorabench.cli import main
@@ -99,6 +104,22 @@ def test_resume_with_a_forbidden_override(run_dir, capsys, overrides, needles):
     assert "continue without those overrides" in line and "nothing was changed" in line
     assert dir_bytes(run_dir) == before
     assert compat.changes(compat.effective_config(run_dir), Config.load(run_dir / "config.json")) == {}
+
+
+def test_the_new_run_a_refused_override_suggests_runs(run_dir, capsys):
+    """The refusal's command, pasted into a shell as it is: a list value (lora.target_modules) was
+    written unquoted, so the shell split it and the command failed."""
+    import shlex
+    line = refused(capsys, "resume", str(run_dir), 'lora.target_modules=["q_proj", "v_proj"]')
+    command = shlex.split(line.split("Start a new run for that (")[1].split("), or continue")[0])
+    assert command[:5] == ["lorabench", "run", "--config", str(run_dir / "config.json"), "run.name=NEW"], line
+    assert main([a.replace("run.name=NEW", "run.name=qv") for a in command[1:]]) == 0
+    new = Path(json.loads((run_dir / "config.json").read_text())["run"]["out_dir"]) / "qv"   # beside the original
+    try:
+        assert json.loads((new / "config.json").read_text())["lora"]["target_modules"] == ["q_proj", "v_proj"]
+        assert len(read_jsonl(new / "metrics.jsonl")) == 2
+    finally:
+        shutil.rmtree(new)
 
 
 def test_run_naming_an_existing_run_is_checked_like_resume(run_dir, tiny_model_dir, capsys):
@@ -187,6 +208,95 @@ def test_truncated_checkpoint_isrefused(run_dir, capsys):
     before = dir_bytes(run_dir)
     line = refused(capsys, "resume", str(run_dir))
     assert f"{state} cannot be read" in line and "Restore it from a backup" in line
+    assert dir_bytes(run_dir) == before
+
+
+def _tamper(state: dict, field: str) -> None:
+    """One field of a checkpoint damaged the way a cut-short copy, a hand edit or another tool leaves it."""
+    optimizer = state["optimizer"]
+    if field == "torch_rng_cut_short":
+        state["torch_rng"] = state["torch_rng"][:1000]
+    elif field == "torch_rng_not_bytes":
+        state["torch_rng"] = state["torch_rng"].float()
+    elif field == "adapter_buffer_short":
+        state["adapter_buffer"] = state["adapter_buffer"][:-5]
+    elif field == "adapter_buffer_nan":
+        state["adapter_buffer"][3] = float("nan")
+    elif field == "adapter_buffer_float64":
+        state["adapter_buffer"] = state["adapter_buffer"].double()
+    elif field == "step_text":
+        state["step"] = "2"
+    elif field == "adapter_layout_not_json":
+        state["adapter_layout"] = "[[1"
+    elif field == "adapter_config_rank":
+        state["adapter_config"]["r"] = 8
+    elif field == "optimizer_moment_shape":
+        optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    elif field == "optimizer_step_negative":
+        optimizer["state"][0]["step"] = torch.tensor(-3.0)
+    elif field == "optimizer_moments_swapped":
+        optimizer["state"][0], optimizer["state"][1] = optimizer["state"][1], optimizer["state"][0]
+    elif field == "optimizer_params":
+        optimizer["param_groups"][0]["params"] = [0, 1]
+    elif field == "optimizer_lr":
+        optimizer["param_groups"][0]["lr"] = 0.5
+    elif field == "rows_not_a_dict":
+        state["rows"] = []
+    elif field == "fingerprint_not_dicts":
+        state["fingerprint"] = {"config": 5}
+    elif field == "extra_buffer_short":   # a field a newer lorabench writes, of the wrong size
+        state["adapter_behind_buffer"] = state["adapter_buffer"][:7]
+
+
+@pytest.mark.parametrize("field, needle", [
+    ("torch_rng_cut_short", "field 'torch_rng' is a uint8 tensor of shape (1000,), which torch cannot restore"),
+    ("torch_rng_not_bytes", "field 'torch_rng' is a float32 tensor"),
+    ("adapter_buffer_short", "field 'adapter_buffer' is a float32 tensor of shape (262139,); the adapter layout needs"),
+    ("adapter_buffer_nan", "field 'adapter_buffer' holds NaN/Inf"),
+    ("adapter_buffer_float64", "field 'adapter_buffer' is torch.float64, but this policy's adapter is torch.float32"),
+    ("step_text", "field 'step' is '2', not a step count"),
+    ("adapter_layout_not_json", "field 'adapter_layout': adapter layout is not a JSON list"),
+    ("adapter_config_rank", "not a LoRA tensor of the adapter config's rank r=8"),
+    ("optimizer_moment_shape", "field 'optimizer' has state 0 'exp_avg' = a float32 tensor of shape (3, 3)"),
+    ("optimizer_step_negative", "field 'optimizer' has state 0 'step' = a float32 tensor of shape ()"),
+    ("optimizer_moments_swapped", "field 'optimizer' holds exp_avg of parameter 0 with shape"),
+    ("optimizer_params", "field 'optimizer' holds parameters [0, 1], not the adapter's 56 tensors"),
+    ("optimizer_lr", "field 'optimizer' applies learning rate(s) [0.5], but the run's grpo.lr is 0.001"),
+    ("rows_not_a_dict", "field 'rows' is [], not the rows of its steps"),
+    ("fingerprint_not_dicts", "field 'fingerprint' is {'config': 5}"),
+    ("extra_buffer_short", "field 'adapter_behind_buffer' is a float32 tensor of shape (7,)"),
+])
+def test_a_checkpoint_field_resume_cannot_use_is_refused_before_anything_is_written(run_dir, capsys, field, needle):
+    """Every field is checked before a byte is written (config_changes.jsonl was appended first, then a
+    traceback, e.g. for a cut-short RNG state); all but the two that need the policy's own tensors
+    (its dtype, which moment is whose) before the model is built."""
+    path = run_dir / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    _tamper(state, field)
+    torch.save(state, path)
+    before = dir_bytes(run_dir)
+    line = refused(capsys, "resume", str(run_dir), "grpo.steps=3")
+    assert needle in line and "checkpoint/trainer_state.pt" in line and "nothing" in line, line
+    assert dir_bytes(run_dir) == before
+
+
+@pytest.mark.parametrize("behind", ["a_buffer", "none"])
+def test_a_newer_checkpoint_field_is_kept(run_dir, capsys, behind):
+    """A field this lorabench does not write (grpo.max_staleness=1's adapter one version behind) is not
+    refused: checked by its kind, a buffer of the adapter's size (or None: no such adapter yet)."""
+    path = run_dir / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    state["adapter_behind_buffer"] = state["adapter_buffer"].clone() if behind == "a_buffer" else None
+    torch.save(state, path)
+    assert main(["resume", str(run_dir), "grpo.steps=3"]) == 0
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_evaluations_before_the_first_step_missing_is_refused(run_dir, capsys):
+    (run_dir / "evals.jsonl").unlink()
+    before = dir_bytes(run_dir)
+    line = refused(capsys, "resume", str(run_dir), "grpo.steps=3")
+    assert f"{run_dir / 'evals.jsonl'} lacks the step-0 (before GRPO) evaluations of a run at step 2" in line
     assert dir_bytes(run_dir) == before
 
 
@@ -302,8 +412,27 @@ def _build_then_signal(tmp_path: Path, sig: int) -> tuple[subprocess.Popen, Path
 def test_sigterm_during_tiny_build_leaves_no_temp(tmp_path):
     proc, cache, err = _build_then_signal(tmp_path, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert "stopped by SIGTERM" in one_line_error(err)
+    line = one_line_error(err)
+    assert "stopped by SIGTERM" in line and "run the same command again" in line, line   # no run dir to resume
     assert list(cache.iterdir()) == []
+
+
+def test_sigterm_mid_run_names_the_run_dir_that_continues(tiny_model_dir, tmp_path):
+    """SIGTERM during the steps: the line gave `lorabench resume RUN_DIR`; now it names the run dir,
+    and that command (with a shorter grpo.steps, an allowed change) finishes every step once."""
+    run = tmp_path / "run"
+    proc = cli("run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path}", "run.name=run",
+               f"refresh.file.tmp_dir={tmp_path}", *QUICK_RUN, "grpo.steps=200", stdout=subprocess.PIPE,
+               stderr=subprocess.PIPE, text=True)
+    _wait(lambda: (run / "metrics.jsonl").is_file() and read_jsonl(run / "metrics.jsonl"), proc, "a step's row")
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    command = one_line_error(err).split("; `")[1].split("`")[0].split()
+    assert command == ["lorabench", "resume", str(run)], err[-2000:]
+    last = inspect(run).step + 2
+    assert main([*command[1:], f"grpo.steps={last}"]) == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, last + 1))
 
 
 def test_sigkilled_tiny_build_temp_removed_by_next_access(tmp_path):
@@ -327,3 +456,69 @@ def test_adapter_dirs_past_the_checkpoint(run_dir, capsys):
     assert dir_bytes(run_dir) == before
     shutil.rmtree(run_dir / "adapters" / "step_4")
     assert inspect(run_dir).step == 2                               # one is accepted
+
+
+# --- the ways on from a finished run -------------------------------------------------------------------
+def _comparable(row: dict) -> dict:
+    """A metrics row without its wall-clock parts."""
+    return {k: v for k, v in row.items() if not k.startswith("time/") and not
+            (k.startswith("refresh/") and k.endswith("_s"))}
+
+
+def _quick_run(model, out: Path, name: str, *extra) -> Path:
+    assert main(["run", f"model.name_or_path={model}", f"run.out_dir={out}", f"run.name={name}",
+                 f"refresh.file.tmp_dir={out}", *QUICK_RUN, *extra]) == 0
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def three_steps(tiny_model_dir, tmp_path_factory) -> Path:
+    """The finished run's experiment run for 3 steps uninterrupted: what an extension must equal."""
+    return _quick_run(tiny_model_dir, tmp_path_factory.mktemp("three"), "run", "grpo.steps=3")
+
+
+def _same_run(extended: Path, reference: Path) -> None:
+    assert [_comparable(r) for r in read_jsonl(extended / "metrics.jsonl")] == [
+        _comparable(r) for r in read_jsonl(reference / "metrics.jsonl")]
+    last = read_jsonl(reference / "evals.jsonl")[-1]["step"]
+    assert [r for r in read_jsonl(extended / "evals.jsonl") if r["step"] in (0, last)] == read_jsonl(
+        reference / "evals.jsonl")
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_extending_a_finished_run(run_dir, tiny_model_dir, tmp_path, three_steps, steps):
+    """`lorabench resume RUN grpo.steps=N` of a finished run, whatever it reached: the run goes on to N
+    and equals an uninterrupted N-step run. A zero-step run (no checkpoint, its summary.json) was
+    refused as one whose checkpoint went missing; a run resumed at the steps it has is evaluated
+    again, nothing trained."""
+    run = run_dir if steps else _quick_run(tiny_model_dir, tmp_path, "zero", "grpo.steps=0")
+    assert main(["resume", str(run), f"grpo.steps={steps}"]) == 0
+    assert len(read_jsonl(run / "metrics.jsonl")) == steps
+    assert main(["resume", str(run), "grpo.steps=3"]) == 0
+    _same_run(run, three_steps)
+    assert read_jsonl(run / "config_changes.jsonl")[-1]["changes"] == {"grpo.steps": [steps, 3]}
+
+
+def test_a_deleted_final_adapter_export_is_written_again(run_dir, capsys):
+    """adapters/step_2, the finished run's final export, deleted: a resume (which trains nothing) wrote
+    a summary without it; now it is exported again from the checkpoint, the same bytes."""
+    export = run_dir / "adapters" / "step_2"
+    original = {p.name: p.read_bytes() for p in export.iterdir()}
+    shutil.rmtree(export)
+    assert main(["resume", str(run_dir)]) == 0
+    assert "repair: adapters/step_2 was missing: exported again from the checkpoint" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in export.iterdir()} == original
+
+
+@pytest.mark.parametrize("row, needle", [
+    ({"step": 2, "changes": [1]}, "'changes' is [1], not the {field: [old, new]} lorabench appends"),
+    ({"step": 2, "changes": {"grpo.steps": 5}}, "'changes' is {'grpo.steps': 5}, not the {field: [old, new]}"),
+])
+def test_a_config_change_row_not_as_lorabench_appends_it_is_refused(run_dir, capsys, row, needle):
+    """A hand-written config_changes.jsonl row of another shape: a traceback (AttributeError, TypeError)."""
+    with open(run_dir / "config_changes.jsonl", "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    before = dir_bytes(run_dir)
+    line = refused(capsys, "resume", str(run_dir))
+    assert f"{run_dir / 'config_changes.jsonl'} line 1: {needle}" in line and "nothing in the run dir" in line, line
+    assert dir_bytes(run_dir) == before

@@ -28,6 +28,8 @@ if not _SGLANG:
     pytest.skip("needs sglang (pip install -e .[sglang], or .sglang/with-sglang.sh on the GPU machine)",
                 allow_module_level=True)
 
+from sglang_calls import call_sglang  # noqa: E402  (benchmarks/, on sys.path by conftest)
+
 from lorabench.adapters import FlatAdapter  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
 from lorabench.engines.base import AdapterNotLoaded, EngineError, Sampling  # noqa: E402
@@ -461,7 +463,7 @@ def test_inplace_versions_and_hazards(tiny_path):
         out["write_after_generate"] = finished["write"] > finished["generate"]
         check(eng, 3)
         # the engine loses the plan
-        eng.call_sglang(lambda _: eng.pool._send("forget", eng.pool.mapped["policy"], [], flush_cache=False))
+        call_sglang(eng, lambda _: eng.pool._send("forget", eng.pool.mapped["policy"], [], flush_cache=False))
         record_ = refresher.refresh(versions[4].to("cuda"))
         out["remapped"] = record_.engine_ms.get("remapped")
         check(eng, 4)
@@ -785,3 +787,33 @@ def test_policy_group_of_four_06b(q06_model, tmp_path, mode):
     record(f"group_of_four_06b_{mode}", {"served_versions": versions,
                                          "step_s": [max(r[n].metrics["time/step_s"] for n in r) for r in records]})
     assert all(v == [0, 1, 2] for v in versions.values()), versions
+
+
+def test_stale_run_on_sglang_keeps_its_lags_across_a_resume(tiny_path, tmp_path):
+    """grpo.max_staleness=1 through RunSession.open (`lorabench run`'s path) on SGLang: step s+1 is
+    sampled by adapter s-1 (lag 1 from step 2 on, every served version the one asked for), and a
+    resume of the stopped run samples its first step from the checkpoint's adapter behind (lag 1
+    again, not 0), as the uninterrupted run would. Every phase bounded (benchmarks/watch.py)."""
+    import watch  # benchmarks/
+
+    from lorabench.session import RunSession
+    watch.stacks_in_children()
+    run_dir, metrics = tmp_path / "stale", []
+    for steps in (3, 5):   # a run of 3 steps, then resumed and extended to 5 (a new engine: the user's path)
+        cfg = gpu_config("grpo.max_staleness=1", f"grpo.steps={steps}", "grpo.compile=off", "run.checkpoint_every=1")
+        with watch.phase(f"stale run to step {steps}: RunSession.open", 150):
+            session = RunSession.open(cfg, run_dir, log=progress, evaluate_first=False)
+        watch.engine = session.engine
+        try:
+            while session.trainer.step_count < steps:
+                with watch.phase(f"stale run: step {session.trainer.step_count + 1}", 60):
+                    metrics.append(session.trainer.step().metrics)
+        finally:
+            with watch.phase("stale run: close", 60):
+                session.close()
+    out = {"lag": [m["adapter/lag"] for m in metrics], "served": [m["adapter/served_version"] for m in metrics],
+           "rollout_wait_s": [m.get("time/rollout_wait_s") for m in metrics],
+           "step_s": [m["time/step_s"] for m in metrics]}
+    record("stale_sglang", out)
+    assert out["lag"] == [0, 1, 1, 1, 1], out
+    assert out["served"] == [0, 0, 1, 2, 3], out

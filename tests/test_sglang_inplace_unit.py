@@ -1,4 +1,4 @@
-"""The in-place refresh's CPU-side plumbing (engines/sglang_pool, which replaced sglang_inplace): the
+"""The in-place refresh's CPU-side plumbing (engines/sglang_internals): the
 copy plan's strided blocks, the status reply each scheduler rank writes and the trainer reads, the
 command protocol around a mapped adapter, and the layout as it crosses to the engine. The pool
 writes themselves run inside SGLang's scheduler and are tested on the GPU (test_sglang_gpu.py)."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lorabench.adapters import AdapterLayout
-from lorabench.engines import sglang_pool as pool
+from lorabench.engines import sglang_internals as pool
 
 
 # --- the copy plan: index maps -> strided blocks of the staging buffer ---------------------------------
@@ -217,3 +217,33 @@ def test_the_cli_checks_the_sglang_release_before_anything_exists(tmp_path, mode
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and refusal in lines[0] and "Traceback" not in done.stderr, done.stderr
     assert not runs.exists()
+
+
+# --- what an engine that is never written in place sets up, and the notes on another release -----------
+def test_the_in_place_writer_is_registered_only_when_the_engine_may_be_written_in_place():
+    from lorabench.engines.base import EngineNeeds
+    from lorabench.engines.sglang import SGLangSettings
+    assert SGLangSettings().engine_kwargs("/m", EngineNeeds())["custom_weight_loader"] == [pool.LOADER]
+    assert "custom_weight_loader" not in SGLangSettings(in_place=False).engine_kwargs("/m", EngineNeeds())
+
+
+def test_inplace_on_an_engine_without_the_writer_is_refused_before_it_starts(monkeypatch):
+    import importlib.util
+
+    from lorabench.engines.base import EngineError, UpdatesAdapterInPlace
+    from lorabench.engines.sglang import SGLangEngine, SGLangSettings
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())   # "sglang is installed"
+    monkeypatch.setattr(pool, "installed", lambda: "0.5.17")
+    with pytest.raises(EngineError, match="engine.sglang.in_place=false"):
+        SGLangEngine.check_available(SGLangSettings(in_place=False), (UpdatesAdapterInPlace,))
+
+
+def test_another_release_is_noted_for_every_mode_and_its_lora_backends_are_sglangs_to_check(monkeypatch):
+    engine = SimpleNamespace(tokenizer_manager=SimpleNamespace(abort_request=lambda **k: None), send_to_rpc=None)
+    monkeypatch.setattr(pool, "installed", lambda: "0.5.17")
+    assert pool.release_notes(engine) == [] and not pool.lora_backend_known("cutlass")
+    monkeypatch.setattr(pool, "installed", lambda: "0.5.23")
+    (note,) = pool.release_notes(engine)
+    assert "sglang 0.5.23" in note and "0.5.17" in note and "refresh.mode=inplace is refused" in note
+    assert "tokenizer_manager._subprocess_watchdog" in note and "Engine._weight_cache_daemon_procs" in note
+    assert "abort_request" not in note and pool.lora_backend_known("cutlass")

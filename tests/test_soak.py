@@ -38,7 +38,7 @@ def _growth(series: list[dict], key: str = "rss_mb") -> dict:
 def _save(key: str, record: dict) -> None:
     """Merge this test's record into cpu_soak.json (atomically) and redraw cpu_soak.png — only with
     LORABENCH_RECORD=1, so an ordinary test run leaves the committed record alone."""
-    from lorabench.fsutil import atomic_write
+    from lorabench.safedir import atomic_write
     if not os.environ.get("LORABENCH_RECORD"):
         return
     RESULTS.mkdir(parents=True, exist_ok=True)

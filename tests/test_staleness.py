@@ -1,14 +1,18 @@
 """grpo.max_staleness: the next step's rollouts sampled while this step trains, from the adapter the
 engine has (at most one update behind), the lag recorded and checked per step, the loss weighted by
-the truncated importance ratio, a rolled-back step's rollouts dropped, and learning on the demo."""
+the truncated importance ratio, a rolled-back step's rollouts dropped and sampled again, a seeded
+stale run repeated bit for bit, a checkpoint without the adapter one version behind resumed
+on-policy for one step, and learning on the demo. Stopped and resumed stale runs: test_crash.py."""
 from __future__ import annotations
 
 import pytest
 import torch
+from reliability_util import make_trainer, stale_run, tens_problems  # noqa: F401 (fixture)
 
 from lorabench.engines import StaleAdapter
 from lorabench.loss import grpo_loss
 from lorabench.refresh import TensorRefresh
+from lorabench.rundir import BEHIND, CHECKPOINT
 from lorabench.runlog import read_jsonl
 from lorabench.session import Config, RunSession, resolve_model
 
@@ -99,9 +103,55 @@ def test_a_rolled_back_step_drops_the_rollouts_sampled_ahead(tiny_model_dir, tmp
     finally:
         session.close()
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["adapter/lag"] for r in rows] == [0, 1, 1, 1]   # step 2 sampled again from the adapter behind
     problems = [p.question for p in trainer.source.train_batch(2, 2)]
     samples = [r for r in read_jsonl(tmp_path / "s" / "rollouts.jsonl") if r["step"] == 2]
     assert {s["question"] for s in samples} <= set(problems)
+
+
+def stale_run_of(model, tmp_path, name: str, *extra) -> tuple[list[dict], list[dict], torch.Tensor]:
+    """A 4-step run learning on tens_problems: its rollouts.jsonl and metrics rows, its final adapter."""
+    session = session_for(model, tmp_path, *stale_run(tens_problems(tmp_path)), "grpo.steps=4", *extra, name=name)
+    try:
+        session.trainer.run(progress=False)
+        rows, adapter = session.metrics(), session.trainer.policy.adapter().buffer
+    finally:
+        session.close()
+    return read_jsonl(tmp_path / name / "rollouts.jsonl"), rows, adapter
+
+
+def without_timings(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time/") and not k.startswith("refresh/")}
+
+
+def test_two_seeded_stale_runs_are_identical(tiny_model_dir, tmp_path):
+    """Rows and final adapter bit for bit; an on-policy run of the same seed (the same problems and
+    sampling seeds, other adapters sampling) differs in both, so the comparison can fail."""
+    first, again = (stale_run_of(tiny_model_dir, tmp_path, name) for name in ("a", "b"))
+    assert [r["adapter/lag"] for r in first[1]] == [0, 1, 1, 1]
+    assert first[0] == again[0] and list(map(without_timings, first[1])) == list(map(without_timings, again[1]))
+    assert torch.equal(first[2], again[2])
+    assert any(r["advantage/abs_mean"] > 0 for r in first[1]) and first[1][-1]["adapter/delta_norm"] > 0
+    on_policy = stale_run_of(tiny_model_dir, tmp_path, "on", "grpo.max_staleness=0")
+    assert on_policy[0][:8] == first[0][:8] and on_policy[0] != first[0]   # step 1 samples in line in both
+    assert not torch.equal(on_policy[2], first[2])
+
+
+def test_a_checkpoint_without_the_adapter_behind_resumes_one_step_on_policy(make_trainer, tmp_path):
+    """A stale run's checkpoint written before it held the adapter one version behind: the resumed
+    run says so in one line, samples its first step from the current adapter (lag 0), then one behind."""
+    run_dir, problems = tmp_path / "run", tens_problems(tmp_path)
+    make_trainer(run_dir, *stale_run(problems), "grpo.steps=2").run(progress=False)
+    state = torch.load(run_dir / CHECKPOINT, weights_only=True)
+    assert state[BEHIND].shape == state["adapter_buffer"].shape
+    del state[BEHIND]
+    torch.save(state, run_dir / CHECKPOINT)
+    said = []
+    trainer = make_trainer(run_dir, *stale_run(problems), "grpo.steps=4", log=said.append)
+    notes = [line for line in said if "holds no adapter one version behind" in line]
+    assert len(notes) == 1 and "step 3 is sampled on-policy (adapter/lag 0)" in notes[0], said
+    trainer.run(progress=False)
+    assert [r["adapter/lag"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 0, 1]
 
 
 def test_staleness_is_refused_with_memory_release_and_with_policies():

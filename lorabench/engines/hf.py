@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
 
 from ..adapters import FlatAdapter, base_param_name, linear_shapes, validate
 from ..interrupts import interrupts_deferred
@@ -52,6 +53,23 @@ def _copy_checked(params: dict[str, torch.Tensor], named_tensors, what: str, nam
             raise EngineError(f"{what}: {name} has shape {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
     for name, tensor in named_tensors:
         params[name].copy_(tensor)
+
+
+class DrawToken(LogitsProcessor):
+    """Sampling with a generator of the call's own (transformers samples from the global RNG): draws the
+    next token from softmax(top_p(logits / temperature)) and leaves it the only finite score, so greedy
+    decoding takes it. The distribution is transformers' own do_sample one (temperature, then top-p)."""
+
+    def __init__(self, sampling: Sampling, generator: torch.Generator | None):
+        self.temperature, self.generator = sampling.temperature, generator
+        self.top_p = TopPLogitsWarper(sampling.top_p) if sampling.top_p < 1 else None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores / self.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        token = torch.multinomial(torch.softmax(scores, -1), 1, generator=self.generator)
+        return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
 
 
 _DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|mps)?$")
@@ -262,15 +280,15 @@ class HFEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None) -> list[Completion]:
         model, ctx = self._model_for(adapter)
         out: list[Completion] = []
-        rng = torch.random.fork_rng(devices=[]) if sampling.seed is not None else nullcontext()
-        with ctx, rng:
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
+        # the call's own generator: its draws depend on its inputs only, not on what else draws meanwhile
+        # (a trainer with grpo.max_staleness trains on another thread while this samples)
+        generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
+        with ctx:
             for start in range(0, len(prompt_ids), self.generate_batch):
-                out += self._generate_chunk(model, prompt_ids[start:start + self.generate_batch], sampling)
+                out += self._generate_chunk(model, prompt_ids[start:start + self.generate_batch], sampling, generator)
         return out
 
-    def _generate_chunk(self, model, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+    def _generate_chunk(self, model, prompts: list[list[int]], sampling: Sampling, generator) -> list[Completion]:
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -278,10 +296,10 @@ class HFEngine:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         greedy = sampling.temperature == 0
+        draws = [] if greedy else [DrawToken(sampling, generator)]   # then generate picks the drawn token
         gen = model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
-                             temperature=None if greedy else sampling.temperature,
-                             top_p=None if greedy else sampling.top_p, top_k=None,
+                             max_new_tokens=sampling.max_new_tokens, do_sample=False, temperature=None,
+                             top_p=None, top_k=None, logits_processor=LogitsProcessorList(draws),
                              output_logits=True, return_dict_in_generate=True,
                              pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids))
         new = gen.sequences[:, width:].cpu()                                   # [B, T]

@@ -1,35 +1,24 @@
 """The SGLang backend: an in-process `sglang.Engine` (no HTTP server, no open port) with LoRA
 enabled, serving the base weights once and adapters refreshed live by name.
 
-Only public Engine methods are used: generate, load_lora_adapter, load_lora_adapter_from_tensors,
-unload_lora_adapter, update_weights_from_tensor, release/resume_memory_occupation, flush_cache,
-shutdown, get_all_child_pids. Token ids in, token ids and log-probs out (skip_tokenizer_init=True).
-Every use of SGLang internals is in sglang_pool.py, each named with the release it was verified on:
-the in-place refresh (refresh.mode=inplace, a custom weight loader registered at start and run
-inside the engine through update_weights_from_tensor, that writes into SGLang's LoRA pool), and
-three reads of the tokenizer manager (an adapter's id, requests in flight, aborting a request).
+This module uses the Engine's public methods and attributes only: generate, load_lora_adapter,
+load_lora_adapter_from_tensors, unload_lora_adapter, update_weights_from_tensor,
+release/resume_memory_occupation, flush_cache, get_server_info, loop. Token ids in, token ids and
+log-probs out (skip_tokenizer_init=True). Every use of SGLang internals (the in-place writer, the
+shutdown, the watch for failed processes, aborting a request, its error texts) is in
+sglang_internals.py, each with the release it was verified on and the check that it still holds.
 
-What each defect of a known LoRA + SGLang integration (a public RL framework needed each fixed, in
-this order) maps to here:
- 1. every request passes `lora_path=[name]*n`, or `[None]*n` for an explicit base request;
- 2. 'all-linear' -> SGLang's 'all'; a regex target is refused before the engine starts;
- 3. adapter configs are plain JSON (adapters.plain_config);
- 4. sglang 0.5.17, pinned by the `sglang` extra (one serialised payload per TP rank, done by Engine);
- 5. tensors are on the GPU before CUDA-IPC serialisation (checked here);
- 6. PEFT state-dict names are sent, never trainer parameter names (adapters.FlatAdapter);
- 7. release/resume are symmetric: only the tags released are resumed;
- 8. a failed call raises EngineError with the engine's own error_message;
- 9. multi-bucket merged pushes flush once, after the last bucket.
+Invariants: every request names its adapter per prompt (`lora_path=[name]*n`, `[None]*n` for the
+base model); 'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts;
+adapter configs are plain JSON (adapters.plain_config) and PEFT state-dict names; tensors are on
+the GPU before CUDA-IPC serialisation; only the memory tags released are resumed; a failed call
+raises EngineError with the engine's own message.
 
-Threads and signals: the Engine is created and driven on a thread of its own (engine_thread.py),
-with its own asyncio loop, so a notebook kernel's loop is never touched; its processes ignore
-Ctrl-C / Kernel -> Interrupt; a failed engine process fails the engine, not this process
-(SGLangEngine's docstring). Scripts that start an Engine need an `if __name__ == "__main__":`
-guard (SGLang spawns its scheduler process).
+Threads and signals: SGLangEngine's docstring. Scripts that start an Engine need an `if __name__ ==
+"__main__":` guard (SGLang spawns its scheduler process).
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import json
@@ -38,8 +27,6 @@ import os
 import signal
 import sys
 import threading
-import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +34,7 @@ import torch
 
 from ..adapters import FlatAdapter, validate
 from ..settings import ALLOWED, Section, check, setting
-from . import sglang_pool
+from . import sglang_internals as internals
 from .base import (
     SERVED,
     AdapterAlreadyLoaded,
@@ -84,9 +71,6 @@ def sglang_target_modules(target) -> list[str]:
     return list(target)
 
 
-LORA_BACKENDS = {"", "triton", "csgmv", "torch_native"}   # sglang 0.5.17's GPU choices
-
-
 @dataclass
 class SGLangSettings(Section):
     """The `engine.sglang` section: what sglang.Engine is started with. The adapter it must hold
@@ -119,6 +103,11 @@ class SGLangSettings(Section):
                                "never waits for its memory and, with grpo.max_staleness=1, the next step's "
                                "rollouts run beside this step's training (docs/multi_gpu.md).",
                                resume=ALLOWED, why=SERVED)
+    in_place: bool = setting(True, "Register lorabench's in-place writer (a custom weight loader) when the engine "
+                             "starts, so refresh.mode=inplace may write to it, also after a switch from another "
+                             "mode on the open engine (the refresh lesson, the benchmarks); its buffers are made "
+                             "at the first in-place write. false: nothing of it is set up and inplace is refused.",
+                             resume=ALLOWED, why=SERVED)
     extra_args: str = setting("", "A JSON object of further sglang.Engine arguments, e.g. "
                               '\'{"enable_memory_saver": true}\'.', resume=ALLOWED, why=SERVED)
     log_file: str = setting("", "A file (appended) for the output of the engine's own processes: its progress "
@@ -135,8 +124,9 @@ class SGLangSettings(Section):
             *check(0 < self.mem_fraction_static < 1, f"engine.sglang.mem_fraction_static={self.mem_fraction_static}: "
                    f"must be between 0 and 1 (e.g. 0.3 when the trainer shares the GPU)"),
             *check(self.dtype in DTYPES, f"engine.sglang.dtype={self.dtype!r}: use one of {sorted(DTYPES)}"),
-            *check(self.lora_backend in LORA_BACKENDS, f"engine.sglang.lora_backend={self.lora_backend!r}: use one "
-                   f"of {sorted(LORA_BACKENDS)} ('' = SGLang's default)"),
+            *check(internals.lora_backend_known(self.lora_backend),
+                   f"engine.sglang.lora_backend={self.lora_backend!r}: use one of {sorted(internals.LORA_BACKENDS)} "
+                   f"('' = SGLang's default)"),
             *check(self.max_lora_rank >= 0, f"engine.sglang.max_lora_rank={self.max_lora_rank}: must be >= 0 "
                    f"(0 = lora.r)"),
             *check(self.cuda_graph_max_bs >= 0, f"engine.sglang.cuda_graph_max_bs={self.cuda_graph_max_bs}: must be "
@@ -170,8 +160,9 @@ class SGLangSettings(Section):
                       lora_target_modules=sglang_target_modules(needs.target_modules),
                       max_loras_per_batch=max(self.max_loras_per_batch, needs.adapters + 1),   # + the base
                       mem_fraction_static=self.mem_fraction_static,
-                      dtype=self.dtype, random_seed=needs.seed, log_level="error",
-                      custom_weight_loader=[sglang_pool.LOADER])
+                      dtype=self.dtype, random_seed=needs.seed, log_level="error")
+        if self.in_place:
+            kwargs["custom_weight_loader"] = [internals.LOADER]
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
         if self.cuda_graph_max_bs or needs.largest_batch:
             kwargs["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs or needs.largest_batch
@@ -218,24 +209,6 @@ def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> s
             f"once ({needs.largest_batch} sequences x {needs.max_new_tokens} new tokens, prompts not counted): "
             f"SGLang decodes that batch in waves, slower per token. engine.sglang.mem_fraction_static={enough:g} "
             f"(now {fraction:g}) would hold it, where the trainer's memory on the same GPU leaves room")
-
-
-def check_reply(result, what: str):
-    """Engine replies carry .success/.error_message (LoRA calls) or (success, message) tuples. SGLang
-    0.5.17 gives no error code: this engine's own record of what it loaded raises AdapterNotLoaded and
-    AdapterAlreadyLoaded before SGLang is asked; the message text is read only for a state changed
-    behind that record (a call made on `self.engine` directly)."""
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
-        ok, message = result
-    else:
-        ok, message = getattr(result, "success", True), getattr(result, "error_message", "") or ""
-    if ok:
-        return result
-    if "does not exist" in message or "not loaded" in message:
-        raise AdapterNotLoaded(f"{what}: {message}")
-    if "already loaded" in message or "already exists" in message:
-        raise AdapterAlreadyLoaded(f"{what}: {message}")
-    raise EngineError(f"{what} failed; engine says: {message}")
 
 
 @contextlib.contextmanager
@@ -338,15 +311,20 @@ class SGLangEngine:
 
     @staticmethod
     def check_available(settings: SGLangSettings, capabilities=()) -> None:
-        """Before anything is written: the sglang package (a release the in-place writer was checked
-        on, if the refresh writes in place) and a CUDA GPU, or an EngineError saying so."""
+        """Before anything is written: the sglang package (for a refresh that writes in place: a
+        release the in-place writer was verified on, and engine.sglang.in_place) and a CUDA GPU, or an
+        EngineError saying so."""
         import importlib.util
         if importlib.util.find_spec("sglang") is None:
             raise EngineError("engine.backend='sglang' needs the sglang package, which is not installed for this "
                               "Python; install it on a GPU machine (pip install 'lorabench[sglang]') or use "
                               "engine.backend=hf")
         if UpdatesAdapterInPlace in capabilities:
-            sglang_pool.check_version()
+            internals.check_version()
+            if not settings.in_place:
+                raise EngineError("refresh.mode=inplace with engine.sglang.in_place=false: the engine would start "
+                                  "without the in-place writer; set engine.sglang.in_place=true, or use "
+                                  "refresh.mode=tensor")
         if not torch.cuda.is_available():
             raise EngineError(f"engine.backend='sglang' needs a CUDA GPU; torch {torch.__version__} sees none here. "
                               f"Use engine.backend=hf on this machine")
@@ -366,12 +344,12 @@ class SGLangEngine:
         try:
             with _interrupts_ignored_by_children():
                 self._thread.call(self._start, model_path, settings.engine_kwargs(model_path, needs), engine_overrides)
-            self.notes = self._thread.call(self._capacity_notes, needs)
+            self.notes = self._thread.call(self._notes, needs)
         except BaseException:
             self._thread.close("the engine did not start")
             self._thread = None
             raise
-        _watch_for_failed_children(self)
+        internals.watch(self)
 
     def _start(self, model_path: str, kwargs: dict, overrides: dict) -> None:
         self.engine, self._store = _start(kwargs, overrides, self.settings)
@@ -380,25 +358,22 @@ class SGLangEngine:
         self._configs: dict[str, dict] = {}   # name -> config it was loaded with (tensor loads)
         self._versions: dict[str | None, int] = {None: 0}
         self._released: list[str] = []
-        self.pool = sglang_pool.PoolWriter(self)
-        self.eos_ids = _eos_ids(model_path)
+        self.pool: internals.PoolWriter | None = None   # made at the first in-place write
 
-    def _capacity_notes(self, needs: EngineNeeds) -> list[str]:
-        """What the session tells the user about this engine's room for the run (on the engine's thread)."""
+    def _notes(self, needs: EngineNeeds) -> list[str]:
+        """What the session tells the user about this engine (on its thread): its room for the run, and
+        on an SGLang release the internals were not verified on, which of them it lacks."""
         note = kv_capacity_note(self.engine.get_server_info().get("max_total_num_tokens"), needs,
                                 self.settings.mem_fraction_static)
-        return [note] if note else []
+        return [*([note] if note else []), *internals.release_notes(self.engine)]
 
     @staticmethod
     def device_of(settings: SGLangSettings) -> str:
-        """The trainer beside the engine uses cuda:0 (rank 0's GPU, unless base_gpu_id moves the engine)."""
-        return "cuda"
+        return "cuda"   # the trainer's: cuda:0, rank 0's GPU unless base_gpu_id moves the engine
 
     @staticmethod
     def process_memory(settings: SGLangSettings, needs, vocab: int, base_weight_bytes: int) -> list[tuple]:
-        """Nothing in the trainer's process: its weights, KV cache and logits live in its own processes,
-        within mem_fraction_static of each GPU it uses."""
-        return []
+        return []   # nothing in the trainer's process: the engine's memory is its processes' own
 
     @classmethod
     def from_settings(cls, model_path: str, settings: SGLangSettings, needs: EngineNeeds,
@@ -416,64 +391,74 @@ class SGLangEngine:
 
     def _served_now(self, adapter: str | None) -> int | None:
         """On the engine's thread."""
-        if adapter is not None and adapter in self.pool.mapped:
+        if adapter is not None and self.pool is not None and adapter in self.pool.mapped:
             return self.pool.version(adapter)  # kept in the engine, beside its copy of the adapter
         return self._versions.get(adapter)
 
-    @_on_engine_thread()
-    def load_adapter(self, name: str, path: Path, version: int = 0) -> None:
+    def _new(self, name: str) -> None:
         if name in self._adapters:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
-        check_reply(self.engine.load_lora_adapter(name, str(path)), f"load_lora_adapter({name!r}, {path})")
+
+    def _known(self, name: str, why: str = "") -> None:
+        if name not in self._adapters:
+            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)}){why}")
+
+    @_on_engine_thread()
+    def load_adapter(self, name: str, path: Path, version: int = 0) -> None:
+        self._new(name)
+        internals.check_reply(self.engine.load_lora_adapter(name, str(path)), f"load_lora_adapter({name!r}, {path})")
         self._adapters.add(name)
         self._configs.pop(name, None)
         self._versions[name] = version
 
     @_on_engine_thread()
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
-        if name in self._adapters:
-            raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
+        self._new(name)
         if not adapter.buffer.is_cuda:  # CUDA-IPC carries GPU tensors only
             raise EngineError(f"load_adapter_tensors: the adapter is on {adapter.buffer.device}; move it to the "
                               f"GPU first (FlatAdapter.to('cuda'))")
         validate(adapter.tensors, adapter.config, max_rank=self.max_lora_rank)  # refused here, not in the scheduler
-        check_reply(self.engine.load_lora_adapter_from_tensors(name, adapter.tensors, adapter.config),
-                    f"load_lora_adapter_from_tensors({name!r})")
+        internals.check_reply(self.engine.load_lora_adapter_from_tensors(name, adapter.tensors, adapter.config),
+                              f"load_lora_adapter_from_tensors({name!r})")
         self._adapters.add(name)
         self._configs[name] = dict(adapter.config)
         self._versions[name] = adapter.version
 
     @_on_engine_thread()
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """Overwrite loaded adapter `name` inside the engine's GPU LoRA pool (sglang_pool.PoolWriter).
+        """Overwrite loaded adapter `name` inside the engine's GPU LoRA pool (sglang_internals.PoolWriter).
         Calls run one at a time on the engine thread, so none of ours is in flight now; a request
         someone else sent through `self.engine` would read a half-written adapter, so that refuses."""
-        if name not in self._adapters:
-            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)}); load it "
-                                   f"before updating it in place")
+        self._known(name, "; load it before updating it in place")
         if name not in self._configs:
             raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
                               f"first (load_adapter_tensors), so its config is known")
         check_same_lora_config(name, self._configs[name], adapter.config)
-        if sglang_pool.requests_in_flight(self.engine):
+        if not self.settings.in_place:
+            raise EngineError("this engine was started with engine.sglang.in_place=false, without the in-place "
+                              "writer; start one with true, or use refresh.mode=tensor")
+        if self.pool is None:
+            internals.check_version()
+            self.pool = internals.PoolWriter(self)
+        if internals.requests_in_flight(self.engine):
             raise EngineError(f"in-place update of adapter {name!r} refused: requests are in flight, and they "
                               f"would read a half-written adapter; update between generate calls")
         return self.pool.write(name, adapter)
 
     @_on_engine_thread()
     def unload_adapter(self, name: str) -> None:
-        if name not in self._adapters:
-            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)})")
-        self.pool.forget(name)
-        check_reply(self.engine.unload_lora_adapter(name), f"unload_lora_adapter({name!r})")
+        self._known(name)
+        if self.pool is not None:
+            self.pool.forget(name)
+        internals.check_reply(self.engine.unload_lora_adapter(name), f"unload_lora_adapter({name!r})")
         self._adapters.discard(name)
         self._configs.pop(name, None)
         self._versions.pop(name, None)
 
     @_on_engine_thread()
     def update_weights(self, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
-        check_reply(self.engine.update_weights_from_tensor(list(named_tensors), flush_cache=flush_cache),
-                    "update_weights_from_tensor")
+        internals.check_reply(self.engine.update_weights_from_tensor(list(named_tensors), flush_cache=flush_cache),
+                              "update_weights_from_tensor")
         if version is not None:
             self._versions[None] = version
 
@@ -495,15 +480,16 @@ class SGLangEngine:
         return self._generate(prompt_ids, sampling, adapter), self._served_now(adapter)
 
     def _generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
-        """On the engine's thread."""
-        outs = self.engine.generate(input_ids=[list(p) for p in prompt_ids], sampling_params=_params(sampling),
-                                    return_logprob=True, lora_path=self._lora(adapter, len(prompt_ids)))
-        return [_completion(p, out) for p, out in zip(prompt_ids, outs)]
+        return self._mixed([GenerateRequest(prompt_ids, sampling, adapter)])[0]
 
     @_on_engine_thread(abort_on_interrupt=True)
     def generate_mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
         """One sglang generate call for all requests: each prompt names its request's adapter and
         carries its sampling parameters, so K policies' rollouts decode as one batch."""
+        return self._mixed(requests)
+
+    def _mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
+        """On the engine's thread."""
         prompts = [list(p) for r in requests for p in r.prompt_ids]
         params = [_params(r.sampling) for r in requests for _ in r.prompt_ids]
         lora = [name for r in requests for name in self._lora(r.adapter, len(r.prompt_ids))]
@@ -537,18 +523,12 @@ class SGLangEngine:
 
         def abort_if_still_running():
             if thread.running_call == call_id:
-                sglang_pool.abort_requests(engine)
+                internals.abort_requests(engine)
         thread.loop.call_soon_threadsafe(abort_if_still_running)
-
-    @_on_engine_thread(abort_on_interrupt=True)
-    def call_sglang(self, fn, *args, **kwargs):
-        """fn(sglang_engine, *args, **kwargs) on the engine's thread: for benchmarks that time
-        SGLang's own calls (its sync methods must run where the engine's loop lives)."""
-        return fn(self.engine, *args, **kwargs)
 
     @_on_engine_thread()
     def flush_cache(self) -> None:
-        check_reply(self.engine.flush_cache(), "flush_cache")
+        internals.check_reply(self.engine.flush_cache(), "flush_cache")
 
     # -- memory -------------------------------------------------------------------------------
     @_on_engine_thread()
@@ -568,7 +548,7 @@ class SGLangEngine:
         if not self._released:
             raise EngineError("resume_memory without release_memory; only what was released is resumed")
         self.engine.resume_memory_occupation(tags=self._released)
-        if "weights" in self._released:
+        if "weights" in self._released and self.pool is not None:
             self.pool.forget_all()  # the LoRA pool may come back elsewhere or empty: map again
         self._released = []
 
@@ -579,32 +559,37 @@ class SGLangEngine:
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        _LIVE.discard(self)
-        _note_shutdown()
+        internals.unwatch(self)
+        internals.note_shutdown()
         try:
             if not thread.failure:
                 thread.call(self._shutdown)
             elif self.engine is not None:
-                _shut_down(self.engine)   # its processes died or were stopped: what is left goes now
+                internals.shut_down(self.engine)   # its processes died or were stopped: what is left goes now
         finally:
             thread.close()
             self.engine = None
             if self._store is not None:
                 self._store.close()
                 self._store = None
-            _note_shutdown()
+            internals.note_shutdown()
 
     def _shutdown(self) -> None:
-        self.pool.forget_all()
-        _shut_down(self.engine)
+        if self.pool is not None:
+            self.pool.forget_all()
+        internals.shut_down(self.engine)
 
-    def _children_failed(self, reason: str) -> None:
+    @property
+    def serving(self) -> bool:
+        return self._thread is not None and not self._thread.failure
+
+    def children_failed(self, reason: str) -> None:
         """One of the engine's processes failed (SIGQUIT, main thread): stop the others, fail the calls."""
         log = f"; its output is in {self.settings.log_file}" if self.settings.log_file else ""
         self._thread.fail(f"the SGLang engine failed: {reason}{log}. Its processes were stopped; close the "
                           f"session and open a new one (a run dir continues from its last checkpoint: "
                           f"lorabench resume)")
-        _stop_processes(self.engine)
+        internals.stop_processes(self.engine)
 
     def __enter__(self):
         return self
@@ -618,7 +603,7 @@ def _interrupts_ignored_by_children():
     """While the engine starts, SIGINT is ignored on the main thread, so the processes SGLang
     spawns inherit 'ignore' (a disposition survives exec; a handler does not): Jupyter sends
     Kernel -> Interrupt to the kernel's whole process group, and a scheduler stopped by it would
-    take the engine down. The start itself cannot be interrupted (it takes ~30 s)."""
+    take the engine down. The start itself cannot be interrupted."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -627,111 +612,6 @@ def _interrupts_ignored_by_children():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-_LIVE: weakref.WeakSet[SGLangEngine] = weakref.WeakSet()   # engines whose failed children we watch for
-_previous_sigquit = None
-_last_shutdown = -math.inf   # time.monotonic() when an engine of ours last stopped its processes
-# SIGQUIT is how SGLang's processes report a failure to this one; while an engine's processes are being
-# stopped, and for this long after, one that arrives is from them going, not a failure to act on
-SHUTDOWN_GRACE_S = 30.0
-
-
-def _note_shutdown() -> None:
-    global _last_shutdown
-    _last_shutdown = time.monotonic()
-
-
-def _watch_for_failed_children(engine: SGLangEngine) -> None:
-    """SGLang's processes send SIGQUIT to this one when one of them fails (its watchdog too, when one
-    dies). Handled here, on the main thread, if the engine was started there."""
-    global _previous_sigquit
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGQUIT) is not _on_sigquit:
-        _previous_sigquit = signal.signal(signal.SIGQUIT, _on_sigquit)
-    _LIVE.add(engine)
-
-
-def _on_sigquit(signum, frame) -> None:
-    engines = [e for e in list(_LIVE) if e._thread is not None and not e._thread.failure]
-    if not engines and time.monotonic() - _last_shutdown < SHUTDOWN_GRACE_S:
-        return   # an engine of ours stopping its processes (SGLang's shutdown ends them): not a failure
-    if not engines:   # not from an engine of ours: what SIGQUIT did before
-        signal.signal(signal.SIGQUIT, _previous_sigquit or signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGQUIT)
-        return
-    dead = {e: _exited_processes(e.engine) for e in engines}
-    # a process that failed signals before it exits: if none has exited yet, it is one of these
-    for engine in [e for e, d in dead.items() if d] or engines:
-        names = ", ".join(dead[engine]) or "a scheduler or detokenizer process signalled a failure"
-        engine._children_failed(names)
-
-
-def _engine_processes(engine) -> list:
-    """The engine's scheduler and detokenizer processes and theirs (psutil, which SGLang requires)."""
-    import psutil
-    found = []
-    for pid in engine.get_all_child_pids():
-        try:
-            proc = psutil.Process(pid)
-            found += [proc, *proc.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
-def _exited_processes(engine) -> list[str]:
-    """Those of the engine's processes that have exited, as 'process N exited (...)'. Read from
-    /proc without reaping them (multiprocessing, which started them, reaps its own)."""
-    exited = []
-    for pid in engine.get_all_child_pids():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            exited.append(f"process {pid} exited")
-            continue
-        if fields[0] == "Z":   # field 52 of stat: the exit status, as waitpid reports it
-            status = int(fields[49]) if len(fields) > 49 else 0
-            how = f"killed by signal {status & 0x7F}" if status & 0x7F else f"exit code {status >> 8}"
-            exited.append(f"process {pid} exited ({how})")
-    return exited
-
-
-def _shut_down(engine) -> None:
-    """sglang.Engine.shutdown's steps, except its last: SGLang ends with kill_process_tree(os.getpid()),
-    a SIGKILL to every child of this process, not only the engine's (in a notebook kernel: the
-    user's own subprocesses, Python's multiprocessing resource tracker, torch's compile workers).
-    Here only the engine's own processes are stopped, and waited for (their GPU memory is back when
-    this returns, as with SGLang's shutdown). sglang.Engine also registers its shutdown to run at
-    exit, which would run that kill then (the multiprocessing resource tracker dies, and its
-    relaunch prints a traceback) and keeps every closed engine alive until exit: unregistered."""
-    import psutil
-    atexit.unregister(engine.shutdown)
-    watchdog = getattr(engine.tokenizer_manager, "_subprocess_watchdog", None)
-    if watchdog is not None:
-        watchdog.stop()     # before the kill: a watchdog that sees its processes go signals a failure
-    rpc = getattr(engine, "send_to_rpc", None)
-    if rpc is not None:
-        rpc.close(linger=0)
-        engine.send_to_rpc = None
-    daemons = getattr(engine, "_weight_cache_daemon_procs", None)
-    if daemons:
-        engine._terminate_weight_cache_daemons(daemons)
-        engine._weight_cache_daemon_procs = []
-    processes = _engine_processes(engine)
-    _stop_processes(engine, processes)
-    psutil.wait_procs(processes, timeout=60)
-
-
-def _stop_processes(engine, processes=None) -> None:
-    """SIGKILL what is left of a failed engine (its GPU memory comes back when they are gone)."""
-    import psutil
-    for proc in _engine_processes(engine) if processes is None else processes:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            continue
 
 
 def _params(sampling: Sampling) -> dict:
@@ -750,15 +630,3 @@ def _completion(prompt: list[int], out: dict) -> Completion:
     logprobs = [float(lp) for lp, _tok, *_ in meta["output_token_logprobs"]]
     reason = (meta.get("finish_reason") or {}).get("type", "length")
     return Completion(list(prompt), list(out["output_ids"]), logprobs, "stop" if reason == "stop" else "length")
-
-
-def _eos_ids(model_path: str) -> set[int]:
-    from transformers import GenerationConfig
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:  # no generation_config.json: the model config's eos is what SGLang uses too
-        from transformers import AutoConfig
-        eos = AutoConfig.from_pretrained(model_path).eos_token_id
-    return set(eos if isinstance(eos, list) else [eos])
-
-

@@ -23,6 +23,7 @@ new refresh mode's included, follows these rules from the line that defines it.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
@@ -79,21 +80,32 @@ def effective_config(run_dir: Path, changes: bool = True) -> Config:
         raw = root.read_bytes(CONFIG)
         if raw is None:
             raise RunDirError(f"{run_dir} is not a lorabench run dir: it has no config.json; pass a run dir written "
-                              f"by lorabench, or start a run there with lorabench run ... run.name=NAME")
+                              f"by lorabench (`lorabench run` prints 'run dir: ...')")   # a run there may be refused
         data = parse_config_bytes(raw, run_dir / CONFIG)
-        rows = scan_in(root, CONFIG_CHANGES).rows if changes else []
+        scan = scan_in(root, CONFIG_CHANGES)
+        rows = [_change_row(run_dir, line, row) for line, row in zip(scan.lines, scan.rows)] if changes else []
     if isinstance(data.get("run"), dict):   # where the run dir is now (it may have been moved or renamed)
         name_ok = path_component_problem(run_dir.name) is None
         data["run"].update(out_dir=str(run_dir.parent), name=run_dir.name if name_ok else "")
     data = Config.from_dict(moved_layout(data), source=str(run_dir / CONFIG)).to_dict()
     for row in rows:
-        for key, (_, new) in row.get("changes", {}).items():
+        for key, (_, new) in row.items():
             *path, name = MOVED.get(key, key).split(".")
             table = data
             for part in path:
                 table = table.setdefault(part, {})
             table[name] = new
     return Config.from_dict(data, source=f"{run_dir / 'config.json'} + config_changes.jsonl")
+
+
+def _change_row(run_dir: Path, line: int, row: dict) -> dict:
+    """A config_changes.jsonl row's changes, {field: [old, new]} as record_config_changes appends them."""
+    found = row.get("changes", {})
+    if not isinstance(found, dict) or not all(isinstance(v, list) and len(v) == 2 for v in found.values()):
+        raise RunDirError(f"{run_dir / CONFIG_CHANGES} line {line}: 'changes' is {str(found)[:60]}, not the "
+                          f"{{field: [old, new]}} lorabench appends; nothing in the run dir was changed. Repair that "
+                          f"line (from a backup) or delete it, then run the command again")
+    return found
 
 
 def resume_config(run_dir: Path, overrides: list[str]) -> Config:
@@ -126,12 +138,10 @@ def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) ->
     if refused_diff:
         listed = "; ".join(f"{k} {a!r} -> {b!r} ({reasons.get(k, 'not decided as safe to change')})"
                            for k, (a, b) in refused_diff.items())
-        overrides = " ".join(f"{k}={json.dumps(b) if not isinstance(b, str) else b}"
-                             for k, (_, b) in refused_diff.items())
-        config = Path(run_dir) / CONFIG
+        overrides = [f"{k}={json.dumps(b) if not isinstance(b, str) else b}" for k, (_, b) in refused_diff.items()]
+        command = shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / CONFIG), "run.name=NEW", *overrides])
         raise RunDirError(f"{run_dir} cannot continue with a changed {listed}; nothing was changed. Start a new run "
-                          f"for that (lorabench run --config {config} run.name=NEW {overrides}), or continue "
-                          f"without those overrides")
+                          f"for that ({command}), or continue without those overrides")
     if "grpo.steps" in diff and diff["grpo.steps"][1] < at_step:
         raise RunDirError(f"{run_dir} is at step {at_step}; grpo.steps={diff['grpo.steps'][1]} would end it before "
                           f"that; nothing was changed. Pass grpo.steps >= {at_step}")

@@ -288,32 +288,6 @@ def read_config_file(path: str | Path) -> dict:
     return data
 
 
-class _Object(dict):
-    """A JSON object that remembers its first key given twice (json.loads keeps the last silently)."""
-    twice: tuple = ()
-
-    @classmethod
-    def of(cls, pairs) -> _Object:
-        obj = cls()
-        for key, value in pairs:
-            if key in obj and not obj.twice:
-                obj.twice = (key, obj[key], value)
-            obj[key] = value
-        return obj
-
-
-def _given_twice(value, path: str = "") -> tuple[str, object, object] | None:
-    """(dotted key, first value, second value) of the first key given twice in parsed JSON, or None."""
-    if isinstance(value, list):
-        return next(filter(None, (_given_twice(v, f"{path}[{i}]") for i, v in enumerate(value))), None)
-    if not isinstance(value, dict):
-        return None
-    if getattr(value, "twice", ()):
-        key, first, second = value.twice
-        return f"{path}.{key}" if path else key, first, second
-    return next(filter(None, (_given_twice(v, f"{path}.{k}" if path else k) for k, v in value.items())), None)
-
-
 def parse_config_bytes(raw: bytes, path: Path) -> dict:
     """The sections of a config file's bytes (`path` names it and its format by suffix)."""
     try:
@@ -322,7 +296,7 @@ def parse_config_bytes(raw: bytes, path: Path) -> dict:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
                           f"{err.start}); save it as UTF-8") from err
     try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text, object_pairs_hook=_Object.of)
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text, object_pairs_hook=st.JSONObject.of)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {err}") from err
     except ValueError as err:   # int() of a longer number than Python reads, in TOML and JSON alike
@@ -330,7 +304,7 @@ def parse_config_bytes(raw: bytes, path: Path) -> dict:
             raise
         raise ConfigError(f"config file {path} holds a number of more than {sys.get_int_max_str_digits():,} digits, "
                           f"which Python does not read and no setting takes; shorten it") from err
-    twice = _given_twice(data)
+    twice = st.given_twice(data)
     if twice:
         key, first, second = twice
         name = json.dumps(key.rsplit(".", 1)[-1])

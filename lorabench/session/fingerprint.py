@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from pathlib import Path
 
 from ..rundir import RunDirError
@@ -102,7 +103,8 @@ def experiment_fingerprint(cfg, model_path: str) -> dict:
 
 # --- comparisons ---------------------------------------------------------------------------------------
 def _new_run_hint(run_dir: Path) -> str:
-    return f"start a new run for it (lorabench run --config {Path(run_dir) / 'config.json'} run.name=NEW)"
+    command = shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / "config.json"), "run.name=NEW"])
+    return f"start a new run for it ({command})"
 
 
 def check_config(recorded: dict, effective, run_dir: Path, step: int) -> None:

@@ -90,6 +90,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         import torch
 
         from ..group import shared_differences
+        from ..rundir import check_before_evals
         from .preflight import preflight
         differ = shared_differences({name: m.to_dict() for name, m in members.items()})
         if differ:
@@ -99,6 +100,8 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         existing = check_group_dir(root, list(members))
         plans = {name: plan_run(m, root / name) for name, m in members.items()}
         for name, plan in plans.items():
+            if evaluate_first and plan.continued is not None:
+                check_before_evals(plan.run_dir, plan.continued.step)
             preflight(members[name], plan.run_dir, continued=plan.continued is not None, log=log)
         first = next(iter(members.values()))
         threads, how = cpu_threads(first.run.threads)
@@ -116,6 +119,8 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
                 runlogs[name] = plan.open(members[name], log)
                 runlogs[name].fingerprint = fingerprints[name]
             session = cls._build(cfg, members, runlogs, root, model_path, model_seconds, log)
+            for name, plan in plans.items():   # once every policy's checkpoint is loaded and checked
+                plan.record_changes(runlogs[name], log)
         except BaseException:
             for runlog in runlogs.values():
                 runlog.close()
@@ -276,7 +281,7 @@ def read_group(root: Path) -> list:
 
 def write_group(root: Path, cfg: Config) -> None:
     """group.json, once, atomically (the dir is made here if it is not there)."""
-    from ..fsutil import atomic_write
+    from ..safedir import atomic_write
     root.mkdir(parents=True, exist_ok=True)
     atomic_write(root / GROUP_FILE, json.dumps({"policies": [p.to_dict() for p in cfg.policies]}, indent=1).encode(),
                  mode=0o640)

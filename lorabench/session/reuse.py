@@ -102,11 +102,11 @@ def find_trained_run(cfg, run_root: str | Path, model_path: str) -> tuple[Traine
 
 
 def load_trained_run(trainer, run: TrainedRun) -> None:
-    """Put the checkpoint's adapter (and optimizer state) into `trainer`, whose run log writes
-    nothing, and refresh the engine with it: the trainer is then at the checkpoint's step."""
+    """Put the checkpoint into `trainer`, whose run log writes nothing, as `lorabench resume` does
+    (GRPOTrainer.load_state: adapter, optimizer, with grpo.max_staleness the adapter one version
+    behind), and refresh the engine with it: the trainer is then at the checkpoint's step."""
     from ..adapters import AdapterLayout, FlatAdapter
     state = run.checkpoint
     layout = AdapterLayout.from_json(state["adapter_layout"])
-    trainer.policy.load(state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], run.step))
-    trainer.history = list(run.rows)
-    trainer.refresher.refresh(trainer.policy.adapter())
+    trainer.load_state(state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], run.step),
+                       list(run.rows))

@@ -34,6 +34,7 @@ class RunPlan:
     run_dir: Path | None          # None: a new timestamped dir under run.out_dir
     continued: object = None      # rundir.RunDirState of the run being continued, else None
     named_by_config: bool = False  # run.out_dir/run.name chose it (`lorabench run`), not a run_dir argument
+    changes: dict = field(default_factory=dict)   # the allowed changes a continued run records, once built
 
     def check_model(self, cfg: Config, model_path: str, log=print) -> dict:
         """The experiment's fingerprint (fingerprint.py); a continued run's model must be the one its
@@ -51,35 +52,50 @@ class RunPlan:
         return fingerprint
 
     def open(self, cfg: Config, log=print):
-        """The run dir under its lock: config.json for a new run, config_changes.jsonl for a continued one."""
+        """The run dir under its lock: config.json for a new run; a continued one is checked again under
+        the lock, and its changes wait for `record_changes`, once its checkpoint is loaded."""
         from ..runlog import RunDirError, RunLog
+        from ..safedir import RunDirWriteError
         from .compat import check_continuation, effective_config
         if self.continued is None:
-            runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
-                cfg.run.out_dir, "", log, lock=True, settings=cfg.run)
             try:
-                runlog.write_config(cfg.to_dict())   # refuses if another process made this run meanwhile
-            except RunDirError:
-                runlog.close()
-                raise
-            log(f"run dir: {runlog.dir}")
-            return runlog
+                return self._start(cfg, log)
+            except RunDirWriteError as err:   # no config.json: there is no run to resume yet
+                raise RunDirWriteError(err.errno, f"{err.cause}; no run was started (its config.json is not "
+                                       f"written): once {err.fix}, run the same command again") from None
         runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run)
         try:  # again under the lock: another writer may have finished since plan_run looked
-            diff = check_continuation(self.run_dir, effective_config(self.run_dir), cfg, self.continued.step)
+            self.changes = check_continuation(self.run_dir, effective_config(self.run_dir), cfg, self.continued.step)
         except RunDirError:
             runlog.close()
             raise
-        if diff:
-            runlog.record_config_changes(self.continued.step, diff)
         if self.named_by_config:
             log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
         log(f"run dir: {runlog.dir} (continued at step {self.continued.step})")
-        for key, (old, new) in diff.items():
+        return runlog
+
+    def _start(self, cfg: Config, log):
+        from ..runlog import RunDirError, RunLog
+        runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
+            cfg.run.out_dir, "", log, lock=True, settings=cfg.run)
+        try:
+            runlog.write_config(cfg.to_dict())   # refuses if another process made this run meanwhile
+        except (RunDirError, OSError):
+            runlog.close()
+            raise
+        log(f"run dir: {runlog.dir}")
+        return runlog
+
+    def record_changes(self, runlog, log=print) -> None:
+        """A continued run's allowed changes, appended to config_changes.jsonl once its trainer has
+        loaded and checked the checkpoint: a refusal until then leaves the run dir as it was."""
+        if not self.changes:
+            return
+        runlog.record_config_changes(self.continued.step, self.changes)
+        for key, (old, new) in self.changes.items():
             note = "; earlier evaluations used the old value (each evals.jsonl row has its n)" if key.startswith(
                 "data.eval_") else ""
             log(f"  {key}: {old!r} -> {new!r} (recorded in config_changes.jsonl{note})")
-        return runlog
 
 
 def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
@@ -139,9 +155,23 @@ def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPla
     if recorded:
         check_config(recorded, effective, path, state.step)
     check_continuation(path, effective, cfg, state.step)   # refused changes end here
+    _check_optimizer_lr(state, cfg)
     if recorded:
         check_data(recorded, cfg, path, state.step)
     return RunPlan(path, state, named_by_config=named_by_config)
+
+
+def _check_optimizer_lr(state, cfg: Config) -> None:
+    """The optimizer state holds the learning rate it applies (grpo.lr cannot change on resume): it
+    must be the run's, or the run would go on at another one without a word."""
+    from ..rundir import CHECKPOINT, RunDirError
+    if state.checkpoint is None:
+        return
+    rates = sorted({group.get("lr") for group in state.checkpoint["optimizer"]["param_groups"]}, key=str)
+    if rates != [cfg.grpo.lr]:
+        raise RunDirError(f"{state.dir / CHECKPOINT}: field 'optimizer' applies learning rate(s) {rates}, "
+                          f"but the run's grpo.lr is {cfg.grpo.lr:g}; nothing in the run dir was changed. Restore the "
+                          f"checkpoint from a backup, or start a new run")
 
 
 class _SessionLifecycle:
@@ -189,9 +219,12 @@ class RunSession(_SessionLifecycle):
         progress = progress or _no_progress
         import torch
 
+        from ..rundir import check_before_evals
         from .preflight import preflight
 
         plan = plan_run(cfg, run_dir)
+        if evaluate_first and plan.continued is not None:
+            check_before_evals(plan.run_dir, plan.continued.step)
         preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
         threads, how = cpu_threads(cfg.run.threads)   # after preflight checked it against this machine's CPUs
         torch.set_num_threads(threads)
@@ -203,18 +236,20 @@ class RunSession(_SessionLifecycle):
         runlog = plan.open(cfg, log)
         runlog.fingerprint = fingerprint
         try:
-            return cls._build(cfg, runlog, model_path, model_seconds, log, evaluate_first, progress)
+            return cls._build(cfg, plan, runlog, model_path, model_seconds, log, evaluate_first, progress)
         except BaseException:
             runlog.close()
             raise
 
     @classmethod
-    def _build(cls, cfg, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool, progress):
+    def _build(cls, cfg, plan: RunPlan, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool,
+               progress):
         progress(f"starting the {cfg.engine.backend} engine")
         engine = start_engine(cfg, model_path, log)
         try:
             progress("building the trainer")
-            trainer = build_trainer(cfg, model_path, engine, runlog, log=log)
+            trainer = build_trainer(cfg, model_path, engine, runlog, log=log)   # loads and checks the checkpoint
+            plan.record_changes(runlog, log)
             session = cls(cfg, runlog, engine, trainer, model_path, model_seconds)
             if evaluate_first:
                 progress("held-out evaluation before the first step")
@@ -226,13 +261,9 @@ class RunSession(_SessionLifecycle):
 
     def evaluate_before(self) -> list[dict]:
         """The step-0 held-out evaluations (sampled, greedy): read back from evals.jsonl, or run
-        now for a new run or one killed between its two "before" evaluations."""
-        from ..runlog import RunDirError
+        now for a new run (a continued one has them: rundir.inspect)."""
         before = [e for e in self.runlog.evals() if e["step"] == 0]
         if len(before) < 2:
-            if self.trainer.step_count > 0:
-                raise RunDirError(f"{self.runlog.dir / 'evals.jsonl'} lacks the step-0 evaluations of a run "
-                                  f"at step {self.trainer.step_count}; restore the file or start a new run")
             before = [self.trainer.evaluate(greedy=False), self.trainer.evaluate(greedy=True)]
             self.runlog.set_evals(0, before)
         self.before = before

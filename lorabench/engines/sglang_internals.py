@@ -1,60 +1,72 @@
-"""In-place adapter refresh for SGLang: write the trainer's flat adapter straight into the engine's
-GPU LoRA pool (the buffers its LoRA kernels read), one batched device copy per refresh.
+"""Every use of SGLang internals in lorabench, behind one door: engines/sglang.py drives sglang.Engine
+through its public methods and comes here for anything else. Each internal is named once below with
+the check that proves it still holds; all were verified on the releases in VERIFIED. On another
+release `check_version` refuses the in-place writer (refresh.mode=tensor is the public fallback) and
+`release_notes` names, for every mode, the life-cycle internals the started engine lacks.
 
-Why: SGLang's public path (`unload_lora_adapter` + `load_lora_adapter_from_tensors`) copies every
-tensor to the host (`.cpu()`), stacks q/k/v and gate/up there, and copies the result back into the
-pool when a batch first uses the new adapter id. For data that starts on the GPU that is two host
-round trips and ~400 small copies per step.
+Every refresh mode (the engine's life cycle):
+- `shut_down`: sglang.Engine.shutdown's steps but its last, kill_process_tree(os.getpid()), which
+  SIGKILLs every child of this process (in a notebook kernel: the user's own). It reads
+  `tokenizer_manager._subprocess_watchdog`, `Engine.send_to_rpc`, `Engine._weight_cache_daemon_procs`
+  (`_terminate_weight_cache_daemons`), each skipped where absent (`missing`), stops the processes the
+  public `get_all_child_pids` names, and removes the atexit hook SGLang registers.
+- `watch`: SGLang's processes send SIGQUIT to this one when one fails (its own handler kills this
+  process); which one exited is read from /proc/<pid>/stat, without reaping it.
+- `abort_requests`: `tokenizer_manager.abort_request(abort_all=True)` (no public abort); where it is
+  not callable, an interrupted request runs to its end.
+- `check_reply`: replies carry no error code; the texts for a missing or an already loaded adapter
+  are read only where the engine's own record of what it loaded did not answer first.
+- `LORA_BACKENDS`: the choices of `--lora-backend`, checked where sglang is absent or verified; on
+  another release SGLang checks the name itself (`lora_backend_known`).
 
-How (two commands, both carried by `update_weights_from_tensor(..., load_format=LOADER)`, which runs
-`handle(model, named_tensors)` inside every scheduler process, one per tensor-parallel rank):
- - map (once per adapter): the trainer lends the engine a persistent staging buffer per GPU (CUDA
-   IPC; the scheduler keeps the mapping) and the adapter's layout. The scheduler pins the adapter
-   in a pool slot (never evicted, so SGLang's host copy is never reloaded over it), then computes
-   where every pool element comes from by running SGLang's own stacking (q/k/v, gate/up) and
-   tensor-parallel slicing on tensors of *source indices* instead of values. The index maps
-   reduce to a few hundred strided blocks: the copy plan. It writes the adapter once with SGLang's
-   own loader, once with the plan, and refuses the plan unless the two are bit-identical.
- - apply (every refresh): the trainer copies the new values into its staging buffers (one cast
-   copy per GPU); the scheduler runs the plan (`torch._foreach_copy_`) and copies the new version
-   into an engine-owned version tensor in the same batch of copies, so a skipped or failed write
-   cannot bump the version. The request flushes the prefix cache: the adapter keeps its id, and KV
-   computed with the old values would otherwise be reused.
-The reply of each rank travels back in a small GPU status buffer on that rank's device.
+refresh.mode=inplace only (`check_version`):
+- `lora_id`, `requests_in_flight`: the tokenizer manager's lora_registry and rid_to_state;
+- the pool writer (`PoolWriter`; `handle`, registered at start as a custom weight loader when the
+  engine may be written in place, engine.sglang.in_place): `update_weights_from_tensor(...,
+  load_format=LOADER)` runs `handle(model, named_tensors)` in every scheduler process (one per
+  tensor-parallel rank), which reads LoRAManager (loras, lora_refs, num_pinned_loras, memory_pool,
+  lora_modules, fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer,
+  uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils (get_target_module_name,
+  get_stacked_multiply) and the layers' slice_lora_{a,b}_weights. Its proof: each map writes the
+  adapter with SGLang's own loader and with the plan, and refuses the plan unless they are bit-identical.
 
-Hazards and what guards them: a slot that moved (eviction, unload, memory release) or a scheduler
-that lost its plan (engine restart) -> apply is refused, the writer maps again (a full write);
-a write while requests are in flight -> refused by SGLangEngine before anything is sent; a model
-or adapter this plan does not cover (MoE, embedding/lm_head LoRA, missing k/v/up halves) -> map is
-refused with the reason, and refresh.mode=tensor is the public fallback.
-
-Errors: SGLang calls custom loaders without a try/except and an exception in a scheduler kills the
-whole process tree (a notebook kernel included), so every check raises `Refused`, which the loader
-turns into a status reply; nothing is written before all checks pass.
-
-Tied to SGLang internals verified on 0.5.17 (VERIFIED_SGLANG; `check_version` refuses others with
-the public fallback): LoRAManager (loras, lora_refs, num_pinned_loras, memory_pool, lora_modules,
-fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer,
-uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils (get_target_module_name,
-get_stacked_multiply) and the layers' slice_lora_{a,b}_weights. In this process, for every refresh
-mode: the tokenizer manager's lora_registry (an adapter's id), rid_to_state (requests in flight)
-and abort_request (an interrupted request ended early); see "SGLang internals in this process".
+The writer puts the trainer's flat adapter straight into the GPU LoRA pool the kernels read, one
+batched device copy per refresh (SGLang's public path goes through the host). `map` (once per
+adapter): the trainer lends each GPU a staging buffer (CUDA IPC) and the layout; the scheduler pins
+the adapter in a slot (never evicted, so its host copy is never reloaded over it) and runs SGLang's
+stacking (q/k/v, gate/up) and tensor-parallel slicing on tensors of *source indices*, which reduce
+to a few hundred strided blocks: the copy plan. `apply` (every refresh): a cast copy into staging,
+then the plan and the version into an engine-owned tensor in one batch of copies (a skipped or
+failed write cannot bump it), and a prefix-cache flush (the adapter keeps its id). Each rank replies
+in a GPU status buffer. A moved slot or a lost plan -> apply is refused and the writer maps again;
+what the plan does not cover (MoE, embedding/lm_head LoRA) -> map is refused with the reason. An
+exception in a scheduler kills the process tree, so every check raises `Refused`, which `handle`
+turns into a reply; nothing is written before every check passes.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import json
+import math
+import os
+import signal
+import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from ..adapters import AdapterLayout, FlatAdapter
-from .base import AdapterNotLoaded, EngineError
+from .base import AdapterAlreadyLoaded, AdapterNotLoaded, EngineError
 
-LOADER = "lorabench.engines.sglang_pool.handle"
+VERIFIED = ("0.5.17",)             # the releases every internal here was checked against
+LORA_BACKENDS = ("", "triton", "csgmv", "torch_native")   # --lora-backend's choices; '' = SGLang's default
+LOADER = "lorabench.engines.sglang_internals.handle"
 PREFIX = "lorabench-pool/"         # tensor names: PREFIX + <command>/<lora id>/<what>[/<device>]
 STATUS_BYTES = 4096
 
@@ -63,25 +75,68 @@ class Refused(ValueError):
     """The command does not fit this engine, adapter or SGLang; nothing was written."""
 
 
-VERIFIED_SGLANG = ("0.5.17",)      # the releases whose internals this module was checked against
+def installed() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
 
 
-def check_version(installed: str | None = None) -> None:
-    """Refuse an SGLang release this module was not verified on, before anything starts: its
-    internals move between releases, and a wrong write would serve a corrupt adapter."""
-    if installed is None:
-        from importlib.metadata import PackageNotFoundError, version
-        try:
-            installed = version("sglang")
-        except PackageNotFoundError:
-            return   # not installed: the engine's own check says so
-    if installed not in VERIFIED_SGLANG:
+def check_version(release: str | None = None) -> None:
+    """Refuse the in-place writer on an SGLang release it was not verified on, before anything starts:
+    its internals move between releases, and a wrong write would serve a corrupt adapter."""
+    release = release or installed()
+    if release is not None and release not in VERIFIED:
         raise EngineError(f"refresh.mode=inplace writes into SGLang's LoRA pool through internals verified on sglang "
-                          f"{', '.join(VERIFIED_SGLANG)}; this Python has sglang {installed}. Use refresh.mode=tensor "
+                          f"{', '.join(VERIFIED)}; this Python has sglang {release}. Use refresh.mode=tensor "
                           f"(public API, any release), or install the tested release: pip install 'lorabench[sglang]'")
 
 
-# === SGLang internals in this process (the engine's tokenizer manager) ===========================
+def lora_backend_known(name: str) -> bool:
+    return name in LORA_BACKENDS or installed() not in (None, *VERIFIED)
+
+
+def missing(engine) -> list[str]:
+    """The life-cycle internals this started engine lacks (each then skipped)."""
+    manager = engine.tokenizer_manager
+    found = {"tokenizer_manager._subprocess_watchdog": hasattr(manager, "_subprocess_watchdog"),
+             "tokenizer_manager.abort_request": callable(getattr(manager, "abort_request", None)),
+             "Engine.send_to_rpc": hasattr(engine, "send_to_rpc"),
+             "Engine._weight_cache_daemon_procs": hasattr(engine, "_weight_cache_daemon_procs")}
+    return [name for name, ok in found.items() if not ok]
+
+
+def release_notes(engine) -> list[str]:
+    """For every mode: [] on a verified release, else what the session tells the user about this one."""
+    release = installed()
+    if release is None or release in VERIFIED:
+        return []
+    gone = missing(engine)
+    found = f"it lacks {', '.join(gone)} (skipped)" if gone else "each is present"
+    return [f"sglang {release}: lorabench uses a few SGLang internals, verified on {', '.join(VERIFIED)} "
+            f"(engines/sglang_internals.py); {found}; refresh.mode=inplace is refused on this release"]
+
+
+def _outcome(result) -> tuple[bool, str]:
+    """Engine replies carry .success/.error_message (LoRA calls) or (success, message, ...) tuples."""
+    if isinstance(result, tuple) and len(result) >= 2 and isinstance(result[0], bool):
+        return result[0], result[1]
+    return getattr(result, "success", True), getattr(result, "error_message", "") or ""
+
+
+def check_reply(result, what: str):
+    ok, message = _outcome(result)
+    if ok:
+        return result
+    if "does not exist" in message or "not loaded" in message:
+        raise AdapterNotLoaded(f"{what}: {message}")
+    if "already loaded" in message or "already exists" in message:
+        raise AdapterAlreadyLoaded(f"{what}: {message}")
+    raise EngineError(f"{what} failed; engine says: {message}")
+
+
+# === the tokenizer manager (in this process) =======================================================
 def lora_id(engine, name: str) -> str:
     """The engine's internal id of adapter `name` (each load gets a new one)."""
     ref = engine.tokenizer_manager.lora_registry.get_all_adapters().get(name)
@@ -91,20 +146,118 @@ def lora_id(engine, name: str) -> str:
 
 
 def requests_in_flight(engine) -> bool:
-    """Requests the engine is serving now, anyone's (the tokenizer manager's open requests). Used by
-    the in-place write only, which check_version keeps to the verified release."""
+    """Requests the engine is serving now, anyone's."""
     return bool(engine.tokenizer_manager.rid_to_state)
 
 
 def abort_requests(engine) -> bool:
-    """End every request in flight early (on the engine's loop): SGLang has no public abort. On a
-    release without this method (any release may run the public refresh modes) nothing is aborted
-    and the interrupted request runs to its end; returns whether an abort was sent."""
+    """End every request in flight early (on the engine's loop); returns whether an abort was sent."""
     abort = getattr(engine.tokenizer_manager, "abort_request", None)
     if not callable(abort):
         return False
     abort(abort_all=True)
     return True
+
+
+# === the engine's processes ========================================================================
+_LIVE: weakref.WeakSet = weakref.WeakSet()   # our engines whose failed processes we watch for
+_previous_sigquit = None
+_last_shutdown = -math.inf   # time.monotonic() when an engine of ours last stopped its processes
+# while an engine's processes are being stopped, and for this long after, a SIGQUIT is from them going
+SHUTDOWN_GRACE_S = 30.0
+
+
+def note_shutdown() -> None:
+    global _last_shutdown
+    _last_shutdown = time.monotonic()
+
+
+def watch(owner) -> None:
+    """Handle SIGQUIT for `owner` (an SGLangEngine: `.engine`, `.serving`, `.children_failed(reason)`),
+    on the main thread, if it was started there."""
+    global _previous_sigquit
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGQUIT) is not _on_sigquit:
+        _previous_sigquit = signal.signal(signal.SIGQUIT, _on_sigquit)
+    _LIVE.add(owner)
+
+
+def unwatch(owner) -> None:
+    _LIVE.discard(owner)
+
+
+def _on_sigquit(signum, frame) -> None:
+    owners = [o for o in list(_LIVE) if o.serving]
+    if not owners and time.monotonic() - _last_shutdown < SHUTDOWN_GRACE_S:
+        return   # an engine of ours stopping its processes: not a failure
+    if not owners:   # not from an engine of ours: what SIGQUIT did before
+        signal.signal(signal.SIGQUIT, _previous_sigquit or signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGQUIT)
+        return
+    dead = {o: _exited(o.engine) for o in owners}
+    # a process that failed signals before it exits: if none has exited yet, it is one of these
+    for owner in [o for o, d in dead.items() if d] or owners:
+        owner.children_failed(", ".join(dead[owner]) or "a scheduler or detokenizer process signalled a failure")
+
+
+def _processes(engine) -> list:
+    """The engine's scheduler and detokenizer processes and theirs (psutil, which SGLang requires)."""
+    import psutil
+    found = []
+    for pid in engine.get_all_child_pids():
+        try:
+            proc = psutil.Process(pid)
+            found += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _exited(engine) -> list[str]:
+    """Those of the engine's processes that have exited, as 'process N exited (...)'."""
+    exited = []
+    for pid in engine.get_all_child_pids():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            exited.append(f"process {pid} exited")
+            continue
+        if fields[0] == "Z":   # field 52 of stat: the exit status, as waitpid reports it
+            status = int(fields[49]) if len(fields) > 49 else 0
+            how = f"killed by signal {status & 0x7F}" if status & 0x7F else f"exit code {status >> 8}"
+            exited.append(f"process {pid} exited ({how})")
+    return exited
+
+
+def shut_down(engine) -> None:
+    """Stop the engine's own processes and wait for them (their GPU memory is back on return)."""
+    import psutil
+    atexit.unregister(engine.shutdown)   # at exit it would kill every child, and it keeps the engine alive
+    watchdog = getattr(engine.tokenizer_manager, "_subprocess_watchdog", None)
+    if watchdog is not None:
+        watchdog.stop()     # first: a watchdog that sees its processes go signals a failure
+    rpc = getattr(engine, "send_to_rpc", None)
+    if rpc is not None:
+        rpc.close(linger=0)
+        engine.send_to_rpc = None
+    daemons = getattr(engine, "_weight_cache_daemon_procs", None)
+    if daemons:
+        engine._terminate_weight_cache_daemons(daemons)
+        engine._weight_cache_daemon_procs = []
+    processes = _processes(engine)
+    stop_processes(engine, processes)
+    psutil.wait_procs(processes, timeout=60)
+
+
+def stop_processes(engine, processes=None) -> None:
+    """SIGKILL what is left of the engine's processes."""
+    import psutil
+    for proc in _processes(engine) if processes is None else processes:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue
 
 
 # === the trainer's side ==========================================================================
@@ -118,7 +271,7 @@ class _Mapping:
 
 
 class PoolWriter:
-    """One per SGLangEngine: maps adapters into the engine's pool and applies new values."""
+    """One per SGLangEngine, made at its first in-place write: maps adapters into its pool, applies new values."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -200,7 +353,7 @@ class PoolWriter:
         t0 = time.perf_counter()
         result = self.engine.engine.update_weights_from_tensor(named, load_format=LOADER, flush_cache=flush_cache)
         t1 = time.perf_counter()
-        ok, message = (result if isinstance(result, tuple) else (result.success, result.error_message))[:2]
+        ok, message = _outcome(result)
         if not ok:
             raise EngineError(f"in-place {command} of adapter id {mapping.lora_id} failed; engine says: {message}")
         replies = [read_status(s) for s in mapping.status.values()]

@@ -1,0 +1,12 @@
+"""SGLang's own calls on a running SGLangEngine, for benchmarks and GPU tests that time or poke
+SGLang itself (not part of the product, which calls the Engine only through SGLangEngine)."""
+from __future__ import annotations
+
+
+def call_sglang(engine, fn):
+    """fn(sglang_engine) on the SGLangEngine's own thread, where SGLang's sync methods must run (its
+    loop lives there); an interrupted caller aborts the request, as the engine's own calls do."""
+    from lorabench.engines.base import EngineError
+    if engine._thread is None:
+        raise EngineError("call_sglang: the engine is closed; open a new one")
+    return engine._thread.call(lambda: fn(engine.engine), on_interrupt=engine._abort)
