@@ -59,8 +59,8 @@ from .policy import Policy
 from .refresh import RefreshRecord
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, rollout_request, rollouts_of, score
-from .rundir import METRICS, ROLLOUTS, SYNC
-from .runlog import BEHIND, NullRunLog, behind_adapter
+from .rundir import BEHIND, METRICS, ROLLOUTS, SYNC
+from .runlog import NullRunLog
 from .settings import ALLOWED, REFUSED, ConfigError, Section, check, setting
 
 _DATA = "it defines the data stream: which problems each step draws"
@@ -570,9 +570,11 @@ class GRPOTrainer:
         the next step is sampled from the adapter one version behind, as the run that wrote the
         checkpoint went on; a checkpoint that holds none (written before lorabench kept it) makes that
         one step on-policy."""
-        behind = behind_adapter(state, adapter) if self.settings.max_staleness else None
+        # laid out as adapter_buffer: read_checkpoint checked it with every *_buffer field (checkpoint_problem)
+        behind = state.get(BEHIND) if self.settings.max_staleness else None
         self.policy.load(state, adapter)
-        self._behind = behind.to(self.device) if behind is not None else None   # beside the policy's adapters
+        self._behind = None if behind is None else FlatAdapter(behind, adapter.layout, adapter.config,
+                                                               adapter.version - 1).to(self.device)
         if self.settings.max_staleness and behind is None:
             self.log(f"note: the checkpoint of step {adapter.version} holds no adapter one version behind (written "
                      f"before lorabench kept it): step {adapter.version + 1} is sampled on-policy (adapter/lag 0), "

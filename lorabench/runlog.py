@@ -37,7 +37,6 @@ import torch
 from .adapters import AdapterLayout, FlatAdapter
 from .rundir import (
     ADAPTERS,
-    BEHIND,
     CHECKPOINT,
     CHECKPOINT_DIR,
     CONFIG,
@@ -284,21 +283,6 @@ class RunLog(_Settled):
         for name, png in images.items():
             self.sub[PLOTS].write_atomic(f"{name}.png", png, mode=0o640)
         return [self.dir / PLOTS / f"{name}.png" for name in images]
-
-
-def behind_adapter(state: dict, adapter: FlatAdapter) -> FlatAdapter | None:
-    """The checkpoint's adapter one version behind `adapter` (what a grpo.max_staleness run samples the
-    next step from), laid out as `adapter`; None if the checkpoint holds none."""
-    buffer = state.get(BEHIND)
-    if buffer is None:
-        return None
-    expected = (adapter.buffer.shape, adapter.buffer.dtype)
-    if not isinstance(buffer, torch.Tensor) or (buffer.shape, buffer.dtype) != expected:
-        shown = f"{tuple(buffer.shape)}, {buffer.dtype}" if isinstance(buffer, torch.Tensor) else type(buffer).__name__
-        raise RunDirError(f"{CHECKPOINT}: {BEHIND} is ({shown}), not a buffer like adapter_buffer "
-                          f"({tuple(adapter.buffer.shape)}, {adapter.buffer.dtype}); the checkpoint is damaged: "
-                          f"restore it from a backup, or start a new run")
-    return FlatAdapter(buffer, adapter.layout, adapter.config, adapter.version - 1)
 
 
 class NullRunLog(_Settled):
