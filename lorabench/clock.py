@@ -35,13 +35,6 @@ class Clock:
         self.parts[part] = self.parts.get(part, 0.0) + seconds
         self.start -= seconds
 
-    def skip(self) -> None:
-        """The time since the last lap went to no part of this clock (a policy group's other policies):
-        out of the total too."""
-        now = synced_time()
-        self.start += now - self.last
-        self.last = now
-
     @property
     def total(self) -> float:
         return self.last - self.start

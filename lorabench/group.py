@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 
 from .clock import synced_time
 from .engines.base import generate_each
-from .grpo import TrainedElsewhere
-from .policy import UpdateDiverged, train_together
 from .rollout import rollouts_of
 from .settings import ConfigError, closest, path_component_problem, unique_keys
 
@@ -193,58 +191,25 @@ class PolicyGroup:
 
     def step(self, names=None) -> dict:
         """One GRPO step of each policy in `names` (default: all): {name: StepRecord}. The requests
-        go out as one engine batch and the updates are made as one (policy.train_together); then
-        each policy publishes, refreshes and commits its own. A failure in the update rolls every
-        policy back; one in a policy's refresh or commit rolls back that policy and those after it
-        (the policies before it keep their step; `run` evens them out). `current` names the policy."""
+        go out as one batch; a policy's step that fails is rolled back (its trainer says so) and
+        raised at once: the policies after it have not taken this step (`run` evens them out)."""
         names = list(self.trainers) if names is None else list(names)
-        trainers = [self.trainers[name] for name in names]
-        with contextlib.ExitStack() as held:
-            asked = []
-            for name, trainer in zip(names, trainers):
-                self.current = name
-                held.enter_context(trainer.stepping())
-                asked.append(trainer.rollout_request())
-            self.current = None   # the shared batch: a failure there is no one policy's
-            t0 = synced_time()
-            completions = generate_each(self.engine, [request for _, request in asked])
-            rollout_s = synced_time() - t0
-            prepared = []
-            for name, trainer, (problems, request), done in zip(names, trainers, asked, completions):
-                self.current = name
-                rollouts = rollouts_of(self.engine, trainer.tokenizer, problems, request, done)
-                prepared.append(trainer.prepare(rollouts, rollout_s))
-            saved = [trainer.policy.snapshot() for trainer in trainers]
-            stats, train_s = self._train(names, trainers, prepared, saved)
-            records = {}
-            for i, (name, trainer) in enumerate(zip(names, trainers)):
-                self.current = name
-                try:
-                    records[name] = trainer.finish(prepared[i], TrainedElsewhere(stats[i], train_s, saved[i]))
-                except BaseException:   # its own step is rolled back (finish); those after it were trained too
-                    for later, state in zip(trainers[i + 1:], saved[i + 1:]):
-                        later.policy.restore(state)
-                    raise
+        asked = {}
+        for name in names:
+            self.current = name
+            asked[name] = self.trainers[name].rollout_request()
+        self.current = None   # the shared batch: a failure there is no one policy's
+        t0 = synced_time()
+        completions = generate_each(self.engine, [request for _, request in asked.values()])
+        rollout_s = synced_time() - t0
+        records = {}
+        for name, (problems, request), done in zip(names, asked.values(), completions):
+            self.current = name
+            trainer = self.trainers[name]
+            rollouts = rollouts_of(self.engine, trainer.tokenizer, problems, request, done)
+            records[name] = trainer.step(rollouts, rollout_s)
         self.current = None
         return records
-
-    def _train(self, names, trainers, prepared, saved) -> tuple[list[dict], float]:
-        """Every policy's update at once; on a failure all go back to `saved`."""
-        self.current = None
-        t0 = synced_time()
-        try:
-            with trainers[0]._engine_memory_released():   # the engine is shared: released once
-                stats = train_together([(t.policy, p.batch, t.settings) for t, p in zip(trainers, prepared)])
-        except BaseException as err:
-            for trainer, state in zip(trainers, saved):
-                trainer.policy.restore(state)
-                trainer._engine_stale = True   # the memory's release may have lost an adapter: re-sent first
-            if isinstance(err, UpdateDiverged):
-                self.current = names[err.member]
-            err.add_note(f"lorabench: GRPO step {prepared[0].step} was rolled back for every policy of the group "
-                         f"(adapters and optimizers unchanged); `lorabench resume` continues from the last checkpoints")
-            raise
-        return stats, synced_time() - t0
 
     def run(self, n: int | None = None, progress: bool = True) -> list[dict]:
         """Steps until `n` more have run (default: until every policy reaches its grpo.steps)."""

@@ -196,24 +196,6 @@ class StepRecord:
     samples: list[dict] = field(default_factory=list)   # every completion: prompt index, text, reward, advantage
 
 
-@dataclass
-class PreparedStep:
-    """A step up to its update (GRPOTrainer.prepare)."""
-    step: int
-    clock: StepClock
-    rollouts: Rollouts
-    batch: RolloutBatch
-    reward_means: dict[str, float]
-
-
-@dataclass
-class TrainedElsewhere:
-    """A step's update made by the caller (a policy group trains its policies at once)."""
-    stats: dict[str, float]   # Policy.train's
-    seconds: float            # the shared update's wall time
-    saved: tuple              # Policy.snapshot() from before it: what a failed step goes back to
-
-
 class StepInProgress(RuntimeError):
     """step() was called while another thread's step() runs on the same trainer."""
 
@@ -306,12 +288,6 @@ class GRPOTrainer:
         commit may still be written when this returns (wait_committed). `rollouts`: this step's,
         sampled by the caller for the problems of `rollout_request()` in `rollout_s` seconds (a policy
         group sends its policies' requests as one engine batch); checked like the trainer's own."""
-        with self.stepping():
-            return self.finish(self.prepare(rollouts, rollout_s))
-
-    @contextlib.contextmanager
-    def stepping(self):
-        """While one step of this trainer is under way: none in another thread, none after a failed commit."""
         self._raise_if_commit_failed(wait=False)
         if self._uncommitted:
             raise TrainerStopped(self._uncommitted)
@@ -319,7 +295,7 @@ class GRPOTrainer:
             raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
                                  f"Run N?); Stop it or wait for it (panel.wait()), then step again")
         try:
-            yield
+            return self._step(rollouts, rollout_s)
         finally:
             self._stepping.release()
 
@@ -353,8 +329,7 @@ class GRPOTrainer:
         completions, served = generate_served(self.engine, request.prompt_ids, request.sampling, request.adapter)
         return rollouts_of(self.engine, self.tokenizer, problems, request, completions, served)
 
-    def prepare(self, rollouts: Rollouts | None, rollout_s: float) -> PreparedStep:
-        """The step up to its update: its rollouts (sampled, or `rollouts` checked), rewards, batch."""
+    def _step(self, rollouts: Rollouts | None, rollout_s: float) -> StepRecord:
         g, step, clock = self.settings, self.policy.version + 1, StepClock()
         self.clock = clock   # the step under way: its parts so far (a step panel shows which one runs)
         if rollouts is None:
@@ -371,31 +346,18 @@ class GRPOTrainer:
         rewards, reward_means = score(rollouts, self.rewards)
         batch = collate(rollouts, rewards, self.tokenizer.pad_token_id)
         clock.lap("reward")
-        return PreparedStep(step, clock, rollouts, batch, reward_means)
-
-    def finish(self, prepared: PreparedStep, trained: TrainedElsewhere | None = None) -> StepRecord:
-        """The update (or `trained`: the policy group's, of all its policies at once), the adapter
-        published and refreshed, the probe, the commit; all or nothing (_whole_step)."""
-        g, step, clock, rollouts, batch = (self.settings, prepared.step, prepared.clock, prepared.rollouts,
-                                           prepared.batch)
         with contextlib.ExitStack() as committing:
-            with self._whole_step(step, trained.saved if trained else None):
-                if trained is None:
-                    with self._engine_memory_released():
-                        stats = self.policy.train(batch, g)
-                    clock.lap("train")
-                else:
-                    stats = trained.stats
-                    clock.skip()   # the other policies' part of the step
-                    clock.add("train", trained.seconds)
+            with self._whole_step(step):
+                with self._engine_memory_released():
+                    stats = self.policy.train(batch, g)
+                clock.lap("train")
                 if self._ahead is not None:   # sampled from this adapter whatever the timing: the refresh waits
                     wait_interruptibly(self._ahead[1].exception)
                     clock.lap("rollout_wait")
                 adapter = self.policy.adapter()
                 refresh = self.refresher.refresh(adapter)
                 clock.lap("refresh")
-                metrics = step_metrics(step, rollouts, batch, stats, prepared.reward_means, refresh,
-                                       adapter.delta_norm())
+                metrics = step_metrics(step, rollouts, batch, stats, reward_means, refresh, adapter.delta_norm())
                 if g.max_staleness:   # how many updates the sampling adapter lagged; the loss's weights
                     metrics.update({"adapter/lag": step - 1 - rollouts.served_version,
                                     "train/is_weight_mean": stats["is_weight_mean"],
@@ -465,11 +427,10 @@ class GRPOTrainer:
                                f"was trained on these rollouts")
 
     @contextlib.contextmanager
-    def _whole_step(self, step: int, saved: tuple | None = None):
+    def _whole_step(self, step: int):
         """The update, the refresh and the probe happen whole or not at all: a failure or an
-        interrupt (Ctrl-C, Kernel -> Interrupt) rolls the policy back (to `saved`, taken before an
-        update made elsewhere)."""
-        saved = saved or self.policy.snapshot()
+        interrupt (Ctrl-C, Kernel -> Interrupt) rolls the policy back."""
+        saved = self.policy.snapshot()
         try:
             yield
         except BaseException as err:

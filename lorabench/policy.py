@@ -81,7 +81,6 @@ class UpdateDiverged(AdapterError):
 
     def __init__(self, message: str, override: str = "", past_bound: str = ""):
         super().__init__(message)
-        self.member = 0   # which policy of train_together's members
         self.override = override
         self.past_bound = past_bound   # the override that continues without the bound, where that can work
 
@@ -187,7 +186,59 @@ class Policy:
         """`grpo.epochs` optimizer steps on `batch` in micro-batches of at most `grpo.micro_batch_tokens`
         padded tokens; returns loss statistics, the trainer-vs-engine log-prob mismatch, and the
         metrics of the policy that sampled the batch (`Diagnostics`: entropy, KL to the base)."""
-        return train_together([(self, batch, grpo)])[0]
+        # compiled layers compile again when a micro-batch's width turns from a multiple of 8 to not
+        # (inductor guards on alignment): widths stay multiples
+        multiple = COMPILED_WIDTH_MULTIPLE if self.compile == "all" else 1
+        batch = batch.to(self.device).padded_to_multiple(multiple)
+        micro = token_budget_batches([round_up(n, multiple) for n in batch.lengths], grpo.micro_batch_tokens)
+        old_logp = torch.zeros_like(batch.engine_logprobs)          # [N, L-1] π_old: before the update
+        stale = grpo.max_staleness > 0                              # sampled by an older adapter: weighted
+        is_weight = torch.ones_like(batch.engine_logprobs) if stale else None   # [N, L-1] min(π_old/π_sample, C)
+        stats = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "tokens": 0}
+        diagnostics = Diagnostics()
+        self._activate()
+        self.model.train()
+        for epoch in range(grpo.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for index in micro:
+                part = batch.rows(index, multiple)
+                mask = self._layer_mask(part)
+                logp, entropy = self._logprobs(part, mask, grpo, with_entropy=epoch == 0)
+                width = logp.shape[1]
+                if epoch == 0:
+                    old_logp[index, :width] = logp.detach()
+                    if stale:
+                        weight = torch.exp(logp.detach() - part.engine_logprobs).clamp(max=grpo.tis_cap)
+                        is_weight[index, :width] = weight * part.completion_mask
+                ref = self._reference_logprobs(part, mask, grpo.temperature) if grpo.kl_beta > 0 else None
+                if epoch == 0:   # the policy that sampled the batch
+                    if ref is None and grpo.kl_metric:
+                        ref = self._reference_logprobs(part, mask, grpo.temperature)
+                    diagnostics.add(logp.detach(), entropy, ref, part.completion_mask)
+                loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
+                                    grpo.clip_eps, ref, grpo.kl_beta,
+                                    is_weight[index, :width] if stale else None)
+                share = len(index) / batch.size
+                if loss.requires_grad:   # not when no completion in the micro-batch has a token
+                    (loss * share).backward()                       # micro-batches sum to the batch mean
+                stats["loss"] += loss.item() * share / grpo.epochs
+                stats["clip_fraction"] += m["clip_fraction"] * share / grpo.epochs
+                stats["kl"] += m.get("kl", 0.0) * share / grpo.epochs
+                stats["tokens"] += int(part.attention_mask.sum())
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, grpo.max_grad_norm))
+            self.last_stats = dict(stats)
+            if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+                self.lora_layers.snapshot(self.version)   # non-finite weights already? it names the tensor
+                raise _diverged_loss(self.version + 1, stats, grpo)   # before a NaN reaches the weights
+            self.optimizer.step()
+        self.model.eval()
+        self.version += 1
+        if stale:
+            tokens = batch.completion_mask.bool()
+            stats["is_weight_mean"] = is_weight[tokens].mean().item() if tokens.any() else float("nan")
+            stats["is_truncated_fraction"] = (torch.exp(old_logp - batch.engine_logprobs)[tokens] > grpo.tis_cap
+                                              ).float().mean().item() if tokens.any() else float("nan")
+        return {**stats, **mismatch(old_logp, batch), **diagnostics.means()}
 
     def _activate(self) -> None:
         """This policy's adapter is the one the shared model's forward applies (a policy group)."""
@@ -277,159 +328,6 @@ class Policy:
                 f"serve it; nothing was changed. {_lower_lr(self.grpo)} (adapters/step_<n> hold earlier adapters)"
                 + (f", or resume without the bound ({past}) if an adapter this large is intended" if past else ""),
                 _lr_override(self.grpo), past)
-
-
-def train_together(members: list[tuple[Policy, RolloutBatch, object]]) -> list[dict[str, float]]:
-    """One GRPO update of each (policy, batch, grpo settings) of `members`, which share one model (a
-    policy group; Policy.train is the case of one). All rows go into shared micro-batches: the frozen
-    base runs once for every policy's rows, each row under its own policy's adapter
-    (`_each_row_its_adapter`), while each policy keeps its own loss, gradient, clipping and optimizer:
-    the update each policy would get alone, to float rounding (tests/test_group.py). A non-finite loss
-    or gradient raises UpdateDiverged before any optimizer of that epoch steps; `.member` is its index.
-    Under grpo.compile=all the policies train one after the other: a hook inside a compiled layer
-    would compile it again for every new split of the rows."""
-    first, _, grpo = members[0]   # grpo: the fields policies share (micro-batches, temperature, staleness)
-    if len(members) > 1 and first.compile == "all":
-        results = []
-        for k, member in enumerate(members):
-            try:
-                results.append(train_together([member])[0])
-            except UpdateDiverged as err:
-                err.member = k
-                raise
-        return results
-    # compiled layers compile again when a micro-batch's width turns from a multiple of 8 to not
-    # (inductor guards on alignment): widths stay multiples
-    multiple = COMPILED_WIDTH_MULTIPLE if first.compile == "all" else 1
-    batches = [b.to(first.device).padded_to_multiple(multiple) for _, b, _ in members]
-    joined = batches[0] if len(batches) == 1 else RolloutBatch.cat(batches)
-    owner = [k for k, b in enumerate(batches) for _ in range(b.size)]              # [N] each row's member
-    micro = token_budget_batches([round_up(n, multiple) for n in joined.lengths], grpo.micro_batch_tokens)
-    old_logp = torch.zeros_like(joined.engine_logprobs)         # [N, L-1] π_old: before the update
-    stale = grpo.max_staleness > 0                              # sampled by an older adapter: weighted
-    is_weight = torch.ones_like(joined.engine_logprobs) if stale else None   # [N, L-1] min(π_old/π_sample, C)
-    stats = [{"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "tokens": 0} for _ in members]
-    diagnostics = [Diagnostics() for _ in members]
-    if len(members) == 1:
-        first._activate()
-    first.model.train()
-    for epoch in range(max(g.epochs for _, _, g in members)):
-        active = [k for k, (_, _, g) in enumerate(members) if epoch < g.epochs]
-        for k in active:
-            members[k][0].optimizer.zero_grad(set_to_none=True)
-        for index in micro:
-            index = sorted((i for i in index if owner[i] in active), key=owner.__getitem__)   # stable: by member
-            if not index:
-                continue
-            part = joined.rows(index, multiple)
-            mask = first._layer_mask(part)
-            spans = _spans([owner[i] for i in index])
-            wants_ref = [members[k][2].kl_beta > 0 or (epoch == 0 and grpo.kl_metric) for k, _, _ in spans]
-            ref = first._reference_logprobs(part, mask, grpo.temperature) if any(wants_ref) else None
-            routed = (_each_row_its_adapter(first.model, [(members[k][0], a, b) for k, a, b in spans])
-                      if len(members) > 1 else contextlib.nullcontext())
-            with routed:   # around backward too: a checkpointed layer's recompute runs the hooks again
-                logp, entropy = first._logprobs(part, mask, grpo, with_entropy=epoch == 0)
-                width = logp.shape[1]
-                if epoch == 0:
-                    old_logp[index, :width] = logp.detach()
-                    if stale:
-                        weight = torch.exp(logp.detach() - part.engine_logprobs).clamp(max=grpo.tis_cap)
-                        is_weight[index, :width] = weight * part.completion_mask
-                total = None
-                for (k, start, stop), own_ref in zip(spans, wants_ref):
-                    _, batch, g = members[k]
-                    rows, idx = slice(start, stop), index[start:stop]
-                    ref_k = ref[rows] if own_ref else None
-                    if epoch == 0:   # the policy that sampled the batch
-                        diagnostics[k].add(logp[rows].detach(), entropy[rows], ref_k, part.completion_mask[rows])
-                    loss, m = grpo_loss(logp[rows], old_logp[idx, :width], part.advantages[rows],
-                                        part.completion_mask[rows], g.clip_eps, ref_k, g.kl_beta,
-                                        is_weight[idx, :width] if stale else None)
-                    share = (stop - start) / batch.size
-                    if loss.requires_grad:   # not when no completion of these rows has a token
-                        total = loss * share if total is None else total + loss * share   # sums to the batch mean
-                    s = stats[k]
-                    s["loss"] += loss.item() * share / g.epochs
-                    s["clip_fraction"] += m["clip_fraction"] * share / g.epochs
-                    s["kl"] += m.get("kl", 0.0) * share / g.epochs
-                    s["tokens"] += int(part.attention_mask[rows].sum())
-                if total is not None:
-                    total.backward()
-        for k in active:   # every member checked before any steps: a failure leaves them all as they were
-            policy, _, g = members[k]
-            s = stats[k]
-            s["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.params, g.max_grad_norm))
-            policy.last_stats = dict(s)
-            if not (math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"])):
-                policy.lora_layers.snapshot(policy.version)   # non-finite weights already? it names the tensor
-                err = _diverged_loss(policy.version + 1, s, g)
-                err.member = k
-                raise err
-        for k in active:
-            members[k][0].optimizer.step()
-    first.model.eval()
-    results, start = [], 0
-    for k, ((policy, _, _), batch) in enumerate(zip(members, batches)):
-        policy.version += 1
-        rows = slice(start, start + batch.size)
-        start += batch.size
-        own_old = old_logp[rows, :batch.engine_logprobs.shape[1]]   # [n, L_k-1]
-        s = stats[k]
-        if stale:
-            tokens = batch.completion_mask.bool()
-            own_weight = is_weight[rows, :batch.engine_logprobs.shape[1]]
-            s["is_weight_mean"] = own_weight[tokens].mean().item() if tokens.any() else float("nan")
-            s["is_truncated_fraction"] = (torch.exp(own_old - batch.engine_logprobs)[tokens] > grpo.tis_cap
-                                          ).float().mean().item() if tokens.any() else float("nan")
-        results.append({**s, **mismatch(own_old, batch), **diagnostics[k].means()})
-    return results
-
-
-def _spans(owners: list[int]) -> list[tuple[int, int, int]]:
-    """[(member, start, stop)]: the runs of equal members in `owners` (sorted), as row ranges."""
-    spans = []
-    for i, k in enumerate(owners):
-        if spans and spans[-1][0] == k:
-            spans[-1] = (k, spans[-1][1], i + 1)
-        else:
-            spans.append((k, i, i + 1))
-    return spans
-
-
-@contextlib.contextmanager
-def _each_row_its_adapter(model, spans: list[tuple[Policy, int, int]]):
-    """In each forward (and a checkpointed layer's recompute in backward) inside, every LoRA layer adds
-    to rows [start, stop) the delta of that policy's adapter only, (alpha/r)·B·A·x: PEFT's own LoRA
-    path is off (disable_adapter(), which also freezes every adapter: they are made trainable again
-    here) and a forward hook adds the deltas. PEFT's mixed-adapter batches (`adapter_names=`) do the
-    same with index lists, for inference only; row ranges are views."""
-    layers = [m for m in model.modules() if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)]
-    names = [(policy.adapter_name, start, stop) for policy, start, stop in spans]
-
-    def add_deltas(layer, args, output):
-        x, deltas = args[0], []
-        for name, start, stop in names:
-            if name not in layer.lora_A:   # this policy does not adapt the module (lora.target_modules)
-                deltas.append(output.new_zeros(output[start:stop].shape))
-                continue
-            a = layer.lora_A[name]
-            part = x[start:stop]
-            if getattr(layer, "cast_input_dtype_enabled", True):   # as PEFT: off under bf16 autocast
-                part = part.to(a.weight.dtype)
-            deltas.append(layer.lora_B[name](a(layer.lora_dropout[name](part))) * layer.scaling[name])
-        return output + torch.cat(deltas).to(output.dtype)
-
-    with model.disable_adapter():
-        for policy, _, _ in spans:
-            for p in policy.params:
-                p.requires_grad_(True)
-        hooks = [layer.register_forward_hook(add_deltas) for layer in layers]
-        try:
-            yield
-        finally:
-            for hook in hooks:
-                hook.remove()
 
 
 # The largest ratio after which the divergence message offers to continue without the bound: a

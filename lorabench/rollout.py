@@ -74,26 +74,15 @@ class RolloutBatch:
                             self.rewards[idx], self.advantages[idx])
 
     def padded_to_multiple(self, multiple: int) -> RolloutBatch:
-        """This batch with masked columns added on the right until L is a multiple of `multiple`."""
-        return self.padded_to(round_up(self.input_ids.shape[1], multiple))
-
-    def padded_to(self, width: int) -> RolloutBatch:
-        """This batch with masked columns added on the right up to L = `width` (token 0 there: no mask,
-        no loss and no log-prob ever looks at it)."""
-        extra = width - self.input_ids.shape[1]
+        """This batch with masked columns added on the right until L is a multiple of `multiple`
+        (token 0 there: no mask, no loss and no log-prob ever looks at it)."""
+        extra = -self.input_ids.shape[1] % multiple
         if extra == 0:
             return self
         def pad(t):
             return torch.nn.functional.pad(t, (0, extra))
         return RolloutBatch(pad(self.input_ids), pad(self.attention_mask), pad(self.completion_mask),
                             pad(self.engine_logprobs), self.rewards, self.advantages)
-
-    @staticmethod
-    def cat(batches: list[RolloutBatch]) -> RolloutBatch:
-        """The rows of `batches` one after the other, padded to the widest (a policy group's joint update)."""
-        width = max(b.input_ids.shape[1] for b in batches)
-        padded = [b.padded_to(width) for b in batches]
-        return RolloutBatch(**{f.name: torch.cat([getattr(b, f.name) for b in padded]) for f in fields(RolloutBatch)})
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -410,22 +410,21 @@ def test_the_group_panel_steps_every_policy_and_shows_them_side_by_side(tiny_mod
 
 
 def test_a_step_interrupted_in_one_policy_rolls_it_back_and_the_group_evens_out(tiny_model_dir, tmp_path):
-    """Ctrl-C (Kernel -> Interrupt) during one policy's refresh, after the shared update: that policy's
-    step is rolled back, the policy before it keeps its step, and `run` brings every policy to
-    grpo.steps with each step in its run dir exactly once."""
+    """Ctrl-C (Kernel -> Interrupt) during one policy's update: that policy's step is rolled back,
+    the policies before it keep theirs, and `run` brings every policy to grpo.steps with each step
+    in its run dir exactly once."""
     group = GroupSession.open(group_cfg(tiny_model_dir, tmp_path, "g", *SMALL, "grpo.steps=3"), **QUIET)
     try:
         second = group.trainer.trainers["r8"]
-        refresh = second.refresher.refresh
+        train = second.policy.train
 
         def interrupted(*args, **kwargs):
-            second.refresher.refresh = refresh        # once
+            second.policy.train = train        # once
             raise KeyboardInterrupt
-        second.refresher.refresh = interrupted
+        second.policy.train = interrupted
         with pytest.raises(KeyboardInterrupt):
             group.trainer.step()
         assert {n: t.step_count for n, t in group.trainer.trainers.items()} == {"r2": 1, "r8": 0}
-        assert group.trainer.current == "r8"
         group.trainer.run(progress=False)
         assert {n: t.step_count for n, t in group.trainer.trainers.items()} == {"r2": 3, "r8": 3}
     finally:
@@ -434,105 +433,3 @@ def test_a_step_interrupted_in_one_policy_rolls_it_back_and_the_group_evens_out(
         rows = read_jsonl(tmp_path / "g" / name / "metrics.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3]
         assert [r["adapter/served_version"] for r in rows] == [0, 1, 2]
-
-
-def test_an_interrupt_in_the_shared_update_rolls_every_policy_back(tiny_model_dir, tmp_path, monkeypatch):
-    """Ctrl-C during the one update of all policies (after the first policy's optimizer stepped): no
-    policy has taken the step, nothing is committed, and the next step is step 1 for both."""
-    import lorabench.group as group_module
-    group = GroupSession.open(group_cfg(tiny_model_dir, tmp_path, "g", *SMALL, "grpo.steps=2"), **QUIET)
-    try:
-        before = {n: t.policy.lora_layers.snapshot().buffer for n, t in group.trainer.trainers.items()}
-        together = group_module.train_together
-
-        def interrupted(members):
-            monkeypatch.setattr(group_module, "train_together", together)   # once
-            members[0][0].train(members[0][1], members[0][2])               # one policy's weights moved
-            raise KeyboardInterrupt
-        monkeypatch.setattr(group_module, "train_together", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            group.trainer.step()
-        trainers = group.trainer.trainers
-        assert {n: t.step_count for n, t in trainers.items()} == {"r2": 0, "r8": 0}
-        assert all(torch.equal(t.policy.lora_layers.snapshot().buffer, before[n]) for n, t in trainers.items())
-        assert all(not (tmp_path / "g" / n / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "g" / n /
-                   "metrics.jsonl") for n in trainers)
-        group.trainer.run(progress=False)
-    finally:
-        group.close()
-    for name in ("r2", "r8"):
-        assert [r["step"] for r in read_jsonl(tmp_path / "g" / name / "metrics.jsonl")] == [1, 2]
-
-
-def _perturbed(policy, seed: int) -> None:
-    """This policy's lora_B away from 0 (PEFT's init), the same values alone or beside others."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, owner in zip(policy.lora_layers.layout.names, policy.lora_layers.owners):
-            if "lora_B" in name:
-                owner.weight.add_(torch.randn(owner.weight.shape, generator=gen) * 0.2)
-
-
-@pytest.mark.parametrize("budget", [200, 4096])   # micro-batches mixing both policies' rows; one for all
-def test_one_update_of_all_policies_equals_each_policy_trained_alone(tiny_model_dir, tokenizer, budget):
-    """policy.train_together on one shared model (each row under its own adapter, the base run once
-    per micro-batch for all rows) gives each policy the update it gets alone on a model of its own:
-    other ranks, target modules, learning rates, clip, KL weight and epochs. The adapters are drawn
-    apart first, so a row served by another policy's adapter changes the result."""
-    from lorabench.data import Problem
-    from lorabench.engines.base import Sampling
-    from lorabench.engines.hf import HFEngine
-    from lorabench.policy import Policy, train_together
-    from lorabench.rollout import collate, sample
-
-    def settings(*extra):
-        cfg = Config.load(overrides=[f"grpo.micro_batch_tokens={budget}", "grpo.max_delta_ratio=0", *extra])
-        return cfg.lora, cfg.grpo
-    specs = {"a": settings("lora.r=2", "lora.alpha=4", "grpo.lr=0.01", "grpo.kl_beta=0.5"),
-             "b": settings("lora.r=4", "lora.alpha=8", 'lora.target_modules=["q_proj","v_proj"]', "grpo.lr=0.03",
-                           "grpo.clip_eps=0.1", "grpo.epochs=2")}
-    engine = HFEngine(str(tiny_model_dir), device="cpu", dtype="float32")
-    try:
-        batches = {}
-        for seed, (name, question) in enumerate([("a", "Tom has 3 apples and 4 more. How many?"),
-                                                 ("b", "A box holds 12 eggs; 5 break. How many are left?")]):
-            rollouts = sample(engine, tokenizer, [Problem(question, "#### 7", "7")], 4,
-                              Sampling(10, 1.0, 1.0, seed=seed), None)
-            batches[name] = collate(rollouts, torch.tensor([len(t) / 40.0 for t in rollouts.texts]),
-                                    tokenizer.pad_token_id)
-    finally:
-        engine.close()
-
-    def build(shared: bool) -> dict:
-        made = {}
-        for seed, (name, (lora, grpo)) in enumerate(specs.items()):
-            beside = next(iter(made.values())) if shared and made else None
-            made[name] = Policy(str(tiny_model_dir), lora, grpo, "float32", "cpu", adapter_name=name,
-                                init_seed=seed, beside=beside)
-            _perturbed(made[name], seed + 7)
-        return made
-
-    def counted(policies) -> list:
-        calls = []
-        for policy in policies:
-            policy.model.get_base_model().get_input_embeddings().register_forward_hook(lambda *a: calls.append(1))
-        return calls
-    alone = build(shared=False)
-    alone_calls = counted(alone.values())
-    alone_stats = {name: alone[name].train(batches[name], specs[name][1]) for name in specs}
-    together = build(shared=True)
-    start = {name: policy.lora_layers.snapshot().buffer for name, policy in together.items()}
-    calls = counted([together["a"]])   # b's model is a's
-    together_stats = dict(zip(specs, train_together([(together[n], batches[n], specs[n][1]) for n in specs])))
-    for name in specs:
-        mine, theirs = together[name].lora_layers.snapshot(), alone[name].lora_layers.snapshot()
-        assert mine.layout == theirs.layout and together[name].version == alone[name].version == 1
-        # to Adam's rounding: its first step is ~lr·sign(g), which float noise flips for a g near 0
-        assert (mine.buffer - theirs.buffer).abs().max() < 0.02 * specs[name][1].lr, name
-        assert not torch.allclose(mine.buffer, start[name]), name   # the update moved it
-        for key in ("loss", "grad_norm", "kl", "clip_fraction", "tokens", "entropy", "mismatch_mean"):
-            assert together_stats[name][key] == pytest.approx(alone_stats[name][key], rel=1e-5, abs=1e-7), (name, key)
-        assert (together_stats[name]["kl_to_base"] is None) == (alone_stats[name]["kl_to_base"] is None)
-    assert together_stats["a"]["kl"] > 0 and together_stats["b"]["kl"] == 0.0
-    if budget == 4096:   # one forward for both policies' rows (and a's KL reference), then b's second epoch
-        assert (len(calls), len(alone_calls)) == (3, 4)
