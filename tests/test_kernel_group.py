@@ -2,10 +2,14 @@
 (kernel_scenario.Kernel): the notebook's cells up to the panel, then Run N clicked as a widget comm
 message with the kernel left idle, and Kernel -> Interrupt (interrupt_request) while the panel
 steps every policy: it stops after the step in progress, each policy's run dir holds whole steps,
-and the kernel goes on (the group steps again, the session closes)."""
+and the kernel goes on (the group steps again, the session closes). The CPU test runs it with the
+hf engine; the GPU test with SGLang (what it saw goes to $LORABENCH_GPU_OUT)."""
 from __future__ import annotations
 
 import json
+import os
+import time
+from pathlib import Path
 
 import pytest
 from kernel_scenario import Kernel, Panel, kernel_env
@@ -23,7 +27,34 @@ def notebook_cells(values: dict) -> list[str]:
 
 
 def test_group_panel_with_the_kernel_idle_and_an_interrupt(tmp_path):
-    values = {**SMALL["04_which_rank"], "RUN_ROOT": str(tmp_path / "runs")}
+    group_panel_scenario(tmp_path, {})
+
+
+@pytest.mark.gpu
+def test_group_panel_with_the_kernel_idle_and_an_interrupt_sglang(tmp_path):
+    import importlib.util
+
+    import torch
+    if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
+        pytest.skip("needs a CUDA GPU and sglang (run dev/gpu_session.sh tests on the GPU machine)")
+    # the offline GPU stack lacks FlashInfer/FA3/xgrammar (a full install needs none of these)
+    stack = ["engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
+             "engine.sglang.grammar_backend=none", "engine.sglang.dtype=bfloat16",
+             "engine.sglang.mem_fraction_static=0.3"]
+    t0, seen = time.monotonic(), {"passed": False}
+    try:
+        seen.update(group_panel_scenario(tmp_path, {"ENGINE": "sglang", "OVERRIDES": stack}))
+        seen["passed"] = True
+    finally:
+        seen.update(seconds=round(time.monotonic() - t0, 1), gpu=torch.cuda.get_device_name(),
+                    commit=os.environ.get("LORABENCH_COMMIT", ""), date=time.strftime("%Y-%m-%d %H:%M"))
+        out = Path(os.environ.get("LORABENCH_GPU_OUT", "gpu_results"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernel_group_sglang.json").write_text(json.dumps(seen, indent=1, default=str))
+
+
+def group_panel_scenario(tmp_path, engine_values: dict) -> dict:
+    values = {**SMALL["04_which_rank"], "RUN_ROOT": str(tmp_path / "runs"), **engine_values}
     kernel = Kernel(NOTEBOOK_DIR, kernel_env(write_kernelspec(tmp_path / "jupyter")))
     try:
         for source in notebook_cells(values):
@@ -53,6 +84,8 @@ def test_group_panel_with_the_kernel_idle_and_an_interrupt(tmp_path):
         assert again["status"] == "ok", again
         closed = kernel.run("session.close()")
         assert closed["status"] == "ok", closed
-        print(json.dumps({"stopped_at": stopped_at, "rows": {n: len(r) for n, r in rows.items()}}))
+        seen = {"stopped_at": stopped_at, "rows": {n: len(r) for n, r in rows.items()}}
+        print(json.dumps(seen))
+        return seen
     finally:
         kernel.close()
