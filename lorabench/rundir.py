@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import AdapterError, AdapterLayout
+from .adapters import LORA_DTYPE, AdapterError, AdapterLayout
 from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow, write_failure
 
 # The run dir's layout: each name is written down here only; the other modules use these.
@@ -181,7 +181,8 @@ def checkpoint_problem(state) -> str | None:
     """The first field of a checkpoint that resume could not use, as "field 'X' ... (why)", or None.
     Every field is checked by what it must be for the policy that wrote it, not against a closed
     list: a field this lorabench does not know is kept, and any field named *_buffer is an adapter
-    buffer (the layout's size, adapter_buffer's dtype, finite) or, but for adapter_buffer, None."""
+    buffer (the layout's size, the policy's adapter dtype LORA_DTYPE, finite) or, but for adapter_buffer,
+    None. Only what needs the policy is left to it (Policy.load: its layout, its optimizer's order)."""
     if not isinstance(state, dict):
         return f"it holds {type(state).__name__}, not the dict of fields a checkpoint is"
     missing = [k for k in _CHECKPOINT_KEYS if k not in state]
@@ -195,16 +196,10 @@ def checkpoint_problem(state) -> str | None:
     except AdapterError as err:
         return f"field 'adapter_layout': {err}"
     found = (_layout_problem(layout, state["adapter_config"]) or _rng_problem(state["torch_rng"])
-             or _optimizer_problem(state["optimizer"], layout) or _rows_problem(state["rows"])
+             or optimizer_problem(state["optimizer"], layout) or _rows_problem(state["rows"])
              or _fingerprint_problem(state.get("fingerprint", {})))
-    if found:
-        return found
-    dtype = state["adapter_buffer"].dtype if isinstance(state["adapter_buffer"], torch.Tensor) else None
-    for key in [k for k in state if k.endswith("_buffer") and (k == "adapter_buffer" or state[k] is not None)]:
-        found = _buffer_problem(key, state[key], layout, dtype)
-        if found:
-            return found
-    return None
+    buffers = [k for k in state if k.endswith("_buffer") and (k == "adapter_buffer" or state[k] is not None)]
+    return found or next(filter(None, (_buffer_problem(k, state[k], layout) for k in buffers)), None)
 
 
 def _shown(value) -> str:
@@ -229,11 +224,12 @@ def _layout_problem(layout: AdapterLayout, config) -> str | None:
     return None
 
 
-def _buffer_problem(key: str, buffer, layout: AdapterLayout, dtype) -> str | None:
+def _buffer_problem(key: str, buffer, layout: AdapterLayout) -> str | None:
     if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != layout.numel:
         return f"field {key!r} is {_shown(buffer)}; the adapter layout needs one dimension of {layout.numel:,}"
-    if not buffer.is_floating_point() or (dtype is not None and buffer.dtype != dtype):
-        return f"field {key!r} is {_shown(buffer)}, not the adapter's floating dtype ({dtype})"
+    if buffer.dtype != LORA_DTYPE:   # a wider dtype could hold values the policy's cannot
+        return (f"field {key!r} is {_shown(buffer)}, not the dtype of the policy's adapter "
+                f"({str(LORA_DTYPE).removeprefix('torch.')})")
     if not bool(torch.isfinite(buffer).all()):
         return f"field {key!r} holds NaN/Inf: that adapter diverged"
     return None
@@ -248,24 +244,34 @@ def _rng_problem(rng) -> str | None:
     return None
 
 
-def _optimizer_problem(optimizer, layout: AdapterLayout) -> str | None:
-    """AdamW's state_dict over the adapter's tensors: one param group holding each of them once, and
-    moments of the layout's shapes (which tensor is which is checked once the policy exists)."""
+def optimizer_problem(optimizer, layout: AdapterLayout) -> str | None:
+    """AdamW's state_dict over the adapter's tensors: one param group holding each of them once, by
+    position and by name (`param_names`, the layout's names), and per tensor a step count and finite
+    moments of that tensor's shape. Without names (an older lorabench's checkpoint) a moment must have
+    one of the layout's shapes here; Policy.load names them in its order and checks them again."""
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     moments = optimizer.get("state") if isinstance(optimizer, dict) else None
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or not isinstance(moments, dict):
-        return f"field 'optimizer' is {_shown(optimizer)}, not an optimizer state_dict"
-    params = [p for g in groups for p in (g.get("params") if isinstance(g.get("params"), list) else [None])]
+    if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], dict) or not isinstance(
+            moments, dict):
+        return f"field 'optimizer' is {_shown(optimizer)}, not the state_dict of an optimizer of one param group"
+    params, names = groups[0].get("params"), groups[0].get("param_names")
+    params = params if isinstance(params, list) else [params]
     if sorted(map(str, params)) != sorted(map(str, range(len(layout.names)))):
         return (f"field 'optimizer' holds parameters {params[:8]}{' ...' if len(params) > 8 else ''}, not the "
                 f"adapter's {len(layout.names)} tensors")
-    shapes = set(layout.shapes)
+    if names is not None and (not isinstance(names, list) or sorted(names, key=str) != sorted(layout.names)):
+        return f"field 'optimizer' names its parameters {_shown(names)}, not the adapter's tensors"
+    shapes = dict(zip(layout.names, layout.shapes))
     for index, entry in moments.items():
+        whose = names[params.index(index)] if names and index in params else None
         tensors = entry.items() if isinstance(entry, dict) else [("state", entry)]
         for name, value in tensors:
-            if index not in params or not _is_moment(name, value, shapes):
-                return (f"field 'optimizer' has state {index} {name!r} = {_shown(value)}, not a moment of an adapter "
-                        f"tensor")
+            if index not in params or not _is_moment(name, value, {shapes[whose]} if whose else set(layout.shapes)):
+                return (f"field 'optimizer' has state {index} {name!r} = {_shown(value)}, not a moment of "
+                        f"{f'{whose} {list(shapes[whose])}' if whose else 'an adapter tensor'}")
+            if name != "step" and not bool(torch.isfinite(value).all()):
+                return (f"field 'optimizer' has state {index} {name!r} holding NaN/Inf: every update from it would "
+                        f"be NaN")
     return None
 
 

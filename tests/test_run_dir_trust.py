@@ -351,19 +351,6 @@ def test_checkpoint_holding_a_diverged_adapter_is_not_served(run_dir, capsys):
     assert "grpo.max_delta_ratio" in line and tree_state(run_dir) == before
 
 
-def test_checkpoint_with_non_finite_optimizer_state_isrefused(run_dir, capsys):
-    """NaN in the Adam moments makes every later update NaN: refused on resume, naming it."""
-    path = run_dir / "checkpoint" / "trainer_state.pt"
-    state = torch.load(path, weights_only=True)
-    moments = next(iter(state["optimizer"]["state"].values()))
-    moments["exp_avg_sq"][0] = float("nan")
-    torch.save(state, path)
-    before = tree_state(run_dir)
-    line = refused(capsys, "resume", run_dir)
-    assert "the checkpoint (step 2) holds NaN/Inf in its optimizer state" in line and "exp_avg_sq" in line
-    assert tree_state(run_dir) == before
-
-
 # --- 3. resume proves what it continues ------------------------------------------------------------------
 def _edit_config(run_dir: Path, section: str, key: str, value) -> None:
     cfg = json.loads((run_dir / "config.json").read_text())
