@@ -21,9 +21,9 @@ anything is written, any entry lorabench would open that is a link, of another k
 or (if changed in place) a file with a second name.
 
 `RunLock`: one writer per run dir, an fcntl.flock on RUN/lock, which holds the writer's PID while
-it runs (emptied on a clean exit); a lock left by a killed writer is free again (the kernel drops
-a dead process's flock) and is reclaimed with a note. Local filesystems only (flock on NFS is
-emulated and not relied on here).
+it runs (emptied on a clean exit, put back as it was found by a refusal); a lock left by a killed
+writer is free again (the kernel drops a dead process's flock) and is reclaimed with a note. Local
+filesystems only (flock on NFS is emulated and not relied on here).
 """
 from __future__ import annotations
 
@@ -538,23 +538,29 @@ class RunLock:
     """Held by the one process writing a run dir; `release()` (or the process's death) frees it. The
     lock file is opened without following a link and must have one name: it is truncated. The flock
     is held on a read-only fd, and the PID written through a short-lived one, so the run keeps no
-    file open for writing between writes (a filesystem can be remounted read-only under it)."""
+    file open for writing between writes (a filesystem can be remounted read-only under it). A
+    refusal puts the file back as it was found (release(restore=True)): removed if it was not there."""
 
     def __init__(self, run_dir: Path | SafeDir, log=print, patience_s: float = 1.0):
         self.root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)
         self.path = self.root.path / LOCK_NAME
-        self.fd = self.root.open_own(LOCK_NAME, os.O_RDONLY | os.O_CREAT, 0o640)
         deadline = time.monotonic() + patience_s   # rides out another process's read-only probe
         while True:
+            existed = self.root.entry(LOCK_NAME) is not None
+            self.fd = self.root.open_own(LOCK_NAME, os.O_RDONLY | os.O_CREAT, 0o640)
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    err = _in_use(self.root.path, _lock_holder(self.fd))
-                    os.close(self.fd)
+                err = _in_use(self.root.path, _lock_holder(self.fd)) if time.monotonic() > deadline else None
+                os.close(self.fd)
+                if err:
                     raise err from None
                 time.sleep(0.05)
+                continue
+            if self._named():
+                break
+            os.close(self.fd)   # removed (a refused writer's) or replaced since it was opened: open it again
+        self.found = os.pread(self.fd, 64, 0) if existed else None   # what a refusal puts back
         previous = _lock_holder(self.fd)   # a clean exit empties the file: a PID here was killed
         if previous and previous != os.getpid():
             state = "no longer running" if not pid_alive(previous) else "no longer holding it"
@@ -562,14 +568,19 @@ class RunLock:
         try:
             self._write(f"{os.getpid()}\n".encode())
         except (OSError, RunDirError):
-            self.release()
+            self.release(restore=True)
             raise
+
+    def _named(self, fd: int | None = None) -> bool:
+        """Whether RUN/lock is (still) the file the flock is on, or the same file as `fd`."""
+        st, held = (os.fstat(fd) if fd is not None else self.root.entry(LOCK_NAME)), os.fstat(self.fd)
+        return st is not None and (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev)
 
     def _write(self, data: bytes) -> None:
         """Replace the lock file's content, through an fd of the very file the flock is on."""
         fd = self.root.open_own(LOCK_NAME, os.O_WRONLY)
         try:
-            if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) != (os.fstat(self.fd).st_ino, os.fstat(self.fd).st_dev):
+            if not self._named(fd):
                 raise RunDirError(f"{self.path} was replaced while this process held it; one writer per run dir "
                                   f"cannot be guaranteed: stop the other writer, then run the command again")
             os.ftruncate(fd, 0)
@@ -580,11 +591,16 @@ class RunLock:
         finally:
             os.close(fd)
 
-    def release(self) -> None:
+    def release(self, restore: bool = False) -> None:
+        """Emptied (a clean exit), or with `restore` (nothing else was written: a refusal) as it was found,
+        removed if it was not there: a writer waiting for it then takes the new one (__init__)."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError, RunDirError):   # a full or read-only disk must not hide why a run stopped
-            self._write(b"")
+            if not restore or self.found is not None:
+                self._write(self.found if restore else b"")
+            elif self._named():
+                os.unlink(LOCK_NAME, dir_fd=self.root.fd)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None

@@ -150,7 +150,7 @@ class RunLog(_Settled):
             self.sub = {name: self.root.sub(name, create=True, mode=0o750)  # explicit: whatever the umask is
                         for name in FOLDERS}
         except (RunDirError, OSError):
-            self.close()
+            self.close(refused=True)
             raise
 
     @classmethod
@@ -170,9 +170,11 @@ class RunLog(_Settled):
             except FileExistsError:
                 continue
 
-    def close(self) -> None:
+    def close(self, refused: bool = False) -> None:
+        """Release the lock and the folders; refused=True (a session that did not open: a refusal) puts
+        the lock file back as it was found (rundir.RunLock.release)."""
         if self._lock is not None:
-            self._lock.release()
+            self._lock.release(restore=refused)
             self._lock = None
         for folder in [*self.sub.values(), self.root]:
             folder.close()

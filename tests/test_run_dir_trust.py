@@ -338,13 +338,23 @@ def test_non_finite_loss_is_refused_before_the_optimizer(make_trainer):
     assert trainer.step_count == 0
 
 
-def test_checkpoint_holding_a_diverged_adapter_is_not_served(run_dir, capsys):
+@pytest.mark.parametrize("lock", ["empty", "absent", "a_killed_writer_s"])
+def test_checkpoint_holding_a_diverged_adapter_is_not_served(run_dir, capsys, lock):
     """A checkpoint whose adapter is far beyond the bound (written without it): resume refuses to
-    serve it instead of dying inside transformers at every attempt; the run dir is unchanged."""
+    serve it instead of dying inside transformers at every attempt; the run dir is unchanged. The
+    refusal comes once the policy is built, under the run dir's lock, which is put back as it was: a
+    lock file that was not there (deleted by hand, not copied) used to be left behind, empty, and a
+    killed writer's PID emptied."""
     path = run_dir / "checkpoint" / "trainer_state.pt"
     state = torch.load(path, weights_only=True)
     state["adapter_buffer"] = state["adapter_buffer"] + 1e15
     torch.save(state, path)
+    if lock == "absent":
+        (run_dir / "lock").unlink()
+    elif lock == "a_killed_writer_s":
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        (run_dir / "lock").write_text(f"{dead.pid}\n")
     before = tree_state(run_dir)
     line = refused(capsys, "resume", run_dir)
     assert "the checkpoint's adapter (step 2) changes" in line and "resuming would serve it" in line
