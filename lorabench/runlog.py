@@ -15,7 +15,8 @@ checkpoint (which also holds the rows it vouches for), then appends the sync and
 trainer appends the metrics rows last. Rows are flushed and fsynced as they are written. So the
 files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
 `load_checkpoint` appends them from the checkpoint and says so (after the policy has checked the
-checkpoint: until then resume writes nothing), and a due export that is missing is written again.
+checkpoint: until then resume writes nothing), and the checkpoint's export, when it is missing
+and due or there but unreadable, is written again.
 Anything else that does not fit is refused by rundir.inspect, which reads without writing; nothing
 is truncated but a torn last line.
 Every file and folder is reached through the run dir's fd without following links (safedir.py), and
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import AdapterLayout, FlatAdapter
+from .adapters import CONFIG_NAME, WEIGHTS_NAME, AdapterLayout, FlatAdapter
 from .rundir import (
     ADAPTERS,
     CHECKPOINT,
@@ -257,11 +258,17 @@ class RunLog(_Settled):
 
     def export_if_missing(self, adapter: FlatAdapter, last_step: int) -> None:
         """adapters/step_<n> of the checkpoint's adapter when that export is due and missing (deleted,
-        or lost with its disk): written again from the checkpoint, which holds the same tensors."""
+        or lost with its disk), or there but unreadable (a copy cut short): written again, atomically,
+        from the checkpoint, which holds the same tensors. The tool's own export of what the checkpoint
+        holds, so rewriting it loses nothing; a readable one is never rewritten."""
         name = adapter_dir_name(adapter.version)
-        if self.due(adapter.version, last_step)[1] and not self.sub[ADAPTERS].expect(name, "dir"):
+        if self.sub[ADAPTERS].expect(name, "dir"):
+            why = _unreadable_export(self.sub[ADAPTERS], name)
+        else:
+            why = " was missing" if self.due(adapter.version, last_step)[1] else None
+        if why:
             adapter.save_into(self.sub[ADAPTERS], name)
-            self.log(f"repair: {ADAPTERS}/{name} was missing: exported again from the checkpoint")
+            self.log(f"repair: {ADAPTERS}/{name}{why}: exported again from the checkpoint")
 
     def metrics(self) -> list[dict]:
         return scan_in(self.root, METRICS).rows
@@ -285,6 +292,23 @@ class RunLog(_Settled):
         for name, png in images.items():
             self.sub[PLOTS].write_atomic(f"{name}.png", png, mode=0o640)
         return [self.dir / PLOTS / f"{name}.png" for name in images]
+
+
+def _unreadable_export(adapters: SafeDir, name: str) -> str | None:
+    """Why the PEFT dir adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or
+    None: each file read through the run dir (a link or a FIFO is as unreadable as a torn file)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+    with adapters.sub(name) as export:
+        for file, parse in ((CONFIG_NAME, json.loads), (WEIGHTS_NAME, load)):
+            try:
+                data = export.read_bytes(file)
+                if data is None:
+                    return f" lacks {file}"
+                parse(data)
+            except (ValueError, SafetensorError) as err:   # RunDirError (a link, ...) is a ValueError
+                return f"/{file} cannot be read ({type(err).__name__}: {str(err)[:100]})"
+    return None
 
 
 class NullRunLog(_Settled):

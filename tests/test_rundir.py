@@ -538,14 +538,28 @@ def test_extending_a_finished_run(run_dir, tiny_model_dir, tmp_path, three_steps
     assert read_jsonl(run / "config_changes.jsonl")[-1]["changes"] == {"grpo.steps": [steps, 3]}
 
 
-def test_a_deleted_final_adapter_export_is_written_again(run_dir, capsys):
-    """adapters/step_2, the finished run's final export, deleted: a resume (which trains nothing) wrote
-    a summary without it; now it is exported again from the checkpoint, the same bytes."""
+@pytest.mark.parametrize("damage, said", [
+    ("deleted", "adapters/step_2 was missing"),
+    ("weights_cut_short", "adapters/step_2/adapter_model.safetensors cannot be read (SafetensorError"),
+    ("config_cut_short", "adapters/step_2/adapter_config.json cannot be read (JSONDecodeError"),
+    ("config_deleted", "adapters/step_2 lacks adapter_config.json"),
+])
+def test_a_lost_final_adapter_export_is_written_again(run_dir, capsys, damage, said):
+    """adapters/step_2, the finished run's final export, deleted or cut short (a copy interrupted): a
+    resume (which trains nothing) wrote a summary without it, or beside the torn file, no word; now it
+    is exported again from the checkpoint, which holds the same adapter: the same bytes."""
     export = run_dir / "adapters" / "step_2"
     original = {p.name: p.read_bytes() for p in export.iterdir()}
-    shutil.rmtree(export)
+    if damage == "deleted":
+        shutil.rmtree(export)
+    elif damage == "config_deleted":
+        (export / "adapter_config.json").unlink()
+    else:
+        name = "adapter_model.safetensors" if damage == "weights_cut_short" else "adapter_config.json"
+        (export / name).write_bytes(original[name][:len(original[name]) // 2])
     assert main(["resume", str(run_dir)]) == 0
-    assert "repair: adapters/step_2 was missing: exported again from the checkpoint" in capsys.readouterr().out
+    repairs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("repair: adapters/")]
+    assert len(repairs) == 1 and said in repairs[0] and repairs[0].endswith(": exported again from the checkpoint")
     assert {p.name: p.read_bytes() for p in export.iterdir()} == original
 
 
