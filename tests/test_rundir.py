@@ -563,6 +563,19 @@ def test_a_lost_final_adapter_export_is_written_again(run_dir, capsys, damage, s
     assert {p.name: p.read_bytes() for p in export.iterdir()} == original
 
 
+@pytest.mark.parametrize("every, exports", [(10, ["step_3"]), (2, ["step_2", "step_3"])])
+def test_extending_a_run_whose_final_export_was_deleted(run_dir, three_steps, every, exports):
+    """The finished run's final export (adapters/step_2) deleted, then the run extended: the extended
+    run's final export is written, the same bytes as the uninterrupted 3-step run's; step_2 is written
+    again where a 3-step run exports it (run.save_adapter_every=2), not where it does not (10)."""
+    shutil.rmtree(run_dir / "adapters" / "step_2")
+    assert main(["resume", str(run_dir), "grpo.steps=3", f"run.save_adapter_every={every}"]) == 0
+    assert sorted(os.listdir(run_dir / "adapters")) == exports
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (run_dir / "adapters" / "step_3" / name).read_bytes() == (
+            three_steps / "adapters" / "step_3" / name).read_bytes()
+
+
 @pytest.mark.parametrize("row, needle", [
     ({"step": 2, "changes": [1]}, "'changes' is [1], not the {field: [old, new]} lorabench appends"),
     ({"step": 2, "changes": {"grpo.steps": 5}}, "'changes' is {'grpo.steps': 5}, not the {field: [old, new]}"),
