@@ -43,7 +43,6 @@ from .rundir import (
     CONFIG,
     CONFIG_CHANGES,
     EVALS,
-    FOLDERS,
     METRICS,
     PLOTS,
     ROLLOUTS,
@@ -143,13 +142,11 @@ class RunLog(_Settled):
         super().__init__(settings)
         self.dir, self.log = Path(run_dir), log
         self.root = SafeDir.open(self.dir, create=True, mode=0o750)  # never world-writable (nor -readable)
-        self._lock, self.sub = None, {}
+        self._lock, self.sub = None, {}   # the folders, made when first written (_folder)
         self.fingerprint: dict | None = None
         self.committed_step = 0
         try:
             self._lock = RunLock(self.root, log) if lock else None
-            self.sub = {name: self.root.sub(name, create=True, mode=0o750)  # explicit: whatever the umask is
-                        for name in FOLDERS}
         except (RunDirError, OSError):
             self.close(refused=True)
             raise
@@ -179,6 +176,14 @@ class RunLog(_Settled):
             self._lock = None
         for folder in [*self.sub.values(), self.root]:
             folder.close()
+
+    def _folder(self, name: str) -> SafeDir:
+        """adapters/, plots/ or checkpoint/, made 0750 (explicit: whatever the umask is) when first
+        written, so a refused session makes none. The commit thread makes checkpoint/ and adapters/,
+        its caller plots/ (and adapters/ before the first commit)."""
+        if name not in self.sub:
+            self.sub[name] = self.root.sub(name, create=True, mode=0o750)
+        return self.sub[name]
 
     def write_config(self, config: dict) -> None:
         """config.json, once: a run's config is never rewritten (changes go to config_changes.jsonl)."""
@@ -219,13 +224,14 @@ class RunLog(_Settled):
         checkpoint holding the trainer state, the adapter, the pending rows and the experiment's
         fingerprint, then the sync and rollout rows. The caller appends the metrics rows after this."""
         if save_adapter:
-            adapter.save_into(self.sub[ADAPTERS], adapter_dir_name(step))
+            adapter.save_into(self._folder(ADAPTERS), adapter_dir_name(step))
         host = adapter.to("cpu")
         payload = {**state, "step": step, "adapter_buffer": host.buffer, "adapter_layout": host.layout.to_json(),
                    "adapter_config": host.config, "rows": rows}
         if self.fingerprint is not None:
             payload["fingerprint"] = self.fingerprint
-        self.sub[CHECKPOINT_DIR].write_atomic(CHECKPOINT.name, writer=lambda fh: torch.save(payload, fh), mode=0o640)
+        self._folder(CHECKPOINT_DIR).write_atomic(CHECKPOINT.name, writer=lambda fh: torch.save(payload, fh),
+                                                  mode=0o640)
         self.committed_step = step
         for name in (SYNC, ROLLOUTS):
             self._append(name, rows.get(name, []))
@@ -262,12 +268,12 @@ class RunLog(_Settled):
         from the checkpoint, which holds the same tensors. The tool's own export of what the checkpoint
         holds, so rewriting it loses nothing; a readable one is never rewritten."""
         name = adapter_dir_name(adapter.version)
-        if self.sub[ADAPTERS].expect(name, "dir"):
-            why = _unreadable_export(self.sub[ADAPTERS], name)
+        if self.root.expect(ADAPTERS, "dir") and self._folder(ADAPTERS).expect(name, "dir"):
+            why = _unreadable_export(self._folder(ADAPTERS), name)
         else:
             why = " was missing" if self.due(adapter.version, last_step)[1] else None
         if why:
-            adapter.save_into(self.sub[ADAPTERS], name)
+            adapter.save_into(self._folder(ADAPTERS), name)
             self.log(f"repair: {ADAPTERS}/{name}{why}: exported again from the checkpoint")
 
     def metrics(self) -> list[dict]:
@@ -290,7 +296,7 @@ class RunLog(_Settled):
     def save_plots(self, images: dict[str, bytes]) -> list[Path]:
         """plots/<name>.png for each rendered figure (viz.run_plot_images)."""
         for name, png in images.items():
-            self.sub[PLOTS].write_atomic(f"{name}.png", png, mode=0o640)
+            self._folder(PLOTS).write_atomic(f"{name}.png", png, mode=0o640)
         return [self.dir / PLOTS / f"{name}.png" for name in images]
 
 

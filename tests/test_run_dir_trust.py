@@ -182,6 +182,7 @@ def test_a_link_put_in_after_the_checks_is_refused_where_it_is_opened(tmp_path, 
     runlog = RunLog(tmp_path / "run", log=lambda *a: None, lock=True)
     try:
         runlog.log_metrics([{"step": 1}])
+        runlog.save_plots({"reward": b"png"})
         for name, write in (("metrics.jsonl", lambda: runlog.log_metrics([{"step": 2}])),
                             ("evals.jsonl", lambda: runlog.set_evals(0, [{"step": 0}])),
                             ("summary.json", lambda: runlog.write_summary({"steps": 2})),
@@ -338,23 +339,26 @@ def test_non_finite_loss_is_refused_before_the_optimizer(make_trainer):
     assert trainer.step_count == 0
 
 
-@pytest.mark.parametrize("lock", ["empty", "absent", "a_killed_writer_s"])
-def test_checkpoint_holding_a_diverged_adapter_is_not_served(run_dir, capsys, lock):
+@pytest.mark.parametrize("found", ["empty", "absent", "a_killed_writer_s", "no_plots_or_adapters"])
+def test_checkpoint_holding_a_diverged_adapter_is_not_served(run_dir, capsys, found):
     """A checkpoint whose adapter is far beyond the bound (written without it): resume refuses to
     serve it instead of dying inside transformers at every attempt; the run dir is unchanged. The
     refusal comes once the policy is built, under the run dir's lock, which is put back as it was: a
-    lock file that was not there (deleted by hand, not copied) used to be left behind, empty, and a
-    killed writer's PID emptied."""
+    lock file that was not there (deleted by hand, not copied) used to be left behind, empty, a
+    killed writer's PID emptied, and plots/ and adapters/ made where a copy had left them out."""
     path = run_dir / "checkpoint" / "trainer_state.pt"
     state = torch.load(path, weights_only=True)
     state["adapter_buffer"] = state["adapter_buffer"] + 1e15
     torch.save(state, path)
-    if lock == "absent":
+    if found == "absent":
         (run_dir / "lock").unlink()
-    elif lock == "a_killed_writer_s":
+    elif found == "a_killed_writer_s":
         dead = subprocess.Popen(["true"])
         dead.wait()
         (run_dir / "lock").write_text(f"{dead.pid}\n")
+    elif found == "no_plots_or_adapters":
+        shutil.rmtree(run_dir / "plots")
+        shutil.rmtree(run_dir / "adapters")
     before = tree_state(run_dir)
     line = refused(capsys, "resume", run_dir)
     assert "the checkpoint's adapter (step 2) changes" in line and "resuming would serve it" in line
