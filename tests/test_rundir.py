@@ -543,6 +543,7 @@ def test_extending_a_finished_run(run_dir, tiny_model_dir, tmp_path, three_steps
     ("weights_cut_short", "adapters/step_2/adapter_model.safetensors cannot be read (SafetensorError"),
     ("config_cut_short", "adapters/step_2/adapter_config.json cannot be read (JSONDecodeError"),
     ("config_deleted", "adapters/step_2 lacks adapter_config.json"),
+    ("weights_a_link", "adapters/step_2/adapter_model.safetensors cannot be read (RunDirError"),
 ])
 def test_a_lost_final_adapter_export_is_written_again(run_dir, capsys, damage, said):
     """adapters/step_2, the finished run's final export, deleted or cut short (a copy interrupted): a
@@ -554,6 +555,11 @@ def test_a_lost_final_adapter_export_is_written_again(run_dir, capsys, damage, s
         shutil.rmtree(export)
     elif damage == "config_deleted":
         (export / "adapter_config.json").unlink()
+    elif damage == "weights_a_link":   # to a file outside, which is neither read nor changed
+        outside = run_dir.parent / "elsewhere.safetensors"
+        outside.write_bytes(b"not mine")
+        (export / "adapter_model.safetensors").unlink()
+        (export / "adapter_model.safetensors").symlink_to(outside)
     else:
         name = "adapter_model.safetensors" if damage == "weights_cut_short" else "adapter_config.json"
         (export / name).write_bytes(original[name][:len(original[name]) // 2])
@@ -561,6 +567,7 @@ def test_a_lost_final_adapter_export_is_written_again(run_dir, capsys, damage, s
     repairs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("repair: adapters/")]
     assert len(repairs) == 1 and said in repairs[0] and repairs[0].endswith(": exported again from the checkpoint")
     assert {p.name: p.read_bytes() for p in export.iterdir()} == original
+    assert damage != "weights_a_link" or outside.read_bytes() == b"not mine"
 
 
 @pytest.mark.parametrize("every, exports", [(10, ["step_3"]), (2, ["step_2", "step_3"])])
