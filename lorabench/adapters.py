@@ -30,6 +30,10 @@ from .safedir import atomic_dir, write_new_file
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# The dtype of a trained adapter, whatever model.dtype: PEFT keeps LoRA weights in float32
+# (autocast_adapter_dtype), the policy's flat buffer is made in it (policy.LoraLayers), and a
+# checkpoint's adapter must be it (rundir.checkpoint_problem, before the model is built).
+LORA_DTYPE = torch.float32
 
 
 class AdapterError(ValueError):

@@ -25,6 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .adapters import (
+    LORA_DTYPE,
     PEFT_PREFIX,
     AdapterError,
     AdapterLayout,
@@ -38,6 +39,7 @@ from .adapters import (
 from .loss import causal_padding_mask, grpo_loss, token_budget_batches, token_logprobs, token_logprobs_and_entropy
 from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch, round_up
+from .rundir import optimizer_problem
 from .settings import REFUSED, ConfigError, Section, check, setting
 
 COMPILED_WIDTH_MULTIPLE = 8   # micro-batch widths under grpo.compile=all (Policy.train)
@@ -115,11 +117,12 @@ class Policy:
         elif grpo.activation_checkpointing:
             _enable_activation_checkpointing(self.model)
         self.layout = self.lora_layers.layout
-        own = {id(owner.weight) for owner in self.lora_layers.owners}
+        own = {id(owner.weight): name for name, owner in zip(self.layout.names, self.lora_layers.owners)}
         for owner in self.lora_layers.owners:
             owner.weight.requires_grad_(True)
         self.params = [p for p in self.model.parameters() if id(p) in own]   # this adapter's, in model order
-        self.optimizer = torch.optim.AdamW(self.params, lr=grpo.lr, weight_decay=0.0)
+        self.param_names = [own[id(p)] for p in self.params]   # in the checkpoint: whose each moment is
+        self.optimizer = torch.optim.AdamW(list(zip(self.param_names, self.params)), lr=grpo.lr, weight_decay=0.0)
         self.version = 0
         self.grpo = grpo
         self.last_stats: dict[str, float] = {}
@@ -304,16 +307,21 @@ class Policy:
 
     @torch.no_grad()
     def load(self, state: dict, adapter: FlatAdapter) -> None:
-        """Resume: the adapter's values and version (the checkpoint's step), the optimizer and RNG state."""
+        """Resume: the adapter's values and version (the checkpoint's step), the optimizer and RNG state.
+        The checkpoint was checked as it stands (rundir.checkpoint_problem); here what only the policy
+        can tell: its layout, and whose each moment is (torch loads them by position)."""
         if adapter.layout != self.layout:
             raise AdapterError("the checkpoint's adapter has other tensors or shapes than this policy (a different "
                                "lora.r, target modules or base model); resume with the run's own config")
-        if adapter.buffer.dtype != self.params[0].dtype:   # a wider dtype could hold values this one cannot
-            raise AdapterError(f"the checkpoint's field 'adapter_buffer' is {adapter.buffer.dtype}, but this "
-                               f"policy's adapter is {self.params[0].dtype}; nothing was changed. Restore "
-                               f"checkpoint/trainer_state.pt from a backup, or start a new run")
-        _refuse_misshapen_moments(state["optimizer"], self.params)
-        _refuse_non_finite_moments(state["optimizer"], adapter.version)
+        group = state["optimizer"]["param_groups"][0]
+        if "param_names" not in group:   # an older lorabench's checkpoint, in this policy's order
+            group["param_names"] = self.param_names
+            problem = optimizer_problem(state["optimizer"], self.layout)
+            if problem:
+                raise AdapterError(f"the checkpoint's {problem}; {_RESTORE}")
+        if group["param_names"] != self.param_names:
+            raise AdapterError(f"the checkpoint's field 'optimizer' names its parameters in another order than this "
+                               f"policy (its moments would be loaded onto other tensors); {_RESTORE}")
         for owner, value in zip(self.lora_layers.owners, adapter.tensors.values()):
             owner.weight.copy_(value.to(owner.weight.device, owner.weight.dtype))
         self.optimizer.load_state_dict(state["optimizer"])
@@ -329,6 +337,8 @@ class Policy:
                 + (f", or resume without the bound ({past}) if an adapter this large is intended" if past else ""),
                 _lr_override(self.grpo), past)
 
+
+_RESTORE = "nothing was changed. Restore checkpoint/trainer_state.pt from a backup, or start a new run"
 
 # The largest ratio after which the divergence message offers to continue without the bound: a
 # change of up to ten times a layer's weight may be intended (at grpo.lr=0.05 the tiny model's ratio
@@ -354,30 +364,6 @@ def _lr_override(grpo) -> str:
 
 def _lower_lr(grpo) -> str:
     return f"Lower grpo.lr (now {grpo.lr:g}; e.g. {_lr_override(grpo)}) in a new run"
-
-
-def _refuse_misshapen_moments(optimizer_state: dict, params: list[torch.Tensor]) -> None:
-    """Each Adam moment must have its parameter's shape: load_state_dict does not check it, and the
-    first update from a misshapen one fails mid-step."""
-    order = [p for group in optimizer_state["param_groups"] for p in group["params"]]
-    for index, moments in optimizer_state["state"].items():
-        param = params[order.index(index)]
-        for key, value in moments.items():
-            if key != "step" and tuple(value.shape) != tuple(param.shape):
-                raise AdapterError(f"the checkpoint's field 'optimizer' holds {key} of parameter {index} with shape "
-                                   f"{list(value.shape)}, but that parameter of this policy has shape "
-                                   f"{list(param.shape)}; nothing was changed. Restore checkpoint/trainer_state.pt "
-                                   f"from a backup, or start a new run")
-
-
-def _refuse_non_finite_moments(optimizer_state: dict, step: int) -> None:
-    """NaN/Inf in the checkpoint's Adam moments would make every later update NaN."""
-    for index, moments in optimizer_state.get("state", {}).items():
-        for key, value in moments.items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise UpdateDiverged(f"the checkpoint (step {step}) holds NaN/Inf in its optimizer state (parameter "
-                                     f"{index}, {key}): every update from it would be NaN; nothing was changed. "
-                                     f"Start a new run (adapters/step_<n> hold the trained adapters)")
 
 
 def _diverged_loss(step: int, stats: dict, grpo) -> UpdateDiverged:
@@ -550,7 +536,7 @@ class LoraLayers:
     @torch.no_grad()
     def _flatten(self) -> torch.Tensor:
         weights = [owner.weight for owner in self.owners]
-        buffer = self.layout.flatten({n: w.detach() for n, w in zip(self.layout.names, weights)})
+        buffer = self.layout.flatten({n: w.detach() for n, w in zip(self.layout.names, weights)}).to(LORA_DTYPE)
         for owner, weight, view in zip(self.owners, weights, self.layout.views(buffer).values()):
             owner.weight = torch.nn.Parameter(view, requires_grad=weight.requires_grad)
         return buffer

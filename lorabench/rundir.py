@@ -21,9 +21,9 @@ anything is written, any entry lorabench would open that is a link, of another k
 or (if changed in place) a file with a second name.
 
 `RunLock`: one writer per run dir, an fcntl.flock on RUN/lock, which holds the writer's PID while
-it runs (emptied on a clean exit); a lock left by a killed writer is free again (the kernel drops
-a dead process's flock) and is reclaimed with a note. Local filesystems only (flock on NFS is
-emulated and not relied on here).
+it runs (emptied on a clean exit, put back as it was found by a refusal); a lock left by a killed
+writer is free again (the kernel drops a dead process's flock) and is reclaimed with a note. Local
+filesystems only (flock on NFS is emulated and not relied on here).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import AdapterError, AdapterLayout
+from .adapters import LORA_DTYPE, AdapterError, AdapterLayout
 from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow, write_failure
 
 # The run dir's layout: each name is written down here only; the other modules use these.
@@ -181,7 +181,8 @@ def checkpoint_problem(state) -> str | None:
     """The first field of a checkpoint that resume could not use, as "field 'X' ... (why)", or None.
     Every field is checked by what it must be for the policy that wrote it, not against a closed
     list: a field this lorabench does not know is kept, and any field named *_buffer is an adapter
-    buffer (the layout's size, adapter_buffer's dtype, finite) or, but for adapter_buffer, None."""
+    buffer (the layout's size, the policy's adapter dtype LORA_DTYPE, finite) or, but for adapter_buffer,
+    None. Only what needs the policy is left to it (Policy.load: its layout, its optimizer's order)."""
     if not isinstance(state, dict):
         return f"it holds {type(state).__name__}, not the dict of fields a checkpoint is"
     missing = [k for k in _CHECKPOINT_KEYS if k not in state]
@@ -195,16 +196,10 @@ def checkpoint_problem(state) -> str | None:
     except AdapterError as err:
         return f"field 'adapter_layout': {err}"
     found = (_layout_problem(layout, state["adapter_config"]) or _rng_problem(state["torch_rng"])
-             or _optimizer_problem(state["optimizer"], layout) or _rows_problem(state["rows"])
+             or optimizer_problem(state["optimizer"], layout) or _rows_problem(state["rows"])
              or _fingerprint_problem(state.get("fingerprint", {})))
-    if found:
-        return found
-    dtype = state["adapter_buffer"].dtype if isinstance(state["adapter_buffer"], torch.Tensor) else None
-    for key in [k for k in state if k.endswith("_buffer") and (k == "adapter_buffer" or state[k] is not None)]:
-        found = _buffer_problem(key, state[key], layout, dtype)
-        if found:
-            return found
-    return None
+    buffers = [k for k in state if k.endswith("_buffer") and (k == "adapter_buffer" or state[k] is not None)]
+    return found or next(filter(None, (_buffer_problem(k, state[k], layout) for k in buffers)), None)
 
 
 def _shown(value) -> str:
@@ -229,11 +224,12 @@ def _layout_problem(layout: AdapterLayout, config) -> str | None:
     return None
 
 
-def _buffer_problem(key: str, buffer, layout: AdapterLayout, dtype) -> str | None:
+def _buffer_problem(key: str, buffer, layout: AdapterLayout) -> str | None:
     if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != layout.numel:
         return f"field {key!r} is {_shown(buffer)}; the adapter layout needs one dimension of {layout.numel:,}"
-    if not buffer.is_floating_point() or (dtype is not None and buffer.dtype != dtype):
-        return f"field {key!r} is {_shown(buffer)}, not the adapter's floating dtype ({dtype})"
+    if buffer.dtype != LORA_DTYPE:   # a wider dtype could hold values the policy's cannot
+        return (f"field {key!r} is {_shown(buffer)}, not the dtype of the policy's adapter "
+                f"({str(LORA_DTYPE).removeprefix('torch.')})")
     if not bool(torch.isfinite(buffer).all()):
         return f"field {key!r} holds NaN/Inf: that adapter diverged"
     return None
@@ -248,24 +244,34 @@ def _rng_problem(rng) -> str | None:
     return None
 
 
-def _optimizer_problem(optimizer, layout: AdapterLayout) -> str | None:
-    """AdamW's state_dict over the adapter's tensors: one param group holding each of them once, and
-    moments of the layout's shapes (which tensor is which is checked once the policy exists)."""
+def optimizer_problem(optimizer, layout: AdapterLayout) -> str | None:
+    """AdamW's state_dict over the adapter's tensors: one param group holding each of them once, by
+    position and by name (`param_names`, the layout's names), and per tensor a step count and finite
+    moments of that tensor's shape. Without names (an older lorabench's checkpoint) a moment must have
+    one of the layout's shapes here; Policy.load names them in its order and checks them again."""
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     moments = optimizer.get("state") if isinstance(optimizer, dict) else None
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or not isinstance(moments, dict):
-        return f"field 'optimizer' is {_shown(optimizer)}, not an optimizer state_dict"
-    params = [p for g in groups for p in (g.get("params") if isinstance(g.get("params"), list) else [None])]
+    if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], dict) or not isinstance(
+            moments, dict):
+        return f"field 'optimizer' is {_shown(optimizer)}, not the state_dict of an optimizer of one param group"
+    params, names = groups[0].get("params"), groups[0].get("param_names")
+    params = params if isinstance(params, list) else [params]
     if sorted(map(str, params)) != sorted(map(str, range(len(layout.names)))):
         return (f"field 'optimizer' holds parameters {params[:8]}{' ...' if len(params) > 8 else ''}, not the "
                 f"adapter's {len(layout.names)} tensors")
-    shapes = set(layout.shapes)
+    if names is not None and (not isinstance(names, list) or sorted(names, key=str) != sorted(layout.names)):
+        return f"field 'optimizer' names its parameters {_shown(names)}, not the adapter's tensors"
+    shapes = dict(zip(layout.names, layout.shapes))
     for index, entry in moments.items():
+        whose = names[params.index(index)] if names and index in params else None
         tensors = entry.items() if isinstance(entry, dict) else [("state", entry)]
         for name, value in tensors:
-            if index not in params or not _is_moment(name, value, shapes):
-                return (f"field 'optimizer' has state {index} {name!r} = {_shown(value)}, not a moment of an adapter "
-                        f"tensor")
+            if index not in params or not _is_moment(name, value, {shapes[whose]} if whose else set(layout.shapes)):
+                return (f"field 'optimizer' has state {index} {name!r} = {_shown(value)}, not a moment of "
+                        f"{f'{whose} {list(shapes[whose])}' if whose else 'an adapter tensor'}")
+            if name != "step" and not bool(torch.isfinite(value).all()):
+                return (f"field 'optimizer' has state {index} {name!r} holding NaN/Inf: every update from it would "
+                        f"be NaN")
     return None
 
 
@@ -532,23 +538,29 @@ class RunLock:
     """Held by the one process writing a run dir; `release()` (or the process's death) frees it. The
     lock file is opened without following a link and must have one name: it is truncated. The flock
     is held on a read-only fd, and the PID written through a short-lived one, so the run keeps no
-    file open for writing between writes (a filesystem can be remounted read-only under it)."""
+    file open for writing between writes (a filesystem can be remounted read-only under it). A
+    refusal puts the file back as it was found (release(restore=True)): removed if it was not there."""
 
     def __init__(self, run_dir: Path | SafeDir, log=print, patience_s: float = 1.0):
         self.root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)
         self.path = self.root.path / LOCK_NAME
-        self.fd = self.root.open_own(LOCK_NAME, os.O_RDONLY | os.O_CREAT, 0o640)
         deadline = time.monotonic() + patience_s   # rides out another process's read-only probe
         while True:
+            existed = self.root.entry(LOCK_NAME) is not None
+            self.fd = self.root.open_own(LOCK_NAME, os.O_RDONLY | os.O_CREAT, 0o640)
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    err = _in_use(self.root.path, _lock_holder(self.fd))
-                    os.close(self.fd)
+                err = _in_use(self.root.path, _lock_holder(self.fd)) if time.monotonic() > deadline else None
+                os.close(self.fd)
+                if err:
                     raise err from None
                 time.sleep(0.05)
+                continue
+            if self._named():
+                break
+            os.close(self.fd)   # removed (a refused writer's) or replaced since it was opened: open it again
+        self.found = os.pread(self.fd, 64, 0) if existed else None   # what a refusal puts back
         previous = _lock_holder(self.fd)   # a clean exit empties the file: a PID here was killed
         if previous and previous != os.getpid():
             state = "no longer running" if not pid_alive(previous) else "no longer holding it"
@@ -556,14 +568,19 @@ class RunLock:
         try:
             self._write(f"{os.getpid()}\n".encode())
         except (OSError, RunDirError):
-            self.release()
+            self.release(restore=True)
             raise
+
+    def _named(self, fd: int | None = None) -> bool:
+        """Whether RUN/lock is (still) the file the flock is on, or the same file as `fd`."""
+        st, held = (os.fstat(fd) if fd is not None else self.root.entry(LOCK_NAME)), os.fstat(self.fd)
+        return st is not None and (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev)
 
     def _write(self, data: bytes) -> None:
         """Replace the lock file's content, through an fd of the very file the flock is on."""
         fd = self.root.open_own(LOCK_NAME, os.O_WRONLY)
         try:
-            if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) != (os.fstat(self.fd).st_ino, os.fstat(self.fd).st_dev):
+            if not self._named(fd):
                 raise RunDirError(f"{self.path} was replaced while this process held it; one writer per run dir "
                                   f"cannot be guaranteed: stop the other writer, then run the command again")
             os.ftruncate(fd, 0)
@@ -574,11 +591,16 @@ class RunLock:
         finally:
             os.close(fd)
 
-    def release(self) -> None:
+    def release(self, restore: bool = False) -> None:
+        """Emptied (a clean exit), or with `restore` (nothing else was written: a refusal) as it was found,
+        removed if it was not there: a writer waiting for it then takes the new one (__init__)."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError, RunDirError):   # a full or read-only disk must not hide why a run stopped
-            self._write(b"")
+            if not restore or self.found is not None:
+                self._write(self.found if restore else b"")
+            elif self._named():
+                os.unlink(LOCK_NAME, dir_fd=self.root.fd)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None

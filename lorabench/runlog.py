@@ -15,7 +15,8 @@ checkpoint (which also holds the rows it vouches for), then appends the sync and
 trainer appends the metrics rows last. Rows are flushed and fsynced as they are written. So the
 files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
 `load_checkpoint` appends them from the checkpoint and says so (after the policy has checked the
-checkpoint: until then resume writes nothing), and a due export that is missing is written again.
+checkpoint: until then resume writes nothing), and the checkpoint's export, when it is missing
+and due or there but unreadable, is written again.
 Anything else that does not fit is refused by rundir.inspect, which reads without writing; nothing
 is truncated but a torn last line.
 Every file and folder is reached through the run dir's fd without following links (safedir.py), and
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import AdapterLayout, FlatAdapter
+from .adapters import CONFIG_NAME, WEIGHTS_NAME, AdapterLayout, FlatAdapter
 from .rundir import (
     ADAPTERS,
     CHECKPOINT,
@@ -42,7 +43,6 @@ from .rundir import (
     CONFIG,
     CONFIG_CHANGES,
     EVALS,
-    FOLDERS,
     METRICS,
     PLOTS,
     ROLLOUTS,
@@ -142,15 +142,13 @@ class RunLog(_Settled):
         super().__init__(settings)
         self.dir, self.log = Path(run_dir), log
         self.root = SafeDir.open(self.dir, create=True, mode=0o750)  # never world-writable (nor -readable)
-        self._lock, self.sub = None, {}
+        self._lock, self.sub = None, {}   # the folders, made when first written (_folder)
         self.fingerprint: dict | None = None
         self.committed_step = 0
         try:
             self._lock = RunLock(self.root, log) if lock else None
-            self.sub = {name: self.root.sub(name, create=True, mode=0o750)  # explicit: whatever the umask is
-                        for name in FOLDERS}
         except (RunDirError, OSError):
-            self.close()
+            self.close(refused=True)
             raise
 
     @classmethod
@@ -170,12 +168,22 @@ class RunLog(_Settled):
             except FileExistsError:
                 continue
 
-    def close(self) -> None:
+    def close(self, refused: bool = False) -> None:
+        """Release the lock and the folders; refused=True (a session that did not open: a refusal) puts
+        the lock file back as it was found (rundir.RunLock.release)."""
         if self._lock is not None:
-            self._lock.release()
+            self._lock.release(restore=refused)
             self._lock = None
         for folder in [*self.sub.values(), self.root]:
             folder.close()
+
+    def _folder(self, name: str) -> SafeDir:
+        """adapters/, plots/ or checkpoint/, made 0750 (explicit: whatever the umask is) when first
+        written, so a refused session makes none. The commit thread makes checkpoint/ and adapters/,
+        its caller plots/ (and adapters/ before the first commit)."""
+        if name not in self.sub:
+            self.sub[name] = self.root.sub(name, create=True, mode=0o750)
+        return self.sub[name]
 
     def write_config(self, config: dict) -> None:
         """config.json, once: a run's config is never rewritten (changes go to config_changes.jsonl)."""
@@ -216,13 +224,14 @@ class RunLog(_Settled):
         checkpoint holding the trainer state, the adapter, the pending rows and the experiment's
         fingerprint, then the sync and rollout rows. The caller appends the metrics rows after this."""
         if save_adapter:
-            adapter.save_into(self.sub[ADAPTERS], adapter_dir_name(step))
+            adapter.save_into(self._folder(ADAPTERS), adapter_dir_name(step))
         host = adapter.to("cpu")
         payload = {**state, "step": step, "adapter_buffer": host.buffer, "adapter_layout": host.layout.to_json(),
                    "adapter_config": host.config, "rows": rows}
         if self.fingerprint is not None:
             payload["fingerprint"] = self.fingerprint
-        self.sub[CHECKPOINT_DIR].write_atomic(CHECKPOINT.name, writer=lambda fh: torch.save(payload, fh), mode=0o640)
+        self._folder(CHECKPOINT_DIR).write_atomic(CHECKPOINT.name, writer=lambda fh: torch.save(payload, fh),
+                                                  mode=0o640)
         self.committed_step = step
         for name in (SYNC, ROLLOUTS):
             self._append(name, rows.get(name, []))
@@ -255,11 +264,17 @@ class RunLog(_Settled):
 
     def export_if_missing(self, adapter: FlatAdapter, last_step: int) -> None:
         """adapters/step_<n> of the checkpoint's adapter when that export is due and missing (deleted,
-        or lost with its disk): written again from the checkpoint, which holds the same tensors."""
+        or lost with its disk), or there but unreadable (a copy cut short): written again, atomically,
+        from the checkpoint, which holds the same tensors. The tool's own export of what the checkpoint
+        holds, so rewriting it loses nothing; a readable one is never rewritten."""
         name = adapter_dir_name(adapter.version)
-        if self.due(adapter.version, last_step)[1] and not self.sub[ADAPTERS].expect(name, "dir"):
-            adapter.save_into(self.sub[ADAPTERS], name)
-            self.log(f"repair: {ADAPTERS}/{name} was missing: exported again from the checkpoint")
+        if self.root.expect(ADAPTERS, "dir") and self._folder(ADAPTERS).expect(name, "dir"):
+            why = _unreadable_export(self._folder(ADAPTERS), name)
+        else:
+            why = " was missing" if self.due(adapter.version, last_step)[1] else None
+        if why:
+            adapter.save_into(self._folder(ADAPTERS), name)
+            self.log(f"repair: {ADAPTERS}/{name}{why}: exported again from the checkpoint")
 
     def metrics(self) -> list[dict]:
         return scan_in(self.root, METRICS).rows
@@ -281,8 +296,25 @@ class RunLog(_Settled):
     def save_plots(self, images: dict[str, bytes]) -> list[Path]:
         """plots/<name>.png for each rendered figure (viz.run_plot_images)."""
         for name, png in images.items():
-            self.sub[PLOTS].write_atomic(f"{name}.png", png, mode=0o640)
+            self._folder(PLOTS).write_atomic(f"{name}.png", png, mode=0o640)
         return [self.dir / PLOTS / f"{name}.png" for name in images]
+
+
+def _unreadable_export(adapters: SafeDir, name: str) -> str | None:
+    """Why the PEFT dir adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or
+    None: each file read through the run dir (a link or a FIFO is as unreadable as a torn file)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+    with adapters.sub(name) as export:
+        for file, parse in ((CONFIG_NAME, json.loads), (WEIGHTS_NAME, load)):
+            try:
+                data = export.read_bytes(file)
+                if data is None:
+                    return f" lacks {file}"
+                parse(data)
+            except (ValueError, SafetensorError) as err:   # RunDirError (a link, ...) is a ValueError
+                return f"/{file} cannot be read ({type(err).__name__}: {str(err)[:100]})"
+    return None
 
 
 class NullRunLog(_Settled):

@@ -6,8 +6,8 @@
 - what resume cannot match is refused, never truncated or rewritten: a corrupt middle line, a
   missing or unreadable checkpoint beside the rows of committed steps, rows past the checkpoint,
   a step logged twice;
-- every field of a checkpoint is checked before a byte is written (and all but two before the model is
-  built); a field a newer lorabench writes is kept;
+- every field of a checkpoint is checked before a byte is written or the model built (an older
+  lorabench's optimizer order once the policy is); a field a newer lorabench writes is kept;
 - the ways on: a finished run is extended from any step (zero included) and equals an uninterrupted
   run, a missing final export is written again, the commands the messages give run as pasted;
 - one writer per run dir (real processes): a second `lorabench run`/`resume` is refused naming the
@@ -236,6 +236,8 @@ def _tamper(state: dict, field: str) -> None:
         optimizer["state"][0]["step"] = torch.tensor(-3.0)
     elif field == "optimizer_moments_swapped":
         optimizer["state"][0], optimizer["state"][1] = optimizer["state"][1], optimizer["state"][0]
+    elif field == "optimizer_moment_nan":
+        optimizer["state"][0]["exp_avg_sq"][0] = float("nan")
     elif field == "optimizer_params":
         optimizer["param_groups"][0]["params"] = [0, 1]
     elif field == "optimizer_lr":
@@ -253,23 +255,30 @@ def _tamper(state: dict, field: str) -> None:
     ("torch_rng_not_bytes", "field 'torch_rng' is a float32 tensor"),
     ("adapter_buffer_short", "field 'adapter_buffer' is a float32 tensor of shape (262139,); the adapter layout needs"),
     ("adapter_buffer_nan", "field 'adapter_buffer' holds NaN/Inf"),
-    ("adapter_buffer_float64", "field 'adapter_buffer' is torch.float64, but this policy's adapter is torch.float32"),
+    ("adapter_buffer_float64", "field 'adapter_buffer' is a float64 tensor of shape (262144,), not the dtype of the "
+                               "policy's adapter (float32)"),
     ("step_text", "field 'step' is '2', not a step count"),
     ("adapter_layout_not_json", "field 'adapter_layout': adapter layout is not a JSON list"),
     ("adapter_config_rank", "not a LoRA tensor of the adapter config's rank r=8"),
     ("optimizer_moment_shape", "field 'optimizer' has state 0 'exp_avg' = a float32 tensor of shape (3, 3)"),
     ("optimizer_step_negative", "field 'optimizer' has state 0 'step' = a float32 tensor of shape ()"),
-    ("optimizer_moments_swapped", "field 'optimizer' holds exp_avg of parameter 0 with shape"),
+    ("optimizer_moments_swapped", "field 'optimizer' has state 0 'exp_avg' = a float32 tensor of shape (256, 16), "
+                                  "not a moment of base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
+    ("optimizer_moment_nan", "field 'optimizer' has state 0 'exp_avg_sq' holding NaN/Inf: every update from it"),
     ("optimizer_params", "field 'optimizer' holds parameters [0, 1], not the adapter's 56 tensors"),
     ("optimizer_lr", "field 'optimizer' applies learning rate(s) [0.5], but the run's grpo.lr is 0.001"),
     ("rows_not_a_dict", "field 'rows' is [], not the rows of its steps"),
     ("fingerprint_not_dicts", "field 'fingerprint' is {'config': 5}"),
     ("extra_buffer_short", "field 'adapter_behind_buffer' is a float32 tensor of shape (7,)"),
 ])
-def test_a_checkpoint_field_resume_cannot_use_is_refused_before_anything_is_written(run_dir, capsys, field, needle):
-    """Every field is checked before a byte is written (config_changes.jsonl was appended first, then a
-    traceback, e.g. for a cut-short RNG state); all but the two that need the policy's own tensors
-    (its dtype, which moment is whose) before the model is built."""
+def test_a_checkpoint_field_resume_cannot_use_is_refused_before_anything_is_written(run_dir, capsys, monkeypatch,
+                                                                                   field, needle):
+    """Every field is checked before a byte is written or the model built (config_changes.jsonl was appended
+    first, then a traceback, e.g. for a cut-short RNG state; the adapter's dtype and which moment is whose
+    were checked once the policy was built): the model is never resolved."""
+    def built(*args, **kwargs):
+        raise AssertionError("the model was resolved before the checkpoint was refused")
+    monkeypatch.setattr("lorabench.session.run.resolve_model", built)
     path = run_dir / "checkpoint" / "trainer_state.pt"
     state = torch.load(path, weights_only=True)
     _tamper(state, field)
@@ -277,6 +286,36 @@ def test_a_checkpoint_field_resume_cannot_use_is_refused_before_anything_is_writ
     before = dir_bytes(run_dir)
     line = refused(capsys, "resume", str(run_dir), "grpo.steps=3")
     assert needle in line and "checkpoint/trainer_state.pt" in line and "nothing" in line, line
+    assert dir_bytes(run_dir) == before
+
+
+@pytest.mark.parametrize("change, needle", [
+    ("unnamed", None),
+    ("unnamed_swapped", "the checkpoint's field 'optimizer' has state 0 'exp_avg' = a float32 tensor of shape "
+                        "(256, 16), not a moment of base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
+    ("reordered", "the checkpoint's field 'optimizer' names its parameters in another order than this policy"),
+])
+def test_a_checkpoint_of_an_older_lorabench_or_another_order(run_dir, capsys, change, needle):
+    """A checkpoint whose optimizer names no parameters (an older lorabench's) is in the policy's order:
+    resumed, its moments checked against the policy's tensors once it is built. One naming them in another
+    order (each moment fits its name) is refused there too: torch loads the moments by position."""
+    path = run_dir / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    group, moments = state["optimizer"]["param_groups"][0], state["optimizer"]["state"]
+    if change == "reordered":
+        group["param_names"][:2] = group["param_names"][1::-1]
+    else:
+        del group["param_names"]
+    if change != "unnamed":
+        moments[0], moments[1] = moments[1], moments[0]
+    torch.save(state, path)
+    if needle is None:
+        assert main(["resume", str(run_dir), "grpo.steps=3"]) == 0
+        assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+        return
+    before = dir_bytes(run_dir)
+    line = refused(capsys, "resume", str(run_dir))
+    assert needle in line and "nothing was changed" in line, line
     assert dir_bytes(run_dir) == before
 
 
@@ -499,15 +538,49 @@ def test_extending_a_finished_run(run_dir, tiny_model_dir, tmp_path, three_steps
     assert read_jsonl(run / "config_changes.jsonl")[-1]["changes"] == {"grpo.steps": [steps, 3]}
 
 
-def test_a_deleted_final_adapter_export_is_written_again(run_dir, capsys):
-    """adapters/step_2, the finished run's final export, deleted: a resume (which trains nothing) wrote
-    a summary without it; now it is exported again from the checkpoint, the same bytes."""
+@pytest.mark.parametrize("damage, said", [
+    ("deleted", "adapters/step_2 was missing"),
+    ("weights_cut_short", "adapters/step_2/adapter_model.safetensors cannot be read (SafetensorError"),
+    ("config_cut_short", "adapters/step_2/adapter_config.json cannot be read (JSONDecodeError"),
+    ("config_deleted", "adapters/step_2 lacks adapter_config.json"),
+    ("weights_a_link", "adapters/step_2/adapter_model.safetensors cannot be read (RunDirError"),
+])
+def test_a_lost_final_adapter_export_is_written_again(run_dir, capsys, damage, said):
+    """adapters/step_2, the finished run's final export, deleted or cut short (a copy interrupted): a
+    resume (which trains nothing) wrote a summary without it, or beside the torn file, no word; now it
+    is exported again from the checkpoint, which holds the same adapter: the same bytes."""
     export = run_dir / "adapters" / "step_2"
     original = {p.name: p.read_bytes() for p in export.iterdir()}
-    shutil.rmtree(export)
+    if damage == "deleted":
+        shutil.rmtree(export)
+    elif damage == "config_deleted":
+        (export / "adapter_config.json").unlink()
+    elif damage == "weights_a_link":   # to a file outside, which is neither read nor changed
+        outside = run_dir.parent / "elsewhere.safetensors"
+        outside.write_bytes(b"not mine")
+        (export / "adapter_model.safetensors").unlink()
+        (export / "adapter_model.safetensors").symlink_to(outside)
+    else:
+        name = "adapter_model.safetensors" if damage == "weights_cut_short" else "adapter_config.json"
+        (export / name).write_bytes(original[name][:len(original[name]) // 2])
     assert main(["resume", str(run_dir)]) == 0
-    assert "repair: adapters/step_2 was missing: exported again from the checkpoint" in capsys.readouterr().out
+    repairs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("repair: adapters/")]
+    assert len(repairs) == 1 and said in repairs[0] and repairs[0].endswith(": exported again from the checkpoint")
     assert {p.name: p.read_bytes() for p in export.iterdir()} == original
+    assert damage != "weights_a_link" or outside.read_bytes() == b"not mine"
+
+
+@pytest.mark.parametrize("every, exports", [(10, ["step_3"]), (2, ["step_2", "step_3"])])
+def test_extending_a_run_whose_final_export_was_deleted(run_dir, three_steps, every, exports):
+    """The finished run's final export (adapters/step_2) deleted, then the run extended: the extended
+    run's final export is written, the same bytes as the uninterrupted 3-step run's; step_2 is written
+    again where a 3-step run exports it (run.save_adapter_every=2), not where it does not (10)."""
+    shutil.rmtree(run_dir / "adapters" / "step_2")
+    assert main(["resume", str(run_dir), "grpo.steps=3", f"run.save_adapter_every={every}"]) == 0
+    assert sorted(os.listdir(run_dir / "adapters")) == exports
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (run_dir / "adapters" / "step_3" / name).read_bytes() == (
+            three_steps / "adapters" / "step_3" / name).read_bytes()
 
 
 @pytest.mark.parametrize("row, needle", [

@@ -123,7 +123,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
                 plan.record_changes(runlogs[name], log)
         except BaseException:
             for runlog in runlogs.values():
-                runlog.close()
+                runlog.close(refused=True)
             raise
         if evaluate_first:
             try:

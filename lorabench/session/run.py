@@ -67,7 +67,7 @@ class RunPlan:
         try:  # again under the lock: another writer may have finished since plan_run looked
             self.changes = check_continuation(self.run_dir, effective_config(self.run_dir), cfg, self.continued.step)
         except RunDirError:
-            runlog.close()
+            runlog.close(refused=True)
             raise
         if self.named_by_config:
             log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
@@ -81,7 +81,7 @@ class RunPlan:
         try:
             runlog.write_config(cfg.to_dict())   # refuses if another process made this run meanwhile
         except (RunDirError, OSError):
-            runlog.close()
+            runlog.close(refused=True)
             raise
         log(f"run dir: {runlog.dir}")
         return runlog
@@ -238,7 +238,7 @@ class RunSession(_SessionLifecycle):
         try:
             return cls._build(cfg, plan, runlog, model_path, model_seconds, log, evaluate_first, progress)
         except BaseException:
-            runlog.close()
+            runlog.close(refused=True)
             raise
 
     @classmethod
