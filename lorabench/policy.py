@@ -319,7 +319,7 @@ class Policy:
             problem = optimizer_problem(state["optimizer"], self.layout)
             if problem:
                 raise AdapterError(f"the checkpoint's {problem}; {_RESTORE}")
-        if group["param_names"] != self.param_names:
+        elif group["param_names"] != self.param_names:
             raise AdapterError(f"the checkpoint's field 'optimizer' names its parameters in another order than this "
                                f"policy (its moments would be loaded onto other tensors); {_RESTORE}")
         for owner, value in zip(self.lora_layers.owners, adapter.tensors.values()):
