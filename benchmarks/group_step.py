@@ -149,6 +149,7 @@ def main() -> None:
     for size in args.sizes:
         single = run_single(base, size, root / "runs", args.steps)
         result["sizes"][size] = {"single": single}
+        Path(args.out).write_text(json.dumps(result, indent=1))   # a group cut off by the limit keeps this
         for k in args.ks or [args.k]:
             group = run_group(base, k, size, root / "runs", args.steps)
             result["sizes"][size][f"group_k{k}"] = {

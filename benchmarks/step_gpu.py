@@ -38,7 +38,6 @@ from synthetic import STACK, random_qwen3_dir  # noqa: E402,F401  (STACK: the st
 
 from lorabench.clock import synced_time  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
-from lorabench.explain import restore_base_weights  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
 from lorabench.session import build_trainer, start_engine  # noqa: E402
 from lorabench.session.config import Config  # noqa: E402
@@ -111,6 +110,7 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
                decode_reference(engine, ids, t, served, logprobs=True)) for _ in range(3)]
     base, adapter, adapter_logprobs = (_median_run([r[i] for r in rounds]) for i in range(3))
     if served is None:      # merged: the engine's base weights are the policy; put the base back
+        from lorabench.explain import restore_base_weights   # here: explain needs ipywidgets (the notebook extras)
         restore_base_weights(engine, trainer.model)
     else:
         engine.unload_adapter(cfg.engine.adapter_name)

@@ -46,14 +46,17 @@ GPU_SETTING = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.promp
 def timed_steps(session, steps: int) -> dict:
     """Each step timed from outside (the commit's wait for the previous one included)."""
     walls, rows = [], []
-    t0 = time.perf_counter()
-    rows.append(session.trainer.step().metrics)
-    walls.append(time.perf_counter() - t0)
+
+    def one_step() -> None:
+        t0 = time.perf_counter()
+        rows.append(session.trainer.step().metrics)
+        walls.append(time.perf_counter() - t0)
+        print(f"step {len(walls)}: {walls[-1]:.2f} s (lag {rows[-1].get('adapter/lag', 0)})", flush=True)
+
+    one_step()
     with GpuBusy() as busy:   # steps 2..n, as the p50s
         for _ in range(steps - 1):
-            t0 = time.perf_counter()
-            rows.append(session.trainer.step().metrics)
-            walls.append(time.perf_counter() - t0)
+            one_step()
     t0 = time.perf_counter()
     session.trainer.wait_committed()
     drain = time.perf_counter() - t0
@@ -105,6 +108,7 @@ def measure(overrides: list[str], out_dir: Path, name: str, steps: int, decode: 
     cfg = Config.load(None, [*overrides, f"run.out_dir={out_dir}", f"run.name={name}"])
     t0 = time.perf_counter()
     session = RunSession.open(cfg, log=lambda *a: None)
+    print(f"{name}: opened in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         row = {"name": name, "open_s": time.perf_counter() - t0, **timed_steps(session, steps),
                "compile_caches": compile_cache_counters()}
@@ -130,12 +134,13 @@ def main() -> None:
                         help="the commit modes to run, one run each, in this order")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0],
                         help="grpo.max_staleness of the runs: each commit mode runs once per value")
+    parser.add_argument("--no-decode", action="store_true", help="skip SGLang's own decode of the batch (~20 s a run)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="step-user-"))
     if args.tiny:
         base = ["model.name_or_path=tiny"]
     else:
-        from step_gpu import STACK
+        from synthetic import STACK
         base = [*STACK, *GPU_SETTING, *qwen3_06b_run(root, args.cache, "step-bench")]
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
@@ -145,7 +150,8 @@ def main() -> None:
         for staleness in args.staleness:
             name = mode + (f"-stale{staleness}" if staleness else "")
             row = measure([*base, *args.overrides, f"run.commit_in_background={str(mode == 'background').lower()}",
-                           f"grpo.max_staleness={staleness}"], root / "runs", name, args.steps, decode=not args.tiny)
+                           f"grpo.max_staleness={staleness}"], root / "runs", name, args.steps,
+                          decode=not (args.tiny or args.no_decode))
             result["runs"].append(row)
             print(json.dumps({k: row[k] for k in ("name", "first_step_s", "step_wall_s_p50", "parts_s_p50",
                                                   "gpu_busy_percent")}), flush=True)
