@@ -11,18 +11,12 @@
     RUN_DIR/plots/*.png          figures
     RUN_DIR/lock                 the writer's PID while one runs (rundir.RunLock)
 A step is committed by its checkpoint: `commit` writes the adapter dir (when due), then the
-checkpoint (which also holds the rows it vouches for), then appends the sync and rollout rows; the
-trainer appends the metrics rows last. Rows are flushed and fsynced as they are written. So the
-files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
-`load_checkpoint` appends them from the checkpoint and says so (after the policy has checked the
-checkpoint: until then resume writes nothing), and the checkpoint's export, when it is missing
-and due or there but unreadable, is written again.
-Anything else that does not fit is refused by rundir.inspect, which reads without writing; nothing
-is truncated but a torn last line.
-Every file and folder is reached through the run dir's fd without following links (safedir.py), and
-each checkpoint records the experiment's fingerprint (fingerprint.py). The trainer may call `commit`
-and `log_metrics` from its commit thread (commits.py), one commit at a time, while its own thread
-reads and writes other files (evaluations); nothing here is shared between the two but the folders' fds.
+checkpoint (which also holds the rows it vouches for), then the sync and rollout rows; the trainer
+appends the metrics rows last, each fsynced. So a kill can only leave rows *missing*, and
+`load_checkpoint` appends them from the checkpoint (once the policy has accepted it: until then
+resume writes nothing); anything else that does not fit is refused by rundir.inspect. The commit
+thread (commits.py) may call `commit` and `log_metrics` while the trainer's thread writes other
+files; the two share nothing here but the folders' fds.
 """
 from __future__ import annotations
 
@@ -55,6 +49,7 @@ from .rundir import (
     read_jsonl,
     row_line,
     scan_in,
+    torn_note,
 )
 from .rundir import clean as _clean
 from .safedir import SafeDir
@@ -121,15 +116,11 @@ def redact(config: dict) -> dict:
 
 
 class _Settled:
-    """What RunLog and NullRunLog share: their run settings, and from them when a step is committed."""
+    """What RunLog and NullRunLog share: their run settings (settings.due: when a step is committed)."""
 
     def __init__(self, settings: RunSettings | None = None):
         self.settings = settings or RunSettings()
         self.samples_per_step = self.settings.sample_completions   # completions per step in rollouts.jsonl
-
-    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
-        """Whether step `step` of a run ending at `last_step` is checkpointed, and its adapter saved."""
-        return self.settings.due(step, last_step)
 
 
 class RunLog(_Settled):
@@ -209,8 +200,7 @@ class RunLog(_Settled):
             return
         scan = scan_in(self.root, name)
         if scan.torn:
-            self.log(f"{name}: removing a torn last line ({len(scan.tail)} bytes without a newline, cut off by "
-                     f"a kill mid-write): {scan.tail[:60]!r}")
+            self.log(torn_note(scan))
             self.root.truncate(name, scan.end)
         else:
             self.root.append(name, b"\n")
@@ -271,7 +261,7 @@ class RunLog(_Settled):
         if self.root.expect(ADAPTERS, "dir") and self._folder(ADAPTERS).expect(name, "dir"):
             why = _unreadable_export(self._folder(ADAPTERS), name)
         else:
-            why = " was missing" if self.due(adapter.version, last_step)[1] else None
+            why = " was missing" if self.settings.due(adapter.version, last_step)[1] else None
         if why:
             adapter.save_into(self._folder(ADAPTERS), name)
             self.log(f"repair: {ADAPTERS}/{name}{why}: exported again from the checkpoint")
