@@ -461,16 +461,13 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     onto it. Temps a killed writer left next to it are removed first."""
     path = Path(path)
     remove_stale_temps(path.parent, (f".{path.name}.",))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        fsync_path(Path(tmp))
-        os.chmod(tmp, mode)
+        write_new_file(tmp, data, mode=mode)
         os.replace(tmp, path)
         fsync_path(path.parent)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
