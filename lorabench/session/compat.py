@@ -109,6 +109,11 @@ def resume_config(run_dir: Path, overrides: list[str]) -> Config:
     return Config.from_dict(data, source="overrides")
 
 
+def new_run_command(run_dir: Path, *overrides: str) -> str:
+    """The command that starts a new run from this run dir's config (a refused change's way out)."""
+    return shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / CONFIG), "run.name=NEW", *overrides])
+
+
 def changes(old: Config, new: Config) -> dict[str, tuple]:
     """{field: (old, new)} for every field that differs, location fields aside."""
     before, after = flat(old), flat(new)
@@ -124,9 +129,8 @@ def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) ->
         listed = "; ".join(f"{k} {a!r} -> {b!r} ({reasons.get(k, 'not decided as safe to change')})"
                            for k, (a, b) in refused_diff.items())
         overrides = [f"{k}={json.dumps(b) if not isinstance(b, str) else b}" for k, (_, b) in refused_diff.items()]
-        command = shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / CONFIG), "run.name=NEW", *overrides])
         raise RunDirError(f"{run_dir} cannot continue with a changed {listed}; nothing was changed. Start a new run "
-                          f"for that ({command}), or continue without those overrides")
+                          f"for that ({new_run_command(run_dir, *overrides)}), or continue without those overrides")
     if "grpo.steps" in diff and diff["grpo.steps"][1] < at_step:
         raise RunDirError(f"{run_dir} is at step {at_step}; grpo.steps={diff['grpo.steps'][1]} would end it before "
                           f"that; nothing was changed. Pass grpo.steps >= {at_step}")

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 from pathlib import Path
 
 from ..rundir import RunDirError
+from .compat import new_run_command, refused
+from .config import flat
 
 WHOLE_LIMIT = 64 << 20
 SAMPLES, SAMPLE_BYTES = 16, 1 << 20
@@ -28,29 +29,24 @@ SAMPLES, SAMPLE_BYTES = 16, 1 << 20
 _NOT_MODEL = ("readme", "license", "notice", ".", "lorabench_recipe")
 
 
-def _sha256_file(path: Path, size: int) -> tuple[str, bool]:
-    """(hex digest, sampled?) of the file's bytes: whole up to WHOLE_LIMIT, else SAMPLES blocks."""
-    digest = hashlib.sha256()
+def file_fingerprint(path: Path) -> dict | None:
+    """{path, bytes, sha256[, sampled]} of an existing file, None if it is missing: the sha256 of its
+    bytes, whole up to WHOLE_LIMIT, else of SAMPLES blocks spread evenly (the first and the last included)."""
+    path = Path(path).expanduser().absolute()
+    if not path.is_file():
+        return None
+    size, digest = path.stat().st_size, hashlib.sha256()
     with open(path, "rb") as fh:
         if size <= WHOLE_LIMIT:
             for block in iter(lambda: fh.read(SAMPLE_BYTES), b""):
                 digest.update(block)
-            return digest.hexdigest(), False
-        step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
-        for k in range(SAMPLES):
-            fh.seek(k * step)
-            digest.update(fh.read(SAMPLE_BYTES))
-    return digest.hexdigest(), True
-
-
-def file_fingerprint(path: Path) -> dict | None:
-    """{path, bytes, sha256[, sampled]} of an existing file, None if it is missing."""
-    path = Path(path).expanduser().absolute()
-    if not path.is_file():
-        return None
-    size = path.stat().st_size
-    digest, sampled = _sha256_file(path, size)
-    return {"path": str(path), "bytes": size, "sha256": digest, **({"sampled": True} if sampled else {})}
+        else:
+            step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
+            for k in range(SAMPLES):
+                fh.seek(k * step)
+                digest.update(fh.read(SAMPLE_BYTES))
+    return {"path": str(path), "bytes": size, "sha256": digest.hexdigest(),
+            **({"sampled": True} if size > WHOLE_LIMIT else {})}
 
 
 def _problems_sha(problems) -> str:
@@ -88,8 +84,6 @@ def model_fingerprint(cfg, model_path: str) -> dict:
 
 
 def experiment_fingerprint(cfg, model_path: str) -> dict:
-    from .compat import refused
-    from .config import flat
     fields = flat(cfg)
     return {"config": {k: fields[k] for k in refused()}, "data": data_fingerprint(cfg),
             "model": model_fingerprint(cfg, model_path)}
@@ -97,14 +91,12 @@ def experiment_fingerprint(cfg, model_path: str) -> dict:
 
 # --- comparisons ---------------------------------------------------------------------------------------
 def _new_run_hint(run_dir: Path) -> str:
-    command = shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / "config.json"), "run.name=NEW"])
-    return f"start a new run for it ({command})"
+    return f"start a new run for it ({new_run_command(run_dir)})"
 
 
 def check_config(recorded: dict, effective, run_dir: Path, step: int) -> None:
     """The run dir's effective config (config.json + config_changes.jsonl) must be what the checkpoint
     was trained with, field by field (a hand-edited config.json is refused, not trained on)."""
-    from .config import flat
     now = flat(effective)
     for key, then in recorded.get("config", {}).items():
         if key in now and json.dumps(now[key]) != json.dumps(then):
