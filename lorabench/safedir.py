@@ -252,9 +252,7 @@ class SafeDir:
         """An fd for changing `name` in place (the lock): a regular file of one name, never a link."""
         try:
             return self.open_file(name, flags, mode, single=True)
-        except RunDirError:
-            raise
-        except OSError as err:
+        except OSError as err:   # a RunDirError (a link, ...) is a ValueError: raised as it is
             raise write_failure(self.path / name, err, self.root) from None
 
     @contextlib.contextmanager
