@@ -1,14 +1,10 @@
 """A step's commit written on one background thread while the next step runs.
 
-The commit of step n (its adapter dir, checkpoint and rows: runlog.RunLog.commit) is written in
-the same order as in line, by one thread, one commit at a time: commit n+1 starts only after n is
-written whole. So what a kill -9 can leave in the run dir is what it could leave before (a prefix
-of one commit's ordered writes), and resume repairs it the same way (docs/reliability.md); the
-trainer only gets on with step n+1 sooner. What the commit writes is copied first (`host_copy`),
-because step n+1 changes the optimizer's moments in place.
-
-A failed write is not lost: `settle` (and every later one) returns it, `submit` raises it, and the
-trainer stops (grpo.TrainerStopped), as it does when a commit in line fails.
+The commit of step n (runlog.RunLog.commit) is written by one thread in the same order as in line,
+and commit n+1 starts only after n is written whole, so a kill -9 leaves what it could leave in line
+and resume repairs it the same way. What a commit writes is copied first (`host_copy`): step n+1
+changes the optimizer's moments in place. A failed write is kept: `settle` returns it, `submit`
+raises it, and the trainer stops (grpo.TrainerStopped) as it does when a commit in line fails.
 """
 from __future__ import annotations
 

@@ -465,7 +465,7 @@ class GRPOTrainer:
         time/commit_wait_s for the commit before it, if that was still being written."""
         step = record.step
         self._pending.append(record)
-        checkpoint, save_adapter = self.runlog.due(step, self.settings.steps)
+        checkpoint, save_adapter = self.runlog.settings.due(step, self.settings.steps)
         if not checkpoint:
             self._finish_metrics(record, clock, waited=0.0)
         elif self._commits is None:

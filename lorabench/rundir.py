@@ -1,29 +1,15 @@
 """Reading a run directory back without changing it, and the one-writer lock.
 
-`inspect(run_dir)` reads everything resume depends on and either refuses, naming the file, the
-line and a way to recover, or returns the repairs that make the files agree with the checkpoint.
-It writes nothing, so a refusal leaves the run dir byte for byte as it was. What it accepts:
+`inspect(run_dir)` reads everything resume depends on and either refuses, naming the file, the line
+and a way to recover, or returns the repairs that make the files agree with the checkpoint (a torn
+last line cut off, a missing final newline added, rows the checkpoint holds appended; one adapter
+dir past the checkpoint is redone with the step). It writes nothing, so a refusal leaves the run dir
+byte for byte as it was; nothing is truncated or rewritten to make a dir fit (docs/reliability.md
+§2a lists what is refused). Every entry is read through the run dir itself (safedir.py).
 
-- a torn last line (no newline, not JSON: a kill mid-append) is cut off, the one silent repair
-  (it is said in the log); a whole last row missing only its newline gets the newline;
-- rows the checkpoint holds but the files lack (a kill between the checkpoint and the appends)
-  are appended from the checkpoint;
-- one adapters/step_<n> dir past the checkpoint (a kill between that dir and the checkpoint): the
-  step is redone and the dir rewritten with the same values.
-What it refuses: any other bad line; a checkpoint that cannot be read, or a field of it resume
-could not use (checkpoint_problem); no checkpoint while rows, later evaluations or several adapter
-dirs show that steps were done; rows past the checkpoint or differing from the rows it holds; a
-step logged twice (two writers). Nothing is truncated or rewritten to make such a dir fit. A
-session also refuses a run past step 0 without its step-0 evaluations (check_before_evals).
-
-Everything is read through the run dir itself (safedir.py): `check_entries` refuses, before
-anything is written, any entry lorabench would open that is a link, of another kind than expected,
-or (if changed in place) a file with a second name.
-
-`RunLock`: one writer per run dir, an fcntl.flock on RUN/lock, which holds the writer's PID while
-it runs (emptied on a clean exit, put back as it was found by a refusal); a lock left by a killed
-writer is free again (the kernel drops a dead process's flock) and is reclaimed with a note. Local
-filesystems only (flock on NFS is emulated and not relied on here).
+`RunLock`: one writer per run dir, an fcntl.flock on RUN/lock holding the writer's PID; the kernel
+drops a killed writer's flock, so its lock is reclaimed with a note. Local filesystems only (flock on
+NFS is emulated and not relied on here).
 """
 from __future__ import annotations
 
@@ -41,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .adapters import LORA_DTYPE, AdapterError, AdapterLayout
-from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow, write_failure
+from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow
 
 # The run dir's layout: each name is written down here only; the other modules use these.
 CONFIG, CONFIG_CHANGES, SUMMARY = "config.json", "config_changes.jsonl", "summary.json"
@@ -62,6 +48,7 @@ def adapter_dir_name(step: int) -> str:
 _CHECKPOINT_KEYS = ("step", "optimizer", "torch_rng", "adapter_buffer", "adapter_layout", "adapter_config", "rows")
 BEHIND = "adapter_behind_buffer"   # optional (grpo.max_staleness): the adapter one version before the checkpoint's
 _RECOVER = "nothing in the run dir was changed"
+_NEW_RUN = "start a new run (adapters/step_<n> hold the trained adapters as PEFT dirs)"
 
 
 def clean(value):
@@ -167,12 +154,10 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
             state = torch.load(fh, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         raise RunDirError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}); {_RECOVER}. Restore it "
-                          f"from a backup and resume, or start a new run (adapters/step_<n> hold the trained "
-                          f"adapters as PEFT dirs)") from err
+                          f"from a backup and resume, or {_NEW_RUN}") from err
     problem = checkpoint_problem(state)
     if problem:
-        raise RunDirError(f"{path}: {problem}; {_RECOVER}. Restore it from a backup and resume, or start a new run "
-                          f"(adapters/step_<n> hold the trained adapters as PEFT dirs)")
+        raise RunDirError(f"{path}: {problem}; {_RECOVER}. Restore it from a backup and resume, or {_NEW_RUN}")
     return state
 
 
@@ -415,11 +400,14 @@ def check_before_evals(run_dir: Path, step: int) -> None:
                           f"{_RECOVER}. Restore the file from a backup, or start a new run")
 
 
+def torn_note(scan: JsonlFile) -> str:
+    return (f"{scan.path.name}: removing a torn last line ({len(scan.tail)} bytes without a newline, cut off by a "
+            f"kill mid-write): {scan.tail[:60]!r}")
+
+
 def _tail_repairs(scan: JsonlFile) -> list[Repair]:
     if scan.torn:
-        return [Repair(scan.path, "cut_torn_tail", end=scan.end, note=(
-            f"{scan.path.name}: removing a torn last line ({len(scan.tail)} bytes without a newline, cut off by a kill "
-            f"mid-write): {scan.tail[:60]!r}"))]
+        return [Repair(scan.path, "cut_torn_tail", end=scan.end, note=torn_note(scan))]
     if scan.tail_is_row:
         return [Repair(scan.path, "add_newline", note=f"{scan.path.name}: ending its last row with a newline")]
     return []
@@ -448,8 +436,7 @@ def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[i
     if evidence:
         raise RunDirError(f"{run_dir} has no checkpoint ({CHECKPOINT} is missing) but holds the work of earlier steps "
                           f"({'; '.join(evidence)}); continuing would start again at step 0 beside them, so "
-                          f"{_RECOVER}. Restore {CHECKPOINT} from a backup and resume, or start a new run "
-                          f"(adapters/step_<n> hold the trained adapters as PEFT dirs)")
+                          f"{_RECOVER}. Restore {CHECKPOINT} from a backup and resume, or {_NEW_RUN}")
 
 
 def _vouches(held: dict, row: dict) -> bool:
@@ -578,18 +565,12 @@ class RunLock:
 
     def _write(self, data: bytes) -> None:
         """Replace the lock file's content, through an fd of the very file the flock is on."""
-        fd = self.root.open_own(LOCK_NAME, os.O_WRONLY)
-        try:
+        with self.root.editing(LOCK_NAME, os.O_WRONLY) as fd:
             if not self._named(fd):
                 raise RunDirError(f"{self.path} was replaced while this process held it; one writer per run dir "
                                   f"cannot be guaranteed: stop the other writer, then run the command again")
             os.ftruncate(fd, 0)
             os.pwrite(fd, data, 0)
-            os.fsync(fd)
-        except OSError as err:
-            raise write_failure(self.path, err, self.root.path) from None
-        finally:
-            os.close(fd)
 
     def release(self, restore: bool = False) -> None:
         """Emptied (a clean exit), or with `restore` (nothing else was written: a refusal) as it was found,

@@ -11,18 +11,12 @@
     RUN_DIR/plots/*.png          figures
     RUN_DIR/lock                 the writer's PID while one runs (rundir.RunLock)
 A step is committed by its checkpoint: `commit` writes the adapter dir (when due), then the
-checkpoint (which also holds the rows it vouches for), then appends the sync and rollout rows; the
-trainer appends the metrics rows last. Rows are flushed and fsynced as they are written. So the
-files never hold a row the checkpoint cannot vouch for, and a kill can only leave rows *missing*:
-`load_checkpoint` appends them from the checkpoint and says so (after the policy has checked the
-checkpoint: until then resume writes nothing), and the checkpoint's export, when it is missing
-and due or there but unreadable, is written again.
-Anything else that does not fit is refused by rundir.inspect, which reads without writing; nothing
-is truncated but a torn last line.
-Every file and folder is reached through the run dir's fd without following links (safedir.py), and
-each checkpoint records the experiment's fingerprint (fingerprint.py). The trainer may call `commit`
-and `log_metrics` from its commit thread (commits.py), one commit at a time, while its own thread
-reads and writes other files (evaluations); nothing here is shared between the two but the folders' fds.
+checkpoint (which also holds the rows it vouches for), then the sync and rollout rows; the trainer
+appends the metrics rows last, each fsynced. So a kill can only leave rows *missing*, and
+`load_checkpoint` appends them from the checkpoint (once the policy has accepted it: until then
+resume writes nothing); anything else that does not fit is refused by rundir.inspect. The commit
+thread (commits.py) may call `commit` and `log_metrics` while the trainer's thread writes other
+files; the two share nothing here but the folders' fds.
 """
 from __future__ import annotations
 
@@ -35,27 +29,9 @@ from pathlib import Path
 
 import torch
 
+from . import rundir
 from .adapters import CONFIG_NAME, WEIGHTS_NAME, AdapterLayout, FlatAdapter
-from .rundir import (
-    ADAPTERS,
-    CHECKPOINT,
-    CHECKPOINT_DIR,
-    CONFIG,
-    CONFIG_CHANGES,
-    EVALS,
-    METRICS,
-    PLOTS,
-    ROLLOUTS,
-    SUMMARY,
-    SYNC,
-    RunDirError,
-    RunLock,
-    adapter_dir_name,
-    inspect,
-    read_jsonl,
-    row_line,
-    scan_in,
-)
+from .rundir import RunDirError, read_jsonl
 from .rundir import clean as _clean
 from .safedir import SafeDir
 from .settings import ALLOWED, REFUSED, Section, check, path_component_problem, setting
@@ -121,15 +97,11 @@ def redact(config: dict) -> dict:
 
 
 class _Settled:
-    """What RunLog and NullRunLog share: their run settings, and from them when a step is committed."""
+    """What RunLog and NullRunLog share: their run settings (settings.due: when a step is committed)."""
 
     def __init__(self, settings: RunSettings | None = None):
         self.settings = settings or RunSettings()
         self.samples_per_step = self.settings.sample_completions   # completions per step in rollouts.jsonl
-
-    def due(self, step: int, last_step: int) -> tuple[bool, bool]:
-        """Whether step `step` of a run ending at `last_step` is checkpointed, and its adapter saved."""
-        return self.settings.due(step, last_step)
 
 
 class RunLog(_Settled):
@@ -146,7 +118,7 @@ class RunLog(_Settled):
         self.fingerprint: dict | None = None
         self.committed_step = 0
         try:
-            self._lock = RunLock(self.root, log) if lock else None
+            self._lock = rundir.RunLock(self.root, log) if lock else None
         except (RunDirError, OSError):
             self.close(refused=True)
             raise
@@ -188,7 +160,7 @@ class RunLog(_Settled):
     def write_config(self, config: dict) -> None:
         """config.json, once: a run's config is never rewritten (changes go to config_changes.jsonl)."""
         try:
-            self.root.write_atomic(CONFIG, json.dumps(redact(config), indent=1).encode(), mode=0o640,
+            self.root.write_atomic(rundir.CONFIG, json.dumps(redact(config), indent=1).encode(), mode=0o640,
                                    exclusive=True)
         except RunDirError as err:
             raise RunDirError(f"{err}: a run's config is written once and never rewritten; continue the run with "
@@ -196,27 +168,26 @@ class RunLog(_Settled):
 
     def record_config_changes(self, step: int, changes: dict[str, tuple]) -> None:
         """One row of allowed changes ({field: [old, new]}) made when continuing at `step`."""
-        self._append(CONFIG_CHANGES, [{"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        self._append(rundir.CONFIG_CHANGES, [{"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                                "changes": {k: list(v) for k, v in changes.items()}}])
 
     def _append(self, name: str, rows: list[dict]) -> None:
         self._end_with_newline(name)
-        self.root.append(name, "".join(map(row_line, rows)).encode(), 0o640)   # not umask-dependent
+        self.root.append(name, "".join(map(rundir.row_line, rows)).encode(), 0o640)   # not umask-dependent
 
     def _end_with_newline(self, name: str) -> None:
         """Never glue a row onto a torn one: a file not ending in a newline is repaired first."""
         if self.root.last_byte(name) in (b"", b"\n"):
             return
-        scan = scan_in(self.root, name)
+        scan = rundir.scan_in(self.root, name)
         if scan.torn:
-            self.log(f"{name}: removing a torn last line ({len(scan.tail)} bytes without a newline, cut off by "
-                     f"a kill mid-write): {scan.tail[:60]!r}")
+            self.log(rundir.torn_note(scan))
             self.root.truncate(name, scan.end)
         else:
             self.root.append(name, b"\n")
 
     def log_metrics(self, rows: list[dict]) -> None:
-        self._append(METRICS, rows)
+        self._append(rundir.METRICS, rows)
 
     def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
                save_adapter: bool) -> None:
@@ -224,16 +195,16 @@ class RunLog(_Settled):
         checkpoint holding the trainer state, the adapter, the pending rows and the experiment's
         fingerprint, then the sync and rollout rows. The caller appends the metrics rows after this."""
         if save_adapter:
-            adapter.save_into(self._folder(ADAPTERS), adapter_dir_name(step))
+            adapter.save_into(self._folder(rundir.ADAPTERS), rundir.adapter_dir_name(step))
         host = adapter.to("cpu")
         payload = {**state, "step": step, "adapter_buffer": host.buffer, "adapter_layout": host.layout.to_json(),
                    "adapter_config": host.config, "rows": rows}
         if self.fingerprint is not None:
             payload["fingerprint"] = self.fingerprint
-        self._folder(CHECKPOINT_DIR).write_atomic(CHECKPOINT.name, writer=lambda fh: torch.save(payload, fh),
-                                                  mode=0o640)
+        self._folder(rundir.CHECKPOINT_DIR).write_atomic(rundir.CHECKPOINT.name, mode=0o640,
+                                                         writer=lambda fh: torch.save(payload, fh))
         self.committed_step = step
-        for name in (SYNC, ROLLOUTS):
+        for name in (rundir.SYNC, rundir.ROLLOUTS):
             self._append(name, rows.get(name, []))
 
     def load_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None]:
@@ -241,7 +212,7 @@ class RunLog(_Settled):
         rundir.inspect refuses what cannot be matched; `take(state, adapter)` (the policy's load, which
         checks it against the model) runs next; only then are the repairs applied and logged, so a
         refusal by either leaves the run dir as it was."""
-        found = inspect(self.dir)
+        found = rundir.inspect(self.dir)
         state = found.checkpoint
         adapter = None if state is None else FlatAdapter(state["adapter_buffer"],
                                                          AdapterLayout.from_json(state["adapter_layout"]),
@@ -267,37 +238,37 @@ class RunLog(_Settled):
         or lost with its disk), or there but unreadable (a copy cut short): written again, atomically,
         from the checkpoint, which holds the same tensors. The tool's own export of what the checkpoint
         holds, so rewriting it loses nothing; a readable one is never rewritten."""
-        name = adapter_dir_name(adapter.version)
-        if self.root.expect(ADAPTERS, "dir") and self._folder(ADAPTERS).expect(name, "dir"):
-            why = _unreadable_export(self._folder(ADAPTERS), name)
+        name = rundir.adapter_dir_name(adapter.version)
+        if self.root.expect(rundir.ADAPTERS, "dir") and self._folder(rundir.ADAPTERS).expect(name, "dir"):
+            why = _unreadable_export(self._folder(rundir.ADAPTERS), name)
         else:
-            why = " was missing" if self.due(adapter.version, last_step)[1] else None
+            why = " was missing" if self.settings.due(adapter.version, last_step)[1] else None
         if why:
-            adapter.save_into(self._folder(ADAPTERS), name)
-            self.log(f"repair: {ADAPTERS}/{name}{why}: exported again from the checkpoint")
+            adapter.save_into(self._folder(rundir.ADAPTERS), name)
+            self.log(f"repair: {rundir.ADAPTERS}/{name}{why}: exported again from the checkpoint")
 
     def metrics(self) -> list[dict]:
-        return scan_in(self.root, METRICS).rows
+        return rundir.scan_in(self.root, rundir.METRICS).rows
 
     def evals(self) -> list[dict]:
-        return scan_in(self.root, EVALS).rows
+        return rundir.scan_in(self.root, rundir.EVALS).rows
 
     def set_evals(self, step: int, rows: list[dict]) -> list[dict]:
         """Make `rows` the evaluations of `step`, replacing any a killed or repeated run left there
         (evaluation is seeded, so a repeat gives the same values); returns all rows. The file is
         rewritten only after it was read whole (a bad line raises instead)."""
         kept = [r for r in self.evals() if r.get("step") != step] + rows
-        self.root.write_atomic(EVALS, "".join(map(row_line, kept)).encode(), mode=0o640)
+        self.root.write_atomic(rundir.EVALS, "".join(map(rundir.row_line, kept)).encode(), mode=0o640)
         return kept
 
     def write_summary(self, summary: dict) -> None:
-        self.root.write_atomic(SUMMARY, json.dumps(summary, indent=1).encode(), mode=0o640)
+        self.root.write_atomic(rundir.SUMMARY, json.dumps(summary, indent=1).encode(), mode=0o640)
 
     def save_plots(self, images: dict[str, bytes]) -> list[Path]:
         """plots/<name>.png for each rendered figure (viz.run_plot_images)."""
         for name, png in images.items():
-            self._folder(PLOTS).write_atomic(f"{name}.png", png, mode=0o640)
-        return [self.dir / PLOTS / f"{name}.png" for name in images]
+            self._folder(rundir.PLOTS).write_atomic(f"{name}.png", png, mode=0o640)
+        return [self.dir / rundir.PLOTS / f"{name}.png" for name in images]
 
 
 def _unreadable_export(adapters: SafeDir, name: str) -> str | None:

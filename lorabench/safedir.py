@@ -1,34 +1,18 @@
 """A run directory entered only through itself: nothing in it is followed out of it.
 
 A run dir is something people copy, share and download, so its entries are data, never pointers:
-`SafeDir` holds a file descriptor of the directory, opened without following a link, and opens
-every entry relative to it (`dir_fd`) with O_NOFOLLOW. A symbolic link where a file or folder is
-expected, a FIFO, socket or device, or a file with a second name (a hard link: an append would
-change it under its other name too) is refused with `RunDirError` naming the entry. So nothing
-outside the run dir is read, written, truncated, chmod'ed or deleted through it.
+`SafeDir` holds an fd of the directory, opened without following a link, and opens every entry
+relative to it (`dir_fd`) with O_NOFOLLOW. Refused with `RunDirError` naming the entry: a symbolic
+link where a file or folder is expected, a FIFO, socket or device, and a file changed in place that
+has a second name (a hard link: an append would change it under its other name too). So nothing
+outside the run dir is read, written, truncated, chmod'ed or deleted through it. The path *to* the
+run dir is the user's own choice and is followed; the run dir itself must not be a link.
 
-The path *to* the run dir (run.out_dir and its parents, or the path given to `resume`, up to the
-run dir itself) is the user's own choice and is followed as the system resolves it; the run dir
-itself must be a directory, not a link to one.
-
-Writes that fail for a reason outside lorabench (no space left, a read-only or vanished
-filesystem, a quota) raise `RunDirWriteError`, an OSError whose message names the file and the
-cause and says that what the run dir held before is intact.
-
-    root = SafeDir.open(run_dir, create=True)      # refuses a link
-    root.append("metrics.jsonl", b'{"step": 1}\\n')
-    with root.sub("checkpoint", create=True) as ckpt:
-        ckpt.write_atomic("trainer_state.pt", writer=lambda fh: torch.save(state, fh))
-
-Every write here appears whole or not at all: it goes to a hidden temp sibling, fsynced, then renamed
-onto its name. A process killed mid-write leaves only such a temp, named after its pid
-(`.<name>.tmp-<pid>-...`); the next write next to it removes temps whose writer is dead, never a live
-writer's. The same holds for the paths outside a run dir, written by path (the model cache, a
-policy group's group.json, an adapter dir a refresh hands to the engine):
-
-    atomic_write(path, b"...")                     # a file
-    with atomic_dir(path, replace=True) as tmp:    # a directory, swapped in whole
-        (tmp / "a.json").write_text("...")
+A write that fails for a reason outside lorabench (disk full, a read-only filesystem, a quota)
+raises `RunDirWriteError` naming the file and the cause. Every write appears whole or not at all:
+a fsynced hidden temp sibling (`.<name>.<pid>...`) is renamed onto its name, and the next write
+next to it removes temps whose writer is dead. Outside a run dir (the model cache, group.json, an
+adapter dir for the engine) the same by path: `atomic_write(path, data)`, `atomic_dir(path)`.
 """
 from __future__ import annotations
 
@@ -44,7 +28,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC   # NONBLOCK: a FIFO never hangs the open
 _CAUSES = {errno.ENOSPC: "no space left on its filesystem", errno.EDQUOT: "the disk quota is exceeded",
            errno.EROFS: "its filesystem is read-only", errno.EACCES: "it is not writable by this user",
            errno.EPERM: "it is not writable by this user", errno.EIO: "an I/O error (a failing disk?)",
@@ -64,18 +47,19 @@ class RunDirWriteError(OSError):
         return str(self.strerror)
 
 
-def _kind(st: os.stat_result) -> str:
-    mode = st.st_mode
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a file"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "a device"
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a directory", stat.S_IFREG: "a file",
+          stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 
 
-def refusal(path: Path, st: os.stat_result, wanted: str, target: str = "", is_root: bool = False) -> RunDirError:
-    """The one-line refusal of an entry that is not what lorabench expects (`wanted`: 'file' or 'dir')."""
+def refusal(path: Path, st: os.stat_result, wanted: str, dir_fd: int | None = None,
+            is_root: bool = False) -> RunDirError:
+    """The one-line refusal of an entry that is not what lorabench expects (`wanted`: 'file' or 'dir');
+    a link's target is read to name it (`path` by its name relative to `dir_fd`, when given)."""
     wanted = "directory" if wanted == "dir" else wanted
+    target = ""
+    if stat.S_ISLNK(st.st_mode):
+        with contextlib.suppress(OSError):
+            target = os.readlink(path if dir_fd is None else path.name, dir_fd=dir_fd)
     if stat.S_ISLNK(st.st_mode) and is_root:
         return RunDirError(f"{path} is a symbolic link (to {target or '?'}), not a run directory; a run dir is entered "
                            f"only through itself, so lorabench did not follow it. If the directory it points to is "
@@ -85,15 +69,9 @@ def refusal(path: Path, st: os.stat_result, wanted: str, target: str = "", is_ro
                            f"dir is entered only through itself, so nothing a link in it points to is read or "
                            f"written, and lorabench did not open it. If the link and its target are yours, replace "
                            f"the link with a copy of the target; otherwise delete the link")
-    return RunDirError(f"{path} is {_kind(st)} where lorabench expects a {wanted}; lorabench did not open it. Put "
-                       f"the run's {wanted} back (from a backup) or remove it, then run the command again")
-
-
-def _hard_linked(path: Path, links: int) -> RunDirError:
-    return RunDirError(f"{path} has {links} names (hard links): appending to it or truncating it would change the "
-                       f"file under its other names too, which may be outside the run dir; lorabench did not "
-                       f"change it. Give it a name of its own (cp -p {path} {path}.copy && mv {path}.copy {path}), "
-                       f"then run the command again")
+    return RunDirError(f"{path} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'a device')} where lorabench expects a "
+                       f"{wanted}; lorabench did not open it. Put the run's {wanted} back (from a backup) or remove "
+                       f"it, then run the command again")
 
 
 def write_failure(path: Path, err: OSError, root: Path | None = None) -> RunDirWriteError:
@@ -143,40 +121,31 @@ class SafeDir:
         """The run dir itself: a directory, not a link (its parents are the user's path, followed).
         create=True makes it (and its parents); `mode` is set whatever the umask. A missing dir
         raises FileNotFoundError (create=False)."""
-        path = Path(path)
-        if create:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(path, mode or 0o750)
-            except OSError as err:
-                raise write_failure(path, err, path) from None
-        return cls._opened(path, None, mode, path)
+        return cls._opened(Path(path), Path(path), None, Path(path), create, mode)
 
     def sub(self, name: str, create: bool = False, mode: int | None = None) -> SafeDir:
         """The child directory `name` (made when create=True), refused if it is a link."""
-        if create:
-            try:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, mode or 0o750, dir_fd=self.fd)
-            except OSError as err:
-                raise write_failure(self.path / name, err, self.root) from None
-        return self._opened(self.path / name, self.fd, mode, self.root, name)
+        return self._opened(self.path / name, name, self.fd, self.root, create, mode)
 
     @classmethod
-    def _opened(cls, path: Path, dir_fd: int | None, mode: int | None, root: Path, name: str | None = None):
-        where = name if dir_fd is not None else path
+    def _opened(cls, path: Path, where, dir_fd: int | None, root: Path, create: bool, mode: int | None):
+        try:
+            if create and dir_fd is None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(where, mode or 0o750, dir_fd=dir_fd)
+        except OSError as err:
+            raise write_failure(path, err, root) from None
         try:
             fd = os.open(where, _DIR, dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise
         except PermissionError:
             raise _unreadable(path) from None
-        except OSError as err:   # ELOOP (a link), ENOTDIR (not a dir): say which
+        except OSError as err:   # ELOOP (a link), ENOTDIR (not a dir): say which; ENOENT is raised as it is
             if err.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
             st = os.stat(where, dir_fd=dir_fd, follow_symlinks=False)
-            raise refusal(path, st, "dir", _link_target(where, dir_fd), is_root=dir_fd is None) from None
+            raise refusal(path, st, "dir", dir_fd, is_root=dir_fd is None) from None
         opened = cls(path, fd, root)
         if mode is not None:
             try:
@@ -213,21 +182,27 @@ class SafeDir:
         """Whether `name` exists, refusing it if it is not a `wanted` ('file' | 'dir'), or (single=True:
         a file changed in place) a file with a second name."""
         st = self.entry(name)
-        if st is None:
-            return False
-        ok = stat.S_ISDIR(st.st_mode) if wanted == "dir" else stat.S_ISREG(st.st_mode)
-        if not ok:
-            raise refusal(self.path / name, st, wanted, _link_target(name, self.fd))
+        if st is not None:
+            self._check(name, st, wanted, single)
+        return st is not None
+
+    def _check(self, name: str, st: os.stat_result, wanted: str, single: bool) -> None:
+        if not (stat.S_ISDIR(st.st_mode) if wanted == "dir" else stat.S_ISREG(st.st_mode)):
+            raise refusal(self.path / name, st, wanted, self.fd)
         if single and st.st_nlink > 1:
-            raise _hard_linked(self.path / name, st.st_nlink)
-        return True
+            path = self.path / name
+            raise RunDirError(f"{path} has {st.st_nlink} names (hard links): appending to it or truncating it would "
+                              f"change the file under its other names too, which may be outside the run dir; "
+                              f"lorabench did not change it. Give it a name of its own (cp -p {path} {path}.copy && "
+                              f"mv {path}.copy {path}), then run the command again")
 
     def names(self) -> list[str]:
         return sorted(os.listdir(self.fd))
 
     # -- reading ------------------------------------------------------------------------------------
     def open_file(self, name: str, flags: int, mode: int = 0o640, single: bool = False) -> int | None:
-        """An fd of the regular file `name` (None when absent and not created), never through a link."""
+        """An fd of the regular file `name` (None when absent and not created), never through a link;
+        O_NONBLOCK: a FIFO never hangs the open."""
         try:
             fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=self.fd)
         except FileNotFoundError:
@@ -239,31 +214,31 @@ class SafeDir:
         except OSError as err:
             st = self.entry(name)
             if st is not None and err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EWOULDBLOCK):
-                raise refusal(self.path / name, st, "file", _link_target(name, self.fd)) from None
+                raise refusal(self.path / name, st, "file", self.fd) from None
             raise
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (single and st.st_nlink > 1):
+        try:
+            self._check(name, os.fstat(fd), "file", single)
+        except RunDirError:
             os.close(fd)
-            raise (_hard_linked(self.path / name, st.st_nlink) if stat.S_ISREG(st.st_mode)
-                   else refusal(self.path / name, st, "file"))
+            raise
         return fd
-
-    def read_bytes(self, name: str) -> bytes | None:
-        """The bytes of the file `name`, None when it does not exist."""
-        fd = self.open_file(name, _READ)
-        if fd is None:
-            return None
-        with os.fdopen(fd, "rb") as fh:
-            return fh.read()
 
     def open_read(self, name: str):
         """A binary file object of `name` (None when absent), e.g. for torch.load."""
-        fd = self.open_file(name, _READ)
+        fd = self.open_file(name, os.O_RDONLY)
         return None if fd is None else os.fdopen(fd, "rb")
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """The bytes of the file `name`, None when it does not exist."""
+        fh = self.open_read(name)
+        if fh is None:
+            return None
+        with fh:
+            return fh.read()
 
     def last_byte(self, name: str) -> bytes:
         """The file's last byte (b'' when absent or empty)."""
-        fd = self.open_file(name, _READ)
+        fd = self.open_file(name, os.O_RDONLY)
         if fd is None:
             return b""
         try:
@@ -277,33 +252,32 @@ class SafeDir:
         """An fd for changing `name` in place (the lock): a regular file of one name, never a link."""
         try:
             return self.open_file(name, flags, mode, single=True)
-        except RunDirError:
-            raise
-        except OSError as err:
+        except OSError as err:   # a RunDirError (a link, ...) is a ValueError: raised as it is
             raise write_failure(self.path / name, err, self.root) from None
 
-    def append(self, name: str, data: bytes, mode: int = 0o640) -> None:
-        """Append `data` to `name` (created with `mode`), flushed and fsynced."""
-        fd = self.open_own(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+    @contextlib.contextmanager
+    def editing(self, name: str, flags: int, mode: int = 0o640) -> Iterator[int]:
+        """An fd of `name` to change in place (open_own), fsynced after the block; a failed write
+        raises RunDirWriteError."""
+        fd = self.open_own(name, flags, mode)
         try:
+            yield fd
+            os.fsync(fd)
+        except OSError as err:
+            raise write_failure(self.path / name, err, self.root) from None
+        finally:
+            os.close(fd)
+
+    def append(self, name: str, data: bytes, mode: int = 0o640) -> None:
+        """Append `data` to `name` (created with `mode`), fsynced."""
+        with self.editing(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode) as fd:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
-        except OSError as err:
-            raise write_failure(self.path / name, err, self.root) from None
-        finally:
-            os.close(fd)
 
     def truncate(self, name: str, size: int) -> None:
-        fd = self.open_own(name, os.O_WRONLY)
-        try:
+        with self.editing(name, os.O_WRONLY) as fd:
             os.ftruncate(fd, size)
-            os.fsync(fd)
-        except OSError as err:
-            raise write_failure(self.path / name, err, self.root) from None
-        finally:
-            os.close(fd)
 
     def write_atomic(self, name: str, data: bytes | None = None, *, writer: Callable | None = None,
                      mode: int = 0o640, exclusive: bool = False) -> None:
@@ -319,42 +293,31 @@ class SafeDir:
                          dir_fd=self.fd)
             sink = _Sink(os.fdopen(fd, "wb"))
             try:
-                self._fill(sink, data, writer)
+                sink.write(data) if writer is None else writer(sink)
+                sink.flush()
+                os.fsync(fd)
                 os.fchmod(fd, mode)
+            except RuntimeError:
+                if sink.error is None:
+                    raise
+                raise sink.error from None   # the disk's own error, not the library's rewording of it
             finally:
                 sink.close()
-            self._publish(tmp, name, exclusive)
+            if exclusive:
+                try:
+                    os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+                except FileExistsError:
+                    raise RunDirError(f"{self.path / name} exists: it is written once and never rewritten") from None
+                os.unlink(tmp, dir_fd=self.fd)
+            else:
+                os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            os.fsync(self.fd)
         except OSError as err:
             self._drop(tmp)
             raise write_failure(self.path / name, err, self.root) from None
         except BaseException:
             self._drop(tmp)
             raise
-
-    @staticmethod
-    def _fill(sink: _Sink, data: bytes | None, writer: Callable | None) -> None:
-        try:
-            if data is not None:
-                sink.write(data)
-            else:
-                writer(sink)
-            sink.flush()
-            os.fsync(sink.fileno())
-        except RuntimeError:
-            if sink.error is None:
-                raise
-            raise sink.error from None   # the disk's own error, not the library's rewording of it
-
-    def _publish(self, tmp: str, name: str, exclusive: bool) -> None:
-        if exclusive:
-            try:
-                os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
-            except FileExistsError:
-                raise RunDirError(f"{self.path / name} exists: it is written once and never rewritten") from None
-            os.unlink(tmp, dir_fd=self.fd)
-        else:
-            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        os.fsync(self.fd)
 
     def _drop(self, name: str) -> None:
         with contextlib.suppress(OSError):
@@ -366,53 +329,37 @@ class SafeDir:
         existing one is swapped out first and removed after; put back if the rename fails)."""
         self.expect(name, "dir")
         self.remove_dead_temps((f".{name}.tmp-", f".{name}.old-"))
-        pid = os.getpid()
+        pid, fds = os.getpid(), {"src_dir_fd": self.fd, "dst_dir_fd": self.fd}
         tmp = f".{name}.tmp-{pid}-{secrets.token_hex(4)}"
         os.mkdir(tmp, mode, dir_fd=self.fd)
         try:
             with self.sub(tmp, mode=mode) as inner:
                 yield inner
                 os.fsync(inner.fd)
-            self._swap_in(tmp, name, pid)
+            if self.entry(name) is None:
+                os.rename(tmp, name, **fds)
+            else:
+                old = f".{name}.old-{pid}-{secrets.token_hex(4)}"
+                os.rename(name, old, **fds)
+                try:
+                    os.rename(tmp, name, **fds)
+                except OSError:
+                    os.rename(old, name, **fds)   # put the previous dir back
+                    raise
+                shutil.rmtree(old, dir_fd=self.fd, ignore_errors=True)   # rmtree never follows a link inside it
             os.fsync(self.fd)
         except BaseException:
             shutil.rmtree(tmp, dir_fd=self.fd, ignore_errors=True)
             raise
 
-    def _swap_in(self, tmp: str, name: str, pid: int) -> None:
-        if self.entry(name) is None:
-            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-            return
-        old = f".{name}.old-{pid}-{secrets.token_hex(4)}"
-        os.rename(name, old, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        try:
-            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        except OSError:
-            os.rename(old, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)   # put the previous dir back
-            raise
-        shutil.rmtree(old, dir_fd=self.fd, ignore_errors=True)   # rmtree never follows a link inside it
-
     def remove_dead_temps(self, prefixes: tuple[str, ...]) -> None:
         """Remove `<prefix><pid>...` entries whose writer is dead (a link is removed, not followed)."""
-        for entry in os.scandir(self.fd):
-            if not _dead_writer(_writer_pid(entry.name, prefixes)):
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.name, dir_fd=self.fd, ignore_errors=True)
-            else:
-                self._drop(entry.name)
+        _remove_dead(self.fd, lambda name: _writer_pid(name, prefixes))
 
 
 def _unreadable(path: Path) -> RunDirError:
     return RunDirError(f"{path} is not readable by this user (another user's run dir?); continue it as its owner, "
                        f"or copy it and continue the copy")
-
-
-def _link_target(name, dir_fd: int | None) -> str:
-    try:
-        return os.readlink(name, dir_fd=dir_fd)
-    except OSError:
-        return ""
 
 
 def read_no_follow(path: str | Path) -> bytes | None:
@@ -434,28 +381,28 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process
-        return True
+        pass
     return True
 
 
-def _remove_dead(parent: Path, writer_pid, dirs_only: bool = False) -> list[Path]:
-    """Remove the entries of `parent` for which `writer_pid(name)` names a dead process (never this
-    one's or a live one's temps). Returns what was removed."""
-    removed = []
+def _remove_dead(parent: Path | int, writer_pid, dirs_only: bool = False) -> list[Path]:
+    """Remove the entries of `parent` (a path, or a SafeDir's fd) for which `writer_pid(name)`
+    names a dead process (never this one's or a live one's temps; a link is removed, not followed)."""
+    dir_fd, removed = parent if isinstance(parent, int) else None, []
     try:
         entries = list(os.scandir(parent))
     except FileNotFoundError:
         return removed
-    for entry in entries:
+    for entry in entries:   # by an fd, entry.path is the name, relative to dir_fd
         is_dir = entry.is_dir(follow_symlinks=False)
         if (dirs_only and not is_dir) or not _dead_writer(writer_pid(entry.name)):
             continue
-        target = Path(entry.path)
         if is_dir:
-            shutil.rmtree(target, ignore_errors=True)
+            shutil.rmtree(entry.path, dir_fd=dir_fd, ignore_errors=True)
         else:
-            target.unlink(missing_ok=True)
-        removed.append(target)
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path, dir_fd=dir_fd)
+        removed.append(Path(entry.path))
     return removed
 
 
@@ -476,19 +423,14 @@ def remove_stale_temps(parent: Path, prefixes: tuple[str, ...]) -> list[Path]:
     return _remove_dead(parent, lambda name: _writer_pid(name, prefixes))
 
 
-# `.NAME.tmp-PID-xxxx` / `.NAME.old-PID-xxxx`: the temp dirs atomic_dir makes (any NAME)
-_DIR_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-")
+_DIR_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-")   # `.NAME.tmp-PID-x` / `.NAME.old-PID-x`: atomic_dir's
 
 
 def remove_dead_dir_temps(parent: Path) -> list[Path]:
-    """Remove every atomic_dir temp under `parent` whose writer is dead, whatever final name it was
-    for. A cache needs this: a writer killed while building one entry leaves a temp that the next
-    build of *that* entry would remove, but that build may never come (another process finished
-    the entry, or the recipe changed)."""
-    def writer_pid(name: str) -> int | None:
-        match = _DIR_TEMP.match(name)
-        return int(match.group(1)) if match else None
-    return _remove_dead(parent, writer_pid, dirs_only=True)
+    """Remove every atomic_dir temp under `parent` whose writer is dead, whatever name it was for: a
+    cache entry whose build was killed may never be built again (another process did, or its recipe changed)."""
+    return _remove_dead(parent, lambda name: int(m.group(1)) if (m := _DIR_TEMP.match(name)) else None,
+                        dirs_only=True)
 
 
 def fsync_path(path: Path) -> None:
@@ -517,16 +459,13 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     onto it. Temps a killed writer left next to it are removed first."""
     path = Path(path)
     remove_stale_temps(path.parent, (f".{path.name}.",))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        fsync_path(Path(tmp))
-        os.chmod(tmp, mode)
+        write_new_file(tmp, data, mode=mode)
         os.replace(tmp, path)
         fsync_path(path.parent)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -534,12 +473,10 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
 def atomic_dir(final: Path, replace: bool = False, mode: int = 0o700) -> Iterator[Path]:
     """Yield a temp directory next to `final`; on success it becomes `final` in one rename.
 
-    replace=False (caches): if `final` appeared meanwhile (another process built the same thing),
-    theirs is kept and ours dropped. replace=True (adapter dirs): an existing `final` is swapped
-    out and removed only after the new one is in place; if the swap fails it is put back. Either
-    way a crash leaves the old directory, the new one, or nothing, never a torn one; the hidden
-    temps it may leave (`.<name>.tmp-<pid>-*`, `.<name>.old-<pid>-*`) are removed by the next
-    atomic_dir for the same name once their process is gone."""
+    replace=False (caches): if `final` appeared meanwhile (another process built it), theirs is
+    kept and ours dropped. replace=True (adapter dirs): an existing `final` is swapped out and
+    removed only after the new one is in place, put back if the swap fails. A crash leaves the old
+    directory, the new one or nothing, never a torn one."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(final.parent, (f".{final.name}.tmp-", f".{final.name}.old-"))
@@ -553,7 +490,15 @@ def atomic_dir(final: Path, replace: bool = False, mode: int = 0o700) -> Iterato
                 fsync_path(child)
         fsync_path(tmp)
         if replace and final.exists():
-            _swap_in(tmp, final, pid)
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-{pid}-", dir=final.parent))
+            os.rename(final, old / "dir")
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                os.rename(old / "dir", final)  # put the previous directory back
+                shutil.rmtree(old, ignore_errors=True)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
         else:
             try:
                 os.rename(tmp, final)
@@ -565,15 +510,3 @@ def atomic_dir(final: Path, replace: bool = False, mode: int = 0o700) -> Iterato
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _swap_in(tmp: Path, final: Path, pid: int) -> None:
-    old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-{pid}-", dir=final.parent))
-    os.rename(final, old / "dir")
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        os.rename(old / "dir", final)  # put the previous directory back
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

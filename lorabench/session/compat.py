@@ -1,24 +1,13 @@
 """Which config fields a continued run may change (`lorabench resume RUN k=v`, or `lorabench run`
-naming an existing run dir), decided field by field where the field is defined: each section's
-`setting(..., resume=ALLOWED|REFUSED, why=...)` (settings.py). This module only reads those.
+naming an existing run dir), decided where each field is defined: `setting(..., resume=ALLOWED|REFUSED,
+why=...)` (settings.py), so a new field follows these rules from the line that defines it.
 
-A continued run must still be the experiment its run dir describes: the same base model and
-tokenizer, the same adapter shape, the same data stream and seed, the same objective. Changing any
-of those would train the saved adapter on something else (`run.seed` alone picks another tiny base
-model) or make rows before and after the change incomparable, so they are REFUSED, naming the field,
-both values and what to do instead (start a new run, or continue without the override).
-
-Fields that change how long the run goes, how it is executed, logged or evaluated are ALLOWED. Each
-allowed change is appended to RUN/config_changes.jsonl (step, time, field: [old, new]); config.json
-is never rewritten. The run's effective config is config.json with those rows applied in order, so a
-plain `lorabench resume` after `resume RUN grpo.steps=80` keeps 80.
-
-run.out_dir and run.name only say where the run dir is: they are not compared (a run dir may be
-moved), the effective config takes them from where the run dir is now, and `resume` refuses them as
-overrides (its argument names the run dir).
-
-Every field declares its decision (`setting` requires one), so a new field, a new engine's or a
-new refresh mode's included, follows these rules from the line that defines it.
+REFUSED: what makes the experiment (base model and tokenizer, adapter shape, data stream and seed,
+objective): a change would train the saved adapter on something else or make rows before and after
+incomparable; refused naming the field, both values and what to do instead. ALLOWED (how long, how
+executed, logged or evaluated): appended to RUN/config_changes.jsonl; config.json is never rewritten,
+and the effective config is config.json with those rows applied in order. run.out_dir and run.name
+only say where the run dir is: not compared, taken from where it is now, refused as overrides.
 """
 from __future__ import annotations
 
@@ -60,10 +49,6 @@ def refused() -> dict[str, str]:
 def allowed() -> dict[str, str]:
     """The fields a continued run may change (where the run dir is aside), and why."""
     return {k: why for k, (resume, why) in decisions().items() if resume == _ALLOWED and k not in LOCATION}
-
-
-def flat_config(cfg: Config) -> dict[str, object]:
-    return flat(cfg)
 
 
 def effective_config(run_dir: Path, changes: bool = True) -> Config:
@@ -124,9 +109,14 @@ def resume_config(run_dir: Path, overrides: list[str]) -> Config:
     return Config.from_dict(data, source="overrides")
 
 
+def new_run_command(run_dir: Path, *overrides: str) -> str:
+    """The command that starts a new run from this run dir's config (a refused change's way out)."""
+    return shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / CONFIG), "run.name=NEW", *overrides])
+
+
 def changes(old: Config, new: Config) -> dict[str, tuple]:
     """{field: (old, new)} for every field that differs, location fields aside."""
-    before, after = flat_config(old), flat_config(new)
+    before, after = flat(old), flat(new)
     return {k: (before[k], after[k]) for k in before if k not in LOCATION and before[k] != after[k]}
 
 
@@ -139,9 +129,8 @@ def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) ->
         listed = "; ".join(f"{k} {a!r} -> {b!r} ({reasons.get(k, 'not decided as safe to change')})"
                            for k, (a, b) in refused_diff.items())
         overrides = [f"{k}={json.dumps(b) if not isinstance(b, str) else b}" for k, (_, b) in refused_diff.items()]
-        command = shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / CONFIG), "run.name=NEW", *overrides])
         raise RunDirError(f"{run_dir} cannot continue with a changed {listed}; nothing was changed. Start a new run "
-                          f"for that ({command}), or continue without those overrides")
+                          f"for that ({new_run_command(run_dir, *overrides)}), or continue without those overrides")
     if "grpo.steps" in diff and diff["grpo.steps"][1] < at_step:
         raise RunDirError(f"{run_dir} is at step {at_step}; grpo.steps={diff['grpo.steps'][1]} would end it before "
                           f"that; nothing was changed. Pass grpo.steps >= {at_step}")

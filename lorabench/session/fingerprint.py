@@ -5,28 +5,22 @@
     check_data(recorded, cfg, run_dir, step)            # resume: the data files vs the checkpoint
     check_model(recorded, fp["model"], cfg, run_dir, step)   # resume, once the model is resolved
 
-A fingerprint is plain JSON-like data (it travels inside checkpoint/trainer_state.pt):
-- "config": every field a continued run may not change (compat.refused(): what defines the
-  experiment), as trained;
-- "data": per data field in use, a file's resolved absolute path, size and sha256 of its bytes; for
-  the synthetic generator a sha256 of its first problems (a changed generator is caught); for 'hub'
-  the dataset's name only (its rows are not hashed);
-- "model": the model dir's files (config, tokenizer, weights; README/LICENSE aside): size and sha256,
-  whole for files up to 64 MiB, sampled above (16 blocks of 1 MiB spread evenly, the start and the end
-  included: a different checkpoint of the same shape differs in every block, an edit of a few bytes
-  elsewhere in a large file is not seen); a hub model by its repo id and the commit of its cached
-  snapshot.
-A difference is refused with one line naming the field or file and both values; paths are recorded
-for the message only (a moved file with the same bytes is the same data).
+A fingerprint is plain JSON-like data: "config", every field a continued run may not change
+(compat.refused) as trained; "data", per data field its file's size and sha256 (the synthetic
+generator: a sha256 of its first problems; 'hub': the dataset's name); "model", the model dir's files
+by size and sha256 (sampled above WHOLE_LIMIT), or a hub model's repo id and cached commit. A
+difference is refused naming the field or file and both values; paths are recorded for the message
+only (a moved file with the same bytes is the same data). docs/reliability.md §2b says what is not seen.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 from pathlib import Path
 
 from ..rundir import RunDirError
+from .compat import new_run_command, refused
+from .config import flat
 
 WHOLE_LIMIT = 64 << 20
 SAMPLES, SAMPLE_BYTES = 16, 1 << 20
@@ -35,29 +29,24 @@ SAMPLES, SAMPLE_BYTES = 16, 1 << 20
 _NOT_MODEL = ("readme", "license", "notice", ".", "lorabench_recipe")
 
 
-def _sha256_file(path: Path, size: int) -> tuple[str, bool]:
-    """(hex digest, sampled?) of the file's bytes: whole up to WHOLE_LIMIT, else SAMPLES blocks."""
-    digest = hashlib.sha256()
+def file_fingerprint(path: Path) -> dict | None:
+    """{path, bytes, sha256[, sampled]} of an existing file, None if it is missing: the sha256 of its
+    bytes, whole up to WHOLE_LIMIT, else of SAMPLES blocks spread evenly (the first and the last included)."""
+    path = Path(path).expanduser().absolute()
+    if not path.is_file():
+        return None
+    size, digest = path.stat().st_size, hashlib.sha256()
     with open(path, "rb") as fh:
         if size <= WHOLE_LIMIT:
             for block in iter(lambda: fh.read(SAMPLE_BYTES), b""):
                 digest.update(block)
-            return digest.hexdigest(), False
-        step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
-        for k in range(SAMPLES):
-            fh.seek(k * step)
-            digest.update(fh.read(SAMPLE_BYTES))
-    return digest.hexdigest(), True
-
-
-def file_fingerprint(path: Path) -> dict | None:
-    """{path, bytes, sha256[, sampled]} of an existing file, None if it is missing."""
-    path = Path(path).expanduser().absolute()
-    if not path.is_file():
-        return None
-    size = path.stat().st_size
-    digest, sampled = _sha256_file(path, size)
-    return {"path": str(path), "bytes": size, "sha256": digest, **({"sampled": True} if sampled else {})}
+        else:
+            step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
+            for k in range(SAMPLES):
+                fh.seek(k * step)
+                digest.update(fh.read(SAMPLE_BYTES))
+    return {"path": str(path), "bytes": size, "sha256": digest.hexdigest(),
+            **({"sampled": True} if size > WHOLE_LIMIT else {})}
 
 
 def _problems_sha(problems) -> str:
@@ -89,29 +78,26 @@ def model_fingerprint(cfg, model_path: str) -> dict:
         from huggingface_hub import try_to_load_from_cache
         cached = try_to_load_from_cache(name, "config.json")
         return {"name": name, "revision": Path(cached).parent.name if isinstance(cached, str) else None}
-    return {"name": name, "files": {p.name: {k: v for k, v in file_fingerprint(p).items() if k != "path"}
+    return {"name": name, "files": {p.name: _without_path(file_fingerprint(p))
                                     for p in sorted(folder.iterdir())
                                     if p.is_file() and not p.name.lower().startswith(_NOT_MODEL)}}
 
 
 def experiment_fingerprint(cfg, model_path: str) -> dict:
-    from .compat import flat_config, refused
-    flat = flat_config(cfg)
-    return {"config": {k: flat[k] for k in refused()}, "data": data_fingerprint(cfg),
+    fields = flat(cfg)
+    return {"config": {k: fields[k] for k in refused()}, "data": data_fingerprint(cfg),
             "model": model_fingerprint(cfg, model_path)}
 
 
 # --- comparisons ---------------------------------------------------------------------------------------
 def _new_run_hint(run_dir: Path) -> str:
-    command = shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / "config.json"), "run.name=NEW"])
-    return f"start a new run for it ({command})"
+    return f"start a new run for it ({new_run_command(run_dir)})"
 
 
 def check_config(recorded: dict, effective, run_dir: Path, step: int) -> None:
     """The run dir's effective config (config.json + config_changes.jsonl) must be what the checkpoint
     was trained with, field by field (a hand-edited config.json is refused, not trained on)."""
-    from .compat import flat_config
-    now = flat_config(effective)
+    now = flat(effective)
     for key, then in recorded.get("config", {}).items():
         if key in now and json.dumps(now[key]) != json.dumps(then):
             raise RunDirError(f"{Path(run_dir) / 'config.json'} has {key}={now[key]!r}, but its checkpoint (step "
@@ -129,12 +115,8 @@ def _describe(fp: dict | None) -> str:
 
 
 def _without_path(fp: dict | None) -> dict | None:
+    """What names the data: sizes and digests, wherever the file lies now."""
     return {k: v for k, v in fp.items() if k != "path"} if isinstance(fp, dict) else fp
-
-
-def _same(a: dict | None, b: dict | None) -> bool:
-    """The same data: equal sizes and digests, wherever the file lies now."""
-    return _without_path(a) == _without_path(b)
 
 
 def check_data(recorded: dict, cfg, run_dir: Path, step: int) -> None:
@@ -142,7 +124,7 @@ def check_data(recorded: dict, cfg, run_dir: Path, step: int) -> None:
     now = data_fingerprint(cfg)
     for field, then in recorded.get("data", {}).items():
         current = now.get(field)
-        if _same(current, then):
+        if _without_path(current) == _without_path(then):
             continue
         value = getattr(cfg.data, field.split(".")[1])
         where = f" ({current['path']})" if current else f" (relative to {Path.cwd()})"

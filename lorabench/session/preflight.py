@@ -1,13 +1,10 @@
-"""Checks that need the environment, run before a run dir is created or a model is built, so a
-bad input costs seconds and leaves nothing behind: the engine is installed (and its device exists),
-the dirs a run writes are writable (an existing run dir itself too), the model is a local model dir,
-'tiny' or a hub id usable now, the run's size fits the machine (sizes.py), and every dataset row is
-readable and its prompt fits the model (data.max_prompt_tokens, or the
-model's context minus grpo.max_new_tokens). Config-only checks are the sections' own (problems()).
-
-Side effects: none in the run dir or the model cache. A hub model's tokenizer files are fetched
-into the Hugging Face cache (to count prompt tokens); the hub dataset is fetched into the datasets
-cache, as the run would.
+"""Checks that need the environment, run before a run dir is created or a model is built, so a bad
+input costs seconds and leaves nothing behind: the engine is installed (and its device exists), the
+dirs a run writes are writable, the model is a local model dir, 'tiny' or a hub id usable now, the
+run's size fits the machine (sizes.py), and every dataset row is readable and its prompt fits the
+model. Config-only checks are the sections' own (problems()). Nothing is written in the run dir or
+the model cache; a hub model's tokenizer and the hub dataset are fetched into their caches, as the
+run would.
 """
 from __future__ import annotations
 
@@ -67,6 +64,13 @@ def tiny_to_build(cfg: Config) -> bool:
         tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file()
 
 
+def _unwritable(folder: Path) -> str | None:
+    """Why a run could not write into the existing dir `folder`, or None."""
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return "is on a read-only filesystem"
+    return None if os.access(folder, os.W_OK | os.X_OK) else "is not writable by this user"
+
+
 def _writable(path: str | Path, field: str) -> None:
     """`path` (or the nearest existing parent, where it would be created) must be a writable dir."""
     probe = Path(path).expanduser().absolute()
@@ -74,20 +78,16 @@ def _writable(path: str | Path, field: str) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(f"{field}={str(path)!r}: {probe} is a file, not a directory; point {field} at a directory")
-    read_only = os.statvfs(probe).f_flag & os.ST_RDONLY
-    if read_only or not os.access(probe, os.W_OK | os.X_OK):
-        why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+    why = _unwritable(probe)
+    if why:
         raise ConfigError(f"{field}={str(path)!r}: {probe} {why}; point {field} at a writable directory")
 
 
 def _run_dir_writable(run_dir: Path, continued: bool) -> None:
     """An existing run dir (a mount point, say) and its folders must be writable themselves."""
     for folder in (run_dir, *(run_dir / sub for sub in FOLDERS)):
-        if not folder.is_dir():   # rundir.check_entries refused links already
-            continue
-        read_only = os.statvfs(folder).f_flag & os.ST_RDONLY
-        if read_only or not os.access(folder, os.W_OK | os.X_OK):
-            why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+        why = _unwritable(folder) if folder.is_dir() else None   # rundir.check_entries refused links already
+        if why:
             fix = ("copy the run dir to a writable place and resume the copy" if continued else
                    "choose another run.name or run.out_dir")
             which = f"the run dir {run_dir}" + ("" if folder == run_dir else f": its folder {folder.name}/")

@@ -5,12 +5,10 @@ into it instead of training it again):
     if run:
         load_trained_run(trainer, run)                        # the trainer at its checkpoint's step
 
-"Of cfg's experiment" is what `lorabench resume` asks of a continued run: every field it may not
-change (compat.refused) equal, and the base model the one the checkpoint's fingerprint recorded.
-Only read: config.json (+ config_changes.jsonl), the checkpoint (weights only) and metrics.jsonl,
-each through the run dir itself (no link followed, rundir.check_entries). Nothing there is written
-or repaired, and its lock is only probed (rundir.lock_holder), so a run dir whose writer is still
-running can be read too (its checkpoint is replaced atomically) and stays as it was.
+"Of cfg's experiment" is what `lorabench resume` asks: every field it may not change equal, and the
+base model the one the checkpoint's fingerprint recorded. Only read, through the run dir itself
+(config.json and its changes, the checkpoint, metrics.jsonl); its lock is only probed, so a run dir
+whose writer is still running can be read too and stays as it was.
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """Is a run's size within what this machine can hold? An estimate before anything is built.
 
-Each term is a lower bound on memory the run certainly allocates (completions only, no prompt
-tokens, no activations), so a refusal is never a false alarm: a run refused here could not have
-fitted. A run that passes may still not fit (activations, allocator slack); that is left to the run.
-
+Each term is a lower bound on memory the run certainly allocates (completions only, no prompt tokens,
+no activations), so a refusal is never a false alarm; a run that passes may still not fit.
     needs(cfg, shape) -> [Need]        # the terms, largest first
-    check_sizes(cfg, shape, device)    # refuses (ConfigError) when their sum exceeds the machine
-                                       # (warm_start=True: or the tiny model's warm-start batch does)
-
-Terms (bytes):
-- sequences held at once: max(prompts_per_step x group_size, eval_size x eval_samples) sequences,
-  each ~1 KiB of Python objects plus 64 bytes per new token (ids, masks, log-probs, Python lists);
-- LoRA state: every LoRA parameter in float32 eight times (weights, gradients, two Adam moments, the
-  rollback snapshot of those three, the published adapter);
-- base weights: the model's parameters in model.dtype (the trainer's);
-- what the engine allocates in this process beside them (its class's `process_memory`: the hf
-  engine's own base weights and one generate chunk's float32 logits; nothing for SGLang, whose
-  memory is its own processes').
+    check_sizes(cfg, shape, device)    # ConfigError when their sum (or the tiny warm-start's) exceeds it
+Terms: sequences held at once (~1 KiB of Python objects plus 64 bytes per new token each); the LoRA
+state (every LoRA parameter in float32 x 8: weights, gradients, two Adam moments, the rollback
+snapshot of those three, the published adapter); the base weights in model.dtype; and what the engine
+allocates in this process (its `process_memory`: the hf engine's own weights and logits chunk).
 """
 from __future__ import annotations
 
