@@ -205,14 +205,10 @@ def plot_spread(ax, at: float, values, color: str, horizontal: bool = True, widt
     offsets = [width * (i / (n - 1) - 0.5) if n > 1 else 0.0 for i in range(n)]
     spots = [at * 2 ** o if log_position else at + o for o in offsets]
     q1, median, q3 = quartiles(values)
-    if horizontal:
-        ax.plot(values, spots, "o", ms=4, color=color, alpha=0.55, mec="none")
-        ax.plot([q1, q3], [at, at], "-", lw=6, color=color, alpha=0.45, solid_capstyle="butt")
-        ax.plot([median], [at], "|", ms=14, mew=2.5, color="k")
-    else:
-        ax.plot(spots, values, "o", ms=4, color=color, alpha=0.55, mec="none")
-        ax.plot([at, at], [q1, q3], "-", lw=6, color=color, alpha=0.45, solid_capstyle="butt")
-        ax.plot([at], [median], "_", ms=14, mew=2.5, color="k")
+    xy = (lambda v, p: (v, p)) if horizontal else (lambda v, p: (p, v))   # (values, positions) as (x, y)
+    ax.plot(*xy(values, spots), "o", ms=4, color=color, alpha=0.55, mec="none")
+    ax.plot(*xy([q1, q3], [at, at]), "-", lw=6, color=color, alpha=0.45, solid_capstyle="butt")
+    ax.plot(*xy([median], [at]), "|" if horizontal else "_", ms=14, mew=2.5, color="k")
     return q1, median, q3
 
 
