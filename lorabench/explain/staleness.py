@@ -178,11 +178,9 @@ def _relation(value: float, reference: float) -> str:
 # --- notebook 03: one group's advantages and clipped loss, and what a stale engine hides from it ---------
 @torch.no_grad()
 def one_group_loss(trainer, problem, step: int) -> dict:
-    """One group of G completions for `problem`, sampled by the engine with the adapter the trainer's
-    refresher serves (whatever version that is), then scored and turned into GRPO's advantages and
-    clipped loss with the package's own functions (rollout.sample, score, collate: group_advantages;
-    loss.token_logprobs, grpo_loss), twice: with π_old = the trainer's own log-probs, as Policy.train
-    takes it, and with π_old = the log-probs of the policy that sampled the tokens (the engine's)."""
+    """One group of G completions for `problem` from the adapter the engine serves, scored and turned
+    into GRPO's advantages and clipped loss by the package's own functions, twice: with π_old = the
+    trainer's own log-probs (as Policy.train takes it) and = the sampling policy's (the engine's)."""
     from ..loss import grpo_loss
     from ..rollout import collate, sample, score
     g, name = trainer.settings, trainer.refresher.serving_adapter
@@ -260,11 +258,9 @@ def group_loss_sentence(stale: dict, fresh: dict) -> str:
 
 
 def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str]:
-    """Where the harm of a stale refresh shows and where it does not, from the numbers on screen
-    (Markdown), and the held-out verdict for the learner's prediction: 'lower', 'the same' or
-    'higher' (the stale trainer's strict reward against the refreshed trainer's, beyond two standard
-    errors of a share of the problems scored). The served reward's harm counts only if the refreshed
-    run's reward was higher in every seed."""
+    """Where the harm of a stale refresh shows, from the numbers on screen (Markdown), and the held-out
+    verdict for the prediction: the stale trainer's strict reward 'lower', 'the same' or 'higher' than
+    the refreshed one's (beyond two standard errors); the served reward counts only if every seed agrees."""
     n, mean, seeds = summary["heldout_n"], summary["mean"], len(summary["per_seed"]["refreshed"])
     served_gap = mean["refreshed"] - mean["stale"]
     if summary["refreshed_higher"] == seeds:
