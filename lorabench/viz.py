@@ -146,11 +146,9 @@ def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel
             continue
         if rolling:
             ax.plot(steps, values, ".", alpha=0.3, color=color)
-        values = _rolling(values) if rolling else values
-        if log:
-            ax.semilogy(steps, [max(v, 1e-9) for v in values], "-", color=color, label=name)
-        else:
-            ax.plot(steps, values, "-", color=color, label=name)
+            values = _rolling(values)
+        draw = ax.semilogy if log else ax.plot
+        draw(steps, [max(v, 1e-9) for v in values] if log else values, "-", color=color, label=name)
     ax.set(xlabel="GRPO step", ylabel=ylabel)
     title_with_legend(ax, title, ncol=4)
     ax.grid(alpha=0.3)

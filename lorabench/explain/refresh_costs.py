@@ -4,6 +4,7 @@ new one) and what its timings say, each order stated only where the repeats' spr
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -56,10 +57,8 @@ def storage_across_refresh(engine, peft_model, mode: str, module: str = "model.l
                 "before": old.flatten()[:3].tolist(), "after": now.flatten()[:3].tolist()}
     finally:
         refresher.close()
-        try:
+        with suppress(AdapterNotLoaded):
             engine.unload_adapter(adapter_name)
-        except AdapterNotLoaded:
-            pass
 
 
 def storage_table(results: list[dict]):
