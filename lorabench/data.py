@@ -181,10 +181,8 @@ def overlong_prompts(problems: list[Problem], tokenizer, limit: int, enable_thin
 
 
 def step_problems(seed: int, step: int, n: int) -> list[Problem]:
-    """Fresh synthetic problems for one GRPO step, a pure function of (seed, step): a resumed run
-    sees exactly the problems the uninterrupted run would have seen. Training, evaluation and
-    warm-start use separate seed streams ('train-', 'eval-', 'warmstart-'), so they never share
-    a random sequence."""
+    """Fresh synthetic problems for one GRPO step, a pure function of (seed, step), so a resumed run
+    sees the uninterrupted run's problems; 'train-', 'eval-', 'warmstart-' seed streams never mix."""
     return synthetic_problems(n, f"train-{seed}-{step}")
 
 

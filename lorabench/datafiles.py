@@ -1,14 +1,11 @@
 """Reading dataset rows from local .jsonl / .parquet files and from the hub, with bounded memory and
 errors that name the file, the line (or row) and the fix. data.py turns the rows into problems.
 
-Why jsonl is parsed here line by line (stdlib `json`) rather than by `datasets.load_dataset("json")`
-or `pyarrow.json`: those report a bad line as a byte offset or a block, not as "line 7"; they
-accept a 50 MB line whole; and `datasets` first copies the file into its Arrow cache (a side effect
-before anything was validated). Each line is checked in this order, each with its own message:
-bounded length (a longer line is skipped in pieces, never held whole), UTF-8 (a BOM on the first
-line is accepted), JSON, a JSON object. Parquet is read with pyarrow (the library `datasets` reads
-it with), column by column in batches, and a value's byte length is checked before it becomes a
-Python string. The hub split comes through `datasets` (its cache: HF_DATASETS_CACHE or HF_HOME).
+jsonl is parsed line by line with stdlib `json`, not `datasets` or `pyarrow.json`: they report a bad
+line as a byte offset, hold a 50 MB line whole and (datasets) copy the file into a cache before it is
+validated. Each line is checked for bounded length (a longer one is skipped in pieces), UTF-8 (a BOM
+on line 1 accepted), JSON, an object. Parquet is read with pyarrow in batches, a value's byte length
+checked before it becomes a string. The hub split comes through `datasets` (and its cache).
 """
 from __future__ import annotations
 

@@ -27,11 +27,6 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def model_cached(repo_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-
-
 def ask_hub(kind: str, repo_id: str) -> str | None:
     """None if `repo_id` exists on the hub ('models' or 'datasets'), else why it cannot be used."""
     from huggingface_hub import get_token
@@ -58,8 +53,9 @@ def ask_hub(kind: str, repo_id: str) -> str | None:
 
 def model_unavailable(repo_id: str) -> str | None:
     """None if the hub model can be loaded now (cached under HF_HUB_OFFLINE=1, or on the hub)."""
+    from huggingface_hub import try_to_load_from_cache
     if offline():
-        if model_cached(repo_id):
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
             return None
         return (f"HF_HUB_OFFLINE=1 and {repo_id} is not in the Hugging Face cache (HF_HOME / HF_HUB_CACHE); "
                 f"download it once with network access (hf download {repo_id})")

@@ -7,17 +7,12 @@
     with WaitProgress("refresh modes") as progress:
         rows = measure_many(..., progress=progress.counting(4))  # calls progress(done, total)
 
-A wait is made of parts ("warm-start", "starting the engine"); the line shows the current one as
-'what: k of n · 12 s so far · about 30 s left' (the estimate: this part's mean time per step so far),
-'what · 12 s so far · expected about 40 s' for a part with a measured expected time, or
-'what · 12 s so far'; a note (a step's reward) follows it. `finish()` (the end of the `with` block,
-however it ends) shows the whole wait and each part's time, kept in `parts` (seconds), and replaces
-the widget by the same line as plain HTML: a saved notebook keeps how long the wait took (a widget's
-state is not saved with the notebook by default).
-
-It ticks from a thread of its own through widget messages, which reach the cell's output whether or
-not the kernel is busy. Its text/plain is PROGRESS_TEXT + the description, so a notebook test tells
-it from a library's progress bar (tqdm's text/plain is the bar: '40%|####  | 4/10 [00:02<00:03]').
+The line shows the current part ('what: k of n · 12 s so far · about 30 s left', or '· expected
+about 40 s' for a part with an expected time) and a note. `finish()` (the end of the `with` block)
+shows the whole wait and each part's time (kept in `parts`), then replaces the widget by the same
+line as plain HTML, which a saved notebook keeps (a widget's state is not saved by default). It
+ticks from its own thread through widget messages, which arrive whether or not the kernel is busy;
+its text/plain starts with PROGRESS_TEXT, so a notebook test tells it from a library's tqdm bar.
 """
 from __future__ import annotations
 

@@ -1,30 +1,23 @@
 """Refresh latency per method (file / tensor / inplace / merged), bucket size and LoRA rank, on a real
-engine, next to the physical floor: the bytes moved divided by the measured copy bandwidth (notebook
-02; benchmarks/refresh_sweep.py sweeps ranks and bucket sizes with it).
+engine, next to the physical floor: the bytes moved at the measured copy bandwidth (notebook 02;
+benchmarks/refresh_sweep.py sweeps with it).
 
     engine = start_engine(cfg, model_path)              # a scratch engine: merged overwrites its weights
     model = adapter_model(model_path, rank=16)          # a scratch trainer-side adapter of that size
     rows = [measure_refresh(engine, model, mode, bucket_mb=64) for mode in MODES]
-    bandwidth = measure_bandwidth()                     # GB/s, host memcpy (or on-device on a GPU)
-    save_results("refresh.json", rows, bandwidth)       # JSON: {"kind": "refresh_sweep", ..., "rows": rows}
+    save_results("refresh.json", rows, measure_bandwidth())   # {"kind": "refresh_sweep", ..., "rows": rows}
 
-Each row summarises `repeats` refreshes of the same adapter after `warmup` untimed ones, timed with
-one torch thread unless told otherwise (`torch_threads` says why):
+A row summarises `repeats` refreshes after `warmup` untimed ones, with one torch thread unless told
+otherwise (`torch_threads` says why):
     {"engine", "device", "mode", "rank", "bucket_mb", "repeats", "threads", "bytes", "buckets",
      "parts": {part: s}, "total_s", "min_s", "first_request_s", "end_to_end_s",
-     "samples": {"total_s": [...], "first_request_s": [...], "end_to_end_s": [...],
-                 "parts": {part: [...]}}}
-`bytes`, `buckets`, `parts` and `total_s` are the median refresh call's (the lower median);
-`first_request_s` is the median of the request right after each refresh (one prompt, one greedy
-token, with the refreshed adapter) and `end_to_end_s` the median of call + that request, the
-refresh end to end as a rollout sees it; `samples` holds every repeat, for figures that show the
-spread. Parts are the refresher's own (refresh.py), after the policy's snapshot (timed here as
-`snapshot`): file = stage (per bucket, to the host) + write + unload + load; tensor = stage (per
-bucket) + unload + load; inplace = write (after its first, loading refresh); merged = merge + push
-(per bucket).
-
-Bucket sizes for a merged sweep come from the model's own tensor sizes (`distinct_push_buckets`),
-so that each size gives a different number of pushes.
+     "samples": {"total_s": [...], "first_request_s": [...], "end_to_end_s": [...], "parts": {part: [...]}}}
+`bytes`, `buckets`, `parts` and `total_s` are the (lower) median call's; `first_request_s` is the
+median of the request after each refresh (one prompt, one greedy token) and `end_to_end_s` of call
++ request, the refresh as a rollout sees it; `samples` holds every repeat. Parts are the
+refresher's (refresh.py) after the policy's `snapshot`: file = stage (to the host) + write + unload +
+load; tensor = stage + unload + load; inplace = write (after its first, loading refresh); merged =
+merge + push (stage and push per bucket).
 """
 from __future__ import annotations
 
@@ -33,7 +26,7 @@ import math
 import os
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -88,20 +81,11 @@ def adapter_model(model_path: str, rank: int, seed: int = 0, target_modules="all
     return model.eval()
 
 
-def _drop_adapter(engine, name: str) -> None:
-    try:
-        engine.unload_adapter(name)
-    except AdapterNotLoaded:
-        pass
-
-
 @contextmanager
 def torch_threads(threads: int | None):
     """torch's CPU thread count set to `threads` inside the block (None: left as it is), restored after.
-    One thread is what makes CPU timings hold on a shared machine: torch splits a large copy or
-    reduction over its threads and waits for the last of them, so a thread that loses its core to
-    another process stalls the whole operation, often for longer than the operation takes; one
-    thread has no one to wait for (notebook 02 measures both)."""
+    One thread keeps CPU timings steady on a shared machine: torch waits for the last of its threads,
+    and one that loses its core stalls the whole operation (notebook 02 measures both)."""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -113,13 +97,10 @@ def torch_threads(threads: int | None):
 
 def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: int = 3, warmup: int = 1,
                     adapter_name: str = "bench", threads: int | None = 1) -> dict:
-    """Refreshes of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb`, summarised in one
-    row (the module docstring lists its keys), the policy's snapshot (LoRA layers -> one flat
-    adapter) included as the part `snapshot`. Timed with `threads` torch threads (None: as set).
-
-    Like the policy, it makes the model's LoRA weights views of one flat buffer (LoraLayers with
-    flatten=True), which re-binds them: pass a scratch model (`adapter_model`), not a live trainer's,
-    whose optimizer would lose its parameters."""
+    """Refreshes of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` as one row (the module
+    docstring lists its keys), with `threads` torch threads (None: as set). Like the policy it makes
+    the LoRA weights views of one flat buffer, re-binding them: pass a scratch model (`adapter_model`),
+    not a live trainer's, whose optimizer would lose its parameters."""
     from .policy import LoraLayers
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
@@ -133,8 +114,9 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
             records, first_requests = _timed_refreshes(engine, layers, refresher, warmup, repeats)
     finally:
         refresher.close()
-        if mode != "merged":
-            _drop_adapter(engine, adapter_name)
+        with suppress(AdapterNotLoaded):
+            if mode != "merged":
+                engine.unload_adapter(adapter_name)
     row = _row(records, first_requests)
     return {"engine": getattr(engine, "name", type(engine).__name__), "device": str(getattr(engine, "device", "")),
             "mode": mode, "rank": int(peft_model.peft_config["default"].r), "bucket_mb": bucket_mb,
@@ -279,10 +261,9 @@ def rank_sweep(engine, model_path: str, ranks, bucket_mb: float, repeats: int, d
 
 
 def thread_probe(engine, peft_model, thread_counts, repeats: int = 10, progress=None) -> list[dict]:
-    """In-place refreshes end to end (the cheapest mode) at each torch thread count, one row per count
-    (as measure_refresh makes them). The counts take turns, one timed refresh each per round, so that
-    all of them meet the same load: a load that changes during the probe does not favour the count
-    measured while it was low. `progress(done, total)` after each round."""
+    """In-place refreshes end to end at each torch thread count, one row per count (as measure_refresh
+    makes them). The counts take turns, one timed refresh each per round, so a changing load favours
+    none of them. `progress(done, total)` after each round."""
     from .policy import LoraLayers
     layers = LoraLayers(peft_model, flatten=True)  # as the policy keeps them
     refresher = make_refresher(refresh_settings("inplace", 64.0), engine, "threads")
@@ -301,7 +282,8 @@ def thread_probe(engine, peft_model, thread_counts, repeats: int = 10, progress=
                 progress(round_ + 1, repeats)
     finally:
         refresher.close()
-        _drop_adapter(engine, "threads")
+        with suppress(AdapterNotLoaded):
+            engine.unload_adapter("threads")
     meta = {"engine": getattr(engine, "name", type(engine).__name__), "device": str(getattr(engine, "device", "")),
             "mode": "inplace", "rank": int(peft_model.peft_config["default"].r), "bucket_mb": 64.0, "repeats": repeats}
     return [{**meta, "threads": n, **_row(*timed[n])} for n in thread_counts]
@@ -337,21 +319,17 @@ def engine_label(engine) -> str:
 
 
 def load_label() -> str:
-    """The machine's load as a measurement ends, for a figure's title: the 1-minute load average (a
-    mean over the last minute, so it covers a measurement of that length) and the CPUs this process
-    may use. Timings taken at a load above the CPU count had to share their cores."""
+    """The machine's load as a measurement ends, for a figure's title: the 1-minute load average and
+    the CPUs this process may use (timings at a load above the CPU count shared their cores)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"load average {os.getloadavg()[0]:.1f} on {cpus} CPUs"
 
 
 def fastest_copy_bandwidth(device: str = "cpu", sizes_mb=(1, 16, 256)) -> tuple[float, int]:
     """(GB/s, MB): the fastest of measure_bandwidth at each size in `sizes_mb`, with one torch thread
-    and with the current count, and the size it was measured at. A floor must be a lower bound for
-    every size a lesson moves: on a CPU a copy that fits in the caches runs several times faster than
-    one that streams from memory (a 256 MB copy alone would put the floor above a merged push of a
-    small model's weights), and on a loaded machine a copy split over threads waits for the slowest
-    (one thread does not); on a GPU the large copy is the fastest, a small one paying its launch.
-    Small copies are repeated more: each takes microseconds, and the best of many is the bandwidth."""
+    and with the current count, and the size it was measured at. A floor must bound every size a
+    lesson moves: a copy that fits in the CPU's caches runs several times faster than one from
+    memory, and a GPU's small copy pays its launch. Small copies (microseconds) are repeated more."""
     measured = {}
     for mb in sizes_mb:
         for threads in sorted({1, torch.get_num_threads()}):

@@ -14,6 +14,7 @@ import math
 import statistics
 
 import matplotlib.pyplot as plt  # headless: matplotlib picks Agg by itself when there is no display
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 PART_COLORS = {"write": "#4c72b0", "snapshot": "#8172b2", "stage": "#64b5cd", "unload": "#dd8452",
                "load": "#55a868", "merge": "#937860", "push": "#c44e52", "snapshot & rest": "#8172b2",
@@ -27,6 +28,18 @@ STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.lab
 def use_style() -> None:
     """The notebooks' figure style (STYLE: text of 9 pt and more, 100 dpi)."""
     plt.rcParams.update(STYLE)
+
+
+def labelled_figure(label: str, *grid, **kw):
+    """plt.subplots(*grid, layout="constrained", **kw), the figure named `label` (fig.set_label)."""
+    fig, axes = plt.subplots(*grid, layout="constrained", **kw)
+    fig.set_label(label)
+    return fig, axes
+
+
+def in_part_order(found) -> list[str]:
+    """Refresh part names in PART_ORDER, then any others alphabetically."""
+    return [p for p in PART_ORDER if p in found] + sorted(set(found) - set(PART_ORDER))
 
 
 # --- one run, step by step (the CLI's plots and the step-through panel) --------------------------
@@ -52,12 +65,6 @@ def title_with_legend(ax, title: str, ncol: int = 3) -> None:
     ax.set_title(title, loc="left", pad=8 + 17 * rows)
 
 
-def _legend_right(ax) -> None:
-    """A one-column legend right of the axes, in the order the parts were drawn."""
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)
-
-
 def plot_rewards(rows, evals=(), ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     steps, reward = _series(rows, "reward/mean")
@@ -76,15 +83,10 @@ def plot_rewards(rows, evals=(), ax=None):
     return ax
 
 
-def _refresh_parts(rows):
-    found = {k[len("refresh/"):-2] for r in rows for k in r
-             if k.startswith("refresh/") and k.endswith("_s") and k != "refresh/total_s"}
-    return [p for p in PART_ORDER if p in found] + sorted(found - set(PART_ORDER))
-
-
 def plot_refresh(rows, ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    parts = _refresh_parts(rows)
+    parts = in_part_order({k[len("refresh/"):-2] for r in rows for k in r
+                           if k.startswith("refresh/") and k.endswith("_s") and k != "refresh/total_s"})
     bottom = [0.0] * len(rows)
     steps = [r["step"] for r in rows]
     for part in parts:
@@ -144,11 +146,9 @@ def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel
             continue
         if rolling:
             ax.plot(steps, values, ".", alpha=0.3, color=color)
-        values = _rolling(values) if rolling else values
-        if log:
-            ax.semilogy(steps, [max(v, 1e-9) for v in values], "-", color=color, label=name)
-        else:
-            ax.plot(steps, values, "-", color=color, label=name)
+            values = _rolling(values)
+        draw = ax.semilogy if log else ax.plot
+        draw(steps, [max(v, 1e-9) for v in values] if log else values, "-", color=color, label=name)
     ax.set(xlabel="GRPO step", ylabel=ylabel)
     title_with_legend(ax, title, ncol=4)
     ax.grid(alpha=0.3)
@@ -171,11 +171,6 @@ def run_plot_images(rows, evals) -> dict[str, bytes]:
 
 # --- refresh methods (notebook 02): rows as refresh_bench.measure_refresh makes them ---------------
 MODE_COLORS = {"file": "#4c72b0", "tensor": "#55a868", "inplace": "#c44e52", "merged": "#8172b2"}
-
-
-def _parts(rows):
-    present = {p for r in rows for p in r["parts"]}
-    return [p for p in PART_ORDER if p in present] + sorted(present - set(PART_ORDER))
 
 
 def _floor_ms(row, bandwidth_gbps):
@@ -208,14 +203,10 @@ def plot_spread(ax, at: float, values, color: str, horizontal: bool = True, widt
     offsets = [width * (i / (n - 1) - 0.5) if n > 1 else 0.0 for i in range(n)]
     spots = [at * 2 ** o if log_position else at + o for o in offsets]
     q1, median, q3 = quartiles(values)
-    if horizontal:
-        ax.plot(values, spots, "o", ms=4, color=color, alpha=0.55, mec="none")
-        ax.plot([q1, q3], [at, at], "-", lw=6, color=color, alpha=0.45, solid_capstyle="butt")
-        ax.plot([median], [at], "|", ms=14, mew=2.5, color="k")
-    else:
-        ax.plot(spots, values, "o", ms=4, color=color, alpha=0.55, mec="none")
-        ax.plot([at, at], [q1, q3], "-", lw=6, color=color, alpha=0.45, solid_capstyle="butt")
-        ax.plot([at], [median], "_", ms=14, mew=2.5, color="k")
+    xy = (lambda v, p: (v, p)) if horizontal else (lambda v, p: (p, v))   # (values, positions) as (x, y)
+    ax.plot(*xy(values, spots), "o", ms=4, color=color, alpha=0.55, mec="none")
+    ax.plot(*xy([q1, q3], [at, at]), "-", lw=6, color=color, alpha=0.45, solid_capstyle="butt")
+    ax.plot(*xy([median], [at]), "|" if horizontal else "_", ms=14, mew=2.5, color="k")
     return q1, median, q3
 
 
@@ -259,7 +250,7 @@ def plot_parts(rows, ax):
     stacked on a linear axis (same mode order as `plot_end_to_end`); the legend right of the axes."""
     rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
     left = [0.0] * len(rows)
-    for part in [*_parts(rows), "first request"]:
+    for part in [*in_part_order({p for r in rows for p in r["parts"]}), "first request"]:
         vals = [1e3 * (r.get("first_request_s", 0.0) if part == "first request" else r["parts"].get(part, 0.0))
                 for r in rows]
         ax.barh(range(len(rows)), vals, left=left, color=PART_COLORS.get(part), label=part)
@@ -269,15 +260,14 @@ def plot_parts(rows, ax):
     ax.set_xlim(0, 1.05 * max(left))
     ax.set_xlabel("ms: the median call's parts, then the median first request")
     ax.set_title("Where the time goes", loc="left")
-    _legend_right(ax)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)   # in drawing order
     ax.grid(alpha=0.3, axis="x")
     return ax
 
 
 def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
     """Which refresh is fastest end to end, with every repeat (left), and where the time goes (right)."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), layout="constrained")
-    fig.set_label("refresh_modes")
+    fig, (left, right) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)))
     plot_end_to_end(rows, left, bandwidth_gbps)
     plot_parts(rows, right)
     fig.suptitle(label, x=0.01, ha="left")
@@ -305,42 +295,30 @@ def push_cost_fit(rows) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def _plot_push_curve(ax, curve, rows) -> None:
-    """The push count as the refresher's packing gives it for every bucket size (a step line), and
-    the sizes measured, each at the count its refreshes took."""
-    ax.step([mb for mb, _ in curve], [n for _, n in curve], where="post", color="#999999",
-            label="pushes the packing gives")
-    ax.plot([r["bucket_mb"] for r in rows], [r["buckets"] for r in rows], "o", ms=7, color=PART_COLORS["push"],
-            label="bucket sizes measured")
-    for r in rows:
-        ax.annotate(f"{r['bucket_mb']:g} MB", (r["bucket_mb"], r["buckets"]), textcoords="offset points",
-                    xytext=(6, 4))
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set(xlabel="bucket size (MB, log scale)", ylabel="pushes (engine calls, log scale)")
-    title_with_legend(ax, "Bucket size -> pushes, from the tensors' sizes", ncol=1)
-
-
-def _signed(x: float, digits: str = ".2g") -> str:
-    return f"+ {x:{digits}}" if x >= 0 else f"− {-x:{digits}}"
-
-
 def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, label: str = ""):
     """Left: how many pushes each bucket size takes (computed from the weights' sizes; the sizes
     measured, one per push count). Right: the push part of each merged refresh (the part the bucket
     size changes) against its pushes (linear: a line's slope is the cost of one push), every repeat
     with its spread, a least-squares line through the medians, and the floor."""
     rows = sorted(rows, key=lambda r: r["buckets"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
-    fig.set_label("merged_buckets")
-    _plot_push_curve(left, curve, rows)
+    fig, (left, right) = labelled_figure("merged_buckets", 1, 2, figsize=(12, 4.4))
+    left.step([mb for mb, _ in curve], [n for _, n in curve], where="post", color="#999999",
+              label="pushes the packing gives")
+    left.plot([r["bucket_mb"] for r in rows], [r["buckets"] for r in rows], "o", ms=7, color=PART_COLORS["push"],
+              label="bucket sizes measured")
+    for r in rows:
+        left.annotate(f"{r['bucket_mb']:g} MB", (r["bucket_mb"], r["buckets"]), textcoords="offset points",
+                      xytext=(6, 4))
+    left.set(xscale="log", yscale="log", xlabel="bucket size (MB, log scale)",
+             ylabel="pushes (engine calls, log scale)")
+    title_with_legend(left, "Bucket size -> pushes, from the tensors' sizes", ncol=1)
     for r in rows:
         plot_spread(right, r["buckets"], part_ms(r, "push"), PART_COLORS["push"], horizontal=False, width=0.5)
     _spread_legend(right, PART_COLORS["push"], vertical_tick=False)
     fixed, per_push = push_cost_fit(rows)
     most = max(r["buckets"] for r in rows)
     right.plot([0, most], [fixed, fixed + per_push * most], "k:", lw=1,
-               label=f"line: {fixed:.3g} ms {_signed(per_push)} ms × pushes")
+               label=f"line: {fixed:.3g} ms {'+' if per_push >= 0 else '−'} {abs(per_push):.2g} ms × pushes")
     floor = _floor_ms(rows[0], bandwidth_gbps)
     if floor is not None:
         right.axhline(floor, color="k", ls="--", lw=1.2, label=f"floor: weights moved once ({floor:.2g} ms)")
@@ -364,12 +342,6 @@ def empty_axes(ax, note: str) -> None:
     ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", color="#666666")
 
 
-def _evals_at(evals, key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of the greedy held-out evaluations' `key`."""
-    greedy = [e for e in evals if e.get("greedy")]
-    return [e["step"] for e in greedy], [e[key] for e in greedy]
-
-
 def plot_learned(rows, evals, ax) -> None:
     """The reward beside what it does not pay for: per step (fresh problems each step, so each point
     is measured on problems the policy has not trained on) the reward, the share ending '#### N' and
@@ -379,9 +351,10 @@ def plot_learned(rows, evals, ax) -> None:
                               ("completions/last_number_right", "#c44e52", "last number right, any format")):
         steps, values = _series(rows, key)
         ax.plot(steps, _rolling(values), "-", color=color, label=f"{label}, mean of 5")
+    greedy = [e for e in evals if e.get("greedy")]
     for key, color, marker in (("format", "#55a868", "s"), ("flexible", "#c44e52", "D")):
-        steps, values = _evals_at(evals, key)
-        ax.plot(steps, values, marker, color=color, ms=7, ls="none", markeredgecolor="k")
+        ax.plot([e["step"] for e in greedy], [e[key] for e in greedy], marker, color=color, ms=7, ls="none",
+                markeredgecolor="k")
     ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
     top = max([1.0] + [v for v in _series(rows, "reward/mean")[1]])   # a format bonus pays above 1
     ax.set(xlabel="GRPO step", ylabel="share of completions (reward: mean)", ylim=(-0.02, top + 0.02))
@@ -393,9 +366,8 @@ def run_learned_figure(rows, evals):
     """Three questions about a run, side by side: what it learned (`plot_learned`), how far the policy
     moved from the base model (KL, k3 on the sampled tokens) and how sure it became (the entropy of
     its next-token distribution); one point per step each."""
-    fig, (learned, kl, entropy) = plt.subplots(1, 3, figsize=(13, 4.6), layout="constrained",
-                                               gridspec_kw={"width_ratios": [1.5, 1, 1]})
-    fig.set_label("run_learned")
+    fig, (learned, kl, entropy) = labelled_figure("run_learned", 1, 3, figsize=(13, 4.6),
+                                                  gridspec_kw={"width_ratios": [1.5, 1, 1]})
     plot_learned(rows, evals, learned)
     for ax, key, color, title, ylabel in (
             (kl, "kl/mean", "#8172b2", "KL to the base model", "nats per token (k3)"),
@@ -412,8 +384,7 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
     """The same steps with the engine refreshed (the run above) and with refresh.mode=`mode`: the
     trainer-vs-engine mismatch beside the refreshed run's probe gap (left, log scale: they differ by
     decades), and the reward the engine's completions earned (right)."""
-    fig, (gap, reward) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
-    fig.set_label("broken_refresh")
+    fig, (gap, reward) = labelled_figure("broken_refresh", 1, 2, figsize=(12, 4.2))
     for rows, key, style, color, label in (
             (refreshed, "probe/adapter_gap", "s-", "#999999", "probe gap, refreshed run"),
             (refreshed, "mismatch/mean", "o-", "#4c72b0", "mismatch, refreshed run"),
@@ -435,19 +406,10 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
     return fig
 
 
-def _log_ticks(axis) -> None:
-    """Labelled ticks at 1, 2 and 5 of each decade on a log axis (plain numbers, no powers of ten)."""
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(ScalarFormatter())
-    axis.set_minor_formatter(NullFormatter())
-
-
 def refresh_rank_figure(rows, label: str = ""):
     """Each mode's refresh end to end against the LoRA rank (log-log: a time that grew with the bytes
     would climb at the bytes' slope), the median joined, the middle half as a bar, every repeat."""
-    fig, ax = plt.subplots(figsize=(9, 4.6), layout="constrained")
-    fig.set_label("refresh_rank")
+    fig, ax = labelled_figure("refresh_rank", figsize=(9, 4.6))
     ranks = sorted({r["rank"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     for i, mode in enumerate(modes):
@@ -468,7 +430,9 @@ def refresh_rank_figure(rows, label: str = ""):
     ax.set_yscale("log")
     ax.set_xticks(ranks, [f"{k}\n{adapter_mb[k]:.2g} MB" if k in adapter_mb else f"{k}" for k in ranks])
     ax.minorticks_off()
-    _log_ticks(ax.yaxis)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))   # 1, 2, 5 of each decade, as numbers
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set(xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
     title_with_legend(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each "
                           "repeat; dashed: a time in proportion to the bytes)", ncol=5)
@@ -480,8 +444,7 @@ def refresh_rank_figure(rows, label: str = ""):
 def thread_probe_figure(rows, label: str = ""):
     """The same in-place refresh end to end at each torch thread count: every repeat, its middle half
     and median (log x: a stall of 100x the operation fits beside it)."""
-    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.55 * len(rows)), layout="constrained")
-    fig.set_label("timing_threads")
+    fig, ax = labelled_figure("timing_threads", figsize=(9, 1.6 + 0.55 * len(rows)))
     for y, row in enumerate(rows):
         values = end_to_end_ms(row)
         _, median, _ = plot_spread(ax, y, values, "#5d6d7e")
@@ -510,8 +473,7 @@ def ms_text(ms: float, digits: int = 3) -> str:
 def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], key: str = "strict"):
     """Notebook 04: the policies' training reward (mean of 5 steps) beside their held-out `key` share
     with two standard errors."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained", width_ratios=(3, 2))
-    fig.set_label("rank_sweep")
+    fig, (left, right) = labelled_figure("rank_sweep", 1, 2, figsize=(11, 3.8), width_ratios=(3, 2))
     plot_policies(histories, "reward/mean", "Training reward (mean of 5 steps)", "mean over the step's completions",
                   ax=left, rolling=True)
     names = list(after)

@@ -7,26 +7,16 @@
     panel.end("note")  # wait for the run, disable the buttons (the views stay), show a note
     panel.close()      # stop, close the widgets, free the figure
 
-Design:
-- Steps run in one background thread, so the kernel stays responsive (Stop, other cells); a lock
-  makes a second Step / Run N while one is running a no-op that says so. Stop is honoured between
-  steps (a step is never cut in half: its checkpoint is the run's commit point).
-- Callbacks never print into whatever cell is current: every view is a widget of the panel, and
-  updating one replaces its value in a single message (no clear-then-draw flicker). Text notes
-  and errors go to an `Output` through `append_stdout` / `append_stderr`, which, unlike
-  `with output:`, is safe from a thread.
-- The live figure is one matplotlib `Figure` created with the panel and redrawn in place into a
-  PNG for an `Image` widget; it is not registered with pyplot, so stepping opens no figures and
-  nothing accumulates.
-- While a step runs, a ticker thread rewrites the status line every `tick_s` seconds: which part of
-  the step is under way (rollout, reward, train, refresh, probe, commit: the trainer's step clock),
-  its time so far, and a bar that moves towards the last step's time.
-- The status line says what the step did with adapter versions (sampled with v(k-1), trained to
-  v(k), v(k) refreshed into the engine) and explains reward, probe gap and mismatch in one line each.
-- Kernel -> Interrupt: while a cell runs, it interrupts that cell as always (a cell waiting in
-  `panel.wait()` also stops the panel after its current step); while the kernel is idle and the
-  panel steps, it acts as Stop. (An idle ipykernel ignores SIGINT; the panel makes its own handler
-  the one the kernel restores between messages, and that handler only stops running panels.)
+Steps run in one background thread, so the kernel stays responsive; a lock makes a second Step /
+Run N while one runs a no-op that says so, and Stop is honoured between steps (a step's checkpoint
+is the run's commit point). Callbacks never print into the current cell: every view is a widget
+of the panel whose value is replaced in one message, and notes go to an `Output` through
+`append_stdout` (safe from a thread, unlike `with output:`). The live figure is one `Figure`, not
+registered with pyplot, redrawn into a PNG for an `Image` widget. While a step runs, a ticker
+rewrites the status line every `tick_s` seconds (the step's part under way, from the trainer's
+clock, and its time). Kernel -> Interrupt interrupts a running cell as always (a cell waiting in
+`panel.wait()` also stops the panel); while the kernel is idle it acts as Stop: an idle ipykernel
+ignores SIGINT, so the panel makes its own handler the one the kernel restores between messages.
 
 `setup_notebook()` is the notebooks' setup: the figure style, and the libraries' progress bars and
 one known deprecation warning kept out of the lesson.
@@ -64,10 +54,9 @@ from .viz import (
 
 
 def setup_notebook() -> None:
-    """The notebooks' setup cell calls this: the figure style (viz.STYLE), no progress bars from
-    transformers / huggingface_hub (model loading and saving would draw one per call), and PEFT's
-    use of a transformers property deprecated in v5 (`is_gradient_checkpointing`, a FutureWarning
-    on every get_peft_model) not shown. Figures are shown by the notebook's own PNG formatter."""
+    """The notebooks' setup: the figure style (viz.STYLE), no progress bars from transformers /
+    huggingface_hub (one per model load or save), and no FutureWarning from PEFT's use of
+    `is_gradient_checkpointing` (deprecated in transformers v5) on every get_peft_model."""
     from transformers.utils import logging as hf_logging
     use_style()
     hf_logging.disable_progress_bar()
@@ -75,11 +64,9 @@ def setup_notebook() -> None:
 
 
 def sglang_in_notebook() -> list[str]:
-    """The config overrides a notebook adds to run the sglang engine in its kernel: the output of the
-    engine's own processes (SGLang's progress bars while it loads weights and captures CUDA graphs)
-    goes to a log file, since a kernel shows whatever they write in the notebook; and training
-    uncompiled: a lesson's steps are small, and the compile (~1 min at the first step on a GPU,
-    grpo.compile=auto) would be most of the wait for the first Step."""
+    """The overrides a notebook adds to run the sglang engine in its kernel: the engine processes'
+    output (progress bars) to a log file, not the notebook; and training uncompiled, since a
+    lesson's steps are small and the compile would be most of the wait for the first Step."""
     import tempfile
     return [f"engine.sglang.log_file={Path(tempfile.gettempdir()) / 'lorabench-sglang.log'}", "grpo.compile=off"]
 
@@ -236,20 +223,25 @@ class StepPanel:
     def render(self) -> None:
         """Redraw every view from the trainer's history and the last step record."""
         rows = list(self.trainer.history)
+        self._draw([lambda ax, plot=plot: plot(rows, ax=ax)
+                    for plot in (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)], empty=not rows)
+        self.status.value = status_lines(rows[-1] if rows else None, self.trainer.rewards)
+        self.completions.value = completions_table(self.last.samples if self.last else [])
+        self.refresh.value = refresh_table(self.last.refresh if self.last else None)
+
+    def _draw(self, plots, empty: bool) -> None:
+        """The live figure, one plot(ax) per axes, into the Image widget; then the steps done."""
         with self._draw_lock, matplotlib.rc_context(STYLE):
-            for ax, plot in zip(self.axes, (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)):
+            for ax, plot in zip(self.axes, plots):
                 ax.clear()
-                plot(rows, ax=ax)
+                plot(ax)
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole numbers
-                if not rows:   # no data: no made-up axis ranges, a note instead
+                if empty:   # no data: no made-up axis ranges, a note instead
                     empty_axes(ax, "no step yet")
             png = io.BytesIO()
             self.figure.savefig(png, format="png", dpi=self.dpi, bbox_inches="tight")
             self.plot.value = png.getvalue()
         self.step_label.value = f"steps done: {self.trainer.step_count}"
-        self.status.value = status_lines(rows[-1] if rows else None, self.trainer.rewards)
-        self.completions.value = completions_table(self.last.samples if self.last else [])
-        self.refresh.value = refresh_table(self.last.refresh if self.last else None)
 
     def close(self) -> None:
         """Stop (after the current step), close the panel's widgets and free its figure. ipywidgets
@@ -332,7 +324,7 @@ class StepPanel:
                 with self._status_lock:
                     self._running = (self.trainer.step_count + 1, i, n, started, step_started)
                 self._show_running()
-                self.last = self._one_step()
+                self.last = self.trainer.step()
                 self._last_step_s = time.perf_counter() - step_started
                 with self._status_lock:   # from here on the ticker leaves the status line to render()
                     self._running = None
@@ -366,9 +358,6 @@ class StepPanel:
     def _phase(self) -> str | None:
         return step_phase(self.trainer)
 
-    def _one_step(self):
-        return self.trainer.step()
-
     def _set_running(self, running: bool) -> None:
         self.step_button.disabled = self.run_button.disabled = running or self._ended
         self.stop_button.disabled = not running
@@ -382,20 +371,10 @@ class GroupPanel(StepPanel):
 
     def render(self) -> None:
         histories = {name: list(t.history) for name, t in self.trainer.trainers.items()}
-        with self._draw_lock, matplotlib.rc_context(STYLE):
-            for ax, (key, title, ylabel, log, rolling) in zip(self.axes, GROUP_VIEWS):
-                ax.clear()
-                plot_policies(histories, key, title, ylabel, ax=ax, log=log, rolling=rolling)
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-                if not any(histories.values()):
-                    empty_axes(ax, "no step yet")
-            png = io.BytesIO()
-            self.figure.savefig(png, format="png", dpi=self.dpi, bbox_inches="tight")
-            self.plot.value = png.getvalue()
-        self.step_label.value = f"steps done: {self.trainer.step_count}"
+        self._draw([lambda ax, v=view: plot_policies(histories, *v[:3], ax=ax, log=v[3], rolling=v[4])
+                    for view in GROUP_VIEWS], empty=not any(histories.values()))
         self.status.value = policies_table(histories)
-        self.completions.value = ""
-        self.refresh.value = ""
+        self.completions.value = self.refresh.value = ""
 
     def _phase(self) -> str | None:
         name = getattr(self.trainer, "current", None)   # None while the policies' shared batch is sampled

@@ -7,11 +7,10 @@ import re
 import time
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import torch
 
 from ..progress import WaitProgress
-from ..viz import title_with_legend
+from ..viz import labelled_figure, title_with_legend
 
 RANK_TOL = 1e-5   # σ_i / σ_1 below this is float32 rounding of B·A, not a direction ΔW has
 
@@ -35,8 +34,7 @@ def plot_delta_w(f: dict):
     w_lim = float(f["W"].abs().max()) or 1.0
     d_lim = float(f["delta"].abs().max()) or w_lim
     zoom = w_lim / d_lim
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.0), layout="constrained")
-    fig.set_label("delta_w")
+    fig, axes = labelled_figure("delta_w", 1, 3, figsize=(13, 4.0))
     shared = dict(cmap="RdBu_r", vmin=-w_lim, vmax=w_lim, aspect="auto", interpolation="nearest")
     axes[0].imshow(f["W"].numpy(), **shared)
     axes[0].set_title(f"frozen W {tuple(f['W'].shape)}", loc="left")
@@ -55,8 +53,7 @@ def plot_singular_values(spectrum: dict, module: str = ""):
     """ΔW's and W's singular values on a log axis, with the rank r marked: ΔW's fall off a cliff
     after index r, W's do not."""
     r = spectrum["r"]
-    fig, ax = plt.subplots(figsize=(9, 3.8), layout="constrained")
-    fig.set_label("delta_w_singular_values")
+    fig, ax = labelled_figure("delta_w_singular_values", figsize=(9, 3.8))
     tiny = torch.finfo(torch.float64).tiny   # a zero singular value has no place on a log axis
     for key, color, label in (("W", "#999999", "W (frozen)"), ("delta", "#4c72b0", "ΔW")):
         s = spectrum[key].clamp_min(tiny)

@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from ..adapters import base_param_name
-from ..viz import MIN_FONT_PT, PART_COLORS, title_with_legend
+from ..viz import MIN_FONT_PT, PART_COLORS, labelled_figure, title_with_legend
 
 
 def lora_factors(peft_model, module: str = "model.layers.0.self_attn.q_proj", adapter: str = "default") -> dict:
@@ -24,8 +24,7 @@ def plot_lora_factors(f: dict):
     """The two factors a LoRA layer learns, B [out, r] and A [r, in], each on its own symmetric
     colour scale (their product ΔW is drawn by `plot_delta_w`, beside W)."""
     r = f["A"].shape[0]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 3.4), gridspec_kw={"width_ratios": [0.45, 1]}, layout="constrained")
-    fig.set_label("lora_factors")
+    fig, axes = labelled_figure("lora_factors", 1, 2, figsize=(13, 3.4), gridspec_kw={"width_ratios": [0.45, 1]})
     for ax, (m, title) in zip(axes, [(f["B"], f"B {tuple(f['B'].shape)}, its own scale"),
                                      (f["A"], f"A {tuple(f['A'].shape)}, its own scale")]):
         lim = float(m.abs().max()) or 1.0

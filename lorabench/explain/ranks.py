@@ -2,7 +2,7 @@
 """
 from __future__ import annotations
 
-from .step import share_se
+from .step import fit_table, share_se
 
 
 def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = "strict") -> tuple[str, list[str]]:
@@ -46,8 +46,6 @@ def update_table(histories: dict[str, list[dict]], ranks: dict[str, int], alpha:
     the GRPO numbers behind the update (mean over its steps: gradient norm, share of groups with a
     learning signal, the loss)."""
     import pandas as pd
-
-    from .step import fit_table
     rows = []
     for name, rows_ in histories.items():
         mean = {k: sum(r[k] for r in rows_) / len(rows_) for k in ("grad_norm", "advantage/active_groups",

@@ -4,12 +4,14 @@ new one) and what its timings say, each order stated only where the repeats' spr
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from pathlib import Path
 
 import torch
 
+from ..viz import call_ms, end_to_end_ms, ms_text, part_ms, push_cost_fit, quartiles
 
-# (imports inside the functions: this section is notebook 02's alone)
+
 def engine_lora_weight(engine, adapter: str, module: str, half: str = "lora_B") -> torch.Tensor:
     """The hf engine's own tensor for `half` of `module` in its adapter `adapter`: PEFT's parameter, not
     a copy. The engine protocol has no such accessor (callers never reach into an engine's weights);
@@ -55,10 +57,8 @@ def storage_across_refresh(engine, peft_model, mode: str, module: str = "model.l
                 "before": old.flatten()[:3].tolist(), "after": now.flatten()[:3].tolist()}
     finally:
         refresher.close()
-        try:
+        with suppress(AdapterNotLoaded):
             engine.unload_adapter(adapter_name)
-        except AdapterNotLoaded:
-            pass
 
 
 def storage_table(results: list[dict]):
@@ -87,13 +87,11 @@ def storage_markdown(results: list[dict]) -> str:
 
 
 def _median_ms(row) -> float:
-    from ..viz import end_to_end_ms, quartiles
     return quartiles(end_to_end_ms(row))[1]
 
 
 def _overlap(a: list[float], b: list[float]) -> bool:
     """Whether the middle halves (interquartile ranges) of two samples overlap."""
-    from ..viz import quartiles
     qa, qb = quartiles(a), quartiles(b)
     return qa[0] <= qb[2] and qb[0] <= qa[2]
 
@@ -101,7 +99,6 @@ def _overlap(a: list[float], b: list[float]) -> bool:
 def mode_groups(rows) -> list[list[str]]:
     """Modes by median end to end, fastest first, in groups: a mode whose middle half overlaps the
     previous mode's joins its group (their order is within the spread and can swap between runs)."""
-    from ..viz import end_to_end_ms
     groups: list[list[dict]] = []
     for row in sorted(rows, key=_median_ms):
         if groups and _overlap(end_to_end_ms(groups[-1][-1]), end_to_end_ms(row)):
@@ -115,7 +112,6 @@ def modes_markdown(rows, bandwidth_gbps: float) -> str:
     """Section 1's reading, computed from its rows: the order of the medians (with what the spread
     allows), the largest part of each call, and the distance to the floor."""
     from ..refresh_bench import floor_seconds
-    from ..viz import ms_text
     by_mode = {r["mode"]: r for r in rows}
     groups = mode_groups(rows)
     order = " < ".join(" ≈ ".join(f"`{m}` {ms_text(_median_ms(by_mode[m]))} ms" for m in g) for g in groups)
@@ -136,7 +132,6 @@ def buckets_markdown(rows) -> str:
     """Section 3's reading, computed from its merged rows: the push counts, whether the median push
     part grows at every step toward more pushes, the line through the medians and how close they sit
     to it, and the rest of the call, which the bucket size does not touch."""
-    from ..viz import call_ms, ms_text, part_ms, push_cost_fit, quartiles
     rows = sorted(rows, key=lambda r: r["buckets"])
     pushes = [part_ms(r, "push") for r in rows]
     medians = [quartiles(p)[1] for p in pushes]
@@ -164,7 +159,6 @@ def _rank_tiers(at: dict, modes: list[str], ranks: list[int]) -> list[list[str]]
     """The modes in tiers that hold at every rank, fastest first: a cut between two tiers stands where,
     at every rank, each mode before it has its middle half below the middle half of each mode after it
     (the order within a tier can change with the rank)."""
-    from ..viz import end_to_end_ms, quartiles
     q = {key: quartiles(end_to_end_ms(row)) for key, row in at.items()}
     order = sorted(modes, key=lambda m: q[(m, ranks[0])][1])
     cuts = [s for s in range(1, len(order))
@@ -177,7 +171,6 @@ def rank_markdown(rows) -> str:
     """Section 4's reading, computed from its rows: how the adapter's bytes and each mode's median end
     to end change from the smallest rank to the largest (and whether that change is within the
     spread), and the order of the modes that holds at every rank, if any does."""
-    from ..viz import end_to_end_ms
     ranks = sorted({r["rank"] for r in rows})
     low, high = ranks[0], ranks[-1]
     at = {(r["mode"], r["rank"]): r for r in rows}
@@ -204,8 +197,6 @@ def rank_markdown(rows) -> str:
 def threads_markdown(rows, cpus: int, load_average: float, chosen: int | None = None, asked: bool = False) -> str:
     """Section 0's reading: each thread count's median, upper quartile and slowest repeat, the machine's
     load, and the count the later sections time with (`chosen`: asked for, or refresh_bench.steadiest_threads's)."""
-    from ..viz import end_to_end_ms, ms_text, quartiles
-
     def threads(n):
         return f"{n} thread{'s' if n > 1 else ''}"
     parts = []
@@ -293,16 +284,9 @@ def mode_prediction_note(predicted: str | None, rows) -> str:
         return (f"**The reveal.** Fastest end to end on this machine: {fastest}. You wrote no prediction "
                 f"(set `my_prediction` before section 2 and run it again).")
     if predicted not in {r["mode"] for r in rows}:
-        return f"**The reveal.** Fastest here: {fastest}; `{predicted}` is not a mode ({', '.join(rb_modes(rows))})."
-    right = predicted in first
+        modes = ", ".join(f"`{r['mode']}`" for r in rows)
+        return f"**The reveal.** Fastest here: {fastest}; `{predicted}` is not a mode ({modes})."
+    place = [r["mode"] for r in sorted(rows, key=_median_ms)].index(predicted) + 1
     return (f"**The reveal.** Fastest end to end on this machine: {fastest}. You predicted `{predicted}`: "
-            + ("right." if right else f"it came {_place(predicted, rows)} of {len(rows)}."))
-
-
-def rb_modes(rows) -> list[str]:
-    return [f"`{r['mode']}`" for r in rows]
-
-
-def _place(mode: str, rows) -> str:
-    place = [r["mode"] for r in sorted(rows, key=_median_ms)].index(mode) + 1
-    return {1: "1st", 2: "2nd", 3: "3rd"}.get(place, f"{place}th")
+            + ("right." if predicted in first else
+               f"it came {({1: '1st', 2: '2nd', 3: '3rd'}).get(place, f'{place}th')} of {len(rows)}."))

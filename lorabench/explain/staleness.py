@@ -3,15 +3,15 @@ after each), and one group's advantages and clipped loss with a fresh and a stal
 """
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import torch
 from matplotlib.ticker import MaxNLocator
 
 from ..loss import token_logprobs
 from ..progress import WaitProgress
-from ..viz import title_with_legend
+from ..viz import labelled_figure, title_with_legend
 from .checks import rollout_sequences, trainer_vs_engine
 from .hotswap import last_mean
+from .step import completion_end, direction, fit_table, share_se
 
 ARMS = ("refreshed", "stale")
 
@@ -21,39 +21,34 @@ def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
     seed)` (refreshed after every step) and `make_trainer("stale", seed)` (refresh.mode=none), on one
     engine, each serving an adapter name of its own; then each trainer's held-out greedy reward with
     its own adapter served (the stale trainer's after one real refresh, with the trainer-vs-engine
-    check before and after it) and, for the stale arm before that refresh, the first adapter's. A
-    progress bar covers all of it."""
+    check before and after it) and, for the stale arm before that refresh, the first adapter's; under
+    one progress bar."""
     seeds = list(seeds)
     out = {"seeds": seeds, "steps": steps, "rows": {a: [] for a in ARMS}, "heldout": {a: [] for a in ARMS},
            "first_adapter": [], "check": []}
-    what, total = "refreshed and stale runs", 2 * steps * len(seeds)
+    what, total, done = "refreshed and stale runs", 2 * steps * len(seeds), 0
     with WaitProgress(what) as progress:
         progress(what, 0, total)
-        _compare_arms(make_trainer, steps, seeds, out, lambda done, note: progress(what, done, total, note=note))
+        for seed in seeds:
+            for arm in ARMS:
+                trainer = make_trainer(arm, seed)
+                try:
+                    for _ in range(steps):
+                        reward = trainer.step().metrics["reward/mean"]
+                        done += 1
+                        progress(what, done, total,
+                                 note=f"seed {seed}, {arm} run: step {trainer.step_count}, reward {reward:.2f}")
+                    out["rows"][arm].append(list(trainer.history))
+                    if arm == "stale":
+                        out["first_adapter"].append(trainer.evaluate(greedy=True))   # the engine still serves v0
+                        out["check"].append(refresh_once(trainer))
+                    out["heldout"][arm].append(trainer.evaluate(greedy=True))
+                finally:
+                    trainer.close()
+                    name = trainer.refresher.serving_adapter
+                    if name in trainer.engine.loaded_adapters():   # the next arm's name is its own: free this one
+                        trainer.engine.unload_adapter(name)
     return out
-
-
-def _compare_arms(make_trainer, steps: int, seeds: list, out: dict, progress) -> None:
-    """refreshed_vs_stale's runs, into `out`; `progress(steps done, note)` after each step."""
-    done = 0
-    for seed in seeds:
-        for arm in ARMS:
-            trainer = make_trainer(arm, seed)
-            try:
-                for _ in range(steps):
-                    reward = trainer.step().metrics["reward/mean"]
-                    done += 1
-                    progress(done, f"seed {seed}, {arm} run: step {trainer.step_count}, reward {reward:.2f}")
-                out["rows"][arm].append(list(trainer.history))
-                if arm == "stale":
-                    out["first_adapter"].append(trainer.evaluate(greedy=True))   # the engine still serves v0
-                    out["check"].append(refresh_once(trainer))
-                out["heldout"][arm].append(trainer.evaluate(greedy=True))
-            finally:
-                trainer.close()
-                name = trainer.refresher.serving_adapter
-                if name in trainer.engine.loaded_adapters():   # the next arm's name is its own: free this one
-                    trainer.engine.unload_adapter(name)
 
 
 def refresh_once(trainer) -> dict:
@@ -113,8 +108,7 @@ ARM_COLORS = {"refreshed": "#4c72b0", "stale": "#c44e52"}
 def plot_refreshed_vs_stale(result: dict):
     """Reward and trainer-vs-engine mismatch per step, refreshed vs stale: one thin line per seed,
     the mean over seeds thick."""
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.0), layout="constrained")
-    fig.set_label("refreshed_vs_stale")
+    fig, axes = labelled_figure("refreshed_vs_stale", 1, 2, figsize=(13, 4.0))
     floor = 1e-9   # a mismatch of exactly 0 has no place on a log axis
     for ax, key, transform in ((axes[0], "reward/mean", float), (axes[1], "mismatch/mean", lambda v: max(v, floor))):
         for arm in ARMS:
@@ -184,11 +178,9 @@ def _relation(value: float, reference: float) -> str:
 # --- notebook 03: one group's advantages and clipped loss, and what a stale engine hides from it ---------
 @torch.no_grad()
 def one_group_loss(trainer, problem, step: int) -> dict:
-    """One group of G completions for `problem`, sampled by the engine with the adapter the trainer's
-    refresher serves (whatever version that is), then scored and turned into GRPO's advantages and
-    clipped loss with the package's own functions (rollout.sample, score, collate: group_advantages;
-    loss.token_logprobs, grpo_loss), twice: with π_old = the trainer's own log-probs, as Policy.train
-    takes it, and with π_old = the log-probs of the policy that sampled the tokens (the engine's)."""
+    """One group of G completions for `problem` from the adapter the engine serves, scored and turned
+    into GRPO's advantages and clipped loss by the package's own functions, twice: with π_old = the
+    trainer's own log-probs (as Policy.train takes it) and = the sampling policy's (the engine's)."""
     from ..loss import grpo_loss
     from ..rollout import collate, sample, score
     g, name = trainer.settings, trainer.refresher.serving_adapter
@@ -221,7 +213,6 @@ def group_table(group: dict, width: int = 60):
         part = group["ratio"][start:start + n]
         ratios.append(float(part.mean()) if n else float("nan"))
         start += n
-    from .step import completion_end, fit_table
     frame = pd.DataFrame({"reward r": group["rewards"].tolist(),
                           "advantage (r − mean)/std": group["advantages"].tolist(),
                           "tokens": mask_lengths, "mean π_θ/π_sampler": ratios,
@@ -244,7 +235,6 @@ def group_loss_table(groups: dict):
             "loss, π_old = sampler": g["sampler"]["loss"],
             "outside 1 ± ε, π_old = sampler": g["sampler"]["clip_fraction"],
             "π_θ/π_sampler min": lo, "π_θ/π_sampler max": hi}
-    from .step import fit_table
     losses = {c: "{:+.2e}" for c in ("loss, π_old = trainer", "loss, π_old = sampler")}
     shares = {c: "{:.1%}" for c in ("outside 1 ± ε, π_old = trainer", "outside 1 ± ε, π_old = sampler")}
     return fit_table(pd.DataFrame(rows).T, {**losses, **shares, "π_θ/π_sampler min": "{:.4f}",
@@ -268,12 +258,9 @@ def group_loss_sentence(stale: dict, fresh: dict) -> str:
 
 
 def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str]:
-    """Where the harm of a stale refresh shows and where it does not, from the numbers on screen
-    (Markdown), and the held-out verdict for the learner's prediction: 'lower', 'the same' or
-    'higher' (the stale trainer's strict reward against the refreshed trainer's, beyond two standard
-    errors of a share of the problems scored). The served reward's harm counts only if the refreshed
-    run's reward was higher in every seed."""
-    from .step import direction, share_se
+    """Where the harm of a stale refresh shows, from the numbers on screen (Markdown), and the held-out
+    verdict for the prediction: the stale trainer's strict reward 'lower', 'the same' or 'higher' than
+    the refreshed one's (beyond two standard errors); the served reward counts only if every seed agrees."""
     n, mean, seeds = summary["heldout_n"], summary["mean"], len(summary["per_seed"]["refreshed"])
     served_gap = mean["refreshed"] - mean["stale"]
     if summary["refreshed_higher"] == seeds:
