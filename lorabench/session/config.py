@@ -9,8 +9,7 @@ turns files and `key=value` overrides into a Config: every default is chosen so 
 demo` runs offline on a 2-core CPU; an invalid value raises ConfigError naming the field, the value,
 where it came from (the file, or the override) and the fix; an unknown key gets a "did you mean".
 Files are strict: UTF-8 (a BOM is accepted), a key given twice is refused in JSON as TOML refuses
-it, and every value must have its field's type (settings.check_types). Run dirs written before the
-sections moved are read through MOVED.
+it, and every value must have its field's type (settings.check_types).
 """
 from __future__ import annotations
 
@@ -34,17 +33,11 @@ from ..runlog import RunSettings
 from ..settings import ConfigError, path_component_problem
 from ..tiny import WarmStartSettings
 
-__all__ = ["MOVED", "SECTIONS", "Config", "ConfigError", "apply_override", "describe", "engine_needs", "flat",
+__all__ = ["SECTIONS", "Config", "ConfigError", "apply_override", "describe", "engine_needs", "flat",
            "parse_config_bytes", "path_component_problem", "read_config_file"]
 
 SECTIONS = {"model": ModelSettings, "warmstart": WarmStartSettings, "lora": LoraSettings, "data": DataSettings,
             "grpo": GRPOSettings, "engine": EngineSettings, "refresh": RefreshSettings, "run": RunSettings}
-
-# keys of the flat layout before engines and refresh modes owned sub-sections: where each lives now
-MOVED = {**{f"engine.{k}": f"engine.sglang.{k}" for k in (
-    "max_lora_rank", "max_loras_per_batch", "mem_fraction_static", "attention_backend", "sampling_backend",
-    "grammar_backend", "lora_backend", "disable_cuda_graph", "dtype", "cuda_graph_max_bs", "tp_size", "extra_args",
-    "log_file")}, "engine.device": "engine.hf.device", "refresh.tmp_dir": "refresh.file.tmp_dir"}
 
 # names other tools use for a field, which spelling similarity would not find
 _SYNONYMS = {"learning_rate": "grpo.lr", "lora_r": "lora.r", "rank": "lora.r", "lora_alpha": "lora.alpha",
@@ -221,12 +214,9 @@ def every_key() -> list[str]:
 
 
 def did_you_mean(prefix: str, key: str) -> str:
-    """A key that moved (engine.mem_fraction_static -> engine.sglang.mem_fraction_static), a known
-    synonym (learning_rate -> grpo.lr), the same key elsewhere (grpo.seed -> run.seed), else the
-    closest key of the section or of any section."""
+    """A known synonym (learning_rate -> grpo.lr), the same key elsewhere (grpo.seed -> run.seed), else
+    the closest key of the section or of any section."""
     dotted, keys = f"{prefix}.{key}", every_key()
-    if dotted in MOVED:
-        return f" (did you mean {MOVED[dotted]}? that setting moved there)"
     if key in _SYNONYMS:
         return f" (did you mean {_SYNONYMS[key]}?)"
     elsewhere = [k for k in keys if k.rsplit(".", 1)[-1] == key and not k.startswith(f"{prefix}.")]
@@ -253,19 +243,6 @@ def apply_override(data: dict, item: str) -> str:
             raise ConfigError(f"override {item!r}: {'.'.join(parts[:-1])} is a value, not a section")
     table[parts[-1]] = value
     return ".".join(parts)
-
-
-def moved_layout(data: dict) -> dict:
-    """A config written before engines and refresh modes owned sub-sections, in today's layout."""
-    data = json.loads(json.dumps(data))
-    for old, new in MOVED.items():
-        section, key = old.split(".")
-        table = data.get(section)
-        if isinstance(table, dict) and key in table and not isinstance(table[key], dict):
-            value = table.pop(key)
-            _, part, name = new.split(".")
-            table.setdefault(part, {}).setdefault(name, value)
-    return data
 
 
 def read_config_file(path: str | Path) -> dict:
