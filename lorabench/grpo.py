@@ -349,7 +349,7 @@ class GRPOTrainer:
         with contextlib.ExitStack() as committing:
             with self._whole_step(step):
                 with self._engine_memory_released():
-                    stats = self.policy.train(batch, g)
+                    stats = self.policy.train(batch)
                 clock.lap("train")
                 if self._ahead is not None:   # sampled from this adapter whatever the timing: the refresh waits
                     wait_interruptibly(self._ahead[1].exception)
@@ -518,11 +518,6 @@ class GRPOTrainer:
         self._uncommitted = (f"step {step} could not be written to {self.runlog.dir} ({err}); this trainer "
                              f"stops, since its memory and the run dir may disagree. Close the session and "
                              f"continue the run from the run dir (lorabench resume {self.runlog.dir})")
-
-    @property
-    def commit_write_s(self) -> float | None:
-        """How long the last background commit took to write (None: commits are written in line)."""
-        return None if self._commits is None else self._commits.write_s
 
     def wait_committed(self) -> None:
         """Return once every step so far is in the run dir (run.commit_in_background writes a step's

@@ -2,7 +2,7 @@
 publishes after each update.
 
     policy = Policy(model_path, lora, grpo, dtype="float32", device="cpu")   # LoraSettings, GRPOSettings
-    stats = policy.train(batch, grpo)         # one GRPO update; policy.version += 1
+    stats = policy.train(batch)               # one GRPO update; policy.version += 1
     adapter = policy.adapter()                # the new weights as one FlatAdapter (made once, never handed back)
 
 The version is the number of updates taken (= the GRPO step); the adapter carries it to the engine,
@@ -185,10 +185,11 @@ class Policy:
         return base_weights(self.model)
 
     # -- one update -----------------------------------------------------------------------------------
-    def train(self, batch: RolloutBatch, grpo) -> dict[str, float]:
+    def train(self, batch: RolloutBatch) -> dict[str, float]:
         """`grpo.epochs` optimizer steps on `batch` in micro-batches of at most `grpo.micro_batch_tokens`
         padded tokens; returns loss statistics, the trainer-vs-engine log-prob mismatch, and the
         metrics of the policy that sampled the batch (`Diagnostics`: entropy, KL to the base)."""
+        grpo = self.grpo
         # compiled layers compile again when a micro-batch's width turns from a multiple of 8 to not
         # (inductor guards on alignment): widths stay multiples
         multiple = COMPILED_WIDTH_MULTIPLE if self.compile == "all" else 1
@@ -206,17 +207,17 @@ class Policy:
             for index in micro:
                 part = batch.rows(index, multiple)
                 mask = self._layer_mask(part)
-                logp, entropy = self._logprobs(part, mask, grpo, with_entropy=epoch == 0)
+                logp, entropy = self._logprobs(part, mask, with_entropy=epoch == 0)
                 width = logp.shape[1]
                 if epoch == 0:
                     old_logp[index, :width] = logp.detach()
                     if stale:
                         weight = torch.exp(logp.detach() - part.engine_logprobs).clamp(max=grpo.tis_cap)
                         is_weight[index, :width] = weight * part.completion_mask
-                ref = self._reference_logprobs(part, mask, grpo.temperature) if grpo.kl_beta > 0 else None
+                ref = self._reference_logprobs(part, mask) if grpo.kl_beta > 0 else None
                 if epoch == 0:   # the policy that sampled the batch
                     if ref is None and grpo.kl_metric:
-                        ref = self._reference_logprobs(part, mask, grpo.temperature)
+                        ref = self._reference_logprobs(part, mask)
                     diagnostics.add(logp.detach(), entropy, ref, part.completion_mask)
                 loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
                                     grpo.clip_eps, ref, grpo.kl_beta,
@@ -250,12 +251,12 @@ class Policy:
             for p in self.params:   # PEFT's set_adapter freezes the other adapters only
                 p.requires_grad_(True)
 
-    def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, grpo, with_entropy: bool):
+    def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, with_entropy: bool):
         """The training forward: (log-probs [n, L-1] with gradients, entropies [n, L-1] or None); the
         head only at completion tokens: prompts and padding carry no loss."""
         fn = token_logprobs_and_entropy if with_entropy else token_logprobs
         with self.compute():
-            out = fn(self.model, part.input_ids, mask, grpo.temperature, positions=part.completion_mask.bool(),
+            out = fn(self.model, part.input_ids, mask, self.grpo.temperature, positions=part.completion_mask.bool(),
                      compiled_head=self.compile != "off")
         return out if with_entropy else (out, None)
 
@@ -268,9 +269,9 @@ class Policy:
         return part.attention_mask
 
     @torch.no_grad()
-    def _reference_logprobs(self, part: RolloutBatch, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _reference_logprobs(self, part: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
         with self.model.disable_adapter(), self.compute():
-            return token_logprobs(self.model, part.input_ids, mask, temperature,
+            return token_logprobs(self.model, part.input_ids, mask, self.grpo.temperature,
                                   positions=part.completion_mask.bool())
 
     @contextlib.contextmanager
