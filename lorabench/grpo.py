@@ -153,11 +153,6 @@ class GRPOSettings(Section):
                              "max_staleness > 0 (truncated importance sampling, as in IMPALA's V-trace and "
                              "Yao et al. 2025's TIS).", resume=REFUSED, why=_OBJECTIVE)
 
-    def __post_init__(self):
-        super().__post_init__()
-        if str(self.compile).lower() in ("true", "false"):   # a boolean in configs of older runs
-            self.compile = "all" if str(self.compile).lower() == "true" else "off"
-
     def problems(self) -> list[str]:
         return [
             *check(self.group_size >= 2, f"grpo.group_size={self.group_size}: group-normalised advantages need at "
