@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import threading
 import time
@@ -597,19 +598,17 @@ class GRPOTrainer:
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self, problems=None, greedy: bool = False, samples: int | None = None) -> dict:
         """Held-out rewards through the engine, at the training sampling settings (or greedy)."""
-        g = self.settings
         problems = problems if problems is not None else self.source.eval_set(self.source.eval_size)
         k = 1 if greedy else (samples or self.source.eval_samples)
         prompts = [prompt_ids(self.tokenizer, p.messages, self.enable_thinking) for p in problems]
         outs = self.engine.generate([p for p in prompts for _ in range(k)],
-                                    Sampling(g.max_new_tokens, 0.0 if greedy else g.temperature, g.top_p,
-                                             seed=self.seed + 7),
+                                    dataclasses.replace(self.sampling(greedy=greedy), seed=self.seed + 7),
                                     adapter=self.refresher.serving_adapter)
         texts = self.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
         truth = [p.ground_truth for p in problems for _ in range(k)]
         return {"step": self.step_count, "greedy": greedy, "n": len(texts),
-                "strict": sum(gsm8k_reward(t, a, "strict") for t, a in zip(texts, truth)) / len(texts),
-                "flexible": sum(gsm8k_reward(t, a, "flexible") for t, a in zip(texts, truth)) / len(texts),
+                **{mode: sum(gsm8k_reward(t, a, mode) for t, a in zip(texts, truth)) / len(texts)
+                   for mode in ("strict", "flexible")},
                 "format": sum(map(has_strict_format, texts)) / len(texts)}
 
     def close(self) -> None:
@@ -649,10 +648,7 @@ def step_metrics(step: int, rollouts: Rollouts, batch: RolloutBatch, stats: dict
         "completions/stop_fraction": sum(c.finish_reason == "stop" for c in completions) / len(completions),
         "completions/last_number_right": sum(gsm8k_reward(t, a, "flexible") for t, a in zip(texts, rollouts.answers))
         / len(texts),
-        "mismatch/mean": stats["mismatch_mean"],
-        "mismatch/p99": stats["mismatch_p99"],
-        "mismatch/max": stats["mismatch_max"],
-        "mismatch/active_mean": stats["mismatch_active_mean"],
+        **{f"mismatch/{k}": stats[f"mismatch_{k}"] for k in ("mean", "p99", "max", "active_mean")},
         "adapter/version": refresh.version,
         "adapter/served_version": rollouts.served_version,
         "adapter/delta_norm": delta_norm,

@@ -1,25 +1,15 @@
 """The GRPO math as pure functions (no trainer state): advantages, the clipped loss, per-token
 log-probs and token-budget micro-batching.
 
-Why a memory-lean `token_logprobs`
-----------------------------------
-The straightforward log-prob (`plain_token_logprobs`) runs the full causal LM, gets logits
-[N, L, V], and takes an fp32 `log_softmax` over the vocabulary. Autograd keeps several [N, L-1, V]
-fp32 tensors for backward (the logits, the tempered logits, the log-softmax output); with Qwen3's
-V = 151,936 that is ~0.6 MB per token per copy, which took 47 GB for 512 sequences of ~330 tokens
-and ran out of memory at micro_batch=64.
+`token_logprobs` is memory-lean: the full forward's fp32 log_softmax keeps several [N, L-1, V]
+tensors for backward (V = 151,936 for Qwen3: ~0.6 MB per token per copy). Instead it runs the
+transformer body (activations scale with N*L*H) and applies the output head `chunk_size` positions
+at a time, logit[target] - logsumexp(logits) per chunk, each chunk recomputed in backward: the
+extra peak is one [chunk_size, V] fp32 block, for one more head matmul per chunk.
 
-`token_logprobs` computes the same numbers without that: it runs only the transformer body (whose
-activations scale with N*L*H, not N*L*V), then applies the output head to `chunk_size` positions at
-a time, and takes logit[target] - logsumexp(logits) per chunk. With gradients enabled each chunk is
-wrapped in a non-reentrant activation checkpoint, so autograd keeps only the chunk's inputs (hidden
-rows and targets) and backward recomputes the chunk's logits: the extra peak memory is about one
-[chunk_size, V] fp32 block instead of N*(L-1)*V. The price is one more head matmul per chunk in
-backward (~2*H*V FLOPs per token).
-
-The lean path reproduces what the model's own forward does to logits only when that is just the
-output head (true for Qwen3, Llama, Mistral, Qwen2). Models that soft-cap or rescale logits after
-the head (Gemma 2/3, Cohere, Granite, ...) are refused with an error naming the setting.
+That equals the model's own forward only when its logits are just the output head (Qwen3, Llama,
+Mistral, Qwen2); models that soft-cap or rescale logits after it (Gemma 2/3, Cohere, Granite) are
+refused with an error naming the setting.
 """
 from __future__ import annotations
 

@@ -100,10 +100,8 @@ class Policy:
         if init_seed is not None:
             torch.manual_seed(init_seed)
         if beside:
-            self.model = base
-            _add_adapter(self.model, lora, model_path, adapter_name)
-        else:
-            self.model = _peft_model(base, lora, model_path, adapter_name)
+            _add_adapter(base, lora, model_path, adapter_name)
+        self.model = base if beside else with_lora(base, _lora_config(base, lora, model_path), adapter_name)
         self.adapter_name = adapter_name
         self.lora_layers = LoraLayers(self.model, adapter_name, flatten=True)  # before the optimizer sees them
         self.bf16_lora = lora_compute_dtype(grpo.lora_compute, dtype) == "bfloat16"
@@ -277,10 +275,8 @@ class Policy:
     @contextlib.contextmanager
     def compute(self):
         """The training forward's precision context (grpo.lora_compute). bf16: autocast, so the LoRA
-        matmuls run in bf16 on the fp32 adapter, with PEFT's cast of each LoRA layer's input to the
-        adapter's fp32 turned off: backward would keep that fp32 copy. At the 0.6B shape what backward
-        keeps drops from 91 to 63 KiB per token per layer (benchmarks/activation_memory.py). The base
-        weights are bf16 already, so autocast changes nothing else."""
+        matmuls run in bf16 on the fp32 adapter, with PEFT's cast of each LoRA layer's input to fp32
+        turned off (backward would keep that copy). The base weights are bf16 already."""
         if not self.bf16_lora:
             yield
             return
@@ -341,10 +337,8 @@ class Policy:
 
 _RESTORE = "nothing was changed. Restore checkpoint/trainer_state.pt from a backup, or start a new run"
 
-# The largest ratio after which the divergence message offers to continue without the bound: a
-# change of up to ten times a layer's weight may be intended (at grpo.lr=0.05 the tiny model's ratio
-# passes 1 at step 6 and 12 at step 10, and the run trains on); far beyond, the model is another one
-# (at grpo.lr=1e30 the ratio is ~1e31 and the engine's log-probs overflow): only a lower rate helps.
+# Below this ratio the divergence message offers to continue without the bound (a change of up to
+# ten times a layer's weight may be intended); far beyond it, only a lower rate helps.
 OFFER_UNBOUNDED_BELOW = 10.0
 
 
@@ -352,15 +346,10 @@ def _past_bound(ratio: float) -> str:
     return "grpo.max_delta_ratio=0" if ratio < OFFER_UNBOUNDED_BELOW else ""
 
 
-def _sane_lr(grpo) -> float:
-    """A tenth of the rate that diverged, and at most the default (measured far inside the bound,
-    docs/reliability.md §2b): a tenth of 1e30 diverges as surely."""
-    default = next(f.default for f in dataclasses.fields(grpo) if f.name == "lr")
-    return min(grpo.lr / 10, default)
-
-
 def _lr_override(grpo) -> str:
-    return f"grpo.lr={_sane_lr(grpo):g}"
+    """A tenth of the rate that diverged, at most the default (a tenth of 1e30 diverges as surely)."""
+    default = next(f.default for f in dataclasses.fields(grpo) if f.name == "lr")
+    return f"grpo.lr={min(grpo.lr / 10, default):g}"
 
 
 def _lower_lr(grpo) -> str:
@@ -407,13 +396,10 @@ def compile_mode(setting: str, device: str) -> str:
 
 
 def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None:
-    """torch.compile every decoder layer in place (grpo.compile=all). Layers, not the whole model:
-    one graph shared by all layers (same code, parameters as inputs), compiled once; the embedding,
-    the head and PEFT's wrapper stay eager. dynamic=True: micro-batches vary in width.
-
-    Activation checkpointing is called inside the compiled forward, so the compiler plans the
-    recompute into its backward graph. Checkpointing around a compiled layer (transformers' way)
-    failed on the GPU: the recompute saved other tensors than the forward had (CheckpointError)."""
+    """torch.compile every decoder layer in place (grpo.compile=all): one graph shared by all layers,
+    compiled once; the embedding, head and PEFT's wrapper stay eager; dynamic: widths vary.
+    Checkpointing goes inside the compiled forward, so the compiler plans the recompute (around a
+    compiled layer the recompute saves other tensors than the forward: CheckpointError)."""
     decoder = model.get_base_model().get_decoder()
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
@@ -442,15 +428,10 @@ def lora_compute_dtype(setting: str, model_dtype: str) -> str:
 
 
 class Diagnostics:
-    """Metrics of the policy that sampled the batch (π_old, before the update), summed over the
-    completion tokens of the micro-batches: not part of the loss.
-    - entropy: of each position's next-token distribution softmax(logits / T), from the training
-      forward's own logits (`token_logprobs_and_entropy`); in [0, log V] nats;
-    - kl_to_base: KL(π_old || base) by the k3 estimator on the sampled tokens, exp(d) - d - 1 with
-      d = log p_base - log π_old (unbiased, >= 0 per token; Schulman 2020), where the base log-probs
-      come from one more forward without gradients with the adapter disabled (PEFT
-      `disable_adapter()`, `Policy._reference_logprobs`): that forward runs when grpo.kl_metric is on
-      or the loss has a KL term (grpo.kl_beta > 0), whose forward it then reuses."""
+    """Metrics of the policy that sampled the batch (π_old), summed over completion tokens; not in
+    the loss. entropy: of softmax(logits / T) from the training forward's logits, in [0, log V]
+    nats; kl_to_base: k3 estimate exp(d) - d - 1, d = log p_base - log π_old, the base log-probs
+    from a forward with the adapter disabled (with grpo.kl_metric, or reused from kl_beta > 0)."""
 
     def __init__(self):
         self.tokens, self.entropy, self.kl, self.kl_tokens = 0.0, 0.0, 0.0, 0.0
@@ -485,10 +466,6 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
             "mismatch_active_mean": active_diff.mean().item() if active_diff.numel() else float("nan")}
 
 
-def _peft_model(base, lora, model_path: str, adapter_name: str):
-    return with_lora(base, _lora_config(base, lora, model_path), adapter_name)
-
-
 def _add_adapter(model, lora, model_path: str, adapter_name: str) -> None:
     """One more adapter on a PEFT model's frozen base (another policy of a group)."""
     if adapter_name in model.peft_config:
@@ -517,8 +494,7 @@ class LoraLayers:
     in layout order; the structure is validated once, here.
 
     flatten=True makes every LoRA weight a view of one contiguous buffer (`self.buffer`, layout
-    order), so a snapshot is one `clone` of it (~0.1 ms for the 0.6B shape's 392 tensors) instead
-    of gathering 392 tensors. Do it before an optimizer is built on the parameters."""
+    order), so a snapshot is one `clone` instead of a gather. Do it before an optimizer is built."""
 
     def __init__(self, model, adapter_name: str = "default", flatten: bool = False):
         found = {}
