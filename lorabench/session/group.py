@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..group import GROUP_FILE
-from ..machine import cpu_threads
 from .config import Config, ConfigError, flat
-from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, resolve_model, start_engine
+from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, start_engine, threads_and_model
 
 
 @dataclass
@@ -87,12 +86,10 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
     @classmethod
     def _open(cls, cfg: Config, members: dict[str, Config], root: Path, log, evaluate_first: bool):
-        import torch
-
         from ..group import shared_differences
         from ..rundir import check_before_evals
         from .preflight import preflight
-        differ = shared_differences({name: m.to_dict() for name, m in members.items()})
+        differ = shared_differences({name: flat(m) for name, m in members.items()})
         if differ:
             raise ConfigError(f"the policies of {root} differ in settings they share: {'; '.join(differ[:4])}; "
                               f"a group steps with one batch, engine and model: continue each policy alone "
@@ -103,13 +100,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
             if evaluate_first and plan.continued is not None:
                 check_before_evals(plan.run_dir, plan.continued.step)
             preflight(members[name], plan.run_dir, continued=plan.continued is not None, log=log)
-        first = next(iter(members.values()))
-        threads, how = cpu_threads(first.run.threads)
-        torch.set_num_threads(threads)
-        log(f"torch CPU threads: {how}")
-        t0 = time.perf_counter()
-        model_path = resolve_model(first, log=log)
-        model_seconds = time.perf_counter() - t0
+        model_path, model_seconds = threads_and_model(next(iter(members.values())), log)
         fingerprints = {name: plan.check_model(members[name], model_path, log) for name, plan in plans.items()}
         if not existing:
             write_group(root, cfg)

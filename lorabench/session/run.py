@@ -217,8 +217,6 @@ class RunSession(_SessionLifecycle):
         if given, hears each part as it starts (a tiny build's warm-start at every step), for a
         notebook's progress display (progress.WaitProgress)."""
         progress = progress or _no_progress
-        import torch
-
         from ..rundir import check_before_evals
         from .preflight import preflight
 
@@ -226,12 +224,7 @@ class RunSession(_SessionLifecycle):
         if evaluate_first and plan.continued is not None:
             check_before_evals(plan.run_dir, plan.continued.step)
         preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
-        threads, how = cpu_threads(cfg.run.threads)   # after preflight checked it against this machine's CPUs
-        torch.set_num_threads(threads)
-        log(f"torch CPU threads: {how}")
-        t0 = time.perf_counter()
-        model_path = resolve_model(cfg, log=log, progress=progress)
-        model_seconds = time.perf_counter() - t0
+        model_path, model_seconds = threads_and_model(cfg, log, progress)
         fingerprint = plan.check_model(cfg, model_path, log)
         runlog = plan.open(cfg, log)
         runlog.fingerprint = fingerprint
@@ -287,6 +280,17 @@ def _no_progress(what: str, done: int | None = None, total: int | None = None) -
 
 
 # --- the composition: each component built from its own section ---------------------------------
+def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float]:
+    """torch's CPU threads set (once preflight checked run.threads against this machine's CPUs), then
+    the model resolved: (its path, the seconds that took)."""
+    import torch
+    threads, how = cpu_threads(cfg.run.threads)
+    torch.set_num_threads(threads)
+    log(f"torch CPU threads: {how}")
+    t0 = time.perf_counter()
+    return resolve_model(cfg, log=log, progress=progress), time.perf_counter() - t0
+
+
 def resolve_model(cfg: Config, log=print, progress=None) -> str:
     """The base model's dir (the tiny one built from its recipe on first use) or hub name.
     `progress(what, done, total)`: called at each warm-start step of a tiny build (a notebook's
