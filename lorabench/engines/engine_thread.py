@@ -1,13 +1,8 @@
 """One thread, owned by lorabench, that an engine is created on and that runs every call to it.
 
-Why: SGLang's `Engine` is asyncio inside. Its synchronous methods run the event loop that was
-current on the thread that created the engine (`loop.run_until_complete`) until their request
-completes. Created in a Jupyter kernel's main thread, that loop is the kernel's own, which is
-already running: the engine cannot use it, and patching it to be re-entrant (nest_asyncio) lets
-whichever thread calls the engine run the kernel's own tasks, which kills the kernel. Here the
-engine is created on a thread of its own, so its loop is a new one that only this thread runs, and
-every caller, from any thread (a script, a notebook cell, the step panel's worker, a test), hands
-its call over and waits for it. The kernel's loop is never touched.
+Why: SGLang's `Engine` runs the event loop current on the thread that created it; in a Jupyter
+kernel's main thread that is the kernel's own, already running loop. Created here, the engine gets
+a loop only this thread runs, and every caller, from any thread, hands its call over and waits.
 
 Invariants:
 - calls run one at a time, in the order they arrived: state an engine keeps about itself (which
