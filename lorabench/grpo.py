@@ -56,14 +56,12 @@ from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, rollout_request, rollouts_of, score
 from .rundir import BEHIND, METRICS, ROLLOUTS, SYNC
 from .runlog import NullRunLog
-from .settings import ALLOWED, REFUSED, ConfigError, Section, check, setting
+from .settings import ALLOWED, REFUSED, Section, check, setting
 
 _DATA = "it defines the data stream: which problems each step draws"
 _SAMPLING = "it defines the sampling distribution: the rollouts and the log-probs the loss uses"
 _OBJECTIVE = "it defines the objective; rows before and after would not be one experiment"
 LORA_COMPUTE = ("auto", "float32", "bfloat16")
-STALE_AND_RELEASED = ("grpo.max_staleness > 0 with engine.release_memory_during_training=true: the engine samples the "
-                      "next step while this one trains, so it cannot be released then; set one of them off")
 COMPILE = ("off", "head", "all", "auto")
 
 
@@ -233,8 +231,6 @@ class GRPOTrainer:
         self._uncommitted = ""                 # why no step may follow: a commit failed half way
         self._commits = (BackgroundCommits(self.runlog.dir.name)
                          if self.runlog.dir is not None and self.runlog.settings.commit_in_background else None)
-        if settings.max_staleness and release_engine_memory:
-            raise ConfigError(STALE_AND_RELEASED)
         # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
         self._ahead: tuple[int, Future] | None = None
         self._requested: tuple[int, list[Problem]] | None = None   # the last rollout_request(): step, problems

@@ -25,7 +25,7 @@ from .. import settings as st
 from ..data import DataSettings
 from ..engines import ENGINES, EngineNeeds, EngineSettings, engine_class
 from ..group import PolicySpec, member_dict, parse_policies
-from ..grpo import STALE_AND_RELEASED, GRPOSettings
+from ..grpo import GRPOSettings
 from ..models import ModelSettings
 from ..policy import LoraSettings
 from ..refresh import REFRESH_MODES, RefreshSettings
@@ -153,7 +153,8 @@ def problems(cfg: Config) -> list[str]:
         found.append(f"grpo.lora_compute=bfloat16 with model.dtype={cfg.model.dtype}: autocast would run the base "
                      f"model's matmuls in bf16 too; set model.dtype=bfloat16, or grpo.lora_compute=auto")
     if cfg.grpo.max_staleness and cfg.engine.release_memory_during_training:
-        found.append(STALE_AND_RELEASED)
+        found.append("grpo.max_staleness > 0 with engine.release_memory_during_training=true: the engine samples "
+                     "the next step while this one trains, so it cannot be released then; set one of them off")
     members = cfg.members()   # built once here; a policy's invalid value raises, naming the policy
     if cfg.policies:
         found += group_problems(cfg)
