@@ -131,8 +131,18 @@ class Policy:
         """The current LoRA weights as one new FlatAdapter carrying the policy's version; refused
         (UpdateDiverged) if they are beyond grpo.max_delta_ratio: such an adapter is never published."""
         adapter = self.lora_layers.snapshot(self.version)
-        self._check_delta(adapter)
-        return adapter
+        found = self._beyond_bound(adapter)
+        if found is None:
+            return adapter
+        module, ratio = found
+        loss, grad = self.last_stats.get("loss", math.nan), self.last_stats.get("grad_norm", math.nan)
+        past = _past_bound(ratio)
+        raise UpdateDiverged(
+            f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = {ratio:.3g}, "
+            f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss {loss:.3g}, gradient norm {grad:.3g} "
+            f"before clipping to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed. "
+            f"{_lower_lr(self.grpo)}" + (f", or continue without the bound ({past}) if an update this large is "
+                                         f"intended" if past else ""), _lr_override(self.grpo), past)
 
     @torch.no_grad()
     def delta_ratios(self, adapter: FlatAdapter) -> torch.Tensor:
@@ -155,20 +165,6 @@ class Policy:
         worst = int(ratios.nan_to_num(nan=math.inf).argmax())
         ratio = float(ratios[worst])
         return None if math.isfinite(ratio) and ratio <= bound else (self.delta_modules[worst], ratio)
-
-    def _check_delta(self, adapter: FlatAdapter) -> None:
-        found = self._beyond_bound(adapter)
-        if found is None:
-            return
-        module, ratio = found
-        loss, grad = self.last_stats.get("loss", math.nan), self.last_stats.get("grad_norm", math.nan)
-        past = _past_bound(ratio)
-        raise UpdateDiverged(
-            f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = {ratio:.3g}, "
-            f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss {loss:.3g}, gradient norm {grad:.3g} "
-            f"before clipping to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed. "
-            f"{_lower_lr(self.grpo)}" + (f", or continue without the bound ({past}) if an update this large is "
-                                         f"intended" if past else ""), _lr_override(self.grpo), past)
 
     def diverged_output(self, adapter: FlatAdapter) -> UpdateDiverged:
         """The engine's log-probs under `adapter` are not finite: an update no bound stopped (the bound
@@ -231,7 +227,10 @@ class Policy:
             self.last_stats = dict(stats)
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 self.lora_layers.snapshot(self.version)   # non-finite weights already? it names the tensor
-                raise _diverged_loss(self.version + 1, stats, grpo)   # before a NaN reaches the weights
+                raise UpdateDiverged(   # before a NaN reaches the weights
+                    f"GRPO step {self.version + 1} diverged: loss {stats['loss']:.3g}, gradient norm "
+                    f"{stats['grad_norm']:.3g} (before clipping to grpo.max_grad_norm={grpo.max_grad_norm:g}); the "
+                    f"update was not applied, served, saved or checkpointed. {_lower_lr(grpo)}", _lr_override(grpo))
             self.optimizer.step()
         self.model.eval()
         self.version += 1
@@ -354,14 +353,6 @@ def _lr_override(grpo) -> str:
 
 def _lower_lr(grpo) -> str:
     return f"Lower grpo.lr (now {grpo.lr:g}; e.g. {_lr_override(grpo)}) in a new run"
-
-
-def _diverged_loss(step: int, stats: dict, grpo) -> UpdateDiverged:
-    """A non-finite loss or gradient norm: a diverged update, refused before the optimizer steps."""
-    loss, grad = stats["loss"], stats["grad_norm"]
-    return UpdateDiverged(f"GRPO step {step} diverged: loss {loss:.3g}, gradient norm {grad:.3g} (before clipping to "
-                         f"grpo.max_grad_norm={grpo.max_grad_norm:g}); the update was not applied, served, saved or "
-                         f"checkpointed. {_lower_lr(grpo)}", _lr_override(grpo))
 
 
 @torch.no_grad()
