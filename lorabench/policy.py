@@ -227,10 +227,7 @@ class Policy:
             self.last_stats = dict(stats)
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 self.lora_layers.snapshot(self.version)   # non-finite weights already? it names the tensor
-                raise UpdateDiverged(   # before a NaN reaches the weights
-                    f"GRPO step {self.version + 1} diverged: loss {stats['loss']:.3g}, gradient norm "
-                    f"{stats['grad_norm']:.3g} (before clipping to grpo.max_grad_norm={grpo.max_grad_norm:g}); the "
-                    f"update was not applied, served, saved or checkpointed. {_lower_lr(grpo)}", _lr_override(grpo))
+                raise _diverged_loss(self.version + 1, stats, grpo)   # before a NaN reaches the weights
             self.optimizer.step()
         self.model.eval()
         self.version += 1
@@ -353,6 +350,14 @@ def _lr_override(grpo) -> str:
 
 def _lower_lr(grpo) -> str:
     return f"Lower grpo.lr (now {grpo.lr:g}; e.g. {_lr_override(grpo)}) in a new run"
+
+
+def _diverged_loss(step: int, stats: dict, grpo) -> UpdateDiverged:
+    """A non-finite loss or gradient norm: a diverged update, refused before the optimizer steps."""
+    return UpdateDiverged(f"GRPO step {step} diverged: loss {stats['loss']:.3g}, gradient norm "
+                          f"{stats['grad_norm']:.3g} (before clipping to grpo.max_grad_norm={grpo.max_grad_norm:g}); "
+                          f"the update was not applied, served, saved or checkpointed. {_lower_lr(grpo)}",
+                          _lr_override(grpo))
 
 
 @torch.no_grad()
