@@ -106,13 +106,10 @@ class Policy:
         self.lora_layers = LoraLayers(self.model, adapter_name, flatten=True)  # before the optimizer sees them
         self.bf16_lora = lora_compute_dtype(grpo.lora_compute, dtype) == "bfloat16"
         self.compile = compile_mode(grpo.compile, self.device)
-        if beside is not None:   # the shared layers are set up once, by the first policy
-            if (self.compile, grpo.activation_checkpointing) != (beside.compile, beside.grpo.activation_checkpointing):
-                raise ConfigError("policies sharing one model need the same grpo.compile and "
-                                  "grpo.activation_checkpointing; set them for the whole run, not per policy")
-        elif self.compile == "all":   # checkpointing goes inside each compiled layer
+        # the shared layers are set up once, by the first policy (a group's policies share these settings)
+        if beside is None and self.compile == "all":   # checkpointing goes inside each compiled layer
             _compile_decoder_layers(self.model, model_path, grpo.activation_checkpointing)
-        elif grpo.activation_checkpointing:
+        elif beside is None and grpo.activation_checkpointing:
             _enable_activation_checkpointing(self.model)
         self.layout = self.lora_layers.layout
         own = {id(owner.weight): name for name, owner in zip(self.layout.names, self.lora_layers.owners)}
