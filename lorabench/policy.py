@@ -99,8 +99,9 @@ class Policy:
         base = beside.model if beside else load_model(model_path, dtype, self.device)
         if init_seed is not None:
             torch.manual_seed(init_seed)
-        if beside:
-            _add_adapter(base, lora, model_path, adapter_name)
+        if beside:   # one more adapter on the shared model's frozen base (group.parse_policies: names unique)
+            with quiet_peft():
+                base.add_adapter(adapter_name, _lora_config(base.get_base_model(), lora, model_path))
         self.model = base if beside else with_lora(base, _lora_config(base, lora, model_path), adapter_name)
         self.adapter_name = adapter_name
         self.lora_layers = LoraLayers(self.model, adapter_name, flatten=True)  # before the optimizer sees them
@@ -457,14 +458,6 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
     return {"mismatch_mean": diff.mean().item(), "mismatch_p99": torch.quantile(diff[:2**24], 0.99).item(),
             "mismatch_max": diff.max().item(),
             "mismatch_active_mean": active_diff.mean().item() if active_diff.numel() else float("nan")}
-
-
-def _add_adapter(model, lora, model_path: str, adapter_name: str) -> None:
-    """One more adapter on a PEFT model's frozen base (another policy of a group)."""
-    if adapter_name in model.peft_config:
-        raise ConfigError(f"two policies are named {adapter_name!r}; give each policy its own name")
-    with quiet_peft():
-        model.add_adapter(adapter_name, _lora_config(model.get_base_model(), lora, model_path))
 
 
 def _lora_config(base, lora, model_path: str):
