@@ -149,11 +149,9 @@ def _compiled(fn):
 
 class HeadLogprobs(torch.autograd.Function):
     """log softmax(h W^T / T)[target] for a chunk of rows, [c, H] -> [c], with a hand-written
-    backward. Autograd through `_chunk_logprobs` keeps or recomputes the [c, V] fp32 logits and
-    runs the log-sum-exp again in backward; this keeps only the rows and one fp32 normaliser per
-    row, and backward is one head matmul, one pass over the logits (softmax minus the one-hot,
-    written in the logits' dtype) and one matmul back. `fused`: the two passes over the logits go
-    through torch.compile (grpo.compile), one kernel each instead of ATen's several."""
+    backward that keeps only the rows and one fp32 normaliser per row: one head matmul, one pass
+    over the logits (softmax minus the one-hot) and one matmul back. `fused`: the two passes over
+    the logits through torch.compile (grpo.compile)."""
 
     @staticmethod
     def forward(ctx, rows, weight, targets, temperature: float, fused: bool, with_entropy: bool):
@@ -188,13 +186,10 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     """Log-prob of each next token under logits / temperature, [N, L] -> [N, L-1], equal to
     `plain_token_logprobs` but without full-vocabulary logits for the batch (module docstring).
 
-    chunk_size: positions per head call; peak extra memory is ~chunk_size * V * 4 bytes (plus the
-    same again while a chunk's backward runs): 0.3 GB per copy at Qwen3's vocabulary, while a
-    [512, H] x [H, V] matmul still fills the GPU.
+    chunk_size: positions per head call; peak extra memory is ~chunk_size * V * 4 bytes (twice while
+    a chunk's backward runs), and a [512, H] x [H, V] matmul still fills the GPU.
     positions: optional [N, L-1] bool, the positions whose log-prob is wanted (training: the
-    completion tokens). Only those rows go through the head and the log-sum-exp, the step's largest
-    single cost on the GPU (docs/results.md, section 2); the others are 0 in the result. A GRPO
-    rollout's prompts and padding are ~30% of its positions.
+    completion tokens); only those rows go through the head, the others are 0 in the result.
     compiled_head: the head's two passes over the logits through torch.compile (HeadLogprobs)."""
     return _token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, positions, compiled_head,
                            with_entropy=False)[0]
