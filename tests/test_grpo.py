@@ -23,7 +23,7 @@ from lorabench.refresh import REFRESH_MODES, TensorRefresh
 from lorabench.rewards import gsm8k_reward
 from lorabench.rollout import RolloutBatch, Rollouts, collate, sample
 from lorabench.runlog import RunLog, read_jsonl
-from lorabench.session import build_trainer, open_runlog, start_engine
+from lorabench.session import build_trainer, start_engine
 from lorabench.session.config import Config
 
 
@@ -159,7 +159,7 @@ def make_trainer(tiny_model_dir, tokenizer, tmp_path):
         cfg = small_config(tmp_path, mode, *extra)
         engine = engine or start_engine(cfg, str(tiny_model_dir))
         made.append(engine)
-        runlog = open_runlog(cfg, run_dir, log=lambda *a: None) if run_dir else None
+        runlog = RunLog(run_dir, lambda *a: None, settings=cfg.run) if run_dir else None
         trainer = build_trainer(cfg, str(tiny_model_dir), engine, runlog, tokenizer=tokenizer, log=lambda *a: None)
         trainer.config = cfg     # what it was built from, for the checks below
         made.append(trainer)

@@ -324,7 +324,7 @@ def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=N
     runlog = runlog if runlog is not None else NullRunLog(cfg.run)
     if runlog.settings != cfg.run:   # the run log decides when checkpoints are due: from this config
         raise ValueError(f"the run log of {runlog.dir} was opened with other run settings than cfg.run; open it with "
-                         f"RunLog(run_dir, settings=cfg.run) (or session.open_runlog)")
+                         f"RunLog(run_dir, settings=cfg.run)")
     policy = Policy(model_path, cfg.lora, cfg.grpo, cfg.model.dtype, engine.device, adapter_name=peft_name,
                     init_seed=cfg.run.seed, beside=beside.policy if beside is not None else None)
     refresher = make_refresher(cfg.refresh, engine, cfg.engine.adapter_name, base_weights=policy.base_weights())
@@ -332,9 +332,3 @@ def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=N
                        tokenizer or load_tokenizer(model_path), runlog, seed=cfg.run.seed,
                        enable_thinking=cfg.model.enable_thinking,
                        release_engine_memory=cfg.engine.release_memory_during_training, log=log)
-
-
-def open_runlog(cfg: Config, run_dir: str | Path, log=print, lock: bool = False):
-    """The run log of `run_dir`, writing on cfg.run's schedule (checkpoints, adapters, samples)."""
-    from ..runlog import RunLog
-    return RunLog(run_dir, log, lock=lock, settings=cfg.run)
