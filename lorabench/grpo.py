@@ -234,10 +234,8 @@ class GRPOTrainer:
         # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
         self._ahead: tuple[int, Future] | None = None
         self._requested: tuple[int, list[Problem]] | None = None   # the last rollout_request(): step, problems
-        self._sampler = None
-        if settings.max_staleness:
-            self._sampler = ThreadPoolExecutor(1, thread_name_prefix="lorabench-rollouts",
-                                               initializer=interrupts_to_the_main_thread)
+        self._sampler = ThreadPoolExecutor(1, "lorabench-rollouts", interrupts_to_the_main_thread) \
+            if settings.max_staleness else None
         # the adapter the engine serves (the policy's), and with max_staleness the one a version before it,
         # which the next step's rollouts come from: re-sampled from it when none were sampled ahead
         self._current: FlatAdapter | None = None

@@ -381,9 +381,8 @@ def _enable_activation_checkpointing(model) -> None:
 
 
 def compile_mode(setting: str, device: str) -> str:
-    """grpo.compile resolved: 'auto' compiles everything on a CUDA GPU, where the compile (paid at the
-    first step, docs/results.md) pays off within a few steps, and nothing elsewhere (a CPU run is
-    short, and compiling there needs a C++ compiler)."""
+    """grpo.compile resolved: 'auto' compiles everything on a CUDA GPU, where the compile pays off
+    within a few steps, and nothing elsewhere (compiling on a CPU needs a C++ compiler)."""
     if setting == "auto":
         return "all" if torch.device(device).type == "cuda" else "off"
     return setting

@@ -264,9 +264,8 @@ class MergedRefresh(Refresher):
         if base_weights is None:
             raise ValueError("refresh.mode=merged needs the trainer's base weights (base_weights=...)")
         self.base_weights = base_weights
-        # Only the adapted layers change between refreshes; the embeddings, norms (and any layer an
-        # earlier run in this engine merged) are pushed with the first refresh and after the engine's
-        # weights were released (what that saves per refresh: docs/results.md, "Merged refresh").
+        # only the adapted layers change between refreshes; every weight (an earlier run in this engine
+        # may have merged others) is pushed with the first refresh and after the weights were released
         self._push_every_weight = True
 
     @classmethod
