@@ -452,8 +452,7 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
     diff = gap[mask]                                                      # [tokens]
     active_diff = gap[mask & (batch.advantages != 0)[:, None]]
     if diff.numel() == 0:
-        return {"mismatch_mean": float("nan"), "mismatch_p99": float("nan"), "mismatch_max": float("nan"),
-                "mismatch_active_mean": float("nan")}
+        return dict.fromkeys(("mismatch_mean", "mismatch_p99", "mismatch_max", "mismatch_active_mean"), float("nan"))
     return {"mismatch_mean": diff.mean().item(), "mismatch_p99": torch.quantile(diff[:2**24], 0.99).item(),
             "mismatch_max": diff.max().item(),
             "mismatch_active_mean": active_diff.mean().item() if active_diff.numel() else float("nan")}

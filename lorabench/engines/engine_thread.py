@@ -56,8 +56,9 @@ class EngineThread:
             self.running_call = call_id
             try:
                 result = fn(*args, **kwargs)
-            except BaseException as err:  # handed to the caller, whatever it is
-                future.set_exception(self._explained(err))
+            except BaseException as err:  # handed to the caller, whatever it is (a failure's cancel: the reason)
+                failed = self.failure and isinstance(err, asyncio.CancelledError)
+                future.set_exception(EngineError(self.failure) if failed else err)
             else:
                 future.set_result(result)
             finally:
@@ -67,16 +68,9 @@ class EngineThread:
 
     def _finish_tasks(self) -> None:
         """Cancel what the engine left on the loop (its receive loop) and let the cancellations run."""
-        tasks = asyncio.all_tasks(self.loop)
-        for task in tasks:
-            task.cancel()
+        tasks = _cancel_all(self.loop)
         if tasks:
             self.loop.run_until_complete(asyncio.wait(tasks, timeout=5))
-
-    def _explained(self, err: BaseException) -> BaseException:
-        if self.failure and isinstance(err, asyncio.CancelledError):
-            return EngineError(self.failure)
-        return err
 
     def use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """On this thread: calls run on `loop` from now on (an engine that made its own loop when it
@@ -123,6 +117,8 @@ class EngineThread:
             self._thread.join(timeout=30)
 
 
-def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
-    for task in asyncio.all_tasks(loop):
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> set:
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
         task.cancel()
+    return tasks

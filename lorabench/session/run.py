@@ -216,7 +216,7 @@ class RunSession(_SessionLifecycle):
         does, if `cfg` is compatible with it (compat.py). `progress(what, done=None, total=None)`,
         if given, hears each part as it starts (a tiny build's warm-start at every step), for a
         notebook's progress display (progress.WaitProgress)."""
-        progress = progress or _no_progress
+        progress = progress or (lambda what, done=None, total=None: None)
         from ..rundir import check_before_evals
         from .preflight import preflight
 
@@ -273,10 +273,6 @@ class RunSession(_SessionLifecycle):
 
     def _release_run_dirs(self) -> None:
         self.runlog.close()
-
-
-def _no_progress(what: str, done: int | None = None, total: int | None = None) -> None:
-    """RunSession.open without a progress display."""
 
 
 # --- the composition: each component built from its own section ---------------------------------
