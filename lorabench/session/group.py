@@ -45,7 +45,9 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         if not cfg.policies:
             raise ConfigError("GroupSession needs a config with policies (a policy group); a single policy is a "
                               "RunSession")
-        return cls._open(cfg, cfg.members(), _group_path(cfg, run_dir), log, evaluate_first)
+        root = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / (cfg.run.name or
+                                                                     time.strftime("%Y%m%d-%H%M%S") + "-group")
+        return cls._open(cfg, cfg.members(), root, log, evaluate_first)
 
     @classmethod
     def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
@@ -157,14 +159,6 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
     def _release_run_dirs(self) -> None:
         for member in self.members.values():
             member.runlog.close()
-
-
-def _group_path(cfg: Config, run_dir) -> Path:
-    if run_dir:
-        return Path(run_dir)
-    if cfg.run.name:
-        return Path(cfg.run.out_dir) / cfg.run.name
-    return Path(cfg.run.out_dir) / (time.strftime("%Y%m%d-%H%M%S") + "-group")
 
 
 def check_group_dir(root: Path, names: list[str]) -> bool:
