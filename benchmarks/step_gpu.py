@@ -110,7 +110,7 @@ def measure_size(engine, model_dir: str, data: Path, size, tokenizer, overrides:
                decode_reference(engine, ids, t, served, logprobs=True)) for _ in range(3)]
     base, adapter, adapter_logprobs = (_median_run([r[i] for r in rounds]) for i in range(3))
     if served is None:      # merged: the engine's base weights are the policy; put the base back
-        from lorabench.explain import restore_base_weights   # here: explain needs ipywidgets (the notebook extras)
+        from lorabench.explain import restore_base_weights  # here: explain needs ipywidgets (the notebook extras)
         restore_base_weights(engine, trainer.model)
     else:
         engine.unload_adapter(cfg.engine.adapter_name)

@@ -64,7 +64,7 @@ def timed_steps(session, steps: int) -> dict:
     parts = {k[5:-2]: statistics.median(r[k] for r in later) for k in later[0] if k.startswith("time/")}
     return {"first_step_s": walls[0], "step_wall_s_p50": statistics.median(walls[1:]), "step_wall_s": walls,
             "parts_s_p50": parts, "last_commit_drain_s": drain,
-            "background_write_s_last": session.trainer.commit_write_s,
+            "background_write_s_last": commits.write_s if (commits := session.trainer._commits) else None,
             "completion_tokens_p50": statistics.median(r["completions/mean_length"] for r in later),
             "served_versions": [r["adapter/served_version"] for r in rows],
             "lags": [r.get("adapter/lag", 0) for r in rows], "gpu_busy_percent": busy.percent,

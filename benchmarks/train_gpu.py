@@ -84,7 +84,7 @@ def measure(model_dir: str, batch: RolloutBatch, setting, repeats: int, referenc
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t0 = synced_time()
-        stats = policy.train(batch, grpo)
+        stats = policy.train(batch)
         dt = synced_time() - t0
         if i == 0:
             first_call = dt          # the warm-up: with compile, the compile's time is here
@@ -128,10 +128,10 @@ def profile(model_dir: str, batch: RolloutBatch, setting, out: Path) -> dict:
     """One train call under torch.profiler: the top CUDA kernels and how busy the GPU was."""
     from torch.profiler import ProfilerActivity
     policy, grpo = make_policy(model_dir, *setting)
-    policy.train(batch, grpo)  # warm-up
+    policy.train(batch)  # warm-up
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = synced_time()
-        policy.train(batch, grpo)
+        policy.train(batch)
         wall = synced_time() - t0
     averages = prof.key_averages()
     out.write_text(averages.table(sort_by="device_time_total", row_limit=40))

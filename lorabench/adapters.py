@@ -139,12 +139,9 @@ class AdapterLayout:
         return {name: buffer[start:end].view(shape)
                 for name, shape, start, end in zip(self.names, self.shapes, self.offsets, self.offsets[1:])}
 
-    def flatten(self, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """Copy `tensors` (these names and shapes) into one buffer, in layout order."""
-        parts = [tensors[n].reshape(-1) for n in self.names]
-        if out is None:
-            return torch.cat(parts)
-        return torch.cat(parts, out=out)
+        return torch.cat([tensors[n].reshape(-1) for n in self.names])
 
     def to_json(self) -> str:
         return json.dumps([[n, list(s)] for n, s in zip(self.names, self.shapes)], separators=(",", ":"))
@@ -206,11 +203,8 @@ class FlatAdapter:
     def modules(self) -> list[str]:
         return sorted({split_lora_key(k)[0] for k in self.layout.names})
 
-    def to(self, device=None, dtype=None, pin_memory: bool = False) -> FlatAdapter:
+    def to(self, device=None, dtype=None) -> FlatAdapter:
         """The same adapter in another dtype or place: one copy of the buffer."""
-        if pin_memory:
-            out = torch.empty(self.buffer.shape, dtype=dtype or self.buffer.dtype, pin_memory=True)
-            return dataclasses.replace(self, buffer=out.copy_(self.buffer, non_blocking=True))
         return dataclasses.replace(self, buffer=self.buffer.to(device=device, dtype=dtype))
 
     def delta_norm(self) -> float:

@@ -143,12 +143,12 @@ def member_dict(shared: dict, spec: PolicySpec) -> dict:
 
 
 def shared_differences(configs: dict[str, dict]) -> list[str]:
-    """Fields outside OWNED (and the adapter name) that differ between the policies' configs: a group
-    whose members disagree on the shared batch, engine or model cannot step together."""
+    """Fields outside OWNED (and the adapter name) that differ between the policies' configs (each
+    {dotted key: value}): a group whose members disagree on the shared batch, engine or model cannot
+    step together."""
     where = ("engine.adapter_name", "run.out_dir", "run.name")   # a policy's own, by its name and run dir
-    def shared(flat: dict) -> dict:
-        return {k: v for k, v in flat.items() if k not in where and not owned_key(k)}
-    flats = {name: shared(_flatten(d)) for name, d in configs.items()}
+    flats = {name: {k: v for k, v in flat.items() if k not in where and not owned_key(k)}
+             for name, flat in configs.items()}
     first_name, first = next(iter(flats.items()))
     found = []
     for name, flat in list(flats.items())[1:]:
@@ -162,17 +162,6 @@ def owned_key(key: str) -> bool:
     """Whether a policy may set the dotted field `key` for itself (OWNED)."""
     section, _, rest = key.partition(".")
     return section in OWNED and (OWNED[section] is None or rest in OWNED[section])
-
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, dotted + "."))
-        else:
-            out[dotted] = value
-    return out
 
 
 class PolicyGroup:
@@ -225,10 +214,6 @@ class PolicyGroup:
             bar.set_postfix({name: f"{r.metrics['reward/mean']:.2f}" for name, r in records.items()})
         self.wait_committed()
         return done
-
-    def evaluate(self, greedy: bool = False) -> dict:
-        """{name: held-out evaluation} (trainer.evaluate for each policy)."""
-        return {name: t.evaluate(greedy=greedy) for name, t in self.trainers.items()}
 
     def wait_committed(self) -> None:
         for trainer in self.trainers.values():

@@ -15,19 +15,13 @@ Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath"), outcome s
   inactive, i.e. plain on-policy policy gradient with group-normalised advantages);
 - optional KL to the base model (adapter disabled), k3 estimator exp(q-p)-(q-p)-1, weight β
   (default 0, as in DAPO / Dr. GRPO); no entropy bonus, no reward model, no value function;
-- logged, never in the loss: `entropy/mean` (the sampling distribution's, from the training
-  forward's logits) and `kl/mean` (k3 KL to the base on the sampled tokens, one more forward without
-  gradients, adapter disabled; with grpo.kl_metric on), both of the policy that sampled the step
-  (policy.Diagnostics); and `completions/last_number_right`, how often the last number is the
-  answer whatever the format, beside the format-strict reward;
-- with grpo.max_staleness >= 1 (default 0: all of the above is on-policy), the next step's rollouts
-  are sampled on a thread of their own while this step trains, from the adapter the engine has then
-  (one update behind; the pipeline is one step deep). Each rollout's served version is read with it
-  and checked to lag by at most max_staleness, and every token's surrogate is weighted by the
-  truncated importance ratio min(π_old / π_sample, C), C = grpo.tis_cap, π_sample the engine's
-  reported log-prob (truncated importance sampling: Espeholt et al. 2018, IMPALA's V-trace
-  truncation; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-  Training"). The row records the lag (`adapter/lag`) and the weights' mean and truncated share;
+- logged, never in the loss: `entropy/mean` and `kl/mean` of the policy that sampled the step
+  (policy.Diagnostics), and `completions/last_number_right` (the last number, whatever the format);
+- with grpo.max_staleness >= 1 (default 0: on-policy), the next step's rollouts are sampled on a
+  thread of their own while this step trains, from the adapter one update behind; each rollout's
+  served version is checked to lag by at most max_staleness, and every token's surrogate is
+  weighted by min(π_old / π_sample, grpo.tis_cap), π_sample the engine's log-prob (truncated
+  importance sampling, as in IMPALA's V-trace); the row records the lag (`adapter/lag`);
 - log-probs of the sampling distribution (logits / temperature), as the engine reports them;
 - after the optimizer step the policy publishes its new flat adapter, the refresher moves it into
   the engine, and the next rollout checks that the engine served exactly that version.
@@ -40,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import threading
 import time
@@ -61,14 +56,12 @@ from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, rollout_request, rollouts_of, score
 from .rundir import BEHIND, METRICS, ROLLOUTS, SYNC
 from .runlog import NullRunLog
-from .settings import ALLOWED, REFUSED, ConfigError, Section, check, setting
+from .settings import ALLOWED, REFUSED, Section, check, setting
 
 _DATA = "it defines the data stream: which problems each step draws"
 _SAMPLING = "it defines the sampling distribution: the rollouts and the log-probs the loss uses"
 _OBJECTIVE = "it defines the objective; rows before and after would not be one experiment"
 LORA_COMPUTE = ("auto", "float32", "bfloat16")
-STALE_AND_RELEASED = ("grpo.max_staleness > 0 with engine.release_memory_during_training=true: the engine samples the "
-                      "next step while this one trains, so it cannot be released then; set one of them off")
 COMPILE = ("off", "head", "all", "auto")
 
 
@@ -89,22 +82,18 @@ class GRPOSettings(Section):
                         why="it is saved in the checkpoint's optimizer state: a new value would silently not apply")
     clip_eps: float = setting(0.2, "PPO-style ratio clip.", resume=REFUSED, why=_OBJECTIVE)
     kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model (adapter disabled) added to the loss, "
-                             "per token. 0 = off, as in DAPO and Dr. GRPO: the reward is checked by a rule, not a "
-                             "learned reward model the policy could exploit, and the policy has to move away from "
-                             "the base to learn; a KL term holds it back. > 0 keeps it near the base (e.g. 0.04, "
-                             "DeepSeekMath's) at one more forward pass per micro-batch.",
+                             "per token. 0 = off, as in DAPO and Dr. GRPO (a rule-checked reward cannot be gamed, "
+                             "and learning means moving away from the base); > 0 keeps the policy near the base "
+                             "(e.g. 0.04, DeepSeekMath's) at one more forward pass per micro-batch.",
                              resume=REFUSED, why=_OBJECTIVE)
     kl_metric: bool = setting(False, "Log kl/mean, the k3 estimate of KL(policy || base model) on the sampled tokens, "
                               "also when kl_beta = 0 (a metric, not in the loss): one more forward pass without "
-                              "gradients with the adapter disabled, about a quarter of an update's compute, so off by "
-                              "default (kl/mean is then logged only when kl_beta > 0); notebook 01 turns it on.",
-                              resume=ALLOWED,
-                              why="a metric only: the update is the same")
+                              "gradients, about a quarter of an update's compute, so off by default.",
+                              resume=ALLOWED, why="a metric only: the update is the same")
     micro_batch_tokens: int = setting(16384, "Padded tokens per forward/backward pass (gradient accumulation): "
                                       "sequences are grouped by length into micro-batches under this budget, so "
-                                      "trainer memory does not grow with the rollout size. 16384 keeps the Qwen3-0.6B "
-                                      "shape's trainer at ~4.6 GB, so the README's command fits a 24 GB GPU next to "
-                                      "the engine (docs/results.md).", resume=ALLOWED,
+                                      "trainer memory does not grow with the rollout size (16384: the Qwen3-0.6B "
+                                      "trainer fits a 24 GB GPU beside the engine).", resume=ALLOWED,
                                       why="memory only: the same gradients, summed in other groups")
     lora_compute: str = setting("auto", "Precision of the LoRA matmuls in training: 'bfloat16' (autocast; the "
                                 "adapter and its optimizer state stay fp32, and no fp32 copy of each LoRA layer's "
@@ -113,15 +102,14 @@ class GRPOSettings(Section):
                                 why="the precision of the LoRA matmuls in training; objective, data and adapter "
                                     "are the same")
     activation_checkpointing: bool = setting(True, "Recompute each decoder layer's activations in backward instead "
-                                             "of keeping them: ~30x less training memory per token for ~25% more "
-                                             "training compute, which buys micro-batches large enough to be faster "
-                                             "overall on a GPU (docs/results.md). false: keep them.", resume=ALLOWED,
-                                             why="memory and speed only: the same gradients, recomputed")
-    compile: str = setting("auto", "torch.compile in training, to fuse the elementwise work that dominates GPU "
-                           "training time: 'all' (every decoder layer, checkpointing inside the compiled layer, and "
-                           "the output head's two passes over the vocabulary), 'head' (the head only), 'off', or "
-                           "'auto' ('all' on a CUDA GPU, 'off' elsewhere). The first step pays the compile; the "
-                           "same values to float32 rounding (docs/results.md).", resume=ALLOWED,
+                                             "of keeping them: far less training memory per token for ~25% more "
+                                             "compute, which buys larger, faster micro-batches on a GPU. false: keep "
+                                             "them.", resume=ALLOWED, why="memory and speed only: the same gradients, "
+                                             "recomputed")
+    compile: str = setting("auto", "torch.compile in training, to fuse its elementwise work: 'all' (every decoder "
+                           "layer, checkpointing inside, and the output head's two passes over the vocabulary), "
+                           "'head' (the head only), 'off', or 'auto' ('all' on a CUDA GPU, 'off' elsewhere). The "
+                           "first step pays the compile.", resume=ALLOWED,
                            why="speed only: the same computation, compiled")
     reward_mode: str = setting("strict", "'strict' (last '#### N') or 'flexible' (last number).",
                                resume=REFUSED, why=_OBJECTIVE)
@@ -131,10 +119,9 @@ class GRPOSettings(Section):
     max_delta_ratio: float = setting(1.0, "Divergence bound: an update after which some adapted layer's change "
                                      "||dW|| = ||(alpha/r)·B·A|| exceeds this multiple of its base weight's ||W|| "
                                      "(Frobenius norms) is treated like a non-finite loss: rolled back, never served, "
-                                     "saved or checkpointed, and the run stops naming the step and the norms. At 1.0 "
-                                     "the adapter changes a layer as much as the whole layer weighs; a healthy run "
-                                     "stays far below it (docs/reliability.md, 2b). 0 = no bound (non-finite values "
-                                     "are always refused).", resume=ALLOWED,
+                                     "saved or checkpointed, and the run stops naming the step and the norms (a "
+                                     "healthy run stays far below 1.0). 0 = no bound (non-finite values are always "
+                                     "refused).", resume=ALLOWED,
                                      why="a guard: it decides when a diverged update stops the run, not what a step "
                                          "computes")
     epochs: int = setting(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).",
@@ -144,19 +131,12 @@ class GRPOSettings(Section):
                                  "while this step trains, from the adapter one update behind (the refresh waits for "
                                  "them), and the loss weights each token by min(π_old / π_sample, tis_cap); the "
                                  "pipeline is one step deep, so a larger value acts as 1. Step 1 samples on-policy. "
-                                 "The checkpoint keeps the adapter one update behind, so a resumed or extended run "
-                                 "samples its next step as the run would have (a checkpoint written without it: "
-                                 "that one step on-policy, said in the log); on the hf engine a seeded run repeats "
-                                 "bit for bit. A rollout older than this is refused.",
+                                 "The checkpoint keeps the adapter one update behind, so a resumed run samples its "
+                                 "next step as the run would have. A rollout older than this is refused.",
                                  resume=REFUSED, why=_SAMPLING)
     tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
                              "max_staleness > 0 (truncated importance sampling, as in IMPALA's V-trace and "
                              "Yao et al. 2025's TIS).", resume=REFUSED, why=_OBJECTIVE)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if str(self.compile).lower() in ("true", "false"):   # a boolean in configs of older runs
-            self.compile = "all" if str(self.compile).lower() == "true" else "off"
 
     def problems(self) -> list[str]:
         return [
@@ -251,15 +231,11 @@ class GRPOTrainer:
         self._uncommitted = ""                 # why no step may follow: a commit failed half way
         self._commits = (BackgroundCommits(self.runlog.dir.name)
                          if self.runlog.dir is not None and self.runlog.settings.commit_in_background else None)
-        if settings.max_staleness and release_engine_memory:
-            raise ConfigError(STALE_AND_RELEASED)
         # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
         self._ahead: tuple[int, Future] | None = None
         self._requested: tuple[int, list[Problem]] | None = None   # the last rollout_request(): step, problems
-        self._sampler = None
-        if settings.max_staleness:
-            self._sampler = ThreadPoolExecutor(1, thread_name_prefix="lorabench-rollouts",
-                                               initializer=interrupts_to_the_main_thread)
+        self._sampler = ThreadPoolExecutor(1, "lorabench-rollouts", interrupts_to_the_main_thread) \
+            if settings.max_staleness else None
         # the adapter the engine serves (the policy's), and with max_staleness the one a version before it,
         # which the next step's rollouts come from: re-sampled from it when none were sampled ahead
         self._current: FlatAdapter | None = None
@@ -349,7 +325,7 @@ class GRPOTrainer:
         with contextlib.ExitStack() as committing:
             with self._whole_step(step):
                 with self._engine_memory_released():
-                    stats = self.policy.train(batch, g)
+                    stats = self.policy.train(batch)
                 clock.lap("train")
                 if self._ahead is not None:   # sampled from this adapter whatever the timing: the refresh waits
                     wait_interruptibly(self._ahead[1].exception)
@@ -519,11 +495,6 @@ class GRPOTrainer:
                              f"stops, since its memory and the run dir may disagree. Close the session and "
                              f"continue the run from the run dir (lorabench resume {self.runlog.dir})")
 
-    @property
-    def commit_write_s(self) -> float | None:
-        """How long the last background commit took to write (None: commits are written in line)."""
-        return None if self._commits is None else self._commits.write_s
-
     def wait_committed(self) -> None:
         """Return once every step so far is in the run dir (run.commit_in_background writes a step's
         commit while the next step runs); TrainerStopped if one could not be written."""
@@ -607,19 +578,17 @@ class GRPOTrainer:
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self, problems=None, greedy: bool = False, samples: int | None = None) -> dict:
         """Held-out rewards through the engine, at the training sampling settings (or greedy)."""
-        g = self.settings
         problems = problems if problems is not None else self.source.eval_set(self.source.eval_size)
         k = 1 if greedy else (samples or self.source.eval_samples)
         prompts = [prompt_ids(self.tokenizer, p.messages, self.enable_thinking) for p in problems]
         outs = self.engine.generate([p for p in prompts for _ in range(k)],
-                                    Sampling(g.max_new_tokens, 0.0 if greedy else g.temperature, g.top_p,
-                                             seed=self.seed + 7),
+                                    dataclasses.replace(self.sampling(greedy=greedy), seed=self.seed + 7),
                                     adapter=self.refresher.serving_adapter)
         texts = self.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
         truth = [p.ground_truth for p in problems for _ in range(k)]
         return {"step": self.step_count, "greedy": greedy, "n": len(texts),
-                "strict": sum(gsm8k_reward(t, a, "strict") for t, a in zip(texts, truth)) / len(texts),
-                "flexible": sum(gsm8k_reward(t, a, "flexible") for t, a in zip(texts, truth)) / len(texts),
+                **{mode: sum(gsm8k_reward(t, a, mode) for t, a in zip(texts, truth)) / len(texts)
+                   for mode in ("strict", "flexible")},
                 "format": sum(map(has_strict_format, texts)) / len(texts)}
 
     def close(self) -> None:
@@ -659,10 +628,7 @@ def step_metrics(step: int, rollouts: Rollouts, batch: RolloutBatch, stats: dict
         "completions/stop_fraction": sum(c.finish_reason == "stop" for c in completions) / len(completions),
         "completions/last_number_right": sum(gsm8k_reward(t, a, "flexible") for t, a in zip(texts, rollouts.answers))
         / len(texts),
-        "mismatch/mean": stats["mismatch_mean"],
-        "mismatch/p99": stats["mismatch_p99"],
-        "mismatch/max": stats["mismatch_max"],
-        "mismatch/active_mean": stats["mismatch_active_mean"],
+        **{f"mismatch/{k}": stats[f"mismatch_{k}"] for k in ("mean", "p99", "max", "active_mean")},
         "adapter/version": refresh.version,
         "adapter/served_version": rollouts.served_version,
         "adapter/delta_norm": delta_norm,

@@ -43,6 +43,5 @@ def wait_interruptibly(result):
 
 def interrupts_to_the_main_thread() -> None:
     """Called first in a thread lorabench starts: SIGINT is blocked in it, so the kernel delivers a
-    Ctrl-C / Kernel -> Interrupt to the main thread, where Python acts on it. (Python 3.11 may act late
-    on a SIGINT that another thread received: the main thread is not told until it next checks.)"""
+    Ctrl-C / Kernel -> Interrupt to the main thread, where Python acts on it."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

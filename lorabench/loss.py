@@ -1,25 +1,15 @@
 """The GRPO math as pure functions (no trainer state): advantages, the clipped loss, per-token
 log-probs and token-budget micro-batching.
 
-Why a memory-lean `token_logprobs`
-----------------------------------
-The straightforward log-prob (`plain_token_logprobs`) runs the full causal LM, gets logits
-[N, L, V], and takes an fp32 `log_softmax` over the vocabulary. Autograd keeps several [N, L-1, V]
-fp32 tensors for backward (the logits, the tempered logits, the log-softmax output); with Qwen3's
-V = 151,936 that is ~0.6 MB per token per copy, which took 47 GB for 512 sequences of ~330 tokens
-and ran out of memory at micro_batch=64.
+`token_logprobs` is memory-lean: the full forward's fp32 log_softmax keeps several [N, L-1, V]
+tensors for backward (V = 151,936 for Qwen3: ~0.6 MB per token per copy). Instead it runs the
+transformer body (activations scale with N*L*H) and applies the output head `chunk_size` positions
+at a time, logit[target] - logsumexp(logits) per chunk, each chunk recomputed in backward: the
+extra peak is one [chunk_size, V] fp32 block, for one more head matmul per chunk.
 
-`token_logprobs` computes the same numbers without that: it runs only the transformer body (whose
-activations scale with N*L*H, not N*L*V), then applies the output head to `chunk_size` positions at
-a time, and takes logit[target] - logsumexp(logits) per chunk. With gradients enabled each chunk is
-wrapped in a non-reentrant activation checkpoint, so autograd keeps only the chunk's inputs (hidden
-rows and targets) and backward recomputes the chunk's logits: the extra peak memory is about one
-[chunk_size, V] fp32 block instead of N*(L-1)*V. The price is one more head matmul per chunk in
-backward (~2*H*V FLOPs per token).
-
-The lean path reproduces what the model's own forward does to logits only when that is just the
-output head (true for Qwen3, Llama, Mistral, Qwen2). Models that soft-cap or rescale logits after
-the head (Gemma 2/3, Cohere, Granite, ...) are refused with an error naming the setting.
+That equals the model's own forward only when its logits are just the output head (Qwen3, Llama,
+Mistral, Qwen2); models that soft-cap or rescale logits after it (Gemma 2/3, Cohere, Granite) are
+refused with an error naming the setting.
 """
 from __future__ import annotations
 
@@ -159,11 +149,9 @@ def _compiled(fn):
 
 class HeadLogprobs(torch.autograd.Function):
     """log softmax(h W^T / T)[target] for a chunk of rows, [c, H] -> [c], with a hand-written
-    backward. Autograd through `_chunk_logprobs` keeps or recomputes the [c, V] fp32 logits and
-    runs the log-sum-exp again in backward; this keeps only the rows and one fp32 normaliser per
-    row, and backward is one head matmul, one pass over the logits (softmax minus the one-hot,
-    written in the logits' dtype) and one matmul back. `fused`: the two passes over the logits go
-    through torch.compile (grpo.compile), one kernel each instead of ATen's several."""
+    backward that keeps only the rows and one fp32 normaliser per row: one head matmul, one pass
+    over the logits (softmax minus the one-hot) and one matmul back. `fused`: the two passes over
+    the logits through torch.compile (grpo.compile)."""
 
     @staticmethod
     def forward(ctx, rows, weight, targets, temperature: float, fused: bool, with_entropy: bool):
@@ -198,13 +186,10 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     """Log-prob of each next token under logits / temperature, [N, L] -> [N, L-1], equal to
     `plain_token_logprobs` but without full-vocabulary logits for the batch (module docstring).
 
-    chunk_size: positions per head call; peak extra memory is ~chunk_size * V * 4 bytes (plus the
-    same again while a chunk's backward runs): 0.3 GB per copy at Qwen3's vocabulary, while a
-    [512, H] x [H, V] matmul still fills the GPU.
+    chunk_size: positions per head call; peak extra memory is ~chunk_size * V * 4 bytes (twice while
+    a chunk's backward runs), and a [512, H] x [H, V] matmul still fills the GPU.
     positions: optional [N, L-1] bool, the positions whose log-prob is wanted (training: the
-    completion tokens). Only those rows go through the head and the log-sum-exp, the step's largest
-    single cost on the GPU (docs/results.md, section 2); the others are 0 in the result. A GRPO
-    rollout's prompts and padding are ~30% of its positions.
+    completion tokens); only those rows go through the head, the others are 0 in the result.
     compiled_head: the head's two passes over the logits through torch.compile (HeadLogprobs)."""
     return _token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, positions, compiled_head,
                            with_entropy=False)[0]

@@ -26,10 +26,8 @@ _TORCH_DEFAULT_THREADS: list[int] = []   # torch's own thread count, read before
 
 def cpu_threads(setting: int) -> tuple[int, str]:
     """run.threads resolved: (torch CPU threads, how they were chosen). A positive setting is taken as
-    given. 0 = auto: torch's default count less the CPUs that the machine's 1-minute load average says
-    other work keeps busy, at least 1: threads that wait on each other lose far more to a core another
-    process holds than one thread too few costs (docs/results.md, "Torch threads on a shared 2-core
-    machine"). The load average counts this process too, so it is read before the run computes anything."""
+    given. 0 = auto: torch's default less the CPUs the 1-minute load average says are busy, at least 1
+    (threads that wait on each other lose more to a busy core than one thread too few costs)."""
     import torch
     if not _TORCH_DEFAULT_THREADS:
         _TORCH_DEFAULT_THREADS.append(torch.get_num_threads())

@@ -2,7 +2,7 @@
 publishes after each update.
 
     policy = Policy(model_path, lora, grpo, dtype="float32", device="cpu")   # LoraSettings, GRPOSettings
-    stats = policy.train(batch, grpo)         # one GRPO update; policy.version += 1
+    stats = policy.train(batch)               # one GRPO update; policy.version += 1
     adapter = policy.adapter()                # the new weights as one FlatAdapter (made once, never handed back)
 
 The version is the number of updates taken (= the GRPO step); the adapter carries it to the engine,
@@ -99,22 +99,18 @@ class Policy:
         base = beside.model if beside else load_model(model_path, dtype, self.device)
         if init_seed is not None:
             torch.manual_seed(init_seed)
-        if beside:
-            self.model = base
-            _add_adapter(self.model, lora, model_path, adapter_name)
-        else:
-            self.model = _peft_model(base, lora, model_path, adapter_name)
+        if beside:   # one more adapter on the shared model's frozen base (group.parse_policies: names unique)
+            with quiet_peft():
+                base.add_adapter(adapter_name, _lora_config(base.get_base_model(), lora, model_path))
+        self.model = base if beside else with_lora(base, _lora_config(base, lora, model_path), adapter_name)
         self.adapter_name = adapter_name
         self.lora_layers = LoraLayers(self.model, adapter_name, flatten=True)  # before the optimizer sees them
         self.bf16_lora = lora_compute_dtype(grpo.lora_compute, dtype) == "bfloat16"
         self.compile = compile_mode(grpo.compile, self.device)
-        if beside is not None:   # the shared layers are set up once, by the first policy
-            if (self.compile, grpo.activation_checkpointing) != (beside.compile, beside.grpo.activation_checkpointing):
-                raise ConfigError("policies sharing one model need the same grpo.compile and "
-                                  "grpo.activation_checkpointing; set them for the whole run, not per policy")
-        elif self.compile == "all":   # checkpointing goes inside each compiled layer
+        # the shared layers are set up once, by the first policy (a group's policies share these settings)
+        if beside is None and self.compile == "all":   # checkpointing goes inside each compiled layer
             _compile_decoder_layers(self.model, model_path, grpo.activation_checkpointing)
-        elif grpo.activation_checkpointing:
+        elif beside is None and grpo.activation_checkpointing:
             _enable_activation_checkpointing(self.model)
         self.layout = self.lora_layers.layout
         own = {id(owner.weight): name for name, owner in zip(self.layout.names, self.lora_layers.owners)}
@@ -133,8 +129,18 @@ class Policy:
         """The current LoRA weights as one new FlatAdapter carrying the policy's version; refused
         (UpdateDiverged) if they are beyond grpo.max_delta_ratio: such an adapter is never published."""
         adapter = self.lora_layers.snapshot(self.version)
-        self._check_delta(adapter)
-        return adapter
+        found = self._beyond_bound(adapter)
+        if found is None:
+            return adapter
+        module, ratio = found
+        loss, grad = self.last_stats.get("loss", math.nan), self.last_stats.get("grad_norm", math.nan)
+        past = _past_bound(ratio)
+        raise UpdateDiverged(
+            f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = {ratio:.3g}, "
+            f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss {loss:.3g}, gradient norm {grad:.3g} "
+            f"before clipping to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed. "
+            f"{_lower_lr(self.grpo)}" + (f", or continue without the bound ({past}) if an update this large is "
+                                         f"intended" if past else ""), _lr_override(self.grpo), past)
 
     @torch.no_grad()
     def delta_ratios(self, adapter: FlatAdapter) -> torch.Tensor:
@@ -158,20 +164,6 @@ class Policy:
         ratio = float(ratios[worst])
         return None if math.isfinite(ratio) and ratio <= bound else (self.delta_modules[worst], ratio)
 
-    def _check_delta(self, adapter: FlatAdapter) -> None:
-        found = self._beyond_bound(adapter)
-        if found is None:
-            return
-        module, ratio = found
-        loss, grad = self.last_stats.get("loss", math.nan), self.last_stats.get("grad_norm", math.nan)
-        past = _past_bound(ratio)
-        raise UpdateDiverged(
-            f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = {ratio:.3g}, "
-            f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss {loss:.3g}, gradient norm {grad:.3g} "
-            f"before clipping to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed. "
-            f"{_lower_lr(self.grpo)}" + (f", or continue without the bound ({past}) if an update this large is "
-                                         f"intended" if past else ""), _lr_override(self.grpo), past)
-
     def diverged_output(self, adapter: FlatAdapter) -> UpdateDiverged:
         """The engine's log-probs under `adapter` are not finite: an update no bound stopped (the bound
         off or raised) that the engine cannot sample from."""
@@ -185,10 +177,11 @@ class Policy:
         return base_weights(self.model)
 
     # -- one update -----------------------------------------------------------------------------------
-    def train(self, batch: RolloutBatch, grpo) -> dict[str, float]:
+    def train(self, batch: RolloutBatch) -> dict[str, float]:
         """`grpo.epochs` optimizer steps on `batch` in micro-batches of at most `grpo.micro_batch_tokens`
         padded tokens; returns loss statistics, the trainer-vs-engine log-prob mismatch, and the
         metrics of the policy that sampled the batch (`Diagnostics`: entropy, KL to the base)."""
+        grpo = self.grpo
         # compiled layers compile again when a micro-batch's width turns from a multiple of 8 to not
         # (inductor guards on alignment): widths stay multiples
         multiple = COMPILED_WIDTH_MULTIPLE if self.compile == "all" else 1
@@ -206,17 +199,17 @@ class Policy:
             for index in micro:
                 part = batch.rows(index, multiple)
                 mask = self._layer_mask(part)
-                logp, entropy = self._logprobs(part, mask, grpo, with_entropy=epoch == 0)
+                logp, entropy = self._logprobs(part, mask, with_entropy=epoch == 0)
                 width = logp.shape[1]
                 if epoch == 0:
                     old_logp[index, :width] = logp.detach()
                     if stale:
                         weight = torch.exp(logp.detach() - part.engine_logprobs).clamp(max=grpo.tis_cap)
                         is_weight[index, :width] = weight * part.completion_mask
-                ref = self._reference_logprobs(part, mask, grpo.temperature) if grpo.kl_beta > 0 else None
+                ref = self._reference_logprobs(part, mask) if grpo.kl_beta > 0 else None
                 if epoch == 0:   # the policy that sampled the batch
                     if ref is None and grpo.kl_metric:
-                        ref = self._reference_logprobs(part, mask, grpo.temperature)
+                        ref = self._reference_logprobs(part, mask)
                     diagnostics.add(logp.detach(), entropy, ref, part.completion_mask)
                 loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
                                     grpo.clip_eps, ref, grpo.kl_beta,
@@ -250,12 +243,12 @@ class Policy:
             for p in self.params:   # PEFT's set_adapter freezes the other adapters only
                 p.requires_grad_(True)
 
-    def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, grpo, with_entropy: bool):
+    def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, with_entropy: bool):
         """The training forward: (log-probs [n, L-1] with gradients, entropies [n, L-1] or None); the
         head only at completion tokens: prompts and padding carry no loss."""
         fn = token_logprobs_and_entropy if with_entropy else token_logprobs
         with self.compute():
-            out = fn(self.model, part.input_ids, mask, grpo.temperature, positions=part.completion_mask.bool(),
+            out = fn(self.model, part.input_ids, mask, self.grpo.temperature, positions=part.completion_mask.bool(),
                      compiled_head=self.compile != "off")
         return out if with_entropy else (out, None)
 
@@ -268,18 +261,16 @@ class Policy:
         return part.attention_mask
 
     @torch.no_grad()
-    def _reference_logprobs(self, part: RolloutBatch, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _reference_logprobs(self, part: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
         with self.model.disable_adapter(), self.compute():
-            return token_logprobs(self.model, part.input_ids, mask, temperature,
+            return token_logprobs(self.model, part.input_ids, mask, self.grpo.temperature,
                                   positions=part.completion_mask.bool())
 
     @contextlib.contextmanager
     def compute(self):
         """The training forward's precision context (grpo.lora_compute). bf16: autocast, so the LoRA
-        matmuls run in bf16 on the fp32 adapter, with PEFT's cast of each LoRA layer's input to the
-        adapter's fp32 turned off: backward would keep that fp32 copy. At the 0.6B shape what backward
-        keeps drops from 91 to 63 KiB per token per layer (benchmarks/activation_memory.py). The base
-        weights are bf16 already, so autocast changes nothing else."""
+        matmuls run in bf16 on the fp32 adapter, with PEFT's cast of each LoRA layer's input to fp32
+        turned off (backward would keep that copy). The base weights are bf16 already."""
         if not self.bf16_lora:
             yield
             return
@@ -340,10 +331,8 @@ class Policy:
 
 _RESTORE = "nothing was changed. Restore checkpoint/trainer_state.pt from a backup, or start a new run"
 
-# The largest ratio after which the divergence message offers to continue without the bound: a
-# change of up to ten times a layer's weight may be intended (at grpo.lr=0.05 the tiny model's ratio
-# passes 1 at step 6 and 12 at step 10, and the run trains on); far beyond, the model is another one
-# (at grpo.lr=1e30 the ratio is ~1e31 and the engine's log-probs overflow): only a lower rate helps.
+# Below this ratio the divergence message offers to continue without the bound (a change of up to
+# ten times a layer's weight may be intended); far beyond it, only a lower rate helps.
 OFFER_UNBOUNDED_BELOW = 10.0
 
 
@@ -351,15 +340,10 @@ def _past_bound(ratio: float) -> str:
     return "grpo.max_delta_ratio=0" if ratio < OFFER_UNBOUNDED_BELOW else ""
 
 
-def _sane_lr(grpo) -> float:
-    """A tenth of the rate that diverged, and at most the default (measured far inside the bound,
-    docs/reliability.md §2b): a tenth of 1e30 diverges as surely."""
-    default = next(f.default for f in dataclasses.fields(grpo) if f.name == "lr")
-    return min(grpo.lr / 10, default)
-
-
 def _lr_override(grpo) -> str:
-    return f"grpo.lr={_sane_lr(grpo):g}"
+    """A tenth of the rate that diverged, at most the default (a tenth of 1e30 diverges as surely)."""
+    default = next(f.default for f in dataclasses.fields(grpo) if f.name == "lr")
+    return f"grpo.lr={min(grpo.lr / 10, default):g}"
 
 
 def _lower_lr(grpo) -> str:
@@ -368,10 +352,10 @@ def _lower_lr(grpo) -> str:
 
 def _diverged_loss(step: int, stats: dict, grpo) -> UpdateDiverged:
     """A non-finite loss or gradient norm: a diverged update, refused before the optimizer steps."""
-    loss, grad = stats["loss"], stats["grad_norm"]
-    return UpdateDiverged(f"GRPO step {step} diverged: loss {loss:.3g}, gradient norm {grad:.3g} (before clipping to "
-                         f"grpo.max_grad_norm={grpo.max_grad_norm:g}); the update was not applied, served, saved or "
-                         f"checkpointed. {_lower_lr(grpo)}", _lr_override(grpo))
+    return UpdateDiverged(f"GRPO step {step} diverged: loss {stats['loss']:.3g}, gradient norm "
+                          f"{stats['grad_norm']:.3g} (before clipping to grpo.max_grad_norm={grpo.max_grad_norm:g}); "
+                          f"the update was not applied, served, saved or checkpointed. {_lower_lr(grpo)}",
+                          _lr_override(grpo))
 
 
 @torch.no_grad()
@@ -397,22 +381,18 @@ def _enable_activation_checkpointing(model) -> None:
 
 
 def compile_mode(setting: str, device: str) -> str:
-    """grpo.compile resolved: 'auto' compiles everything on a CUDA GPU, where the compile (paid at the
-    first step, docs/results.md) pays off within a few steps, and nothing elsewhere (a CPU run is
-    short, and compiling there needs a C++ compiler)."""
+    """grpo.compile resolved: 'auto' compiles everything on a CUDA GPU, where the compile pays off
+    within a few steps, and nothing elsewhere (compiling on a CPU needs a C++ compiler)."""
     if setting == "auto":
         return "all" if torch.device(device).type == "cuda" else "off"
     return setting
 
 
 def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None:
-    """torch.compile every decoder layer in place (grpo.compile=all). Layers, not the whole model:
-    one graph shared by all layers (same code, parameters as inputs), compiled once; the embedding,
-    the head and PEFT's wrapper stay eager. dynamic=True: micro-batches vary in width.
-
-    Activation checkpointing is called inside the compiled forward, so the compiler plans the
-    recompute into its backward graph. Checkpointing around a compiled layer (transformers' way)
-    failed on the GPU: the recompute saved other tensors than the forward had (CheckpointError)."""
+    """torch.compile every decoder layer in place (grpo.compile=all): one graph shared by all layers,
+    compiled once; the embedding, head and PEFT's wrapper stay eager; dynamic: widths vary.
+    Checkpointing goes inside the compiled forward, so the compiler plans the recompute (around a
+    compiled layer the recompute saves other tensors than the forward: CheckpointError)."""
     decoder = model.get_base_model().get_decoder()
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
@@ -441,15 +421,10 @@ def lora_compute_dtype(setting: str, model_dtype: str) -> str:
 
 
 class Diagnostics:
-    """Metrics of the policy that sampled the batch (π_old, before the update), summed over the
-    completion tokens of the micro-batches: not part of the loss.
-    - entropy: of each position's next-token distribution softmax(logits / T), from the training
-      forward's own logits (`token_logprobs_and_entropy`); in [0, log V] nats;
-    - kl_to_base: KL(π_old || base) by the k3 estimator on the sampled tokens, exp(d) - d - 1 with
-      d = log p_base - log π_old (unbiased, >= 0 per token; Schulman 2020), where the base log-probs
-      come from one more forward without gradients with the adapter disabled (PEFT
-      `disable_adapter()`, `Policy._reference_logprobs`): that forward runs when grpo.kl_metric is on
-      or the loss has a KL term (grpo.kl_beta > 0), whose forward it then reuses."""
+    """Metrics of the policy that sampled the batch (π_old), summed over completion tokens; not in
+    the loss. entropy: of softmax(logits / T) from the training forward's logits, in [0, log V]
+    nats; kl_to_base: k3 estimate exp(d) - d - 1, d = log p_base - log π_old, the base log-probs
+    from a forward with the adapter disabled (with grpo.kl_metric, or reused from kl_beta > 0)."""
 
     def __init__(self):
         self.tokens, self.entropy, self.kl, self.kl_tokens = 0.0, 0.0, 0.0, 0.0
@@ -477,23 +452,10 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
     diff = gap[mask]                                                      # [tokens]
     active_diff = gap[mask & (batch.advantages != 0)[:, None]]
     if diff.numel() == 0:
-        return {"mismatch_mean": float("nan"), "mismatch_p99": float("nan"), "mismatch_max": float("nan"),
-                "mismatch_active_mean": float("nan")}
+        return dict.fromkeys(("mismatch_mean", "mismatch_p99", "mismatch_max", "mismatch_active_mean"), float("nan"))
     return {"mismatch_mean": diff.mean().item(), "mismatch_p99": torch.quantile(diff[:2**24], 0.99).item(),
             "mismatch_max": diff.max().item(),
             "mismatch_active_mean": active_diff.mean().item() if active_diff.numel() else float("nan")}
-
-
-def _peft_model(base, lora, model_path: str, adapter_name: str):
-    return with_lora(base, _lora_config(base, lora, model_path), adapter_name)
-
-
-def _add_adapter(model, lora, model_path: str, adapter_name: str) -> None:
-    """One more adapter on a PEFT model's frozen base (another policy of a group)."""
-    if adapter_name in model.peft_config:
-        raise ConfigError(f"two policies are named {adapter_name!r}; give each policy its own name")
-    with quiet_peft():
-        model.add_adapter(adapter_name, _lora_config(model.get_base_model(), lora, model_path))
 
 
 def _lora_config(base, lora, model_path: str):
@@ -516,8 +478,7 @@ class LoraLayers:
     in layout order; the structure is validated once, here.
 
     flatten=True makes every LoRA weight a view of one contiguous buffer (`self.buffer`, layout
-    order), so a snapshot is one `clone` of it (~0.1 ms for the 0.6B shape's 392 tensors) instead
-    of gathering 392 tensors. Do it before an optimizer is built on the parameters."""
+    order), so a snapshot is one `clone` instead of a gather. Do it before an optimizer is built."""
 
     def __init__(self, model, adapter_name: str = "default", flatten: bool = False):
         found = {}

@@ -131,7 +131,6 @@ class Refresher:
     release_tags: ClassVar[tuple[str, ...]] = ("kv_cache",)  # engine memory it can spare during training
     keeps_engine_fresh: ClassVar[bool] = True              # False only for the stale control
     Settings: ClassVar[type | None] = None                 # its own section, refresh.<mode>
-    needs_base_weights: ClassVar[bool] = False             # built with the trainer's base weights
 
     def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0):
         for capability in self.needs:
@@ -142,7 +141,8 @@ class Refresher:
 
     @classmethod
     def from_settings(cls, engine, adapter_name: str, settings: RefreshSettings, own=None, base_weights=None):
-        """Built from the refresh section and the mode's own sub-section (`own`)."""
+        """Built from the refresh section and the mode's own sub-section (`own`); `base_weights`: the
+        trainer's, for a mode that needs them."""
         return cls(engine, adapter_name, settings.bucket_mb)
 
     @property
@@ -259,16 +259,13 @@ class MergedRefresh(Refresher):
     needs = (PushesWeights,)
     release_tags = ("kv_cache", "weights")  # every weight is pushed again after resume
 
-    needs_base_weights = True
-
     def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, base_weights=None):
         super().__init__(engine, adapter_name, bucket_mb)
         if base_weights is None:
             raise ValueError("refresh.mode=merged needs the trainer's base weights (base_weights=...)")
         self.base_weights = base_weights
-        # Only the adapted layers change between refreshes; the embeddings, norms (and any layer an
-        # earlier run in this engine merged) are pushed with the first refresh and after the engine's
-        # weights were released (what that saves per refresh: docs/results.md, "Merged refresh").
+        # only the adapted layers change between refreshes; every weight (an earlier run in this engine
+        # may have merged others) is pushed with the first refresh and after the weights were released
         self._push_every_weight = True
 
     @classmethod
@@ -331,9 +328,9 @@ def refresh_settings(mode: str, bucket_mb: float = 64.0, **own) -> RefreshSettin
 
 def make_refresher(settings: RefreshSettings | str, engine, adapter_name: str, base_weights=None) -> Refresher:
     """The refresher `settings` chooses (the refresh section, or a mode's name with default settings),
-    built from its own settings; only a mode that needs them gets the trainer's base weights."""
+    built from its own settings (and the trainer's base weights, which only merged uses)."""
     if isinstance(settings, str):
         settings = refresh_settings(settings)
     cls = REFRESH_MODES[settings.mode]
     return cls.from_settings(engine, adapter_name, settings, settings.subsections.get(settings.mode),
-                             base_weights=base_weights if cls.needs_base_weights else None)
+                             base_weights=base_weights)

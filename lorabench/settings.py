@@ -74,10 +74,6 @@ class Section:
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
-def field_names(cls) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
-
-
 def build(cls, values: dict, where: str, prefix: str, suggest=lambda prefix, key: "", origin=None):
     """An instance of section `cls` (dotted name `prefix`) from `values`: its fields and sub-section
     tables, each value converted to its field's type. `suggest(prefix, key)` adds a "did you mean" to
@@ -86,7 +82,7 @@ def build(cls, values: dict, where: str, prefix: str, suggest=lambda prefix, key
     every section, then across)."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a table/object, got {shown(values)}")
-    parts, names = cls.parts(), field_names(cls)
+    parts, names = cls.parts(), {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - names - set(parts)
     if unknown:
         valid = sorted(names) + [f"{p}.*" for p in parts]
@@ -156,13 +152,10 @@ def shown(value, width: int = 60) -> str:
 
 def to_dict(section) -> dict:
     """Plain data: the section's fields, then one table per sub-section."""
-    data = {f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
+    data = {f.name: (list(value) if isinstance(value := getattr(section, f.name), (list, tuple)) else value)
+            for f in dataclasses.fields(section)}
     data.update({name: to_dict(sub) for name, sub in section.__dict__.get("subsections", {}).items()})
     return data
-
-
-def _plain(value):
-    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def walk(section, prefix: str) -> Iterator[tuple[str, dataclasses.Field, object]]:
@@ -192,14 +185,9 @@ def value_problems(section, prefix: str) -> list[str]:
     found = [f"{key}={value}: must be a finite number (the default is {default_of(f)})"
              for key, f, value in walk(section, prefix) if isinstance(value, float) and not math.isfinite(value)]
     return found + [f"{key}={value!r} contains a NUL character; no setting can hold one: remove it"
-                    for key, _, value in walk(section, prefix) if any("\0" in text for text in _texts(value))]
-
-
-def _texts(value) -> list[str]:
-    """The strings of a str or list-of-str value."""
-    if isinstance(value, str):
-        return [value]
-    return [v for v in value if isinstance(v, str)] if isinstance(value, (list, tuple)) else []
+                    for key, _, value in walk(section, prefix)   # a str, or a list of them
+                    if any(isinstance(t, str) and "\0" in t
+                           for t in (value if isinstance(value, (list, tuple)) else [value]))]
 
 
 def convert(value, typ, where: str):

@@ -172,7 +172,8 @@ def make_trainer(tiny_model_dir, tokenizer, tmp_path):
     bound is off (grpo.max_delta_ratio=0): these tests perturb adapters and use a learning rate far
     beyond a real update's size so that every change shows; the bound has its own tests
     (test_run_dir_trust.py), which set it."""
-    from lorabench.session import build_trainer, open_runlog, start_engine
+    from lorabench.runlog import RunLog
+    from lorabench.session import build_trainer, start_engine
     from lorabench.session.config import Config
     made = []
 
@@ -182,8 +183,8 @@ def make_trainer(tiny_model_dir, tokenizer, tmp_path):
                            f"refresh.file.tmp_dir={tmp_path}", *extra])
         engine = start_engine(cfg, str(tiny_model_dir))
         made.append(engine)
-        trainer = build_trainer(cfg, str(tiny_model_dir), engine, open_runlog(cfg, run_dir, log) if run_dir else None,
-                                tokenizer=tokenizer, log=log)
+        runlog = RunLog(run_dir, log, settings=cfg.run) if run_dir else None
+        trainer = build_trainer(cfg, str(tiny_model_dir), engine, runlog, tokenizer=tokenizer, log=log)
         trainer.config = cfg     # what it was built from, for the tests' checks
         made.append(trainer)
         return trainer

@@ -23,7 +23,7 @@ from lorabench.refresh import REFRESH_MODES, TensorRefresh
 from lorabench.rewards import gsm8k_reward
 from lorabench.rollout import RolloutBatch, Rollouts, collate, sample
 from lorabench.runlog import RunLog, read_jsonl
-from lorabench.session import build_trainer, open_runlog, start_engine
+from lorabench.session import build_trainer, start_engine
 from lorabench.session.config import Config
 
 
@@ -159,7 +159,7 @@ def make_trainer(tiny_model_dir, tokenizer, tmp_path):
         cfg = small_config(tmp_path, mode, *extra)
         engine = engine or start_engine(cfg, str(tiny_model_dir))
         made.append(engine)
-        runlog = open_runlog(cfg, run_dir, log=lambda *a: None) if run_dir else None
+        runlog = RunLog(run_dir, lambda *a: None, settings=cfg.run) if run_dir else None
         trainer = build_trainer(cfg, str(tiny_model_dir), engine, runlog, tokenizer=tokenizer, log=lambda *a: None)
         trainer.config = cfg     # what it was built from, for the checks below
         made.append(trainer)
@@ -370,7 +370,7 @@ def test_policy_gradient_moves_adapter_towards_rewarded_completions(make_trainer
 
     before = seq_logp()
     assert trainer.policy.adapter().delta_norm() == 0
-    stats = trainer.policy.train(batch, trainer.settings)
+    stats = trainer.policy.train(batch)
     assert stats["mismatch_max"] < 1e-4                          # engine log-probs were the trainer's
     assert stats["grad_norm"] > 0 and trainer.policy.version == 1
     assert stats["tokens"] == int(batch.attention_mask.sum())
@@ -422,7 +422,7 @@ def test_kl_beta_changes_the_update_and_zero_leaves_it_bit_identical(tiny_model_
         torch.manual_seed(0)
         policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
         perturb_lora_B(policy.model, seed=2)   # away from the base, so the KL and its gradient are not 0
-        stats[name] = policy.train(batch, cfg.grpo)
+        stats[name] = policy.train(batch)
         grads[name] = [p.grad.clone() for p in policy.params]
     assert all(torch.equal(a, b) for a, b in zip(grads["plain"], grads["zero"]))
     assert stats["plain"]["loss"] == stats["zero"]["loss"] and stats["plain"]["kl"] == 0.0
@@ -452,7 +452,7 @@ def test_kl_and_entropy_are_metrics_of_the_sampling_policy_not_the_loss(tiny_mod
                 base = token_logprobs(policy.model, batch.input_ids, batch.attention_mask, 0.7)
         logp = logp_all.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
         diff = (base - logp)[mask]
-        stats.append(policy.train(batch, cfg.grpo))
+        stats.append(policy.train(batch))
         grads.append([p.grad.clone() for p in policy.params])
     assert stats[0]["kl_to_base"] == pytest.approx((torch.exp(diff) - diff - 1).mean().item(), rel=1e-4)
     assert stats[0]["kl_to_base"] > 0 and stats[1]["kl_to_base"] is None
@@ -479,7 +479,7 @@ def test_micro_batches_sum_to_the_full_batch_gradient(tiny_model_dir, engine, to
         torch.manual_seed(0)
         policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
         perturb_lora_B(policy.model, seed=2)                     # non-zero B: A gets gradients too
-        stats.append(policy.train(data, cfg.grpo))
+        stats.append(policy.train(data))
         grads.append([p.grad.clone() for p in policy.params])
     # float32 sums in another order (other padding widths, other head chunks): ~1e-6 relative
     for other in (0, 2):

@@ -39,7 +39,7 @@ def trained(model_dir, compile_mode: str, device: str = "cpu", *overrides: str) 
     torch.manual_seed(0)
     policy = Policy(str(model_dir), cfg.lora, cfg.grpo, "float32", device)
     perturb_lora_B(policy.model, seed=3)                   # non-zero B: A gets gradients too
-    stats = policy.train(synthetic_batch(), cfg.grpo)
+    stats = policy.train(synthetic_batch())
     return stats, [p.grad.clone().cpu() for p in policy.params]
 
 
@@ -78,9 +78,9 @@ def test_a_micro_batch_without_padding_reuses_the_compiled_layers(tiny_model_dir
     torch._dynamo.reset()           # graphs of earlier tests must not stand in for this one's
     cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.micro_batch_tokens=80", "grpo.compile=all"])
     policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
-    policy.train(batch([6, 7, 8], [8, 9, 10]), cfg.grpo)           # one micro-batch of 3, padded
+    policy.train(batch([6, 7, 8], [8, 9, 10]))           # one micro-batch of 3, padded
     counters.clear()
-    policy.train(batch([7, 7, 7], [9, 9, 9]), cfg.grpo)           # one micro-batch of 3, no padding (16)
+    policy.train(batch([7, 7, 7], [9, 9, 9]))           # one micro-batch of 3, no padding (16)
     assert counters["stats"]["unique_graphs"] == 0, dict(counters)
     assert policy.version == 2
 
@@ -104,7 +104,7 @@ def test_compiled_layers_get_widths_in_multiples_of_8(tiny_model_dir, monkeypatc
     cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.micro_batch_tokens=64", "grpo.compile=all"])
     policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
     g = torch.Generator().manual_seed(1)
-    policy.train(batch_of([5, 9, 6, 7], [8, 8, 4, 11], [1.0, 0.0, 0.0, 1.0], g), cfg.grpo)   # 13..18 tokens
+    policy.train(batch_of([5, 9, 6, 7], [8, 8, 4, 11], [1.0, 0.0, 0.0, 1.0], g))   # 13..18 tokens
     assert len(widths) == 2 and all(w % 8 == 0 for w in widths), widths
 
 

@@ -1,13 +1,8 @@
 """One thread, owned by lorabench, that an engine is created on and that runs every call to it.
 
-Why: SGLang's `Engine` is asyncio inside. Its synchronous methods run the event loop that was
-current on the thread that created the engine (`loop.run_until_complete`) until their request
-completes. Created in a Jupyter kernel's main thread, that loop is the kernel's own, which is
-already running: the engine cannot use it, and patching it to be re-entrant (nest_asyncio) lets
-whichever thread calls the engine run the kernel's own tasks, which kills the kernel. Here the
-engine is created on a thread of its own, so its loop is a new one that only this thread runs, and
-every caller, from any thread (a script, a notebook cell, the step panel's worker, a test), hands
-its call over and waits for it. The kernel's loop is never touched.
+Why: SGLang's `Engine` runs the event loop current on the thread that created it; in a Jupyter
+kernel's main thread that is the kernel's own, already running loop. Created here, the engine gets
+a loop only this thread runs, and every caller, from any thread, hands its call over and waits.
 
 Invariants:
 - calls run one at a time, in the order they arrived: state an engine keeps about itself (which
@@ -61,8 +56,9 @@ class EngineThread:
             self.running_call = call_id
             try:
                 result = fn(*args, **kwargs)
-            except BaseException as err:  # handed to the caller, whatever it is
-                future.set_exception(self._explained(err))
+            except BaseException as err:  # handed to the caller, whatever it is (a failure's cancel: the reason)
+                failed = self.failure and isinstance(err, asyncio.CancelledError)
+                future.set_exception(EngineError(self.failure) if failed else err)
             else:
                 future.set_result(result)
             finally:
@@ -72,16 +68,9 @@ class EngineThread:
 
     def _finish_tasks(self) -> None:
         """Cancel what the engine left on the loop (its receive loop) and let the cancellations run."""
-        tasks = asyncio.all_tasks(self.loop)
-        for task in tasks:
-            task.cancel()
+        tasks = _cancel_all(self.loop)
         if tasks:
             self.loop.run_until_complete(asyncio.wait(tasks, timeout=5))
-
-    def _explained(self, err: BaseException) -> BaseException:
-        if self.failure and isinstance(err, asyncio.CancelledError):
-            return EngineError(self.failure)
-        return err
 
     def use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """On this thread: calls run on `loop` from now on (an engine that made its own loop when it
@@ -128,6 +117,8 @@ class EngineThread:
             self._thread.join(timeout=30)
 
 
-def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
-    for task in asyncio.all_tasks(loop):
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> set:
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
         task.cancel()
+    return tasks

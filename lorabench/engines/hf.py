@@ -33,15 +33,6 @@ from .base import (
 )
 
 
-def lora_config_from_dict(config: dict):
-    """A PEFT LoraConfig from plain JSON, ignoring keys this PEFT version does not know."""
-    from peft import LoraConfig
-    known = {f.name for f in dataclasses.fields(LoraConfig)}
-    kwargs = {k: v for k, v in config.items() if k in known and k not in ("peft_type",)}
-    kwargs["inference_mode"] = True
-    return LoraConfig(**kwargs)
-
-
 def _copy_checked(params: dict[str, torch.Tensor], named_tensors, what: str, naming_hint: str) -> None:
     """Copy each (name, tensor) into params[name] after checking every name and shape first, so a
     bad entry leaves the engine's weights untouched."""
@@ -178,31 +169,30 @@ class HFEngine:
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
         if name in self._adapters:
             raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
+        from peft import LoraConfig, set_peft_model_state_dict
         tensors, config = adapter.tensors, adapter.config
         validate(tensors, config, self._shapes)
-        lora_config = lora_config_from_dict(config)
+        known = {f.name for f in dataclasses.fields(LoraConfig)}   # keys this PEFT version knows
+        lora_config = LoraConfig(**{**{k: v for k, v in config.items() if k in known and k != "peft_type"},
+                                    "inference_mode": True})
         with interrupts_deferred():   # PEFT's adapter and this engine's record of it change together
-            self._install(name, lora_config, adapter)
-
-    def _install(self, name: str, lora_config, adapter: FlatAdapter) -> None:
-        from peft import set_peft_model_state_dict
-        tensors, config = adapter.tensors, adapter.config
-        if self._peft is None:
-            self._peft = with_lora(self._base, lora_config, adapter_name=name)
-        else:
-            self._peft.add_adapter(name, lora_config)
-        result = set_peft_model_state_dict(self._peft, tensors, adapter_name=name)
-        unexpected = [k for k in result.unexpected_keys if "lora_" in k]
-        missing = [k for k in result.missing_keys if f".{name}." in k and "lora_" in k]
-        if unexpected or missing:
-            self._drop(name)
-            raise EngineError(f"adapter {name!r}: tensors do not fit the model with its config ({len(unexpected)} "
-                              f"unexpected, e.g. {unexpected[:3]}; {len(missing)} missing, e.g. {missing[:3]}); "
-                              f"the tensors and the config's target_modules / layers_to_transform must name the "
-                              f"same modules, with PEFT state-dict names ('base_model.model.<module>.lora_A.weight')")
-        self._adapters[name] = config
-        self._versions[name] = adapter.version
-        self._peft.eval()
+            if self._peft is None:
+                self._peft = with_lora(self._base, lora_config, adapter_name=name)
+            else:
+                self._peft.add_adapter(name, lora_config)
+            result = set_peft_model_state_dict(self._peft, tensors, adapter_name=name)
+            unexpected = [k for k in result.unexpected_keys if "lora_" in k]
+            missing = [k for k in result.missing_keys if f".{name}." in k and "lora_" in k]
+            if unexpected or missing:
+                self._drop(name)
+                raise EngineError(f"adapter {name!r}: tensors do not fit the model with its config "
+                                  f"({len(unexpected)} unexpected, e.g. {unexpected[:3]}; {len(missing)} missing, "
+                                  f"e.g. {missing[:3]}); the tensors and the config's target_modules / "
+                                  f"layers_to_transform must name the same modules, with PEFT state-dict names "
+                                  f"('base_model.model.<module>.lora_A.weight')")
+            self._adapters[name] = config
+            self._versions[name] = adapter.version
+            self._peft.eval()
 
     @torch.no_grad()
     @_serialized
@@ -307,15 +297,12 @@ class HFEngine:
         logits = torch.stack(gen.logits, dim=1).float().cpu() / temp           # [B, T, V]
         logprobs = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]  # [B, T]
         completions = []
-        for i, p in enumerate(prompts):
-            tokens, lps, reason = [], [], "length"
-            for t in range(new.shape[1]):
-                tokens.append(int(new[i, t]))
-                lps.append(float(logprobs[i, t]))
-                if tokens[-1] in self.eos_ids:
-                    reason = "stop"
-                    break
-            completions.append(Completion(list(p), tokens, lps, reason))
+        for i, p in enumerate(prompts):   # each up to its first stop token, included
+            row = new[i].tolist()
+            stop = next((t for t, token in enumerate(row) if token in self.eos_ids), None)
+            end = len(row) if stop is None else stop + 1
+            completions.append(Completion(list(p), row[:end], logprobs[i, :end].tolist(),
+                                          "length" if stop is None else "stop"))
         return completions
 
     @torch.no_grad()

@@ -8,15 +8,11 @@ import os
 class LoopbackStore:
     """The torch.distributed rendezvous store of SGLang's scheduler ranks, hosted here on 127.0.0.1.
 
-    Why: SGLang's ranks rendezvous through tcp://127.0.0.1:<port>, but torch's TCPStore server
-    (started by rank 0) listens on every interface ('::') whatever host it is given: an
-    unauthenticated key-value store open to the network for the engine's lifetime (found by
-    tests/test_sglang_gpu.py::test_engine_opens_no_door). Here the server is
-    started on a socket bound to loopback (TCPStore's master_listen_fd) and every rank joins it as
-    a client: SGLang's SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE points the ranks at it, and
-    torch's TORCHELASTIC_USE_AGENT_STORE makes rank 0 a client too. Both variables are set only
-    while the engine starts (its processes inherit them) and only if the user has not set
-    SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE: then the user's rendezvous is used as is."""
+    Why: torch's TCPStore server (started by rank 0) listens on every interface whatever host it is
+    given: an unauthenticated store open to the network. Here the server is bound to loopback
+    (master_listen_fd) and every rank joins as a client (SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE;
+    TORCHELASTIC_USE_AGENT_STORE for rank 0), the variables set only while the engine starts, and
+    only if the user has not set SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE (then theirs is used)."""
 
     def __init__(self, world_size: int | None):
         self.server = None

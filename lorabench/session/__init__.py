@@ -11,7 +11,7 @@ proves it continues (fingerprint.py), and the composition itself (run.py: `start
 """
 from .config import Config, ConfigError, describe
 from .group import GroupSession
-from .run import RunPlan, RunSession, build_trainer, open_runlog, plan_run, resolve_model, start_engine
+from .run import RunPlan, RunSession, build_trainer, plan_run, resolve_model, start_engine
 
 
 def load_config(path=None, overrides=()) -> Config:
@@ -20,4 +20,4 @@ def load_config(path=None, overrides=()) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "GroupSession", "RunPlan", "RunSession", "build_trainer", "describe",
-           "load_config", "open_runlog", "plan_run", "resolve_model", "start_engine"]
+           "load_config", "plan_run", "resolve_model", "start_engine"]

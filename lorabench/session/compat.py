@@ -19,12 +19,10 @@ from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
 from ..safedir import SafeDir
 from ..settings import ALLOWED as _ALLOWED
 from .config import (
-    MOVED,
     Config,
     ConfigError,
     apply_override,
     flat,
-    moved_layout,
     parse_config_bytes,
     path_component_problem,
 )
@@ -72,10 +70,10 @@ def effective_config(run_dir: Path, changes: bool = True) -> Config:
     if isinstance(data.get("run"), dict):   # where the run dir is now (it may have been moved or renamed)
         name_ok = path_component_problem(run_dir.name) is None
         data["run"].update(out_dir=str(run_dir.parent), name=run_dir.name if name_ok else "")
-    data = Config.from_dict(moved_layout(data), source=str(run_dir / CONFIG)).to_dict()
+    data = Config.from_dict(data, source=str(run_dir / CONFIG)).to_dict()
     for row in rows:
         for key, (_, new) in row.items():
-            *path, name = MOVED.get(key, key).split(".")
+            *path, name = key.split(".")
             table = data
             for part in path:
                 table = table.setdefault(part, {})

@@ -9,8 +9,7 @@ turns files and `key=value` overrides into a Config: every default is chosen so 
 demo` runs offline on a 2-core CPU; an invalid value raises ConfigError naming the field, the value,
 where it came from (the file, or the override) and the fix; an unknown key gets a "did you mean".
 Files are strict: UTF-8 (a BOM is accepted), a key given twice is refused in JSON as TOML refuses
-it, and every value must have its field's type (settings.check_types). Run dirs written before the
-sections moved are read through MOVED.
+it, and every value must have its field's type (settings.check_types).
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from .. import settings as st
 from ..data import DataSettings
 from ..engines import ENGINES, EngineNeeds, EngineSettings, engine_class
 from ..group import PolicySpec, member_dict, parse_policies
-from ..grpo import STALE_AND_RELEASED, GRPOSettings
+from ..grpo import GRPOSettings
 from ..models import ModelSettings
 from ..policy import LoraSettings
 from ..refresh import REFRESH_MODES, RefreshSettings
@@ -34,17 +33,11 @@ from ..runlog import RunSettings
 from ..settings import ConfigError, path_component_problem
 from ..tiny import WarmStartSettings
 
-__all__ = ["MOVED", "SECTIONS", "Config", "ConfigError", "apply_override", "describe", "engine_needs", "flat",
+__all__ = ["SECTIONS", "Config", "ConfigError", "apply_override", "describe", "engine_needs", "flat",
            "parse_config_bytes", "path_component_problem", "read_config_file"]
 
 SECTIONS = {"model": ModelSettings, "warmstart": WarmStartSettings, "lora": LoraSettings, "data": DataSettings,
             "grpo": GRPOSettings, "engine": EngineSettings, "refresh": RefreshSettings, "run": RunSettings}
-
-# keys of the flat layout before engines and refresh modes owned sub-sections: where each lives now
-MOVED = {**{f"engine.{k}": f"engine.sglang.{k}" for k in (
-    "max_lora_rank", "max_loras_per_batch", "mem_fraction_static", "attention_backend", "sampling_backend",
-    "grammar_backend", "lora_backend", "disable_cuda_graph", "dtype", "cuda_graph_max_bs", "tp_size", "extra_args",
-    "log_file")}, "engine.device": "engine.hf.device", "refresh.tmp_dir": "refresh.file.tmp_dir"}
 
 # names other tools use for a field, which spelling similarity would not find
 _SYNONYMS = {"learning_rate": "grpo.lr", "lora_r": "lora.r", "rank": "lora.r", "lora_alpha": "lora.alpha",
@@ -160,7 +153,8 @@ def problems(cfg: Config) -> list[str]:
         found.append(f"grpo.lora_compute=bfloat16 with model.dtype={cfg.model.dtype}: autocast would run the base "
                      f"model's matmuls in bf16 too; set model.dtype=bfloat16, or grpo.lora_compute=auto")
     if cfg.grpo.max_staleness and cfg.engine.release_memory_during_training:
-        found.append(STALE_AND_RELEASED)
+        found.append("grpo.max_staleness > 0 with engine.release_memory_during_training=true: the engine samples "
+                     "the next step while this one trains, so it cannot be released then; set one of them off")
     members = cfg.members()   # built once here; a policy's invalid value raises, naming the policy
     if cfg.policies:
         found += group_problems(cfg)
@@ -221,12 +215,9 @@ def every_key() -> list[str]:
 
 
 def did_you_mean(prefix: str, key: str) -> str:
-    """A key that moved (engine.mem_fraction_static -> engine.sglang.mem_fraction_static), a known
-    synonym (learning_rate -> grpo.lr), the same key elsewhere (grpo.seed -> run.seed), else the
-    closest key of the section or of any section."""
+    """A known synonym (learning_rate -> grpo.lr), the same key elsewhere (grpo.seed -> run.seed), else
+    the closest key of the section or of any section."""
     dotted, keys = f"{prefix}.{key}", every_key()
-    if dotted in MOVED:
-        return f" (did you mean {MOVED[dotted]}? that setting moved there)"
     if key in _SYNONYMS:
         return f" (did you mean {_SYNONYMS[key]}?)"
     elsewhere = [k for k in keys if k.rsplit(".", 1)[-1] == key and not k.startswith(f"{prefix}.")]
@@ -253,19 +244,6 @@ def apply_override(data: dict, item: str) -> str:
             raise ConfigError(f"override {item!r}: {'.'.join(parts[:-1])} is a value, not a section")
     table[parts[-1]] = value
     return ".".join(parts)
-
-
-def moved_layout(data: dict) -> dict:
-    """A config written before engines and refresh modes owned sub-sections, in today's layout."""
-    data = json.loads(json.dumps(data))
-    for old, new in MOVED.items():
-        section, key = old.split(".")
-        table = data.get(section)
-        if isinstance(table, dict) and key in table and not isinstance(table[key], dict):
-            value = table.pop(key)
-            _, part, name = new.split(".")
-            table.setdefault(part, {}).setdefault(name, value)
-    return data
 
 
 def read_config_file(path: str | Path) -> dict:

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..group import GROUP_FILE
-from ..machine import cpu_threads
 from .config import Config, ConfigError, flat
-from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, resolve_model, start_engine
+from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, start_engine, threads_and_model
 
 
 @dataclass
@@ -46,7 +45,9 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         if not cfg.policies:
             raise ConfigError("GroupSession needs a config with policies (a policy group); a single policy is a "
                               "RunSession")
-        return cls._open(cfg, cfg.members(), _group_path(cfg, run_dir), log, evaluate_first)
+        root = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / (cfg.run.name or
+                                                                     time.strftime("%Y%m%d-%H%M%S") + "-group")
+        return cls._open(cfg, cfg.members(), root, log, evaluate_first)
 
     @classmethod
     def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
@@ -87,12 +88,10 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
     @classmethod
     def _open(cls, cfg: Config, members: dict[str, Config], root: Path, log, evaluate_first: bool):
-        import torch
-
         from ..group import shared_differences
         from ..rundir import check_before_evals
         from .preflight import preflight
-        differ = shared_differences({name: m.to_dict() for name, m in members.items()})
+        differ = shared_differences({name: flat(m) for name, m in members.items()})
         if differ:
             raise ConfigError(f"the policies of {root} differ in settings they share: {'; '.join(differ[:4])}; "
                               f"a group steps with one batch, engine and model: continue each policy alone "
@@ -103,13 +102,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
             if evaluate_first and plan.continued is not None:
                 check_before_evals(plan.run_dir, plan.continued.step)
             preflight(members[name], plan.run_dir, continued=plan.continued is not None, log=log)
-        first = next(iter(members.values()))
-        threads, how = cpu_threads(first.run.threads)
-        torch.set_num_threads(threads)
-        log(f"torch CPU threads: {how}")
-        t0 = time.perf_counter()
-        model_path = resolve_model(first, log=log)
-        model_seconds = time.perf_counter() - t0
+        model_path, model_seconds = threads_and_model(next(iter(members.values())), log)
         fingerprints = {name: plan.check_model(members[name], model_path, log) for name, plan in plans.items()}
         if not existing:
             write_group(root, cfg)
@@ -166,14 +159,6 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
     def _release_run_dirs(self) -> None:
         for member in self.members.values():
             member.runlog.close()
-
-
-def _group_path(cfg: Config, run_dir) -> Path:
-    if run_dir:
-        return Path(run_dir)
-    if cfg.run.name:
-        return Path(cfg.run.out_dir) / cfg.run.name
-    return Path(cfg.run.out_dir) / (time.strftime("%Y%m%d-%H%M%S") + "-group")
 
 
 def check_group_dir(root: Path, names: list[str]) -> bool:

@@ -216,9 +216,7 @@ class RunSession(_SessionLifecycle):
         does, if `cfg` is compatible with it (compat.py). `progress(what, done=None, total=None)`,
         if given, hears each part as it starts (a tiny build's warm-start at every step), for a
         notebook's progress display (progress.WaitProgress)."""
-        progress = progress or _no_progress
-        import torch
-
+        progress = progress or (lambda what, done=None, total=None: None)
         from ..rundir import check_before_evals
         from .preflight import preflight
 
@@ -226,12 +224,7 @@ class RunSession(_SessionLifecycle):
         if evaluate_first and plan.continued is not None:
             check_before_evals(plan.run_dir, plan.continued.step)
         preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
-        threads, how = cpu_threads(cfg.run.threads)   # after preflight checked it against this machine's CPUs
-        torch.set_num_threads(threads)
-        log(f"torch CPU threads: {how}")
-        t0 = time.perf_counter()
-        model_path = resolve_model(cfg, log=log, progress=progress)
-        model_seconds = time.perf_counter() - t0
+        model_path, model_seconds = threads_and_model(cfg, log, progress)
         fingerprint = plan.check_model(cfg, model_path, log)
         runlog = plan.open(cfg, log)
         runlog.fingerprint = fingerprint
@@ -282,11 +275,18 @@ class RunSession(_SessionLifecycle):
         self.runlog.close()
 
 
-def _no_progress(what: str, done: int | None = None, total: int | None = None) -> None:
-    """RunSession.open without a progress display."""
-
-
 # --- the composition: each component built from its own section ---------------------------------
+def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float]:
+    """torch's CPU threads set (once preflight checked run.threads against this machine's CPUs), then
+    the model resolved: (its path, the seconds that took)."""
+    import torch
+    threads, how = cpu_threads(cfg.run.threads)
+    torch.set_num_threads(threads)
+    log(f"torch CPU threads: {how}")
+    t0 = time.perf_counter()
+    return resolve_model(cfg, log=log, progress=progress), time.perf_counter() - t0
+
+
 def resolve_model(cfg: Config, log=print, progress=None) -> str:
     """The base model's dir (the tiny one built from its recipe on first use) or hub name.
     `progress(what, done, total)`: called at each warm-start step of a tiny build (a notebook's
@@ -320,7 +320,7 @@ def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=N
     runlog = runlog if runlog is not None else NullRunLog(cfg.run)
     if runlog.settings != cfg.run:   # the run log decides when checkpoints are due: from this config
         raise ValueError(f"the run log of {runlog.dir} was opened with other run settings than cfg.run; open it with "
-                         f"RunLog(run_dir, settings=cfg.run) (or session.open_runlog)")
+                         f"RunLog(run_dir, settings=cfg.run)")
     policy = Policy(model_path, cfg.lora, cfg.grpo, cfg.model.dtype, engine.device, adapter_name=peft_name,
                     init_seed=cfg.run.seed, beside=beside.policy if beside is not None else None)
     refresher = make_refresher(cfg.refresh, engine, cfg.engine.adapter_name, base_weights=policy.base_weights())
@@ -328,9 +328,3 @@ def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=N
                        tokenizer or load_tokenizer(model_path), runlog, seed=cfg.run.seed,
                        enable_thinking=cfg.model.enable_thinking,
                        release_engine_memory=cfg.engine.release_memory_during_training, log=log)
-
-
-def open_runlog(cfg: Config, run_dir: str | Path, log=print, lock: bool = False):
-    """The run log of `run_dir`, writing on cfg.run's schedule (checkpoints, adapters, samples)."""
-    from ..runlog import RunLog
-    return RunLog(run_dir, log, lock=lock, settings=cfg.run)
