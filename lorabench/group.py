@@ -215,6 +215,10 @@ class PolicyGroup:
         self.wait_committed()
         return done
 
+    def evaluate(self, greedy: bool = False) -> dict:
+        """{name: held-out evaluation} (trainer.evaluate for each policy; notebook 04 calls it)."""
+        return {name: t.evaluate(greedy=greedy) for name, t in self.trainers.items()}
+
     def wait_committed(self) -> None:
         for trainer in self.trainers.values():
             trainer.wait_committed()
