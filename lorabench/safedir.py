@@ -119,8 +119,9 @@ class SafeDir:
     @classmethod
     def open(cls, path: str | Path, create: bool = False, mode: int | None = None) -> SafeDir:
         """The run dir itself: a directory, not a link (its parents are the user's path, followed).
-        create=True makes it (and its parents); `mode` is set whatever the umask. A missing dir
-        raises FileNotFoundError (create=False)."""
+        create=True makes it (and its parents); `mode` is set whatever the umask, with create=True
+        only on a dir this call made (an existing one keeps its owner's mode: a refused command
+        changes nothing). A missing dir raises FileNotFoundError (create=False)."""
         return cls._opened(Path(path), Path(path), None, Path(path), create, mode)
 
     def sub(self, name: str, create: bool = False, mode: int | None = None) -> SafeDir:
@@ -129,12 +130,14 @@ class SafeDir:
 
     @classmethod
     def _opened(cls, path: Path, where, dir_fd: int | None, root: Path, create: bool, mode: int | None):
+        made = False
         try:
             if create and dir_fd is None:
                 path.parent.mkdir(parents=True, exist_ok=True)
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(where, mode or 0o750, dir_fd=dir_fd)
+                    made = True
         except OSError as err:
             raise write_failure(path, err, root) from None
         try:
@@ -147,7 +150,7 @@ class SafeDir:
             st = os.stat(where, dir_fd=dir_fd, follow_symlinks=False)
             raise refusal(path, st, "dir", dir_fd, is_root=dir_fd is None) from None
         opened = cls(path, fd, root)
-        if mode is not None:
+        if mode is not None and (made or not create):
             try:
                 os.fchmod(fd, mode)
             except OSError as err:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_util import QUICK_RUN, cli, dir_bytes, one_line_error, refused
+from reliability_util import QUICK_RUN, cli, dir_bytes, one_line_error, refused, tree_state
 
 from lorabench.cli import main
 from lorabench.rundir import RunDirError, inspect, read_jsonl
@@ -313,10 +313,11 @@ def test_a_checkpoint_of_an_older_lorabench_or_another_order(run_dir, capsys, ch
         assert main(["resume", str(run_dir), "grpo.steps=3"]) == 0
         assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
         return
-    before = dir_bytes(run_dir)
+    os.chmod(run_dir, 0o755)   # its owner's mode (e.g. shared read-only): a refusal after the run dir is opened keeps it
+    before = tree_state(run_dir)
     line = refused(capsys, "resume", str(run_dir))
     assert needle in line and "nothing was changed" in line, line
-    assert dir_bytes(run_dir) == before
+    assert tree_state(run_dir) == before
 
 
 @pytest.mark.parametrize("behind", ["a_buffer", "none"])
