@@ -313,7 +313,7 @@ def test_a_checkpoint_of_an_older_lorabench_or_another_order(run_dir, capsys, ch
         assert main(["resume", str(run_dir), "grpo.steps=3"]) == 0
         assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
         return
-    os.chmod(run_dir, 0o755)   # its owner's mode (e.g. shared read-only): a refusal after the run dir is opened keeps it
+    os.chmod(run_dir, 0o755)   # its owner's mode (shared read-only): a refusal after the dir is opened keeps it
     before = tree_state(run_dir)
     line = refused(capsys, "resume", str(run_dir))
     assert needle in line and "nothing was changed" in line, line
