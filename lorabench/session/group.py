@@ -45,9 +45,8 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         if not cfg.policies:
             raise ConfigError("GroupSession needs a config with policies (a policy group); a single policy is a "
                               "RunSession")
-        root = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / (cfg.run.name or
-                                                                     time.strftime("%Y%m%d-%H%M%S") + "-group")
-        return cls._open(cfg, cfg.members(), root, log, evaluate_first)
+        name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S") + "-group"
+        return cls._open(cfg, cfg.members(), Path(run_dir or Path(cfg.run.out_dir) / name), log, evaluate_first)
 
     @classmethod
     def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
