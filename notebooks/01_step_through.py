@@ -35,9 +35,9 @@
 # first time, the tiny model is built and warm-started first (400 steps) into `~/.cache/lorabench` (or
 # `$LORABENCH_CACHE`), where notebook 03 and `lorabench demo` find it too: that added 10.5 minutes at
 # load 6-7 (Run All 1,183 s), 2-4 minutes on a quiet machine. The bars and the panel's line show the
-# time left. On a GPU (one H200, `ENGINE = "sglang"`, the tiny model cached): **107-131 s** for Run
-# All in a fresh kernel with SGLang in it, about 30 s of it starting the engine (measured before the
-# reward exercise's 5 steps were added; a step takes well under a second there).
+# time left. On a GPU (one H200, `ENGINE = "sglang"`, the tiny model cached): **107-156 s** for Run
+# All in a fresh kernel with SGLang in it (156 s with the reward exercise), about 30 s of it starting
+# the engine; a step takes well under a second there.
 
 # %%
 # setup

@@ -39,7 +39,7 @@
 # 4-6; 563 s on a machine shared with other work, load 3-7, of which 255 s the training and 275 s
 # section 4.3's 48 steps). The first time ever, building and warm-starting the tiny model comes first
 # (a progress bar counts its steps; cached afterwards: notebook 01 measures it). On a GPU (one H200,
-# `ENGINE = "sglang"`, reusing notebook 01's run dir): **90 s**, Run All in a fresh kernel with SGLang
+# `ENGINE = "sglang"`, reusing notebook 01's run dir): **90-95 s**, Run All in a fresh kernel with SGLang
 # in it (about 35 s of it starting the engine). The last code cell prints this Run All's own time and
 # load average.
 
