@@ -1,21 +1,18 @@
-"""The SGLang backend: an in-process `sglang.Engine` (no HTTP server, no open port) with LoRA
-enabled, serving the base weights once and adapters refreshed live by name.
+"""The SGLang backend: an in-process `sglang.Engine` (no HTTP server, no open port) with LoRA enabled,
+serving the base weights once and adapters refreshed live by name.
 
 This module uses the Engine's public methods and attributes only: generate, load_lora_adapter,
-load_lora_adapter_from_tensors, unload_lora_adapter, update_weights_from_tensor,
-release/resume_memory_occupation, flush_cache, get_server_info, loop. Token ids in, token ids and
-log-probs out (skip_tokenizer_init=True). Every use of SGLang internals (the in-place writer, the
-shutdown, the watch for failed processes, aborting a request, its error texts) is in
+load_lora_adapter_from_tensors, unload_lora_adapter, update_weights_from_tensor, release/resume_memory_
+occupation, flush_cache, get_server_info, get_all_child_pids, loop. Token ids in, token ids and log-probs
+out (skip_tokenizer_init=True). Every use of SGLang internals (the in-place writer, the shutdown, the
+watch for failed processes, aborting a request, reply texts, the --lora-backend names) is in
 sglang_internals.py, each with the release it was verified on and the check that it still holds.
 
-Invariants: every request names its adapter per prompt (`lora_path=[name]*n`, `[None]*n` for the
-base model); 'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts;
-adapter configs are plain JSON (adapters.plain_config) and PEFT state-dict names; tensors are on
-the GPU before CUDA-IPC serialisation; only the memory tags released are resumed; a failed call
-raises EngineError with the engine's own message.
-
-Threads and signals: SGLangEngine's docstring. Scripts that start an Engine need an `if __name__ ==
-"__main__":` guard (SGLang spawns its scheduler process).
+Invariants: every prompt names its adapter (`lora_path=[name]*n`, `[None]*n` for the base model);
+'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts; adapter configs
+are plain JSON and PEFT state-dict names; tensors are on the GPU before CUDA-IPC serialisation; only the
+memory tags released are resumed; a failed call raises EngineError with the engine's own message.
+Scripts that start an Engine need an `if __name__ == "__main__":` guard (SGLang spawns processes).
 """
 from __future__ import annotations
 
@@ -55,8 +52,7 @@ DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def sglang_target_modules(target) -> list[str]:
-    """User LoRA target modules -> SGLang's lora_target_modules. 'all-linear' becomes ['all']; a
-    string that is not a plain module name (a regex) cannot be expressed and is refused."""
+    """User LoRA target modules -> SGLang's lora_target_modules ('all-linear': ['all']; a regex is refused)."""
     if isinstance(target, str):
         if target == "all-linear":
             return ["all"]
@@ -73,8 +69,7 @@ def sglang_target_modules(target) -> list[str]:
 
 @dataclass
 class SGLangSettings(Section):
-    """The `engine.sglang` section: what sglang.Engine is started with. The adapter it must hold
-    (rank, target modules), the largest batch and the seed come from the run (EngineNeeds)."""
+    """The `engine.sglang` section: what sglang.Engine is started with (the rest comes from EngineNeeds)."""
     mem_fraction_static: float = setting(0.3, "Fraction of GPU memory for the engine's weights + KV cache. 0.3 "
                                          "leaves the README's command room for the trainer on a 24 GB GPU "
                                          "(docs/results.md); an engine on GPUs of its own "
@@ -136,9 +131,8 @@ class SGLangSettings(Section):
             *check(self.base_gpu_id >= 0, f"engine.sglang.base_gpu_id={self.base_gpu_id}: must be >= 0 (a CUDA "
                    f"index; 0 = beside the trainer, 1 = a GPU of its own)"),
         ]
-        return found or self._extra_problems()
-
-    def _extra_problems(self) -> list[str]:
+        if found:
+            return found
         try:
             extra = self.extra()
         except json.JSONDecodeError as err:
@@ -154,7 +148,6 @@ class SGLangSettings(Section):
                        f"data-parallel group, or use engine.sglang.tp_size (docs/multi_gpu.md)")]
 
     def engine_kwargs(self, model_path: str, needs: EngineNeeds) -> dict:
-        """sglang.Engine's arguments for a run that needs `needs` of it."""
         kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True,
                       enable_lora=True, max_lora_rank=self.max_lora_rank or needs.lora_rank,
                       lora_target_modules=sglang_target_modules(needs.target_modules),
@@ -198,9 +191,8 @@ def needs_problems(settings: SGLangSettings, needs: EngineNeeds) -> list[str]:
 
 
 def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> str:
-    """'' or why the run's largest batch will not decode at once: a batch whose tokens SGLang's KV
-    cache (`held` tokens) cannot hold is decoded in waves (the rest waits in its queue), slower per
-    token, with nothing else to show for it; and the mem_fraction_static that would hold it."""
+    """'' or why the run's largest batch will not decode at once: one whose tokens SGLang's KV cache (`held`
+    tokens) cannot hold decodes in waves, slower per token; and the mem_fraction_static that would hold it."""
     wanted = needs.largest_batch * needs.max_new_tokens   # prompts not counted: a lower bound
     if not held or wanted <= held:
         return ""
@@ -213,9 +205,8 @@ def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> s
 
 @contextlib.contextmanager
 def child_output_to(path: str):
-    """While the engine's processes start, this process's stdout and stderr (file descriptors 1 and
-    2) point at `path`: the children inherit it and write there for their whole life (SGLang's
-    progress bars would otherwise land in a notebook's output, which captures those descriptors);
+    """While the engine's processes start, this process's file descriptors 1 and 2 point at `path`: the
+    children inherit it for their whole life (else SGLang's progress bars land in a notebook's output);
     this process gets its own back when the block ends. '' changes nothing."""
     if not path:
         yield
@@ -280,7 +271,7 @@ def _start(kwargs: dict, overrides: dict, settings: SGLangSettings):
 
 
 def _on_engine_thread(abort_on_interrupt: bool = False):
-    """The method runs on the engine's own thread (engine_thread.py), whoever calls it. A request
+    """The method runs on the engine's own thread, whoever calls it; with abort_on_interrupt, a request
     whose caller is interrupted is aborted in the engine (its results would be dropped anyway)."""
     def wrap(method):
         @functools.wraps(method)
@@ -294,16 +285,14 @@ def _on_engine_thread(abort_on_interrupt: bool = False):
 
 
 class SGLangEngine:
-    """An in-process sglang.Engine, created and driven on a thread of its own (engine_thread.py):
-    its asyncio loop is its own, never a notebook kernel's; every method runs there, in order.
+    """An in-process sglang.Engine, created and driven on a thread of its own (engine_thread.py): its
+    asyncio loop is its own, never a notebook kernel's; every method runs there, in order.
 
-    Its processes (scheduler, detokenizer) are started with Ctrl-C / Kernel -> Interrupt ignored
-    (SIGINT reaches a kernel's whole process group): an interrupt stops the caller, never the
-    engine. If one of them dies, SGLang signals this process (SIGQUIT); instead of SGLang's own
+    Its processes start with SIGINT ignored (it reaches a kernel's whole process group): an interrupt
+    stops the caller, never the engine. If one dies, SGLang sends this process SIGQUIT; instead of SGLang's
     handler, which kills this process (a notebook's kernel), the engine is marked failed: its other
-    processes are stopped, the call in progress and every later one raise EngineError, and the
-    process goes on (close the session, open a new one; the run dir resumes from its checkpoint).
-    Both need the engine to be created on the main thread (signal dispositions live there)."""
+    processes are stopped, the running and every later call raise EngineError, and the process goes on.
+    Both need the engine created on the main thread (signal dispositions live there)."""
     Settings = SGLangSettings
     name = "sglang"
     help = "an in-process sglang.Engine on the GPU(s), no HTTP server"
@@ -311,9 +300,8 @@ class SGLangEngine:
 
     @staticmethod
     def check_available(settings: SGLangSettings, capabilities=()) -> None:
-        """Before anything is written: the sglang package (for a refresh that writes in place: a
-        release the in-place writer was verified on, and engine.sglang.in_place) and a CUDA GPU, or an
-        EngineError saying so."""
+        """Before anything is written: the sglang package (for an in-place refresh: a verified release and
+        engine.sglang.in_place) and a CUDA GPU, or an EngineError saying so."""
         import importlib.util
         if importlib.util.find_spec("sglang") is None:
             raise EngineError("engine.backend='sglang' needs the sglang package, which is not installed for this "
@@ -361,8 +349,8 @@ class SGLangEngine:
         self.pool: internals.PoolWriter | None = None   # made at the first in-place write
 
     def _notes(self, needs: EngineNeeds) -> list[str]:
-        """What the session tells the user about this engine (on its thread): its room for the run, and
-        on an SGLang release the internals were not verified on, which of them it lacks."""
+        """What the session tells the user (on the engine's thread): its room for the run, and on an
+        unverified release, which internals it lacks."""
         note = kv_capacity_note(self.engine.get_server_info().get("max_total_num_tokens"), needs,
                                 self.settings.mem_fraction_static)
         return [*([note] if note else []), *internals.release_notes(self.engine)]
@@ -389,8 +377,7 @@ class SGLangEngine:
     def served_version(self, adapter: str | None) -> int | None:
         return self._served_now(adapter)
 
-    def _served_now(self, adapter: str | None) -> int | None:
-        """On the engine's thread."""
+    def _served_now(self, adapter: str | None) -> int | None:   # on the engine's thread
         if adapter is not None and self.pool is not None and adapter in self.pool.mapped:
             return self.pool.version(adapter)  # kept in the engine, beside its copy of the adapter
         return self._versions.get(adapter)
@@ -426,9 +413,8 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """Overwrite loaded adapter `name` inside the engine's GPU LoRA pool (sglang_internals.PoolWriter).
-        Calls run one at a time on the engine thread, so none of ours is in flight now; a request
-        someone else sent through `self.engine` would read a half-written adapter, so that refuses."""
+        """Overwrite loaded adapter `name` in the engine's GPU LoRA pool (sglang_internals.PoolWriter). None
+        of our calls is in flight (one at a time); a request sent past us through `self.engine` refuses it."""
         self._known(name, "; load it before updating it in place")
         if name not in self._configs:
             raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
@@ -471,25 +457,19 @@ class SGLangEngine:
 
     @_on_engine_thread(abort_on_interrupt=True)
     def generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
-        return self._generate(prompt_ids, sampling, adapter)
-
-    @_on_engine_thread(abort_on_interrupt=True)
-    def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
-        """generate, and the version that served it, in one call on the engine's thread (a write
-        sent meanwhile runs after it)."""
-        return self._generate(prompt_ids, sampling, adapter), self._served_now(adapter)
-
-    def _generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
         return self._mixed([GenerateRequest(prompt_ids, sampling, adapter)])[0]
 
     @_on_engine_thread(abort_on_interrupt=True)
+    def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
+        """generate and the version that served it, in one call (a write sent meanwhile runs after it)."""
+        return self._mixed([GenerateRequest(prompt_ids, sampling, adapter)])[0], self._served_now(adapter)
+
+    @_on_engine_thread(abort_on_interrupt=True)
     def generate_mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
-        """One sglang generate call for all requests: each prompt names its request's adapter and
-        carries its sampling parameters, so K policies' rollouts decode as one batch."""
+        """One sglang generate call: each prompt names its request's adapter and sampling parameters."""
         return self._mixed(requests)
 
-    def _mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
-        """On the engine's thread."""
+    def _mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:   # on the engine's thread
         prompts = [list(p) for r in requests for p in r.prompt_ids]
         params = [_params(r.sampling) for r in requests for _ in r.prompt_ids]
         lora = [name for r in requests for name in self._lora(r.adapter, len(r.prompt_ids))]
@@ -515,8 +495,8 @@ class SGLangEngine:
         return result
 
     def _abort(self, call_id: int) -> None:
-        """A caller stopped waiting for request `call_id`: end it early if it is still the one running
-        (checked on the engine's loop, where the request runs; a later request is never touched)."""
+        """A caller stopped waiting for call `call_id`: end it early if it is still the one running (checked
+        on the engine's loop, where the request runs; a later call is never touched)."""
         engine, thread = self.engine, self._thread
         if engine is None or thread is None or thread.loop is None or thread.loop.is_closed():
             return
@@ -533,11 +513,9 @@ class SGLangEngine:
     # -- memory -------------------------------------------------------------------------------
     @_on_engine_thread()
     def release_memory(self, tags: list[str]) -> None:
-        """Release GPU memory for training. Tags: 'kv_cache', 'weights' (SGLang's). Released weights
-        come back with undefined contents unless the engine keeps a CPU backup, so only release
-        them when every weight is pushed again after resume (merged refresh). Needs the engine
-        started with enable_memory_saver (engine.sglang.extra_args) to free anything. Only what was
-        released is resumed, so the pair stays symmetric."""
+        """Release GPU memory for training; tags 'kv_cache', 'weights' (SGLang's). Released weights come back
+        undefined unless the engine keeps a CPU backup: release them only when every weight is pushed again
+        after resume (merged refresh). Frees nothing without enable_memory_saver (engine.sglang.extra_args)."""
         if self._released:
             raise EngineError(f"memory already released ({self._released}); resume_memory first")
         self.engine.release_memory_occupation(tags=list(tags))
@@ -554,8 +532,8 @@ class SGLangEngine:
 
     # -- life cycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the engine's processes (their GPU memory comes back) and its thread. Waits for the
-        call in progress, if any; a failed engine's remaining processes are stopped at once."""
+        """Stop the engine's processes (their GPU memory comes back) and its thread, after the call in
+        progress; a failed engine's remaining processes are stopped at once."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -600,10 +578,9 @@ class SGLangEngine:
 
 @contextlib.contextmanager
 def _interrupts_ignored_by_children():
-    """While the engine starts, SIGINT is ignored on the main thread, so the processes SGLang
-    spawns inherit 'ignore' (a disposition survives exec; a handler does not): Jupyter sends
-    Kernel -> Interrupt to the kernel's whole process group, and a scheduler stopped by it would
-    take the engine down. The start itself cannot be interrupted."""
+    """While the engine starts, SIGINT is ignored on the main thread, so SGLang's processes inherit 'ignore'
+    (a disposition survives exec, a handler does not): Jupyter interrupts the kernel's whole process group,
+    and a scheduler stopped by it would take the engine down. The start itself cannot be interrupted."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
