@@ -49,6 +49,7 @@ from .loopback import LoopbackStore
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+served = functools.partial(setting, resume=ALLOWED, why=SERVED)   # every engine.sglang setting: how rollouts run
 
 
 def sglang_target_modules(target) -> list[str]:
@@ -70,44 +71,36 @@ def sglang_target_modules(target) -> list[str]:
 @dataclass
 class SGLangSettings(Section):
     """The `engine.sglang` section: what sglang.Engine is started with (the rest comes from EngineNeeds)."""
-    mem_fraction_static: float = setting(0.3, "Fraction of GPU memory for the engine's weights + KV cache. 0.3 "
-                                         "leaves the README's command room for the trainer on a 24 GB GPU "
-                                         "(docs/results.md); an engine on GPUs of its own "
-                                         "(base_gpu_id >= 1) can take ~0.85.", resume=ALLOWED, why=SERVED)
-    dtype: str = setting("auto", "The engine's model dtype ('auto', 'bfloat16', 'float16').", resume=ALLOWED,
-                         why=SERVED)
-    max_lora_rank: int = setting(0, "Largest LoRA rank the engine holds; 0 = the run's lora.r.", resume=ALLOWED,
-                                 why=SERVED)
-    max_loras_per_batch: int = setting(4, "Adapters per batch; the base model counts as one (>= 2).",
-                                       resume=ALLOWED, why=SERVED)
-    lora_backend: str = setting("triton", "The LoRA kernels: 'triton' or 'csgmv' (SGLang's default). triton "
-                                "decodes with the adapter closer to base speed (docs/results.md).",
-                                resume=ALLOWED, why=SERVED)
-    attention_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
-    sampling_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
-    grammar_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
-    disable_cuda_graph: bool = setting(False, "Turn CUDA graphs off (slower decode, faster start).", resume=ALLOWED,
-                                       why=SERVED)
-    cuda_graph_max_bs: int = setting(0, "Largest decode batch run as a CUDA graph; 0 = the largest batch the run "
-                                     "sends (a rollout or the held-out eval): a batch above it decodes without "
-                                     "graphs, several times slower (docs/results.md).", resume=ALLOWED, why=SERVED)
-    tp_size: int = setting(1, "Tensor-parallel size: the GPUs the engine spans from base_gpu_id on; the "
-                           "trainer stays on cuda:0 (docs/multi_gpu.md).", resume=ALLOWED, why=SERVED)
-    base_gpu_id: int = setting(0, "The engine's first GPU (a visible CUDA index); the trainer is on cuda:0. 0 = "
-                               "they share GPU 0; 1 = the engine on GPUs 1..tp_size of its own, so training "
-                               "never waits for its memory and, with grpo.max_staleness=1, the next step's "
-                               "rollouts run beside this step's training (docs/multi_gpu.md).",
-                               resume=ALLOWED, why=SERVED)
-    in_place: bool = setting(True, "Register lorabench's in-place writer (a custom weight loader) when the engine "
-                             "starts, so refresh.mode=inplace may write to it, also after a switch from another "
-                             "mode on the open engine (the refresh lesson, the benchmarks); its buffers are made "
-                             "at the first in-place write. false: nothing of it is set up and inplace is refused.",
-                             resume=ALLOWED, why=SERVED)
-    extra_args: str = setting("", "A JSON object of further sglang.Engine arguments, e.g. "
-                              '\'{"enable_memory_saver": true}\'.', resume=ALLOWED, why=SERVED)
-    log_file: str = setting("", "A file (appended) for the output of the engine's own processes: its progress "
-                            "bars and logs; '' = this process's stdout/stderr (a notebook sends it to a file, so "
-                            "its output is the lesson's alone).", resume=ALLOWED, why=SERVED)
+    mem_fraction_static: float = served(0.3, "Fraction of GPU memory for the engine's weights + KV cache. 0.3 leaves "
+                                        "the README's command room for the trainer on a 24 GB GPU (docs/results.md); "
+                                        "an engine on GPUs of its own (base_gpu_id >= 1) can take ~0.85.")
+    dtype: str = served("auto", "The engine's model dtype ('auto', 'bfloat16', 'float16').")
+    max_lora_rank: int = served(0, "Largest LoRA rank the engine holds; 0 = the run's lora.r.")
+    max_loras_per_batch: int = served(4, "Adapters per batch; the base model counts as one (>= 2).")
+    lora_backend: str = served("triton", "The LoRA kernels: 'triton' or 'csgmv' (SGLang's default). triton decodes "
+                               "with the adapter closer to base speed (docs/results.md).")
+    attention_backend: str = served("", "'' = SGLang's default.")
+    sampling_backend: str = served("", "'' = SGLang's default.")
+    grammar_backend: str = served("", "'' = SGLang's default.")
+    disable_cuda_graph: bool = served(False, "Turn CUDA graphs off (slower decode, faster start).")
+    cuda_graph_max_bs: int = served(0, "Largest decode batch run as a CUDA graph; 0 = the largest batch the run sends "
+                                    "(a rollout or the held-out eval): a batch above it decodes without graphs, "
+                                    "several times slower (docs/results.md).")
+    tp_size: int = served(1, "Tensor-parallel size: the GPUs the engine spans from base_gpu_id on; the trainer stays "
+                          "on cuda:0 (docs/multi_gpu.md).")
+    base_gpu_id: int = served(0, "The engine's first GPU (a visible CUDA index); the trainer is on cuda:0. 0 = they "
+                              "share GPU 0; 1 = the engine on GPUs 1..tp_size of its own, so training never waits for "
+                              "its memory and, with grpo.max_staleness=1, the next step's rollouts run beside this "
+                              "step's training (docs/multi_gpu.md).")
+    in_place: bool = served(True, "Register lorabench's in-place writer (a custom weight loader) when the engine "
+                            "starts, so refresh.mode=inplace may write to it, also after a switch from another mode "
+                            "on the open engine (the refresh lesson, the benchmarks); its buffers are made at the "
+                            "first in-place write. false: nothing of it is set up and inplace is refused.")
+    extra_args: str = served("", 'A JSON object of further sglang.Engine arguments, e.g. \'{"enable_memory_saver": '
+                             'true}\'.')
+    log_file: str = served("", "A file (appended) for the output of the engine's own processes: its progress bars "
+                           "and logs; '' = this process's stdout/stderr (a notebook sends it to a file, so its "
+                           "output is the lesson's alone).")
 
     def extra(self) -> dict:
         return json.loads(self.extra_args) if self.extra_args else {}
@@ -159,15 +152,12 @@ class SGLangSettings(Section):
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
         if self.cuda_graph_max_bs or needs.largest_batch:
             kwargs["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs or needs.largest_batch
-        for key in ("attention_backend", "sampling_backend", "grammar_backend", "lora_backend"):
-            if getattr(self, key):
+        for key in ("attention_backend", "sampling_backend", "grammar_backend", "lora_backend", "disable_cuda_graph",
+                    "base_gpu_id"):
+            if getattr(self, key):   # '', False, 0: SGLang's default
                 kwargs[key] = getattr(self, key)
-        if self.disable_cuda_graph:
-            kwargs["disable_cuda_graph"] = True
         if self.tp_size > 1:
             kwargs["tp_size"] = self.tp_size
-        if self.base_gpu_id:
-            kwargs["base_gpu_id"] = self.base_gpu_id
         return {**kwargs, **self.extra()}
 
     def gpu_problems(self, visible: int) -> list[str]:
@@ -231,43 +221,6 @@ def child_output_to(path: str):
         os.dup2(saved[1], 2)
         for fd in (*saved, target):
             os.close(fd)
-
-
-def _start(kwargs: dict, overrides: dict, settings: SGLangSettings):
-    """sglang.Engine(**kwargs, **overrides), its rendezvous store on loopback, or an EngineError saying why not."""
-    try:
-        import sglang
-    except ImportError as err:
-        raise EngineError(f"engine.backend='sglang' needs the sglang package ({err}); install it with "
-                          f"pip install 'lorabench[sglang]' on a GPU machine, or use engine.backend=hf") from err
-    model_path = kwargs["model_path"]
-    kwargs = {**kwargs, **overrides}
-    # No open doors: with tp_size > 1 the ranks talk through NCCL and gloo, which bind their
-    # bootstrap sockets to the first non-loopback interface by default; one host needs loopback only
-    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        os.environ.setdefault(var, "lo")
-    tp_size = kwargs.get("tp_size", 1)
-    if tp_size > 1 and torch.cuda.is_initialized():
-        # SGLang refuses to start when its GPUs' free memory differs by > 10%: give back this
-        # process's cached blocks on the GPU it shares with rank 0 first
-        torch.cuda.empty_cache()
-    store = LoopbackStore.for_engine(tp_size)
-    try:
-        with store.environment(), child_output_to(settings.log_file):
-            return sglang.Engine(**kwargs), store
-    except (ValueError, RuntimeError, AssertionError) as err:
-        store.close()
-        hint = ""
-        if tp_size > 1:
-            held = torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_initialized() else 0.0
-            hint = (f"; with engine.sglang.tp_size={tp_size} SGLang also refuses GPUs whose free memory differs by "
-                    f"more than 10% (this process holds {held:.1f} GB on its current GPU, which rank 0 shares): start "
-                    f"the engine before the trainer, or see docs/multi_gpu.md")
-        if settings.log_file:
-            hint += f"; the engine's own output is in {settings.log_file}"
-        raise EngineError(f"sglang.Engine failed to start ({type(err).__name__}: {err}); check "
-                          f"engine.sglang.mem_fraction_static (now {settings.mem_fraction_static}) and the model path "
-                          f"{model_path}{hint}") from err
 
 
 def _on_engine_thread(abort_on_interrupt: bool = False):
@@ -340,7 +293,39 @@ class SGLangEngine:
         internals.watch(self)
 
     def _start(self, model_path: str, kwargs: dict, overrides: dict) -> None:
-        self.engine, self._store = _start(kwargs, overrides, self.settings)
+        """sglang.Engine(**kwargs, **overrides), its rendezvous store on loopback, or an EngineError saying why not."""
+        try:
+            import sglang
+        except ImportError as err:
+            raise EngineError(f"engine.backend='sglang' needs the sglang package ({err}); install it with "
+                              f"pip install 'lorabench[sglang]' on a GPU machine, or use engine.backend=hf") from err
+        kwargs, settings = {**kwargs, **overrides}, self.settings
+        # No open doors: with tp_size > 1 the ranks talk through NCCL and gloo, which bind their
+        # bootstrap sockets to the first non-loopback interface by default; one host needs loopback only
+        for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            os.environ.setdefault(var, "lo")
+        tp_size = kwargs.get("tp_size", 1)
+        if tp_size > 1 and torch.cuda.is_initialized():
+            # SGLang refuses to start when its GPUs' free memory differs by > 10%: give back this
+            # process's cached blocks on the GPU it shares with rank 0 first
+            torch.cuda.empty_cache()
+        store = LoopbackStore.for_engine(tp_size)
+        try:
+            with store.environment(), child_output_to(settings.log_file):
+                self.engine, self._store = sglang.Engine(**kwargs), store
+        except (ValueError, RuntimeError, AssertionError) as err:
+            store.close()
+            hint = ""
+            if tp_size > 1:
+                held = torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_initialized() else 0.0
+                hint = (f"; with engine.sglang.tp_size={tp_size} SGLang also refuses GPUs whose free memory differs "
+                        f"by more than 10% (this process holds {held:.1f} GB on its current GPU, which rank 0 "
+                        f"shares): start the engine before the trainer, or see docs/multi_gpu.md")
+            if settings.log_file:
+                hint += f"; the engine's own output is in {settings.log_file}"
+            raise EngineError(f"sglang.Engine failed to start ({type(err).__name__}: {err}); check "
+                              f"engine.sglang.mem_fraction_static (now {settings.mem_fraction_static}) and the model "
+                              f"path {model_path}{hint}") from err
         self._thread.use_loop(self.engine.loop)   # the loop sglang.Engine made on this thread, its own
         self._adapters: set[str] = set()
         self._configs: dict[str, dict] = {}   # name -> config it was loaded with (tensor loads)
