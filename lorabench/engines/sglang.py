@@ -3,7 +3,7 @@ serving the base weights once and adapters refreshed live by name.
 
 This module uses the Engine's public methods and attributes only: generate, load_lora_adapter,
 load_lora_adapter_from_tensors, unload_lora_adapter, update_weights_from_tensor, release/resume_memory_
-occupation, flush_cache, get_server_info, get_all_child_pids, loop. Token ids in, token ids and log-probs
+occupation, flush_cache, get_server_info, loop. Token ids in, token ids and log-probs
 out (skip_tokenizer_init=True). Every use of SGLang internals (the in-place writer, the shutdown, the
 watch for failed processes, aborting a request, reply texts, the --lora-backend names) is in
 sglang_internals.py, each with the release it was verified on and the check that it still holds.
@@ -141,12 +141,11 @@ class SGLangSettings(Section):
                        f"data-parallel group, or use engine.sglang.tp_size (docs/multi_gpu.md)")]
 
     def engine_kwargs(self, model_path: str, needs: EngineNeeds) -> dict:
-        kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True,
-                      enable_lora=True, max_lora_rank=self.max_lora_rank or needs.lora_rank,
-                      lora_target_modules=sglang_target_modules(needs.target_modules),
+        kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True, enable_lora=True,
+                      max_lora_rank=self.max_lora_rank or needs.lora_rank, mem_fraction_static=self.mem_fraction_static,
+                      lora_target_modules=sglang_target_modules(needs.target_modules), dtype=self.dtype,
                       max_loras_per_batch=max(self.max_loras_per_batch, needs.adapters + 1),   # + the base
-                      mem_fraction_static=self.mem_fraction_static,
-                      dtype=self.dtype, random_seed=needs.seed, log_level="error")
+                      random_seed=needs.seed, log_level="error")
         if self.in_place:
             kwargs["custom_weight_loader"] = [internals.LOADER]
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
@@ -166,18 +165,6 @@ class SGLangSettings(Section):
         return check(last < visible, f"engine.sglang.base_gpu_id={self.base_gpu_id} with tp_size={self.tp_size} puts "
                      f"the engine on GPUs {self.base_gpu_id}..{last}, but this process sees {visible} (cuda:0.."
                      f"{visible - 1}; CUDA_VISIBLE_DEVICES chooses them); lower base_gpu_id or tp_size")
-
-
-def needs_problems(settings: SGLangSettings, needs: EngineNeeds) -> list[str]:
-    """What of the run's needs SGLang cannot serve, each with the fix."""
-    found = check(not settings.max_lora_rank or settings.max_lora_rank >= needs.lora_rank,
-                  f"engine.sglang.max_lora_rank={settings.max_lora_rank} is below lora.r={needs.lora_rank}; raise it "
-                  f"or set 0 (= lora.r)")
-    try:
-        sglang_target_modules(needs.target_modules)
-    except EngineError as err:
-        found.append(str(err))
-    return found
 
 
 def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> str:
@@ -249,7 +236,6 @@ class SGLangEngine:
     Settings = SGLangSettings
     name = "sglang"
     help = "an in-process sglang.Engine on the GPU(s), no HTTP server"
-    needs_problems = staticmethod(needs_problems)
 
     @staticmethod
     def check_available(settings: SGLangSettings, capabilities=()) -> None:
@@ -272,6 +258,18 @@ class SGLangEngine:
         placement = settings.gpu_problems(torch.cuda.device_count())
         if placement:
             raise EngineError(placement[0])
+
+    @staticmethod
+    def needs_problems(settings: SGLangSettings, needs: EngineNeeds) -> list[str]:
+        """What of the run's needs SGLang cannot serve, each with the fix."""
+        found = check(not settings.max_lora_rank or settings.max_lora_rank >= needs.lora_rank,
+                      f"engine.sglang.max_lora_rank={settings.max_lora_rank} is below lora.r={needs.lora_rank}; raise "
+                      f"it or set 0 (= lora.r)")
+        try:
+            sglang_target_modules(needs.target_modules)
+        except EngineError as err:
+            found.append(str(err))
+        return found
 
     def __init__(self, model_path: str, settings: SGLangSettings | None = None, needs: EngineNeeds | None = None,
                  **engine_overrides):

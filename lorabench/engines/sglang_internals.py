@@ -149,13 +149,11 @@ def requests_in_flight(engine) -> bool:   # anyone's
     return bool(engine.tokenizer_manager.rid_to_state)
 
 
-def abort_requests(engine) -> bool:
-    """End every request in flight early (on the engine's loop); returns whether an abort was sent."""
+def abort_requests(engine) -> None:
+    """End every request in flight early (on the engine's loop), where abort_request is callable."""
     abort = getattr(engine.tokenizer_manager, "abort_request", None)
-    if not callable(abort):
-        return False
-    abort(abort_all=True)
-    return True
+    if callable(abort):
+        abort(abort_all=True)
 
 
 # === the engine's processes ========================================================================
