@@ -3,10 +3,10 @@ serving the base weights once and adapters refreshed live by name.
 
 This module uses the Engine's public methods and attributes only: generate, load_lora_adapter,
 load_lora_adapter_from_tensors, unload_lora_adapter, update_weights_from_tensor, release/resume_memory_
-occupation, flush_cache, get_server_info, loop. Token ids in, token ids and log-probs
-out (skip_tokenizer_init=True). Every use of SGLang internals (the in-place writer, the shutdown, the
-watch for failed processes, aborting a request, reply texts, the --lora-backend names) is in
-sglang_internals.py, each with the release it was verified on and the check that it still holds.
+occupation, get_server_info, loop. Token ids in, token ids and log-probs out (skip_tokenizer_init=True).
+Every use of SGLang internals (the in-place writer, the shutdown, the watch for failed processes,
+aborting a request, reply texts, the --lora-backend names) is in sglang_internals.py, each with the
+release it was verified on and the check that it still holds.
 
 Invariants: every prompt names its adapter (`lora_path=[name]*n`, `[None]*n` for the base model);
 'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts; adapter configs
@@ -488,10 +488,6 @@ class SGLangEngine:
             if thread.running_call == call_id:
                 internals.abort_requests(engine)
         thread.loop.call_soon_threadsafe(abort_if_still_running)
-
-    @_on_engine_thread()
-    def flush_cache(self) -> None:
-        internals.check_reply(self.engine.flush_cache(), "flush_cache")
 
     # -- memory -------------------------------------------------------------------------------
     @_on_engine_thread()
