@@ -199,11 +199,14 @@ def request_study(engine, model, probe: Probe, n: int = 20) -> dict:
                 ms.append(1e3 * (synced_time() - t0))
         return stats(ms)
 
+    def flush(i) -> None:
+        check_reply(call_sglang(engine, lambda e: e.flush_cache()), "flush_cache")
+
     out["steady_adapter"] = timed(lambda i: probe.request("study"))
     out["steady_base"] = timed(lambda i: probe.request(None))
-    out["after_flush_adapter"] = timed(lambda i: probe.request("study"), before=lambda i: engine.flush_cache())
+    out["after_flush_adapter"] = timed(lambda i: probe.request("study"), before=flush)
     out["fresh_prompt_adapter"] = timed(lambda i: probe.request("study", [7 + i % 50] + tok_ids[1:]))
-    out["flush_cache"] = timed(lambda i: engine.flush_cache())
+    out["flush_cache"] = timed(flush)
     out["idle_100ms_then_request"] = timed(lambda i: probe.request("study"), before=lambda i: time.sleep(0.1))
     engine.unload_adapter("study")
     return out

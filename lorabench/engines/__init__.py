@@ -1,14 +1,12 @@
 """Rollout engines: one core protocol plus optional capabilities (base.py), one registry.
 
-Adding an engine is one file here plus one line in ENGINES: a class with `name`, `help`,
-`Settings` (its settings dataclass, the `engine.<name>` section, or None), `needs_problems(settings,
-needs)` (what it cannot do for this run, each a fix-it line), `check_available(settings,
-capabilities)` (packages, devices; before anything is written), `device_of(settings)` (where the
-trainer beside it runs), `process_memory(settings, needs, vocab, base_weight_bytes)` (what it
-allocates in the trainer's process, for the size check), `from_settings(model_path, settings, needs)`
-and the RolloutEngine methods. The run config's `engine` section, its validation, the CLI's help and the benchmarks read
-ENGINES; engine modules import their optional dependency (sglang) only when the engine starts, so
-a missing one fails only for the engine that needs it.
+An engine is one file here plus one line in ENGINES: a class with `name`, `help`, `Settings` (its
+`engine.<name>` section, or None), `needs_problems(settings, needs)` (fix-it lines for what it cannot
+do for this run), `check_available(settings, capabilities)` (packages, devices; before anything is
+written), `device_of(settings)` (the trainer's device beside it), `process_memory(settings, needs, vocab,
+base_weight_bytes)` (what it allocates in the trainer's process), `from_settings(model_path, settings,
+needs)` and the RolloutEngine methods. An engine imports its optional dependency (sglang) only when it
+starts, so a missing one fails only the engine that needs it.
 """
 from __future__ import annotations
 
@@ -57,15 +55,13 @@ class EngineSettings(Section):
                            "(transformers + PEFT, CPU or GPU) or 'sglang' (in-process sglang.Engine).",
                            resume=ALLOWED, why=SERVED)
     adapter_name: str = setting("policy", "Name the current adapter is served under.", resume=ALLOWED, why=SERVED)
-    release_memory_during_training: bool = setting(False, "Release the engine's KV cache (and its weights, with "
-                                                   "merged refresh) while the trainer runs, resumed symmetrically; "
-                                                   "an engine that can (ReleasesMemory: sglang with "
-                                                   "enable_memory_saver) frees the GPU memory for training.",
-                                                   resume=ALLOWED, why=SERVED)
+    release_memory_during_training: bool = setting(
+        False, "Release the engine's KV cache (and its weights, with merged refresh) while the trainer runs, resumed "
+        "symmetrically; an engine that can (ReleasesMemory: sglang with enable_memory_saver) frees the GPU memory "
+        "for training.", resume=ALLOWED, why=SERVED)
 
     @classmethod
     def parts(cls) -> dict[str, type]:
-        from . import ENGINES, engine_class  # the registry, as it is now
         return {name: engine_class(name).Settings for name in ENGINES if engine_class(name).Settings is not None}
 
     def problems(self) -> list[str]:
@@ -75,19 +71,17 @@ class EngineSettings(Section):
                        f"such as 'policy' (file refresh makes a dir named after it)")]
 
     @property
-    def chosen(self):
-        """The chosen backend's own sub-section (None for an engine without settings)."""
+    def chosen(self):   # the chosen backend's own sub-section (None for an engine without settings)
         return self.subsections.get(self.backend)
 
 
 def make_engine(settings, model_path: str, needs=None, **overrides):
-    """The engine `settings` (the `engine` section) chooses, serving `model_path`'s base weights,
-    started with its own sub-section and what the run needs of it (EngineNeeds)."""
-    return engine_class(settings.backend).from_settings(model_path, settings.chosen, needs or EngineNeeds(),
-                                                        **overrides)
+    """The engine the `engine` section chooses, serving `model_path`, started with its sub-section and `needs`."""
+    needs = needs or EngineNeeds()
+    return engine_class(settings.backend).from_settings(model_path, settings.chosen, needs, **overrides)
 
 
 __all__ = ["ENGINES", "AdapterAlreadyLoaded", "AdapterNotLoaded", "Completion", "EngineError", "EngineNeeds",
-           "EngineSettings", "GenerateRequest", "GeneratesMixed", "PushesWeights",
-           "ReleasesMemory", "RolloutEngine", "Sampling", "StaleAdapter", "UpdatesAdapterInPlace", "engine_class",
-           "generate_each", "make_engine", "require"]
+           "EngineSettings", "GenerateRequest", "GeneratesMixed", "PushesWeights", "ReleasesMemory", "RolloutEngine",
+           "Sampling", "StaleAdapter", "UpdatesAdapterInPlace", "engine_class", "generate_each", "make_engine",
+           "require"]

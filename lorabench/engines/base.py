@@ -1,16 +1,15 @@
-"""What a rollout engine is: a small core every engine implements, plus optional capabilities that
-a refresher or the trainer checks once (`require`), never by the engine's name.
+"""A rollout engine: a small core every engine implements, plus optional capabilities that a refresher
+or the trainer checks once (`require`), never by the engine's name.
 
 Semantics are SGLang's:
 - a request is adapted only if it names an adapter; `adapter=None` runs the base model;
-- loading a name that is already loaded is an error (`AdapterAlreadyLoaded`): refresh is unload,
-  then load; unloading a name that is not loaded raises `AdapterNotLoaded`, the one benign case
-  during a refresh (the first refresh has nothing to unload), which callers catch exactly;
+- loading a loaded name raises `AdapterAlreadyLoaded` (refresh is unload, then load); unloading a name
+  that is not loaded raises `AdapterNotLoaded`, the one benign case in a refresh (the first has nothing
+  to unload), which callers catch exactly;
 - log-probs are of the sampling distribution (logits / temperature, before top-p);
-- every adapter an engine holds carries a version (the policy step whose weights it is), written
-  by the same call that writes the weights, so a skipped or failed write cannot bump it;
-  `served_version(name)` reports it (for `None`: the version of the base weights, which a merged
-  refresh overwrites).
+- every adapter carries a version (the policy step of its weights), written by the call that writes the
+  weights, so a skipped or failed write cannot bump it; `served_version(name)` reports it (`None`: the
+  base weights', which a merged refresh overwrites).
 """
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ SERVED = "how rollouts are served; the adapter is the same"
 
 @dataclass(frozen=True)
 class EngineNeeds:
-    """What a run asks of its engine, from the other sections (the session derives it): the
-    adapter it must hold, the largest batch it will be sent, the seed, the trainer's dtype."""
+    """What a run asks of its engine, derived by the session from the other sections."""
     lora_rank: int = 16
     target_modules: str | tuple[str, ...] = "all-linear"
     largest_batch: int = 0      # 0: not known (the engine's own default then)
@@ -81,22 +79,16 @@ class RolloutEngine(Protocol):
     adapter_dtype: torch.dtype | None  # the dtype the engine keeps adapters in (None: as sent)
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None) -> list[Completion]: ...
-
     def score(self, sequences: list[list[int]], prompt_lens: list[int], adapter: str | None,
               temperature: float = 1.0) -> list[torch.Tensor]:
         """Log-probs of sequences[i][prompt_lens[i]:] given the tokens before them."""
         ...
 
     def load_adapter(self, name: str, path: Path, version: int = 0) -> None: ...
-
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None: ...
-
     def unload_adapter(self, name: str) -> None: ...
-
     def loaded_adapters(self) -> list[str]: ...
-
     def served_version(self, adapter: str | None) -> int | None: ...
-
     def close(self) -> None: ...
 
 
@@ -118,17 +110,15 @@ class GeneratesMixed(Protocol):
 
 
 def generate_each(engine, requests: list[GenerateRequest]) -> list[list[Completion]]:
-    """The requests as one batch where the engine can (GeneratesMixed, SGLang), else one after the
-    other (the CPU reference engine: then each equals the same request sent alone)."""
+    """The requests as one batch where the engine can (GeneratesMixed), else one after the other."""
     if isinstance(engine, GeneratesMixed):
         return engine.generate_mixed(list(requests))
     return [engine.generate(r.prompt_ids, r.sampling, r.adapter) for r in requests]
 
 
 def generate_served(engine, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None):
-    """(completions, the version that served them): in one engine call where the engine has it (hf,
-    sglang: no write can come between), else generate then served_version (an engine nobody writes
-    to meanwhile)."""
+    """(completions, the version that served them): in one call where the engine has it (no write can
+    come between), else generate then served_version (an engine nobody writes to meanwhile)."""
     if hasattr(engine, "generate_served"):
         return engine.generate_served(prompt_ids, sampling, adapter)
     return engine.generate(prompt_ids, sampling, adapter), engine.served_version(adapter)
@@ -156,7 +146,6 @@ class ReleasesMemory(Protocol):
     """Give GPU memory back while the trainer runs; resume exactly what was released."""
 
     def release_memory(self, tags: list[str]) -> None: ...
-
     def resume_memory(self) -> None: ...
 
 

@@ -1,19 +1,15 @@
-"""One thread, owned by lorabench, that an engine is created on and that runs every call to it.
+"""One thread that an engine is created on and that runs every call to it.
 
-Why: SGLang's `Engine` runs the event loop current on the thread that created it; in a Jupyter
-kernel's main thread that is the kernel's own, already running loop. Created here, the engine gets
-a loop only this thread runs, and every caller, from any thread, hands its call over and waits.
+Why: SGLang's `Engine` runs the event loop current on the thread that created it; in a Jupyter kernel's
+main thread that is the kernel's own, already running loop. Created here, it gets a loop of its own.
 
 Invariants:
-- calls run one at a time, in the order they arrived: state an engine keeps about itself (which
-  adapters are loaded, their versions) is only read and written on this thread, so it always
-  matches what the engine did, even when a caller stopped waiting;
-- a caller interrupted while it waits (KeyboardInterrupt: Ctrl-C, Kernel -> Interrupt) gets the
-  interrupt at once; the call itself still finishes here (`on_interrupt` may ask it to end
-  early), and the next call runs after it;
+- calls run one at a time, in arrival order: what an engine records about itself (adapters, versions)
+  is read and written on this thread only, so it matches what the engine did, even if a caller left;
+- a caller interrupted while it waits (Ctrl-C, Kernel -> Interrupt) gets the KeyboardInterrupt at once;
+  the call still finishes here (`on_interrupt` may end it early) before the next one runs;
 - a call made from this thread runs at once (an engine method calling another);
-- after `fail(reason)` (the engine's processes died) or `close()`, every call raises EngineError
-  with the reason.
+- after `fail(reason)` (the engine's processes died) or `close()`, every call raises EngineError(reason).
 """
 from __future__ import annotations
 
@@ -63,18 +59,14 @@ class EngineThread:
                 future.set_result(result)
             finally:
                 self.running_call = 0
-        self._finish_tasks()
-        self.loop.close()
-
-    def _finish_tasks(self) -> None:
-        """Cancel what the engine left on the loop (its receive loop) and let the cancellations run."""
-        tasks = _cancel_all(self.loop)
+        tasks = _cancel_all(self.loop)   # what the engine left on the loop (its receive loop)
         if tasks:
             self.loop.run_until_complete(asyncio.wait(tasks, timeout=5))
+        self.loop.close()
 
     def use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On this thread: calls run on `loop` from now on (an engine that made its own loop when it
-        was created here, as sglang.Engine does, hands it over), so interrupts and failures reach it."""
+        """On this thread: calls run on `loop` from now on (the one sglang.Engine made when created here),
+        so interrupts and failures reach it."""
         assert self.on_this_thread, "use_loop runs on the engine thread"
         if loop is not self.loop:
             self.loop.close()
@@ -85,9 +77,8 @@ class EngineThread:
         return threading.current_thread() is self._thread
 
     def call(self, fn: Callable, *args, on_interrupt: Callable[[int], None] | None = None, **kwargs):
-        """fn(*args, **kwargs) on the engine thread; its result, or its exception re-raised here.
-        If this caller is interrupted while it waits, `on_interrupt(call_id)` runs (here) before
-        the KeyboardInterrupt propagates, and the call goes on."""
+        """fn(*args, **kwargs) on the engine thread: its result, or its exception re-raised here. If this
+        caller is interrupted while it waits, `on_interrupt(call_id)` runs here first; the call goes on."""
         if self.on_this_thread:
             return fn(*args, **kwargs)
         if self.failure:
@@ -102,8 +93,8 @@ class EngineThread:
             raise
 
     def fail(self, reason: str) -> None:
-        """The engine is gone: the running call ends with EngineError(reason) (its loop's tasks are
-        cancelled), and so does every later call."""
+        """The engine is gone: the running call (its loop's tasks cancelled) and every later one raise
+        EngineError(reason)."""
         self.failure = reason
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(_cancel_all, self.loop)

@@ -1,9 +1,6 @@
-"""The reference engine: transformers + PEFT, in this process, CPU or GPU.
-
-It is a real engine with its own copy of the base weights (loaded from the same model dir as the
-trainer), adapters installed under names through PEFT, and SGLang's semantics (see base.py). It is
-the offline default and the reference the SGLang backend's log-probs are checked against. It has
-every optional capability: in-place adapter updates, base-weight pushes and (no-op) memory release.
+"""The reference engine: transformers + PEFT in this process (CPU or GPU), with its own copy of the base
+weights, adapters installed by name through PEFT and SGLang's semantics (base.py). The offline default,
+and the reference for SGLang's log-probs; it has every optional capability (memory release a no-op).
 """
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ from .base import (
 
 
 def _copy_checked(params: dict[str, torch.Tensor], named_tensors, what: str, naming_hint: str) -> None:
-    """Copy each (name, tensor) into params[name] after checking every name and shape first, so a
-    bad entry leaves the engine's weights untouched."""
+    """Copy each (name, tensor) into params[name], every name and shape checked first (a bad one writes nothing)."""
     named_tensors = list(named_tensors)
     for name, tensor in named_tensors:
         if name not in params:
@@ -47,9 +43,9 @@ def _copy_checked(params: dict[str, torch.Tensor], named_tensors, what: str, nam
 
 
 class DrawToken(LogitsProcessor):
-    """Sampling with a generator of the call's own (transformers samples from the global RNG): draws the
-    next token from softmax(top_p(logits / temperature)) and leaves it the only finite score, so greedy
-    decoding takes it. The distribution is transformers' own do_sample one (temperature, then top-p)."""
+    """Sampling with the call's own generator (transformers samples from the global RNG): draws the next token
+    from softmax(top_p(logits / temperature)), do_sample's distribution, and leaves it the only finite score,
+    so greedy decoding takes it."""
 
     def __init__(self, sampling: Sampling, generator: torch.Generator | None):
         self.temperature, self.generator = sampling.temperature, generator
@@ -95,35 +91,28 @@ class HFEngine:
     adapter_dtype = None     # keeps what it is sent: the trainer's dtype, so its weights equal the trainer's
 
     GENERATE_BATCH = 128   # sequences generated at once: the logits of all their positions are kept
-
     def __init__(self, model_path: str, device: str = "", dtype: str = "float32",
                  generate_batch: int = GENERATE_BATCH):
-        self.device = pick_device(device)
-        self.dtype = dtype
-        self.model_path = model_path
+        self.device, self.dtype, self.model_path = pick_device(device), dtype, model_path
+        self.generate_batch = generate_batch
         self._lock = threading.RLock()
-        self._base = load_model(model_path, self.dtype, self.device)
-        for p in self._base.parameters():
-            p.requires_grad_(False)
+        self._base = load_model(model_path, self.dtype, self.device).requires_grad_(False)
         self._peft = None                      # PeftModel once an adapter is installed
         self._adapters: dict[str, dict] = {}  # name -> config
         self._versions: dict[str | None, int] = {None: 0}  # adapter name (None: base weights) -> version
         self._shapes = linear_shapes(self._base)
         self._released = False
-        self.generate_batch = generate_batch
         gen = self._base.generation_config
         self.eos_ids = set(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else next(iter(self.eos_ids))
 
     @staticmethod
     def needs_problems(settings: HFSettings, needs) -> list[str]:
-        """Nothing a run asks is beyond PEFT (any rank, any target list)."""
-        return []
+        return []   # PEFT holds any rank and target list
 
     @staticmethod
     def check_available(settings: HFSettings, capabilities=()) -> None:
-        """transformers and PEFT are dependencies of lorabench: only the device is checked."""
-        device = settings.device
+        device = settings.device   # transformers and PEFT are lorabench's own dependencies
         if device.startswith("cuda"):
             if not torch.cuda.is_available():
                 raise EngineError(f"engine.hf.device={device!r}, but torch sees no CUDA GPU here (torch "
@@ -136,13 +125,12 @@ class HFEngine:
 
     @staticmethod
     def device_of(settings: HFSettings) -> str:
-        """The device it (and the trainer beside it) will use."""
         return pick_device(settings.device)
 
     @classmethod
     def process_memory(cls, settings: HFSettings, needs, vocab: int, base_weight_bytes: int) -> list[tuple]:
-        """(what, bytes, fix) it certainly allocates beside the trainer, in the same memory: its own copy
-        of the base weights, and the float32 logits of every position of one generate chunk."""
+        """(what, bytes, fix) it certainly allocates beside the trainer: its copy of the base weights and the
+        float32 logits of every position of one generate chunk."""
         chunk, tokens = min(cls.GENERATE_BATCH, needs.largest_batch or cls.GENERATE_BATCH), needs.max_new_tokens
         return [(f"the hf engine's logits ({chunk} sequences x {tokens} tokens x {vocab:,} vocab, float32)",
                  chunk * tokens * vocab * 4, f"lower grpo.max_new_tokens (now {tokens})"),
@@ -203,8 +191,7 @@ class HFEngine:
                                    f"before updating it in place")
         check_same_lora_config(name, self._adapters[name], adapter.config)
         adapter.check_finite()  # a direct caller gets the load path's refusal of NaN/Inf too
-        tensors = adapter.tensors
-        tag = f".{name}."
+        tensors, tag = adapter.tensors, f".{name}."
         params = {pname.replace(".lora_A" + tag, ".lora_A.").replace(".lora_B" + tag, ".lora_B."): param
                   for pname, param in self._peft.named_parameters()
                   if ".lora_A" + tag in pname or ".lora_B" + tag in pname}
@@ -263,28 +250,33 @@ class HFEngine:
     @torch.no_grad()
     @_serialized
     def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
-        """generate, and the version that served it, in one call (no write can come between)."""
         return self.generate(prompt_ids, sampling, adapter), self._versions.get(adapter)
 
     @_serialized
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None) -> list[Completion]:
         model, ctx = self._model_for(adapter)
         out: list[Completion] = []
-        # the call's own generator: its draws depend on its inputs only, not on what else draws meanwhile
-        # (a trainer with grpo.max_staleness trains on another thread while this samples)
+        # the call's own generator: its draws depend on its inputs only (a trainer with grpo.max_staleness
+        # trains on another thread while this samples)
         generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
         with ctx:
             for start in range(0, len(prompt_ids), self.generate_batch):
                 out += self._generate_chunk(model, prompt_ids[start:start + self.generate_batch], sampling, generator)
         return out
 
-    def _generate_chunk(self, model, prompts: list[list[int]], sampling: Sampling, generator) -> list[Completion]:
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+    def _padded(self, rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask) [B, W] on the CPU; left padding: every row ends at the same column."""
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        for i, row in enumerate(rows):
+            cols = slice(width - len(row), width) if left else slice(0, len(row))
+            ids[i, cols], mask[i, cols] = torch.tensor(row), 1
+        return ids, mask
+
+    def _generate_chunk(self, model, prompts: list[list[int]], sampling: Sampling, generator) -> list[Completion]:
+        ids, mask = self._padded(prompts, left=True)
+        width = ids.shape[1]
         greedy = sampling.temperature == 0
         draws = [] if greedy else [DrawToken(sampling, generator)]   # then generate picks the drawn token
         gen = model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
@@ -309,12 +301,7 @@ class HFEngine:
     @_serialized
     def score(self, sequences, prompt_lens, adapter, temperature: float = 1.0) -> list[torch.Tensor]:
         model, ctx = self._model_for(adapter)
-        width = max(map(len, sequences))
-        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(sequences):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
+        ids, mask = self._padded(sequences, left=False)
         with ctx:
             logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
         logprobs = torch.log_softmax(logits.float() / temperature, -1)[:, :-1]          # [B, W-1, V]

@@ -6,13 +6,12 @@ import os
 
 
 class LoopbackStore:
-    """The torch.distributed rendezvous store of SGLang's scheduler ranks, hosted here on 127.0.0.1.
+    """The rendezvous store of SGLang's scheduler ranks, hosted here on 127.0.0.1.
 
-    Why: torch's TCPStore server (started by rank 0) listens on every interface whatever host it is
-    given: an unauthenticated store open to the network. Here the server is bound to loopback
-    (master_listen_fd) and every rank joins as a client (SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE;
-    TORCHELASTIC_USE_AGENT_STORE for rank 0), the variables set only while the engine starts, and
-    only if the user has not set SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE (then theirs is used)."""
+    Why: torch's TCPStore server (started by rank 0) listens on every interface whatever host it is given,
+    an unauthenticated store open to the network. Here it is bound to loopback (master_listen_fd) and every
+    rank joins as a client (SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE; TORCHELASTIC_USE_AGENT_STORE for rank
+    0), the variables set only while the engine starts and only if the user has not set the override."""
 
     def __init__(self, world_size: int | None):
         self.server = None

@@ -1,21 +1,18 @@
-"""The SGLang backend: an in-process `sglang.Engine` (no HTTP server, no open port) with LoRA
-enabled, serving the base weights once and adapters refreshed live by name.
+"""The SGLang backend: an in-process `sglang.Engine` (no HTTP server, no open port) with LoRA enabled,
+serving the base weights once and adapters refreshed live by name.
 
 This module uses the Engine's public methods and attributes only: generate, load_lora_adapter,
-load_lora_adapter_from_tensors, unload_lora_adapter, update_weights_from_tensor,
-release/resume_memory_occupation, flush_cache, get_server_info, loop. Token ids in, token ids and
-log-probs out (skip_tokenizer_init=True). Every use of SGLang internals (the in-place writer, the
-shutdown, the watch for failed processes, aborting a request, its error texts) is in
-sglang_internals.py, each with the release it was verified on and the check that it still holds.
+load_lora_adapter_from_tensors, unload_lora_adapter, update_weights_from_tensor, release/resume_memory_
+occupation, get_server_info, loop. Token ids in, token ids and log-probs out (skip_tokenizer_init=True).
+Every use of SGLang internals (the in-place writer, the shutdown, the watch for failed processes,
+aborting a request, reply texts, the --lora-backend names) is in sglang_internals.py, each with the
+release it was verified on and the check that it still holds.
 
-Invariants: every request names its adapter per prompt (`lora_path=[name]*n`, `[None]*n` for the
-base model); 'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts;
-adapter configs are plain JSON (adapters.plain_config) and PEFT state-dict names; tensors are on
-the GPU before CUDA-IPC serialisation; only the memory tags released are resumed; a failed call
-raises EngineError with the engine's own message.
-
-Threads and signals: SGLangEngine's docstring. Scripts that start an Engine need an `if __name__ ==
-"__main__":` guard (SGLang spawns its scheduler process).
+Invariants: every prompt names its adapter (`lora_path=[name]*n`, `[None]*n` for the base model);
+'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts; adapter configs
+are plain JSON and PEFT state-dict names; tensors are on the GPU before CUDA-IPC serialisation; only the
+memory tags released are resumed; a failed call raises EngineError with the engine's own message.
+Scripts that start an Engine need an `if __name__ == "__main__":` guard (SGLang spawns processes).
 """
 from __future__ import annotations
 
@@ -52,11 +49,11 @@ from .loopback import LoopbackStore
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+served = functools.partial(setting, resume=ALLOWED, why=SERVED)   # every engine.sglang setting: how rollouts run
 
 
 def sglang_target_modules(target) -> list[str]:
-    """User LoRA target modules -> SGLang's lora_target_modules. 'all-linear' becomes ['all']; a
-    string that is not a plain module name (a regex) cannot be expressed and is refused."""
+    """User LoRA target modules -> SGLang's lora_target_modules ('all-linear': ['all']; a regex is refused)."""
     if isinstance(target, str):
         if target == "all-linear":
             return ["all"]
@@ -73,46 +70,37 @@ def sglang_target_modules(target) -> list[str]:
 
 @dataclass
 class SGLangSettings(Section):
-    """The `engine.sglang` section: what sglang.Engine is started with. The adapter it must hold
-    (rank, target modules), the largest batch and the seed come from the run (EngineNeeds)."""
-    mem_fraction_static: float = setting(0.3, "Fraction of GPU memory for the engine's weights + KV cache. 0.3 "
-                                         "leaves the README's command room for the trainer on a 24 GB GPU "
-                                         "(docs/results.md); an engine on GPUs of its own "
-                                         "(base_gpu_id >= 1) can take ~0.85.", resume=ALLOWED, why=SERVED)
-    dtype: str = setting("auto", "The engine's model dtype ('auto', 'bfloat16', 'float16').", resume=ALLOWED,
-                         why=SERVED)
-    max_lora_rank: int = setting(0, "Largest LoRA rank the engine holds; 0 = the run's lora.r.", resume=ALLOWED,
-                                 why=SERVED)
-    max_loras_per_batch: int = setting(4, "Adapters per batch; the base model counts as one (>= 2).",
-                                       resume=ALLOWED, why=SERVED)
-    lora_backend: str = setting("triton", "The LoRA kernels: 'triton' or 'csgmv' (SGLang's default). triton "
-                                "decodes with the adapter closer to base speed (docs/results.md).",
-                                resume=ALLOWED, why=SERVED)
-    attention_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
-    sampling_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
-    grammar_backend: str = setting("", "'' = SGLang's default.", resume=ALLOWED, why=SERVED)
-    disable_cuda_graph: bool = setting(False, "Turn CUDA graphs off (slower decode, faster start).", resume=ALLOWED,
-                                       why=SERVED)
-    cuda_graph_max_bs: int = setting(0, "Largest decode batch run as a CUDA graph; 0 = the largest batch the run "
-                                     "sends (a rollout or the held-out eval): a batch above it decodes without "
-                                     "graphs, several times slower (docs/results.md).", resume=ALLOWED, why=SERVED)
-    tp_size: int = setting(1, "Tensor-parallel size: the GPUs the engine spans from base_gpu_id on; the "
-                           "trainer stays on cuda:0 (docs/multi_gpu.md).", resume=ALLOWED, why=SERVED)
-    base_gpu_id: int = setting(0, "The engine's first GPU (a visible CUDA index); the trainer is on cuda:0. 0 = "
-                               "they share GPU 0; 1 = the engine on GPUs 1..tp_size of its own, so training "
-                               "never waits for its memory and, with grpo.max_staleness=1, the next step's "
-                               "rollouts run beside this step's training (docs/multi_gpu.md).",
-                               resume=ALLOWED, why=SERVED)
-    in_place: bool = setting(True, "Register lorabench's in-place writer (a custom weight loader) when the engine "
-                             "starts, so refresh.mode=inplace may write to it, also after a switch from another "
-                             "mode on the open engine (the refresh lesson, the benchmarks); its buffers are made "
-                             "at the first in-place write. false: nothing of it is set up and inplace is refused.",
-                             resume=ALLOWED, why=SERVED)
-    extra_args: str = setting("", "A JSON object of further sglang.Engine arguments, e.g. "
-                              '\'{"enable_memory_saver": true}\'.', resume=ALLOWED, why=SERVED)
-    log_file: str = setting("", "A file (appended) for the output of the engine's own processes: its progress "
-                            "bars and logs; '' = this process's stdout/stderr (a notebook sends it to a file, so "
-                            "its output is the lesson's alone).", resume=ALLOWED, why=SERVED)
+    """The `engine.sglang` section: what sglang.Engine is started with (the rest comes from EngineNeeds)."""
+    mem_fraction_static: float = served(0.3, "Fraction of GPU memory for the engine's weights + KV cache. 0.3 leaves "
+                                        "the README's command room for the trainer on a 24 GB GPU (docs/results.md); "
+                                        "an engine on GPUs of its own (base_gpu_id >= 1) can take ~0.85.")
+    dtype: str = served("auto", "The engine's model dtype ('auto', 'bfloat16', 'float16').")
+    max_lora_rank: int = served(0, "Largest LoRA rank the engine holds; 0 = the run's lora.r.")
+    max_loras_per_batch: int = served(4, "Adapters per batch; the base model counts as one (>= 2).")
+    lora_backend: str = served("triton", "The LoRA kernels: 'triton' or 'csgmv' (SGLang's default). triton decodes "
+                               "with the adapter closer to base speed (docs/results.md).")
+    attention_backend: str = served("", "'' = SGLang's default.")
+    sampling_backend: str = served("", "'' = SGLang's default.")
+    grammar_backend: str = served("", "'' = SGLang's default.")
+    disable_cuda_graph: bool = served(False, "Turn CUDA graphs off (slower decode, faster start).")
+    cuda_graph_max_bs: int = served(0, "Largest decode batch run as a CUDA graph; 0 = the largest batch the run sends "
+                                    "(a rollout or the held-out eval): a batch above it decodes without graphs, "
+                                    "several times slower (docs/results.md).")
+    tp_size: int = served(1, "Tensor-parallel size: the GPUs the engine spans from base_gpu_id on; the trainer stays "
+                          "on cuda:0 (docs/multi_gpu.md).")
+    base_gpu_id: int = served(0, "The engine's first GPU (a visible CUDA index); the trainer is on cuda:0. 0 = they "
+                              "share GPU 0; 1 = the engine on GPUs 1..tp_size of its own, so training never waits for "
+                              "its memory and, with grpo.max_staleness=1, the next step's rollouts run beside this "
+                              "step's training (docs/multi_gpu.md).")
+    in_place: bool = served(True, "Register lorabench's in-place writer (a custom weight loader) when the engine "
+                            "starts, so refresh.mode=inplace may write to it, also after a switch from another mode "
+                            "on the open engine (the refresh lesson, the benchmarks); its buffers are made at the "
+                            "first in-place write. false: nothing of it is set up and inplace is refused.")
+    extra_args: str = served("", 'A JSON object of further sglang.Engine arguments, e.g. \'{"enable_memory_saver": '
+                             'true}\'.')
+    log_file: str = served("", "A file (appended) for the output of the engine's own processes: its progress bars "
+                           "and logs; '' = this process's stdout/stderr (a notebook sends it to a file, so its "
+                           "output is the lesson's alone).")
 
     def extra(self) -> dict:
         return json.loads(self.extra_args) if self.extra_args else {}
@@ -136,9 +124,8 @@ class SGLangSettings(Section):
             *check(self.base_gpu_id >= 0, f"engine.sglang.base_gpu_id={self.base_gpu_id}: must be >= 0 (a CUDA "
                    f"index; 0 = beside the trainer, 1 = a GPU of its own)"),
         ]
-        return found or self._extra_problems()
-
-    def _extra_problems(self) -> list[str]:
+        if found:
+            return found
         try:
             extra = self.extra()
         except json.JSONDecodeError as err:
@@ -154,27 +141,22 @@ class SGLangSettings(Section):
                        f"data-parallel group, or use engine.sglang.tp_size (docs/multi_gpu.md)")]
 
     def engine_kwargs(self, model_path: str, needs: EngineNeeds) -> dict:
-        """sglang.Engine's arguments for a run that needs `needs` of it."""
-        kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True,
-                      enable_lora=True, max_lora_rank=self.max_lora_rank or needs.lora_rank,
-                      lora_target_modules=sglang_target_modules(needs.target_modules),
+        kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True, enable_lora=True,
+                      max_lora_rank=self.max_lora_rank or needs.lora_rank, mem_fraction_static=self.mem_fraction_static,
+                      lora_target_modules=sglang_target_modules(needs.target_modules), dtype=self.dtype,
                       max_loras_per_batch=max(self.max_loras_per_batch, needs.adapters + 1),   # + the base
-                      mem_fraction_static=self.mem_fraction_static,
-                      dtype=self.dtype, random_seed=needs.seed, log_level="error")
+                      random_seed=needs.seed, log_level="error")
         if self.in_place:
             kwargs["custom_weight_loader"] = [internals.LOADER]
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
         if self.cuda_graph_max_bs or needs.largest_batch:
             kwargs["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs or needs.largest_batch
-        for key in ("attention_backend", "sampling_backend", "grammar_backend", "lora_backend"):
-            if getattr(self, key):
+        for key in ("attention_backend", "sampling_backend", "grammar_backend", "lora_backend", "disable_cuda_graph",
+                    "base_gpu_id"):
+            if getattr(self, key):   # '', False, 0: SGLang's default
                 kwargs[key] = getattr(self, key)
-        if self.disable_cuda_graph:
-            kwargs["disable_cuda_graph"] = True
         if self.tp_size > 1:
             kwargs["tp_size"] = self.tp_size
-        if self.base_gpu_id:
-            kwargs["base_gpu_id"] = self.base_gpu_id
         return {**kwargs, **self.extra()}
 
     def gpu_problems(self, visible: int) -> list[str]:
@@ -185,22 +167,9 @@ class SGLangSettings(Section):
                      f"{visible - 1}; CUDA_VISIBLE_DEVICES chooses them); lower base_gpu_id or tp_size")
 
 
-def needs_problems(settings: SGLangSettings, needs: EngineNeeds) -> list[str]:
-    """What of the run's needs SGLang cannot serve, each with the fix."""
-    found = check(not settings.max_lora_rank or settings.max_lora_rank >= needs.lora_rank,
-                  f"engine.sglang.max_lora_rank={settings.max_lora_rank} is below lora.r={needs.lora_rank}; raise it "
-                  f"or set 0 (= lora.r)")
-    try:
-        sglang_target_modules(needs.target_modules)
-    except EngineError as err:
-        found.append(str(err))
-    return found
-
-
 def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> str:
-    """'' or why the run's largest batch will not decode at once: a batch whose tokens SGLang's KV
-    cache (`held` tokens) cannot hold is decoded in waves (the rest waits in its queue), slower per
-    token, with nothing else to show for it; and the mem_fraction_static that would hold it."""
+    """'' or why the run's largest batch will not decode at once: one whose tokens SGLang's KV cache (`held`
+    tokens) cannot hold decodes in waves, slower per token; and the mem_fraction_static that would hold it."""
     wanted = needs.largest_batch * needs.max_new_tokens   # prompts not counted: a lower bound
     if not held or wanted <= held:
         return ""
@@ -213,9 +182,8 @@ def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> s
 
 @contextlib.contextmanager
 def child_output_to(path: str):
-    """While the engine's processes start, this process's stdout and stderr (file descriptors 1 and
-    2) point at `path`: the children inherit it and write there for their whole life (SGLang's
-    progress bars would otherwise land in a notebook's output, which captures those descriptors);
+    """While the engine's processes start, this process's file descriptors 1 and 2 point at `path`: the
+    children inherit it for their whole life (else SGLang's progress bars land in a notebook's output);
     this process gets its own back when the block ends. '' changes nothing."""
     if not path:
         yield
@@ -242,45 +210,8 @@ def child_output_to(path: str):
             os.close(fd)
 
 
-def _start(kwargs: dict, overrides: dict, settings: SGLangSettings):
-    """sglang.Engine(**kwargs, **overrides), its rendezvous store on loopback, or an EngineError saying why not."""
-    try:
-        import sglang
-    except ImportError as err:
-        raise EngineError(f"engine.backend='sglang' needs the sglang package ({err}); install it with "
-                          f"pip install 'lorabench[sglang]' on a GPU machine, or use engine.backend=hf") from err
-    model_path = kwargs["model_path"]
-    kwargs = {**kwargs, **overrides}
-    # No open doors: with tp_size > 1 the ranks talk through NCCL and gloo, which bind their
-    # bootstrap sockets to the first non-loopback interface by default; one host needs loopback only
-    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        os.environ.setdefault(var, "lo")
-    tp_size = kwargs.get("tp_size", 1)
-    if tp_size > 1 and torch.cuda.is_initialized():
-        # SGLang refuses to start when its GPUs' free memory differs by > 10%: give back this
-        # process's cached blocks on the GPU it shares with rank 0 first
-        torch.cuda.empty_cache()
-    store = LoopbackStore.for_engine(tp_size)
-    try:
-        with store.environment(), child_output_to(settings.log_file):
-            return sglang.Engine(**kwargs), store
-    except (ValueError, RuntimeError, AssertionError) as err:
-        store.close()
-        hint = ""
-        if tp_size > 1:
-            held = torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_initialized() else 0.0
-            hint = (f"; with engine.sglang.tp_size={tp_size} SGLang also refuses GPUs whose free memory differs by "
-                    f"more than 10% (this process holds {held:.1f} GB on its current GPU, which rank 0 shares): start "
-                    f"the engine before the trainer, or see docs/multi_gpu.md")
-        if settings.log_file:
-            hint += f"; the engine's own output is in {settings.log_file}"
-        raise EngineError(f"sglang.Engine failed to start ({type(err).__name__}: {err}); check "
-                          f"engine.sglang.mem_fraction_static (now {settings.mem_fraction_static}) and the model path "
-                          f"{model_path}{hint}") from err
-
-
 def _on_engine_thread(abort_on_interrupt: bool = False):
-    """The method runs on the engine's own thread (engine_thread.py), whoever calls it. A request
+    """The method runs on the engine's own thread, whoever calls it; with abort_on_interrupt, a request
     whose caller is interrupted is aborted in the engine (its results would be dropped anyway)."""
     def wrap(method):
         @functools.wraps(method)
@@ -294,26 +225,22 @@ def _on_engine_thread(abort_on_interrupt: bool = False):
 
 
 class SGLangEngine:
-    """An in-process sglang.Engine, created and driven on a thread of its own (engine_thread.py):
-    its asyncio loop is its own, never a notebook kernel's; every method runs there, in order.
+    """An in-process sglang.Engine, created and driven on a thread of its own (engine_thread.py): its
+    asyncio loop is its own, never a notebook kernel's; every method runs there, in order.
 
-    Its processes (scheduler, detokenizer) are started with Ctrl-C / Kernel -> Interrupt ignored
-    (SIGINT reaches a kernel's whole process group): an interrupt stops the caller, never the
-    engine. If one of them dies, SGLang signals this process (SIGQUIT); instead of SGLang's own
+    Its processes start with SIGINT ignored (it reaches a kernel's whole process group): an interrupt
+    stops the caller, never the engine. If one dies, SGLang sends this process SIGQUIT; instead of SGLang's
     handler, which kills this process (a notebook's kernel), the engine is marked failed: its other
-    processes are stopped, the call in progress and every later one raise EngineError, and the
-    process goes on (close the session, open a new one; the run dir resumes from its checkpoint).
-    Both need the engine to be created on the main thread (signal dispositions live there)."""
+    processes are stopped, the running and every later call raise EngineError, and the process goes on.
+    Both need the engine created on the main thread (signal dispositions live there)."""
     Settings = SGLangSettings
     name = "sglang"
     help = "an in-process sglang.Engine on the GPU(s), no HTTP server"
-    needs_problems = staticmethod(needs_problems)
 
     @staticmethod
     def check_available(settings: SGLangSettings, capabilities=()) -> None:
-        """Before anything is written: the sglang package (for a refresh that writes in place: a
-        release the in-place writer was verified on, and engine.sglang.in_place) and a CUDA GPU, or an
-        EngineError saying so."""
+        """Before anything is written: the sglang package (for an in-place refresh: a verified release and
+        engine.sglang.in_place) and a CUDA GPU, or an EngineError saying so."""
         import importlib.util
         if importlib.util.find_spec("sglang") is None:
             raise EngineError("engine.backend='sglang' needs the sglang package, which is not installed for this "
@@ -331,6 +258,18 @@ class SGLangEngine:
         placement = settings.gpu_problems(torch.cuda.device_count())
         if placement:
             raise EngineError(placement[0])
+
+    @staticmethod
+    def needs_problems(settings: SGLangSettings, needs: EngineNeeds) -> list[str]:
+        """What of the run's needs SGLang cannot serve, each with the fix."""
+        found = check(not settings.max_lora_rank or settings.max_lora_rank >= needs.lora_rank,
+                      f"engine.sglang.max_lora_rank={settings.max_lora_rank} is below lora.r={needs.lora_rank}; raise "
+                      f"it or set 0 (= lora.r)")
+        try:
+            sglang_target_modules(needs.target_modules)
+        except EngineError as err:
+            found.append(str(err))
+        return found
 
     def __init__(self, model_path: str, settings: SGLangSettings | None = None, needs: EngineNeeds | None = None,
                  **engine_overrides):
@@ -352,7 +291,39 @@ class SGLangEngine:
         internals.watch(self)
 
     def _start(self, model_path: str, kwargs: dict, overrides: dict) -> None:
-        self.engine, self._store = _start(kwargs, overrides, self.settings)
+        """sglang.Engine(**kwargs, **overrides), its rendezvous store on loopback, or an EngineError saying why not."""
+        try:
+            import sglang
+        except ImportError as err:
+            raise EngineError(f"engine.backend='sglang' needs the sglang package ({err}); install it with "
+                              f"pip install 'lorabench[sglang]' on a GPU machine, or use engine.backend=hf") from err
+        kwargs, settings = {**kwargs, **overrides}, self.settings
+        # No open doors: with tp_size > 1 the ranks talk through NCCL and gloo, which bind their
+        # bootstrap sockets to the first non-loopback interface by default; one host needs loopback only
+        for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            os.environ.setdefault(var, "lo")
+        tp_size = kwargs.get("tp_size", 1)
+        if tp_size > 1 and torch.cuda.is_initialized():
+            # SGLang refuses to start when its GPUs' free memory differs by > 10%: give back this
+            # process's cached blocks on the GPU it shares with rank 0 first
+            torch.cuda.empty_cache()
+        store = LoopbackStore.for_engine(tp_size)
+        try:
+            with store.environment(), child_output_to(settings.log_file):
+                self.engine, self._store = sglang.Engine(**kwargs), store
+        except (ValueError, RuntimeError, AssertionError) as err:
+            store.close()
+            hint = ""
+            if tp_size > 1:
+                held = torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_initialized() else 0.0
+                hint = (f"; with engine.sglang.tp_size={tp_size} SGLang also refuses GPUs whose free memory differs "
+                        f"by more than 10% (this process holds {held:.1f} GB on its current GPU, which rank 0 "
+                        f"shares): start the engine before the trainer, or see docs/multi_gpu.md")
+            if settings.log_file:
+                hint += f"; the engine's own output is in {settings.log_file}"
+            raise EngineError(f"sglang.Engine failed to start ({type(err).__name__}: {err}); check "
+                              f"engine.sglang.mem_fraction_static (now {settings.mem_fraction_static}) and the model "
+                              f"path {model_path}{hint}") from err
         self._thread.use_loop(self.engine.loop)   # the loop sglang.Engine made on this thread, its own
         self._adapters: set[str] = set()
         self._configs: dict[str, dict] = {}   # name -> config it was loaded with (tensor loads)
@@ -361,8 +332,8 @@ class SGLangEngine:
         self.pool: internals.PoolWriter | None = None   # made at the first in-place write
 
     def _notes(self, needs: EngineNeeds) -> list[str]:
-        """What the session tells the user about this engine (on its thread): its room for the run, and
-        on an SGLang release the internals were not verified on, which of them it lacks."""
+        """What the session tells the user (on the engine's thread): its room for the run, and on an
+        unverified release, which internals it lacks."""
         note = kv_capacity_note(self.engine.get_server_info().get("max_total_num_tokens"), needs,
                                 self.settings.mem_fraction_static)
         return [*([note] if note else []), *internals.release_notes(self.engine)]
@@ -389,8 +360,7 @@ class SGLangEngine:
     def served_version(self, adapter: str | None) -> int | None:
         return self._served_now(adapter)
 
-    def _served_now(self, adapter: str | None) -> int | None:
-        """On the engine's thread."""
+    def _served_now(self, adapter: str | None) -> int | None:   # on the engine's thread
         if adapter is not None and self.pool is not None and adapter in self.pool.mapped:
             return self.pool.version(adapter)  # kept in the engine, beside its copy of the adapter
         return self._versions.get(adapter)
@@ -426,9 +396,8 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """Overwrite loaded adapter `name` inside the engine's GPU LoRA pool (sglang_internals.PoolWriter).
-        Calls run one at a time on the engine thread, so none of ours is in flight now; a request
-        someone else sent through `self.engine` would read a half-written adapter, so that refuses."""
+        """Overwrite loaded adapter `name` in the engine's GPU LoRA pool (sglang_internals.PoolWriter). None
+        of our calls is in flight (one at a time); a request sent past us through `self.engine` refuses it."""
         self._known(name, "; load it before updating it in place")
         if name not in self._configs:
             raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
@@ -471,25 +440,19 @@ class SGLangEngine:
 
     @_on_engine_thread(abort_on_interrupt=True)
     def generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
-        return self._generate(prompt_ids, sampling, adapter)
-
-    @_on_engine_thread(abort_on_interrupt=True)
-    def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
-        """generate, and the version that served it, in one call on the engine's thread (a write
-        sent meanwhile runs after it)."""
-        return self._generate(prompt_ids, sampling, adapter), self._served_now(adapter)
-
-    def _generate(self, prompt_ids, sampling: Sampling, adapter: str | None) -> list[Completion]:
         return self._mixed([GenerateRequest(prompt_ids, sampling, adapter)])[0]
 
     @_on_engine_thread(abort_on_interrupt=True)
+    def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
+        """generate and the version that served it, in one call (a write sent meanwhile runs after it)."""
+        return self._mixed([GenerateRequest(prompt_ids, sampling, adapter)])[0], self._served_now(adapter)
+
+    @_on_engine_thread(abort_on_interrupt=True)
     def generate_mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
-        """One sglang generate call for all requests: each prompt names its request's adapter and
-        carries its sampling parameters, so K policies' rollouts decode as one batch."""
+        """One sglang generate call: each prompt names its request's adapter and sampling parameters."""
         return self._mixed(requests)
 
-    def _mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
-        """On the engine's thread."""
+    def _mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:   # on the engine's thread
         prompts = [list(p) for r in requests for p in r.prompt_ids]
         params = [_params(r.sampling) for r in requests for _ in r.prompt_ids]
         lora = [name for r in requests for name in self._lora(r.adapter, len(r.prompt_ids))]
@@ -515,8 +478,8 @@ class SGLangEngine:
         return result
 
     def _abort(self, call_id: int) -> None:
-        """A caller stopped waiting for request `call_id`: end it early if it is still the one running
-        (checked on the engine's loop, where the request runs; a later request is never touched)."""
+        """A caller stopped waiting for call `call_id`: end it early if it is still the one running (checked
+        on the engine's loop, where the request runs; a later call is never touched)."""
         engine, thread = self.engine, self._thread
         if engine is None or thread is None or thread.loop is None or thread.loop.is_closed():
             return
@@ -526,18 +489,12 @@ class SGLangEngine:
                 internals.abort_requests(engine)
         thread.loop.call_soon_threadsafe(abort_if_still_running)
 
-    @_on_engine_thread()
-    def flush_cache(self) -> None:
-        internals.check_reply(self.engine.flush_cache(), "flush_cache")
-
     # -- memory -------------------------------------------------------------------------------
     @_on_engine_thread()
     def release_memory(self, tags: list[str]) -> None:
-        """Release GPU memory for training. Tags: 'kv_cache', 'weights' (SGLang's). Released weights
-        come back with undefined contents unless the engine keeps a CPU backup, so only release
-        them when every weight is pushed again after resume (merged refresh). Needs the engine
-        started with enable_memory_saver (engine.sglang.extra_args) to free anything. Only what was
-        released is resumed, so the pair stays symmetric."""
+        """Release GPU memory for training; tags 'kv_cache', 'weights' (SGLang's). Released weights come back
+        undefined unless the engine keeps a CPU backup: release them only when every weight is pushed again
+        after resume (merged refresh). Frees nothing without enable_memory_saver (engine.sglang.extra_args)."""
         if self._released:
             raise EngineError(f"memory already released ({self._released}); resume_memory first")
         self.engine.release_memory_occupation(tags=list(tags))
@@ -554,8 +511,8 @@ class SGLangEngine:
 
     # -- life cycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the engine's processes (their GPU memory comes back) and its thread. Waits for the
-        call in progress, if any; a failed engine's remaining processes are stopped at once."""
+        """Stop the engine's processes (their GPU memory comes back) and its thread, after the call in
+        progress; a failed engine's remaining processes are stopped at once."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -600,10 +557,9 @@ class SGLangEngine:
 
 @contextlib.contextmanager
 def _interrupts_ignored_by_children():
-    """While the engine starts, SIGINT is ignored on the main thread, so the processes SGLang
-    spawns inherit 'ignore' (a disposition survives exec; a handler does not): Jupyter sends
-    Kernel -> Interrupt to the kernel's whole process group, and a scheduler stopped by it would
-    take the engine down. The start itself cannot be interrupted."""
+    """While the engine starts, SIGINT is ignored on the main thread, so SGLang's processes inherit 'ignore'
+    (a disposition survives exec, a handler does not): Jupyter interrupts the kernel's whole process group,
+    and a scheduler stopped by it would take the engine down. The start itself cannot be interrupted."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,8 +1,9 @@
 """Every use of SGLang internals in lorabench, behind one door: engines/sglang.py drives sglang.Engine
 through its public methods and comes here for anything else. Each internal is named once below with
 the check that proves it still holds; all were verified on the releases in VERIFIED. On another
-release `check_version` refuses the in-place writer (refresh.mode=tensor is the public fallback) and
-`release_notes` names, for every mode, the life-cycle internals the started engine lacks.
+release `check_version` refuses the in-place writer (before the run starts, and at an open engine's
+first in-place write; refresh.mode=tensor is the public fallback), and at every engine start, whatever
+the mode, `release_notes` names the life-cycle internals the engine lacks (each is then skipped).
 
 Every refresh mode (the engine's life cycle):
 - `shut_down`: sglang.Engine.shutdown's steps but its last, kill_process_tree(os.getpid()), which
@@ -21,27 +22,26 @@ Every refresh mode (the engine's life cycle):
 
 refresh.mode=inplace only (`check_version`):
 - `lora_id`, `requests_in_flight`: the tokenizer manager's lora_registry and rid_to_state;
-- the pool writer (`PoolWriter`; `handle`, registered at start as a custom weight loader when the
-  engine may be written in place, engine.sglang.in_place): `update_weights_from_tensor(...,
-  load_format=LOADER)` runs `handle(model, named_tensors)` in every scheduler process (one per
-  tensor-parallel rank), which reads LoRAManager (loras, lora_refs, num_pinned_loras, memory_pool,
-  lora_modules, fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer,
-  uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils (get_target_module_name,
-  get_stacked_multiply) and the layers' slice_lora_{a,b}_weights. Its proof: each map writes the
-  adapter with SGLang's own loader and with the plan, and refuses the plan unless they are bit-identical.
+- the pool writer (`PoolWriter`, made at the first in-place write, so a file, tensor or merged refresh
+  allocates nothing of it; `handle`, registered as a custom weight loader when the engine starts unless
+  engine.sglang.in_place=false): `update_weights_from_tensor(..., load_format=LOADER)` runs `handle(model,
+  named_tensors)` in every scheduler process (one per tensor-parallel rank), which reads LoRAManager
+  (loras, lora_refs, num_pinned_loras, memory_pool, lora_modules, fetch_new_loras),
+  LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer, uid_to_buffer_id,
+  load_lora_weight_to_buffer), lora.utils (get_target_module_name, get_stacked_multiply) and the layers'
+  slice_lora_{a,b}_weights. Its proof: each map writes the adapter with SGLang's own loader and with the
+  plan, and refuses the plan unless they are bit-identical.
 
-The writer puts the trainer's flat adapter straight into the GPU LoRA pool the kernels read, one
-batched device copy per refresh (SGLang's public path goes through the host). `map` (once per
-adapter): the trainer lends each GPU a staging buffer (CUDA IPC) and the layout; the scheduler pins
-the adapter in a slot (never evicted, so its host copy is never reloaded over it) and runs SGLang's
-stacking (q/k/v, gate/up) and tensor-parallel slicing on tensors of *source indices*, which reduce
-to a few hundred strided blocks: the copy plan. `apply` (every refresh): a cast copy into staging,
-then the plan and the version into an engine-owned tensor in one batch of copies (a skipped or
-failed write cannot bump it), and a prefix-cache flush (the adapter keeps its id). Each rank replies
-in a GPU status buffer. A moved slot or a lost plan -> apply is refused and the writer maps again;
-what the plan does not cover (MoE, embedding/lm_head LoRA) -> map is refused with the reason. An
-exception in a scheduler kills the process tree, so every check raises `Refused`, which `handle`
-turns into a reply; nothing is written before every check passes.
+The writer puts the trainer's flat adapter straight into the GPU LoRA pool the kernels read, one batched
+device copy per refresh. `map` (once per adapter): the trainer lends each GPU a staging buffer (CUDA IPC)
+and the layout; the scheduler pins the adapter in a slot (never evicted, so its host copy is never
+reloaded over it) and runs SGLang's stacking (q/k/v, gate/up) and tensor-parallel slicing on tensors of
+*source indices*, which reduce to a few hundred strided blocks: the copy plan. `apply` (every refresh): a
+cast copy into staging, then the plan and the version into an engine-owned tensor in one batch of copies
+(a failed write cannot bump it), and a prefix-cache flush. Each rank replies in a GPU status buffer. A
+moved slot or a lost plan: apply is refused and the writer maps again; what the plan does not cover (MoE,
+embedding/lm_head LoRA): map is refused. An exception in a scheduler kills the process tree, so every
+check raises `Refused`, which `handle` turns into a reply; nothing is written before every check passes.
 """
 from __future__ import annotations
 
@@ -145,18 +145,15 @@ def lora_id(engine, name: str) -> str:
     return ref.lora_id
 
 
-def requests_in_flight(engine) -> bool:
-    """Requests the engine is serving now, anyone's."""
+def requests_in_flight(engine) -> bool:   # anyone's
     return bool(engine.tokenizer_manager.rid_to_state)
 
 
-def abort_requests(engine) -> bool:
-    """End every request in flight early (on the engine's loop); returns whether an abort was sent."""
+def abort_requests(engine) -> None:
+    """End every request in flight early (on the engine's loop), where abort_request is callable."""
     abort = getattr(engine.tokenizer_manager, "abort_request", None)
-    if not callable(abort):
-        return False
-    abort(abort_all=True)
-    return True
+    if callable(abort):
+        abort(abort_all=True)
 
 
 # === the engine's processes ========================================================================
@@ -245,19 +242,19 @@ def shut_down(engine) -> None:
     if daemons:
         engine._terminate_weight_cache_daemons(daemons)
         engine._weight_cache_daemon_procs = []
-    processes = _processes(engine)
-    stop_processes(engine, processes)
-    psutil.wait_procs(processes, timeout=60)
+    psutil.wait_procs(stop_processes(engine), timeout=60)
 
 
-def stop_processes(engine, processes=None) -> None:
-    """SIGKILL what is left of the engine's processes."""
+def stop_processes(engine) -> list:
+    """SIGKILL what is left of the engine's processes; returns them."""
     import psutil
-    for proc in _processes(engine) if processes is None else processes:
+    processes = _processes(engine)
+    for proc in processes:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             continue
+    return processes
 
 
 # === the trainer's side ==========================================================================
@@ -271,7 +268,7 @@ class _Mapping:
 
 
 class PoolWriter:
-    """One per SGLangEngine, made at its first in-place write: maps adapters into its pool, applies new values."""
+    """One per SGLangEngine, made at its first in-place write: maps adapters into its pool, applies values."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -281,9 +278,8 @@ class PoolWriter:
         self.dtype = engine.adapter_dtype or torch.bfloat16
 
     def write(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """New values for adapter `name`; returns timings in ms: the engine's own (`apply`, or `map`)
-        and ours around it (`stage`: the cast copy into the staging buffers; `request`: the engine
-        call, its apply included; `reply`: reading the ranks' status buffers)."""
+        """New values for adapter `name`; returns timings in ms: the engine's own (`apply`, or `map`) and ours
+        (`stage`: the cast copy into staging; `request`: the engine call; `reply`: reading the status buffers)."""
         mapping = self.mapped.get(name)
         if mapping is not None and mapping.layout != adapter.layout:
             self.forget(name)
@@ -301,8 +297,7 @@ class PoolWriter:
 
     def version(self, name: str) -> int:
         """The version the engine holds beside its copy of adapter `name` (asked, not remembered)."""
-        mapping = self.mapped[name]
-        reply = self._send("version", mapping, [], flush_cache=False)
+        reply = self._send("version", self.mapped[name], [], flush_cache=False)
         if "refused" in reply:
             raise EngineError(f"asking the engine for adapter {name!r}'s version failed: {reply['refused']}")
         return int(reply["version"])
@@ -317,7 +312,6 @@ class PoolWriter:
         for name in list(self.mapped):
             self.forget(name)
 
-    # -- internals ----------------------------------------------------------------------------------
     def _map(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         mapping = _Mapping(lora_id(self.engine.engine, name), adapter.layout,
                            {d: torch.empty(adapter.layout.numel, dtype=self.dtype, device=d) for d in self.devices},
