@@ -33,11 +33,9 @@ refresh.py (modes), runlog.py (the run directory). This module wires them into `
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -46,7 +44,7 @@ import torch
 
 from .adapters import FlatAdapter
 from .clock import Clock
-from .commits import BackgroundCommits, host_copy
+from .commits import Commits, TrainerStopped  # noqa: F401 (TrainerStopped: grpo.TrainerStopped, as before)
 from .data import Problem, ProblemSource, prompt_ids
 from .engines.base import GenerateRequest, ReleasesMemory, Sampling, StaleAdapter, generate_served, require
 from .interrupts import interrupts_deferred, interrupts_to_the_main_thread, wait_interruptibly
@@ -54,7 +52,7 @@ from .policy import Policy
 from .refresh import RefreshRecord
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, rollout_request, rollouts_of, score
-from .rundir import BEHIND, METRICS, ROLLOUTS, SYNC
+from .rundir import BEHIND
 from .runlog import NullRunLog
 from .settings import ALLOWED, REFUSED, Section, check, setting
 
@@ -180,11 +178,6 @@ class StepInProgress(RuntimeError):
     """step() was called while another thread's step() runs on the same trainer."""
 
 
-class TrainerStopped(RuntimeError):
-    """A step's commit failed (the disk): this trainer takes no more steps; the run continues from
-    its run dir (lorabench resume), which holds a whole commit."""
-
-
 class StepClock(Clock):
     """A step's parts (clock.Clock); on a GPU also this process's peak memory per part."""
 
@@ -224,13 +217,10 @@ class GRPOTrainer:
             require(engine, ReleasesMemory, "engine.release_memory_during_training")
         self.rewards = reward_functions(settings.reward_mode, settings.format_bonus)
         self.history: list[dict] = []
-        self._pending: list[StepRecord] = []   # steps since the last checkpoint (run.checkpoint_every > 1)
         self._probe = self._make_probe()
         self._engine_stale = False             # a failed step was rolled back: re-send the adapter first
         self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
-        self._uncommitted = ""                 # why no step may follow: a commit failed half way
-        self._commits = (BackgroundCommits(self.runlog.dir.name)
-                         if self.runlog.dir is not None and self.runlog.settings.commit_in_background else None)
+        self._commits = Commits(self.runlog, settings.steps, self._state, lambda: self.policy.version)
         # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
         self._ahead: tuple[int, Future] | None = None
         self._requested: tuple[int, list[Problem]] | None = None   # the last rollout_request(): step, problems
@@ -264,9 +254,7 @@ class GRPOTrainer:
         commit may still be written when this returns (wait_committed). `rollouts`: this step's,
         sampled by the caller for the problems of `rollout_request()` in `rollout_s` seconds (a policy
         group sends its policies' requests as one engine batch); checked like the trainer's own."""
-        self._raise_if_commit_failed(wait=False)
-        if self._uncommitted:
-            raise TrainerStopped(self._uncommitted)
+        self._commits.check(wait=False)
         if not self._stepping.acquire(blocking=False):
             raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
                                  f"Run N?); Stop it or wait for it (panel.wait()), then step again")
@@ -345,7 +333,7 @@ class GRPOTrainer:
                 committing.enter_context(interrupts_deferred())   # from here on the step is committed whole
             self._behind, self._current = (self._current if g.max_staleness else None), adapter
             record = StepRecord(step, metrics, refresh, step_samples(step, rollouts, batch))
-            self._commit(record, adapter, clock)
+            self._commits.commit(record, adapter, clock, self.history)
         return record
 
     def _check_given(self, rollouts: Rollouts, step: int) -> None:
@@ -433,80 +421,10 @@ class GRPOTrainer:
             self.engine.resume_memory()
             self.refresher.engine_memory_resumed(tags)
 
-    def _commit(self, record: StepRecord, adapter, clock: StepClock) -> None:
-        """Rows of the steps since the last checkpoint are published with it, so the run dir never
-        holds a row its checkpoint cannot vouch for: checkpoint -> sync and rollout rows -> metrics
-        rows. In line, the rows carry the whole step's time, the commit's included; in the background
-        (run.commit_in_background) time/log_s is what the step waited: copying the state, and
-        time/commit_wait_s for the commit before it, if that was still being written."""
-        step = record.step
-        self._pending.append(record)
-        checkpoint, save_adapter = self.runlog.settings.due(step, self.settings.steps)
-        if not checkpoint:
-            self._finish_metrics(record, clock, waited=0.0)
-        elif self._commits is None:
-            self._commit_in_line(record, adapter, clock, save_adapter)
-        else:
-            self._commit_in_background(record, adapter, clock, save_adapter)
-
-    def _finish_metrics(self, record: StepRecord, clock: StepClock, waited: float) -> None:
-        clock.lap("log")
-        record.metrics.update(clock.metrics())
-        record.metrics["time/commit_wait_s"] = waited   # within time/log_s: the previous commit still being written
-        self.history.append(record.metrics)
-
-    def _commit_in_line(self, record: StepRecord, adapter, clock: StepClock, save_adapter: bool) -> None:
-        try:
-            self.runlog.commit(record.step, self._state(), adapter, self._pending_rows(), save_adapter)
-            self._finish_metrics(record, clock, waited=0.0)
-            self.runlog.log_metrics([r.metrics for r in self._pending])
-            self._pending = []
-        except OSError as err:   # the disk: the run dir holds a whole commit or the one before (runlog.py)
-            self._stop(record.step, err)
-            raise
-
-    def _commit_in_background(self, record: StepRecord, adapter, clock: StepClock, save_adapter: bool) -> None:
-        t0 = time.perf_counter()
-        self._raise_if_commit_failed(wait=True)
-        waited = time.perf_counter() - t0
-        state = host_copy(self._state())   # the next step changes the optimizer's moments in place
-        self._finish_metrics(record, clock, waited)
-        rows = copy.deepcopy(self._pending_rows())   # the metrics dicts are also the history's
-        self._pending = []
-        self._commits.submit(record.step, self._write_commit, record.step, state, adapter, rows, save_adapter)
-
-    def _write_commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
-        """On the commit thread: what _commit_in_line writes, in the same order."""
-        self.runlog.commit(step, state, adapter, rows, save_adapter)
-        self.runlog.log_metrics(rows[METRICS])
-
-    def _raise_if_commit_failed(self, wait: bool) -> None:
-        if self._commits is None:
-            return
-        error = self._commits.settle() if wait else self._commits.failed()
-        if error is not None and not self._uncommitted:   # raised once, as in line; later steps: TrainerStopped
-            self._stop(self._commits.failed_step, error)
-            error.add_note(f"lorabench: the commit of step {self._commits.failed_step} failed on the commit thread "
-                           f"(run.commit_in_background); the trainer is at step {self.policy.version} in memory")
-            raise error
-
-    def _stop(self, step: int, err: BaseException) -> None:
-        self._uncommitted = (f"step {step} could not be written to {self.runlog.dir} ({err}); this trainer "
-                             f"stops, since its memory and the run dir may disagree. Close the session and "
-                             f"continue the run from the run dir (lorabench resume {self.runlog.dir})")
-
     def wait_committed(self) -> None:
         """Return once every step so far is in the run dir (run.commit_in_background writes a step's
         commit while the next step runs); TrainerStopped if one could not be written."""
-        self._raise_if_commit_failed(wait=True)
-        if self._uncommitted:
-            raise TrainerStopped(self._uncommitted)
-
-    def _pending_rows(self) -> dict[str, list[dict]]:
-        k = self.runlog.samples_per_step
-        return {SYNC: [row for r in self._pending for row in r.refresh.rows(r.step)],
-                ROLLOUTS: [s for r in self._pending for s in r.samples[:k]],
-                METRICS: [r.metrics for r in self._pending]}
+        self._commits.check(wait=True)
 
     def run(self, n: int | None = None, progress: bool = True) -> list[StepRecord]:
         """Steps until `n` more have run (default: up to grpo.steps in total)."""
@@ -596,12 +514,11 @@ class GRPOTrainer:
         release the commit thread and the refresher."""
         try:
             self._drop_ahead()
-            self._raise_if_commit_failed(wait=True)
+            self._commits.raise_if_failed(wait=True)
         finally:
             if self._sampler is not None:
                 self._sampler.shutdown()
-            if self._commits is not None:
-                self._commits.close()
+            self._commits.shutdown()
             self.refresher.close()
 
 
