@@ -1,34 +1,15 @@
 """GRPO with LoRA and a live adapter refresh after every optimizer step.
 
-Which GRPO this is
-------------------
-Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath"), outcome supervision:
-- each step samples G completions for each of P fresh prompts from the rollout *engine*, which
-  serves the current adapter (the name is passed on every request; base requests say adapter=None);
-- advantage of completion i in its group: A_i = (r_i - mean(r)) / (std(r) + 1e-4), the same for
-  every token of the completion; a group whose rewards are all equal contributes nothing;
-- loss: PPO-clip surrogate per token, -min(ρ·A, clip(ρ, 1-ε, 1+ε)·A) with ρ = π_θ / π_old,
-  averaged over each completion's tokens, then over completions (the paper's 1/G Σ 1/|o| Σ);
-- π_old is the trainer's own log-prob of the sampled tokens before the update (not the engine's:
-  those are only compared with it, as the trainer-vs-engine mismatch that proves the refresh);
-- `grpo.epochs` optimizer steps per batch (default 1: then ρ = 1 at the gradient and the clip is
-  inactive, i.e. plain on-policy policy gradient with group-normalised advantages);
-- optional KL to the base model (adapter disabled), k3 estimator exp(q-p)-(q-p)-1, weight β
-  (default 0, as in DAPO / Dr. GRPO); no entropy bonus, no reward model, no value function;
-- logged, never in the loss: `entropy/mean` and `kl/mean` of the policy that sampled the step
-  (policy.Diagnostics), and `completions/last_number_right` (the last number, whatever the format);
-- with grpo.max_staleness >= 1 (default 0: on-policy), the next step's rollouts are sampled on a
-  thread of their own while this step trains, from the adapter one update behind; each rollout's
-  served version is checked to lag by at most max_staleness, and every token's surrogate is
-  weighted by min(π_old / π_sample, grpo.tis_cap), π_sample the engine's log-prob (truncated
-  importance sampling, as in IMPALA's V-trace); the row records the lag (`adapter/lag`);
-- log-probs of the sampling distribution (logits / temperature), as the engine reports them;
-- after the optimizer step the policy publishes its new flat adapter, the refresher moves it into
-  the engine, and the next rollout checks that the engine served exactly that version.
-
-The pieces: rollout.py (prompts -> completions -> a typed batch), rewards.py (pluggable reward
-functions), loss.py (pure functions), policy.py (model, optimizer, the published adapter),
-refresh.py (modes), runlog.py (the run directory). This module wires them into `step()`.
+Outcome-supervised GRPO (Shao et al. 2024): each step samples G completions for each of P fresh
+prompts from the engine serving the current adapter; A_i = (r_i - mean(r)) / (std(r) + 1e-4) per
+group, the same for every token; the loss is the PPO-clip surrogate per token against π_old, the
+trainer's own log-prob before the update (the engine's is only compared with it: the mismatch that
+proves the refresh), averaged over each completion's tokens, then over completions; optional k3 KL
+to the base model (weight β, default 0). With grpo.max_staleness >= 1 the next step's rollouts are
+sampled on a thread of their own while this step trains, from the adapter one update behind, and
+each token is weighted by min(π_old / π_sample, grpo.tis_cap). After the optimizer step the new
+adapter is refreshed into the engine, and the next rollout checks the engine served that version.
+This module wires rollout.py, rewards.py, loss.py, policy.py, refresh.py and commits.py into `step()`.
 """
 from __future__ import annotations
 
@@ -201,10 +182,8 @@ class StepClock(Clock):
 
 
 class GRPOTrainer:
-    """The loop as an object: `step()` does one GRPO step and returns its StepRecord. It is given its
-    parts, each built from its own section (session.build_trainer does that from a run config): its
-    settings (the `grpo` section), the policy, the engine and the refresher that keeps it fresh, the
-    problem source, the tokenizer and the run log; `seed` seeds the sampling."""
+    """The loop as an object: `step()` does one GRPO step and returns its StepRecord. Its parts are
+    built from their own sections (session.build_trainer); `seed` seeds the sampling."""
 
     def __init__(self, settings: GRPOSettings, policy: Policy, engine, refresher, source: ProblemSource, tokenizer,
                  runlog=None, *, seed: int = 0, enable_thinking: bool = False, release_engine_memory: bool = False,
@@ -217,7 +196,11 @@ class GRPOTrainer:
             require(engine, ReleasesMemory, "engine.release_memory_during_training")
         self.rewards = reward_functions(settings.reward_mode, settings.format_bonus)
         self.history: list[dict] = []
-        self._probe = self._make_probe()
+        problem = self.source.eval_set(1)[0] if self.source.source == "synthetic" else None   # the fixed probe
+        prompt = prompt_ids(tokenizer, problem.messages if problem else [{"role": "user", "content": "What is 2 + 3?"}],
+                            enable_thinking)
+        self._probe = prompt + tokenizer(problem.answer if problem else "2 + 3 = 5\n#### 5",
+                                         add_special_tokens=False)["input_ids"], len(prompt)
         self._engine_stale = False             # a failed step was rolled back: re-send the adapter first
         self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
         self._commits = Commits(self.runlog, settings.steps, self._state, lambda: self.policy.version)
@@ -250,10 +233,9 @@ class GRPOTrainer:
         return self.policy.device
 
     def step(self, rollouts: Rollouts | None = None, rollout_s: float = 0.0) -> StepRecord:
-        """Rollout -> reward -> update -> publish the adapter -> refresh the engine -> log. The step's
-        commit may still be written when this returns (wait_committed). `rollouts`: this step's,
-        sampled by the caller for the problems of `rollout_request()` in `rollout_s` seconds (a policy
-        group sends its policies' requests as one engine batch); checked like the trainer's own."""
+        """Rollout -> reward -> update -> refresh the engine -> commit (maybe still written on return:
+        wait_committed). `rollouts`: sampled by the caller for `rollout_request()` in `rollout_s` s (a
+        policy group batches its policies' requests); checked like the trainer's own."""
         self._commits.check(wait=False)
         if not self._stepping.acquire(blocking=False):
             raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
@@ -264,8 +246,7 @@ class GRPOTrainer:
             self._stepping.release()
 
     def rollout_request(self) -> tuple[list[Problem], GenerateRequest]:
-        """The next step's problems and the engine request for their rollouts, once the engine serves
-        the trainer's adapter (after a rolled-back step it is sent again first)."""
+        """The next step's problems and their engine request, once the engine serves the trainer's adapter."""
         self._resend_if_stale()
         problems, request = self._request_for(self.policy.version + 1)
         self._requested = (self.policy.version + 1, problems)   # what step(rollouts) checks rollouts against
@@ -337,8 +318,7 @@ class GRPOTrainer:
         return record
 
     def _check_given(self, rollouts: Rollouts, step: int) -> None:
-        """Rollouts sampled by the caller must be of this step's problems (those rollout_request gave
-        for it), under this trainer's adapter."""
+        """Given rollouts must be of this step's rollout_request(), under this trainer's adapter."""
         asked_step, expected = self._requested or (None, [])
         if asked_step != step or [p.question for p in rollouts.problems] != [p.question for p in expected]:
             raise ValueError(f"step {step}: the rollouts given are not of this step's problems; sample them for "
@@ -348,9 +328,8 @@ class GRPOTrainer:
                                f"trainer's is {self.refresher.serving_adapter!r}; nothing was trained on them")
 
     def _sample_in_line(self, step: int) -> Rollouts:
-        """This step's rollouts when none were sampled ahead. With max_staleness, from the adapter one
-        version behind, as the pipeline samples them (after a resume or a rolled-back step: the same
-        rollouts again); step 1 and a checkpoint that holds no behind adapter sample on-policy."""
+        """This step's rollouts when none were sampled ahead: with max_staleness from the adapter one
+        version behind, as the pipeline samples them (a resumed or repeated step gets the same ones)."""
         if self._behind is None:
             return self._sample(step)
         self._engine_stale = True   # until the engine serves the current adapter again
@@ -369,17 +348,15 @@ class GRPOTrainer:
         return rollouts if for_step == step else None
 
     def _drop_ahead(self) -> None:
-        """Rollouts sampled ahead for a step that will not follow (a rolled-back step, close): waited
-        for, so that no engine call of this trainer is left running, and dropped."""
+        """Rollouts sampled ahead for a step that will not follow: waited for (no engine call left running), dropped."""
         if self._ahead is not None:
             _, future = self._ahead
             self._ahead = None
             futures_wait([future])
 
     def _check_served(self, rollouts: Rollouts) -> None:
-        """The engine must have served the trainer's current version, or one at most
-        grpo.max_staleness updates older (the numeric mismatch stays as a second, statistical check).
-        The stale-adapter control is exempt by design."""
+        """The engine served the trainer's version or one at most grpo.max_staleness older (the
+        stale-adapter control is exempt by design)."""
         lag = self.policy.version - (rollouts.served_version if rollouts.served_version is not None else -1)
         if self.refresher.keeps_engine_fresh and not 0 <= lag <= self.settings.max_staleness:
             allowed = (f"the trainer is at version {self.policy.version}" if not self.settings.max_staleness else
@@ -392,8 +369,7 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def _whole_step(self, step: int):
-        """The update, the refresh and the probe happen whole or not at all: a failure or an
-        interrupt (Ctrl-C, Kernel -> Interrupt) rolls the policy back."""
+        """The update, the refresh and the probe happen whole or not at all: a failure or an interrupt rolls back."""
         saved = self.policy.snapshot()
         try:
             yield
@@ -408,8 +384,7 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def _engine_memory_released(self):
-        """With engine.release_memory_during_training: what the refresh mode can spare is released
-        during the update and resumed afterwards, also after a failed update (the pair stays symmetric)."""
+        """engine.release_memory_during_training: released during the update, resumed after it, also a failed one."""
         if not self.release_engine_memory:
             yield
             return
@@ -429,14 +404,11 @@ class GRPOTrainer:
     def run(self, n: int | None = None, progress: bool = True) -> list[StepRecord]:
         """Steps until `n` more have run (default: up to grpo.steps in total)."""
         from tqdm.auto import tqdm
-        n = self.settings.steps - self.step_count if n is None else n
         records = []
-        bar = tqdm(range(n), desc="GRPO", disable=not progress)
-        for _ in bar:
-            rec = self.step()
-            records.append(rec)
-            bar.set_postfix(reward=f"{rec.metrics['reward/mean']:.2f}",
-                            refresh_ms=f"{1e3 * rec.refresh.total_s:.1f}")
+        for _ in (bar := tqdm(range(self.settings.steps - self.step_count if n is None else n), desc="GRPO",
+                              disable=not progress)):
+            records.append(rec := self.step())
+            bar.set_postfix(reward=f"{rec.metrics['reward/mean']:.2f}", refresh_ms=f"{1e3 * rec.refresh.total_s:.1f}")
         self.wait_committed()
         return records
 
@@ -455,10 +427,8 @@ class GRPOTrainer:
         self._serve(self.policy.adapter())
 
     def _take(self, state: dict, adapter: FlatAdapter) -> None:
-        """A checkpoint's state taken by the policy, which checks it against the model. With max_staleness
-        the next step is sampled from the adapter one version behind, as the run that wrote the
-        checkpoint went on; a checkpoint that holds none (written before lorabench kept it) makes that
-        one step on-policy."""
+        """A checkpoint's state, checked by the policy. With max_staleness the next step is sampled from
+        the adapter one version behind, as the run went on; a checkpoint without one: that step on-policy."""
         # laid out as adapter_buffer: read_checkpoint checked it with every *_buffer field (checkpoint_problem)
         behind = state.get(BEHIND) if self.settings.max_staleness else None
         self.policy.load(state, adapter)
@@ -468,15 +438,6 @@ class GRPOTrainer:
             self.log(f"note: the checkpoint of step {adapter.version} holds no adapter one version behind (written "
                      f"before lorabench kept it): step {adapter.version + 1} is sampled on-policy (adapter/lag 0), "
                      f"the steps after it one version behind as before")
-
-    def _make_probe(self):
-        """A fixed (prompt, reference answer) pair whose log-probs show whether the adapter is live."""
-        problem = self.source.eval_set(1)[0] if self.source.source == "synthetic" else None
-        question = problem.messages if problem else [{"role": "user", "content": "What is 2 + 3?"}]
-        answer = problem.answer if problem else "2 + 3 = 5\n#### 5"
-        prompt = prompt_ids(self.tokenizer, question, self.enable_thinking)
-        target = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
-        return prompt + target, len(prompt)
 
     def probe_gap(self) -> float:
         """Mean |adapter - base| engine log-prob on the fixed probe (NaN when merged: no base left)."""
@@ -510,8 +471,7 @@ class GRPOTrainer:
                 "format": sum(map(has_strict_format, texts)) / len(texts)}
 
     def close(self) -> None:
-        """Once the last commit is written (TrainerStopped if it failed and no step said so yet),
-        release the commit thread and the refresher."""
+        """Once the last commit is written (its error if no step raised it yet), release the threads and refresher."""
         try:
             self._drop_ahead()
             self._commits.raise_if_failed(wait=True)
