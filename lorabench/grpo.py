@@ -60,35 +60,29 @@ class GRPOSettings(Section):
     lr: float = setting(1e-3, "AdamW learning rate for the LoRA parameters.", resume=REFUSED,
                         why="it is saved in the checkpoint's optimizer state: a new value would silently not apply")
     clip_eps: float = setting(0.2, "PPO-style ratio clip.", resume=REFUSED, why=_OBJECTIVE)
-    kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model (adapter disabled) added to the loss, "
-                             "per token. 0 = off, as in DAPO and Dr. GRPO (a rule-checked reward cannot be gamed, "
-                             "and learning means moving away from the base); > 0 keeps the policy near the base "
-                             "(e.g. 0.04, DeepSeekMath's) at one more forward pass per micro-batch.",
+    kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model (adapter disabled) added to the loss per "
+                             "token. 0 = off (a rule-checked reward cannot be gamed); > 0 (e.g. 0.04) keeps the "
+                             "policy near the base at one more forward pass per micro-batch.",
                              resume=REFUSED, why=_OBJECTIVE)
     kl_metric: bool = setting(False, "Log kl/mean, the k3 estimate of KL(policy || base model) on the sampled tokens, "
-                              "also when kl_beta = 0 (a metric, not in the loss): one more forward pass without "
-                              "gradients, about a quarter of an update's compute, so off by default.",
+                              "also when kl_beta = 0 (not in the loss): one more forward pass without gradients.",
                               resume=ALLOWED, why="a metric only: the update is the same")
     micro_batch_tokens: int = setting(16384, "Padded tokens per forward/backward pass (gradient accumulation): "
                                       "sequences are grouped by length into micro-batches under this budget, so "
-                                      "trainer memory does not grow with the rollout size (16384: the Qwen3-0.6B "
-                                      "trainer fits a 24 GB GPU beside the engine).", resume=ALLOWED,
+                                      "trainer memory does not grow with the rollout size.", resume=ALLOWED,
                                       why="memory only: the same gradients, summed in other groups")
-    lora_compute: str = setting("auto", "Precision of the LoRA matmuls in training: 'bfloat16' (autocast; the "
-                                "adapter and its optimizer state stay fp32, and no fp32 copy of each LoRA layer's "
-                                "input is kept for backward), 'float32' (PEFT's default) or 'auto' (bfloat16 when "
-                                "model.dtype is bfloat16, else float32).", resume=ALLOWED,
+    lora_compute: str = setting("auto", "Precision of the LoRA matmuls in training: 'bfloat16' (autocast; the adapter "
+                                "and its optimizer state stay fp32), 'float32' or 'auto' (bfloat16 when model.dtype "
+                                "is bfloat16, else float32).", resume=ALLOWED,
                                 why="the precision of the LoRA matmuls in training; objective, data and adapter "
                                     "are the same")
     activation_checkpointing: bool = setting(True, "Recompute each decoder layer's activations in backward instead "
                                              "of keeping them: far less training memory per token for ~25% more "
-                                             "compute, which buys larger, faster micro-batches on a GPU. false: keep "
-                                             "them.", resume=ALLOWED, why="memory and speed only: the same gradients, "
-                                             "recomputed")
-    compile: str = setting("auto", "torch.compile in training, to fuse its elementwise work: 'all' (every decoder "
-                           "layer, checkpointing inside, and the output head's two passes over the vocabulary), "
-                           "'head' (the head only), 'off', or 'auto' ('all' on a CUDA GPU, 'off' elsewhere). The "
-                           "first step pays the compile.", resume=ALLOWED,
+                                             "compute. false: keep them.", resume=ALLOWED,
+                                             why="memory and speed only: the same gradients, recomputed")
+    compile: str = setting("auto", "torch.compile in training: 'all' (every decoder layer and the output head's "
+                           "passes over the vocabulary), 'head' (the head only), 'off', or 'auto' ('all' on a CUDA "
+                           "GPU, 'off' elsewhere). The first step pays the compile.", resume=ALLOWED,
                            why="speed only: the same computation, compiled")
     reward_mode: str = setting("strict", "'strict' (last '#### N') or 'flexible' (last number).",
                                resume=REFUSED, why=_OBJECTIVE)
@@ -96,26 +90,22 @@ class GRPOSettings(Section):
                                   resume=REFUSED, why=_OBJECTIVE)
     max_grad_norm: float = setting(1.0, "Gradient clipping.", resume=REFUSED, why=_OBJECTIVE)
     max_delta_ratio: float = setting(1.0, "Divergence bound: an update after which some adapted layer's change "
-                                     "||dW|| = ||(alpha/r)·B·A|| exceeds this multiple of its base weight's ||W|| "
-                                     "(Frobenius norms) is treated like a non-finite loss: rolled back, never served, "
-                                     "saved or checkpointed, and the run stops naming the step and the norms (a "
-                                     "healthy run stays far below 1.0). 0 = no bound (non-finite values are always "
-                                     "refused).", resume=ALLOWED,
-                                     why="a guard: it decides when a diverged update stops the run, not what a step "
-                                         "computes")
+                                     "||dW|| = ||(alpha/r)·B·A|| exceeds this multiple of its base weight's ||W|| is "
+                                     "treated like a non-finite loss: rolled back, never served, saved or "
+                                     "checkpointed, and the run stops naming the step and the norms (a healthy run "
+                                     "stays far below 1.0). 0 = no bound (non-finite values are always refused).",
+                                     resume=ALLOWED, why="a guard: it decides when a diverged update stops the run, "
+                                     "not what a step computes")
     epochs: int = setting(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).",
                           resume=REFUSED, why=_OBJECTIVE)
-    max_staleness: int = setting(0, "Steps a rollout's adapter may lag behind the trainer. 0: every step samples "
-                                 "from the adapter it trains (on-policy). 1: the next step's rollouts are sampled "
-                                 "while this step trains, from the adapter one update behind (the refresh waits for "
-                                 "them), and the loss weights each token by min(π_old / π_sample, tis_cap); the "
-                                 "pipeline is one step deep, so a larger value acts as 1. Step 1 samples on-policy. "
-                                 "The checkpoint keeps the adapter one update behind, so a resumed run samples its "
-                                 "next step as the run would have. A rollout older than this is refused.",
+    max_staleness: int = setting(0, "Steps a rollout's adapter may lag behind the trainer. 0: on-policy. 1: the "
+                                 "next step's rollouts are sampled while this step trains, from the adapter one "
+                                 "update behind, and the loss weights each token by min(π_old / π_sample, tis_cap); "
+                                 "a larger value acts as 1. Step 1 samples on-policy; a resumed run samples as the "
+                                 "run would have. A rollout older than this is refused.",
                                  resume=REFUSED, why=_SAMPLING)
     tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
-                             "max_staleness > 0 (truncated importance sampling, as in IMPALA's V-trace and "
-                             "Yao et al. 2025's TIS).", resume=REFUSED, why=_OBJECTIVE)
+                             "max_staleness > 0 (truncated importance sampling).", resume=REFUSED, why=_OBJECTIVE)
 
     def problems(self) -> list[str]:
         return [
@@ -209,10 +199,9 @@ class GRPOTrainer:
         self._requested: tuple[int, list[Problem]] | None = None   # the last rollout_request(): step, problems
         self._sampler = ThreadPoolExecutor(1, "lorabench-rollouts", interrupts_to_the_main_thread) \
             if settings.max_staleness else None
-        # the adapter the engine serves (the policy's), and with max_staleness the one a version before it,
-        # which the next step's rollouts come from: re-sampled from it when none were sampled ahead
-        self._current: FlatAdapter | None = None
-        self._behind: FlatAdapter | None = None
+        # the adapter the engine serves (the policy's), and with max_staleness the one before it, which the
+        # next step's rollouts come from (re-sampled from it when none were sampled ahead)
+        self._current = self._behind = None
         state, _ = self.runlog.load_checkpoint(take=self._take)   # checked here before any repair is written
         if state is not None:
             self.runlog.export_if_missing(self.policy.adapter(), self.settings.steps)   # with the policy's own config
@@ -258,9 +247,9 @@ class GRPOTrainer:
             self.refresher.refresh(self._current)
             self._engine_stale = False
 
-    def _serve(self, adapter: FlatAdapter) -> RefreshRecord:
+    def _serve(self, adapter: FlatAdapter) -> None:
         self._current = adapter
-        return self.refresher.refresh(adapter)
+        self.refresher.refresh(adapter)
 
     def _request_for(self, step: int) -> tuple[list[Problem], GenerateRequest]:
         g = self.settings
@@ -412,7 +401,6 @@ class GRPOTrainer:
         self.wait_committed()
         return records
 
-    # -- state ----------------------------------------------------------------------------------
     def _state(self) -> dict:
         """The checkpoint's trainer state: the policy's, and the adapter one version behind (max_staleness)."""
         state = self.policy.state()
@@ -454,7 +442,6 @@ class GRPOTrainer:
         seed = None if step is None else self.seed * 1_000_003 + step
         return Sampling(g.max_new_tokens, 0.0 if greedy else g.temperature, g.top_p, seed)
 
-    # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self, problems=None, greedy: bool = False, samples: int | None = None) -> dict:
         """Held-out rewards through the engine, at the training sampling settings (or greedy)."""
         problems = problems if problems is not None else self.source.eval_set(self.source.eval_size)
@@ -488,30 +475,22 @@ def step_metrics(step: int, rollouts: Rollouts, batch: RolloutBatch, stats: dict
     completions, texts = rollouts.completions, rollouts.texts
     groups = batch.rewards.view(-1, rollouts.group_size)
     return {
-        "step": step,
-        "reward/mean": batch.rewards.mean().item(),
-        "reward/std": batch.rewards.std().item(),
+        "step": step, "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item(),
         **reward_means,
         "reward/strict_format": sum(map(has_strict_format, texts)) / len(texts),
         "advantage/abs_mean": batch.advantages.abs().mean().item(),
         "advantage/active_groups": (groups.std(1) > 0).float().mean().item(),
-        "loss/policy": stats["loss"],
-        "loss/clip_fraction": stats["clip_fraction"],
-        "kl/mean": stats.get("kl_to_base"),
-        "entropy/mean": stats.get("entropy"),
-        "grad_norm": stats["grad_norm"],
-        "train/tokens": stats["tokens"],
+        "loss/policy": stats["loss"], "loss/clip_fraction": stats["clip_fraction"],
+        "kl/mean": stats.get("kl_to_base"), "entropy/mean": stats.get("entropy"),
+        "grad_norm": stats["grad_norm"], "train/tokens": stats["tokens"],
         "completions/mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
         "completions/stop_fraction": sum(c.finish_reason == "stop" for c in completions) / len(completions),
         "completions/last_number_right": sum(gsm8k_reward(t, a, "flexible") for t, a in zip(texts, rollouts.answers))
         / len(texts),
         **{f"mismatch/{k}": stats[f"mismatch_{k}"] for k in ("mean", "p99", "max", "active_mean")},
-        "adapter/version": refresh.version,
-        "adapter/served_version": rollouts.served_version,
+        "adapter/version": refresh.version, "adapter/served_version": rollouts.served_version,
         "adapter/delta_norm": delta_norm,
-        "refresh/mode": refresh.mode,
-        "refresh/bytes": refresh.nbytes,
-        "refresh/total_s": refresh.total_s,
+        "refresh/mode": refresh.mode, "refresh/bytes": refresh.nbytes, "refresh/total_s": refresh.total_s,
         **{f"refresh/{k}_s": v for k, v in refresh.parts.items()},
     }
 

@@ -170,20 +170,15 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_s
     `plain_token_logprobs` without full-vocabulary logits for the batch. chunk_size: positions per
     head call (extra peak ~chunk_size * V * 4 bytes). positions: optional [N, L-1] bool, the only rows
     put through the head (0 elsewhere). compiled_head: the logits passes compiled (HeadLogprobs)."""
-    return _token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, positions, compiled_head,
-                           with_entropy=False)[0]
+    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, chunk_size, positions,
+                                      compiled_head, with_entropy=False)[0]
 
 
 def token_logprobs_and_entropy(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512,
-                               positions: torch.Tensor | None = None, compiled_head: bool = False):
+                               positions: torch.Tensor | None = None, compiled_head: bool = False,
+                               with_entropy: bool = True):
     """`token_logprobs` and, from the same logits, the entropy of softmax(logits / T) per position in
-    nats, without gradients (0 where `positions` is False); nothing more is kept for backward."""
-    return _token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, positions, compiled_head,
-                           with_entropy=True)
-
-
-def _token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int,
-                    positions: torch.Tensor | None, compiled_head: bool, with_entropy: bool):
+    nats, without gradients (0 where `positions` is False; None without with_entropy)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: log-probs of logits / temperature need temperature > 0")
     if chunk_size < 1:
@@ -201,8 +196,19 @@ def _token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_
     if positions is not None:
         picked = positions.reshape(-1).nonzero()[:, 0]                          # [R] rows wanted
         hidden_rows, target_rows = hidden_rows.index_select(0, picked), target_rows[picked]
-    pieces, entropies = _head_chunks(head, hidden_rows, target_rows, temperature, chunk_size, compiled_head,
-                                     with_entropy)
+    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None   # else autograd, chunks checkpointed
+    pieces, entropies = [], []
+    for start in range(0, hidden_rows.shape[0], chunk_size):
+        rows, targets = hidden_rows[start:start + chunk_size], target_rows[start:start + chunk_size]
+        if plain_head:
+            logp, entropy = HeadLogprobs.apply(rows, head.weight, targets, temperature, compiled_head, with_entropy)
+            pieces.append(logp)
+            entropies.append(entropy)
+        else:
+            pieces.append(checkpoint(_chunk_logprobs, head, rows, targets, temperature, use_reentrant=False)
+                          if torch.is_grad_enabled() else _chunk_logprobs(head, rows, targets, temperature))
+            if with_entropy:
+                entropies.append(_chunk_entropy(head, rows.detach(), temperature))
 
     def to_positions(values):  # [R] or [N*(L-1)] -> [N, L-1], 0 where no position was wanted
         if not values:  # L == 1 (no next token anywhere) or no position wanted
@@ -212,28 +218,6 @@ def _token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_
             values = values.new_zeros(n * (length - 1)).index_put((picked,), values)
         return values.view(n, length - 1)
     return to_positions(pieces), (to_positions(entropies) if with_entropy else None)
-
-
-def _head_chunks(head, hidden_rows, target_rows, temperature: float, chunk_size: int, compiled_head: bool,
-                 with_entropy: bool) -> tuple[list, list]:
-    """Log-probs (and entropies) of the rows, `chunk_size` rows per head call: two lists of [c]. Heads
-    HeadLogprobs does not cover go through autograd, each chunk checkpointed (only its inputs kept)."""
-    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
-    pieces, entropies = [], []
-    for start in range(0, hidden_rows.shape[0], chunk_size):
-        rows, targets = hidden_rows[start:start + chunk_size], target_rows[start:start + chunk_size]
-        if plain_head:
-            logp, entropy = HeadLogprobs.apply(rows, head.weight, targets, temperature, compiled_head, with_entropy)
-            pieces.append(logp)
-            entropies.append(entropy)
-            continue
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, head, rows, targets, temperature, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(head, rows, targets, temperature))
-        if with_entropy:
-            entropies.append(_chunk_entropy(head, rows.detach(), temperature))
-    return pieces, entropies
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:

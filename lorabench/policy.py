@@ -111,21 +111,19 @@ class Policy:
         self.version, self.grpo, self.last_stats = 0, grpo, {}
         self.delta_modules, self.base_norms = _base_norms(self.model, self.layout)
 
-    # -- the adapter it publishes ---------------------------------------------------------------------
     def adapter(self) -> FlatAdapter:
         """The current LoRA weights as one new FlatAdapter at the policy's version; UpdateDiverged beyond the bound."""
         adapter = self.lora_layers.snapshot(self.version)
         found = self._beyond_bound(adapter)
         if found is None:
             return adapter
-        (module, ratio), past = found, _past_bound(found[1])
-        loss, grad = self.last_stats.get("loss", math.nan), self.last_stats.get("grad_norm", math.nan)
-        raise UpdateDiverged(
-            f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = {ratio:.3g}, "
-            f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss {loss:.3g}, gradient norm {grad:.3g} "
-            f"before clipping to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed. "
-            f"{_lower_lr(self.grpo)}" + (f", or continue without the bound ({past}) if an update this large is "
-                                         f"intended" if past else ""), _lr_override(self.grpo), past)
+        (module, ratio), stats = found, self.last_stats
+        raise _diverged(
+            self.grpo, f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = "
+            f"{ratio:.3g}, above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss "
+            f"{stats.get('loss', math.nan):.3g}, gradient norm {stats.get('grad_norm', math.nan):.3g} before clipping "
+            f"to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed.", ratio=ratio,
+            offer="continue without the bound ({}) if an update this large is intended")
 
     @torch.no_grad()
     def delta_ratios(self, adapter: FlatAdapter) -> torch.Tensor:
@@ -152,15 +150,13 @@ class Policy:
     def diverged_output(self, adapter: FlatAdapter) -> UpdateDiverged:
         """The engine's log-probs under `adapter` are not finite: an update no bound stopped."""
         ratio = float(self.delta_ratios(adapter).max())
-        return UpdateDiverged(
-            f"GRPO step {adapter.version} diverged: under its adapter the engine's log-probs are not finite (its "
-            f"largest ||dW||/||W|| is {ratio:.3g}; grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}); the update "
-            f"was rolled back, not saved or checkpointed. {_lower_lr(self.grpo)}", _lr_override(self.grpo))
+        return _diverged(self.grpo, f"GRPO step {adapter.version} diverged: under its adapter the engine's log-probs "
+                         f"are not finite (its largest ||dW||/||W|| is {ratio:.3g}; grpo.max_delta_ratio="
+                         f"{self.grpo.max_delta_ratio:g}); the update was rolled back, not saved or checkpointed.")
 
     def base_weights(self) -> dict[str, torch.Tensor]:
         return base_weights(self.model)
 
-    # -- one update -----------------------------------------------------------------------------------
     def train(self, batch: RolloutBatch) -> dict[str, float]:
         """`grpo.epochs` optimizer steps on `batch` in micro-batches of at most `grpo.micro_batch_tokens`
         padded tokens; returns loss statistics, the trainer-vs-engine mismatch and `Diagnostics`."""
@@ -207,7 +203,10 @@ class Policy:
             self.last_stats = dict(stats)
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 self.lora_layers.snapshot(self.version)   # non-finite weights already? it names the tensor
-                raise _diverged_loss(self.version + 1, stats, grpo)   # before a NaN reaches the weights
+                raise _diverged(grpo, f"GRPO step {self.version + 1} diverged: loss {stats['loss']:.3g}, gradient "
+                                f"norm {stats['grad_norm']:.3g} (before clipping to grpo.max_grad_norm="
+                                f"{grpo.max_grad_norm:g}); the update was not applied, served, saved or "
+                                f"checkpointed.")   # before a NaN reaches the weights
             self.optimizer.step()
         self.model.eval()
         self.version += 1
@@ -258,7 +257,6 @@ class Policy:
                 disable_input_dtype_casting(self.model):
             yield
 
-    # -- state: rollback and checkpoints --------------------------------------------------------------
     def snapshot(self) -> tuple:
         """What a failed step must not change: LoRA weights, optimizer state, version."""
         return ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()), self.version)
@@ -297,13 +295,11 @@ class Policy:
         torch.set_rng_state(state["torch_rng"])
         self.version = adapter.version
         if found := self._beyond_bound(adapter):   # a checkpoint written without this bound, or under a larger one
-            past = _past_bound(found[1])
-            raise UpdateDiverged(
-                f"the checkpoint's adapter (step {self.version}) changes {found[0]} by ||dW||/||W|| = {found[1]:.3g}, "
-                f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}: that update diverged, and resuming would "
-                f"serve it; nothing was changed. {_lower_lr(self.grpo)} (adapters/step_<n> hold earlier adapters)"
-                + (f", or resume without the bound ({past}) if an adapter this large is intended" if past else ""),
-                _lr_override(self.grpo), past)
+            raise _diverged(
+                self.grpo, f"the checkpoint's adapter (step {self.version}) changes {found[0]} by ||dW||/||W|| = "
+                f"{found[1]:.3g}, above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}: that update diverged, and "
+                f"resuming would serve it; nothing was changed.", then=" (adapters/step_<n> hold earlier adapters)",
+                ratio=found[1], offer="resume without the bound ({}) if an adapter this large is intended")
 
 
 _RESTORE = "nothing was changed. Restore checkpoint/trainer_state.pt from a backup, or start a new run"
@@ -312,26 +308,14 @@ _RESTORE = "nothing was changed. Restore checkpoint/trainer_state.pt from a back
 OFFER_UNBOUNDED_BELOW = 10.0
 
 
-def _past_bound(ratio: float) -> str:
-    return "grpo.max_delta_ratio=0" if ratio < OFFER_UNBOUNDED_BELOW else ""
-
-
-def _lr_override(grpo) -> str:
-    """A tenth of the rate that diverged, at most the default (a tenth of 1e30 diverges as surely)."""
+def _diverged(grpo, message: str, then: str = "", ratio: float = math.inf, offer: str = "") -> UpdateDiverged:
+    """`message`, then the lower rate to start a new run with (a tenth, at most the default: a tenth of
+    1e30 diverges as surely) and, for a ratio below OFFER_UNBOUNDED_BELOW, the `offer` of no bound."""
     default = next(f.default for f in dataclasses.fields(grpo) if f.name == "lr")
-    return f"grpo.lr={min(grpo.lr / 10, default):g}"
-
-
-def _lower_lr(grpo) -> str:
-    return f"Lower grpo.lr (now {grpo.lr:g}; e.g. {_lr_override(grpo)}) in a new run"
-
-
-def _diverged_loss(step: int, stats: dict, grpo) -> UpdateDiverged:
-    """A non-finite loss or gradient norm: a diverged update, refused before the optimizer steps."""
-    return UpdateDiverged(f"GRPO step {step} diverged: loss {stats['loss']:.3g}, gradient norm "
-                          f"{stats['grad_norm']:.3g} (before clipping to grpo.max_grad_norm={grpo.max_grad_norm:g}); "
-                          f"the update was not applied, served, saved or checkpointed. {_lower_lr(grpo)}",
-                          _lr_override(grpo))
+    override = f"grpo.lr={min(grpo.lr / 10, default):g}"
+    past = "grpo.max_delta_ratio=0" if offer and ratio < OFFER_UNBOUNDED_BELOW else ""
+    return UpdateDiverged(f"{message} Lower grpo.lr (now {grpo.lr:g}; e.g. {override}) in a new run{then}"
+                          + (", or " + offer.format(past) if past else ""), override, past)
 
 
 @torch.no_grad()
@@ -469,23 +453,20 @@ class LoraLayers:
             owner.weight = torch.nn.Parameter(view, requires_grad=weight.requires_grad)
         return buffer
 
-    def _still_flat(self) -> bool:
-        """False if a weight was replaced (e.g. load_state_dict(assign=True)) since flattening."""
-        base, size = self.buffer.data_ptr(), self.buffer.element_size()
-        return all(w.weight.data_ptr() == base + start * size for w, start in zip(self.owners, self.layout.offsets))
-
     @torch.no_grad()
     def snapshot(self, version: int = 0) -> FlatAdapter:
         """The current weights copied into one new flat buffer, checked finite (one device sync)."""
-        if self.buffer is not None and self._still_flat():
-            adapter = FlatAdapter(self.buffer.clone(), self.layout, dict(self.config), version)
-            adapter.check_finite()
-            return adapter
-        tensors = [owner.weight.detach() for owner in self.owners]
-        for name, shape, t in zip(self.layout.names, self.layout.shapes, tensors):
-            if tuple(t.shape) != shape:
-                raise AdapterError(f"adapter tensor {name} changed shape {shape} -> {tuple(t.shape)}; the LoRA "
-                                   f"layers were replaced after they were indexed")
-        adapter = FlatAdapter(torch.cat([t.reshape(-1) for t in tensors]), self.layout, dict(self.config), version)
+        if self.buffer is not None and all(   # no weight replaced (load_state_dict(assign=True)) since flattening
+                w.weight.data_ptr() == self.buffer.data_ptr() + start * self.buffer.element_size()
+                for w, start in zip(self.owners, self.layout.offsets)):
+            buffer = self.buffer.clone()
+        else:
+            tensors = [owner.weight.detach() for owner in self.owners]
+            for name, shape, t in zip(self.layout.names, self.layout.shapes, tensors):
+                if tuple(t.shape) != shape:
+                    raise AdapterError(f"adapter tensor {name} changed shape {shape} -> {tuple(t.shape)}; the LoRA "
+                                       f"layers were replaced after they were indexed")
+            buffer = torch.cat([t.reshape(-1) for t in tensors])
+        adapter = FlatAdapter(buffer, self.layout, dict(self.config), version)
         adapter.check_finite()
         return adapter

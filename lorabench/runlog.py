@@ -57,12 +57,11 @@ class RunSettings(Section):
     sample_completions: int = setting(4, "Completions per step written to rollouts.jsonl (all are kept in the "
                                       "step record).", resume=ALLOWED, why="logging")
     threads: int = setting(0, "torch CPU threads; 0 = auto: torch's default less the CPUs the 1-minute load average "
-                           "says are busy, at least 1 (threads beyond the free CPUs slow a step far more than one "
-                           "thread too few: benchmarks/cpu_threads.py).", resume=ALLOWED, why="execution")
+                           "says are busy, at least 1.", resume=ALLOWED, why="execution")
     commit_in_background: bool = setting(True, "Write each checkpoint and its rows on a background thread while the "
-                                         "next step runs (in the same order as in line, so a kill leaves what it "
-                                         "would leave in line); false: the step waits for its commit.",
-                                         resume=ALLOWED, why="execution")
+                                         "next step runs (in the same order, so a kill leaves what it would leave "
+                                         "in line); false: the step waits for its commit.", resume=ALLOWED,
+                                         why="execution")
 
     def problems(self) -> list[str]:
         problem = path_component_problem(self.name) if self.name else None
