@@ -1,8 +1,5 @@
-"""Wall time of named parts: the one clock a step, a refresh and the refresh measurements use.
-
-Every reading comes after the GPU's queued work (if this process uses CUDA), so GPU work is timed
-in the part that issued it, not in a later one.
-"""
+"""Wall time of named parts, each reading after the GPU's queued work (if this process uses CUDA), so
+GPU work is timed in the part that issued it."""
 from __future__ import annotations
 
 import time

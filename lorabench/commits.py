@@ -1,13 +1,15 @@
-"""A step's commit written on one background thread while the next step runs.
+"""A trainer's steps into its run log (runlog.RunLog.commit), in line or on one background thread.
 
-The commit of step n (runlog.RunLog.commit) is written by one thread in the same order as in line,
-and commit n+1 starts only after n is written whole, so a kill -9 leaves what it could leave in line
-and resume repairs it the same way. What a commit writes is copied first (`host_copy`): step n+1
-changes the optimizer's moments in place. A failed write is kept: `settle` returns it, `submit`
-raises it, and the trainer stops (grpo.TrainerStopped) as it does when a commit in line fails.
+Rows of the steps since the last checkpoint are published with it, so the run dir never holds a row
+its checkpoint cannot vouch for: checkpoint -> sync and rollout rows -> metrics rows. With
+run.commit_in_background commit n is written while step n+1 runs, in the same order, and n+1 starts
+only after n is written whole, so a kill -9 leaves what it could leave in line and resume repairs it
+the same way. What a background commit writes is copied first (`host_copy`): step n+1 changes the
+optimizer's moments in place. A failed write is raised once, as in line; then the trainer stops.
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .interrupts import interrupts_to_the_main_thread, wait_interruptibly
+from .rundir import METRICS, ROLLOUTS, SYNC
 
 
 def host_copy(value):
@@ -28,56 +31,114 @@ def host_copy(value):
     return value   # numbers, strings, None: immutable
 
 
-class BackgroundCommits:
-    """At most one commit in flight, on one thread named for the run dir."""
+class TrainerStopped(RuntimeError):
+    """A step's commit failed (the disk): this trainer takes no more steps; the run continues from
+    its run dir (lorabench resume), which holds a whole commit."""
 
-    def __init__(self, name: str):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lorabench-commit-{name}",
-                                        initializer=interrupts_to_the_main_thread)
-        self._in_flight: Future | None = None
-        self._in_flight_step = 0
-        self.failed_step = 0
-        self._guard = threading.Lock()     # submit (the stepping thread) and wait (any thread) share _in_flight
-        self._failure: BaseException | None = None
-        self.write_s = 0.0                 # how long the last finished commit took to write
 
-    def submit(self, step: int, write, *args) -> None:
-        """Start `write(*args)`, the commit of `step`, on the commit thread; a failed commit's error is
-        raised instead. The caller settles first: one commit at a time, in step order."""
-        with self._guard:
+class Commits:
+    """The commit pipeline of one trainer. `state()`: the checkpoint's trainer state; `version()`: the
+    trainer's step in memory. In line, a step's rows carry its whole time, the commit's included; in
+    the background time/log_s is what the step waited: copying the state, and time/commit_wait_s for
+    the commit before it, if that was still being written."""
+
+    def __init__(self, runlog, last_step: int, state, version):
+        self.runlog, self.last_step, self._state, self._version = runlog, last_step, state, version
+        self.pending: list = []   # StepRecords since the last checkpoint (run.checkpoint_every > 1)
+        self.stopped = ""         # why no step may follow: a commit failed half way
+        background = runlog.dir is not None and runlog.settings.commit_in_background
+        self._pool = ThreadPoolExecutor(1, f"lorabench-commit-{runlog.dir.name}", interrupts_to_the_main_thread) \
+            if background else None
+        self._in_flight: tuple[int, Future] | None = None    # at most one commit: (step, its write)
+        self._failure: tuple[int, BaseException] | None = None
+        self._guard = threading.Lock()   # the stepping thread and any waiting thread share _in_flight
+        self.write_s = 0.0 if background else None   # how long the last background commit took to write
+
+    def commit(self, record, adapter, clock, history: list) -> None:
+        """Step `record.step` done: its metrics row into `history`, and into the run dir when due."""
+        step = record.step
+        self.pending.append(record)
+        checkpoint, save_adapter = self.runlog.settings.due(step, self.last_step)
+        if not checkpoint:
+            self._finish(record, clock, history, waited=0.0)
+        elif self._pool is None:
+            try:
+                self.runlog.commit(step, self._state(), adapter, self._rows(), save_adapter)
+                self._finish(record, clock, history, waited=0.0)
+                self.runlog.log_metrics([r.metrics for r in self.pending])
+                self.pending = []
+            except OSError as err:   # the disk: the run dir holds a whole commit or the one before (runlog.py)
+                self._stop(step, err)
+                raise
+        else:
+            t0 = time.perf_counter()
+            self.raise_if_failed(wait=True)
             if self._failure is not None:
-                raise self._failure
-            if self._in_flight is not None:
-                raise RuntimeError(f"BackgroundCommits.submit(step {step}): the commit of step "
-                                   f"{self._in_flight_step} is not settled; call settle() first")
-            self._in_flight, self._in_flight_step = self._pool.submit(self._timed, write, args), step
+                raise self._failure[1]
+            waited = time.perf_counter() - t0
+            state = host_copy(self._state())   # the next step changes the optimizer's moments in place
+            self._finish(record, clock, history, waited)
+            rows = copy.deepcopy(self._rows())   # the metrics dicts are also the history's
+            self.pending = []
+            with self._guard:
+                self._in_flight = (step, self._pool.submit(self._write, step, state, adapter, rows, save_adapter))
 
-    def _timed(self, write, args) -> None:
+    @staticmethod
+    def _finish(record, clock, history: list, waited: float) -> None:
+        clock.lap("log")
+        record.metrics.update(clock.metrics())
+        record.metrics["time/commit_wait_s"] = waited   # within time/log_s: the previous commit still being written
+        history.append(record.metrics)
+
+    def _rows(self) -> dict[str, list[dict]]:
+        k = self.runlog.samples_per_step
+        return {SYNC: [row for r in self.pending for row in r.refresh.rows(r.step)],
+                ROLLOUTS: [s for r in self.pending for s in r.samples[:k]],
+                METRICS: [r.metrics for r in self.pending]}
+
+    def _write(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
+        """On the commit thread: what a commit in line writes, in the same order."""
         t0 = time.perf_counter()
-        write(*args)
+        self.runlog.commit(step, state, adapter, rows, save_adapter)
+        self.runlog.log_metrics(rows[METRICS])
         self.write_s = time.perf_counter() - t0
 
-    def settle(self) -> BaseException | None:
-        """Wait until nothing is in flight; the error of a failed commit, or None. A failure is kept:
-        every later settle returns it (the run dir stops at the commit before it), and
-        `failed_step` names the step whose commit failed."""
+    def _settle(self, wait: bool) -> tuple[int, BaseException] | None:
+        """(step, error) of a failed background commit, or None; wait=False: without waiting for one
+        still being written. A failure is kept: the run dir stops at the commit before it."""
         with self._guard:
-            future, step = self._in_flight, self._in_flight_step
-        if future is not None:
-            error = wait_interruptibly(future.exception)   # until the write ends; the error is kept, not swallowed
+            in_flight = self._in_flight
+        if in_flight is not None and (wait or in_flight[1].done()):
+            error = wait_interruptibly(in_flight[1].exception)   # until the write ends; kept, not swallowed
             with self._guard:
-                if self._in_flight is future:
+                if self._in_flight is in_flight:
                     self._in_flight = None
                 if error is not None and self._failure is None:
-                    self._failure, self.failed_step = error, step
+                    self._failure = (in_flight[0], error)
         return self._failure
 
-    def failed(self) -> BaseException | None:
-        """Like settle, without waiting for a commit still being written."""
-        with self._guard:
-            done = self._in_flight is None or self._in_flight.done()
-        return self.settle() if done else self._failure
+    def raise_if_failed(self, wait: bool) -> None:
+        """The error of a failed background commit, raised once (later steps: TrainerStopped)."""
+        failure = self._settle(wait) if self._pool is not None else None
+        if failure is not None and not self.stopped:
+            step, error = failure
+            self._stop(step, error)
+            error.add_note(f"lorabench: the commit of step {step} failed on the commit thread "
+                           f"(run.commit_in_background); the trainer is at step {self._version()} in memory")
+            raise error
 
-    def close(self) -> None:
-        """End the thread once the commit in flight is written (see `settle` for its outcome)."""
-        self._pool.shutdown(wait=True)
+    def check(self, wait: bool) -> None:
+        """TrainerStopped once a commit failed; wait: until every commit so far is in the run dir."""
+        self.raise_if_failed(wait)
+        if self.stopped:
+            raise TrainerStopped(self.stopped)
+
+    def _stop(self, step: int, err: BaseException) -> None:
+        self.stopped = (f"step {step} could not be written to {self.runlog.dir} ({err}); this trainer "
+                        f"stops, since its memory and the run dir may disagree. Close the session and "
+                        f"continue the run from the run dir (lorabench resume {self.runlog.dir})")
+
+    def shutdown(self) -> None:
+        """End the commit thread once the commit in flight is written."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

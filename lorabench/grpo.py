@@ -1,43 +1,22 @@
 """GRPO with LoRA and a live adapter refresh after every optimizer step.
 
-Which GRPO this is
-------------------
-Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath"), outcome supervision:
-- each step samples G completions for each of P fresh prompts from the rollout *engine*, which
-  serves the current adapter (the name is passed on every request; base requests say adapter=None);
-- advantage of completion i in its group: A_i = (r_i - mean(r)) / (std(r) + 1e-4), the same for
-  every token of the completion; a group whose rewards are all equal contributes nothing;
-- loss: PPO-clip surrogate per token, -min(ρ·A, clip(ρ, 1-ε, 1+ε)·A) with ρ = π_θ / π_old,
-  averaged over each completion's tokens, then over completions (the paper's 1/G Σ 1/|o| Σ);
-- π_old is the trainer's own log-prob of the sampled tokens before the update (not the engine's:
-  those are only compared with it, as the trainer-vs-engine mismatch that proves the refresh);
-- `grpo.epochs` optimizer steps per batch (default 1: then ρ = 1 at the gradient and the clip is
-  inactive, i.e. plain on-policy policy gradient with group-normalised advantages);
-- optional KL to the base model (adapter disabled), k3 estimator exp(q-p)-(q-p)-1, weight β
-  (default 0, as in DAPO / Dr. GRPO); no entropy bonus, no reward model, no value function;
-- logged, never in the loss: `entropy/mean` and `kl/mean` of the policy that sampled the step
-  (policy.Diagnostics), and `completions/last_number_right` (the last number, whatever the format);
-- with grpo.max_staleness >= 1 (default 0: on-policy), the next step's rollouts are sampled on a
-  thread of their own while this step trains, from the adapter one update behind; each rollout's
-  served version is checked to lag by at most max_staleness, and every token's surrogate is
-  weighted by min(π_old / π_sample, grpo.tis_cap), π_sample the engine's log-prob (truncated
-  importance sampling, as in IMPALA's V-trace); the row records the lag (`adapter/lag`);
-- log-probs of the sampling distribution (logits / temperature), as the engine reports them;
-- after the optimizer step the policy publishes its new flat adapter, the refresher moves it into
-  the engine, and the next rollout checks that the engine served exactly that version.
-
-The pieces: rollout.py (prompts -> completions -> a typed batch), rewards.py (pluggable reward
-functions), loss.py (pure functions), policy.py (model, optimizer, the published adapter),
-refresh.py (modes), runlog.py (the run directory). This module wires them into `step()`.
+Outcome-supervised GRPO (Shao et al. 2024): each step samples G completions for each of P fresh
+prompts from the engine serving the current adapter; A_i = (r_i - mean(r)) / (std(r) + 1e-4) per
+group, the same for every token; the loss is the PPO-clip surrogate per token against π_old, the
+trainer's own log-prob before the update (the engine's is only compared with it: the mismatch that
+proves the refresh), averaged over each completion's tokens, then over completions; optional k3 KL
+to the base model (weight β, default 0). With grpo.max_staleness >= 1 the next step's rollouts are
+sampled on a thread of their own while this step trains, from the adapter one update behind, and
+each token is weighted by min(π_old / π_sample, grpo.tis_cap). After the optimizer step the new
+adapter is refreshed into the engine, and the next rollout checks the engine served that version.
+This module wires rollout.py, rewards.py, loss.py, policy.py, refresh.py and commits.py into `step()`.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -46,7 +25,7 @@ import torch
 
 from .adapters import FlatAdapter
 from .clock import Clock
-from .commits import BackgroundCommits, host_copy
+from .commits import Commits, TrainerStopped  # noqa: F401 (TrainerStopped: grpo.TrainerStopped, as before)
 from .data import Problem, ProblemSource, prompt_ids
 from .engines.base import GenerateRequest, ReleasesMemory, Sampling, StaleAdapter, generate_served, require
 from .interrupts import interrupts_deferred, interrupts_to_the_main_thread, wait_interruptibly
@@ -54,7 +33,7 @@ from .policy import Policy
 from .refresh import RefreshRecord
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
 from .rollout import RolloutBatch, Rollouts, collate, rollout_request, rollouts_of, score
-from .rundir import BEHIND, METRICS, ROLLOUTS, SYNC
+from .rundir import BEHIND
 from .runlog import NullRunLog
 from .settings import ALLOWED, REFUSED, Section, check, setting
 
@@ -81,35 +60,29 @@ class GRPOSettings(Section):
     lr: float = setting(1e-3, "AdamW learning rate for the LoRA parameters.", resume=REFUSED,
                         why="it is saved in the checkpoint's optimizer state: a new value would silently not apply")
     clip_eps: float = setting(0.2, "PPO-style ratio clip.", resume=REFUSED, why=_OBJECTIVE)
-    kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model (adapter disabled) added to the loss, "
-                             "per token. 0 = off, as in DAPO and Dr. GRPO (a rule-checked reward cannot be gamed, "
-                             "and learning means moving away from the base); > 0 keeps the policy near the base "
-                             "(e.g. 0.04, DeepSeekMath's) at one more forward pass per micro-batch.",
+    kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model (adapter disabled) added to the loss per "
+                             "token. 0 = off (a rule-checked reward cannot be gamed); > 0 (e.g. 0.04) keeps the "
+                             "policy near the base at one more forward pass per micro-batch.",
                              resume=REFUSED, why=_OBJECTIVE)
     kl_metric: bool = setting(False, "Log kl/mean, the k3 estimate of KL(policy || base model) on the sampled tokens, "
-                              "also when kl_beta = 0 (a metric, not in the loss): one more forward pass without "
-                              "gradients, about a quarter of an update's compute, so off by default.",
+                              "also when kl_beta = 0 (not in the loss): one more forward pass without gradients.",
                               resume=ALLOWED, why="a metric only: the update is the same")
     micro_batch_tokens: int = setting(16384, "Padded tokens per forward/backward pass (gradient accumulation): "
                                       "sequences are grouped by length into micro-batches under this budget, so "
-                                      "trainer memory does not grow with the rollout size (16384: the Qwen3-0.6B "
-                                      "trainer fits a 24 GB GPU beside the engine).", resume=ALLOWED,
+                                      "trainer memory does not grow with the rollout size.", resume=ALLOWED,
                                       why="memory only: the same gradients, summed in other groups")
-    lora_compute: str = setting("auto", "Precision of the LoRA matmuls in training: 'bfloat16' (autocast; the "
-                                "adapter and its optimizer state stay fp32, and no fp32 copy of each LoRA layer's "
-                                "input is kept for backward), 'float32' (PEFT's default) or 'auto' (bfloat16 when "
-                                "model.dtype is bfloat16, else float32).", resume=ALLOWED,
+    lora_compute: str = setting("auto", "Precision of the LoRA matmuls in training: 'bfloat16' (autocast; the adapter "
+                                "and its optimizer state stay fp32), 'float32' or 'auto' (bfloat16 when model.dtype "
+                                "is bfloat16, else float32).", resume=ALLOWED,
                                 why="the precision of the LoRA matmuls in training; objective, data and adapter "
                                     "are the same")
     activation_checkpointing: bool = setting(True, "Recompute each decoder layer's activations in backward instead "
                                              "of keeping them: far less training memory per token for ~25% more "
-                                             "compute, which buys larger, faster micro-batches on a GPU. false: keep "
-                                             "them.", resume=ALLOWED, why="memory and speed only: the same gradients, "
-                                             "recomputed")
-    compile: str = setting("auto", "torch.compile in training, to fuse its elementwise work: 'all' (every decoder "
-                           "layer, checkpointing inside, and the output head's two passes over the vocabulary), "
-                           "'head' (the head only), 'off', or 'auto' ('all' on a CUDA GPU, 'off' elsewhere). The "
-                           "first step pays the compile.", resume=ALLOWED,
+                                             "compute. false: keep them.", resume=ALLOWED,
+                                             why="memory and speed only: the same gradients, recomputed")
+    compile: str = setting("auto", "torch.compile in training: 'all' (every decoder layer and the output head's "
+                           "passes over the vocabulary), 'head' (the head only), 'off', or 'auto' ('all' on a CUDA "
+                           "GPU, 'off' elsewhere). The first step pays the compile.", resume=ALLOWED,
                            why="speed only: the same computation, compiled")
     reward_mode: str = setting("strict", "'strict' (last '#### N') or 'flexible' (last number).",
                                resume=REFUSED, why=_OBJECTIVE)
@@ -117,26 +90,22 @@ class GRPOSettings(Section):
                                   resume=REFUSED, why=_OBJECTIVE)
     max_grad_norm: float = setting(1.0, "Gradient clipping.", resume=REFUSED, why=_OBJECTIVE)
     max_delta_ratio: float = setting(1.0, "Divergence bound: an update after which some adapted layer's change "
-                                     "||dW|| = ||(alpha/r)·B·A|| exceeds this multiple of its base weight's ||W|| "
-                                     "(Frobenius norms) is treated like a non-finite loss: rolled back, never served, "
-                                     "saved or checkpointed, and the run stops naming the step and the norms (a "
-                                     "healthy run stays far below 1.0). 0 = no bound (non-finite values are always "
-                                     "refused).", resume=ALLOWED,
-                                     why="a guard: it decides when a diverged update stops the run, not what a step "
-                                         "computes")
+                                     "||dW|| = ||(alpha/r)·B·A|| exceeds this multiple of its base weight's ||W|| is "
+                                     "treated like a non-finite loss: rolled back, never served, saved or "
+                                     "checkpointed, and the run stops naming the step and the norms (a healthy run "
+                                     "stays far below 1.0). 0 = no bound (non-finite values are always refused).",
+                                     resume=ALLOWED, why="a guard: it decides when a diverged update stops the run, "
+                                     "not what a step computes")
     epochs: int = setting(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).",
                           resume=REFUSED, why=_OBJECTIVE)
-    max_staleness: int = setting(0, "Steps a rollout's adapter may lag behind the trainer. 0: every step samples "
-                                 "from the adapter it trains (on-policy). 1: the next step's rollouts are sampled "
-                                 "while this step trains, from the adapter one update behind (the refresh waits for "
-                                 "them), and the loss weights each token by min(π_old / π_sample, tis_cap); the "
-                                 "pipeline is one step deep, so a larger value acts as 1. Step 1 samples on-policy. "
-                                 "The checkpoint keeps the adapter one update behind, so a resumed run samples its "
-                                 "next step as the run would have. A rollout older than this is refused.",
+    max_staleness: int = setting(0, "Steps a rollout's adapter may lag behind the trainer. 0: on-policy. 1: the "
+                                 "next step's rollouts are sampled while this step trains, from the adapter one "
+                                 "update behind, and the loss weights each token by min(π_old / π_sample, tis_cap); "
+                                 "a larger value acts as 1. Step 1 samples on-policy; a resumed run samples as the "
+                                 "run would have. A rollout older than this is refused.",
                                  resume=REFUSED, why=_SAMPLING)
     tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
-                             "max_staleness > 0 (truncated importance sampling, as in IMPALA's V-trace and "
-                             "Yao et al. 2025's TIS).", resume=REFUSED, why=_OBJECTIVE)
+                             "max_staleness > 0 (truncated importance sampling).", resume=REFUSED, why=_OBJECTIVE)
 
     def problems(self) -> list[str]:
         return [
@@ -180,11 +149,6 @@ class StepInProgress(RuntimeError):
     """step() was called while another thread's step() runs on the same trainer."""
 
 
-class TrainerStopped(RuntimeError):
-    """A step's commit failed (the disk): this trainer takes no more steps; the run continues from
-    its run dir (lorabench resume), which holds a whole commit."""
-
-
 class StepClock(Clock):
     """A step's parts (clock.Clock); on a GPU also this process's peak memory per part."""
 
@@ -208,10 +172,8 @@ class StepClock(Clock):
 
 
 class GRPOTrainer:
-    """The loop as an object: `step()` does one GRPO step and returns its StepRecord. It is given its
-    parts, each built from its own section (session.build_trainer does that from a run config): its
-    settings (the `grpo` section), the policy, the engine and the refresher that keeps it fresh, the
-    problem source, the tokenizer and the run log; `seed` seeds the sampling."""
+    """The loop as an object: `step()` does one GRPO step and returns its StepRecord. Its parts are
+    built from their own sections (session.build_trainer); `seed` seeds the sampling."""
 
     def __init__(self, settings: GRPOSettings, policy: Policy, engine, refresher, source: ProblemSource, tokenizer,
                  runlog=None, *, seed: int = 0, enable_thinking: bool = False, release_engine_memory: bool = False,
@@ -224,22 +186,22 @@ class GRPOTrainer:
             require(engine, ReleasesMemory, "engine.release_memory_during_training")
         self.rewards = reward_functions(settings.reward_mode, settings.format_bonus)
         self.history: list[dict] = []
-        self._pending: list[StepRecord] = []   # steps since the last checkpoint (run.checkpoint_every > 1)
-        self._probe = self._make_probe()
+        problem = self.source.eval_set(1)[0] if self.source.source == "synthetic" else None   # the fixed probe
+        prompt = prompt_ids(tokenizer, problem.messages if problem else [{"role": "user", "content": "What is 2 + 3?"}],
+                            enable_thinking)
+        self._probe = prompt + tokenizer(problem.answer if problem else "2 + 3 = 5\n#### 5",
+                                         add_special_tokens=False)["input_ids"], len(prompt)
         self._engine_stale = False             # a failed step was rolled back: re-send the adapter first
         self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
-        self._uncommitted = ""                 # why no step may follow: a commit failed half way
-        self._commits = (BackgroundCommits(self.runlog.dir.name)
-                         if self.runlog.dir is not None and self.runlog.settings.commit_in_background else None)
+        self._commits = Commits(self.runlog, settings.steps, self._state, lambda: self.policy.version)
         # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
         self._ahead: tuple[int, Future] | None = None
         self._requested: tuple[int, list[Problem]] | None = None   # the last rollout_request(): step, problems
         self._sampler = ThreadPoolExecutor(1, "lorabench-rollouts", interrupts_to_the_main_thread) \
             if settings.max_staleness else None
-        # the adapter the engine serves (the policy's), and with max_staleness the one a version before it,
-        # which the next step's rollouts come from: re-sampled from it when none were sampled ahead
-        self._current: FlatAdapter | None = None
-        self._behind: FlatAdapter | None = None
+        # the adapter the engine serves (the policy's), and with max_staleness the one before it, which the
+        # next step's rollouts come from (re-sampled from it when none were sampled ahead)
+        self._current = self._behind = None
         state, _ = self.runlog.load_checkpoint(take=self._take)   # checked here before any repair is written
         if state is not None:
             self.runlog.export_if_missing(self.policy.adapter(), self.settings.steps)   # with the policy's own config
@@ -260,13 +222,10 @@ class GRPOTrainer:
         return self.policy.device
 
     def step(self, rollouts: Rollouts | None = None, rollout_s: float = 0.0) -> StepRecord:
-        """Rollout -> reward -> update -> publish the adapter -> refresh the engine -> log. The step's
-        commit may still be written when this returns (wait_committed). `rollouts`: this step's,
-        sampled by the caller for the problems of `rollout_request()` in `rollout_s` seconds (a policy
-        group sends its policies' requests as one engine batch); checked like the trainer's own."""
-        self._raise_if_commit_failed(wait=False)
-        if self._uncommitted:
-            raise TrainerStopped(self._uncommitted)
+        """Rollout -> reward -> update -> refresh the engine -> commit (maybe still written on return:
+        wait_committed). `rollouts`: sampled by the caller for `rollout_request()` in `rollout_s` s (a
+        policy group batches its policies' requests); checked like the trainer's own."""
+        self._commits.check(wait=False)
         if not self._stepping.acquire(blocking=False):
             raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
                                  f"Run N?); Stop it or wait for it (panel.wait()), then step again")
@@ -276,8 +235,7 @@ class GRPOTrainer:
             self._stepping.release()
 
     def rollout_request(self) -> tuple[list[Problem], GenerateRequest]:
-        """The next step's problems and the engine request for their rollouts, once the engine serves
-        the trainer's adapter (after a rolled-back step it is sent again first)."""
+        """The next step's problems and their engine request, once the engine serves the trainer's adapter."""
         self._resend_if_stale()
         problems, request = self._request_for(self.policy.version + 1)
         self._requested = (self.policy.version + 1, problems)   # what step(rollouts) checks rollouts against
@@ -289,9 +247,9 @@ class GRPOTrainer:
             self.refresher.refresh(self._current)
             self._engine_stale = False
 
-    def _serve(self, adapter: FlatAdapter) -> RefreshRecord:
+    def _serve(self, adapter: FlatAdapter) -> None:
         self._current = adapter
-        return self.refresher.refresh(adapter)
+        self.refresher.refresh(adapter)
 
     def _request_for(self, step: int) -> tuple[list[Problem], GenerateRequest]:
         g = self.settings
@@ -345,12 +303,11 @@ class GRPOTrainer:
                 committing.enter_context(interrupts_deferred())   # from here on the step is committed whole
             self._behind, self._current = (self._current if g.max_staleness else None), adapter
             record = StepRecord(step, metrics, refresh, step_samples(step, rollouts, batch))
-            self._commit(record, adapter, clock)
+            self._commits.commit(record, adapter, clock, self.history)
         return record
 
     def _check_given(self, rollouts: Rollouts, step: int) -> None:
-        """Rollouts sampled by the caller must be of this step's problems (those rollout_request gave
-        for it), under this trainer's adapter."""
+        """Given rollouts must be of this step's rollout_request(), under this trainer's adapter."""
         asked_step, expected = self._requested or (None, [])
         if asked_step != step or [p.question for p in rollouts.problems] != [p.question for p in expected]:
             raise ValueError(f"step {step}: the rollouts given are not of this step's problems; sample them for "
@@ -360,9 +317,8 @@ class GRPOTrainer:
                                f"trainer's is {self.refresher.serving_adapter!r}; nothing was trained on them")
 
     def _sample_in_line(self, step: int) -> Rollouts:
-        """This step's rollouts when none were sampled ahead. With max_staleness, from the adapter one
-        version behind, as the pipeline samples them (after a resume or a rolled-back step: the same
-        rollouts again); step 1 and a checkpoint that holds no behind adapter sample on-policy."""
+        """This step's rollouts when none were sampled ahead: with max_staleness from the adapter one
+        version behind, as the pipeline samples them (a resumed or repeated step gets the same ones)."""
         if self._behind is None:
             return self._sample(step)
         self._engine_stale = True   # until the engine serves the current adapter again
@@ -381,17 +337,15 @@ class GRPOTrainer:
         return rollouts if for_step == step else None
 
     def _drop_ahead(self) -> None:
-        """Rollouts sampled ahead for a step that will not follow (a rolled-back step, close): waited
-        for, so that no engine call of this trainer is left running, and dropped."""
+        """Rollouts sampled ahead for a step that will not follow: waited for (no engine call left running), dropped."""
         if self._ahead is not None:
             _, future = self._ahead
             self._ahead = None
             futures_wait([future])
 
     def _check_served(self, rollouts: Rollouts) -> None:
-        """The engine must have served the trainer's current version, or one at most
-        grpo.max_staleness updates older (the numeric mismatch stays as a second, statistical check).
-        The stale-adapter control is exempt by design."""
+        """The engine served the trainer's version or one at most grpo.max_staleness older (the
+        stale-adapter control is exempt by design)."""
         lag = self.policy.version - (rollouts.served_version if rollouts.served_version is not None else -1)
         if self.refresher.keeps_engine_fresh and not 0 <= lag <= self.settings.max_staleness:
             allowed = (f"the trainer is at version {self.policy.version}" if not self.settings.max_staleness else
@@ -404,8 +358,7 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def _whole_step(self, step: int):
-        """The update, the refresh and the probe happen whole or not at all: a failure or an
-        interrupt (Ctrl-C, Kernel -> Interrupt) rolls the policy back."""
+        """The update, the refresh and the probe happen whole or not at all: a failure or an interrupt rolls back."""
         saved = self.policy.snapshot()
         try:
             yield
@@ -420,8 +373,7 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def _engine_memory_released(self):
-        """With engine.release_memory_during_training: what the refresh mode can spare is released
-        during the update and resumed afterwards, also after a failed update (the pair stays symmetric)."""
+        """engine.release_memory_during_training: released during the update, resumed after it, also a failed one."""
         if not self.release_engine_memory:
             yield
             return
@@ -433,96 +385,22 @@ class GRPOTrainer:
             self.engine.resume_memory()
             self.refresher.engine_memory_resumed(tags)
 
-    def _commit(self, record: StepRecord, adapter, clock: StepClock) -> None:
-        """Rows of the steps since the last checkpoint are published with it, so the run dir never
-        holds a row its checkpoint cannot vouch for: checkpoint -> sync and rollout rows -> metrics
-        rows. In line, the rows carry the whole step's time, the commit's included; in the background
-        (run.commit_in_background) time/log_s is what the step waited: copying the state, and
-        time/commit_wait_s for the commit before it, if that was still being written."""
-        step = record.step
-        self._pending.append(record)
-        checkpoint, save_adapter = self.runlog.settings.due(step, self.settings.steps)
-        if not checkpoint:
-            self._finish_metrics(record, clock, waited=0.0)
-        elif self._commits is None:
-            self._commit_in_line(record, adapter, clock, save_adapter)
-        else:
-            self._commit_in_background(record, adapter, clock, save_adapter)
-
-    def _finish_metrics(self, record: StepRecord, clock: StepClock, waited: float) -> None:
-        clock.lap("log")
-        record.metrics.update(clock.metrics())
-        record.metrics["time/commit_wait_s"] = waited   # within time/log_s: the previous commit still being written
-        self.history.append(record.metrics)
-
-    def _commit_in_line(self, record: StepRecord, adapter, clock: StepClock, save_adapter: bool) -> None:
-        try:
-            self.runlog.commit(record.step, self._state(), adapter, self._pending_rows(), save_adapter)
-            self._finish_metrics(record, clock, waited=0.0)
-            self.runlog.log_metrics([r.metrics for r in self._pending])
-            self._pending = []
-        except OSError as err:   # the disk: the run dir holds a whole commit or the one before (runlog.py)
-            self._stop(record.step, err)
-            raise
-
-    def _commit_in_background(self, record: StepRecord, adapter, clock: StepClock, save_adapter: bool) -> None:
-        t0 = time.perf_counter()
-        self._raise_if_commit_failed(wait=True)
-        waited = time.perf_counter() - t0
-        state = host_copy(self._state())   # the next step changes the optimizer's moments in place
-        self._finish_metrics(record, clock, waited)
-        rows = copy.deepcopy(self._pending_rows())   # the metrics dicts are also the history's
-        self._pending = []
-        self._commits.submit(record.step, self._write_commit, record.step, state, adapter, rows, save_adapter)
-
-    def _write_commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
-        """On the commit thread: what _commit_in_line writes, in the same order."""
-        self.runlog.commit(step, state, adapter, rows, save_adapter)
-        self.runlog.log_metrics(rows[METRICS])
-
-    def _raise_if_commit_failed(self, wait: bool) -> None:
-        if self._commits is None:
-            return
-        error = self._commits.settle() if wait else self._commits.failed()
-        if error is not None and not self._uncommitted:   # raised once, as in line; later steps: TrainerStopped
-            self._stop(self._commits.failed_step, error)
-            error.add_note(f"lorabench: the commit of step {self._commits.failed_step} failed on the commit thread "
-                           f"(run.commit_in_background); the trainer is at step {self.policy.version} in memory")
-            raise error
-
-    def _stop(self, step: int, err: BaseException) -> None:
-        self._uncommitted = (f"step {step} could not be written to {self.runlog.dir} ({err}); this trainer "
-                             f"stops, since its memory and the run dir may disagree. Close the session and "
-                             f"continue the run from the run dir (lorabench resume {self.runlog.dir})")
-
     def wait_committed(self) -> None:
         """Return once every step so far is in the run dir (run.commit_in_background writes a step's
         commit while the next step runs); TrainerStopped if one could not be written."""
-        self._raise_if_commit_failed(wait=True)
-        if self._uncommitted:
-            raise TrainerStopped(self._uncommitted)
-
-    def _pending_rows(self) -> dict[str, list[dict]]:
-        k = self.runlog.samples_per_step
-        return {SYNC: [row for r in self._pending for row in r.refresh.rows(r.step)],
-                ROLLOUTS: [s for r in self._pending for s in r.samples[:k]],
-                METRICS: [r.metrics for r in self._pending]}
+        self._commits.check(wait=True)
 
     def run(self, n: int | None = None, progress: bool = True) -> list[StepRecord]:
         """Steps until `n` more have run (default: up to grpo.steps in total)."""
         from tqdm.auto import tqdm
-        n = self.settings.steps - self.step_count if n is None else n
         records = []
-        bar = tqdm(range(n), desc="GRPO", disable=not progress)
-        for _ in bar:
-            rec = self.step()
-            records.append(rec)
-            bar.set_postfix(reward=f"{rec.metrics['reward/mean']:.2f}",
-                            refresh_ms=f"{1e3 * rec.refresh.total_s:.1f}")
+        for _ in (bar := tqdm(range(self.settings.steps - self.step_count if n is None else n), desc="GRPO",
+                              disable=not progress)):
+            records.append(rec := self.step())
+            bar.set_postfix(reward=f"{rec.metrics['reward/mean']:.2f}", refresh_ms=f"{1e3 * rec.refresh.total_s:.1f}")
         self.wait_committed()
         return records
 
-    # -- state ----------------------------------------------------------------------------------
     def _state(self) -> dict:
         """The checkpoint's trainer state: the policy's, and the adapter one version behind (max_staleness)."""
         state = self.policy.state()
@@ -537,10 +415,8 @@ class GRPOTrainer:
         self._serve(self.policy.adapter())
 
     def _take(self, state: dict, adapter: FlatAdapter) -> None:
-        """A checkpoint's state taken by the policy, which checks it against the model. With max_staleness
-        the next step is sampled from the adapter one version behind, as the run that wrote the
-        checkpoint went on; a checkpoint that holds none (written before lorabench kept it) makes that
-        one step on-policy."""
+        """A checkpoint's state, checked by the policy. With max_staleness the next step is sampled from
+        the adapter one version behind, as the run went on; a checkpoint without one: that step on-policy."""
         # laid out as adapter_buffer: read_checkpoint checked it with every *_buffer field (checkpoint_problem)
         behind = state.get(BEHIND) if self.settings.max_staleness else None
         self.policy.load(state, adapter)
@@ -550,15 +426,6 @@ class GRPOTrainer:
             self.log(f"note: the checkpoint of step {adapter.version} holds no adapter one version behind (written "
                      f"before lorabench kept it): step {adapter.version + 1} is sampled on-policy (adapter/lag 0), "
                      f"the steps after it one version behind as before")
-
-    def _make_probe(self):
-        """A fixed (prompt, reference answer) pair whose log-probs show whether the adapter is live."""
-        problem = self.source.eval_set(1)[0] if self.source.source == "synthetic" else None
-        question = problem.messages if problem else [{"role": "user", "content": "What is 2 + 3?"}]
-        answer = problem.answer if problem else "2 + 3 = 5\n#### 5"
-        prompt = prompt_ids(self.tokenizer, question, self.enable_thinking)
-        target = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
-        return prompt + target, len(prompt)
 
     def probe_gap(self) -> float:
         """Mean |adapter - base| engine log-prob on the fixed probe (NaN when merged: no base left)."""
@@ -575,7 +442,6 @@ class GRPOTrainer:
         seed = None if step is None else self.seed * 1_000_003 + step
         return Sampling(g.max_new_tokens, 0.0 if greedy else g.temperature, g.top_p, seed)
 
-    # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self, problems=None, greedy: bool = False, samples: int | None = None) -> dict:
         """Held-out rewards through the engine, at the training sampling settings (or greedy)."""
         problems = problems if problems is not None else self.source.eval_set(self.source.eval_size)
@@ -592,16 +458,14 @@ class GRPOTrainer:
                 "format": sum(map(has_strict_format, texts)) / len(texts)}
 
     def close(self) -> None:
-        """Once the last commit is written (TrainerStopped if it failed and no step said so yet),
-        release the commit thread and the refresher."""
+        """Once the last commit is written (its error if no step raised it yet), release the threads and refresher."""
         try:
             self._drop_ahead()
-            self._raise_if_commit_failed(wait=True)
+            self._commits.raise_if_failed(wait=True)
         finally:
             if self._sampler is not None:
                 self._sampler.shutdown()
-            if self._commits is not None:
-                self._commits.close()
+            self._commits.shutdown()
             self.refresher.close()
 
 
@@ -611,30 +475,22 @@ def step_metrics(step: int, rollouts: Rollouts, batch: RolloutBatch, stats: dict
     completions, texts = rollouts.completions, rollouts.texts
     groups = batch.rewards.view(-1, rollouts.group_size)
     return {
-        "step": step,
-        "reward/mean": batch.rewards.mean().item(),
-        "reward/std": batch.rewards.std().item(),
+        "step": step, "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item(),
         **reward_means,
         "reward/strict_format": sum(map(has_strict_format, texts)) / len(texts),
         "advantage/abs_mean": batch.advantages.abs().mean().item(),
         "advantage/active_groups": (groups.std(1) > 0).float().mean().item(),
-        "loss/policy": stats["loss"],
-        "loss/clip_fraction": stats["clip_fraction"],
-        "kl/mean": stats.get("kl_to_base"),
-        "entropy/mean": stats.get("entropy"),
-        "grad_norm": stats["grad_norm"],
-        "train/tokens": stats["tokens"],
+        "loss/policy": stats["loss"], "loss/clip_fraction": stats["clip_fraction"],
+        "kl/mean": stats.get("kl_to_base"), "entropy/mean": stats.get("entropy"),
+        "grad_norm": stats["grad_norm"], "train/tokens": stats["tokens"],
         "completions/mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
         "completions/stop_fraction": sum(c.finish_reason == "stop" for c in completions) / len(completions),
         "completions/last_number_right": sum(gsm8k_reward(t, a, "flexible") for t, a in zip(texts, rollouts.answers))
         / len(texts),
         **{f"mismatch/{k}": stats[f"mismatch_{k}"] for k in ("mean", "p99", "max", "active_mean")},
-        "adapter/version": refresh.version,
-        "adapter/served_version": rollouts.served_version,
+        "adapter/version": refresh.version, "adapter/served_version": rollouts.served_version,
         "adapter/delta_norm": delta_norm,
-        "refresh/mode": refresh.mode,
-        "refresh/bytes": refresh.nbytes,
-        "refresh/total_s": refresh.total_s,
+        "refresh/mode": refresh.mode, "refresh/bytes": refresh.nbytes, "refresh/total_s": refresh.total_s,
         **{f"refresh/{k}_s": v for k, v in refresh.parts.items()},
     }
 

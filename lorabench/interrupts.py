@@ -10,10 +10,8 @@ import threading
 
 @contextlib.contextmanager
 def interrupts_deferred():
-    """An interrupt (SIGINT: Ctrl-C, Kernel -> Interrupt) that arrives while the block runs is
-    delivered when it ends, to the handler that was there before: a process that goes on after
-    it (a notebook kernel) never holds half a commit. A killed process is covered by the commit's
-    own order (runlog.py). On the main thread only: no other thread gets KeyboardInterrupt."""
+    """A SIGINT (Ctrl-C, Kernel -> Interrupt) arriving while the block runs is delivered when it ends, to
+    the handler that was there before. On the main thread only: no other thread gets KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -31,9 +29,8 @@ WAKE_S = 0.1   # how soon a waiting main thread acts on an interrupt that reache
 
 
 def wait_interruptibly(result):
-    """`result()` of a Future (result or exception), waking every WAKE_S. Any thread of the process
-    may receive a SIGINT; Python acts on it when the main thread next runs Python code, so a main
-    thread blocked in one long wait would act on it only when the wait ends."""
+    """`result()` of a Future (result or exception), waking every WAKE_S: Python acts on a SIGINT only
+    when the main thread next runs Python code, which one long wait would delay to its end."""
     while True:
         try:
             return result(timeout=WAKE_S)
@@ -42,6 +39,5 @@ def wait_interruptibly(result):
 
 
 def interrupts_to_the_main_thread() -> None:
-    """Called first in a thread lorabench starts: SIGINT is blocked in it, so the kernel delivers a
-    Ctrl-C / Kernel -> Interrupt to the main thread, where Python acts on it."""
+    """First in a thread lorabench starts: SIGINT blocked in it, so the kernel delivers it to the main thread."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

@@ -1,15 +1,10 @@
-"""The GRPO math as pure functions (no trainer state): advantages, the clipped loss, per-token
-log-probs and token-budget micro-batching.
+"""The GRPO math as pure functions: advantages, the clipped loss, per-token log-probs, micro-batching.
 
-`token_logprobs` is memory-lean: the full forward's fp32 log_softmax keeps several [N, L-1, V]
-tensors for backward (V = 151,936 for Qwen3: ~0.6 MB per token per copy). Instead it runs the
-transformer body (activations scale with N*L*H) and applies the output head `chunk_size` positions
-at a time, logit[target] - logsumexp(logits) per chunk, each chunk recomputed in backward: the
-extra peak is one [chunk_size, V] fp32 block, for one more head matmul per chunk.
-
-That equals the model's own forward only when its logits are just the output head (Qwen3, Llama,
-Mistral, Qwen2); models that soft-cap or rescale logits after it (Gemma 2/3, Cohere, Granite) are
-refused with an error naming the setting.
+`token_logprobs` is memory-lean: instead of the full forward's fp32 log_softmax (several [N, L-1, V]
+tensors kept for backward) it runs the transformer body and applies the output head `chunk_size`
+positions at a time, each chunk recomputed in backward: the extra peak is one [chunk_size, V] fp32
+block. That equals the model's forward only when its logits are just the output head; models that
+soft-cap or rescale logits after it (Gemma 2/3, Cohere, Granite) are refused, naming the setting.
 """
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# Config settings that make a causal LM's forward change logits after lm_head, with the value at
-# which they do nothing: the lean path (body + head) would silently differ from the model on those.
+# config settings that change logits after lm_head, with the value at which they do nothing
 LOGIT_TRANSFORM_SETTINGS = {
     "final_logit_softcapping": None,   # Gemma 2/3: cap * tanh(logits / cap)
     "logit_softcapping": None,
@@ -29,7 +23,6 @@ LOGIT_TRANSFORM_SETTINGS = {
 }
 
 
-# --- advantages and loss -----------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """(r - group mean) / (group std + eps), rewards laid out group by group: [P*G] -> [P*G]."""
     r = rewards.view(-1, group_size)                    # [P, G]
@@ -40,8 +33,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=None, kl_beta: float = 0.0,
               is_weight=None):
     """Returns (loss, metrics). logp, old_logp, ref_logp, mask, is_weight: [n, L-1]; advantages: [n].
-    is_weight (no gradient): each token's truncated importance weight min(π_old / π_sample, C) when the
-    rollouts were sampled by an older adapter (grpo.max_staleness), multiplying its surrogate."""
+    is_weight (no gradient): min(π_old / π_sample, C) per token, multiplying its surrogate (max_staleness)."""
     ratio = torch.exp(logp - old_logp)                                          # [n, L-1]
     adv = advantages[:, None]                                                   # [n, 1]
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
@@ -57,7 +49,6 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=None, 
     return per_seq.mean(), metrics
 
 
-# --- per-token log-probs -----------------------------------------------------------------------
 def plain_token_logprobs(model, input_ids, attention_mask, temperature: float) -> torch.Tensor:
     """Reference: full forward, fp32 log_softmax over the vocabulary, gather. [N, L] -> [N, L-1].
     Keeps several [N, L-1, V] fp32 tensors for backward; use `token_logprobs` for training."""
@@ -67,10 +58,8 @@ def plain_token_logprobs(model, input_ids, attention_mask, temperature: float) -
 
 def body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(transformer body returning last_hidden_state, output head) of a causal LM, PEFT-wrapped or not.
-
-    LoRA layers are injected into the base model's modules, so calling them directly applies the
-    active adapter (and `disable_adapter()` still works); PEFT methods that instead change the
-    inputs in PeftModel.forward (prompt/prefix tuning) would be skipped, so they are refused."""
+    LoRA layers live in the base model's modules, so calling them applies the active adapter; PEFT
+    methods that change the inputs in PeftModel.forward (prompt/prefix tuning) are refused."""
     peft_config = getattr(model, "active_peft_config", None)
     if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
         raise NotImplementedError(f"token_logprobs: PEFT {peft_config.peft_type} changes the inputs in "
@@ -102,8 +91,7 @@ def _refuse_logit_transforms(base) -> None:
 
 
 def _chunk_logprobs(head, hidden_rows, target_rows, temperature: float) -> torch.Tensor:
-    """log softmax(head(h) / T)[target] for a block of rows through autograd: [c, H], [c] -> [c].
-    The reference for HeadLogprobs, and the path for heads it does not cover (a bias)."""
+    """log softmax(head(h) / T)[target] through autograd, [c, H], [c] -> [c]: heads HeadLogprobs does not cover."""
     logits = head(hidden_rows).float()                                          # [c, V] fp32
     if temperature != 1.0:  # skip a second [c, V] fp32 block where it changes nothing
         logits = logits / temperature
@@ -117,9 +105,8 @@ def _log_normaliser(logits, temperature: float):
 
 
 def _entropy(logits, log_normaliser, temperature: float):
-    """Entropy of softmax(logits / T) per row in fp32, given its log-normaliser: [c, V] -> [c].
-    H = log Z - sum_v p_v * logit_v / T; rounding can take a peaked row a hair below 0, so it is
-    clamped there."""
+    """Entropy of softmax(logits / T) per row in fp32: [c, V] -> [c], H = log Z - sum_v p_v * logit_v / T,
+    clamped at 0 (rounding takes a peaked row a hair below)."""
     scaled = logits.float() / temperature
     probs = torch.exp(scaled - log_normaliser[:, None])                                  # [c, V]
     return (log_normaliser - (probs * scaled).sum(-1)).clamp_min(0.0)
@@ -133,8 +120,7 @@ def _chunk_entropy(head, hidden_rows, temperature: float) -> torch.Tensor:
 
 
 def _logits_grad(logits, log_normaliser, targets, grad_out, temperature: float):
-    """d logp[target] / d logits times the incoming gradient, in the logits' dtype: [c, V] ->
-    [c, V] = grad_out * (onehot(target) - softmax(logits / T)) / T."""
+    """grad_out * d logp[target] / d logits = grad_out * (onehot(target) - softmax(logits / T)) / T: [c, V]."""
     probs = torch.exp(logits.float() / temperature - log_normaliser[:, None])             # [c, V]
     onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
     return ((onehot.float() - probs) * (grad_out / temperature)[:, None]).to(logits.dtype)
@@ -142,16 +128,13 @@ def _logits_grad(logits, log_normaliser, targets, grad_out, temperature: float):
 
 @functools.cache
 def _compiled(fn):
-    """fn through torch.compile, made once per process (dynamic: chunks vary in rows). Plain tensor
-    functions, no autograd inside: inductor turns each into one fused pass over the logits."""
+    """fn through torch.compile, once per process (dynamic: chunks vary): one fused pass over the logits."""
     return torch.compile(fn, dynamic=True)
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log softmax(h W^T / T)[target] for a chunk of rows, [c, H] -> [c], with a hand-written
-    backward that keeps only the rows and one fp32 normaliser per row: one head matmul, one pass
-    over the logits (softmax minus the one-hot) and one matmul back. `fused`: the two passes over
-    the logits through torch.compile (grpo.compile)."""
+    """log softmax(h W^T / T)[target] for a chunk of rows, [c, H] -> [c], with a hand-written backward
+    that keeps only the rows and one fp32 normaliser per row. `fused`: the logits passes compiled."""
 
     @staticmethod
     def forward(ctx, rows, weight, targets, temperature: float, fused: bool, with_entropy: bool):
@@ -184,30 +167,18 @@ class HeadLogprobs(torch.autograd.Function):
 def token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512,
                    positions: torch.Tensor | None = None, compiled_head: bool = False) -> torch.Tensor:
     """Log-prob of each next token under logits / temperature, [N, L] -> [N, L-1], equal to
-    `plain_token_logprobs` but without full-vocabulary logits for the batch (module docstring).
-
-    chunk_size: positions per head call; peak extra memory is ~chunk_size * V * 4 bytes (twice while
-    a chunk's backward runs), and a [512, H] x [H, V] matmul still fills the GPU.
-    positions: optional [N, L-1] bool, the positions whose log-prob is wanted (training: the
-    completion tokens); only those rows go through the head, the others are 0 in the result.
-    compiled_head: the head's two passes over the logits through torch.compile (HeadLogprobs)."""
-    return _token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, positions, compiled_head,
-                           with_entropy=False)[0]
+    `plain_token_logprobs` without full-vocabulary logits for the batch. chunk_size: positions per
+    head call (extra peak ~chunk_size * V * 4 bytes). positions: optional [N, L-1] bool, the only rows
+    put through the head (0 elsewhere). compiled_head: the logits passes compiled (HeadLogprobs)."""
+    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, chunk_size, positions,
+                                      compiled_head, with_entropy=False)[0]
 
 
 def token_logprobs_and_entropy(model, input_ids, attention_mask, temperature: float, chunk_size: int = 512,
-                               positions: torch.Tensor | None = None, compiled_head: bool = False):
-    """`token_logprobs` and, from the same logits, the entropy of each position's next-token
-    distribution softmax(logits / T) (the distribution the tokens were sampled from), in nats:
-    ([N, L-1] with gradients, [N, L-1] without; 0 where `positions` is False). In [0, log V]. It
-    costs one more pass over each chunk's logits in the forward; nothing more is kept for backward."""
-    return _token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, positions, compiled_head,
-                           with_entropy=True)
-
-
-def _token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_size: int,
-                    positions: torch.Tensor | None, compiled_head: bool, with_entropy: bool):
-    """(log-probs [N, L-1], entropies [N, L-1] or None): token_logprobs' body."""
+                               positions: torch.Tensor | None = None, compiled_head: bool = False,
+                               with_entropy: bool = True):
+    """`token_logprobs` and, from the same logits, the entropy of softmax(logits / T) per position in
+    nats, without gradients (0 where `positions` is False; None without with_entropy)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: log-probs of logits / temperature need temperature > 0")
     if chunk_size < 1:
@@ -225,8 +196,19 @@ def _token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_
     if positions is not None:
         picked = positions.reshape(-1).nonzero()[:, 0]                          # [R] rows wanted
         hidden_rows, target_rows = hidden_rows.index_select(0, picked), target_rows[picked]
-    pieces, entropies = _head_chunks(head, hidden_rows, target_rows, temperature, chunk_size, compiled_head,
-                                     with_entropy)
+    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None   # else autograd, chunks checkpointed
+    pieces, entropies = [], []
+    for start in range(0, hidden_rows.shape[0], chunk_size):
+        rows, targets = hidden_rows[start:start + chunk_size], target_rows[start:start + chunk_size]
+        if plain_head:
+            logp, entropy = HeadLogprobs.apply(rows, head.weight, targets, temperature, compiled_head, with_entropy)
+            pieces.append(logp)
+            entropies.append(entropy)
+        else:
+            pieces.append(checkpoint(_chunk_logprobs, head, rows, targets, temperature, use_reentrant=False)
+                          if torch.is_grad_enabled() else _chunk_logprobs(head, rows, targets, temperature))
+            if with_entropy:
+                entropies.append(_chunk_entropy(head, rows.detach(), temperature))
 
     def to_positions(values):  # [R] or [N*(L-1)] -> [N, L-1], 0 where no position was wanted
         if not values:  # L == 1 (no next token anywhere) or no position wanted
@@ -238,46 +220,18 @@ def _token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_
     return to_positions(pieces), (to_positions(entropies) if with_entropy else None)
 
 
-def _head_chunks(head, hidden_rows, target_rows, temperature: float, chunk_size: int, compiled_head: bool,
-                 with_entropy: bool) -> tuple[list, list]:
-    """Log-probs (and entropies) of the rows, `chunk_size` rows per head call: two lists of [c]."""
-    # HeadLogprobs needs a plain linear head; anything else goes through autograd, each chunk
-    # checkpointed so that only its inputs are kept (under no_grad nothing is kept anyway)
-    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
-    recompute_in_backward = torch.is_grad_enabled()
-    pieces, entropies = [], []
-    for start in range(0, hidden_rows.shape[0], chunk_size):
-        rows, targets = hidden_rows[start:start + chunk_size], target_rows[start:start + chunk_size]
-        if plain_head:
-            logp, entropy = HeadLogprobs.apply(rows, head.weight, targets, temperature, compiled_head, with_entropy)
-            pieces.append(logp)
-            entropies.append(entropy)
-            continue
-        if recompute_in_backward:
-            pieces.append(checkpoint(_chunk_logprobs, head, rows, targets, temperature, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(head, rows, targets, temperature))
-        if with_entropy:
-            entropies.append(_chunk_entropy(head, rows.detach(), temperature))
-    return pieces, entropies
-
-
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[N, L] 1 on real tokens -> [N, 1, L, L] bool, True where query t may attend key s: s <= t and
-    s is a real token. What transformers builds for SDPA from a padded 2-D mask, built always."""
+    """[N, L] 1 on real tokens -> [N, 1, L, L] bool, True where query t may attend a real key s <= t."""
     length = attention_mask.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
     return causal[None, None] & attention_mask.bool()[:, None, None, :]
 
 
-# --- micro-batching ----------------------------------------------------------------------------
 def token_budget_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Split sequence indices into micro-batches whose padded size, len(batch) * longest length in
-    it, is <= token_budget. Longest sequences first (ties by index), so batches hold similar lengths
-    (little padding) and the biggest batch runs first (an out-of-memory shows at once). A sequence
-    longer than the budget gets a batch of its own. Every index appears exactly once. A last batch
-    of one sequence takes one more from the batch before when that one has three or more: compiled
-    layers (grpo.compile=all) compile again for a batch of one (torch.compile specialises size 1).
+    """Sequence indices in micro-batches of padded size (len * longest) <= token_budget, longest first
+    (ties by index: little padding, and an out-of-memory shows at once); a longer sequence gets a batch
+    of its own. A last batch of one takes one from a batch of three or more before it: compiled layers
+    compile again for a batch of one.
 
     >>> token_budget_batches([3, 10, 4, 10, 2], token_budget=20)
     [[1, 3], [2, 0, 4]]

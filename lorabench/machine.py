@@ -6,8 +6,7 @@ from pathlib import Path
 
 
 def machine_memory(device: str) -> tuple[int, str]:
-    """(bytes, what): the host's memory (or its cgroup limit), plus the GPU's for a CUDA device: the
-    terms are not split by where they live, so the bound is the machine's whole memory."""
+    """(bytes, what): the host's memory (or its cgroup limit), plus the GPU's for a CUDA device."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     where = "the memory of this machine"
     for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
@@ -25,9 +24,8 @@ _TORCH_DEFAULT_THREADS: list[int] = []   # torch's own thread count, read before
 
 
 def cpu_threads(setting: int) -> tuple[int, str]:
-    """run.threads resolved: (torch CPU threads, how they were chosen). A positive setting is taken as
-    given. 0 = auto: torch's default less the CPUs the 1-minute load average says are busy, at least 1
-    (threads that wait on each other lose more to a busy core than one thread too few costs)."""
+    """run.threads resolved: (torch CPU threads, how they were chosen); 0 = auto: torch's default less the
+    busy CPUs, at least 1 (threads waiting on each other lose more to a busy core than one too few)."""
     import torch
     if not _TORCH_DEFAULT_THREADS:
         _TORCH_DEFAULT_THREADS.append(torch.get_num_threads())

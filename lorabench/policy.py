@@ -1,17 +1,11 @@
 """The policy: a PEFT LoRA model on frozen base weights, its optimizer, and the flat adapter it
-publishes after each update.
-
-    policy = Policy(model_path, lora, grpo, dtype="float32", device="cpu")   # LoraSettings, GRPOSettings
-    stats = policy.train(batch)               # one GRPO update; policy.version += 1
-    adapter = policy.adapter()                # the new weights as one FlatAdapter (made once, never handed back)
-
-The version is the number of updates taken (= the GRPO step); the adapter carries it to the engine,
-and rollouts are checked against it.
+publishes after each update (`train(batch)`, then `adapter()`). Its version is the number of updates
+taken (= the GRPO step), which the engine's rollouts are checked against.
 
 A diverged update is never published: `train` refuses a non-finite loss or gradient norm before the
 optimizer steps, and `adapter()` refuses weights that are non-finite or whose change of some layer,
 ||dW|| = ||(alpha/r)·B·A||, exceeds grpo.max_delta_ratio times that layer's base ||W||. Both raise
-UpdateDiverged, and the trainer rolls the step back like any failed step (grpo.py: _whole_step).
+UpdateDiverged, and the trainer rolls the step back (grpo.py: _whole_step).
 """
 from __future__ import annotations
 
@@ -43,8 +37,6 @@ from .rundir import optimizer_problem
 from .settings import REFUSED, ConfigError, Section, check, setting
 
 COMPILED_WIDTH_MULTIPLE = 8   # micro-batch widths under grpo.compile=all (Policy.train)
-
-
 _ADAPTER = "it defines the adapter's shape or scaling, which the checkpoint holds"
 
 
@@ -76,22 +68,19 @@ class LoraSettings(Section):
 
 
 class UpdateDiverged(AdapterError):
-    """A GRPO update is unusable (non-finite, or beyond grpo.max_delta_ratio); the message names the
-    step, the norms and what to lower. Nothing of it was served, saved or checkpointed. `override`:
-    the setting a new run could start with (e.g. 'grpo.lr=0.0001'); `past_bound`: the resume override
-    that continues without grpo.max_delta_ratio, given only where the update is not far beyond it."""
+    """A GRPO update is unusable (non-finite, or beyond grpo.max_delta_ratio); nothing of it was served,
+    saved or checkpointed. `override`: the setting a new run could start with (e.g. 'grpo.lr=0.0001');
+    `past_bound`: the resume override without the bound, given only where the update is not far beyond it."""
 
     def __init__(self, message: str, override: str = "", past_bound: str = ""):
         super().__init__(message)
-        self.override = override
-        self.past_bound = past_bound   # the override that continues without the bound, where that can work
+        self.override, self.past_bound = override, past_bound
 
 
 class Policy:
-    """`init_seed` seeds the LoRA init right before the adapter is made (so a policy's init is the
-    same alone or in a group). `beside`: another Policy whose model this one shares; its adapter is
-    added to that PEFT model under `adapter_name` (a policy group keeps one frozen base in memory for
-    all its policies; each trains its own adapter, made active for its update)."""
+    """`init_seed` seeds the LoRA init right before the adapter is made (the same alone or in a group).
+    `beside`: a Policy whose model this one shares, adding its adapter as `adapter_name` (a policy group
+    keeps one frozen base for all its policies, each adapter made active for its own update)."""
 
     def __init__(self, model_path: str, lora, grpo, dtype: str = "float32", device: str = "",
                  adapter_name: str = "default", init_seed: int | None = None, beside: Policy | None = None):
@@ -119,28 +108,22 @@ class Policy:
         self.params = [p for p in self.model.parameters() if id(p) in own]   # this adapter's, in model order
         self.param_names = [own[id(p)] for p in self.params]   # in the checkpoint: whose each moment is
         self.optimizer = torch.optim.AdamW(list(zip(self.param_names, self.params)), lr=grpo.lr, weight_decay=0.0)
-        self.version = 0
-        self.grpo = grpo
-        self.last_stats: dict[str, float] = {}
+        self.version, self.grpo, self.last_stats = 0, grpo, {}
         self.delta_modules, self.base_norms = _base_norms(self.model, self.layout)
 
-    # -- the adapter it publishes ---------------------------------------------------------------------
     def adapter(self) -> FlatAdapter:
-        """The current LoRA weights as one new FlatAdapter carrying the policy's version; refused
-        (UpdateDiverged) if they are beyond grpo.max_delta_ratio: such an adapter is never published."""
+        """The current LoRA weights as one new FlatAdapter at the policy's version; UpdateDiverged beyond the bound."""
         adapter = self.lora_layers.snapshot(self.version)
         found = self._beyond_bound(adapter)
         if found is None:
             return adapter
-        module, ratio = found
-        loss, grad = self.last_stats.get("loss", math.nan), self.last_stats.get("grad_norm", math.nan)
-        past = _past_bound(ratio)
-        raise UpdateDiverged(
-            f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = {ratio:.3g}, "
-            f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss {loss:.3g}, gradient norm {grad:.3g} "
-            f"before clipping to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed. "
-            f"{_lower_lr(self.grpo)}" + (f", or continue without the bound ({past}) if an update this large is "
-                                         f"intended" if past else ""), _lr_override(self.grpo), past)
+        (module, ratio), stats = found, self.last_stats
+        raise _diverged(
+            self.grpo, f"GRPO step {adapter.version} diverged: its adapter changes {module} by ||dW||/||W|| = "
+            f"{ratio:.3g}, above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g} (loss "
+            f"{stats.get('loss', math.nan):.3g}, gradient norm {stats.get('grad_norm', math.nan):.3g} before clipping "
+            f"to {self.grpo.max_grad_norm:g}); the update was not served, saved or checkpointed.", ratio=ratio,
+            offer="continue without the bound ({}) if an update this large is intended")
 
     @torch.no_grad()
     def delta_ratios(self, adapter: FlatAdapter) -> torch.Tensor:
@@ -165,22 +148,18 @@ class Policy:
         return None if math.isfinite(ratio) and ratio <= bound else (self.delta_modules[worst], ratio)
 
     def diverged_output(self, adapter: FlatAdapter) -> UpdateDiverged:
-        """The engine's log-probs under `adapter` are not finite: an update no bound stopped (the bound
-        off or raised) that the engine cannot sample from."""
+        """The engine's log-probs under `adapter` are not finite: an update no bound stopped."""
         ratio = float(self.delta_ratios(adapter).max())
-        return UpdateDiverged(
-            f"GRPO step {adapter.version} diverged: under its adapter the engine's log-probs are not finite (its "
-            f"largest ||dW||/||W|| is {ratio:.3g}; grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}); the update "
-            f"was rolled back, not saved or checkpointed. {_lower_lr(self.grpo)}", _lr_override(self.grpo))
+        return _diverged(self.grpo, f"GRPO step {adapter.version} diverged: under its adapter the engine's log-probs "
+                         f"are not finite (its largest ||dW||/||W|| is {ratio:.3g}; grpo.max_delta_ratio="
+                         f"{self.grpo.max_delta_ratio:g}); the update was rolled back, not saved or checkpointed.")
 
     def base_weights(self) -> dict[str, torch.Tensor]:
         return base_weights(self.model)
 
-    # -- one update -----------------------------------------------------------------------------------
     def train(self, batch: RolloutBatch) -> dict[str, float]:
         """`grpo.epochs` optimizer steps on `batch` in micro-batches of at most `grpo.micro_batch_tokens`
-        padded tokens; returns loss statistics, the trainer-vs-engine log-prob mismatch, and the
-        metrics of the policy that sampled the batch (`Diagnostics`: entropy, KL to the base)."""
+        padded tokens; returns loss statistics, the trainer-vs-engine mismatch and `Diagnostics`."""
         grpo = self.grpo
         # compiled layers compile again when a micro-batch's width turns from a multiple of 8 to not
         # (inductor guards on alignment): widths stay multiples
@@ -212,8 +191,7 @@ class Policy:
                         ref = self._reference_logprobs(part, mask)
                     diagnostics.add(logp.detach(), entropy, ref, part.completion_mask)
                 loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
-                                    grpo.clip_eps, ref, grpo.kl_beta,
-                                    is_weight[index, :width] if stale else None)
+                                    grpo.clip_eps, ref, grpo.kl_beta, is_weight[index, :width] if stale else None)
                 share = len(index) / batch.size
                 if loss.requires_grad:   # not when no completion in the micro-batch has a token
                     (loss * share).backward()                       # micro-batches sum to the batch mean
@@ -225,7 +203,10 @@ class Policy:
             self.last_stats = dict(stats)
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 self.lora_layers.snapshot(self.version)   # non-finite weights already? it names the tensor
-                raise _diverged_loss(self.version + 1, stats, grpo)   # before a NaN reaches the weights
+                raise _diverged(grpo, f"GRPO step {self.version + 1} diverged: loss {stats['loss']:.3g}, gradient "
+                                f"norm {stats['grad_norm']:.3g} (before clipping to grpo.max_grad_norm="
+                                f"{grpo.max_grad_norm:g}); the update was not applied, served, saved or "
+                                f"checkpointed.")   # before a NaN reaches the weights
             self.optimizer.step()
         self.model.eval()
         self.version += 1
@@ -244,8 +225,7 @@ class Policy:
                 p.requires_grad_(True)
 
     def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, with_entropy: bool):
-        """The training forward: (log-probs [n, L-1] with gradients, entropies [n, L-1] or None); the
-        head only at completion tokens: prompts and padding carry no loss."""
+        """(log-probs [n, L-1] with gradients, entropies or None); the head only at completion tokens."""
         fn = token_logprobs_and_entropy if with_entropy else token_logprobs
         with self.compute():
             out = fn(self.model, part.input_ids, mask, self.grpo.temperature, positions=part.completion_mask.bool(),
@@ -253,9 +233,8 @@ class Policy:
         return out if with_entropy else (out, None)
 
     def _layer_mask(self, part: RolloutBatch) -> torch.Tensor:
-        """The attention mask the decoder gets. Compiled layers with SDPA get the full [N, 1, L, L]
-        mask always: transformers drops a 2-D mask that pads nothing, and the compiled layer would
-        compile again for the first micro-batch without padding."""
+        """Compiled layers with SDPA get the full [N, 1, L, L] mask always: transformers drops a 2-D mask
+        that pads nothing, and the layer would compile again for the first micro-batch without padding."""
         if self.compile == "all" and self.model.config._attn_implementation == "sdpa":
             return causal_padding_mask(part.attention_mask)
         return part.attention_mask
@@ -268,9 +247,8 @@ class Policy:
 
     @contextlib.contextmanager
     def compute(self):
-        """The training forward's precision context (grpo.lora_compute). bf16: autocast, so the LoRA
-        matmuls run in bf16 on the fp32 adapter, with PEFT's cast of each LoRA layer's input to fp32
-        turned off (backward would keep that copy). The base weights are bf16 already."""
+        """grpo.lora_compute. bf16: autocast, the LoRA matmuls in bf16 on the fp32 adapter, without PEFT's
+        cast of each LoRA layer's input to fp32 (backward would keep that copy)."""
         if not self.bf16_lora:
             yield
             return
@@ -279,7 +257,6 @@ class Policy:
                 disable_input_dtype_casting(self.model):
             yield
 
-    # -- state: rollback and checkpoints --------------------------------------------------------------
     def snapshot(self) -> tuple:
         """What a failed step must not change: LoRA weights, optimizer state, version."""
         return ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()), self.version)
@@ -298,9 +275,8 @@ class Policy:
 
     @torch.no_grad()
     def load(self, state: dict, adapter: FlatAdapter) -> None:
-        """Resume: the adapter's values and version (the checkpoint's step), the optimizer and RNG state.
-        The checkpoint was checked as it stands (rundir.checkpoint_problem); here what only the policy
-        can tell: its layout, and whose each moment is (torch loads them by position)."""
+        """Resume: the adapter's values and version, the optimizer and RNG state. Checked here what only
+        the policy can tell: its layout, and whose each moment is (torch loads them by position)."""
         if adapter.layout != self.layout:
             raise AdapterError("the checkpoint's adapter has other tensors or shapes than this policy (a different "
                                "lora.r, target modules or base model); resume with the run's own config")
@@ -318,44 +294,28 @@ class Policy:
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.version = adapter.version
-        found = self._beyond_bound(adapter)
-        if found:   # a checkpoint written without this bound, or under a larger one
-            past = _past_bound(found[1])
-            raise UpdateDiverged(
-                f"the checkpoint's adapter (step {self.version}) changes {found[0]} by ||dW||/||W|| = {found[1]:.3g}, "
-                f"above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}: that update diverged, and resuming would "
-                f"serve it; nothing was changed. {_lower_lr(self.grpo)} (adapters/step_<n> hold earlier adapters)"
-                + (f", or resume without the bound ({past}) if an adapter this large is intended" if past else ""),
-                _lr_override(self.grpo), past)
+        if found := self._beyond_bound(adapter):   # a checkpoint written without this bound, or under a larger one
+            raise _diverged(
+                self.grpo, f"the checkpoint's adapter (step {self.version}) changes {found[0]} by ||dW||/||W|| = "
+                f"{found[1]:.3g}, above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}: that update diverged, and "
+                f"resuming would serve it; nothing was changed.", then=" (adapters/step_<n> hold earlier adapters)",
+                ratio=found[1], offer="resume without the bound ({}) if an adapter this large is intended")
 
 
 _RESTORE = "nothing was changed. Restore checkpoint/trainer_state.pt from a backup, or start a new run"
-
-# Below this ratio the divergence message offers to continue without the bound (a change of up to
-# ten times a layer's weight may be intended); far beyond it, only a lower rate helps.
+# below this ratio a divergence message offers to continue without the bound (up to ten times a
+# layer's weight may be intended); far beyond it, only a lower rate helps
 OFFER_UNBOUNDED_BELOW = 10.0
 
 
-def _past_bound(ratio: float) -> str:
-    return "grpo.max_delta_ratio=0" if ratio < OFFER_UNBOUNDED_BELOW else ""
-
-
-def _lr_override(grpo) -> str:
-    """A tenth of the rate that diverged, at most the default (a tenth of 1e30 diverges as surely)."""
+def _diverged(grpo, message: str, then: str = "", ratio: float = math.inf, offer: str = "") -> UpdateDiverged:
+    """`message`, then the lower rate to start a new run with (a tenth, at most the default: a tenth of
+    1e30 diverges as surely) and, for a ratio below OFFER_UNBOUNDED_BELOW, the `offer` of no bound."""
     default = next(f.default for f in dataclasses.fields(grpo) if f.name == "lr")
-    return f"grpo.lr={min(grpo.lr / 10, default):g}"
-
-
-def _lower_lr(grpo) -> str:
-    return f"Lower grpo.lr (now {grpo.lr:g}; e.g. {_lr_override(grpo)}) in a new run"
-
-
-def _diverged_loss(step: int, stats: dict, grpo) -> UpdateDiverged:
-    """A non-finite loss or gradient norm: a diverged update, refused before the optimizer steps."""
-    return UpdateDiverged(f"GRPO step {step} diverged: loss {stats['loss']:.3g}, gradient norm "
-                          f"{stats['grad_norm']:.3g} (before clipping to grpo.max_grad_norm={grpo.max_grad_norm:g}); "
-                          f"the update was not applied, served, saved or checkpointed. {_lower_lr(grpo)}",
-                          _lr_override(grpo))
+    override = f"grpo.lr={min(grpo.lr / 10, default):g}"
+    past = "grpo.max_delta_ratio=0" if offer and ratio < OFFER_UNBOUNDED_BELOW else ""
+    return UpdateDiverged(f"{message} Lower grpo.lr (now {grpo.lr:g}; e.g. {override}) in a new run{then}"
+                          + (", or " + offer.format(past) if past else ""), override, past)
 
 
 @torch.no_grad()
@@ -368,9 +328,8 @@ def _base_norms(model, layout: AdapterLayout) -> tuple[list[str], torch.Tensor]:
 
 
 def _enable_activation_checkpointing(model) -> None:
-    """Checkpoint every decoder layer, non-reentrant (it works although the inputs, token ids, need
-    no grad). The layers check `self.training`, so evaluation and rollouts never recompute.
-    transformers >= 5.2x names it activation_checkpointing_enable; older 5.x gradient_checkpointing_enable."""
+    """Checkpoint every decoder layer, non-reentrant (the inputs, token ids, need no grad); only in
+    training mode. Newer transformers name it activation_checkpointing_enable."""
     base = model.get_base_model()
     enable = getattr(base, "activation_checkpointing_enable", None)
     with quiet_peft():
@@ -381,18 +340,15 @@ def _enable_activation_checkpointing(model) -> None:
 
 
 def compile_mode(setting: str, device: str) -> str:
-    """grpo.compile resolved: 'auto' compiles everything on a CUDA GPU, where the compile pays off
-    within a few steps, and nothing elsewhere (compiling on a CPU needs a C++ compiler)."""
+    """grpo.compile resolved: 'auto' is 'all' on a CUDA GPU, 'off' elsewhere (a CPU compile needs a C++ compiler)."""
     if setting == "auto":
         return "all" if torch.device(device).type == "cuda" else "off"
     return setting
 
 
 def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None:
-    """torch.compile every decoder layer in place (grpo.compile=all): one graph shared by all layers,
-    compiled once; the embedding, head and PEFT's wrapper stay eager; dynamic: widths vary.
-    Checkpointing goes inside the compiled forward, so the compiler plans the recompute (around a
-    compiled layer the recompute saves other tensors than the forward: CheckpointError)."""
+    """torch.compile every decoder layer in place (grpo.compile=all; dynamic: widths vary), checkpointing
+    inside the compiled forward (around it the recompute saves other tensors: CheckpointError)."""
     decoder = model.get_base_model().get_decoder()
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
@@ -421,10 +377,8 @@ def lora_compute_dtype(setting: str, model_dtype: str) -> str:
 
 
 class Diagnostics:
-    """Metrics of the policy that sampled the batch (π_old), summed over completion tokens; not in
-    the loss. entropy: of softmax(logits / T) from the training forward's logits, in [0, log V]
-    nats; kl_to_base: k3 estimate exp(d) - d - 1, d = log p_base - log π_old, the base log-probs
-    from a forward with the adapter disabled (with grpo.kl_metric, or reused from kl_beta > 0)."""
+    """Metrics of the policy that sampled the batch (π_old) over completion tokens, not in the loss:
+    entropy of softmax(logits / T) in nats; kl_to_base: k3 exp(d) - d - 1, d = log p_base - log π_old."""
 
     def __init__(self):
         self.tokens, self.entropy, self.kl, self.kl_tokens = 0.0, 0.0, 0.0, 0.0
@@ -445,8 +399,7 @@ class Diagnostics:
 
 
 def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
-    """|trainer - engine| log-prob on the sampled tokens, before the update. The robust statistics
-    (mean, p99) are the refresh check; the max is reported but is a bf16 tail, not an alarm."""
+    """|trainer - engine| log-prob on the sampled tokens before the update (the max is a bf16 tail, no alarm)."""
     mask = batch.completion_mask.bool()
     gap = (trainer_logp - batch.engine_logprobs).abs().float()           # [N, L-1]
     diff = gap[mask]                                                      # [tokens]
@@ -474,11 +427,9 @@ def _lora_config(base, lora, model_path: str):
 
 
 class LoraLayers:
-    """The nn.Linear holding each LoRA tensor of a PEFT model (PEFT's lora_A[name] / lora_B[name]),
-    in layout order; the structure is validated once, here.
-
-    flatten=True makes every LoRA weight a view of one contiguous buffer (`self.buffer`, layout
-    order), so a snapshot is one `clone` instead of a gather. Do it before an optimizer is built."""
+    """The nn.Linear holding each LoRA tensor of a PEFT model, in layout order, validated once here.
+    flatten=True makes every LoRA weight a view of one buffer (`self.buffer`), so a snapshot is one
+    `clone`; do it before an optimizer is built."""
 
     def __init__(self, model, adapter_name: str = "default", flatten: bool = False):
         found = {}
@@ -502,25 +453,20 @@ class LoraLayers:
             owner.weight = torch.nn.Parameter(view, requires_grad=weight.requires_grad)
         return buffer
 
-    def _still_flat(self) -> bool:
-        """False if a weight was replaced (e.g. load_state_dict(assign=True)) since flattening."""
-        offsets, size = self.layout.offsets, self.buffer.element_size()
-        base = self.buffer.data_ptr()
-        return all(owner.weight.data_ptr() == base + start * size
-                   for owner, start in zip(self.owners, offsets))
-
     @torch.no_grad()
     def snapshot(self, version: int = 0) -> FlatAdapter:
         """The current weights copied into one new flat buffer, checked finite (one device sync)."""
-        if self.buffer is not None and self._still_flat():
-            adapter = FlatAdapter(self.buffer.clone(), self.layout, dict(self.config), version)
-            adapter.check_finite()
-            return adapter
-        tensors = [owner.weight.detach() for owner in self.owners]
-        for name, shape, t in zip(self.layout.names, self.layout.shapes, tensors):
-            if tuple(t.shape) != shape:
-                raise AdapterError(f"adapter tensor {name} changed shape {shape} -> {tuple(t.shape)}; the LoRA "
-                                   f"layers were replaced after they were indexed")
-        adapter = FlatAdapter(torch.cat([t.reshape(-1) for t in tensors]), self.layout, dict(self.config), version)
+        if self.buffer is not None and all(   # no weight replaced (load_state_dict(assign=True)) since flattening
+                w.weight.data_ptr() == self.buffer.data_ptr() + start * self.buffer.element_size()
+                for w, start in zip(self.owners, self.layout.offsets)):
+            buffer = self.buffer.clone()
+        else:
+            tensors = [owner.weight.detach() for owner in self.owners]
+            for name, shape, t in zip(self.layout.names, self.layout.shapes, tensors):
+                if tuple(t.shape) != shape:
+                    raise AdapterError(f"adapter tensor {name} changed shape {shape} -> {tuple(t.shape)}; the LoRA "
+                                       f"layers were replaced after they were indexed")
+            buffer = torch.cat([t.reshape(-1) for t in tensors])
+        adapter = FlatAdapter(buffer, self.layout, dict(self.config), version)
         adapter.check_finite()
         return adapter

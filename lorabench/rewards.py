@@ -16,16 +16,14 @@ from decimal import Context, Decimal, InvalidOperation
 _NUMBER = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _STRICT = re.compile(r"####\s*(" + _NUMBER + r")")
 _FLEXIBLE = re.compile(_NUMBER)
-# a number with a digit this far from the decimal point or farther (10**1000, 1e-1000) is no answer:
-# Python refuses to print an int of more than 4,300 digits (a ValueError), and 1e999999999 would be a
-# billion characters
+# a number with a digit this far from the decimal point (10**1000, 1e-1000) is no answer: Python
+# prints no int of more than 4,300 digits, and 1e999999999 would be a billion characters
 MAX_DIGITS = 1000
 
 
 def normalize_number(text: str) -> str | None:
-    """'$1,000.50' -> '1000.5', '18.0' -> '18'; None if it is not a number, or not one of at most
-    MAX_DIGITS digits (and none that far from the point). The one reading of a number that the
-    rewards, the evaluation and the data check (data.parse_ground_truth) share."""
+    """'$1,000.50' -> '1000.5', '18.0' -> '18'; None if not a number of at most MAX_DIGITS digits (none
+    that far from the point). The one reading of a number the rewards, eval and data check share."""
     cleaned = text.replace("$", "").replace(",", "").replace(" ", "").rstrip(".")
     try:
         value = Decimal(cleaned)
@@ -42,11 +40,8 @@ def extract_answer(text: str, mode: str = "strict") -> str | None:
     """Strict: the number after the last '#### '. Flexible: the last number anywhere."""
     if mode not in ("strict", "flexible"):
         raise ValueError(f"extract_answer mode={mode!r}: use 'strict' or 'flexible'")
-    pattern = _STRICT if mode == "strict" else _FLEXIBLE
-    matches = pattern.findall(text)
-    if not matches:
-        return None
-    return normalize_number(matches[-1])
+    matches = (_STRICT if mode == "strict" else _FLEXIBLE).findall(text)
+    return normalize_number(matches[-1]) if matches else None
 
 
 def has_strict_format(text: str) -> bool:
@@ -56,14 +51,11 @@ def has_strict_format(text: str) -> bool:
 def gsm8k_reward(completion: str, answer: str, mode: str = "strict", format_bonus: float = 0.0) -> float:
     """1.0 if the extracted answer equals `answer` as a number, else 0.0; plus `format_bonus`
     whenever '#### N' is present (right or wrong)."""
-    predicted = extract_answer(completion, mode)
-    truth = normalize_number(answer)
+    predicted, truth = extract_answer(completion, mode), normalize_number(answer)
     if truth is None:
         raise ValueError(f"ground-truth answer {answer!r} is not a number; GSM8K answers end with '#### N'")
     reward = 1.0 if predicted is not None and predicted == truth else 0.0
-    if format_bonus and has_strict_format(completion):
-        reward += format_bonus
-    return reward
+    return reward + format_bonus if format_bonus and has_strict_format(completion) else reward
 
 
 # --- reward functions: fn(prompts, completions, **kwargs) -> list[float], one signature, pluggable ----

@@ -1,12 +1,5 @@
-"""Rollout: prompts -> the engine's completions -> rewards -> one typed, padded training batch.
-
-    rollouts = sample(engine, tokenizer, problems, group_size=8, sampling=..., adapter="policy")
-    # or, several callers' rollouts in one engine batch (a policy group):
-    requests = [rollout_request(tokenizer, problems, 8, sampling, "policy-a"), ...]
-    rollouts = [rollouts_of(engine, tokenizer, problems, r, done)
-                for r, done in zip(requests, generate_each(engine, requests))]
-    rewards, parts = score(rollouts, reward_functions("strict", format_bonus=0.0))
-    batch = collate(rollouts, rewards, group_size=8, pad_id=tokenizer.pad_token_id)
+"""Rollout: prompts -> the engine's completions (`sample`, or `rollout_request` + `rollouts_of` for
+several callers' requests in one engine batch) -> rewards (`score`) -> one padded batch (`collate`).
 """
 from __future__ import annotations
 
@@ -33,8 +26,7 @@ class Rollouts:
         return len(self.completions) // len(self.problems)
 
     @property
-    def answers(self) -> list[str]:
-        """Ground truth per completion."""
+    def answers(self) -> list[str]:   # ground truth per completion
         return [p.ground_truth for p in self.problems for _ in range(self.group_size)]
 
     @property
@@ -64,8 +56,7 @@ class RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
     def rows(self, index: list[int], width_multiple: int = 1) -> RolloutBatch:
-        """Rows `index`, trimmed to their own longest sequence (less padding per micro-batch), that
-        width rounded up to a multiple of `width_multiple` (never past this batch's own width)."""
+        """Rows `index`, trimmed to their longest sequence rounded up to `width_multiple` (at most this width)."""
         idx = torch.tensor(index, device=self.input_ids.device)
         longest = int(self.attention_mask[idx].sum(1).max())
         width = min(round_up(longest, width_multiple), self.input_ids.shape[1])
@@ -74,19 +65,16 @@ class RolloutBatch:
                             self.rewards[idx], self.advantages[idx])
 
     def padded_to_multiple(self, multiple: int) -> RolloutBatch:
-        """This batch with masked columns added on the right until L is a multiple of `multiple`
-        (token 0 there: no mask, no loss and no log-prob ever looks at it)."""
+        """Masked columns (token 0, never looked at) added on the right until L is a multiple of `multiple`."""
         extra = -self.input_ids.shape[1] % multiple
         if extra == 0:
             return self
-        def pad(t):
-            return torch.nn.functional.pad(t, (0, extra))
-        return RolloutBatch(pad(self.input_ids), pad(self.attention_mask), pad(self.completion_mask),
-                            pad(self.engine_logprobs), self.rewards, self.advantages)
+        pad = [torch.nn.functional.pad(t, (0, extra)) for t in (self.input_ids, self.attention_mask,
+                                                                self.completion_mask, self.engine_logprobs)]
+        return RolloutBatch(*pad, self.rewards, self.advantages)
 
 
 def round_up(n: int, multiple: int) -> int:
-    """n rounded up to a multiple of `multiple`."""
     return -(-n // multiple) * multiple
 
 
@@ -107,8 +95,8 @@ def rollout_request(tokenizer, problems: list[Problem], group_size: int, samplin
 
 def rollouts_of(engine, tokenizer, problems: list[Problem], request: GenerateRequest,
                 completions: list[Completion], served: int | None = None) -> Rollouts:
-    """What the engine returned for `request`, decoded, with the version that served it (`served`,
-    read with the generate: engines.base.generate_served; else asked of the engine now)."""
+    """What the engine returned for `request`, decoded, with the version that served it (`served`, read
+    with the generate: engines.base.generate_served; else asked of the engine now)."""
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
     version = served if served is not None else engine.served_version(request.adapter)
     return Rollouts(problems, completions, texts, request.adapter, version)
@@ -116,8 +104,7 @@ def rollouts_of(engine, tokenizer, problems: list[Problem], request: GenerateReq
 
 def score(rollouts: Rollouts, reward_fns: list[tuple[str, object, float]]) -> tuple[torch.Tensor, dict[str, float]]:
     """The summed reward per completion [N] and each function's mean (`reward/<name>/mean`)."""
-    total = torch.zeros(len(rollouts.texts))
-    means = {}
+    total, means = torch.zeros(len(rollouts.texts)), {}
     for name, fn, weight in reward_fns:
         values = torch.tensor(fn(rollouts.questions, rollouts.texts, answers=rollouts.answers), dtype=torch.float32)
         total += weight * values
@@ -127,14 +114,11 @@ def score(rollouts: Rollouts, reward_fns: list[tuple[str, object, float]]) -> tu
 
 def collate(rollouts: Rollouts, rewards: torch.Tensor, pad_id: int) -> RolloutBatch:
     """Right-padded token tensors, completion mask and the engine's log-probs aligned with it."""
-    completions = rollouts.completions
-    seqs = [c.prompt_ids + c.token_ids for c in completions]
+    seqs = [c.prompt_ids + c.token_ids for c in rollouts.completions]
     n, width = len(seqs), max(map(len, seqs))
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    cmask = torch.zeros((n, width - 1))
-    elp = torch.zeros((n, width - 1))
-    for i, (c, s) in enumerate(zip(completions, seqs)):
+    ids, attn = torch.full((n, width), pad_id, dtype=torch.long), torch.zeros((n, width), dtype=torch.long)
+    cmask, elp = torch.zeros((n, width - 1)), torch.zeros((n, width - 1))
+    for i, (c, s) in enumerate(zip(rollouts.completions, seqs)):
         ids[i, :len(s)] = torch.tensor(s)
         attn[i, :len(s)] = 1
         start = len(c.prompt_ids) - 1  # log-prob row t predicts token t+1

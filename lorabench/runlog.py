@@ -10,13 +10,12 @@
     RUN_DIR/checkpoint/          trainer state for `lorabench resume` (atomic, latest step)
     RUN_DIR/plots/*.png          figures
     RUN_DIR/lock                 the writer's PID while one runs (rundir.RunLock)
-A step is committed by its checkpoint: `commit` writes the adapter dir (when due), then the
-checkpoint (which also holds the rows it vouches for), then the sync and rollout rows; the trainer
-appends the metrics rows last, each fsynced. So a kill can only leave rows *missing*, and
-`load_checkpoint` appends them from the checkpoint (once the policy has accepted it: until then
-resume writes nothing); anything else that does not fit is refused by rundir.inspect. The commit
-thread (commits.py) may call `commit` and `log_metrics` while the trainer's thread writes other
-files; the two share nothing here but the folders' fds.
+A step is committed by its checkpoint: `commit` writes the adapter dir (when due), the checkpoint
+(holding the rows it vouches for), then the sync and rollout rows; the metrics rows come last, each
+fsynced. So a kill can only leave rows *missing*, which `load_checkpoint` appends from the checkpoint
+once the policy has accepted it; anything else that does not fit is refused by rundir.inspect. The
+commit thread (commits.py) may call `commit` and `log_metrics` while the trainer's thread writes
+other files; the two share nothing here but the folders' fds.
 """
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ _WHERE = "where the run dir is: not compared (a run dir may be moved), taken fro
 
 @dataclass
 class RunSettings(Section):
-    """The `run` section: where the run dir goes, the seed, and when the run dir is written."""
+    """The `run` section: where the run dir goes, the seed, and when it is written."""
     out_dir: str = setting("runs", "Parent of run directories.", resume=ALLOWED, why=_WHERE)
     name: str = setting("", "Run directory name; '' = timestamp.", resume=ALLOWED, why=_WHERE)
     seed: int = setting(0, "Seed for data, sampling and init; the same seed reproduces a run.", resume=REFUSED,
@@ -58,12 +57,11 @@ class RunSettings(Section):
     sample_completions: int = setting(4, "Completions per step written to rollouts.jsonl (all are kept in the "
                                       "step record).", resume=ALLOWED, why="logging")
     threads: int = setting(0, "torch CPU threads; 0 = auto: torch's default less the CPUs the 1-minute load average "
-                           "says are busy, at least 1 (threads beyond the free CPUs slow a step far more than one "
-                           "thread too few: benchmarks/cpu_threads.py).", resume=ALLOWED, why="execution")
+                           "says are busy, at least 1.", resume=ALLOWED, why="execution")
     commit_in_background: bool = setting(True, "Write each checkpoint and its rows on a background thread while the "
-                                         "next step runs (in the same order as in line, so a kill leaves what it "
-                                         "would leave in line); false: the step waits for its commit.",
-                                         resume=ALLOWED, why="execution")
+                                         "next step runs (in the same order, so a kill leaves what it would leave "
+                                         "in line); false: the step waits for its commit.", resume=ALLOWED,
+                                         why="execution")
 
     def problems(self) -> list[str]:
         problem = path_component_problem(self.name) if self.name else None
@@ -97,7 +95,7 @@ def redact(config: dict) -> dict:
 
 
 class _Settled:
-    """What RunLog and NullRunLog share: their run settings (settings.due: when a step is committed)."""
+    """What RunLog and NullRunLog share: their run settings."""
 
     def __init__(self, settings: RunSettings | None = None):
         self.settings = settings or RunSettings()
@@ -105,10 +103,9 @@ class _Settled:
 
 
 class RunLog(_Settled):
-    """Writes one run dir, entered only through itself (safedir.py: no link in it is followed).
-    With lock=True (RunSession, the CLI) it first takes the run dir's one-writer lock, refusing if
-    another process holds it; `close()` releases it. `fingerprint` (fingerprint.py), when set, is
-    recorded in every checkpoint; `committed_step` is the step of the last checkpoint."""
+    """Writes one run dir, entered only through itself (safedir.py: no link in it is followed). lock=True
+    takes the run dir's one-writer lock first, refusing if another process holds it. `fingerprint`,
+    when set, is recorded in every checkpoint; `committed_step` is the step of the last checkpoint."""
 
     def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None):
         super().__init__(settings)
@@ -126,8 +123,7 @@ class RunLog(_Settled):
     @classmethod
     def create(cls, out_dir: str, name: str = "", log=print, lock: bool = False,
                settings: RunSettings | None = None) -> RunLog:
-        """RUN_DIR = out_dir/name, or out_dir/<timestamp>[-k]: a timestamped dir is made with an
-        exclusive mkdir, so two runs started in the same second get two dirs."""
+        """RUN_DIR = out_dir/name, or out_dir/<timestamp>[-k] made by an exclusive mkdir (one per run)."""
         if name:
             return cls(Path(out_dir) / name, log, lock, settings)
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -141,8 +137,7 @@ class RunLog(_Settled):
                 continue
 
     def close(self, refused: bool = False) -> None:
-        """Release the lock and the folders; refused=True (a session that did not open: a refusal) puts
-        the lock file back as it was found (rundir.RunLock.release)."""
+        """Release the lock and the folders; refused=True puts the lock file back as it was found."""
         if self._lock is not None:
             self._lock.release(restore=refused)
             self._lock = None
@@ -150,9 +145,8 @@ class RunLog(_Settled):
             folder.close()
 
     def _folder(self, name: str) -> SafeDir:
-        """adapters/, plots/ or checkpoint/, made 0750 (explicit: whatever the umask is) when first
-        written, so a refused session makes none. The commit thread makes checkpoint/ and adapters/,
-        its caller plots/ (and adapters/ before the first commit)."""
+        """adapters/, plots/ or checkpoint/, made 0750 (whatever the umask) when first written, so a
+        refused session makes none."""
         if name not in self.sub:
             self.sub[name] = self.root.sub(name, create=True, mode=0o750)
         return self.sub[name]
@@ -191,9 +185,8 @@ class RunLog(_Settled):
 
     def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
                save_adapter: bool) -> None:
-        """The commit point of steps up to `step`: adapters/step_<n> (when due), then one atomic
-        checkpoint holding the trainer state, the adapter, the pending rows and the experiment's
-        fingerprint, then the sync and rollout rows. The caller appends the metrics rows after this."""
+        """The commit point of steps up to `step`: adapters/step_<n> (when due), one atomic checkpoint
+        (trainer state, adapter, pending rows, fingerprint), then the sync and rollout rows."""
         if save_adapter:
             adapter.save_into(self._folder(rundir.ADAPTERS), rundir.adapter_dir_name(step))
         host = adapter.to("cpu")
@@ -208,10 +201,9 @@ class RunLog(_Settled):
             self._append(name, rows.get(name, []))
 
     def load_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None]:
-        """The last checkpoint (None, None before the first), after making the files agree with it:
-        rundir.inspect refuses what cannot be matched; `take(state, adapter)` (the policy's load, which
-        checks it against the model) runs next; only then are the repairs applied and logged, so a
-        refusal by either leaves the run dir as it was."""
+        """The last checkpoint (None, None before the first), the files made to agree with it: rundir.inspect
+        refuses what cannot be matched, `take(state, adapter)` checks it against the model, and only then
+        are the repairs applied, so a refusal by either leaves the run dir as it was."""
         found = rundir.inspect(self.dir)
         state = found.checkpoint
         adapter = None if state is None else FlatAdapter(state["adapter_buffer"],
@@ -234,10 +226,8 @@ class RunLog(_Settled):
         return state, adapter
 
     def export_if_missing(self, adapter: FlatAdapter, last_step: int) -> None:
-        """adapters/step_<n> of the checkpoint's adapter when that export is due and missing (deleted,
-        or lost with its disk), or there but unreadable (a copy cut short): written again, atomically,
-        from the checkpoint, which holds the same tensors. The tool's own export of what the checkpoint
-        holds, so rewriting it loses nothing; a readable one is never rewritten."""
+        """adapters/step_<n> written again, atomically, from the checkpoint (the same tensors) when that
+        export is due and missing, or there but unreadable; a readable one is never rewritten."""
         name = rundir.adapter_dir_name(adapter.version)
         if self.root.expect(rundir.ADAPTERS, "dir") and self._folder(rundir.ADAPTERS).expect(name, "dir"):
             why = _unreadable_export(self._folder(rundir.ADAPTERS), name)
@@ -254,9 +244,8 @@ class RunLog(_Settled):
         return rundir.scan_in(self.root, rundir.EVALS).rows
 
     def set_evals(self, step: int, rows: list[dict]) -> list[dict]:
-        """Make `rows` the evaluations of `step`, replacing any a killed or repeated run left there
-        (evaluation is seeded, so a repeat gives the same values); returns all rows. The file is
-        rewritten only after it was read whole (a bad line raises instead)."""
+        """Make `rows` the evaluations of `step`, replacing any a killed or repeated run left (they are
+        seeded); returns all rows. Rewritten only after it was read whole (a bad line raises)."""
         kept = [r for r in self.evals() if r.get("step") != step] + rows
         self.root.write_atomic(rundir.EVALS, "".join(map(rundir.row_line, kept)).encode(), mode=0o640)
         return kept
@@ -272,8 +261,8 @@ class RunLog(_Settled):
 
 
 def _unreadable_export(adapters: SafeDir, name: str) -> str | None:
-    """Why the PEFT dir adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or
-    None: each file read through the run dir (a link or a FIFO is as unreadable as a torn file)."""
+    """Why adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or None; read
+    through the run dir (a link or a FIFO is as unreadable as a torn file)."""
     from safetensors import SafetensorError
     from safetensors.torch import load
     with adapters.sub(name) as export:
@@ -289,8 +278,7 @@ def _unreadable_export(adapters: SafeDir, name: str) -> str | None:
 
 
 class NullRunLog(_Settled):
-    """Same methods as RunLog, writes nothing: the loop never branches on whether it is logging.
-    Every method is spelled out, so a misspelled call fails instead of silently doing nothing."""
+    """RunLog's methods, writing nothing; spelled out, so a misspelled call fails instead of doing nothing."""
     dir = None
 
     def log_metrics(self, rows: list[dict]) -> None:
