@@ -48,7 +48,8 @@ class RefreshSettings(Section):
                         "(load_lora_adapter_from_tensors), 'inplace' (load once, then overwrite the engine's "
                         "resident adapter: SGLang's GPU LoRA pool), 'merged' (push the adapted layers' merged "
                         "weights; decode then runs without LoRA kernels) or 'none' (the stale-adapter control). "
-                        "docs/results.md compares them.", resume=ALLOWED, why=_HOW)
+                        "docs/results.md compares them.", resume=ALLOWED,
+                        why=f"{_HOW} (not to or from 'none', whose engine serves a stale adapter)")
     bucket_mb: float = setting(64.0, "Bucket size in MB: the adapter is staged in buckets of this size, and a merged "
                                "push sends one engine call per bucket (larger buckets: fewer calls, more peak "
                                "memory; docs/results.md).", resume=ALLOWED, why=_HOW)
