@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
+import itertools
 import json
 import math
 import shutil
@@ -116,10 +117,7 @@ class AdapterLayout:
     @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Start of each tensor in the buffer, plus the total at the end."""
-        starts = [0]
-        for shape in self.shapes:
-            starts.append(starts[-1] + math.prod(shape))
-        return tuple(starts)
+        return tuple(itertools.accumulate((math.prod(shape) for shape in self.shapes), initial=0))
 
     @property
     def numel(self) -> int:
