@@ -93,23 +93,31 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
                     adapter_name: str = "bench", threads: int | None = 1) -> dict:
     """Refreshes of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` as one row. It re-binds
     the LoRA weights as views of one flat buffer: pass a scratch model (`adapter_model`), not a trainer's."""
-    from .policy import LoraLayers
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least one timed refresh")
-    layers = LoraLayers(peft_model, flatten=True)  # as the policy keeps them
+    with _scratch_refresher(engine, peft_model, mode, bucket_mb, adapter_name) as (layers, refresher), \
+            torch_threads(threads) as used:
+        records, first_requests = _timed_refreshes(engine, layers, refresher, warmup, repeats)
+    return {**_meta(engine, peft_model, mode, bucket_mb, repeats), "threads": used, **_row(records, first_requests)}
+
+
+@contextmanager
+def _scratch_refresher(engine, peft_model, mode: str, bucket_mb: float, adapter_name: str):
+    """(layers, refresher) for `peft_model`'s adapter, its LoRA weights views of one flat buffer as the
+    policy keeps them; after the block the refresher is closed and the adapter unloaded."""
+    from .policy import LoraLayers
+    layers = LoraLayers(peft_model, flatten=True)
     refresher = make_refresher(refresh_settings(mode, bucket_mb), engine, adapter_name,
                                base_weights=base_weights(peft_model) if mode == "merged" else None)
     try:
-        with torch_threads(threads) as used:
-            records, first_requests = _timed_refreshes(engine, layers, refresher, warmup, repeats)
+        yield layers, refresher
     finally:
         refresher.close()
         with suppress(AdapterNotLoaded):
             if mode != "merged":
                 engine.unload_adapter(adapter_name)
-    return {**_meta(engine, peft_model, mode, bucket_mb, repeats), "threads": used, **_row(records, first_requests)}
 
 
 def _meta(engine, peft_model, mode: str, bucket_mb: float, repeats: int) -> dict:
@@ -251,11 +259,8 @@ def rank_sweep(engine, model_path: str, ranks, bucket_mb: float, repeats: int, d
 def thread_probe(engine, peft_model, thread_counts, repeats: int = 10, progress=None) -> list[dict]:
     """In-place refreshes at each torch thread count, one row per count (as measure_refresh's). The counts
     take turns, one timed refresh per round, so a changing load favours none. `progress` after each round."""
-    from .policy import LoraLayers
-    layers = LoraLayers(peft_model, flatten=True)  # as the policy keeps them
-    refresher = make_refresher(refresh_settings("inplace", 64.0), engine, "threads")
     timed = {n: ([], []) for n in thread_counts}
-    try:
+    with _scratch_refresher(engine, peft_model, "inplace", 64.0, "threads") as (layers, refresher):
         with torch_threads(thread_counts[0]):   # untimed: the first refresh loads the adapter
             _timed_refreshes(engine, layers, refresher, warmup=1, repeats=0)
         for round_ in range(repeats):
@@ -267,10 +272,6 @@ def thread_probe(engine, peft_model, thread_counts, repeats: int = 10, progress=
                 timed[n][1].extend(firsts)
             if progress is not None:
                 progress(round_ + 1, repeats)
-    finally:
-        refresher.close()
-        with suppress(AdapterNotLoaded):
-            engine.unload_adapter("threads")
     meta = _meta(engine, peft_model, "inplace", 64.0, repeats)
     return [{**meta, "threads": n, **_row(*timed[n])} for n in thread_counts]
 
