@@ -277,8 +277,7 @@ class MergedRefresh(Refresher):
             self.engine.update_weights(bucket, flush_cache=last, version=adapter.version if last else None)
             nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
             record.nbytes += nbytes
-            record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": nbytes,
-                                   "seconds": clock.lap("push")})
+            record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": nbytes, "seconds": clock.lap("push")})
         self._push_every_weight = False   # only after every bucket arrived
 
 

@@ -62,8 +62,7 @@ class Section:
         return []
 
     def __getattr__(self, name: str):
-        subsections = self.__dict__.get("subsections", {})
-        if name in subsections:
+        if name in (subsections := self.__dict__.get("subsections", {})):
             return subsections[name]
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
@@ -79,8 +78,7 @@ def build(cls, values: dict, where: str, prefix: str, suggest=lambda prefix, key
     if unknown:
         valid = sorted(names) + [f"{p}.*" for p in parts]
         at = f"{origin(f'{prefix}.{min(unknown)}')}: {prefix}" if origin else where
-        raise ConfigError(f"{at}: unknown key(s) {sorted(unknown)}{suggest(prefix, min(unknown))}; valid keys: "
-                          f"{valid}")
+        raise ConfigError(f"{at}: unknown key(s) {sorted(unknown)}{suggest(prefix, min(unknown))}; valid keys: {valid}")
     hints = typing.get_type_hints(cls)
     section = cls(**{k: convert(v, hints[k], f"{origin(f'{prefix}.{k}')}: {prefix}.{k}" if origin else f"{where}.{k}")
                      for k, v in values.items() if k in names})

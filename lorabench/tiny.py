@@ -176,7 +176,6 @@ def warm_start(model, tokenizer, cfg, seed: int, log=print, progress=None) -> li
         if progress is not None:
             progress("warm-start", step + 1, cfg.steps)
         if (step + 1) % 50 == 0 or step == 0:
-            log(f"warm-start step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  "
-                f"({time.perf_counter() - t0:.0f}s)")
+            log(f"warm-start step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  ({time.perf_counter() - t0:.0f}s)")
     model.to("cpu").eval()
     return losses
