@@ -1,22 +1,21 @@
 """The adapter as it travels: one flat buffer, its layout and its plain-JSON config.
 
-The policy makes a `FlatAdapter` once per step (policy.py): every LoRA tensor copied back to back
-into one 1-D buffer, in the order of an `AdapterLayout`. Whoever receives it (a refresher, the run
-log) reads it and never hands it back. The layout is the one codec between names, shapes and
-offsets; it crosses process boundaries as JSON (`to_json` / `from_json`).
+The policy makes a `FlatAdapter` once per step (policy.py): every LoRA tensor back to back in one
+1-D buffer, in the order of an `AdapterLayout` (the one codec between names, shapes and offsets; JSON
+across processes). Receivers (a refresher, the run log) read it and never hand it back.
 
-Names are PEFT's state-dict names (`get_peft_model_state_dict`), the contract both PEFT's loader
-and SGLang's `load_lora_adapter_from_tensors` accept:
+Names are PEFT's state-dict names, which PEFT's loader and SGLang's load_lora_adapter_from_tensors accept:
     base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight      # [r, in]
     base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight      # [out, r]
-Trainer parameter names differ (`...q_proj.lora_A.default.weight`, `...q_proj.base_layer.weight`);
-the functions below map between them explicitly rather than by string accident.
+Trainer parameter names (`...q_proj.lora_A.default.weight`, `...q_proj.base_layer.weight`) are mapped
+explicitly below.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 import errno
+import itertools
 import json
 import math
 import shutil
@@ -30,9 +29,8 @@ from .safedir import atomic_dir, write_new_file
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-# The dtype of a trained adapter, whatever model.dtype: PEFT keeps LoRA weights in float32
-# (autocast_adapter_dtype), the policy's flat buffer is made in it (policy.LoraLayers), and a
-# checkpoint's adapter must be it (rundir.checkpoint_problem, before the model is built).
+# A trained adapter's dtype, whatever model.dtype: PEFT keeps LoRA weights in float32, the policy's flat
+# buffer is made in it, and a checkpoint's adapter must be it (rundir.checkpoint_problem).
 LORA_DTYPE = torch.float32
 
 
@@ -41,9 +39,8 @@ class AdapterError(ValueError):
 
 
 class AdapterWriteError(OSError):
-    """Writing an adapter dir failed (disk full, read-only or missing filesystem); `errno` is the
-    cause's (ENOSPC for a full disk) and the message names the dir and the fix. Nothing was
-    replaced: the previous dir at that path, if any, is intact."""
+    """Writing an adapter dir failed (`errno`: the cause's, ENOSPC for a full disk); the message names the
+    dir and the fix. Nothing was replaced: a previous dir at that path is intact."""
 
     def __str__(self) -> str:   # the message alone: it names the cause itself
         return str(self.strerror)
@@ -63,8 +60,7 @@ def split_lora_key(key: str) -> tuple[str, str]:
 
 
 def base_param_name(peft_param: str) -> str:
-    """Trainer (PEFT-wrapped) parameter name -> the plain model's name:
-    'base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight' -> 'model.layers.0.self_attn.q_proj.weight'."""
+    """'base_model.model.model.layers.0.mlp.up_proj.base_layer.weight' -> 'model.layers.0.mlp.up_proj.weight'."""
     name = peft_param[len(PEFT_PREFIX):] if peft_param.startswith(PEFT_PREFIX) else peft_param
     return name.replace(".base_layer.", ".")
 
@@ -87,10 +83,9 @@ def _plain(value):
 
 
 def plain_config(lora_config, modules: list[str] | None = None) -> dict:
-    """A PEFT LoraConfig as plain JSON: enums as strings, `peft_type` present, sets as sorted lists,
-    and a string `target_modules` ('all-linear') kept a string (never list('all-linear')).
-    When PEFT has resolved 'all-linear' to full module paths, `modules` (the leaf names the adapter
-    really covers) replaces them, since engines match target modules by leaf name."""
+    """A PEFT LoraConfig as plain JSON: enums as strings, `peft_type` present, sets as sorted lists, a string
+    `target_modules` kept a string. `modules` (the leaf names the adapter covers) replaces target modules
+    PEFT resolved to full paths, since engines match them by leaf name."""
     raw = lora_config.to_dict() if hasattr(lora_config, "to_dict") else dict(lora_config)
     target = raw.get("target_modules")
     config = {k: _plain(v) for k, v in raw.items() if k != "target_modules"}
@@ -122,17 +117,14 @@ class AdapterLayout:
     @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Start of each tensor in the buffer, plus the total at the end."""
-        starts = [0]
-        for shape in self.shapes:
-            starts.append(starts[-1] + math.prod(shape))
-        return tuple(starts)
+        return tuple(itertools.accumulate((math.prod(shape) for shape in self.shapes), initial=0))
 
     @property
     def numel(self) -> int:
         return self.offsets[-1]
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Name -> view of `buffer` (1-D, exactly `numel` elements); no copy."""
+        """Name -> view of `buffer` (1-D, `numel` elements)."""
         if buffer.dim() != 1 or buffer.numel() != self.numel:
             raise AdapterError(f"flat adapter buffer has shape {tuple(buffer.shape)}; its layout needs "
                                f"{self.numel} elements in one dimension")
@@ -140,7 +132,6 @@ class AdapterLayout:
                 for name, shape, start, end in zip(self.names, self.shapes, self.offsets, self.offsets[1:])}
 
     def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Copy `tensors` (these names and shapes) into one buffer, in layout order."""
         return torch.cat([tensors[n].reshape(-1) for n in self.names])
 
     def to_json(self) -> str:
@@ -165,9 +156,9 @@ class FlatAdapter:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], config: dict, version: int = 0) -> FlatAdapter:
-        """Copy separate tensors (PEFT names) into a new flat adapter; dtypes must agree."""
+        """Copy separate tensors (PEFT names, one dtype) into a new flat adapter."""
         if not tensors:
-            raise AdapterError("adapter has no tensors; snapshot a PEFT model that has a LoRA adapter")
+            raise AdapterError(_NO_TENSORS)
         dtypes = {t.dtype for t in tensors.values()}
         if len(dtypes) != 1:
             raise AdapterError(f"adapter tensors mix dtypes {sorted(map(str, dtypes))}; cast them to one dtype")
@@ -176,7 +167,7 @@ class FlatAdapter:
 
     @classmethod
     def from_peft(cls, model, adapter_name: str = "default", version: int = 0) -> FlatAdapter:
-        """The adapter of a PEFT model, copied (slow path: walks the state dict; the policy has a faster one)."""
+        """The adapter of a PEFT model, copied (the slow path: the policy has a faster one)."""
         from peft import get_peft_model_state_dict
         state = get_peft_model_state_dict(model, adapter_name=adapter_name)
         modules = sorted({split_lora_key(k)[0].split(".")[-1] for k in state})
@@ -204,7 +195,6 @@ class FlatAdapter:
         return sorted({split_lora_key(k)[0] for k in self.layout.names})
 
     def to(self, device=None, dtype=None) -> FlatAdapter:
-        """The same adapter in another dtype or place: one copy of the buffer."""
         return dataclasses.replace(self, buffer=self.buffer.to(device=device, dtype=dtype))
 
     def delta_norm(self) -> float:
@@ -221,15 +211,13 @@ class FlatAdapter:
         if bool(torch.isfinite(self.buffer).all()):
             return
         for name, t in self.tensors.items():
-            if not torch.isfinite(t).all():
-                raise AdapterError(f"adapter tensor {name} has NaN/Inf values; the update diverged (lower "
-                                   f"grpo.lr or check the loss) and it was not sent to the engine")
+            _check_finite(name, t)
 
     # -- PEFT directories ---------------------------------------------------------------------------
     def save_peft_dir(self, path: str | Path) -> Path:
         """Write adapter_config.json + adapter_model.safetensors into `path` atomically (safedir.atomic_dir:
-        a 0700 temp dir, files 0600 and fsynced, renamed onto `path`; an existing `path` is swapped out).
-        A failed write (disk full) raises AdapterWriteError and leaves the previous dir intact."""
+        0600 fsynced files in a 0700 temp dir renamed onto `path`); a failed write raises AdapterWriteError
+        and leaves the previous dir intact."""
         path = Path(path)
         try:
             with atomic_dir(path, replace=True) as tmp:
@@ -239,8 +227,7 @@ class FlatAdapter:
         return path
 
     def save_into(self, parent, name: str) -> Path:
-        """save_peft_dir for a dir inside a run dir: `parent` is a safedir.SafeDir, so nothing on the
-        way is followed through a link (an existing `name` that is a link is refused)."""
+        """save_peft_dir inside a run dir: `parent` is a safedir.SafeDir, so no link on the way is followed."""
         try:
             with parent.atomic_subdir(name) as tmp:
                 self._write_files(WEIGHTS_NAME, CONFIG_NAME, dir_fd=tmp.fd)
@@ -258,8 +245,8 @@ class FlatAdapter:
         from safetensors.torch import load_file
         path = Path(path)
         if not path.is_dir():
-            raise AdapterError(f"adapter dir {path} does not exist; pass a dir written by save_peft_dir "
-                               f"or PEFT's save_pretrained")
+            raise AdapterError(f"adapter dir {path} does not exist; pass a dir written by save_peft_dir or PEFT's "
+                               f"save_pretrained")
         for name, fix in ((CONFIG_NAME, "save with save_pretrained"),
                           (WEIGHTS_NAME, "re-save with safe_serialization")):
             if not (path / name).is_file():
@@ -279,8 +266,7 @@ class FlatAdapter:
         try:
             tensors = load_file(str(path / WEIGHTS_NAME))
         except (SafetensorError, OSError) as err:
-            raise AdapterError(f"{path / WEIGHTS_NAME} is truncated or corrupt ({err}); re-save the "
-                               f"adapter") from err
+            raise AdapterError(f"{path / WEIGHTS_NAME} is truncated or corrupt ({err}); re-save the adapter") from err
         return cls.from_tensors(tensors, config, version)
 
 
@@ -289,10 +275,9 @@ class FlatAdapter:
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def _write_flat_safetensors(path: Path | str, layout: AdapterLayout, buffer: torch.Tensor,
-                            dir_fd: int | None = None) -> None:
-    """A .safetensors file whose data section is `buffer` as it is (the format is a little-endian
-    header length, a JSON header of names, dtypes, shapes and byte offsets, then the bytes)."""
+def _write_flat_safetensors(path: Path | str, layout: AdapterLayout, buffer: torch.Tensor, dir_fd=None) -> None:
+    """A .safetensors file whose data section is `buffer` as it is (a little-endian header length, a JSON
+    header of names, dtypes, shapes and byte offsets, then the bytes)."""
     dtype = _SAFETENSORS_DTYPES.get(buffer.dtype)
     if dtype is None:
         raise AdapterError(f"cannot write adapter dtype {buffer.dtype}; use float32, bfloat16 or float16")
@@ -307,7 +292,6 @@ def _write_flat_safetensors(path: Path | str, layout: AdapterLayout, buffer: tor
 
 
 def _write_error(path: Path, err: OSError, nbytes: int = 0) -> AdapterWriteError:
-    """A clear AdapterWriteError for a failed adapter write."""
     if err.errno == errno.ENOSPC:
         try:
             free = f"{shutil.disk_usage(path.parent).free} bytes free"
@@ -332,9 +316,8 @@ def linear_shapes(model) -> dict[str, tuple[int, int]]:
     shapes = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if ".lora_" in f".{name}":  # PEFT's own lora_A/lora_B Linears are not layers of the model
-            continue
-        if isinstance(module, torch.nn.Linear) and weight is not None and weight.dim() == 2:
+        linear = isinstance(module, torch.nn.Linear) and weight is not None and weight.dim() == 2
+        if linear and ".lora_" not in f".{name}":   # PEFT's own lora_A/lora_B Linears are not the model's layers
             plain = base_param_name(name + ".weight")[: -len(".weight")]
             shapes[plain] = (module.out_features, module.in_features)
     return shapes
@@ -343,8 +326,8 @@ def linear_shapes(model) -> dict[str, tuple[int, int]]:
 def validate_config(cfg: dict, max_rank: int | None = None) -> int:
     """Check an adapter config before its tensors are read; returns the rank."""
     if str(cfg.get("peft_type", "")).upper() != "LORA":
-        raise AdapterError(f"adapter config peft_type={cfg.get('peft_type')!r}; only LORA adapters are "
-                           f"supported (set peft_type='LORA')")
+        raise AdapterError(f"adapter config peft_type={cfg.get('peft_type')!r}; only LORA adapters are supported "
+                           f"(set peft_type='LORA')")
     rank = cfg.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterError(f"adapter config r={rank!r}; the rank must be a positive integer")
@@ -358,8 +341,8 @@ def validate_config(cfg: dict, max_rank: int | None = None) -> int:
                            f"engine with engine.sglang.max_lora_rank>={rank} or train with lora.r<={max_rank}")
     target = cfg.get("target_modules")
     if isinstance(target, list) and any(len(t) == 1 for t in target):
-        raise AdapterError(f"adapter config target_modules={target!r} looks like a string split into "
-                           f"characters; keep 'all-linear' a string or list module names")
+        raise AdapterError(f"adapter config target_modules={target!r} looks like a string split into characters; "
+                           f"keep 'all-linear' a string or list module names")
     return rank
 
 
@@ -369,17 +352,23 @@ def validate(tensors: dict[str, torch.Tensor], config: dict, shapes: dict[str, t
     rank or shape mismatches, modules the model lacks, NaN/Inf values."""
     rank = validate_config(config, max_rank)
     if not tensors:
-        raise AdapterError("adapter has no tensors; snapshot a PEFT model that has a LoRA adapter")
+        raise AdapterError(_NO_TENSORS)
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, half = split_lora_key(key)
         halves.setdefault(module, {})[half] = tensor
-        if not torch.isfinite(tensor).all():
-            raise AdapterError(f"adapter tensor {key} has NaN/Inf values; the update diverged (lower "
-                               f"grpo.lr or check the loss) and it was not sent to the engine")
-    target = config.get("target_modules")
+        _check_finite(key, tensor)
     for module, pair in halves.items():
-        _check_module(module, pair, rank, target, shapes)
+        _check_module(module, pair, rank, config.get("target_modules"), shapes)
+
+
+_NO_TENSORS = "adapter has no tensors; snapshot a PEFT model that has a LoRA adapter"
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    if not torch.isfinite(tensor).all():
+        raise AdapterError(f"adapter tensor {name} has NaN/Inf values; the update diverged (lower grpo.lr or check "
+                           f"the loss) and it was not sent to the engine")
 
 
 def _check_module(module: str, pair: dict, rank: int, target, shapes) -> None:
@@ -387,32 +376,29 @@ def _check_module(module: str, pair: dict, rank: int, target, shapes) -> None:
         raise AdapterError(f"module {module} has only {sorted(pair)}; each module needs lora_A and lora_B")
     a, b = pair["lora_A"], pair["lora_B"]
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-        raise AdapterError(f"module {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
-                           f"match rank r={rank}; the config and the tensors disagree")
+        raise AdapterError(f"module {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not match rank "
+                           f"r={rank}; the config and the tensors disagree")
     leaf = module.split(".")[-1]
     if isinstance(target, list) and leaf not in target:
-        raise AdapterError(f"module {module} is not in target_modules={target}; add '{leaf}' to "
-                           f"target_modules or drop its tensors")
+        raise AdapterError(f"module {module} is not in target_modules={target}; add '{leaf}' to target_modules or "
+                           f"drop its tensors")
     if shapes is None:
         return
     if module not in shapes:
-        raise AdapterError(f"adapter targets {module}, which the base model does not have; "
-                           f"train the adapter on this base model")
+        raise AdapterError(f"adapter targets {module}, which the base model does not have; train the adapter on "
+                           f"this base model")
     out_f, in_f = shapes[module]
     if a.shape[1] != in_f or b.shape[0] != out_f:
-        raise AdapterError(f"module {module}: adapter maps {a.shape[1]}->{b.shape[0]} but the base "
-                           f"layer is {in_f}->{out_f}; the adapter was trained on another model")
+        raise AdapterError(f"module {module}: adapter maps {a.shape[1]}->{b.shape[0]} but the base layer is "
+                           f"{in_f}->{out_f}; the adapter was trained on another model")
 
 
 # --- merged weights (the full-weight baseline) ---------------------------------------------------
 @torch.no_grad()
-def merge_weights(base: dict[str, torch.Tensor], adapter: FlatAdapter,
-                  adapted_only: bool = False) -> dict[str, torch.Tensor]:
-    """Plain-model state dict with W + (α/r)·B·A for every adapted layer, computed out of place from
-    the frozen base weights (plain names) and the step's adapter. Equivalent to PEFT's
-    merge_adapter() / read / unmerge_adapter(), but leaves the trainer's base weights bit-identical
-    (merge + unmerge in bf16 drifts them a little every step). `adapted_only`: the adapted layers'
-    weights alone, the only ones that differ from `base`."""
+def merge_weights(base: dict[str, torch.Tensor], adapter: FlatAdapter, adapted_only: bool = False) -> dict:
+    """Plain-model state dict with W + (α/r)·B·A for every adapted layer, out of place: PEFT's merge /
+    read / unmerge would drift the trainer's bf16 base weights every step. `adapted_only`: only the
+    adapted layers' weights (the ones that differ from `base`)."""
     merged = {} if adapted_only else dict(base)
     for module in adapter.modules:
         name = f"{module}.weight"

@@ -57,10 +57,8 @@ def log_line(*parts) -> None:
 
 
 def run_experiment(cfg, run_dir: str | Path | None = None, log=log_line) -> dict:
-    """Build (or resume) the run `cfg` (the session's Config) describes: model, engine, trainer;
-    evaluate, train, evaluate, plot.
-    Returns a summary dict (also written to RUN_DIR/summary.json). The run dir's lock is held
-    until the summary is written: plots and summary are writes too."""
+    """Build (or resume) the run `cfg` describes, evaluate, train, evaluate, plot: the summary dict (also
+    RUN_DIR/summary.json). The run dir's lock is held until the summary is written."""
     from .session import RunSession
     if cfg.policies:
         return run_group(cfg, run_dir, log)
@@ -68,7 +66,10 @@ def run_experiment(cfg, run_dir: str | Path | None = None, log=log_line) -> dict
     session = RunSession.open(cfg, run_dir, log=log)
     try:
         try:
-            timing = _train_and_evaluate(session, log)
+            log(f"held-out before GRPO: {_strict(session.before)}")
+            t_train = time.perf_counter()
+            session.trainer.run()
+            timing = _evaluate_after(session.trainer, session.runlog, time.perf_counter() - t_train)
         except USER_ERRORS as err:   # one line, with where the run stands (the cause stays chained)
             raise RunStopped(stopped_message(err, session.runlog)) from err
         except (Terminated, KeyboardInterrupt) as stop:
@@ -83,9 +84,8 @@ def run_experiment(cfg, run_dir: str | Path | None = None, log=log_line) -> dict
 
 def run_group(cfg, group_dir: str | Path | None = None, log=log_line,
               resume_overrides: list[str] | None = None) -> dict:
-    """A policy group (cfg.policies; or the group in `group_dir` resumed with `resume_overrides`):
-    every policy trained on one engine, each policy's run dir evaluated, plotted and summarised as a
-    single run's. Returns {"group_dir", "policies": {name: summary}}."""
+    """A policy group (cfg.policies; or the group in `group_dir` resumed with `resume_overrides`) trained on
+    one engine, each policy's run dir summarised as a single run's: {"group_dir", "policies": {name: summary}}."""
     from .session import GroupSession
     t0 = time.perf_counter()
     group = (GroupSession.resume(group_dir, resume_overrides, log=log) if resume_overrides is not None
@@ -93,16 +93,12 @@ def run_group(cfg, group_dir: str | Path | None = None, log=log_line,
     try:
         try:
             for name, before in group.before.items():
-                log(f"{name}: held-out before GRPO: strict {before[0]['strict']:.2f} (sampled), "
-                    f"{before[1]['strict']:.2f} (greedy)")
+                log(f"{name}: held-out before GRPO: {_strict(before)}")
             t_train = time.perf_counter()
             group.trainer.run()
             seconds = time.perf_counter() - t_train
-            done = {}
-            for name, member in group.members.items():
-                after = [member.trainer.evaluate(greedy=False), member.trainer.evaluate(greedy=True)]
-                done[name] = {"after": after, "evals": member.runlog.set_evals(member.trainer.step_count, after),
-                              "seconds_grpo": seconds}
+            done = {name: _evaluate_after(member.trainer, member.runlog, seconds)
+                    for name, member in group.members.items()}
         except (Terminated, KeyboardInterrupt) as stop:
             stop.run_dir = group.run_dir
             raise
@@ -123,8 +119,7 @@ def run_group(cfg, group_dir: str | Path | None = None, log=log_line,
 
 
 def stopped_message(err: Exception, runlog, group_dir: Path | None = None) -> str:
-    """The cause, then what the run dir holds and the command that continues it (the run's, or for a
-    policy of a group, the group's)."""
+    """The cause, then what the run dir holds and the command that continues it (a group's, for a policy)."""
     text = str(err)
     if "lorabench resume" in text:   # RunDirWriteError says it already
         return text
@@ -141,15 +136,13 @@ def stopped_message(err: Exception, runlog, group_dir: Path | None = None) -> st
     return f"{text}; the run stopped: {held} and `lorabench resume {runlog.dir}` continues it"
 
 
-def _train_and_evaluate(session, log) -> dict:
-    trainer, before = session.trainer, session.before
-    log(f"held-out before GRPO: strict {before[0]['strict']:.2f} (sampled), {before[1]['strict']:.2f} (greedy)")
-    t_train = time.perf_counter()
-    trainer.run()
-    t_done = time.perf_counter()
+def _strict(before: list[dict]) -> str:
+    return f"strict {before[0]['strict']:.2f} (sampled), {before[1]['strict']:.2f} (greedy)"
+
+
+def _evaluate_after(trainer, runlog, seconds: float) -> dict:
     after = [trainer.evaluate(greedy=False), trainer.evaluate(greedy=True)]
-    evals = session.runlog.set_evals(trainer.step_count, after)
-    return {"after": after, "evals": evals, "seconds_grpo": t_done - t_train}
+    return {"after": after, "evals": runlog.set_evals(trainer.step_count, after), "seconds_grpo": seconds}
 
 
 def _write_summary(session, done: dict, t0: float) -> dict:
@@ -159,8 +152,7 @@ def _write_summary(session, done: dict, t0: float) -> dict:
     plots = runlog.save_plots(run_plot_images(rows, done["evals"]))
     refresh_ms = sorted(1e3 * r["refresh/total_s"] for r in rows) or [float("nan")]
     summary = {
-        "run_dir": str(runlog.dir), "steps": len(rows), "refresh_mode": cfg.refresh.mode,
-        "engine": cfg.engine.backend,
+        "run_dir": str(runlog.dir), "steps": len(rows), "refresh_mode": cfg.refresh.mode, "engine": cfg.engine.backend,
         "heldout_strict_before": before[0]["strict"], "heldout_strict_after": after[0]["strict"],
         "heldout_greedy_before": before[1]["strict"], "heldout_greedy_after": after[1]["strict"],
         "train_reward_first5": sum(r["reward/mean"] for r in rows[:5]) / max(1, len(rows[:5])),
@@ -235,8 +227,7 @@ def main(argv=None) -> int:
 
 
 def _way_on(stop: BaseException, args) -> str:
-    """What continues a run stopped by a signal: its run dir's resume, or (stopped before the run dir
-    was opened, e.g. while the tiny model was built) the same command again."""
+    """What continues a run stopped by a signal: its run dir's resume, or (before it had one) the same command."""
     where = getattr(stop, "run_dir", None) or (args.run_dir if args.command == "resume" else None)
     if where:
         return f"`lorabench resume {where}` continues from its last checkpoint"

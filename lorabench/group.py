@@ -5,16 +5,11 @@
     group.trainer.step()                    # every policy's rollouts as one engine batch, then K updates
 
 A policy group is K ordinary GRPO trainers (grpo.py), each with its own policy, optimizer, refresher,
-problem source and run dir, that share two things: the engine, which holds all K adapters (each
-served under the policy's name) and gets every policy's rollout requests of a step as one batch
-(engines.base.generate_each: one SGLang call; the CPU reference engine runs them one after the
-other, so a policy's rollouts equal those it gets alone), and the trainer's base model, one PEFT
-model holding the K adapters (policy.Policy `beside`), each made active for its own update.
-
-Each policy keeps what one policy has alone: its rollouts checked against its own served version,
-its mismatch and probe, its refresh (in place writes its own slot), its commit. What a policy may
-own is listed in OWNED; everything else is shared, since it defines the shared batch, engine or
-model. Each step's `time/rollout_s` is the shared batch's wall time, the same for every policy.
+problem source and run dir, sharing the engine (all K adapters, each under its policy's name; a step's
+rollout requests as one batch, engines.base.generate_each: the CPU engine runs them in turn, so a
+policy's rollouts equal those it gets alone) and the trainer's base model (one PEFT model holding the K
+adapters, policy.Policy `beside`). What a policy may own is listed in OWNED; everything else defines
+the shared batch, engine or model. `time/rollout_s` is the shared batch's.
 """
 from __future__ import annotations
 
@@ -61,9 +56,8 @@ class PolicySpec:
 
 
 def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
-    """The `policies` list of a config (a list of tables), each entry checked: a unique name usable
-    as a directory name, and only fields a policy may own, each converted to its field's type as the
-    same field outside `policies` is (settings.build). ConfigError names the entry and the fix."""
+    """The `policies` list of a config, each entry checked: a unique name usable as a dir name, and only
+    fields a policy may own, typed as outside `policies`. ConfigError names the entry and the fix."""
     if entries in (None, []):
         return []
     if isinstance(entries, str):
@@ -92,11 +86,8 @@ def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
         if name in seen:
             raise ConfigError(f"{where}: two policies are named {name!r}; give each its own name")
         seen.add(name)
-        overrides = {}
-        for section, values in entry.items():
-            if section == "name":
-                continue
-            overrides[section] = _owned_fields(f"{where} ({name})", section, values, sections)
+        overrides = {section: _owned_fields(f"{where} ({name})", section, values, sections)
+                     for section, values in entry.items() if section != "name"}
         specs.append(PolicySpec(name, overrides, where))
     return specs
 
@@ -133,8 +124,8 @@ def _owned_names() -> str:
 
 
 def member_dict(shared: dict, spec: PolicySpec) -> dict:
-    """A policy's whole run config (as to_dict): the shared sections, the policy's own fields on top,
-    its adapter served under its name; no `policies` (the policy's run dir is an ordinary run dir)."""
+    """A policy's whole run config (as to_dict): the shared sections, its own fields on top, its adapter
+    served under its name, no `policies` (its run dir is an ordinary one)."""
     data = copy.deepcopy({k: v for k, v in shared.items() if k != "policies"})
     for section, values in spec.overrides.items():
         data.setdefault(section, {}).update(copy.deepcopy(values))
@@ -143,9 +134,7 @@ def member_dict(shared: dict, spec: PolicySpec) -> dict:
 
 
 def shared_differences(configs: dict[str, dict]) -> list[str]:
-    """Fields outside OWNED (and the adapter name) that differ between the policies' configs (each
-    {dotted key: value}): a group whose members disagree on the shared batch, engine or model cannot
-    step together."""
+    """Shared fields that differ between the policies' flat configs: such a group cannot step together."""
     where = ("engine.adapter_name", "run.out_dir", "run.name")   # a policy's own, by its name and run dir
     flats = {name: {k: v for k, v in flat.items() if k not in where and not owned_key(k)}
              for name, flat in configs.items()}
@@ -165,8 +154,7 @@ def owned_key(key: str) -> bool:
 
 
 class PolicyGroup:
-    """The loop of K policies as one object: `step()` samples every policy's rollouts in one engine
-    batch, then each trainer takes its step on its own rollouts (update, refresh, commit)."""
+    """K policies' loop: `step()` samples every policy's rollouts in one engine batch, then each trainer steps."""
 
     def __init__(self, trainers: dict, engine):
         self.trainers = trainers      # name -> GRPOTrainer, all on `engine`, their policies on one model
@@ -179,9 +167,8 @@ class PolicyGroup:
         return min(t.step_count for t in self.trainers.values())
 
     def step(self, names=None) -> dict:
-        """One GRPO step of each policy in `names` (default: all): {name: StepRecord}. The requests
-        go out as one batch; a policy's step that fails is rolled back (its trainer says so) and
-        raised at once: the policies after it have not taken this step (`run` evens them out)."""
+        """One GRPO step of each policy in `names` (default: all): {name: StepRecord}. A policy's failed step is
+        rolled back and raised at once: the policies after it have not taken this step (`run` evens them out)."""
         names = list(self.trainers) if names is None else list(names)
         asked = {}
         for name in names:
@@ -216,7 +203,7 @@ class PolicyGroup:
         return done
 
     def evaluate(self, greedy: bool = False) -> dict:
-        """{name: held-out evaluation} (trainer.evaluate for each policy; notebook 04 calls it)."""
+        """{name: held-out evaluation}."""
         return {name: t.evaluate(greedy=greedy) for name, t in self.trainers.items()}
 
     def wait_committed(self) -> None:
@@ -224,8 +211,7 @@ class PolicyGroup:
             trainer.wait_committed()
 
     def close(self) -> None:
-        """Each trainer's commits and refresher (the engine is the session's); all are closed, also
-        when one of them raises."""
+        """Each trainer's commits and refresher (not the engine), all of them also when one raises."""
         with contextlib.ExitStack() as closing:
             for trainer in self.trainers.values():
                 closing.callback(trainer.close)

@@ -1,12 +1,8 @@
-"""Is a hub model or dataset usable *now*? Answered in seconds, before anything is built or written.
-
-Without this, an unreachable hub shows up deep inside transformers or datasets after minutes of
-retries, then a traceback (a mistyped model dir is looked up as a hub name too). The rule:
-- HF_HUB_OFFLINE=1 (the libraries' own switch): only the local cache counts;
-- otherwise the hub's API is asked once, with a short timeout (stdlib urllib, so the usual
-  https_proxy variables apply); offline, that fails at once (no DNS) or after TIMEOUT_S.
-A cached copy is not used silently when the hub cannot be reached: the message says to set
-HF_HUB_OFFLINE=1 for it, so that the libraries do not retry the network for minutes.
+"""Is a hub model or dataset usable *now*? Answered in seconds, before anything is built or written
+(else an unreachable hub shows up after minutes of retries inside transformers, as a traceback).
+HF_HUB_OFFLINE=1: only the local cache counts; otherwise the hub's API is asked once, with a short
+timeout (urllib: https_proxy applies). A cached copy is not used silently when the hub cannot be
+reached: the message says to set HF_HUB_OFFLINE=1, so the libraries do not retry for minutes.
 """
 from __future__ import annotations
 
@@ -31,10 +27,8 @@ def ask_hub(kind: str, repo_id: str) -> str | None:
     """None if `repo_id` exists on the hub ('models' or 'datasets'), else why it cannot be used."""
     from huggingface_hub import get_token
     url = f"{endpoint()}/api/{kind}/{urllib.parse.quote(repo_id, safe='/')}"
-    request = urllib.request.Request(url, method="GET")
     token = get_token()
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
+    request = urllib.request.Request(url, method="GET", headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S):
             return None  # 200: the repo exists and this user may read it
@@ -63,8 +57,5 @@ def model_unavailable(repo_id: str) -> str | None:
 
 
 def dataset_unavailable(repo_id: str) -> str | None:
-    """None if the hub dataset can be loaded now; under HF_HUB_OFFLINE=1 `datasets` itself answers
-    at once whether it is in its cache, so nothing is asked here."""
-    if offline():
-        return None
-    return ask_hub("datasets", repo_id)
+    """None if the hub dataset can be loaded now (under HF_HUB_OFFLINE=1 `datasets` answers that at once)."""
+    return None if offline() else ask_hub("datasets", repo_id)

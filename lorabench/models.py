@@ -50,8 +50,7 @@ class ModelRef:
 
 
 def model_ref(model: ModelSettings) -> ModelRef:
-    """'tiny', an existing local model dir, or a hub id usable now (cached, or found on the hub within
-    seconds): anything else is refused here, before a run dir or a model exists."""
+    """'tiny', an existing local model dir, or a hub id usable now; anything else is refused before a run dir exists."""
     name = model.name_or_path
     if name == "tiny":
         return ModelRef("tiny", name)
@@ -74,9 +73,8 @@ def model_ref(model: ModelSettings) -> ModelRef:
 
 
 def resolve_model_path(model: ModelSettings, warmstart, seed: int, log=print, progress=None) -> str:
-    """'tiny' -> the cached warm-started dir (built on first use from `warmstart` and `seed`, its
-    recipe); a local dir as is; a hub name as is (transformers downloads it). `progress(what, done,
-    total)`: called at each warm-start step of a tiny build."""
+    """'tiny' -> the cached warm-started dir (built on first use; `progress(what, done, total)` at each
+    warm-start step); a local dir or hub name as is."""
     ref = model_ref(model)
     if ref.kind == "tiny":
         from safetensors import SafetensorError
@@ -117,8 +115,7 @@ def model_context(ref: ModelRef) -> int:
 
 
 def model_tokenizer(ref: ModelRef, model: ModelSettings, warmstart, seed: int):
-    """The tokenizer the run will use, loaded without the model (the tiny one is built in memory
-    when its model is not cached yet)."""
+    """The run's tokenizer, without the model (the tiny one built in memory if its model is not cached)."""
     if ref.kind == "tiny":
         from .tiny import tiny_tokenizer
         return tiny_tokenizer(model.cache_dir, warmstart, seed)
@@ -139,8 +136,7 @@ def load_tokenizer(path: str):
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    return model.to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
 
 
 def pick_device(requested: str = "") -> str:
@@ -149,8 +145,7 @@ def pick_device(requested: str = "") -> str:
 
 @contextlib.contextmanager
 def quiet_peft():
-    """Hides the FutureWarning PEFT triggers by reading a transformers attribute deprecated in 5.x
-    (`is_gradient_checkpointing`): PEFT's to fix, not ours, and it would show in every notebook."""
+    """Hides PEFT's FutureWarning about transformers' deprecated `is_gradient_checkpointing` (PEFT's to fix)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield

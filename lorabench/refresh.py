@@ -11,21 +11,20 @@ part. One small class per mode, one registry line each (REFRESH_MODES):
     none      the stale-adapter control: the first adapter is loaded once and never updated
 
 A refresher receives a FlatAdapter (made once per step by the policy, never handed back) and
-returns a RefreshRecord: timings only (one row for the run's sync.jsonl per bucket and a total).
-It checks the engine capabilities it needs once, when it is built. Only `AdapterNotLoaded` is
-caught on unload (the first refresh has nothing to unload); any other engine error propagates
-with the engine's message.
+returns a RefreshRecord: timings only (sync.jsonl rows). It checks the engine capabilities it needs
+when it is built. Only `AdapterNotLoaded` is caught on unload (the first refresh has nothing to
+unload); any other engine error propagates.
 
-Adding a mode: a Refresher subclass with `mode`, `help` (and `needs`, if it uses an optional engine
-capability; `Settings`, if it has settings of its own: the `refresh.<mode>` section, given to its
-`from_settings`), plus its line in REFRESH_MODES; the run config, its validation, `--help-config`,
-benchmarks and plots read the registry.
+Adding a mode: a Refresher subclass with `mode`, `help` (`needs`: optional engine capabilities it
+uses; `Settings`: its own `refresh.<mode>` section, given to `from_settings`), plus its line in
+REFRESH_MODES; the run config, `--help-config`, benchmarks and plots read the registry.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -43,14 +42,14 @@ _HOW = "how the adapter reaches the engine; what it serves is the same"
 
 @dataclass
 class RefreshSettings(Section):
-    """The `refresh` section: the mode, the bucket size every mode stages in, and one sub-section per
-    registered mode with settings of its own (`refresh.file`)."""
+    """The `refresh` section; one sub-section per mode with settings of its own (`refresh.file`)."""
     mode: str = setting("tensor", "How the adapter reaches the engine after each step; one of the registry's "
                         "(lorabench.refresh.REFRESH_MODES): 'file' (PEFT dir, unload + load), 'tensor' "
                         "(load_lora_adapter_from_tensors), 'inplace' (load once, then overwrite the engine's "
                         "resident adapter: SGLang's GPU LoRA pool), 'merged' (push the adapted layers' merged "
                         "weights; decode then runs without LoRA kernels) or 'none' (the stale-adapter control). "
-                        "docs/results.md compares them.", resume=ALLOWED, why=_HOW)
+                        "docs/results.md compares them.", resume=ALLOWED,
+                        why=f"{_HOW} (not to or from 'none', whose engine serves a stale adapter)")
     bucket_mb: float = setting(64.0, "Bucket size in MB: the adapter is staged in buckets of this size, and a merged "
                                "push sends one engine call per bucket (larger buckets: fewer calls, more peak "
                                "memory; docs/results.md).", resume=ALLOWED, why=_HOW)
@@ -67,7 +66,6 @@ class RefreshSettings(Section):
 
 @dataclass
 class FileSettings(Section):
-    """The `refresh.file` section."""
     tmp_dir: str = setting("", "Where file refresh writes adapter dirs; '' = /dev/shm if writable, else the "
                            "system temp dir.", resume=ALLOWED, why="where file refresh writes")
 
@@ -108,13 +106,6 @@ def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> li
     return buckets
 
 
-def _unload_if_loaded(engine, name: str) -> None:
-    try:
-        engine.unload_adapter(name)
-    except AdapterNotLoaded:  # the first refresh: nothing loaded yet, the one benign case
-        pass
-
-
 def adapter_tmp_root(configured: str = "") -> Path:
     """A private (0700) dir for adapter files: tmpfs (/dev/shm) when writable, else the temp dir.
     Named `lorabench-adapters-<pid>-*`: roots left by killed processes (on tmpfs they hold RAM)
@@ -141,8 +132,7 @@ class Refresher:
 
     @classmethod
     def from_settings(cls, engine, adapter_name: str, settings: RefreshSettings, own=None, base_weights=None):
-        """Built from the refresh section and the mode's own sub-section (`own`); `base_weights`: the
-        trainer's, for a mode that needs them."""
+        """From the refresh section, the mode's own sub-section (`own`) and the trainer's base weights."""
         return cls(engine, adapter_name, settings.bucket_mb)
 
     @property
@@ -161,17 +151,14 @@ class Refresher:
         raise NotImplementedError
 
     def engine_memory_resumed(self, tags: list[str]) -> None:
-        """The engine released `tags` (SGLang's) for the update and took them back; a mode whose
-        engine state did not survive re-sends it at the next refresh."""
+        """The engine released `tags` for the update and took them back: lost state is re-sent next refresh."""
 
     def _stage(self, adapter: FlatAdapter, device, record: RefreshRecord, clock: Clock) -> FlatAdapter:
-        """The adapter in the engine's dtype on `device`, in a new buffer filled bucket by bucket (a
-        bucket is a run of whole tensors: the names are sorted, so each is one contiguous range);
-        one record row per bucket. Pinned host memory when it goes to the host (a faster copy)."""
+        """The adapter in the engine's dtype on `device`, a new buffer filled bucket by bucket (sorted names:
+        each bucket is one contiguous range), one record row each; pinned when it goes to the host."""
         src = adapter.buffer
         to_host = torch.device(device).type == "cpu" and src.is_cuda
-        out = torch.empty(src.numel(), dtype=self.engine.adapter_dtype or src.dtype, device=device,
-                          pin_memory=to_host)
+        out = torch.empty(src.numel(), dtype=self.engine.adapter_dtype or src.dtype, device=device, pin_memory=to_host)
         start = 0
         for i, bucket in enumerate(pack_buckets(list(adapter.tensors.items()), self.bucket_bytes)):
             n = sum(t.numel() for _, t in bucket)
@@ -189,7 +176,6 @@ class Refresher:
 class FileRefresh(Refresher):
     mode = "file"
     help = "write a PEFT dir (tmpfs when available), unload, load by path"
-
     Settings = FileSettings
 
     def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, tmp_dir: str = ""):
@@ -206,7 +192,8 @@ class FileRefresh(Refresher):
         host = self._stage(adapter, "cpu", record, clock)  # one device->host copy, engine dtype
         path = host.save_peft_dir(self.root / f"{self.adapter_name}-{record.version:06d}")
         clock.lap("write")
-        _unload_if_loaded(self.engine, self.adapter_name)
+        with suppress(AdapterNotLoaded):   # the first refresh: nothing loaded yet
+            self.engine.unload_adapter(self.adapter_name)
         clock.lap("unload")
         try:
             self.engine.load_adapter(self.adapter_name, path, version=adapter.version)
@@ -230,16 +217,16 @@ class TensorRefresh(Refresher):
         clock = Clock(record.parts)
         # CUDA-IPC needs GPU tensors: a CPU tensor would fail (or be copied) inside the engine
         staged = self._stage(adapter, self.engine.device, record, clock)
-        _unload_if_loaded(self.engine, self.adapter_name)
+        with suppress(AdapterNotLoaded):
+            self.engine.unload_adapter(self.adapter_name)
         clock.lap("unload")
         self.engine.load_adapter_tensors(self.adapter_name, staged)
         clock.lap("load")
 
 
 class InPlaceRefresh(TensorRefresh):
-    """Load once, then overwrite the engine's resident copy of the adapter in place. The engine keeps
-    the adapter's name, slot and scaling, so the LoRA config (rank, alpha, target modules) must stay
-    the same; a changed config is refused by the engine and `tensor` is the way to change it."""
+    """Load once, then overwrite the engine's resident copy in place: the engine keeps its name, slot and
+    scaling, so the LoRA config must stay the same (the engine refuses a change; `tensor` can change it)."""
     mode = "inplace"
     help = "load once, then write new values into the engine's resident adapter (SGLang: its GPU LoRA pool)"
     needs = (UpdatesAdapterInPlace,)
@@ -264,8 +251,7 @@ class MergedRefresh(Refresher):
         if base_weights is None:
             raise ValueError("refresh.mode=merged needs the trainer's base weights (base_weights=...)")
         self.base_weights = base_weights
-        # only the adapted layers change between refreshes; every weight (an earlier run in this engine
-        # may have merged others) is pushed with the first refresh and after the weights were released
+        # every weight (an earlier run may have merged others) on the first push and after a release
         self._push_every_weight = True
 
     @classmethod
@@ -291,13 +277,11 @@ class MergedRefresh(Refresher):
             self.engine.update_weights(bucket, flush_cache=last, version=adapter.version if last else None)
             nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
             record.nbytes += nbytes
-            record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": nbytes,
-                                   "seconds": clock.lap("push")})
+            record.buckets.append({"bucket": i, "tensors": len(bucket), "bytes": nbytes, "seconds": clock.lap("push")})
         self._push_every_weight = False   # only after every bucket arrived
 
 
 class NoRefresh(TensorRefresh):
-    """Stale-adapter control: load the first adapter, then never update the engine again."""
     mode = "none"
     help = "the stale-adapter control: load the first adapter once, never update it"
     keeps_engine_fresh = False
@@ -313,8 +297,7 @@ REFRESH_MODES: dict[str, type[Refresher]] = {cls.mode: cls for cls in
 
 
 def refresh_settings(mode: str, bucket_mb: float = 64.0, **own) -> RefreshSettings:
-    """The refresh section for `mode` with its own settings (`own`, e.g. tmp_dir for file) set, for
-    code that builds a refresher without a run config (tests, benchmarks, notebooks)."""
+    """The refresh section for `mode` with its own settings (`own`, e.g. tmp_dir), without a run config."""
     if mode not in REFRESH_MODES:
         raise ValueError(f"refresh.mode={mode!r}: use one of {sorted(REFRESH_MODES)}")
     settings = RefreshSettings(mode=mode, bucket_mb=bucket_mb)
@@ -327,10 +310,8 @@ def refresh_settings(mode: str, bucket_mb: float = 64.0, **own) -> RefreshSettin
 
 
 def make_refresher(settings: RefreshSettings | str, engine, adapter_name: str, base_weights=None) -> Refresher:
-    """The refresher `settings` chooses (the refresh section, or a mode's name with default settings),
-    built from its own settings (and the trainer's base weights, which only merged uses)."""
+    """The refresher `settings` (the refresh section, or a mode's name) chooses, built from its own settings."""
     if isinstance(settings, str):
         settings = refresh_settings(settings)
-    cls = REFRESH_MODES[settings.mode]
-    return cls.from_settings(engine, adapter_name, settings, settings.subsections.get(settings.mode),
-                             base_weights=base_weights)
+    return REFRESH_MODES[settings.mode].from_settings(engine, adapter_name, settings,
+                                                      settings.subsections.get(settings.mode), base_weights)

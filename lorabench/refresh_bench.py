@@ -1,6 +1,5 @@
-"""Refresh latency per method (file / tensor / inplace / merged), bucket size and LoRA rank, on a real
-engine, next to the physical floor: the bytes moved at the measured copy bandwidth (notebook 02;
-benchmarks/refresh_sweep.py sweeps with it).
+"""Refresh latency per method, bucket size and LoRA rank on a real engine, next to the physical
+floor: the bytes moved at the measured copy bandwidth (notebook 02, benchmarks/refresh_sweep.py).
 
     engine = start_engine(cfg, model_path)              # a scratch engine: merged overwrites its weights
     model = adapter_model(model_path, rank=16)          # a scratch trainer-side adapter of that size
@@ -15,9 +14,7 @@ otherwise (`torch_threads` says why):
 `bytes`, `buckets`, `parts` and `total_s` are the (lower) median call's; `first_request_s` is the
 median of the request after each refresh (one prompt, one greedy token) and `end_to_end_s` of call
 + request, the refresh as a rollout sees it; `samples` holds every repeat. Parts are the
-refresher's (refresh.py) after the policy's `snapshot`: file = stage (to the host) + write + unload +
-load; tensor = stage + unload + load; inplace = write (after its first, loading refresh); merged =
-merge + push (stage and push per bucket).
+refresher's (refresh.py) after the policy's `snapshot`.
 """
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ FIRST_REQUEST = list(range(10, 42))   # 32 prompt token ids every model's vocabu
 
 
 def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
-    """Copy bandwidth in GB/s (1e9 bytes/s): bytes of one tensor / best time of `dst.copy_(src)`.
-    One copy reads and writes each byte once, so bytes / bandwidth is the time to move them once."""
+    """Copy bandwidth in GB/s: bytes of one tensor / best time of `dst.copy_(src)` (each byte moved once)."""
     n = megabytes * 2**20 // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
@@ -66,8 +62,7 @@ def floor_seconds(nbytes: int, bandwidth_gbps: float) -> float:
 
 def adapter_model(model_path: str, rank: int, seed: int = 0, target_modules="all-linear",
                   dtype: str = "float32", device: str = "cpu"):
-    """A trainer-side PEFT model with a rank-`rank` LoRA on `target_modules` and a non-zero lora_B
-    (seeded noise), i.e. an adapter of the size a trained one has."""
+    """A trainer-side PEFT model with a rank-`rank` LoRA and a seeded non-zero lora_B: a trained adapter's size."""
     from peft import LoraConfig
 
     from .models import load_model, with_lora
@@ -83,9 +78,8 @@ def adapter_model(model_path: str, rank: int, seed: int = 0, target_modules="all
 
 @contextmanager
 def torch_threads(threads: int | None):
-    """torch's CPU thread count set to `threads` inside the block (None: left as it is), restored after.
-    One thread keeps CPU timings steady on a shared machine: torch waits for the last of its threads,
-    and one that loses its core stalls the whole operation (notebook 02 measures both)."""
+    """torch's CPU thread count set to `threads` inside the block (None: as it is). One thread keeps CPU
+    timings steady on a shared machine: torch waits for the last of its threads (notebook 02)."""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -97,36 +91,43 @@ def torch_threads(threads: int | None):
 
 def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: int = 3, warmup: int = 1,
                     adapter_name: str = "bench", threads: int | None = 1) -> dict:
-    """Refreshes of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` as one row (the module
-    docstring lists its keys), with `threads` torch threads (None: as set). Like the policy it makes
-    the LoRA weights views of one flat buffer, re-binding them: pass a scratch model (`adapter_model`),
-    not a live trainer's, whose optimizer would lose its parameters."""
-    from .policy import LoraLayers
+    """Refreshes of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` as one row. It re-binds
+    the LoRA weights as views of one flat buffer: pass a scratch model (`adapter_model`), not a trainer's."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least one timed refresh")
-    layers = LoraLayers(peft_model, flatten=True)  # as the policy keeps them
+    with _scratch_refresher(engine, peft_model, mode, bucket_mb, adapter_name) as (layers, refresher), \
+            torch_threads(threads) as used:
+        records, first_requests = _timed_refreshes(engine, layers, refresher, warmup, repeats)
+    return {**_meta(engine, peft_model, mode, bucket_mb, repeats), "threads": used, **_row(records, first_requests)}
+
+
+@contextmanager
+def _scratch_refresher(engine, peft_model, mode: str, bucket_mb: float, adapter_name: str):
+    """(layers, refresher) for `peft_model`'s adapter, its LoRA weights views of one flat buffer as the
+    policy keeps them; after the block the refresher is closed and the adapter unloaded."""
+    from .policy import LoraLayers
+    layers = LoraLayers(peft_model, flatten=True)
     refresher = make_refresher(refresh_settings(mode, bucket_mb), engine, adapter_name,
                                base_weights=base_weights(peft_model) if mode == "merged" else None)
     try:
-        with torch_threads(threads) as used:
-            records, first_requests = _timed_refreshes(engine, layers, refresher, warmup, repeats)
+        yield layers, refresher
     finally:
         refresher.close()
         with suppress(AdapterNotLoaded):
             if mode != "merged":
                 engine.unload_adapter(adapter_name)
-    row = _row(records, first_requests)
+
+
+def _meta(engine, peft_model, mode: str, bucket_mb: float, repeats: int) -> dict:
     return {"engine": getattr(engine, "name", type(engine).__name__), "device": str(getattr(engine, "device", "")),
-            "mode": mode, "rank": int(peft_model.peft_config["default"].r), "bucket_mb": bucket_mb,
-            "repeats": repeats, "threads": used, **row}
+            "mode": mode, "rank": int(peft_model.peft_config["default"].r), "bucket_mb": bucket_mb, "repeats": repeats}
 
 
-def _timed_refreshes(engine, layers, refresher, warmup: int, repeats: int,
-                     first_version: int = 0) -> tuple[list, list[float]]:
-    """`warmup` untimed then `repeats` timed refreshes (adapter versions from `first_version` on), each
-    followed by one request (one prompt, one greedy token) with what the refresh made current."""
+def _timed_refreshes(engine, layers, refresher, warmup: int, repeats: int, first_version: int = 0):
+    """`warmup` untimed then `repeats` timed refreshes (versions from `first_version`), each followed by
+    one request (one prompt, one greedy token): (records, first request seconds)."""
     records, first_requests = [], []
     for i in range(warmup + repeats):
         clock = Clock()
@@ -157,8 +158,7 @@ def _row(records, first_requests: list[float]) -> dict:
 
 # --- the sweeps of notebook 02 -------------------------------------------------------------------------
 def merged_push_tensors(peft_model) -> list[tuple[str, torch.Tensor]]:
-    """What a merged refresh pushes after its first: the adapted layers' weights (plain names, the
-    base weights' shapes and dtype; views, no copy)."""
+    """What a merged refresh pushes after its first: the adapted layers' base weights (views)."""
     from .policy import LoraLayers
     base = base_weights(peft_model)
     modules = sorted({split_lora_key(name)[0] for name in LoraLayers(peft_model).layout.names})
@@ -171,9 +171,8 @@ def push_count(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> int:
 
 
 def _smallest_bucket(named, most: int) -> int:
-    """The smallest bucket (bytes) that packs `named` in at most `most` pushes, and at least the
-    smallest tensor (a bucket that holds one whole tensor). The count never grows with the bucket
-    size (a larger bucket ends each of its pushes no earlier), so a bisection finds it."""
+    """The smallest bucket (bytes, >= the smallest tensor) that packs `named` in at most `most` pushes;
+    the count never grows with the bucket size, so a bisection finds it."""
     sizes = [t.numel() * t.element_size() for _, t in named]
     low, high = min(sizes), sum(sizes)
     while low < high:
@@ -192,8 +191,7 @@ def _round_up(mb: float) -> float:
 
 
 def push_curve(named: list[tuple[str, torch.Tensor]], points: int = 160) -> list[tuple[float, int]]:
-    """(bucket MB, pushes) on a log grid from half the smallest tensor to twice all of them: the
-    count a merged push of `named` takes at every bucket size."""
+    """(bucket MB, pushes of `named`) on a log grid from half the smallest tensor to twice all of them."""
     sizes = [t.numel() * t.element_size() / 2**20 for _, t in named]
     low, high = min(sizes) / 2, 2 * sum(sizes)
     grid = [low * (high / low) ** (i / (points - 1)) for i in range(points)]
@@ -201,8 +199,8 @@ def push_curve(named: list[tuple[str, torch.Tensor]], points: int = 160) -> list
 
 
 def _reachable_counts(named, points: int) -> dict[int, float]:
-    """Push count -> the smallest bucket (MB) that reaches it, for at least `points` counts where the
-    tensors allow that many: targets spread evenly on a log scale, more of them until enough differ."""
+    """Push count -> the smallest bucket (MB) reaching it, for at least `points` counts where possible:
+    targets spread evenly on a log scale, more of them until enough differ."""
     most, reach, tried = len(named), {}, set()
     for n in range(max(points, 2), 2 * most + 2):
         for i in range(n):
@@ -217,9 +215,9 @@ def _reachable_counts(named, points: int) -> dict[int, float]:
 
 
 def distinct_push_buckets(named: list[tuple[str, torch.Tensor]], points: int) -> list[float]:
-    """Up to `points` bucket sizes (MB, ascending), each giving a merged push of `named` a different
-    number of pushes, from one tensor per push to a single push, spread evenly on a log scale. Each
-    is the smallest size that reaches its count, rounded up to two digits where that keeps the count."""
+    """Up to `points` bucket sizes (MB, ascending), each giving a different push count of `named`, from
+    one tensor per push to one push, even on a log scale; each the smallest reaching its count, rounded
+    up to two digits where that keeps the count."""
     reach = _reachable_counts(named, points)
     most, picked = len(named), []
     for i in range(min(points, len(reach))):
@@ -233,42 +231,36 @@ def distinct_push_buckets(named: list[tuple[str, torch.Tensor]], points: int) ->
 
 
 def measure_many(engine, points: list[tuple], repeats: int, progress=None, threads: int | None = 1) -> list[dict]:
-    """measure_refresh for each (peft_model, mode, bucket_mb) in `points`, in order; `progress(done,
-    total)` after each (a lesson's progress display)."""
+    """measure_refresh for each (peft_model, mode, bucket_mb) in `points`; `progress(done, total)` after each."""
     rows = []
-    for i, (model, mode, bucket_mb) in enumerate(points):
+    for model, mode, bucket_mb in points:
         rows.append(measure_refresh(engine, model, mode, bucket_mb, repeats, threads=threads))
         if progress is not None:
-            progress(i + 1, len(points))
+            progress(len(rows), len(points))
     return rows
 
 
 def rank_sweep(engine, model_path: str, ranks, bucket_mb: float, repeats: int, dtype: str = "float32",
                modes=MODES, progress=None, threads: int | None = 1) -> list[dict]:
-    """Every mode at every LoRA rank, one scratch trainer-side model per rank (built, measured, freed);
-    merged last at each rank (it overwrites the engine's base weights: the timings stay valid, the
-    engine's generations do not). `progress(done, total)` after each (mode, rank)."""
+    """Every mode at every LoRA rank, one scratch model per rank; merged last at each rank (it overwrites
+    the engine's base weights: timings stay valid, generations do not). `progress(done, total)` after each."""
     order = sorted(modes, key=lambda m: m == "merged")
-    rows, total = [], len(ranks) * len(order)
+    rows = []
     for rank in ranks:
         model = adapter_model(model_path, rank, dtype=dtype, device=str(getattr(engine, "device", "cpu")))
         for mode in order:
             rows.append(measure_refresh(engine, model, mode, bucket_mb, repeats, threads=threads))
             if progress is not None:
-                progress(len(rows), total)
+                progress(len(rows), len(ranks) * len(order))
         del model
     return rows
 
 
 def thread_probe(engine, peft_model, thread_counts, repeats: int = 10, progress=None) -> list[dict]:
-    """In-place refreshes end to end at each torch thread count, one row per count (as measure_refresh
-    makes them). The counts take turns, one timed refresh each per round, so a changing load favours
-    none of them. `progress(done, total)` after each round."""
-    from .policy import LoraLayers
-    layers = LoraLayers(peft_model, flatten=True)  # as the policy keeps them
-    refresher = make_refresher(refresh_settings("inplace", 64.0), engine, "threads")
+    """In-place refreshes at each torch thread count, one row per count (as measure_refresh's). The counts
+    take turns, one timed refresh per round, so a changing load favours none. `progress` after each round."""
     timed = {n: ([], []) for n in thread_counts}
-    try:
+    with _scratch_refresher(engine, peft_model, "inplace", 64.0, "threads") as (layers, refresher):
         with torch_threads(thread_counts[0]):   # untimed: the first refresh loads the adapter
             _timed_refreshes(engine, layers, refresher, warmup=1, repeats=0)
         for round_ in range(repeats):
@@ -280,19 +272,13 @@ def thread_probe(engine, peft_model, thread_counts, repeats: int = 10, progress=
                 timed[n][1].extend(firsts)
             if progress is not None:
                 progress(round_ + 1, repeats)
-    finally:
-        refresher.close()
-        with suppress(AdapterNotLoaded):
-            engine.unload_adapter("threads")
-    meta = {"engine": getattr(engine, "name", type(engine).__name__), "device": str(getattr(engine, "device", "")),
-            "mode": "inplace", "rank": int(peft_model.peft_config["default"].r), "bucket_mb": 64.0, "repeats": repeats}
+    meta = _meta(engine, peft_model, "inplace", 64.0, repeats)
     return [{**meta, "threads": n, **_row(*timed[n])} for n in thread_counts]
 
 
 def steadiest_threads(rows, tolerance: float = 0.1) -> int:
-    """The thread count to time with, from thread_probe's rows: the fewest threads whose upper quartile
-    end to end (typical time and spread in one number, one slow repeat not deciding it) is within
-    `tolerance` of the lowest. Fewer threads win a near tie: they have fewer cores to wait for."""
+    """The fewest threads (thread_probe's rows) whose upper-quartile end to end time is within `tolerance`
+    of the lowest: fewer threads win a near tie, having fewer cores to wait for."""
     from .viz import end_to_end_ms, quartiles
     upper = {r["threads"]: quartiles(end_to_end_ms(r))[2] for r in rows}
     best = min(upper.values())
@@ -319,17 +305,14 @@ def engine_label(engine) -> str:
 
 
 def load_label() -> str:
-    """The machine's load as a measurement ends, for a figure's title: the 1-minute load average and
-    the CPUs this process may use (timings at a load above the CPU count shared their cores)."""
+    """The 1-minute load average and the CPUs this process may use, for a figure's title."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"load average {os.getloadavg()[0]:.1f} on {cpus} CPUs"
 
 
 def fastest_copy_bandwidth(device: str = "cpu", sizes_mb=(1, 16, 256)) -> tuple[float, int]:
-    """(GB/s, MB): the fastest of measure_bandwidth at each size in `sizes_mb`, with one torch thread
-    and with the current count, and the size it was measured at. A floor must bound every size a
-    lesson moves: a copy that fits in the CPU's caches runs several times faster than one from
-    memory, and a GPU's small copy pays its launch. Small copies (microseconds) are repeated more."""
+    """(GB/s, MB): the fastest measure_bandwidth over `sizes_mb`, with one torch thread and the current count,
+    and its size. A floor must bound every size moved: a copy within the CPU caches runs several times faster."""
     measured = {}
     for mb in sizes_mb:
         for threads in sorted({1, torch.get_num_threads()}):

@@ -1,23 +1,18 @@
 """Settings: how a component declares what can be set, and how sections are read and explained.
 
-Each component defines its settings as a dataclass next to its code (a *section*): the policy's
-`lora`, the trainer's `grpo`, the data's `data`, an engine's `engine.<backend>`, a refresh mode's
-`refresh.<mode>`; the session composes them into the run config (session/config.py). Every field is
-made with `setting()`: a default, a help text (what it does, why the default is what it is) and
-what a continued run may do with it:
+Each component defines its settings as a dataclass next to its code (a *section*: `lora`, `grpo`,
+`engine.<backend>`, `refresh.<mode>`, ...); session/config.py composes them. Every field is made with
+`setting()`: a default, a help text and what a continued run may do with it:
 
     r: int = setting(16, "LoRA rank.", resume=REFUSED, why=ADAPTER)
 
 `resume=ALLOWED` (how long, how fast, where, how it is served or logged) or `REFUSED` (what defines
-the experiment: model, adapter shape, data, sampling, objective), with `why` in one clause;
-session/compat.py reads these and nothing else. A section validates itself in `problems()` (each
-problem a fix-it line); a section whose parts come from a registry (engine backends, refresh
-modes) lists them in `parts()`, one sub-section each (`engine.sglang`, `refresh.file`).
+the experiment), `why` in one clause; session/compat.py reads these and nothing else. A section
+validates itself in `problems()` (fix-it lines) and lists registry sub-sections in `parts()`.
 
-Values arrive as text (overrides, `grpo.lr=3e-4`), converted to the field's type here, or typed from
-TOML/JSON files, where a value must already have the field's type (`check_types`: `steps = "30"` or
-`steps = 2.0` is refused, as TOML and JSON can say 30); either way a refusal names the field, where
-the value came from and how to write it.
+Values arrive as text (overrides), converted here, or typed from TOML/JSON files, where a value must
+already have the field's type (`check_types`: `steps = "30"` is refused); a refusal names the field,
+where the value came from and how to write it.
 """
 from __future__ import annotations
 
@@ -53,9 +48,8 @@ def check(condition: bool, message: str) -> list[str]:
 
 
 class Section:
-    """Base of a settings section. `parts()` names its sub-sections (from a registry, read when the
-    section is built, so a part registered later is picked up); they are reachable as attributes
-    (`cfg.engine.sglang`) and kept in `self.subsections`."""
+    """Base of a settings section. `parts()` names its sub-sections (read from a registry when built, so a
+    part registered later is picked up), kept in `self.subsections` and reachable as attributes."""
 
     @classmethod
     def parts(cls) -> dict[str, type]:
@@ -68,18 +62,15 @@ class Section:
         return []
 
     def __getattr__(self, name: str):
-        subsections = self.__dict__.get("subsections", {})
-        if name in subsections:
+        if name in (subsections := self.__dict__.get("subsections", {})):
             return subsections[name]
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
 def build(cls, values: dict, where: str, prefix: str, suggest=lambda prefix, key: "", origin=None):
-    """An instance of section `cls` (dotted name `prefix`) from `values`: its fields and sub-section
-    tables, each value converted to its field's type. `suggest(prefix, key)` adds a "did you mean" to
-    an unknown key; `origin(dotted key)`, where that key's value came from (a file, an override),
-    replaces `where`'s source in the messages. Validation is the composing config's (problems() of
-    every section, then across)."""
+    """Section `cls` (dotted name `prefix`) from `values`, each converted to its field's type. `suggest(prefix,
+    key)`: a "did you mean" for an unknown key; `origin(dotted key)`: that value's source, for the messages.
+    Validation is the composing config's."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a table/object, got {shown(values)}")
     parts, names = cls.parts(), {f.name for f in dataclasses.fields(cls)}
@@ -87,8 +78,7 @@ def build(cls, values: dict, where: str, prefix: str, suggest=lambda prefix, key
     if unknown:
         valid = sorted(names) + [f"{p}.*" for p in parts]
         at = f"{origin(f'{prefix}.{min(unknown)}')}: {prefix}" if origin else where
-        raise ConfigError(f"{at}: unknown key(s) {sorted(unknown)}{suggest(prefix, min(unknown))}; valid keys: "
-                          f"{valid}")
+        raise ConfigError(f"{at}: unknown key(s) {sorted(unknown)}{suggest(prefix, min(unknown))}; valid keys: {valid}")
     hints = typing.get_type_hints(cls)
     section = cls(**{k: convert(v, hints[k], f"{origin(f'{prefix}.{k}')}: {prefix}.{k}" if origin else f"{where}.{k}")
                      for k, v in values.items() if k in names})
@@ -98,10 +88,8 @@ def build(cls, values: dict, where: str, prefix: str, suggest=lambda prefix, key
 
 
 def check_types(cls, values, where: str) -> None:
-    """Values of section `cls` read from a TOML/JSON file (`where`: 'FILE: grpo'), which carry their
-    type: each must already be its field's (an int for an int, a number for a float, true/false,
-    a string, a list of strings), or ConfigError says how to write it; a section must be a table
-    (absent, None: the defaults). Unknown keys are left to build(), which suggests the key meant."""
+    """Values of section `cls` from a TOML/JSON file (`where`: 'FILE: grpo'): each must already have its
+    field's type, or ConfigError says how to write it (None: the defaults; unknown keys: build's)."""
     if values is None:
         return
     if not isinstance(values, dict):
@@ -131,14 +119,12 @@ def _type_problem(value, typ) -> str | None:
         return f"{what}; write a string or a list of strings, e.g. [\"q_proj\", \"v_proj\"]"
     if typ is bool:
         return None if isinstance(value, bool) else f"{_kind(value)}, not a boolean; write true or false (no quotes)"
+    number = not isinstance(value, bool) and isinstance(value, int if typ is int else (int, float))
     if typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return None
-        return f"{_kind(value)}, not a whole number; write one without quotes or a decimal point, e.g. 8"
+        return None if number else f"{_kind(value)}, not a whole number; write one without quotes or a decimal " \
+                                   f"point, e.g. 8"
     if typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return None
-        return f"{_kind(value)}, not a number; write one without quotes, e.g. 1e-3"
+        return None if number else f"{_kind(value)}, not a number; write one without quotes, e.g. 1e-3"
     if typ is str:
         return None if isinstance(value, str) else f"{_kind(value)}, not a string; put it in quotes"
     return None
@@ -179,9 +165,7 @@ def default_of(f: dataclasses.Field):
 
 
 def value_problems(section, prefix: str) -> list[str]:
-    """Values of the right type that are never a setting: inf and nan (they parse as floats in TOML,
-    JSON and an override), and text with a NUL character (no path, name or mode holds one; a path
-    with one fails in the OS call that first uses it)."""
+    """Values of the right type that are never a setting: inf and nan, and text with a NUL character."""
     found = [f"{key}={value}: must be a finite number (the default is {default_of(f)})"
              for key, f, value in walk(section, prefix) if isinstance(value, float) and not math.isfinite(value)]
     return found + [f"{key}={value!r} contains a NUL character; no setting can hold one: remove it"
@@ -213,8 +197,7 @@ def _string_or_list(value, where: str):
         try:
             return [str(v) for v in json.loads(value)]
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{where}: {value!r} is not a JSON list ({err}); write e.g. "
-                              f'["q_proj","v_proj"]') from err
+            raise ConfigError(f'{where}: {value!r} is not a JSON list ({err}); write e.g. ["q_proj","v_proj"]') from err
     if isinstance(value, str) and "," in value:
         return [v.strip() for v in value.split(",") if v.strip()]
     return str(value)
@@ -242,9 +225,8 @@ def _number(value, typ, where: str):
 
 
 class JSONObject(dict):
-    """json.loads' object_pairs_hook (`JSONObject.of`): an object that remembers its first key given
-    twice. json keeps the last one silently, so one of the two values a user wrote would be dropped
-    unseen; TOML refuses such a file, and so does lorabench for JSON (`given_twice`, `unique_keys`)."""
+    """json.loads' object_pairs_hook (`JSONObject.of`) remembering the first key given twice: json keeps the
+    last silently, TOML refuses it, and so does lorabench (`given_twice`, `unique_keys`)."""
     twice: tuple = ()
 
     @classmethod
@@ -283,8 +265,7 @@ def closest(name: str, candidates: list[str]) -> str | None:
 
 
 def describe_section(cls, prefix: str) -> list[str]:
-    """`--help-config` lines for a section class and its parts: key = default, then the help text
-    and what a continued run may do with it."""
+    """`--help-config` lines for a section class and its parts: key = default, help, what resume may do."""
     lines = [f"[{prefix}]"]
     for f in dataclasses.fields(cls):
         resume = "may change on resume" if f.metadata["resume"] == ALLOWED else "fixed for a run"
@@ -296,8 +277,7 @@ def describe_section(cls, prefix: str) -> list[str]:
 
 
 def path_component_problem(value: str) -> str | None:
-    """Why `value` cannot be one name inside a directory (a run dir name, an adapter name), or None.
-    A name is a name, not a path: no '/', not '.' or '..', not hidden, printable, UTF-8, <= 255 bytes."""
+    """Why `value` cannot be one name inside a directory (a run dir, an adapter), or None."""
     if not value.strip():
         return "is empty"
     if "/" in value or "\\" in value:

@@ -1,16 +1,11 @@
-"""The tiny offline model: a real Qwen3-architecture causal LM (~2.5M params: hidden 256, 4 layers,
-GQA 4/2 heads) with a byte-level BPE tokenizer trained here on generated GSM8K-style text and Qwen's
-chat special tokens (<|im_start|>, <|im_end|>, <|endoftext|>), warm-started (SFT) on generated
-problems so GRPO starts from rewards that are neither 0 nor 1.
+"""The tiny offline model: a real Qwen3-architecture causal LM (~2.5M params) with a byte-level BPE
+tokenizer trained here on generated GSM8K-style text and Qwen's chat special tokens, warm-started
+(SFT) on generated problems so GRPO starts from rewards that are neither 0 nor 1.
 
-It is saved as an ordinary Hugging Face model dir, so transformers, PEFT and SGLang load it like
-Qwen/Qwen3-0.6B, and cached by its recipe (architecture, tokenizer, seed, warm-start settings):
-`tiny_model_dir()` builds it once, atomically, then returns the cached dir. Every call first removes
-the build temps of killed builders (any recipe's), so a SIGKILLed build leaves nothing for good.
-
-The warm-start teaches the arithmetic but mostly ends answers with 'The answer is N.', '= N' or the
-bare number; only `strict_format_fraction` of targets end with '#### N', so the strict reward has
-a format for GRPO to discover.
+Saved as an ordinary Hugging Face model dir (transformers, PEFT and SGLang load it like Qwen3-0.6B)
+and cached by its recipe: `tiny_model_dir()` builds it once, atomically, first removing the temps of
+killed builders. Only `strict_format_fraction` of warm-start targets end with '#### N', so the strict
+reward has a format for GRPO to discover.
 """
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ _RECIPE = "it is part of the tiny base model's recipe: another value builds anot
 
 @dataclass
 class WarmStartSettings(Section):
-    """The `warmstart` section: the SFT that gives the tiny model its arithmetic (its recipe; real
-    models ignore it)."""
+    """The `warmstart` section: the tiny model's SFT (part of its recipe; real models ignore it)."""
     steps: int = setting(400, "SFT steps for the tiny model before GRPO (0 = skip; ignored for real models). "
                          "Accuracy jumps between 300 and 350 steps (docs/research_log.md).",
                          resume=REFUSED, why=_RECIPE)
@@ -67,8 +61,7 @@ def cache_root(cache_dir: str = "") -> Path:
 
 
 def build_tiny_tokenizer(out_dir: Path | None = None, seed: int = 0):
-    """Train a byte-level BPE on generated problems (well under a second) as a PreTrainedTokenizerFast; saved
-    into `out_dir` when given (preflight checks prompt lengths with one kept in memory)."""
+    """A byte-level BPE trained on generated problems (under a second), saved into `out_dir` if given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -115,8 +108,7 @@ def tiny_cache_path(cache_dir: str, warmstart, seed: int) -> Path:
 
 
 def tiny_tokenizer(cache_dir: str, warmstart, seed: int):
-    """The tiny model's tokenizer without building the model: the cached one, else built in memory
-    (the same training run on the same corpus)."""
+    """The tiny model's tokenizer without the model: the cached one, else the same one built in memory."""
     final = tiny_cache_path(cache_dir, warmstart, seed)
     if (final / "config.json").is_file():
         from transformers import AutoTokenizer  # not models.load_tokenizer: models imports this module
@@ -125,8 +117,7 @@ def tiny_tokenizer(cache_dir: str, warmstart, seed: int):
 
 
 def tiny_model_dir(cache_dir: str, warmstart, seed: int, log=print, progress=None) -> Path:
-    """Path of the warm-started tiny model, built on first use and cached by its recipe.
-    `progress(what, done, total)`, if given, is called at each warm-start step (`warm_start`)."""
+    """The warm-started tiny model's dir, built on first use (`progress` at each warm-start step)."""
     recipe = tiny_recipe(warmstart, seed)
     final = tiny_cache_path(cache_dir, warmstart, seed)
     remove_dead_dir_temps(final.parent)
@@ -148,8 +139,8 @@ def sft_batch(tokenizer, problems, rng, strict_fraction):
     seqs, labels = [], []
     for p in problems:
         prompt = prompt_ids(tokenizer, p.messages)
-        completion = tokenizer(warmstart_completion(p, rng, strict_fraction), add_special_tokens=False)["input_ids"]
-        completion = completion + [tokenizer.eos_token_id]
+        completion = [*tokenizer(warmstart_completion(p, rng, strict_fraction), add_special_tokens=False)["input_ids"],
+                      tokenizer.eos_token_id]
         seqs.append(prompt + completion)
         labels.append([-100] * len(prompt) + completion)
     width = max(map(len, seqs))
@@ -162,9 +153,8 @@ def sft_batch(tokenizer, problems, rng, strict_fraction):
 
 
 def warm_start(model, tokenizer, cfg, seed: int, log=print, progress=None) -> list[float]:
-    """Full-parameter SFT for cfg.steps steps (AdamW, linear warm-up, cosine decay). Returns the loss curve.
-    `progress("warm-start", done, total)` after every step, for a progress display (the log gets a
-    line every 50 steps)."""
+    """Full-parameter SFT for cfg.steps steps (AdamW, linear warm-up, cosine decay): the loss curve.
+    `progress("warm-start", done, total)` after every step; a log line every 50."""
     rng = random.Random(f"warmstart-{seed}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device).train()
@@ -186,7 +176,6 @@ def warm_start(model, tokenizer, cfg, seed: int, log=print, progress=None) -> li
         if progress is not None:
             progress("warm-start", step + 1, cfg.steps)
         if (step + 1) % 50 == 0 or step == 0:
-            log(f"warm-start step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  "
-                f"({time.perf_counter() - t0:.0f}s)")
+            log(f"warm-start step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  ({time.perf_counter() - t0:.0f}s)")
     model.to("cpu").eval()
     return losses

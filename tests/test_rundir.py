@@ -93,6 +93,7 @@ def run_dir(finished_run, tmp_path):
     (["lora.r=8"], ["lora.r 16 -> 8", "adapter's shape"]),
     (["grpo.lr=0.1"], ["grpo.lr 0.001 -> 0.1", "optimizer state: a new value would silently not apply"]),
     (["data.source=data/gsm8k_sample.jsonl"], ["data.source 'synthetic' -> 'data/gsm8k_sample.jsonl'", "data stream"]),
+    (["refresh.mode=none"], ["refresh.mode 'tensor' -> 'none'", "the stale control serves another adapter"]),
 ])
 def test_resume_with_a_forbidden_override(run_dir, capsys, overrides, needles):
     """Refused before anything is written (config.json used to be rewritten first, leaving the run

@@ -4,10 +4,8 @@
     session = RunSession.open(cfg, run_dir="runs/nb")    # checks, model, run dir, engine, trainer (run.py)
     session.trainer.step()
 
-It is the only part of lorabench that handles the whole Config: the checks before anything is
-written (preflight.py, sizes.py), what a continued run may change (compat.py), what a checkpoint
-proves it continues (fingerprint.py), and the composition itself (run.py: `start_engine`,
-`build_trainer`, `resolve_model`).
+It alone handles the whole Config: checks before writing (preflight.py, sizes.py), what a continued
+run may change (compat.py) and a checkpoint proves (fingerprint.py), and the composition (run.py).
 """
 from .config import Config, ConfigError, describe
 from .group import GroupSession

@@ -1,15 +1,11 @@
-"""The run config: the components' own sections, composed, and read from a file plus overrides.
+"""The run config: the components' own sections (settings.py), composed, read from a file plus overrides.
 
-Each section is defined next to the code it sets (settings.py says how): `model` (models.py),
-`warmstart` (tiny.py), `lora` (policy.py), `data` (data.py), `grpo` (grpo.py), `engine` with one
-sub-section per engine (engines/, e.g. `engine.sglang`), `refresh` with one per mode that has
-settings (refresh.py, e.g. `refresh.file`), `run` (runlog.py); `policies` (group.py) lists the
-policies of a policy group. This module composes them, checks what involves several at once, and
-turns files and `key=value` overrides into a Config: every default is chosen so that `lorabench
-demo` runs offline on a 2-core CPU; an invalid value raises ConfigError naming the field, the value,
-where it came from (the file, or the override) and the fix; an unknown key gets a "did you mean".
-Files are strict: UTF-8 (a BOM is accepted), a key given twice is refused in JSON as TOML refuses
-it, and every value must have its field's type (settings.check_types).
+Each section is defined next to the code it sets (SECTIONS; `engine.<backend>` and `refresh.<mode>`
+sub-sections come from their registries; `policies`, group.py, lists a policy group). Every default
+lets `lorabench demo` run offline on a 2-core CPU; an invalid value raises ConfigError naming the
+field, the value, where it came from and the fix; an unknown key gets a "did you mean". Files are
+strict: UTF-8 (a BOM is accepted), a key given twice is refused in JSON as in TOML, and every value
+must have its field's type (settings.check_types).
 """
 from __future__ import annotations
 
@@ -78,10 +74,8 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config", origins: dict[str, str] | None = None) -> Config:
-        """The config of `data` (sections as in to_dict). `origins`: {dotted key: where its value came
-        from} for the keys not from `source` (Config.load: the overrides); an invalid value is named
-        with its own source, and where some values are from `source` (a file) and some from `origins`,
-        a problem names the source of each field it names."""
+        """The config of `data` (as to_dict). `origins`: {dotted key: its source} for keys not from `source`
+        (the overrides); a problem names the source of each field it names."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a table/object of sections, got {st.shown(data)}")
         mixed = origins is not None and any(key not in origins for key in leaf_keys(data))
@@ -109,12 +103,8 @@ class Config:
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> Config:
         """A file (or the defaults) with `overrides` on top."""
-        data: dict = {}
-        if path is not None:
-            data = read_config_file(path)
-        origins = {}
-        for item in overrides:
-            origins[apply_override(data, item)] = f"override {st.shown(item)}"
+        data = read_config_file(path) if path is not None else {}
+        origins = {apply_override(data, item): f"override {st.shown(item)}" for item in overrides}
         return cls.from_dict(data, source=str(path) if path else "overrides", origins=origins)
 
 
@@ -128,9 +118,8 @@ def leaf_keys(data: dict, prefix: str = "") -> list[str]:
 
 
 def attributed(message: str, origin, keys: list[str]) -> str:
-    """`message` (a problem naming fields as 'grpo.lr=...') prefixed with where each named field's
-    value came from: 'c.toml: grpo.group_size=1: ...', or 'override 'grpo.lora_compute=bfloat16'
-    (grpo.lora_compute), c.toml (model.dtype): ...' when they came from several places."""
+    """`message` (naming fields as 'grpo.lr=...') prefixed with where each named field came from: 'c.toml:
+    ...', or "override 'grpo.lora_compute=bfloat16' (grpo.lora_compute), c.toml (model.dtype): ..."."""
     named = ["policies"] if message.startswith("policies") else [   # a policy's own value: its entry's
         k for k in keys if re.search(rf"(?<![\w.]){re.escape(k)}=", message)]
     sources: dict[str, list[str]] = {}
@@ -178,9 +167,8 @@ def _section_problems(section) -> list[str]:
 
 
 def engine_needs(cfg: Config, members: dict[str, Config] | None = None) -> EngineNeeds:
-    """What this run asks of its engine, from the lora, grpo, data and run sections; for a policy
-    group: room for every policy's adapter, the largest rank, all target modules, the K policies'
-    rollouts in one batch. `members`: cfg.members(), when the caller has built them already."""
+    """What this run asks of its engine; for a policy group: every policy's adapter, the largest rank, all
+    target modules, the K policies' rollouts in one batch. `members`: cfg.members(), if built already."""
     g, d = cfg.grpo, cfg.data
     members = cfg.members() if members is None else members
     loras = [m.lora for m in members.values()] if cfg.policies else [cfg.lora]
@@ -203,11 +191,9 @@ def flat(cfg: Config) -> dict[str, object]:
 
 def field_of(key: str) -> dataclasses.Field | None:
     """The settings field a dotted key names (None if none does)."""
-    section, _, rest = key.partition(".")
-    for name, f in st.walk_class(SECTIONS[section], section) if section in SECTIONS else ():
-        if name == key:
-            return f
-    return None
+    section = key.partition(".")[0]
+    return next((f for name, f in st.walk_class(SECTIONS[section], section) if name == key), None) \
+        if section in SECTIONS else None
 
 
 def every_key() -> list[str]:
@@ -215,8 +201,7 @@ def every_key() -> list[str]:
 
 
 def did_you_mean(prefix: str, key: str) -> str:
-    """A known synonym (learning_rate -> grpo.lr), the same key elsewhere (grpo.seed -> run.seed), else
-    the closest key of the section or of any section."""
+    """A synonym (learning_rate -> grpo.lr), the same key elsewhere (grpo.seed -> run.seed), else the closest key."""
     dotted, keys = f"{prefix}.{key}", every_key()
     if key in _SYNONYMS:
         return f" (did you mean {_SYNONYMS[key]}?)"
@@ -228,8 +213,7 @@ def did_you_mean(prefix: str, key: str) -> str:
 
 
 def apply_override(data: dict, item: str) -> str:
-    """`grpo.lr=3e-4` -> data['grpo']['lr'] = '3e-4'; `engine.sglang.tp_size=2` -> data['engine']['sglang']
-    ['tp_size'] (converted to the field's type when the section is built). Returns the dotted key."""
+    """`engine.sglang.tp_size=2` -> data['engine']['sglang']['tp_size'] = '2' (typed when built); the dotted key."""
     key, sep, value = item.partition("=")
     if key.strip() == "policies" and sep:   # a list of tables, as JSON: policies=[{"name": "r1", "lora": {"r": 1}}]
         data["policies"] = value
@@ -267,7 +251,7 @@ def read_config_file(path: str | Path) -> dict:
 
 
 def parse_config_bytes(raw: bytes, path: Path) -> dict:
-    """The sections of a config file's bytes (`path` names it and its format by suffix)."""
+    """The sections of a config file's bytes (`path`: its name and, by suffix, format)."""
     try:
         text = raw.decode("utf-8-sig")  # an editor's UTF-8 BOM is not an error
     except UnicodeDecodeError as err:

@@ -4,14 +4,12 @@
     session.trainer.step()                                    # {name: StepRecord}, one engine batch
     session.close()
 
-The group's dir holds `group.json` (the policies: names and what each sets, written once, when the
-group is made) and one ordinary run dir per policy, `GROUP/<name>`, with its own config.json (the
-policy's whole config), checkpoint, rows and lock. So a policy is resumable alone
-(`lorabench resume GROUP/<name>`, on an engine of its own) or with the others (`lorabench resume
-GROUP`). Each policy's run dir is planned, checked and continued by the same rules as any run dir
-(run.py: plan_run); the group dir itself may hold nothing else, and is refused if it is a link,
-holds anything but group.json and the policies' dirs, names other policies, or its group.json does
-not describe the policies' run dirs (check_recorded).
+The group's dir holds `group.json` (the policies' names and what each sets, written once) and one
+ordinary run dir per policy, `GROUP/<name>` (its whole config, checkpoint, rows and lock), so a policy
+is resumable alone (`lorabench resume GROUP/<name>`) or with the others (`lorabench resume GROUP`).
+Each policy's run dir follows the rules of any run dir (plan_run); the group dir is refused if it is a
+link, holds anything else, names other policies, or its group.json does not describe the policies'
+run dirs (check_recorded).
 """
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
     @classmethod
     def open(cls, cfg: Config, run_dir: str | Path | None = None, log=print, evaluate_first: bool = True):
-        """A new group in `run_dir` (or run.out_dir/run.name, or a timestamped dir), or the group
-        already there, continued (each policy's run dir by its own compatibility rules)."""
+        """A new group in `run_dir` (or run.out_dir/run.name, or a timestamped dir), or the one there, continued."""
         if not cfg.policies:
             raise ConfigError("GroupSession needs a config with policies (a policy group); a single policy is a "
                               "RunSession")
@@ -50,10 +47,9 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
     @classmethod
     def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
-        """The group in `group_dir`, each policy continued from its own run dir's effective config plus
-        `overrides` (as `lorabench resume` does for one run) and served under its name. Refused before
-        anything is written: a group.json that does not describe the policies' run dirs
-        (check_group_dir), a policy's dir missing, `engine.adapter_name` or `policies` as an override."""
+        """The group in `group_dir`, each policy continued from its run dir's effective config plus `overrides`
+        and served under its name. Refused before anything is written: a group.json that does not describe
+        the policies' run dirs, a policy's dir missing, `engine.adapter_name` or `policies` as an override."""
         from ..group import owned_key
         from ..rundir import RunDirError
         from .compat import resume_config
@@ -147,7 +143,6 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         return cls(cfg, sessions, engine, PolicyGroup(trainers, engine), root, model_path, model_seconds)
 
     def evaluate_before(self) -> dict:
-        """Each policy's step-0 held-out evaluations (RunSession.evaluate_before)."""
         self.before = {name: member.evaluate_before() for name, member in self.members.items()}
         return self.before
 
@@ -161,8 +156,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
 
 def check_group_dir(root: Path, names: list[str]) -> bool:
-    """Whether `root` already holds this group (True) or is free for it (False: absent or empty);
-    anything else is refused before anything is written, nothing in it touched."""
+    """Whether `root` holds this group (True) or is free for it (False: absent or empty); else refused."""
     from ..rundir import RunDirError
     if not os.path.lexists(root):
         return False
@@ -194,10 +188,9 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
 
 
 def check_recorded(root: Path, specs: list) -> None:
-    """group.json must describe the policies' run dirs as their config.json files were written (a
-    hand-edited group.json would print one setting while the policy trains another): a field a policy
-    sets has that value in its config.json, a field it leaves to the group has the value of every other
-    policy that leaves it, and each dir serves its own policy. A policy dir not made yet is skipped."""
+    """group.json must describe the policies' config.json files (an edited one would print one setting while
+    the policy trains another): a field a policy sets has that value there, a field it leaves to the group
+    that of every other policy leaving it, each dir serves its own policy. Dirs not made yet are skipped."""
     from ..group import owned_key
     from ..rundir import CONFIG, RunDirError
     from .compat import effective_config
@@ -232,7 +225,7 @@ def check_recorded(root: Path, specs: list) -> None:
 
 
 def read_group(root: Path) -> list:
-    """The policies `root/group.json` names (a regular file, not a link; refused if unreadable)."""
+    """The policies `root/group.json` (a regular file, not a link) names."""
     from ..group import parse_policies
     from ..rundir import RunDirError
     from ..settings import unique_keys
@@ -264,7 +257,7 @@ def read_group(root: Path) -> list:
 
 
 def write_group(root: Path, cfg: Config) -> None:
-    """group.json, once, atomically (the dir is made here if it is not there)."""
+    """group.json, once, atomically (the dir made if needed)."""
     from ..safedir import atomic_write
     root.mkdir(parents=True, exist_ok=True)
     atomic_write(root / GROUP_FILE, json.dumps({"policies": [p.to_dict() for p in cfg.policies]}, indent=1).encode(),

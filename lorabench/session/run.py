@@ -5,16 +5,11 @@
     print(session.resume_command(extra_steps=5))        # lorabench resume runs/nb grpo.steps=8
     session.close()                                     # releases engine, temp dirs and the run dir's lock
 
-The run directory has the CLI's layout (runlog.py). Like the CLI, a fresh run is evaluated on the
-held-out set before its first step (evals.jsonl, sampled then greedy): `lorabench resume` expects
-those step-0 rows.
-
-`open` validates before it writes: the run dir (plan_run: a link or an odd entry in it? another
-writer? a dir that cannot be continued? config.json and the data as its checkpoint was trained? a
-config change that is refused?), then the environment, size, model and data (preflight.py); only
-then is the model built (tiny: into its cache) and, for a continued run, compared with the
-checkpoint's fingerprint, and last the run dir is created or continued under its one-writer lock.
-A failure before that leaves the run dir byte for byte as it was, or absent.
+The run dir has the CLI's layout (runlog.py), with the step-0 held-out evals `lorabench resume` expects.
+`open` validates before it writes: the run dir (plan_run), then environment, size, model and data
+(preflight.py); then the model is built and compared with a continued run's fingerprint; last the run
+dir is created or continued under its one-writer lock. A failure before that leaves the run dir byte
+for byte as it was, or absent.
 """
 from __future__ import annotations
 
@@ -37,8 +32,7 @@ class RunPlan:
     changes: dict = field(default_factory=dict)   # the allowed changes a continued run records, once built
 
     def check_model(self, cfg: Config, model_path: str, log=print) -> dict:
-        """The experiment's fingerprint (fingerprint.py); a continued run's model must be the one its
-        checkpoint was trained on. A checkpoint without a fingerprint (an older lorabench) is noted."""
+        """The experiment's fingerprint; a continued run's model must be its checkpoint's (none recorded: noted)."""
         from .fingerprint import check_model, experiment_fingerprint
         fingerprint = experiment_fingerprint(cfg, model_path)
         checkpoint = self.continued.checkpoint if self.continued else None
@@ -52,8 +46,8 @@ class RunPlan:
         return fingerprint
 
     def open(self, cfg: Config, log=print):
-        """The run dir under its lock: config.json for a new run; a continued one is checked again under
-        the lock, and its changes wait for `record_changes`, once its checkpoint is loaded."""
+        """The run dir under its lock: config.json for a new run; a continued one checked again under the lock
+        (its changes wait for `record_changes`)."""
         from ..runlog import RunDirError, RunLog
         from ..safedir import RunDirWriteError
         from .compat import check_continuation, effective_config
@@ -87,8 +81,8 @@ class RunPlan:
         return runlog
 
     def record_changes(self, runlog, log=print) -> None:
-        """A continued run's allowed changes, appended to config_changes.jsonl once its trainer has
-        loaded and checked the checkpoint: a refusal until then leaves the run dir as it was."""
+        """A continued run's allowed changes, appended to config_changes.jsonl once its trainer has loaded and
+        checked the checkpoint: a refusal until then leaves the run dir as it was."""
         if not self.changes:
             return
         runlog.record_config_changes(self.continued.step, self.changes)
@@ -99,10 +93,9 @@ class RunPlan:
 
 
 def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
-    """A new run, or the continuation of the run already in `run_dir` (or run.out_dir/run.name),
-    which must be entered only through itself (no link, rundir.check_entries), free (no other
-    writer), readable (rundir.inspect), accept `cfg` (compat.py) and still be the experiment its
-    checkpoint was trained on (fingerprint.py: config.json and the data)."""
+    """A new run, or the continuation of the run in `run_dir` (or run.out_dir/run.name), which must have no
+    link (rundir.check_entries), no other writer, be readable (rundir.inspect), accept `cfg` (compat.py)
+    and be the experiment its checkpoint was trained on (fingerprint.py)."""
     from ..rundir import CONFIG, RunDirError, check_entries, lock_holder
     path = Path(run_dir) if run_dir else (Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None)
     if path is None or not os.path.lexists(path):
@@ -144,8 +137,7 @@ def _refuse_leftovers(path: Path) -> None:
 
 
 def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPlan:
-    """Config.json as the checkpoint was trained (a hand edit is refused), then the requested
-    changes (compat.py), then the data's bytes."""
+    """Config.json as the checkpoint was trained (no hand edit), the requested changes, the data's bytes."""
     from ..rundir import inspect
     from .compat import check_continuation, effective_config
     from .fingerprint import check_config, check_data
@@ -155,15 +147,28 @@ def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPla
     if recorded:
         check_config(recorded, effective, path, state.step)
     check_continuation(path, effective, cfg, state.step)   # refused changes end here
+    _check_stale_control(path, effective.refresh.mode, cfg.refresh.mode)
     _check_optimizer_lr(state, cfg)
     if recorded:
         check_data(recorded, cfg, path, state.step)
     return RunPlan(path, state, named_by_config=named_by_config)
 
 
+def _check_stale_control(path: Path, old: str, new: str) -> None:
+    """refresh.mode may change on resume since what the engine serves stays the same; not to or from the
+    stale control (keeps_engine_fresh false), whose engine serves another adapter than the trainer's."""
+    from ..refresh import REFRESH_MODES
+    from ..rundir import RunDirError
+    from .compat import new_run_command
+    if old != new and not (REFRESH_MODES[old].keeps_engine_fresh and REFRESH_MODES[new].keeps_engine_fresh):
+        raise RunDirError(f"{path} cannot continue with a changed refresh.mode {old!r} -> {new!r} (the stale control "
+                          f"serves another adapter than the trainer's: it defines the experiment); nothing was "
+                          f"changed. Start a new run for that ({new_run_command(path, f'refresh.mode={new}')}), or "
+                          f"continue without those overrides")
+
+
 def _check_optimizer_lr(state, cfg: Config) -> None:
-    """The optimizer state holds the learning rate it applies (grpo.lr cannot change on resume): it
-    must be the run's, or the run would go on at another one without a word."""
+    """The optimizer state's learning rate must be the run's grpo.lr, or the run would go on at another one."""
     from ..rundir import CHECKPOINT, RunDirError
     if state.checkpoint is None:
         return
@@ -175,8 +180,7 @@ def _check_optimizer_lr(state, cfg: Config) -> None:
 
 
 class _SessionLifecycle:
-    """What every session (one run, a policy group) does the same way with its trainer (which has
-    `step_count` and `close`), engine and run dir(s): the resume command, the close."""
+    """What every session (one run, a policy group) does alike: the resume command, the close."""
 
     def resume_command(self, extra_steps: int = 0) -> str:
         """The shell command that continues the run from its last checkpoint."""
@@ -211,11 +215,9 @@ class RunSession(_SessionLifecycle):
     @classmethod
     def open(cls, cfg: Config, run_dir: str | Path | None = None, log=print, evaluate_first: bool = True,
              progress=None):
-        """Check everything, build the model, then create (or continue) the run dir and build the
-        engine and trainer. A run dir that already holds a run is continued, as `lorabench resume`
-        does, if `cfg` is compatible with it (compat.py). `progress(what, done=None, total=None)`,
-        if given, hears each part as it starts (a tiny build's warm-start at every step), for a
-        notebook's progress display (progress.WaitProgress)."""
+        """Check everything, build the model, then create (or continue, as `lorabench resume`) the run dir and
+        build engine and trainer. `progress(what, done=None, total=None)` hears each part as it starts (a
+        tiny build's warm-start at every step), for a notebook's display (progress.WaitProgress)."""
         progress = progress or (lambda what, done=None, total=None: None)
         from ..rundir import check_before_evals
         from .preflight import preflight
@@ -253,8 +255,7 @@ class RunSession(_SessionLifecycle):
         return session
 
     def evaluate_before(self) -> list[dict]:
-        """The step-0 held-out evaluations (sampled, greedy): read back from evals.jsonl, or run
-        now for a new run (a continued one has them: rundir.inspect)."""
+        """The step-0 held-out evaluations (sampled, greedy): from evals.jsonl, or run now for a new run."""
         before = [e for e in self.runlog.evals() if e["step"] == 0]
         if len(before) < 2:
             before = [self.trainer.evaluate(greedy=False), self.trainer.evaluate(greedy=True)]
@@ -277,8 +278,7 @@ class RunSession(_SessionLifecycle):
 
 # --- the composition: each component built from its own section ---------------------------------
 def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float]:
-    """torch's CPU threads set (once preflight checked run.threads against this machine's CPUs), then
-    the model resolved: (its path, the seconds that took)."""
+    """torch's CPU threads set (preflight checked run.threads), then the model resolved: (path, seconds)."""
     import torch
     threads, how = cpu_threads(cfg.run.threads)
     torch.set_num_threads(threads)
@@ -288,16 +288,13 @@ def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float
 
 
 def resolve_model(cfg: Config, log=print, progress=None) -> str:
-    """The base model's dir (the tiny one built from its recipe on first use) or hub name.
-    `progress(what, done, total)`: called at each warm-start step of a tiny build (a notebook's
-    progress display, progress.WaitProgress)."""
+    """The base model's dir (tiny: built on first use; `progress` at each warm-start step) or hub name."""
     from ..models import resolve_model_path
     return resolve_model_path(cfg.model, cfg.warmstart, cfg.run.seed, log=log, progress=progress)
 
 
 def start_engine(cfg: Config, model_path: str, log=None, **overrides):
-    """The engine cfg.engine chooses, started with its own section and what the run needs of it; what
-    it notes about its room for the run (SGLang: a KV cache too small for the largest batch) is logged."""
+    """The engine cfg.engine chooses, with what the run needs of it; its notes (a small KV cache) are logged."""
     from ..engines import make_engine
     engine = make_engine(cfg.engine, model_path, engine_needs(cfg), **overrides)
     for note in getattr(engine, "notes", ()) if log is not None else ():
@@ -307,10 +304,8 @@ def start_engine(cfg: Config, model_path: str, log=None, **overrides):
 
 def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, beside=None,
                   peft_name: str = "default"):
-    """The GRPO trainer for `cfg` on `engine`: its policy (lora + grpo sections, seeded by run.seed for
-    the LoRA init), the refresher (refresh section), the problem source (data section), the run log.
-    `beside`: a trainer of the same policy group, whose model this one's policy shares (its adapter
-    is added to it as `peft_name`)."""
+    """The GRPO trainer for `cfg` on `engine`, each component from its section. `beside`: a trainer of the
+    same policy group, whose model this one's policy shares (its adapter added as `peft_name`)."""
     from ..data import ProblemSource
     from ..grpo import GRPOTrainer
     from ..models import load_tokenizer
