@@ -21,10 +21,6 @@ STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.lab
          "ytick.labelsize": 9, "legend.fontsize": 9, "figure.titlesize": 12, "figure.dpi": 100}
 
 
-def use_style() -> None:
-    plt.rcParams.update(STYLE)
-
-
 def labelled_figure(label: str, *grid, **kw):
     """plt.subplots(*grid, layout="constrained", **kw), the figure named `label`."""
     fig, axes = plt.subplots(*grid, layout="constrained", **kw)
@@ -119,6 +115,7 @@ def plot_delta_norm(rows, ax=None):
     return ax
 
 
+RUN_VIEWS = (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)   # the step panel's four axes
 POLICY_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#8c8c8c"]
 GROUP_VIEWS = (("reward/mean", "Reward (mean of 5 steps)", "mean over the step's completions", False, True),
                ("mismatch/mean", "Mismatch, trainer vs engine", "mean |Δ log-prob| (nats)", True, False),
@@ -212,8 +209,7 @@ def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
     for y, row in enumerate(rows):
         values = end_to_end_ms(row)
         _, median, _ = plot_spread(ax, y, values, MODE_COLORS.get(row["mode"], "#5d6d7e"))
-        ax.annotate(f"{ms_text(median)} ms", (max(values), y), textcoords="offset points", xytext=(6, 0),
-                    va="center")
+        ax.annotate(f"{ms_text(median)} ms", (max(values), y), textcoords="offset points", xytext=(6, 0), va="center")
         floor = _floor_ms(row, bandwidth_gbps)
         if floor is not None:
             ax.plot([floor], [y], "D", ms=6, color="k", mfc="white")

@@ -33,24 +33,14 @@ from matplotlib.ticker import MaxNLocator
 
 from .interrupts import interrupts_to_the_main_thread
 from .progress import PROGRESS_TEXT, WaitProgress, duration  # noqa: F401  (WaitProgress: the lessons' import)
-from .viz import (
-    GROUP_VIEWS,
-    STYLE,
-    empty_axes,
-    plot_delta_norm,
-    plot_mismatch,
-    plot_policies,
-    plot_refresh,
-    plot_rewards,
-    use_style,
-)
+from .viz import GROUP_VIEWS, RUN_VIEWS, STYLE, empty_axes, plot_policies
 
 
 def setup_notebook() -> None:
     """The figure style, no transformers / huggingface_hub progress bars, and no FutureWarning from
     PEFT's use of `is_gradient_checkpointing` on every get_peft_model."""
     from transformers.utils import logging as hf_logging
-    use_style()
+    matplotlib.rcParams.update(STYLE)
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -206,8 +196,7 @@ class StepPanel:
     def render(self) -> None:
         """Redraw every view from the trainer's history and the last step record."""
         rows = list(self.trainer.history)
-        self._draw([lambda ax, plot=plot: plot(rows, ax=ax)
-                    for plot in (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)], empty=not rows)
+        self._draw([lambda ax, plot=plot: plot(rows, ax=ax) for plot in RUN_VIEWS], empty=not rows)
         self.status.value = status_lines(rows[-1] if rows else None, self.trainer.rewards)
         self.completions.value = completions_table(self.last.samples if self.last else [])
         self.refresh.value = refresh_table(self.last.refresh if self.last else None)

@@ -228,8 +228,7 @@ def cpu_gpu_table(rows, gpu: tuple[list[dict], str] | None):
     """Each mode's median end to end and place here, beside the GPU recording's."""
     import pandas as pd
     here = sorted(rows, key=_median_ms)
-    table = pd.DataFrame({"mode": [r["mode"] for r in here],
-                          "here: ms": [_median_ms(r) for r in here],
+    table = pd.DataFrame({"mode": [r["mode"] for r in here], "here: ms": [_median_ms(r) for r in here],
                           "here: place": range(1, len(here) + 1)}).set_index("mode")
     if gpu is not None:
         gpu_rows, label = gpu
