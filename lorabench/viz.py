@@ -216,10 +216,8 @@ def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
         lowest.append(min(values + ([floor] if floor else [])))
     _spread_legend(ax, floor=bandwidth_gbps is not None)
     ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
-    ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xscale("log")
-    ax.set_xlim(min(lowest) / 2, 4 * max(max(end_to_end_ms(r)) for r in rows))
-    ax.set_xlabel("ms, refresh call + first request (log scale)")
+    ax.set(ylim=(len(rows) - 0.5, -0.5), xscale="log", xlabel="ms, refresh call + first request (log scale)",
+           xlim=(min(lowest) / 2, 4 * max(max(end_to_end_ms(r)) for r in rows)))
     title_with_legend(ax, "End to end, per mode", ncol=4)
     ax.grid(alpha=0.3, axis="x", which="both")
     return ax
@@ -236,8 +234,7 @@ def plot_parts(rows, ax):
         left = [a + v for a, v in zip(left, vals)]
     ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
     ax.invert_yaxis()
-    ax.set_xlim(0, 1.05 * max(left))
-    ax.set_xlabel("ms: the median call's parts, then the median first request")
+    ax.set(xlim=(0, 1.05 * max(left)), xlabel="ms: the median call's parts, then the median first request")
     ax.set_title("Where the time goes", loc="left")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)   # in drawing order
     ax.grid(alpha=0.3, axis="x")
@@ -265,8 +262,7 @@ def part_ms(row, part: str) -> list[float]:
 
 
 def push_cost_fit(rows) -> tuple[float, float]:
-    """Least-squares line through merged refreshes' median push part against their pushes (buckets):
-    (fixed ms, ms per push)."""
+    """Least squares of the median push part against pushes: (fixed ms, ms per push)."""
     xs, ys = [r["buckets"] for r in rows], [quartiles(part_ms(r, "push"))[1] for r in rows]
     n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
@@ -378,8 +374,7 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
 
 
 def refresh_rank_figure(rows, label: str = ""):
-    """Each mode's refresh end to end against the LoRA rank (log-log: a time that grew with the bytes
-    would climb at their slope), medians joined."""
+    """Each mode's refresh end to end against the LoRA rank (log-log), medians joined."""
     fig, ax = labelled_figure("refresh_rank", figsize=(9, 4.6))
     ranks = sorted({r["rank"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
@@ -397,8 +392,7 @@ def refresh_rank_figure(rows, label: str = ""):
         xs = sorted(adapter_mb)
         ax.plot(xs, [start * adapter_mb[k] / adapter_mb[low] for k in xs], "--", color="black", lw=1.2,
                 label="∝ adapter bytes")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set(xscale="log", yscale="log")
     ax.set_xticks(ranks, [f"{k}\n{adapter_mb[k]:.2g} MB" if k in adapter_mb else f"{k}" for k in ranks])
     ax.minorticks_off()
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))   # 1, 2, 5 of each decade, as numbers
@@ -422,10 +416,8 @@ def thread_probe_figure(rows, label: str = ""):
                     textcoords="offset points", xytext=(6, 0), va="center")
     _spread_legend(ax)
     ax.set_yticks(range(len(rows)), [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}" for r in rows])
-    ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xscale("log")
-    ax.set_xlim(min(min(end_to_end_ms(r)) for r in rows) / 1.5, 12 * max(max(end_to_end_ms(r)) for r in rows))
-    ax.set_xlabel("ms, in-place refresh + first request (log scale)")
+    ax.set(ylim=(len(rows) - 0.5, -0.5), xscale="log", xlabel="ms, in-place refresh + first request (log scale)",
+           xlim=(min(min(end_to_end_ms(r)) for r in rows) / 1.5, 12 * max(max(end_to_end_ms(r)) for r in rows)))
     title_with_legend(ax, "The same refresh at each torch thread count", ncol=3)
     ax.grid(alpha=0.3, axis="x", which="both")
     fig.suptitle(label, x=0.01, ha="left")

@@ -37,8 +37,7 @@ from .viz import GROUP_VIEWS, RUN_VIEWS, STYLE, empty_axes, plot_policies
 
 
 def setup_notebook() -> None:
-    """The figure style, no transformers / huggingface_hub progress bars, and no FutureWarning from
-    PEFT's use of `is_gradient_checkpointing` on every get_peft_model."""
+    """The figure style; no hub progress bars, no PEFT `is_gradient_checkpointing` FutureWarning."""
     from transformers.utils import logging as hf_logging
     matplotlib.rcParams.update(STYLE)
     hf_logging.disable_progress_bar()

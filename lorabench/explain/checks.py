@@ -18,8 +18,7 @@ def rollout_sequences(trainer, n_prompts: int = 2, adapter: str | None = "servin
 
 
 def greedy_completions(trainer, problems, adapter: str | None = "serving") -> list[str]:
-    """The engine's greedy completion of each problem as text; `adapter`: 'serving' (the refresher's),
-    a name, or None for the base model."""
+    """The engine's greedy completion of each problem as text; `adapter`: 'serving', a name or None."""
     name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
     prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in problems]
     outs = trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)

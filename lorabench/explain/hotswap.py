@@ -105,8 +105,8 @@ def last_mean(rows: list[dict], key: str = "reward/mean", last: int = 5) -> floa
 
 
 def use_trained_run(trainer, found: tuple, run_root: str | Path, steps: int) -> str:
-    """Load the run `found` names (session.reuse.find_trained_run's (TrainedRun or None, passed over))
-    into `trainer`, or with none train `steps` steps here; Markdown that says which happened."""
+    """Load the run `found` (session.reuse.find_trained_run's) names into `trainer`, or with none train
+    `steps` steps here; Markdown that says which happened."""
     from ..session.reuse import load_trained_run
     run, passed = found
     items = [f"- passed over `{name}`: {why}" for name, why in passed[:5]]

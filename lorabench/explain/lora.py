@@ -75,8 +75,7 @@ def plot_topk(topk: dict, ax=None, title: str = "Next token, base vs adapter"):
     ax.barh(y + 0.2, topk["adapter"].numpy(), height=0.4, color="#4c72b0", label="adapter applied")
     ax.set_yticks(y.tolist(), topk["tokens"])
     ax.invert_yaxis()
-    ax.set_xlim(0, 1)
-    ax.set_xlabel("next-token probability")
+    ax.set(xlim=(0, 1), xlabel="next-token probability")
     title_with_legend(ax, title, ncol=2)
     ax.grid(alpha=0.3, axis="x")
     return ax
@@ -132,8 +131,7 @@ def plot_refresh_timeline(rows: list[dict], ax=None, title: str = "One refresh, 
         ax.text(t, i, f"  {t:.1f} ms, {row['bytes'] / 2**20:.2f} MB moved", va="center")
     ax.set_yticks(range(len(rows)), [r["mode"] for r in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the refresh started")
-    ax.set_xlim(0, 1.45e3 * max(r["total_s"] for r in rows))
+    ax.set(xlabel="ms since the refresh started", xlim=(0, 1.45e3 * max(r["total_s"] for r in rows)))
     title_with_legend(ax, title, ncol=7)
     ax.grid(alpha=0.3, axis="x")
     return ax

@@ -43,15 +43,13 @@ def update_table(histories: dict[str, list[dict]], ranks: dict[str, int], alpha:
     """Per policy: rank, α/r, ‖ΔW‖ now, and the means over its steps of ‖∇‖, groups with signal, loss."""
     import pandas as pd
     rows = []
-    for name, rows_ in histories.items():
-        mean = {k: sum(r[k] for r in rows_) / len(rows_) for k in ("grad_norm", "advantage/active_groups",
-                                                                   "loss/policy")}
+    for name, h in histories.items():
+        mean = {k: sum(r[k] for r in h) / len(h) for k in ("grad_norm", "advantage/active_groups", "loss/policy")}
         rows.append({"policy": name, "rank r": ranks[name], "α/r": alpha / ranks[name],
-                     "‖ΔW‖ now": rows_[-1]["adapter/delta_norm"], "‖∇‖ mean": mean["grad_norm"],
+                     "‖ΔW‖ now": h[-1]["adapter/delta_norm"], "‖∇‖ mean": mean["grad_norm"],
                      "groups with signal": mean["advantage/active_groups"], "loss mean": mean["loss/policy"]})
-    return fit_table(pd.DataFrame(rows).set_index("policy"), {"α/r": "{:g}", "‖ΔW‖ now": "{:.3g}",
-                                                              "‖∇‖ mean": "{:.3g}", "groups with signal": "{:.0%}",
-                                                              "loss mean": "{:+.1e}"})
+    return fit_table(pd.DataFrame(rows).set_index("policy"), {"α/r": "{:g}", "‖ΔW‖ now": "{:.3g}", "‖∇‖ mean": "{:.3g}",
+                                                              "groups with signal": "{:.0%}", "loss mean": "{:+.1e}"})
 
 
 def update_sentence(histories: dict[str, list[dict]], ranks: dict[str, int], alpha: float, tied: list[str],

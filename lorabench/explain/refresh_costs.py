@@ -106,8 +106,7 @@ def mode_groups(rows) -> list[list[str]]:
 
 
 def modes_markdown(rows, bandwidth_gbps: float) -> str:
-    """Section 1's reading: the order of the medians (as the spread allows), each call's largest part
-    and its distance to the floor."""
+    """Section 1's reading: the medians' order (as the spread allows), largest parts, distance to floor."""
     from ..refresh_bench import floor_seconds
     by_mode = {r["mode"]: r for r in rows}
     groups = mode_groups(rows)
@@ -189,8 +188,7 @@ def rank_markdown(rows) -> str:
 
 
 def threads_markdown(rows, cpus: int, load_average: float, chosen: int | None = None, asked: bool = False) -> str:
-    """Section 0's reading: each thread count's median, upper quartile and slowest, the load, and the
-    count the later sections use (`chosen`)."""
+    """Section 0's reading: per thread count its median, upper quartile and slowest; the count chosen."""
     def threads(n):
         return f"{n} thread{'s' if n > 1 else ''}"
     parts = []
@@ -211,8 +209,7 @@ GPU_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "
 
 
 def gpu_mode_rows(path: Path = GPU_RESULTS) -> tuple[list[dict], str] | None:
-    """The GPU recording's section-2 rows (per mode, its first at 64 MB buckets) and label; None
-    without the file (an installed package)."""
+    """The GPU recording's section-2 rows (64 MB buckets) and label; None without the file."""
     if not Path(path).is_file():
         return None
     data = json.loads(Path(path).read_text())

@@ -73,8 +73,7 @@ def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
 
 
 def advantage_note(rewards: torch.Tensor, group_size: int, group: int = 0) -> str:
-    """Markdown: `loss.group_advantages`'s formula (its own eps) worked out for `group`, and how many
-    groups have all-equal rewards."""
+    """Markdown: `loss.group_advantages` worked out for `group`, and the groups with all-equal rewards."""
     import inspect
 
     from ..loss import group_advantages
@@ -145,8 +144,7 @@ def kl_penalty_note(rows: list[dict], kl_beta: float, example_beta: float = 0.04
 
 
 def reward_exercise_note(rows: list[dict], name: str, steps: int) -> str:
-    """Markdown: what reward `name` paid over the last `steps` rows, and the completions' length then
-    and before."""
+    """Markdown: what reward `name` paid over the last `steps` rows, and the completions' length."""
     ran, before = rows[-steps:], rows[-2 * steps:-steps]
     paid = sum(r.get(f"reward/{name}/mean", 0.0) for r in ran) / len(ran)
 
@@ -179,8 +177,7 @@ def share_se(before: float, after: float, n: int) -> float:
 
 
 def learned_summary(before: dict, after: dict) -> str:
-    """Markdown: what the run learned, from greedy held-out evaluations before and after
-    (GRPOTrainer.evaluate dicts); every direction word comes from `direction`."""
+    """Markdown: what the run learned from held-out evaluations; each direction word from `direction`."""
     n = after["n"]
     fmt, right, reward = (direction(before[k], after[k], share_se(before[k], after[k], n))
                           for k in ("format", "flexible", "strict"))
@@ -197,8 +194,7 @@ def learned_summary(before: dict, after: dict) -> str:
 
 
 def clip_note(ratio: torch.Tensor, mask: torch.Tensor, clip_eps: float, steps: int) -> str:
-    """Markdown: the ratio ρ = π_now / π_old on a batch's tokens after `steps` updates, and the share
-    the clip would hold were the batch trained on again."""
+    """Markdown: ρ = π_now / π_old on a batch after `steps` updates, and the share the clip would hold."""
     values = ratio[mask.bool()]
     outside = ((values - 1).abs() > clip_eps).float().mean().item()
     return (f"After {steps} steps the ratio ρ = π<sub>θ</sub> / π<sub>old</sub> on these tokens spans "
