@@ -92,8 +92,7 @@ def resolve_model_shown(model, warmstart, seed: int) -> tuple[str, bool, float]:
         progress(what, 0, warmstart.steps)
 
         def log(line, *rest):
-            found = WARM_START_LINE.search(str(line))
-            if found:
+            if found := WARM_START_LINE.search(str(line)):
                 progress(what, int(found.group(1)), warmstart.steps)
         path = resolve_model_path(model, warmstart, seed, log=log)
     return path, True, time.perf_counter() - t0

@@ -83,15 +83,12 @@ def plot_topk(topk: dict, ax=None, title: str = "Next token, base vs adapter"):
 
 def logprob_difference(engine, sequence: list[int], prompt_len: int, adapter: str) -> torch.Tensor:
     """Engine log-prob of each completion token with the adapter minus without it: [T]."""
-    with_adapter = engine.score([sequence], [prompt_len], adapter)[0]
-    base = engine.score([sequence], [prompt_len], None)[0]
-    return with_adapter - base
+    return engine.score([sequence], [prompt_len], adapter)[0] - engine.score([sequence], [prompt_len], None)[0]
 
 
 def token_labels(tokenizer, ids: list[int]) -> list[str]:
     """Each token as it reads in a plot: newlines as ⏎, a blank token as its repr."""
-    labels = [tokenizer.decode([t]) for t in ids]
-    return [t.replace("\n", "⏎") if t.strip() else repr(t) for t in labels]
+    return [t.replace("\n", "⏎") if t.strip() else repr(t) for t in (tokenizer.decode([i]) for i in ids)]
 
 
 def top_effects(tokens: list[str], diff: torch.Tensor, k: int = 3) -> list[tuple[int, str, float]]:

@@ -156,16 +156,13 @@ def heldout_sentence(summary: dict) -> str:
     first, parts = summary["first_adapter"], []
     for k, what in HELDOUT_MEASURES.items():
         values = {arm: summary["heldout"][arm][k] for arm in ARMS}
-        moved = [f"the {arm} trainer's {v:.0%} ({_relation(v, first[k])})" for arm, v in values.items()]
+        ref = round(100 * first[k])   # compared as the whole per cents shown
+        moved = [f"the {arm} trainer's {v:.0%} "
+                 f"({'higher' if round(100 * v) > ref else 'lower' if round(100 * v) < ref else 'the same'})"
+                 for arm, v in values.items()]
         parts.append(f"{what}: the first adapter {first[k]:.0%}, {', '.join(moved)}")
     return ("Held-out, greedy (means over the seeds), " + "; ".join(parts) + ". The stale trainer learned from "
             "the first adapter's rollouts only; what its own adapter does shows once it is served.")
-
-
-def _relation(value: float, reference: float) -> str:
-    """Higher, lower or the same, as the percentages shown (whole per cent) compare."""
-    shown, ref = round(100 * value), round(100 * reference)
-    return "higher" if shown > ref else "lower" if shown < ref else "the same"
 
 
 # --- notebook 03: one group's advantages and clipped loss, and what a stale engine hides from it ---------
