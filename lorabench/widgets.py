@@ -147,8 +147,7 @@ class StepPanel:
     label = "step_panel"   # the figure's name (fig.set_label)
 
     def __init__(self, trainer, figsize=(11, 6.6), dpi: int = 90, tick_s: float = 1.0):
-        self.trainer = trainer
-        self.tick_s = tick_s
+        self.trainer, self.tick_s, self.dpi = trainer, tick_s, dpi
         self._status_lock = threading.Lock()
         self._running = None                 # while a step runs: (step, done, total, run started, step started)
         self._last_step_s = None             # the last step's wall time: how far the bar moves inside a step
@@ -161,7 +160,6 @@ class StepPanel:
         self._start_lock = threading.Lock()  # one run at a time
         self._ended = False
         self._draw_lock = threading.Lock()   # one redraw at a time
-        self.dpi = dpi
         self.figure = Figure(figsize=figsize, layout="constrained", dpi=dpi)
         self.figure.set_label(self.label)
         FigureCanvasAgg(self.figure)
@@ -177,8 +175,7 @@ class StepPanel:
         self.step_label = widgets.Label()
         self.status = widgets.HTML(layout=widgets.Layout(max_width="1100px"))
         self.plot = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
-        self.completions = widgets.HTML()
-        self.refresh = widgets.HTML()
+        self.completions, self.refresh = widgets.HTML(), widgets.HTML()
         self.log = widgets.Output(layout=widgets.Layout(max_height="160px", overflow="auto"))
         self.step_button.on_click(lambda _: self.start(1))
         self.run_button.on_click(lambda _: self.start(self.steps_input.value))
