@@ -4,15 +4,11 @@
         session = RunSession.open(cfg, progress=progress)       # calls progress(what, done, total)
     with WaitProgress("starting the engine", expected_s=40):   # one call that reports nothing itself
         engine = start_engine(cfg, model_path)
-    with WaitProgress("refresh modes") as progress:
-        rows = measure_many(..., progress=progress.counting(4))  # calls progress(done, total)
 
-The line shows the current part ('what: k of n · 12 s so far · about 30 s left', or '· expected
-about 40 s' for a part with an expected time) and a note. `finish()` (the end of the `with` block)
-shows the whole wait and each part's time (kept in `parts`), then replaces the widget by the same
-line as plain HTML, which a saved notebook keeps (a widget's state is not saved by default). It
-ticks from its own thread through widget messages, which arrive whether or not the kernel is busy;
-its text/plain starts with PROGRESS_TEXT, so a notebook test tells it from a library's tqdm bar.
+`finish()` (the end of the `with` block) shows the whole wait and each part's time, then replaces the
+widget by the same line as plain HTML, which a saved notebook keeps (widget state is not saved). It
+ticks from its own thread through widget messages, which arrive while the kernel is busy; its text/plain
+starts with PROGRESS_TEXT, so a notebook test tells it from a library's tqdm bar.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Figures shared by the CLI, the notebooks and the tests. Each function draws into a given Axes
-(or makes a Figure) from plain rows, so a notebook can redraw the same figure live.
-
-Readable at notebook width: every text is at least MIN_FONT_PT (8 pt = 11 px at matplotlib's 100
-dpi), legends sit outside the data, and parts that are compared share a linear axis. They are
-plain matplotlib figures, shown by whatever PNG formatter the notebook has; each figure a notebook
-shows is named by its label (`fig.set_label`).
+"""Figures shared by the CLI, the notebooks and the tests, drawn from plain rows (so a notebook can
+redraw them live). Readable at notebook width: every text is at least MIN_FONT_PT, legends sit outside
+the data, compared parts share a linear axis; each figure a notebook shows is named (`fig.set_label`).
 """
 from __future__ import annotations
 
@@ -25,13 +21,8 @@ STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.lab
          "ytick.labelsize": 9, "legend.fontsize": 9, "figure.titlesize": 12, "figure.dpi": 100}
 
 
-def use_style() -> None:
-    """The notebooks' figure style (STYLE: text of 9 pt and more, 100 dpi)."""
-    plt.rcParams.update(STYLE)
-
-
 def labelled_figure(label: str, *grid, **kw):
-    """plt.subplots(*grid, layout="constrained", **kw), the figure named `label` (fig.set_label)."""
+    """plt.subplots(*grid, layout="constrained", **kw), the figure named `label`."""
     fig, axes = plt.subplots(*grid, layout="constrained", **kw)
     fig.set_label(label)
     return fig, axes
@@ -42,7 +33,6 @@ def in_part_order(found) -> list[str]:
     return [p for p in PART_ORDER if p in found] + sorted(set(found) - set(PART_ORDER))
 
 
-# --- one run, step by step (the CLI's plots and the step-through panel) --------------------------
 def _series(rows, key):
     pts = [(r["step"], r[key]) for r in rows
            if r.get(key) is not None and not (isinstance(r[key], float) and math.isnan(r[key]))]
@@ -55,8 +45,7 @@ def _rolling(values, window=5):
 
 
 def title_with_legend(ax, title: str, ncol: int = 3) -> None:
-    """A left-aligned title with the legend (if any) between it and the axes, never over the data;
-    the title is lifted by the legend's rows."""
+    """A left-aligned title, lifted by the legend's rows, with the legend between it and the axes."""
     handles = ax.get_legend_handles_labels()[0]
     rows = -(-len(handles) // ncol) if handles else 0
     if handles:
@@ -95,16 +84,14 @@ def plot_refresh(rows, ax=None):
         bottom = [b + v for b, v in zip(bottom, vals)]
     mode = rows[0].get("refresh/mode", "") if rows else ""
     ax.set(xlabel="GRPO step", ylabel="ms")
-    title_with_legend(ax, f"Adapter refresh after each step ({mode})" if mode else "Adapter refresh after each step",
-                      ncol=4)
+    title_with_legend(ax, "Adapter refresh after each step" + (f" ({mode})" if mode else ""), ncol=4)
     ax.grid(alpha=0.3, axis="y")
     return ax
 
 
 def plot_mismatch(rows, ax=None):
-    """Trainer-vs-engine mismatch (mean and p99 over the step's sampled tokens) next to the probe
-    gap (adapter vs base on a fixed answer: how far the adapter moved the model); the first must
-    stay far below the second."""
+    """Trainer-vs-engine mismatch (mean, p99) beside the probe gap (how far the adapter moved the model
+    on a fixed answer): the first must stay far below the second."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     for key, style, label in (("probe/adapter_gap", "s-", "probe gap"), ("mismatch/p99", "^:", "mismatch, p99"),
                               ("mismatch/mean", "o-", "mismatch, mean")):
@@ -128,7 +115,7 @@ def plot_delta_norm(rows, ax=None):
     return ax
 
 
-# --- several policies side by side (a policy group) ---------------------------------------------------
+RUN_VIEWS = (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)   # the step panel's four axes
 POLICY_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#8c8c8c"]
 GROUP_VIEWS = (("reward/mean", "Reward (mean of 5 steps)", "mean over the step's completions", False, True),
                ("mismatch/mean", "Mismatch, trainer vs engine", "mean |Δ log-prob| (nats)", True, False),
@@ -156,7 +143,7 @@ def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel
 
 
 def run_plot_images(rows, evals) -> dict[str, bytes]:
-    """The run's three figures as PNG bytes (reward, refresh, mismatch), for runlog.RunLog.save_plots."""
+    """The run's reward, refresh and mismatch figures as PNG bytes, for runlog.RunLog.save_plots."""
     images = {}
     for name, fn in (("reward", lambda ax: plot_rewards(rows, evals, ax)),
                      ("refresh", lambda ax: plot_refresh(rows, ax)), ("mismatch", lambda ax: plot_mismatch(rows, ax))):
@@ -169,7 +156,7 @@ def run_plot_images(rows, evals) -> dict[str, bytes]:
     return images
 
 
-# --- refresh methods (notebook 02): rows as refresh_bench.measure_refresh makes them ---------------
+# --- refresh methods (notebook 02): rows as refresh_bench.measure_refresh makes them
 MODE_COLORS = {"file": "#4c72b0", "tensor": "#55a868", "inplace": "#c44e52", "merged": "#8172b2"}
 
 
@@ -188,17 +175,13 @@ def end_to_end_ms(row) -> list[float]:
 def quartiles(values) -> tuple[float, float, float]:
     """(lower quartile, median, upper quartile); one value is all three."""
     values = sorted(values)
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
+    return (values[0],) * 3 if len(values) == 1 else tuple(statistics.quantiles(values, n=4, method="inclusive"))
 
 
 def plot_spread(ax, at: float, values, color: str, horizontal: bool = True, width: float = 0.5,
                 log_position: bool = False) -> tuple:
-    """One point per repeat (spread across `width` around `at`, in octaves if `log_position`, so none
-    hides another), the interquartile range as a thick bar and the median as a black tick; returns
-    the quartiles."""
+    """One point per repeat (spread across `width` around `at`, in octaves if `log_position`), the
+    interquartile range as a thick bar, the median as a black tick; returns the quartiles."""
     n = len(values)
     offsets = [width * (i / (n - 1) - 0.5) if n > 1 else 0.0 for i in range(n)]
     spots = [at * 2 ** o if log_position else at + o for o in offsets]
@@ -211,7 +194,6 @@ def plot_spread(ax, at: float, values, color: str, horizontal: bool = True, widt
 
 
 def _spread_legend(ax, color="#777777", floor: bool = False, vertical_tick: bool = True) -> None:
-    """Legend entries for plot_spread's marks (and the floor's), drawn once, outside the data."""
     ax.plot([], [], "o", ms=4, color=color, alpha=0.55, mec="none", label="each repeat")
     ax.plot([], [], "-", lw=6, color=color, alpha=0.45, label="middle half (IQR)")
     ax.plot([], [], "|" if vertical_tick else "_", ms=10, mew=2.5, color="k", label="median")
@@ -220,34 +202,29 @@ def _spread_legend(ax, color="#777777", floor: bool = False, vertical_tick: bool
 
 
 def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
-    """Each mode's refreshes end to end (the call, then the first request after it): every repeat as a
-    point, the middle half as a bar, the median as a tick, fastest median on top; log x, so the floor
-    (the bytes moved once at the measured bandwidth, a white diamond) shows beside times 1000x larger."""
+    """Each mode's refreshes end to end (call + first request), fastest median on top; log x, so the
+    floor (the bytes moved once at the measured bandwidth, a white diamond) shows beside 1000x larger."""
     rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
     lowest = []
     for y, row in enumerate(rows):
         values = end_to_end_ms(row)
         _, median, _ = plot_spread(ax, y, values, MODE_COLORS.get(row["mode"], "#5d6d7e"))
-        ax.annotate(f"{ms_text(median)} ms", (max(values), y), textcoords="offset points", xytext=(6, 0),
-                    va="center")
+        ax.annotate(f"{ms_text(median)} ms", (max(values), y), textcoords="offset points", xytext=(6, 0), va="center")
         floor = _floor_ms(row, bandwidth_gbps)
         if floor is not None:
             ax.plot([floor], [y], "D", ms=6, color="k", mfc="white")
         lowest.append(min(values + ([floor] if floor else [])))
     _spread_legend(ax, floor=bandwidth_gbps is not None)
     ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
-    ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xscale("log")
-    ax.set_xlim(min(lowest) / 2, 4 * max(max(end_to_end_ms(r)) for r in rows))
-    ax.set_xlabel("ms, refresh call + first request (log scale)")
+    ax.set(ylim=(len(rows) - 0.5, -0.5), xscale="log", xlabel="ms, refresh call + first request (log scale)",
+           xlim=(min(lowest) / 2, 4 * max(max(end_to_end_ms(r)) for r in rows)))
     title_with_legend(ax, "End to end, per mode", ncol=4)
     ax.grid(alpha=0.3, axis="x", which="both")
     return ax
 
 
 def plot_parts(rows, ax):
-    """The median refresh call of each mode split into its parts, then the median first request,
-    stacked on a linear axis (same mode order as `plot_end_to_end`); the legend right of the axes."""
+    """Each mode's median call split into its parts, then the median first request, stacked linearly."""
     rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
     left = [0.0] * len(rows)
     for part in [*in_part_order({p for r in rows for p in r["parts"]}), "first request"]:
@@ -257,8 +234,7 @@ def plot_parts(rows, ax):
         left = [a + v for a, v in zip(left, vals)]
     ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
     ax.invert_yaxis()
-    ax.set_xlim(0, 1.05 * max(left))
-    ax.set_xlabel("ms: the median call's parts, then the median first request")
+    ax.set(xlim=(0, 1.05 * max(left)), xlabel="ms: the median call's parts, then the median first request")
     ax.set_title("Where the time goes", loc="left")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)   # in drawing order
     ax.grid(alpha=0.3, axis="x")
@@ -280,14 +256,13 @@ def call_ms(row) -> list[float]:
 
 
 def part_ms(row, part: str) -> list[float]:
-    """Every repeat's time in one part of the call, in ms (a row without samples: the median call's)."""
+    """Every repeat's time in one part of the call, in ms (a row without samples: the median's)."""
     samples = row.get("samples", {}).get("parts", {}).get(part)
     return [1e3 * s for s in (samples if samples is not None else [row["parts"].get(part, 0.0)])]
 
 
 def push_cost_fit(rows) -> tuple[float, float]:
-    """Least-squares line through the median push part of merged refreshes against their number of
-    pushes (buckets): (fixed ms, ms per push)."""
+    """Least squares of the median push part against pushes: (fixed ms, ms per push)."""
     xs, ys = [r["buckets"] for r in rows], [quartiles(part_ms(r, "push"))[1] for r in rows]
     n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
@@ -296,10 +271,8 @@ def push_cost_fit(rows) -> tuple[float, float]:
 
 
 def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, label: str = ""):
-    """Left: how many pushes each bucket size takes (computed from the weights' sizes; the sizes
-    measured, one per push count). Right: the push part of each merged refresh (the part the bucket
-    size changes) against its pushes (linear: a line's slope is the cost of one push), every repeat
-    with its spread, a least-squares line through the medians, and the floor."""
+    """Left: the pushes each bucket size takes (from the weights' sizes). Right: each merged refresh's
+    push part against its pushes (linear: a line's slope is one push's cost), the fit and the floor."""
     rows = sorted(rows, key=lambda r: r["buckets"])
     fig, (left, right) = labelled_figure("merged_buckets", 1, 2, figsize=(12, 4.4))
     left.step([mb for mb, _ in curve], [n for _, n in curve], where="post", color="#999999",
@@ -332,10 +305,8 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     return fig
 
 
-# --- notebook 01: the empty panel, what the run learned, a broken refresh ------------------------------
 def empty_axes(ax, note: str) -> None:
-    """An axes with no data yet: no ticks (matplotlib would invent a range such as -0.05..0.05) and a
-    note in the middle; the title and axis labels stay, so the panel keeps its layout."""
+    """No data yet: no (invented) ticks, a note in the middle; title and labels keep the layout."""
     ax.set_xticks([])
     ax.set_yticks([])
     ax.minorticks_off()
@@ -343,9 +314,8 @@ def empty_axes(ax, note: str) -> None:
 
 
 def plot_learned(rows, evals, ax) -> None:
-    """The reward beside what it does not pay for: per step (fresh problems each step, so each point
-    is measured on problems the policy has not trained on) the reward, the share ending '#### N' and
-    the share whose last number is right in any format, 5-step means; held-out greedy points."""
+    """Per step (fresh problems each), 5-step means of the reward, the share ending '#### N' and the
+    share whose last number is right in any format; held-out greedy points."""
     for key, color, label in (("reward/mean", "#4c72b0", "reward"),
                               ("reward/strict_format", "#55a868", "ends '#### N'"),
                               ("completions/last_number_right", "#c44e52", "last number right, any format")):
@@ -363,9 +333,7 @@ def plot_learned(rows, evals, ax) -> None:
 
 
 def run_learned_figure(rows, evals):
-    """Three questions about a run, side by side: what it learned (`plot_learned`), how far the policy
-    moved from the base model (KL, k3 on the sampled tokens) and how sure it became (the entropy of
-    its next-token distribution); one point per step each."""
+    """What a run learned (`plot_learned`), its KL to the base model and its entropy, per step."""
     fig, (learned, kl, entropy) = labelled_figure("run_learned", 1, 3, figsize=(13, 4.6),
                                                   gridspec_kw={"width_ratios": [1.5, 1, 1]})
     plot_learned(rows, evals, learned)
@@ -381,9 +349,8 @@ def run_learned_figure(rows, evals):
 
 
 def broken_refresh_figure(refreshed, broken, mode: str = "none"):
-    """The same steps with the engine refreshed (the run above) and with refresh.mode=`mode`: the
-    trainer-vs-engine mismatch beside the refreshed run's probe gap (left, log scale: they differ by
-    decades), and the reward the engine's completions earned (right)."""
+    """The same steps refreshed and with refresh.mode=`mode`: the mismatch beside the refreshed run's
+    probe gap (left, log: they differ by decades), and the reward of the engine's completions (right)."""
     fig, (gap, reward) = labelled_figure("broken_refresh", 1, 2, figsize=(12, 4.2))
     for rows, key, style, color, label in (
             (refreshed, "probe/adapter_gap", "s-", "#999999", "probe gap, refreshed run"),
@@ -407,8 +374,7 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
 
 
 def refresh_rank_figure(rows, label: str = ""):
-    """Each mode's refresh end to end against the LoRA rank (log-log: a time that grew with the bytes
-    would climb at the bytes' slope), the median joined, the middle half as a bar, every repeat."""
+    """Each mode's refresh end to end against the LoRA rank (log-log), medians joined."""
     fig, ax = labelled_figure("refresh_rank", figsize=(9, 4.6))
     ranks = sorted({r["rank"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
@@ -426,8 +392,7 @@ def refresh_rank_figure(rows, label: str = ""):
         xs = sorted(adapter_mb)
         ax.plot(xs, [start * adapter_mb[k] / adapter_mb[low] for k in xs], "--", color="black", lw=1.2,
                 label="∝ adapter bytes")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set(xscale="log", yscale="log")
     ax.set_xticks(ranks, [f"{k}\n{adapter_mb[k]:.2g} MB" if k in adapter_mb else f"{k}" for k in ranks])
     ax.minorticks_off()
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))   # 1, 2, 5 of each decade, as numbers
@@ -442,8 +407,7 @@ def refresh_rank_figure(rows, label: str = ""):
 
 
 def thread_probe_figure(rows, label: str = ""):
-    """The same in-place refresh end to end at each torch thread count: every repeat, its middle half
-    and median (log x: a stall of 100x the operation fits beside it)."""
+    """The same in-place refresh end to end at each torch thread count (log x: a 100x stall fits)."""
     fig, ax = labelled_figure("timing_threads", figsize=(9, 1.6 + 0.55 * len(rows)))
     for y, row in enumerate(rows):
         values = end_to_end_ms(row)
@@ -452,10 +416,8 @@ def thread_probe_figure(rows, label: str = ""):
                     textcoords="offset points", xytext=(6, 0), va="center")
     _spread_legend(ax)
     ax.set_yticks(range(len(rows)), [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}" for r in rows])
-    ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xscale("log")
-    ax.set_xlim(min(min(end_to_end_ms(r)) for r in rows) / 1.5, 12 * max(max(end_to_end_ms(r)) for r in rows))
-    ax.set_xlabel("ms, in-place refresh + first request (log scale)")
+    ax.set(ylim=(len(rows) - 0.5, -0.5), xscale="log", xlabel="ms, in-place refresh + first request (log scale)",
+           xlim=(min(min(end_to_end_ms(r)) for r in rows) / 1.5, 12 * max(max(end_to_end_ms(r)) for r in rows)))
     title_with_legend(ax, "The same refresh at each torch thread count", ncol=3)
     ax.grid(alpha=0.3, axis="x", which="both")
     fig.suptitle(label, x=0.01, ha="left")
@@ -463,16 +425,15 @@ def thread_probe_figure(rows, label: str = ""):
 
 
 def ms_text(ms: float, digits: int = 3) -> str:
-    """A time in ms for a lesson's text: `digits` significant digits and never an exponent (2,820, not
-    2.82e+03); below a microsecond it is 0 (a fit's rounding error is not a time)."""
+    """A time in ms for a lesson's text: `digits` significant digits, never an exponent (2,820, not
+    2.82e+03); below a microsecond 0 (a fit's rounding error is not a time)."""
     if abs(ms) >= 10 ** (digits - 1):
         return f"{ms:,.0f}"
     return "0" if abs(ms) < 1e-3 else f"{ms:.{digits}g}"
 
 
 def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], key: str = "strict"):
-    """Notebook 04: the policies' training reward (mean of 5 steps) beside their held-out `key` share
-    with two standard errors."""
+    """Notebook 04: each policy's training reward beside its held-out `key` share (± 2 s.e.)."""
     fig, (left, right) = labelled_figure("rank_sweep", 1, 2, figsize=(11, 3.8), width_ratios=(3, 2))
     plot_policies(histories, "reward/mean", "Training reward (mean of 5 steps)", "mean over the step's completions",
                   ax=left, rolling=True)

@@ -7,19 +7,12 @@
     panel.end("note")  # wait for the run, disable the buttons (the views stay), show a note
     panel.close()      # stop, close the widgets, free the figure
 
-Steps run in one background thread, so the kernel stays responsive; a lock makes a second Step /
-Run N while one runs a no-op that says so, and Stop is honoured between steps (a step's checkpoint
-is the run's commit point). Callbacks never print into the current cell: every view is a widget
-of the panel whose value is replaced in one message, and notes go to an `Output` through
-`append_stdout` (safe from a thread, unlike `with output:`). The live figure is one `Figure`, not
-registered with pyplot, redrawn into a PNG for an `Image` widget. While a step runs, a ticker
-rewrites the status line every `tick_s` seconds (the step's part under way, from the trainer's
-clock, and its time). Kernel -> Interrupt interrupts a running cell as always (a cell waiting in
-`panel.wait()` also stops the panel); while the kernel is idle it acts as Stop: an idle ipykernel
-ignores SIGINT, so the panel makes its own handler the one the kernel restores between messages.
-
-`setup_notebook()` is the notebooks' setup: the figure style, and the libraries' progress bars and
-one known deprecation warning kept out of the lesson.
+Steps run in one background thread so the kernel stays responsive; a lock makes a second run a no-op
+that says so, and Stop is honoured between steps (a step's checkpoint is the commit point). Callbacks
+never print into the current cell: each view is a widget whose value is replaced in one message, and
+notes go through `Output.append_stdout` (thread-safe, unlike `with output:`). The live figure is one
+`Figure`, not registered with pyplot, rendered to PNG for an `Image`. While the kernel is idle,
+Kernel -> Interrupt acts as Stop: the panel makes its handler the one ipykernel restores.
 """
 from __future__ import annotations
 
@@ -40,33 +33,20 @@ from matplotlib.ticker import MaxNLocator
 
 from .interrupts import interrupts_to_the_main_thread
 from .progress import PROGRESS_TEXT, WaitProgress, duration  # noqa: F401  (WaitProgress: the lessons' import)
-from .viz import (
-    GROUP_VIEWS,
-    STYLE,
-    empty_axes,
-    plot_delta_norm,
-    plot_mismatch,
-    plot_policies,
-    plot_refresh,
-    plot_rewards,
-    use_style,
-)
+from .viz import GROUP_VIEWS, RUN_VIEWS, STYLE, empty_axes, plot_policies
 
 
 def setup_notebook() -> None:
-    """The notebooks' setup: the figure style (viz.STYLE), no progress bars from transformers /
-    huggingface_hub (one per model load or save), and no FutureWarning from PEFT's use of
-    `is_gradient_checkpointing` (deprecated in transformers v5) on every get_peft_model."""
+    """The figure style; no hub progress bars, no PEFT `is_gradient_checkpointing` FutureWarning."""
     from transformers.utils import logging as hf_logging
-    use_style()
+    matplotlib.rcParams.update(STYLE)
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 def sglang_in_notebook() -> list[str]:
-    """The overrides a notebook adds to run the sglang engine in its kernel: the engine processes'
-    output (progress bars) to a log file, not the notebook; and training uncompiled, since a
-    lesson's steps are small and the compile would be most of the wait for the first Step."""
+    """Overrides for sglang in a kernel: its processes' output to a log file, and training uncompiled
+    (the compile would be most of the wait for a lesson's first Step)."""
     import tempfile
     return [f"engine.sglang.log_file={Path(tempfile.gettempdir()) / 'lorabench-sglang.log'}", "grpo.compile=off"]
 
@@ -103,8 +83,7 @@ def refresh_table(record) -> str:
 
 
 def status_lines(m: dict | None, rewards: list[tuple[str, object, float]]) -> str:
-    """The step in one line, then reward, probe gap and mismatch with one line of explanation each.
-    `rewards`: the trainer's reward functions, (name, fn, weight)."""
+    """The step, then reward, probe gap and mismatch, each explained; `rewards`: (name, fn, weight)."""
     if m is None:
         return "<i>no step yet: click Step</i>"
     step, version = m["step"], m["adapter/version"]
@@ -140,8 +119,7 @@ STEP_PHASES = {"rollout": "sampling rollouts in the engine", "reward": "scoring 
 
 
 def step_phase(trainer) -> str | None:
-    """What the trainer's step is doing now: the first part its clock has not lapped yet (None
-    before its first step or once a step is done)."""
+    """The first part of the step its clock has not lapped yet (None outside a step)."""
     clock = getattr(trainer, "clock", None)
     if clock is None:
         return None
@@ -150,10 +128,8 @@ def step_phase(trainer) -> str | None:
 
 def running_line(step: int, done: int, total: int, elapsed_s: float, phase: str | None = None,
                  step_s: float | None = None, expected_s: float | None = None) -> str:
-    """The status while a Run N goes: a bar, the step, the time so far and, from the second step
-    on, the time left at the mean pace of this run's steps. Inside a step (`step_s` into it): what
-    it is doing and, with the last step's time `expected_s`, the bar moves towards the step's end
-    (held short of it until the step is done)."""
+    """The status while a Run N goes: a bar, the step, the time so far and left (at the run's mean pace);
+    inside a step, what it does, and the bar moves towards the last step's time (held short of it)."""
     left = f" · about {duration(elapsed_s / done * (total - done))} left" if done else ""
     inside = min(step_s / expected_s, 0.95) if step_s is not None and expected_s else 0.0
     now = "".join([f" · {html.escape(phase)}" if phase else "",
@@ -171,27 +147,23 @@ class StepPanel:
     label = "step_panel"   # the figure's name (fig.set_label)
 
     def __init__(self, trainer, figsize=(11, 6.6), dpi: int = 90, tick_s: float = 1.0):
-        self.trainer = trainer
-        self.tick_s = tick_s                 # how often the status line is updated while a step runs
+        self.trainer, self.tick_s, self.dpi = trainer, tick_s, dpi
         self._status_lock = threading.Lock()
         self._running = None                 # while a step runs: (step, done, total, run started, step started)
         self._last_step_s = None             # the last step's wall time: how far the bar moves inside a step
         self.last = None                     # the latest StepRecord
         self.error: BaseException | None = None
-        # set when the worker's run ends; waited on instead of Thread.join, which an interrupt can
-        # leave believing a live thread has ended (CPython 3.11, bpo-45274's handling)
+        # waited on instead of Thread.join, which an interrupt can leave believing a live thread ended
         self._idle = threading.Event()
         self._idle.set()
         self._stop = threading.Event()
         self._start_lock = threading.Lock()  # one run at a time
         self._ended = False
         self._draw_lock = threading.Lock()   # one redraw at a time
-        self.dpi = dpi
         self.figure = Figure(figsize=figsize, layout="constrained", dpi=dpi)
         self.figure.set_label(self.label)
         FigureCanvasAgg(self.figure)
-        # a list, not numpy's object array: gc can see through a list, so a closed panel's figure is
-        # freed in one collection
+        # a list, not numpy's object array: gc sees through it, so a closed panel's figure is freed at once
         self.axes = self.figure.subplots(2, 2).ravel().tolist()
 
         self.step_button = widgets.Button(description="Step", icon="step-forward", tooltip="one GRPO step")
@@ -203,28 +175,24 @@ class StepPanel:
         self.step_label = widgets.Label()
         self.status = widgets.HTML(layout=widgets.Layout(max_width="1100px"))
         self.plot = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
-        self.completions = widgets.HTML()
-        self.refresh = widgets.HTML()
+        self.completions, self.refresh = widgets.HTML(), widgets.HTML()
         self.log = widgets.Output(layout=widgets.Layout(max_height="160px", overflow="auto"))
         self.step_button.on_click(lambda _: self.start(1))
         self.run_button.on_click(lambda _: self.start(self.steps_input.value))
         self.stop_button.on_click(lambda _: self.stop())
-        controls = widgets.HBox([self.step_button, self.steps_input, self.run_button, self.stop_button,
-                                 self.step_label])
-        tables = widgets.HBox([self.completions, self.refresh])
-        self.widget = widgets.VBox([controls, self.status, self.plot, tables, self.log])
+        controls = [self.step_button, self.steps_input, self.run_button, self.stop_button, self.step_label]
+        self.widget = widgets.VBox([widgets.HBox(controls), self.status, self.plot,
+                                    widgets.HBox([self.completions, self.refresh]), self.log])
         self.widget.add_class("lorabench-step-panel")
         self.render()
 
-    # -- display --------------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
 
     def render(self) -> None:
         """Redraw every view from the trainer's history and the last step record."""
         rows = list(self.trainer.history)
-        self._draw([lambda ax, plot=plot: plot(rows, ax=ax)
-                    for plot in (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)], empty=not rows)
+        self._draw([lambda ax, plot=plot: plot(rows, ax=ax) for plot in RUN_VIEWS], empty=not rows)
         self.status.value = status_lines(rows[-1] if rows else None, self.trainer.rewards)
         self.completions.value = completions_table(self.last.samples if self.last else [])
         self.refresh.value = refresh_table(self.last.refresh if self.last else None)
@@ -244,8 +212,7 @@ class StepPanel:
         self.step_label.value = f"steps done: {self.trainer.step_count}"
 
     def close(self) -> None:
-        """Stop (after the current step), close the panel's widgets and free its figure. ipywidgets
-        keeps every open widget alive, so a panel that is replaced should be closed."""
+        """Stop, close the widgets (ipywidgets keeps every open one alive) and free the figure."""
         self.stop()
         self._idle.wait()
         for w in (self.step_button, self.steps_input, self.run_button, self.stop_button, self.step_label,
@@ -258,8 +225,7 @@ class StepPanel:
         self.figure.clear()
 
     def end(self, note: str = "") -> None:
-        """Wait for a running step, then disable the buttons and show `note`; the views stay. For when
-        the trainer is about to be closed (e.g. before `lorabench resume` continues the run)."""
+        """Wait for a running step, then disable the buttons and show `note`; the views stay."""
         self._idle.wait()
         for button in (self.step_button, self.run_button, self.stop_button):
             button.disabled = True
@@ -267,7 +233,6 @@ class StepPanel:
         if note:
             self.log.append_stdout(note + "\n")
 
-    # -- running --------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
         return not self._idle.is_set()
@@ -299,8 +264,8 @@ class StepPanel:
         self._stop.set()
 
     def wait(self, timeout: float | None = None):
-        """Block until the background run ends; re-raise its error; return the last StepRecord.
-        Interrupted (Kernel -> Interrupt), it stops the run after the current step and re-raises."""
+        """Block until the run ends; re-raise its error; return the last StepRecord. Interrupted, it
+        stops the run after the current step and re-raises."""
         try:
             finished = self._idle.wait(timeout)
         except KeyboardInterrupt:
@@ -342,7 +307,6 @@ class StepPanel:
             self._idle.set()
 
     def _tick(self, done: threading.Event) -> None:
-        """While the run goes: the status line says, every tick_s, what the step is doing and for how long."""
         while not done.wait(self.tick_s):
             self._show_running()
 
@@ -364,9 +328,8 @@ class StepPanel:
 
 
 class GroupPanel(StepPanel):
-    """The step panel of a policy group (group.PolicyGroup): Step / Run N / Stop step every policy
-    at once; the views put the policies side by side (reward, mismatch, refresh, ‖ΔW‖ per policy)
-    with a table of each policy's last step. `panel.last` is {name: StepRecord}."""
+    """The step panel of a group.PolicyGroup: each click steps every policy; the views put the policies
+    side by side, with a table of each one's last step. `panel.last` is {name: StepRecord}."""
     label = "group_panel"
 
     def render(self) -> None:
@@ -410,16 +373,14 @@ _RUNNING: weakref.WeakSet[StepPanel] = weakref.WeakSet()   # panels whose steps 
 
 
 def _on_idle_interrupt(signum, frame) -> None:
-    """SIGINT while the kernel is idle: the panels that are stepping stop after their current step;
-    with none stepping, nothing happens (what an idle ipykernel does with SIGINT)."""
+    """SIGINT while the kernel is idle: stepping panels stop after their current step."""
     for panel in list(_RUNNING):
         panel.stop("Kernel -> Interrupt: stopping after the current step")
 
 
 def _stop_panels_on_idle_interrupt() -> None:
-    """Make `_on_idle_interrupt` the SIGINT handler ipykernel restores after each message it handles
-    (its `saved_sigint_handler`, which is SIG_IGN when it starts). Only from the kernel's main
-    thread while it handles a message (a cell, a click), which is where Step and Run N come from."""
+    """Make `_on_idle_interrupt` the SIGINT handler ipykernel restores after each message (its
+    `saved_sigint_handler`, SIG_IGN at start); only from the kernel's main thread."""
     if threading.current_thread() is not threading.main_thread():
         return
     from IPython import get_ipython
@@ -428,12 +389,9 @@ def _stop_panels_on_idle_interrupt() -> None:
         kernel.saved_sigint_handler = _on_idle_interrupt
 
 
-# --- closing the session by hand --------------------------------------------------------------------
 class SessionCloser:
-    """The lesson's last step, taken by hand: a button that ends the panel (it waits for a running
-    step, then disables Step / Run N / Stop; its views stay), closes the session (the engine and the
-    run dir's lock) and shows the shell command that continues the run. Until it is clicked the
-    panel stays live, after Run All too. `click()` does what a click does."""
+    """A button that ends the panel, closes the session (engine and run-dir lock) and shows the shell
+    command that continues the run; until clicked the panel stays live, after Run All too."""
 
     def __init__(self, panel: StepPanel, session, extra_steps: int = 0):
         self.panel, self.session, self.extra_steps = panel, session, extra_steps

@@ -10,8 +10,7 @@ from ..loss import token_logprobs
 
 
 def rollout_sequences(trainer, n_prompts: int = 2, adapter: str | None = "serving") -> tuple[list, list]:
-    """Greedy engine completions for held-out prompts: (prompt + completion token lists, prompt lengths).
-    `adapter='serving'` uses the adapter the trainer's refresher serves."""
+    """Greedy engine completions of held-out prompts: (prompt + completion ids, prompt lengths)."""
     name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
     prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in trainer.source.eval_set(n_prompts)]
     outs = trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)
@@ -19,8 +18,7 @@ def rollout_sequences(trainer, n_prompts: int = 2, adapter: str | None = "servin
 
 
 def greedy_completions(trainer, problems, adapter: str | None = "serving") -> list[str]:
-    """The engine's greedy completion of each problem, as text: with the adapter the trainer's
-    refresher serves (`'serving'`), another adapter name, or None for the base model."""
+    """The engine's greedy completion of each problem as text; `adapter`: 'serving', a name or None."""
     name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
     prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in problems]
     outs = trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)
@@ -29,11 +27,9 @@ def greedy_completions(trainer, problems, adapter: str | None = "serving") -> li
 
 @torch.no_grad()
 def trainer_vs_engine(trainer, sequences: list[list[int]], prompt_lens: list[int], adapter: str | None) -> dict:
-    """|trainer log-prob − engine log-prob| over the completion tokens (mean, p99, max): the check that
-    a request ran the trainer's current policy (GRPO logs it every step as mismatch/mean, /p99, /max).
-    The mean and p99 are the robust figures; the max of one token is a rounding tail in bf16.
-    Both sides score at temperature 1 whatever the run samples at: the check is about the weights, a
-    temperature divides both sides' logits alike, and SGLang's prefill scores at temperature 1 only."""
+    """|trainer − engine log-prob| over the completion tokens (mean, p99, max): whether a request ran
+    the trainer's current policy. Both sides score at temperature 1: the check is about the weights,
+    a temperature divides both sides' logits alike, and SGLang's prefill scores at temperature 1 only."""
     engine_lp = trainer.engine.score(sequences, prompt_lens, adapter)
     diffs = []
     for seq, plen, lp in zip(sequences, prompt_lens, engine_lp):

@@ -1,5 +1,5 @@
-"""Notebook 03: ΔW beside W on one colour scale and ΔW's singular values (the cliff at r), long waits
-shown as they go, and the adapter of a trained run reused (or trained here when there is none).
+"""Notebook 03: ΔW beside W and ΔW's singular values (the cliff at r), long waits shown as they go,
+and a trained run's adapter reused (or trained here when there is none).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ RANK_TOL = 1e-5   # σ_i / σ_1 below this is float32 rounding of B·A, not a di
 
 @torch.no_grad()
 def delta_w_spectrum(f: dict) -> dict:
-    """Singular values of ΔW and W (float64, descending), the rank r, ΔW's numerical rank (σ_i >
-    RANK_TOL·σ_1) and the cliff after r: σ_{r+1}/σ_r, and σ_{r+1}/σ_1."""
+    """Singular values of ΔW and W (float64, descending), r, ΔW's numerical rank (σ_i > RANK_TOL·σ_1)
+    and the cliff after r: σ_{r+1}/σ_r and σ_{r+1}/σ_1."""
     r = f["A"].shape[0]
     s_delta = torch.linalg.svdvals(f["delta"].double())
     s_w = torch.linalg.svdvals(f["W"].double())
@@ -29,8 +29,7 @@ def delta_w_spectrum(f: dict) -> dict:
 
 
 def plot_delta_w(f: dict):
-    """W and ΔW on ONE symmetric colour scale (W's), so their sizes compare at a glance, and ΔW again
-    on its own scale, labelled with the magnification."""
+    """W and ΔW on ONE colour scale (W's), so their sizes compare, and ΔW magnified on its own."""
     w_lim = float(f["W"].abs().max()) or 1.0
     d_lim = float(f["delta"].abs().max()) or w_lim
     zoom = w_lim / d_lim
@@ -50,8 +49,7 @@ def plot_delta_w(f: dict):
 
 
 def plot_singular_values(spectrum: dict, module: str = ""):
-    """ΔW's and W's singular values on a log axis, with the rank r marked: ΔW's fall off a cliff
-    after index r, W's do not."""
+    """ΔW's and W's singular values on a log axis, r marked: ΔW's fall off a cliff after r, W's not."""
     r = spectrum["r"]
     fig, ax = labelled_figure("delta_w_singular_values", figsize=(9, 3.8))
     tiny = torch.finfo(torch.float64).tiny   # a zero singular value has no place on a log axis
@@ -59,8 +57,7 @@ def plot_singular_values(spectrum: dict, module: str = ""):
         s = spectrum[key].clamp_min(tiny)
         ax.plot(range(1, len(s) + 1), s.numpy(), ".-", color=color, ms=4, lw=1, label=label)
     ax.axvline(r + 0.5, color="#c44e52", ls="--", lw=1, label=f"after index r = {r}")
-    ax.set_yscale("log")
-    ax.set(xlabel="index i (largest first)", ylabel="singular value σ_i")
+    ax.set(xlabel="index i (largest first)", ylabel="singular value σ_i", yscale="log")
     title_with_legend(ax, f"Singular values{f' of {module}' if module else ''}: "
                           f"σ_{r + 1}/σ_{r} = {spectrum['cliff']:.1g} for ΔW", ncol=3)
     ax.grid(alpha=0.3, which="both")
@@ -79,14 +76,12 @@ def cliff_sentence(spectrum: dict) -> str:
             f"threshold.")
 
 
-# --- notebook 03: long waits shown as they go (progress.WaitProgress) ------------------------------------
 WARM_START_LINE = re.compile(r"warm-start step (\d+)/(\d+)")
 
 
 def resolve_model_shown(model, warmstart, seed: int) -> tuple[str, bool, float]:
-    """The base model's path from the `model` and `warmstart` sections and run.seed (as
-    session.resolve_model resolves it), with a progress bar when the tiny model must first be built
-    and warm-started (it logs 'warm-start step k/N'); returns (path, built now?, seconds)."""
+    """The base model's path (as session.resolve_model resolves it), with a progress bar when the tiny
+    model must first be built and warm-started; returns (path, built now?, seconds)."""
     from ..models import model_ref, resolve_model_path
     from ..tiny import tiny_cache_path
     t0 = time.perf_counter()
@@ -97,35 +92,20 @@ def resolve_model_shown(model, warmstart, seed: int) -> tuple[str, bool, float]:
         progress(what, 0, warmstart.steps)
 
         def log(line, *rest):
-            found = WARM_START_LINE.search(str(line))
-            if found:
+            if found := WARM_START_LINE.search(str(line)):
                 progress(what, int(found.group(1)), warmstart.steps)
         path = resolve_model_path(model, warmstart, seed, log=log)
     return path, True, time.perf_counter() - t0
 
 
-def train_shown(trainer, steps: int, what: str = "GRPO steps") -> float:
-    """`steps` trainer steps with a progress bar (reward and step time as its note); the seconds taken."""
-    with WaitProgress(what) as progress:
-        progress(what, 0, steps)
-        for i in range(steps):
-            t0 = time.perf_counter()
-            m = trainer.step().metrics
-            progress(what, i + 1, steps,
-                     note=f"reward {m['reward/mean']:.2f}, last step {time.perf_counter() - t0:.1f} s")
-        return progress.finish(f"reward of the last step {trainer.history[-1]['reward/mean']:.2f}")
-
-
-# --- notebook 03: the adapter of a trained run, or one trained here ----------------------------------------
 def last_mean(rows: list[dict], key: str = "reward/mean", last: int = 5) -> float:
     values = [r[key] for r in rows[-last:]]
     return sum(values) / len(values)
 
 
 def use_trained_run(trainer, found: tuple, run_root: str | Path, steps: int) -> str:
-    """Put the run `found` names (session.reuse.find_trained_run: (TrainedRun or None, passed over))
-    into `trainer`, or, when there is none, train `steps` steps here (a progress bar); and say which
-    happened, in Markdown, from what was found."""
+    """Load the run `found` (session.reuse.find_trained_run's) names into `trainer`, or with none train
+    `steps` steps here; Markdown that says which happened."""
     from ..session.reuse import load_trained_run
     run, passed = found
     items = [f"- passed over `{name}`: {why}" for name, why in passed[:5]]
@@ -139,7 +119,14 @@ def use_trained_run(trainer, found: tuple, run_root: str | Path, steps: int) -> 
                 f"that run's adapter (version {run.step}) and the engine serves it; the run dir was only read "
                 f"(its config, its checkpoint with weights only, its metrics).{writer}{skipped}")
     else:
-        seconds = train_shown(trainer, steps)
+        with WaitProgress(what := "GRPO steps") as progress:   # trained here, a progress bar
+            progress(what, 0, steps)
+            for i in range(steps):
+                t0 = time.perf_counter()
+                m = trainer.step().metrics
+                progress(what, i + 1, steps, note=f"reward {m['reward/mean']:.2f}, last step "
+                                                  f"{time.perf_counter() - t0:.1f} s")
+            seconds = progress.finish(f"reward of the last step {trainer.history[-1]['reward/mean']:.2f}")
         text = (f"**Trained here:** no run dir of this experiment with a checkpoint under `{run_root}` (notebook 01 "
                 f"and `lorabench demo` write there), so this kernel trained {steps} GRPO steps in {seconds:.0f} s, "
                 f"writing nothing to disk.{skipped}")

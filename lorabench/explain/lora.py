@@ -1,6 +1,4 @@
-"""One LoRA layer looked into (its factors A and B), base vs adapter-applied predictions (the next
-token's top k, the per-token log-prob effect), and a refresh drawn as a timeline of its parts.
-"""
+"""One LoRA layer's factors, base vs adapter-applied predictions, and a refresh as a timeline."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -21,8 +19,7 @@ def lora_factors(peft_model, module: str = "model.layers.0.self_attn.q_proj", ad
 
 
 def plot_lora_factors(f: dict):
-    """The two factors a LoRA layer learns, B [out, r] and A [r, in], each on its own symmetric
-    colour scale (their product ΔW is drawn by `plot_delta_w`, beside W)."""
+    """B [out, r] and A [r, in], each on its own symmetric colour scale (ΔW: `plot_delta_w`)."""
     r = f["A"].shape[0]
     fig, axes = labelled_figure("lora_factors", 1, 2, figsize=(13, 3.4), gridspec_kw={"width_ratios": [0.45, 1]})
     for ax, (m, title) in zip(axes, [(f["B"], f"B {tuple(f['B'].shape)}, its own scale"),
@@ -37,8 +34,7 @@ def plot_lora_factors(f: dict):
 
 @torch.no_grad()
 def lora_layer_facts(peft_model, f: dict, n_inputs: int = 3, seed: int = 0) -> dict:
-    """What the ΔW picture claims, measured on the layer itself: its output on random inputs equals
-    W·x + ΔW·x, and ΔW's rank is at most r."""
+    """The ΔW picture measured on the layer: its output on random x is W·x + ΔW·x, rank(ΔW) <= r."""
     layer = peft_model.get_submodule(f"base_model.model.{f['module']}")
     x = torch.randn(n_inputs, f["W"].shape[1], generator=torch.Generator().manual_seed(seed))
     param = next(layer.parameters())
@@ -49,8 +45,7 @@ def lora_layer_facts(peft_model, f: dict, n_inputs: int = 3, seed: int = 0) -> d
 
 
 def facts_frame(facts: dict, column: str):
-    """A dict of facts as a one-column table of readable numbers: whole numbers as they are, others to
-    3 significant digits, tiny ones (a rounding error) as 1.2e-07."""
+    """Facts as a one-column table: whole numbers as they are, others to 3 digits, tiny ones as 1.2e-07."""
     import pandas as pd
 
     def text(v):
@@ -60,11 +55,9 @@ def facts_frame(facts: dict, column: str):
     return pd.Series({k: text(v) for k, v in facts.items()}).to_frame(column)
 
 
-# --- base vs adapter-applied predictions -------------------------------------------------------------
 @torch.no_grad()
 def next_token_topk(peft_model, tokenizer, prefix_ids: list[int], k: int = 8) -> dict:
-    """Next-token probabilities after `prefix_ids`, adapter on and off: the union of both top-k,
-    ordered by the adapter's probability."""
+    """Next-token probabilities, adapter on and off: both top-k, by the adapter's probability."""
     ids = torch.tensor([prefix_ids], device=peft_model.device)
     with_adapter = torch.softmax(peft_model(input_ids=ids).logits[0, -1].float(), -1).cpu()
     with peft_model.disable_adapter():
@@ -82,8 +75,7 @@ def plot_topk(topk: dict, ax=None, title: str = "Next token, base vs adapter"):
     ax.barh(y + 0.2, topk["adapter"].numpy(), height=0.4, color="#4c72b0", label="adapter applied")
     ax.set_yticks(y.tolist(), topk["tokens"])
     ax.invert_yaxis()
-    ax.set_xlim(0, 1)
-    ax.set_xlabel("next-token probability")
+    ax.set(xlim=(0, 1), xlabel="next-token probability")
     title_with_legend(ax, title, ncol=2)
     ax.grid(alpha=0.3, axis="x")
     return ax
@@ -91,15 +83,12 @@ def plot_topk(topk: dict, ax=None, title: str = "Next token, base vs adapter"):
 
 def logprob_difference(engine, sequence: list[int], prompt_len: int, adapter: str) -> torch.Tensor:
     """Engine log-prob of each completion token with the adapter minus without it: [T]."""
-    with_adapter = engine.score([sequence], [prompt_len], adapter)[0]
-    base = engine.score([sequence], [prompt_len], None)[0]
-    return with_adapter - base
+    return engine.score([sequence], [prompt_len], adapter)[0] - engine.score([sequence], [prompt_len], None)[0]
 
 
 def token_labels(tokenizer, ids: list[int]) -> list[str]:
     """Each token as it reads in a plot: newlines as ⏎, a blank token as its repr."""
-    labels = [tokenizer.decode([t]) for t in ids]
-    return [t.replace("\n", "⏎") if t.strip() else repr(t) for t in labels]
+    return [t.replace("\n", "⏎") if t.strip() else repr(t) for t in (tokenizer.decode([i]) for i in ids)]
 
 
 def top_effects(tokens: list[str], diff: torch.Tensor, k: int = 3) -> list[tuple[int, str, float]]:
@@ -123,10 +112,8 @@ def plot_logprob_difference(tokens: list[str], diff: torch.Tensor, ax=None):
     return ax
 
 
-# --- a refresh as a timeline ----------------------------------------------------------------------------
 def plot_refresh_timeline(rows: list[dict], ax=None, title: str = "One refresh, part by part"):
-    """One row per refresh (refresh_bench rows): its parts end to end, in the order they ran; the
-    parts are named in the legend above the axes, the total and bytes at the end of each bar."""
+    """One bar per refresh_bench row: its parts in the order they ran, the total and bytes at the end."""
     ax = ax or plt.subplots(figsize=(12, 1.8 + 0.5 * len(rows)), layout="constrained")[1]
     ax.figure.set_label("refresh_timeline")
     seen = set()
@@ -141,8 +128,7 @@ def plot_refresh_timeline(rows: list[dict], ax=None, title: str = "One refresh, 
         ax.text(t, i, f"  {t:.1f} ms, {row['bytes'] / 2**20:.2f} MB moved", va="center")
     ax.set_yticks(range(len(rows)), [r["mode"] for r in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the refresh started")
-    ax.set_xlim(0, 1.45e3 * max(r["total_s"] for r in rows))
+    ax.set(xlabel="ms since the refresh started", xlim=(0, 1.45e3 * max(r["total_s"] for r in rows)))
     title_with_legend(ax, title, ncol=7)
     ax.grid(alpha=0.3, axis="x")
     return ax

@@ -6,11 +6,9 @@ from .step import fit_table, share_se
 
 
 def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = "strict") -> tuple[str, list[str]]:
-    """Markdown that compares the policies' held-out `key` share after training (greedy evaluations:
-    name -> trainer.evaluate row, in the order of what varies, e.g. the rank; `before`: the same
-    before the first step), each with its standard error, and the names within two standard errors
-    of the best (a tie at this sample size). Whatever the numbers are, the sentence says what they
-    show: nothing learned yet, a tie, a gap at one end of the order, or one that does not follow it."""
+    """Markdown comparing the policies' held-out `key` share before and after (name -> evaluate row, in
+    the order of the rank), and the names within two standard errors of the best. The sentence says
+    what the numbers show: nothing learned yet, a tie, a gap at one end of the order, or neither."""
     share = {name: e[key] for name, e in after.items()}
     n = next(iter(after.values()))["n"]
     se = {name: (p * (1 - p) / n) ** 0.5 for name, p in share.items()}
@@ -42,27 +40,22 @@ def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = "st
 
 
 def update_table(histories: dict[str, list[dict]], ranks: dict[str, int], alpha: float):
-    """Per policy: its rank, the scale α/r its ΔW = (α/r)·B·A carries, ‖ΔW‖ after its last step, and
-    the GRPO numbers behind the update (mean over its steps: gradient norm, share of groups with a
-    learning signal, the loss)."""
+    """Per policy: rank, α/r, ‖ΔW‖ now, and the means over its steps of ‖∇‖, groups with signal, loss."""
     import pandas as pd
     rows = []
-    for name, rows_ in histories.items():
-        mean = {k: sum(r[k] for r in rows_) / len(rows_) for k in ("grad_norm", "advantage/active_groups",
-                                                                   "loss/policy")}
+    for name, h in histories.items():
+        mean = {k: sum(r[k] for r in h) / len(h) for k in ("grad_norm", "advantage/active_groups", "loss/policy")}
         rows.append({"policy": name, "rank r": ranks[name], "α/r": alpha / ranks[name],
-                     "‖ΔW‖ now": rows_[-1]["adapter/delta_norm"], "‖∇‖ mean": mean["grad_norm"],
+                     "‖ΔW‖ now": h[-1]["adapter/delta_norm"], "‖∇‖ mean": mean["grad_norm"],
                      "groups with signal": mean["advantage/active_groups"], "loss mean": mean["loss/policy"]})
-    return fit_table(pd.DataFrame(rows).set_index("policy"), {"α/r": "{:g}", "‖ΔW‖ now": "{:.3g}",
-                                                              "‖∇‖ mean": "{:.3g}", "groups with signal": "{:.0%}",
-                                                              "loss mean": "{:+.1e}"})
+    return fit_table(pd.DataFrame(rows).set_index("policy"), {"α/r": "{:g}", "‖ΔW‖ now": "{:.3g}", "‖∇‖ mean": "{:.3g}",
+                                                              "groups with signal": "{:.0%}", "loss mean": "{:+.1e}"})
 
 
 def update_sentence(histories: dict[str, list[dict]], ranks: dict[str, int], alpha: float, tied: list[str],
                     lr: float) -> str:
-    """Markdown: how far each policy's adapter moved (‖ΔW‖) against its rank, and what that says about
-    the verdict, from the numbers: whether the policies behind the best are the ones that moved least
-    (then the comparison at one learning rate is one of update sizes as much as of the rank's room)."""
+    """Markdown: each adapter's ‖ΔW‖ against its rank, and whether the policies behind the best are
+    those that moved least (then one learning rate compares update sizes as much as rank)."""
     norms = {name: rows[-1]["adapter/delta_norm"] for name, rows in histories.items()}
     by_rank = sorted(norms, key=lambda n: ranks[n])
     values = [norms[n] for n in by_rank]

@@ -13,9 +13,8 @@ from ..viz import call_ms, end_to_end_ms, ms_text, part_ms, push_cost_fit, quart
 
 
 def engine_lora_weight(engine, adapter: str, module: str, half: str = "lora_B") -> torch.Tensor:
-    """The hf engine's own tensor for `half` of `module` in its adapter `adapter`: PEFT's parameter, not
-    a copy. The engine protocol has no such accessor (callers never reach into an engine's weights);
-    a lesson looks all the same. SGLang's copy lives in its scheduler process, out of this one's reach."""
+    """The hf engine's own tensor (PEFT's parameter, not a copy) for `half` of `module` in `adapter`:
+    a lesson's look past the engine protocol; SGLang's copy lives in another process."""
     peft_model = getattr(engine, "_peft", None) if getattr(engine, "name", "") == "hf" else None
     if peft_model is None or adapter not in engine.loaded_adapters():
         raise ValueError(f"engine_lora_weight reads an hf engine holding adapter {adapter!r}; got "
@@ -26,11 +25,9 @@ def engine_lora_weight(engine, adapter: str, module: str, half: str = "lora_B") 
 @torch.no_grad()
 def storage_across_refresh(engine, peft_model, mode: str, module: str = "model.layers.0.self_attn.q_proj",
                            adapter_name: str = "storage", seed: int = 0) -> dict:
-    """Refresh `peft_model`'s adapter into the hf `engine` by `mode`, change the trainer's LoRA weights
-    as an optimizer step does, refresh again, and look at the engine's lora_B of `module`: where its
-    values live before and after (storage pointers) and which values each holds. A handle on the
-    engine's tensor is kept across the second refresh; it keeps the old memory alive, so a new
-    tensor cannot be given the old address by chance."""
+    """Refresh into the hf `engine` by `mode`, change the LoRA weights as an optimizer step does, refresh
+    again; where the engine's lora_B of `module` lives before and after, and what each holds. The handle
+    kept across the refresh keeps the old memory alive, so a new tensor cannot reuse its address."""
     from ..adapters import PEFT_PREFIX
     from ..engines.base import AdapterNotLoaded
     from ..policy import LoraLayers
@@ -109,8 +106,7 @@ def mode_groups(rows) -> list[list[str]]:
 
 
 def modes_markdown(rows, bandwidth_gbps: float) -> str:
-    """Section 1's reading, computed from its rows: the order of the medians (with what the spread
-    allows), the largest part of each call, and the distance to the floor."""
+    """Section 1's reading: the medians' order (as the spread allows), largest parts, distance to floor."""
     from ..refresh_bench import floor_seconds
     by_mode = {r["mode"]: r for r in rows}
     groups = mode_groups(rows)
@@ -129,9 +125,8 @@ def modes_markdown(rows, bandwidth_gbps: float) -> str:
 
 
 def buckets_markdown(rows) -> str:
-    """Section 3's reading, computed from its merged rows: the push counts, whether the median push
-    part grows at every step toward more pushes, the line through the medians and how close they sit
-    to it, and the rest of the call, which the bucket size does not touch."""
+    """Section 3's reading: push counts, whether the median push part grows with every step in pushes,
+    the line through the medians, and the rest of the call, which the bucket size does not touch."""
     rows = sorted(rows, key=lambda r: r["buckets"])
     pushes = [part_ms(r, "push") for r in rows]
     medians = [quartiles(p)[1] for p in pushes]
@@ -156,9 +151,8 @@ def buckets_markdown(rows) -> str:
 
 
 def _rank_tiers(at: dict, modes: list[str], ranks: list[int]) -> list[list[str]]:
-    """The modes in tiers that hold at every rank, fastest first: a cut between two tiers stands where,
-    at every rank, each mode before it has its middle half below the middle half of each mode after it
-    (the order within a tier can change with the rank)."""
+    """The modes in tiers, fastest first, cut where at every rank each mode before has its middle half
+    below every mode's after."""
     q = {key: quartiles(end_to_end_ms(row)) for key, row in at.items()}
     order = sorted(modes, key=lambda m: q[(m, ranks[0])][1])
     cuts = [s for s in range(1, len(order))
@@ -168,9 +162,8 @@ def _rank_tiers(at: dict, modes: list[str], ranks: list[int]) -> list[list[str]]
 
 
 def rank_markdown(rows) -> str:
-    """Section 4's reading, computed from its rows: how the adapter's bytes and each mode's median end
-    to end change from the smallest rank to the largest (and whether that change is within the
-    spread), and the order of the modes that holds at every rank, if any does."""
+    """Section 4's reading: how the adapter's bytes and each mode's median change from the smallest
+    rank to the largest, and the order of the modes that holds at every rank, if any."""
     ranks = sorted({r["rank"] for r in rows})
     low, high = ranks[0], ranks[-1]
     at = {(r["mode"], r["rank"]): r for r in rows}
@@ -195,8 +188,7 @@ def rank_markdown(rows) -> str:
 
 
 def threads_markdown(rows, cpus: int, load_average: float, chosen: int | None = None, asked: bool = False) -> str:
-    """Section 0's reading: each thread count's median, upper quartile and slowest repeat, the machine's
-    load, and the count the later sections time with (`chosen`: asked for, or refresh_bench.steadiest_threads's)."""
+    """Section 0's reading: per thread count its median, upper quartile and slowest; the count chosen."""
     def threads(n):
         return f"{n} thread{'s' if n > 1 else ''}"
     parts = []
@@ -217,8 +209,7 @@ GPU_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "
 
 
 def gpu_mode_rows(path: Path = GPU_RESULTS) -> tuple[list[dict], str] | None:
-    """The GPU recording's rows of section 2 (one per mode, the first at each mode's 64 MB bucket) with
-    its label, or None where the file is not there (an installed package without the repository)."""
+    """The GPU recording's section-2 rows (64 MB buckets) and label; None without the file."""
     if not Path(path).is_file():
         return None
     data = json.loads(Path(path).read_text())
@@ -231,12 +222,10 @@ def gpu_mode_rows(path: Path = GPU_RESULTS) -> tuple[list[dict], str] | None:
 
 
 def cpu_gpu_table(rows, gpu: tuple[list[dict], str] | None):
-    """Each mode's median end to end here (refresh call + first request) and its place, beside the
-    GPU recording's (its median call + its median first request) and place there."""
+    """Each mode's median end to end and place here, beside the GPU recording's."""
     import pandas as pd
     here = sorted(rows, key=_median_ms)
-    table = pd.DataFrame({"mode": [r["mode"] for r in here],
-                          "here: ms": [_median_ms(r) for r in here],
+    table = pd.DataFrame({"mode": [r["mode"] for r in here], "here: ms": [_median_ms(r) for r in here],
                           "here: place": range(1, len(here) + 1)}).set_index("mode")
     if gpu is not None:
         gpu_rows, label = gpu
@@ -251,7 +240,7 @@ def _gpu_ms(row) -> float:
 
 
 def cpu_gpu_markdown(rows, gpu: tuple[list[dict], str] | None) -> str:
-    """The two orders in words, computed from the table's numbers: the same, or which modes trade places."""
+    """The two orders in words: the same, or which modes trade places."""
     here = [r["mode"] for r in sorted(rows, key=_median_ms)]
     if gpu is None:
         return f"Fastest to slowest here: {', '.join(f'`{m}`' for m in here)}; no GPU recording found to compare."

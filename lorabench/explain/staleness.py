@@ -1,5 +1,5 @@
-"""Notebook 03: what a stale adapter does to learning (refreshed vs stale runs over seeds, held-out
-after each), and one group's advantages and clipped loss with a fresh and a stale engine.
+"""Notebook 03: what a stale adapter does to learning (refreshed vs stale runs over seeds), and one
+group's advantages and clipped loss with a fresh and a stale engine.
 """
 from __future__ import annotations
 
@@ -17,12 +17,9 @@ ARMS = ("refreshed", "stale")
 
 
 def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
-    """For each seed, two runs of `steps` GRPO steps from the same start, `make_trainer("refreshed",
-    seed)` (refreshed after every step) and `make_trainer("stale", seed)` (refresh.mode=none), on one
-    engine, each serving an adapter name of its own; then each trainer's held-out greedy reward with
-    its own adapter served (the stale trainer's after one real refresh, with the trainer-vs-engine
-    check before and after it) and, for the stale arm before that refresh, the first adapter's; under
-    one progress bar."""
+    """Per seed, `steps` GRPO steps of `make_trainer(arm, seed)` for each arm (stale: refresh.mode=none),
+    on one engine under adapter names of their own; then each trainer's held-out greedy reward with its
+    own adapter served (the stale one's after one real refresh, `refresh_once`) and the first adapter's."""
     seeds = list(seeds)
     out = {"seeds": seeds, "steps": steps, "rows": {a: [] for a in ARMS}, "heldout": {a: [] for a in ARMS},
            "first_adapter": [], "check": []}
@@ -52,9 +49,8 @@ def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
 
 
 def refresh_once(trainer) -> dict:
-    """The stale check: trainer vs engine on the engine's own greedy completions, before and after
-    one real (tensor) refresh of the trainer's adapter; the version the engine served before it; and
-    one group's GRPO loss (one_group_loss) on a held-out problem before and after, same sampling seed."""
+    """Trainer vs engine on the engine's greedy completions, and one group's loss on a held-out problem,
+    before and after one real (tensor) refresh of the trainer's adapter."""
     from ..refresh import make_refresher
     name = trainer.refresher.serving_adapter
     served = trainer.engine.served_version(name)
@@ -92,8 +88,7 @@ def heldout_means(evaluations: list[dict]) -> dict[str, float]:
 
 
 def heldout_table(summary: dict):
-    """Held-out greedy measures (means over seeds) of the first adapter (what the stale engine served),
-    the refreshed trainer's adapter and the stale trainer's (after one real refresh)."""
+    """Held-out greedy measures (means over seeds) of the first adapter and of each trainer's."""
     import pandas as pd
     columns = {"first adapter (the stale engine's)": summary["first_adapter"],
                "refreshed trainer": summary["heldout"]["refreshed"],
@@ -106,8 +101,7 @@ ARM_COLORS = {"refreshed": "#4c72b0", "stale": "#c44e52"}
 
 
 def plot_refreshed_vs_stale(result: dict):
-    """Reward and trainer-vs-engine mismatch per step, refreshed vs stale: one thin line per seed,
-    the mean over seeds thick."""
+    """Reward and mismatch per step, refreshed vs stale: a thin line per seed, their mean thick."""
     fig, axes = labelled_figure("refreshed_vs_stale", 1, 2, figsize=(13, 4.0))
     floor = 1e-9   # a mismatch of exactly 0 has no place on a log axis
     for ax, key, transform in ((axes[0], "reward/mean", float), (axes[1], "mismatch/mean", lambda v: max(v, floor))):
@@ -158,29 +152,24 @@ def compare_sentence(summary: dict, steps: int) -> str:
 
 
 def heldout_sentence(summary: dict) -> str:
-    """How each trainer's adapter compares with the first one on held-out problems, measure by measure,
-    from the numbers (Markdown)."""
+    """Markdown: each trainer's adapter against the first one on held-out problems, per measure."""
     first, parts = summary["first_adapter"], []
     for k, what in HELDOUT_MEASURES.items():
         values = {arm: summary["heldout"][arm][k] for arm in ARMS}
-        moved = [f"the {arm} trainer's {v:.0%} ({_relation(v, first[k])})" for arm, v in values.items()]
+        ref = round(100 * first[k])   # compared as the whole per cents shown
+        moved = [f"the {arm} trainer's {v:.0%} "
+                 f"({'higher' if round(100 * v) > ref else 'lower' if round(100 * v) < ref else 'the same'})"
+                 for arm, v in values.items()]
         parts.append(f"{what}: the first adapter {first[k]:.0%}, {', '.join(moved)}")
     return ("Held-out, greedy (means over the seeds), " + "; ".join(parts) + ". The stale trainer learned from "
             "the first adapter's rollouts only; what its own adapter does shows once it is served.")
 
 
-def _relation(value: float, reference: float) -> str:
-    """Higher, lower or the same, as the percentages shown (whole per cent) compare."""
-    shown, ref = round(100 * value), round(100 * reference)
-    return "higher" if shown > ref else "lower" if shown < ref else "the same"
-
-
 # --- notebook 03: one group's advantages and clipped loss, and what a stale engine hides from it ---------
 @torch.no_grad()
 def one_group_loss(trainer, problem, step: int) -> dict:
-    """One group of G completions for `problem` from the adapter the engine serves, scored and turned
-    into GRPO's advantages and clipped loss by the package's own functions, twice: with π_old = the
-    trainer's own log-probs (as Policy.train takes it) and = the sampling policy's (the engine's)."""
+    """One group of G completions for `problem` from the served adapter, through the package's own
+    advantages and clipped loss, with π_old = the trainer's log-probs (as Policy.train) and = the engine's."""
     from ..loss import grpo_loss
     from ..rollout import collate, sample, score
     g, name = trainer.settings, trainer.refresher.serving_adapter
@@ -196,23 +185,17 @@ def one_group_loss(trainer, problem, step: int) -> dict:
     ratio = torch.exp(logp - batch.engine_logprobs)[mask.bool()].cpu()          # [tokens] π_θ / π_sampler
     return {"served_version": rollouts.served_version, "trainer_version": trainer.step_count,
             "clip_eps": g.clip_eps, "rewards": batch.rewards.cpu(), "advantages": batch.advantages.cpu(),
-            "tokens": mask.sum(1).int().cpu(), "shapes": {"input_ids": tuple(batch.input_ids.shape),
-                                                          "logp": tuple(logp.shape), "advantages":
-                                                          tuple(batch.advantages.shape)},
-            "texts": rollouts.texts, "ratio": ratio,
+            "tokens": mask.sum(1).int().cpu(), "texts": rollouts.texts, "ratio": ratio,
+            "shapes": {"input_ids": tuple(batch.input_ids.shape), "logp": tuple(logp.shape),
+                       "advantages": tuple(batch.advantages.shape)},
             "own": {"loss": own_loss.item(), **own}, "sampler": {"loss": sampler_loss.item(), **sampler}}
 
 
 def group_table(group: dict, width: int = 60):
-    """The group as rows: each completion's reward, advantage (r − mean) / std and tokens, and the
-    mean ratio π_θ / π_sampler over its tokens."""
+    """Per completion: reward, advantage, tokens and mean ratio π_θ / π_sampler."""
     import pandas as pd
     mask_lengths = group["tokens"].tolist()
-    ratios, start = [], 0
-    for n in mask_lengths:
-        part = group["ratio"][start:start + n]
-        ratios.append(float(part.mean()) if n else float("nan"))
-        start += n
+    ratios = [float(part.mean()) if len(part) else float("nan") for part in group["ratio"].split(mask_lengths)]
     frame = pd.DataFrame({"reward r": group["rewards"].tolist(),
                           "advantage (r − mean)/std": group["advantages"].tolist(),
                           "tokens": mask_lengths, "mean π_θ/π_sampler": ratios,
@@ -223,9 +206,7 @@ def group_table(group: dict, width: int = 60):
 
 
 def group_loss_table(groups: dict):
-    """Per group (e.g. {"stale engine": g, "after one refresh": g2}): the loss and the share of tokens
-    whose ratio lies outside 1 ± ε (grpo_loss's clip_fraction), with π_old = the trainer's own log-probs
-    (what it computes) and with π_old = the policy that sampled the tokens."""
+    """Per group: the loss and clip_fraction with π_old = the trainer's log-probs and = the sampler's."""
     import pandas as pd
     rows = {}
     for label, g in groups.items():
@@ -243,24 +224,21 @@ def group_loss_table(groups: dict):
 
 def group_loss_sentence(stale: dict, fresh: dict) -> str:
     """What the two groups show, from their numbers (Markdown)."""
-    eps = stale["clip_eps"]
-
-    def outside(g):
-        return f"{g['sampler']['clip_fraction']:.0%}"
+    eps, (lo, hi), (lo2, hi2) = stale["clip_eps"], *((float(g["ratio"].min()), float(g["ratio"].max()))
+                                                      for g in (stale, fresh))
     return (f"With π_old = its own log-probs (as `Policy.train` takes it) the ratio is exactly 1: "
             f"{stale['own']['clip_fraction']:.0%} of the stale engine's tokens lie outside 1 ± {eps:g}, and "
             f"{fresh['own']['clip_fraction']:.0%} after the refresh. The loss cannot see who sampled them. Measured "
-            f"against the policy that did sample them, the stale engine's tokens have ratios "
-            f"from {float(stale['ratio'].min()):.2f} to {float(stale['ratio'].max()):.2f}, and {outside(stale)} of "
-            f"them lie outside 1 ± {eps:g}; after one refresh {float(fresh['ratio'].min()):.3f} to "
-            f"{float(fresh['ratio'].max()):.3f}, {outside(fresh)} outside. The stale trainer takes each step as if "
-            f"its rollouts were its own; only the mismatch check (`mismatch/*`) tells them apart.")
+            f"against the policy that did sample them, the stale engine's tokens have ratios from {lo:.2f} to "
+            f"{hi:.2f}, and {stale['sampler']['clip_fraction']:.0%} of them lie outside 1 ± {eps:g}; after one "
+            f"refresh {lo2:.3f} to {hi2:.3f}, {fresh['sampler']['clip_fraction']:.0%} outside. The stale trainer "
+            f"takes each step as if its rollouts were its own; only the mismatch check (`mismatch/*`) tells them "
+            f"apart.")
 
 
 def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str]:
-    """Where the harm of a stale refresh shows, from the numbers on screen (Markdown), and the held-out
-    verdict for the prediction: the stale trainer's strict reward 'lower', 'the same' or 'higher' than
-    the refreshed one's (beyond two standard errors); the served reward counts only if every seed agrees."""
+    """Markdown: where a stale refresh's harm shows, and the verdict: the stale trainer's held-out strict
+    reward 'lower', 'the same' or 'higher' (two s.e.); the served reward counts if every seed agrees."""
     n, mean, seeds = summary["heldout_n"], summary["mean"], len(summary["per_seed"]["refreshed"])
     served_gap = mean["refreshed"] - mean["stale"]
     if summary["refreshed_higher"] == seeds:

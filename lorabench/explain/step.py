@@ -1,6 +1,4 @@
-"""Notebook 01: one GRPO step by hand (shapes, a group's advantages, ratio and clipped loss), what the
-run learned stated from the numbers on screen, and a broken refresh compared with a working one.
-"""
+"""Notebook 01: one GRPO step by hand, what the run learned (from its numbers), a broken refresh."""
 from __future__ import annotations
 
 import re
@@ -9,8 +7,7 @@ import torch
 
 
 def gradient_norm(params, clear: bool = True) -> float:
-    """‖∇‖ over `params` (what grpo logs as grad_norm: before clipping); their .grad set back to None
-    when `clear`, so the next optimizer step starts from nothing."""
+    """‖∇‖ over `params` (grpo's grad_norm, before clipping); their .grad set to None when `clear`."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() if grads else 0.0
     if clear:
@@ -25,8 +22,7 @@ FIT = [{"selector": "td, th", "props": "font-size: 12px; padding: 2px 6px; text-
 
 
 def fit_table(frame, formats: dict | str | None = None, wrap: tuple[str, ...] = ()):
-    """A DataFrame's Styler for the lessons: `formats` as Styler.format takes them, cells unwrapped
-    (a number or a shape is never cut across lines) but for the text columns in `wrap`."""
+    """A DataFrame's Styler: `formats` as Styler.format takes them, cells unwrapped but for `wrap`'s."""
     styler = frame.style.format(formats) if formats is not None else frame.style
     styler = styler.set_table_styles(FIT)
     if wrap:
@@ -35,7 +31,7 @@ def fit_table(frame, formats: dict | str | None = None, wrap: tuple[str, ...] = 
 
 
 def tensor_shapes(tensors: dict[str, tuple[torch.Tensor, str]]):
-    """One row per tensor: its shape, dtype and what it holds (the shape comments, on screen)."""
+    """One row per tensor: its shape, dtype and what it holds."""
     import pandas as pd
     frame = pd.DataFrame([{"tensor": name, "shape": str(list(t.shape)), "dtype": str(t.dtype).replace("torch.", ""),
                            "what it holds": what} for name, (t, what) in tensors.items()]).set_index("tensor")
@@ -43,18 +39,15 @@ def tensor_shapes(tensors: dict[str, tuple[torch.Tensor, str]]):
 
 
 def completion_end(text: str, max_chars: int = 60) -> str:
-    """The last `max_chars` characters of a completion, newlines shown as ⏎: its end is where the
-    `#### N` that the reward reads is."""
+    """The last `max_chars` characters of a completion (where its `#### N` is), newlines as ⏎."""
     flat = text.replace("\n", " ⏎ ")
     return flat if len(flat) <= max_chars else "…" + flat[-(max_chars - 1):]
 
 
 def group_view(batch, texts: list[str], logp, old_logp, group: int, group_size: int, clip_eps: float,
                max_chars: int = 60):
-    """Completion by completion, one group of a batch: reward, advantage, the answer the reward read
-    (the number after its last `#### `, or — when there is none) and the completion's end, where that
-    answer is; its tokens, mean log π and mean ratio over them, and its term of the loss
-    (`loss.grpo_loss` on that row alone: the batch's loss is the mean of these terms)."""
+    """One group of a batch, completion by completion: reward, advantage, the answer the reward read,
+    the completion's end, its tokens, mean log π and ratio, and its loss term (`grpo_loss` on its row)."""
     import pandas as pd
 
     from ..loss import grpo_loss
@@ -80,8 +73,7 @@ def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
 
 
 def advantage_note(rewards: torch.Tensor, group_size: int, group: int = 0) -> str:
-    """Markdown: the advantage formula as `loss.group_advantages` computes it (its eps read from the
-    function), worked out for `group`, and how many of the batch's groups have all-equal rewards."""
+    """Markdown: `loss.group_advantages` worked out for `group`, and the groups with all-equal rewards."""
     import inspect
 
     from ..loss import group_advantages
@@ -111,8 +103,8 @@ def group_rewards_note(rewards: torch.Tensor, group_size: int, group: int) -> st
 
 
 def prediction_note(predicted: float | None, rewards: torch.Tensor, group_size: int, group: int) -> str:
-    """Markdown: the advantage of the group's best completion against the learner's prediction, and,
-    for rewards of 0 and 1 only, the closed form √((G−k)/k) of k right answers out of G."""
+    """Markdown: the best completion's advantage against the prediction, and for 0/1 rewards the closed
+    form √((G−k)/k) of k right out of G."""
     from ..loss import group_advantages
     r = rewards.view(-1, group_size)[group]
     advantages = group_advantages(r, group_size)
@@ -121,23 +113,20 @@ def prediction_note(predicted: float | None, rewards: torch.Tensor, group_size: 
         verdict = "You wrote no prediction (set `my_prediction` and run the two cells again)."
     else:
         off = abs(predicted - best)
-        verdict = (f"You predicted {predicted:+.2f}: " +
-                   ("right (within 0.1)." if off <= 0.1 else f"off by {off:.2f}."))
+        verdict = f"You predicted {predicted:+.2f}: " + ("right (within 0.1)." if off <= 0.1 else f"off by {off:.2f}.")
     closed = ""
     if set(r.tolist()) <= {0.0, 1.0} and 0 < r.sum().item() < group_size:
         k = int(r.sum().item())
         closed = (f" With rewards 0 and 1 and k = {k} of G = {group_size} right, the mean is k/G and the "
                   f"std √(k/G·(1−k/G)), so a right answer gets √((G−k)/k) = {((group_size - k) / k) ** 0.5:+.2f} "
                   f"and a wrong one −√(k/(G−k)) = {-(k / (group_size - k)) ** 0.5:+.2f} (the eps in the "
-                  f"denominator takes a little off): the rarer a success in "
-                  f"its group, the harder it is pushed up.")
+                  f"denominator takes a little off): the rarer a success in its group, the harder it is pushed up.")
     return f"**The reveal.** The best completion of group {group} has advantage **{best:+.2f}**. {verdict}{closed}"
 
 
 def kl_penalty_note(rows: list[dict], kl_beta: float, example_beta: float = 0.04) -> str:
-    """Markdown: what the KL penalty `grpo.kl_beta` would add to the loss, from the run's own KL metric
-    (`kl/mean`: the k3 estimate on each step's sampled tokens, the policy that sampled them against
-    the base model, adapter disabled; the estimate the loss uses), beside what the run's kl_beta is."""
+    """Markdown: what `grpo.kl_beta` would add to the loss, from the run's `kl/mean` (the k3 estimate
+    the loss uses, sampling policy against the base), beside the run's own kl_beta."""
     logged = [r for r in rows if r.get("kl/mean") is not None]
     if not logged:
         return "**KL penalty.** No KL was logged in this run (`grpo.kl_metric` is off)."
@@ -155,8 +144,7 @@ def kl_penalty_note(rows: list[dict], kl_beta: float, example_beta: float = 0.04
 
 
 def reward_exercise_note(rows: list[dict], name: str, steps: int) -> str:
-    """Markdown: what the reward `name` paid over the last `steps` rows, beside the completions'
-    length then and over as many steps before."""
+    """Markdown: what reward `name` paid over the last `steps` rows, and the completions' length."""
     ran, before = rows[-steps:], rows[-2 * steps:-steps]
     paid = sum(r.get(f"reward/{name}/mean", 0.0) for r in ran) / len(ran)
 
@@ -172,8 +160,7 @@ def reward_exercise_note(rows: list[dict], name: str, steps: int) -> str:
 
 
 def direction(before: float, after: float, se: float) -> str:
-    """'rose', 'fell' or 'held': a change counts only beyond two standard errors `se` of the
-    difference (so 'held' means within that noise)."""
+    """'rose', 'fell' or 'held' (within two standard errors `se` of the difference)."""
     if abs(after - before) <= 2 * se or after == before:
         return "held"
     return "rose" if after > before else "fell"
@@ -190,9 +177,7 @@ def share_se(before: float, after: float, n: int) -> float:
 
 
 def learned_summary(before: dict, after: dict) -> str:
-    """Markdown that says what this run learned, from the greedy held-out evaluations before and
-    after (dicts of GRPOTrainer.evaluate: 'format', 'flexible', 'strict', 'n'); every direction word
-    comes from `direction`, never assumed."""
+    """Markdown: what the run learned from held-out evaluations; each direction word from `direction`."""
     n = after["n"]
     fmt, right, reward = (direction(before[k], after[k], share_se(before[k], after[k], n))
                           for k in ("format", "flexible", "strict"))
@@ -209,8 +194,7 @@ def learned_summary(before: dict, after: dict) -> str:
 
 
 def clip_note(ratio: torch.Tensor, mask: torch.Tensor, clip_eps: float, steps: int) -> str:
-    """Markdown: the ratio ρ = π_now / π_old on a batch's completion tokens after `steps` updates, and
-    the share of tokens the clip would hold at 1 ± ε were the batch trained on again."""
+    """Markdown: ρ = π_now / π_old on a batch after `steps` updates, and the share the clip would hold."""
     values = ratio[mask.bool()]
     outside = ((values - 1).abs() > clip_eps).float().mean().item()
     return (f"After {steps} steps the ratio ρ = π<sub>θ</sub> / π<sub>old</sub> on these tokens spans "
@@ -222,8 +206,8 @@ def clip_note(ratio: torch.Tensor, mask: torch.Tensor, clip_eps: float, steps: i
 
 
 def half_means(rows: list[dict], per_step: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """(mean, standard error) of reward/mean over the first and the second half of `rows`; a step's
-    standard error is its completions' reward/std over sqrt(per_step)."""
+    """(mean, standard error) of reward/mean over each half of `rows`; a step's s.e. is reward/std
+    over sqrt(per_step)."""
     half = max(1, len(rows) // 2)
 
     def mean_se(part):
@@ -235,24 +219,17 @@ def half_means(rows: list[dict], per_step: int) -> tuple[tuple[float, float], tu
 FOLD = 10.0   # a mismatch spans decades (1e-7 when the engine serves the trainer's adapter, 1e-2 when not)
 
 
-def fold_direction(before: float, after: float) -> str:
-    """'rose' or 'fell' for a change beyond FOLD-fold either way, else 'held': the direction word for a
-    quantity that moves by decades, like the mismatch."""
-    fold = after / max(before, 1e-12)
-    return "rose" if fold > FOLD else "fell" if fold < 1 / FOLD else "held"
-
-
 def broken_summary(refreshed: list[dict], broken: list[dict], per_step: int, mode: str = "none") -> str:
-    """Markdown: what the run with refresh.mode=`mode` showed against the refreshed run over the same
-    steps: the mismatch at its first and last step, against the refreshed run's mismatch and probe gap
-    there, and the reward's direction in each run (first half of the steps against the second, within
-    two standard errors: `direction`); `per_step`: completions per step."""
+    """Markdown: the run with refresh.mode=`mode` against the refreshed one over the same steps: its
+    mismatch first and last, against the refreshed mismatch and probe gap, and each run's reward
+    direction (first half against second, `direction`); `per_step`: completions per step."""
     k = min(len(broken), len(refreshed))
     first, last = broken[0]["mismatch/mean"], broken[k - 1]["mismatch/mean"]
     ref_last, gap_last = refreshed[k - 1]["mismatch/mean"], refreshed[k - 1]["probe/adapter_gap"]
     fold = last / max(first, 1e-12)
     climb = {"rose": f"rose {fold:.2g}-fold", "fell": f"fell {1 / fold:.2g}-fold",
-             "held": f"held (×{fold:.2g}: under {FOLD:g}-fold either way)"}[fold_direction(first, last)]
+             "held": f"held (×{fold:.2g}: under {FOLD:g}-fold either way)"}[
+        "rose" if fold > FOLD else "fell" if fold < 1 / FOLD else "held"]
     served = [r["adapter/served_version"] for r in broken[:k]]
     engine = (f"the engine served adapter version {served[0]} at every step while the trainer moved on to version "
               f"{broken[k - 1]['adapter/version']}" if len(set(served)) == 1 else
