@@ -1,11 +1,7 @@
-"""Reading dataset rows from local .jsonl / .parquet files and from the hub, with bounded memory and
-errors that name the file, the line (or row) and the fix. data.py turns the rows into problems.
-
-jsonl is parsed line by line with stdlib `json`, not `datasets` or `pyarrow.json`: they report a bad
-line as a byte offset, hold a 50 MB line whole and (datasets) copy the file into a cache before it is
-validated. Each line is checked for bounded length (a longer one is skipped in pieces), UTF-8 (a BOM
-on line 1 accepted), JSON, an object. Parquet is read with pyarrow in batches, a value's byte length
-checked before it becomes a string. The hub split comes through `datasets` (and its cache).
+"""Dataset rows from local .jsonl / .parquet files and from the hub, with bounded memory and errors
+naming the file, the line (or row) and the fix. jsonl is read line by line with stdlib `json` (which
+names a bad line, not a byte offset); a line over MAX_ROW_BYTES is skipped in pieces. Parquet is read
+in batches, a value's byte length checked before it becomes a string.
 """
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ class DataError(ValueError):
 
 
 def read_rows(source: str, split: str) -> list[tuple[str, dict]]:
-    """(location, row) pairs of a local .jsonl/.parquet file or of the hub's GSM8K `split`;
-    location reads 'FILE line 7' / 'FILE row 7' / 'openai/gsm8k[test] row 7'."""
+    """(location, row) pairs: 'FILE line 7' / 'FILE row 7' / 'openai/gsm8k[test] row 7'."""
     if source == "hub":
         return hub_rows(split)
     path = Path(source)
@@ -36,9 +31,8 @@ def read_rows(source: str, split: str) -> list[tuple[str, dict]]:
 
 
 def _refuse_too_large(path: Path, nbytes: int, what: str) -> None:
-    """The rows of a file are held in memory for the whole run: a file (or, parquet, its text
-    uncompressed) larger than half the machine's memory is refused before it is read, instead of a
-    wait that ends in the OOM killer (a sparse 1 TB file costs its maker nothing)."""
+    """Rows are held in memory for the whole run: a file (parquet: its text uncompressed) over half the
+    machine's memory is refused before it is read, not left to the OOM killer."""
     from .machine import machine_memory
     memory, where = machine_memory("cpu")
     if nbytes > memory // 2:
@@ -54,8 +48,7 @@ def _too_long(where: str, lines: list[tuple[int, int]], unit: str) -> DataError:
 
 
 def bounded_lines(fh, limit: int):
-    """(line number, bytes) of a binary file, or (line number, length) for a line over `limit`
-    bytes, which is skipped in pieces of `limit` bytes so memory stays bounded."""
+    """(line number, bytes), or (line number, length) for a line over `limit` bytes, skipped in pieces."""
     number = 0
     while line := fh.readline(limit + 1):
         number += 1
@@ -108,10 +101,10 @@ def parquet_rows(path: Path) -> list[tuple[str, dict]]:
     except (pa.ArrowInvalid, OSError) as err:
         raise DataError(f"{path} is not a readable parquet file ({err}); write it with pandas.DataFrame.to_parquet "
                         f"or use .jsonl") from err
-    missing = [f for f in FIELDS if f not in pf.schema_arrow.names]
-    if missing:
-        raise DataError(f"{path}: no column {missing[0]!r}; the columns are {pf.schema_arrow.names}, each row needs "
-                        f"'question' and 'answer'")
+    for name in FIELDS:
+        if name not in pf.schema_arrow.names:
+            raise DataError(f"{path}: no column {name!r}; the columns are {pf.schema_arrow.names}, each row needs "
+                            f"'question' and 'answer'")
     for name in FIELDS:
         typ = pf.schema_arrow.field(name).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
@@ -136,7 +129,6 @@ def parquet_rows(path: Path) -> list[tuple[str, dict]]:
 
 
 def hub_rows(split: str) -> list[tuple[str, dict]]:
-    """openai/gsm8k (config 'main') through `datasets`; refused fast when the hub cannot be reached."""
     from .hub import dataset_unavailable
     name, config = HUB_DATASET
     reason = dataset_unavailable(name)

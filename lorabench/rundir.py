@@ -401,13 +401,6 @@ def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[i
                           f"{_RECOVER}. Restore {CHECKPOINT} from a backup and resume, or {_NEW_RUN}")
 
 
-def _vouches(held: dict, row: dict) -> bool:
-    """A file row matches the checkpoint's copy (as JSON) on every key the copy has (the metrics row gains its
-    timings after the checkpoint)."""
-    held = json.loads(row_line(held))
-    return all(k in row and row[k] == v for k, v in held.items())
-
-
 def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
     """The checkpoint's rows that `scan` lacks at its end. Refuses rows past the checkpoint, rows that differ
     from its copies, and steps out of order or logged twice (two writers)."""
@@ -425,8 +418,8 @@ def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
                           f"matching {CHECKPOINT}, or start a new run")
     first_held = min((_step(r) for r in held), default=step + 1)
     window = [(line, row) for line, row in zip(scan.lines, scan.rows) if _step(row) >= first_held]
-    for (line, row), copy in zip(window, held):
-        if not _vouches(copy, row):
+    for (line, row), copy in zip(window, held):   # equal on every key of the copy (as JSON): the metrics row
+        if any(k not in row or row[k] != v for k, v in json.loads(row_line(copy)).items()):   # gains time/* later
             raise RunDirError(f"{scan.path} line {line} (step {_step(row)}) differs from the row the checkpoint holds "
                               f"for it; {_RECOVER}. Restore the file or the checkpoint from a backup, or start a new "
                               f"run")
