@@ -41,10 +41,12 @@ def _refuse_too_large(path: Path, nbytes: int, what: str) -> None:
                         f"is 4 MB)")
 
 
-def _too_long(where: str, lines: list[tuple[int, int]], unit: str) -> DataError:
+def _refuse_too_long(where: str, lines: list[tuple[int, int]], unit: str) -> None:
+    if not lines:
+        return
     number, nbytes = lines[0]
-    return DataError(f"{where}: {len(lines)} {unit}(s) longer than {MAX_ROW_BYTES:,} bytes (1 MiB), the first is "
-                     f"{unit} {number} ({nbytes:,} bytes); GSM8K rows are under 2 KB: remove or shorten those rows")
+    raise DataError(f"{where}: {len(lines)} {unit}(s) longer than {MAX_ROW_BYTES:,} bytes (1 MiB), the first is "
+                    f"{unit} {number} ({nbytes:,} bytes); GSM8K rows are under 2 KB: remove or shorten those rows")
 
 
 def bounded_lines(fh, limit: int):
@@ -87,8 +89,7 @@ def jsonl_rows(path: Path) -> list[tuple[str, dict]]:
                 raise DataError(f"{path} line {number}: a {type(row).__name__}, not a JSON object; write one "
                                 f'{{"question": ..., "answer": ...}} object per line')
             rows.append((f"{path} line {number}", row))
-    if too_long:
-        raise _too_long(str(path), too_long, "line")
+    _refuse_too_long(str(path), too_long, "line")
     return rows
 
 
@@ -101,10 +102,10 @@ def parquet_rows(path: Path) -> list[tuple[str, dict]]:
     except (pa.ArrowInvalid, OSError) as err:
         raise DataError(f"{path} is not a readable parquet file ({err}); write it with pandas.DataFrame.to_parquet "
                         f"or use .jsonl") from err
-    for name in FIELDS:
-        if name not in pf.schema_arrow.names:
-            raise DataError(f"{path}: no column {name!r}; the columns are {pf.schema_arrow.names}, each row needs "
-                            f"'question' and 'answer'")
+    missing = [f for f in FIELDS if f not in pf.schema_arrow.names]
+    if missing:
+        raise DataError(f"{path}: no column {missing[0]!r}; the columns are {pf.schema_arrow.names}, each row needs "
+                        f"'question' and 'answer'")
     for name in FIELDS:
         typ = pf.schema_arrow.field(name).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
@@ -123,8 +124,7 @@ def parquet_rows(path: Path) -> list[tuple[str, dict]]:
             else:
                 rows.append((f"{path} row {offset + i + 1}", {f: batch.column(f)[i].as_py() for f in FIELDS}))
         offset += batch.num_rows
-    if too_long:
-        raise _too_long(str(path), too_long, "row")
+    _refuse_too_long(str(path), too_long, "row")
     return rows
 
 
@@ -149,6 +149,5 @@ def hub_rows(split: str) -> list[tuple[str, dict]]:
             too_long.append((i + 1, nbytes))
         else:
             rows.append((f"{where} row {i + 1}", row))
-    if too_long:
-        raise _too_long(where, too_long, "row")
+    _refuse_too_long(where, too_long, "row")
     return rows

@@ -336,7 +336,9 @@ def inspect(run_dir: Path) -> RunDirState:
         files = {name: scan_in(root, name) for name in (*ROW_FILES, EVALS, CONFIG_CHANGES)}
         state = RunDirState(run_dir, read_checkpoint(root))
         adapters_ahead = [s for s in _adapter_steps(root) if s > state.step]
-        has_summary = _summary_of_steps(root)
+        # summary.json may be of trained steps: any but a zero-step run's (which is extended like any run)
+        has_summary = root.expect(SUMMARY, "file") and (_parse_row(root.read_bytes(SUMMARY) or b"")[0] or {}).get(
+            "steps") != 0
     for scan in files.values():
         if scan.torn:
             state.repairs.append(Repair(scan.path, "cut_torn_tail", end=scan.end, note=torn_note(scan)))
@@ -358,7 +360,11 @@ def inspect(run_dir: Path) -> RunDirState:
             state.repairs.append(Repair(files[name].path, "append_rows", rows=missing, note=(
                 f"{name}: appending the {len(missing)} row(s) of step(s) {steps} that the checkpoint holds (the run "
                 f"was stopped between its checkpoint and these rows)")))
-    state.notes += _metrics_gaps(files[METRICS], state.checkpoint["rows"].get(METRICS, []))
+    have = {_step(r) for r in (*files[METRICS].rows, *state.checkpoint["rows"].get(METRICS, []))}
+    gaps = [s for s in range(1, max(have, default=0) + 1) if s not in have]
+    if gaps:   # a corrupt line deleted by hand: noted, not refused
+        state.notes.append(f"{METRICS} has no row for step(s) {gaps[:10]}{' ...' if len(gaps) > 10 else ''}; plots "
+                           f"and the summary skip them")
     return state
 
 
@@ -375,14 +381,6 @@ def check_before_evals(run_dir: Path, step: int) -> None:
 def torn_note(scan: JsonlFile) -> str:
     return (f"{scan.path.name}: removing a torn last line ({len(scan.tail)} bytes without a newline, cut off by a "
             f"kill mid-write): {scan.tail[:60]!r}")
-
-
-def _summary_of_steps(root: SafeDir) -> bool:
-    """Whether summary.json may be of trained steps: any but a zero-step run's (extended like any run)."""
-    if not root.expect(SUMMARY, "file"):
-        return False
-    row, _ = _parse_row(root.read_bytes(SUMMARY) or b"")
-    return not (row is not None and row.get("steps") == 0)
 
 
 def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[int], has_summary: bool) -> None:
@@ -428,17 +426,6 @@ def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
         raise RunDirError(f"{scan.path} line {line} (step {_step(row)}) is one row more than the checkpoint holds for "
                           f"its steps; {_RECOVER}. Remove the extra rows by hand, or start a new run")
     return held[len(window):]
-
-
-def _metrics_gaps(scan: JsonlFile, held: list[dict]) -> list[str]:
-    """Steps without a metrics row (a corrupt line deleted by hand): noted, not refused."""
-    have = {_step(r) for r in scan.rows} | {_step(r) for r in held}
-    last = max(have, default=0)
-    gaps = [s for s in range(1, last + 1) if s not in have]
-    if not gaps:
-        return []
-    shown = f"{gaps[:10]}{' ...' if len(gaps) > 10 else ''}"
-    return [f"{scan.path.name} has no row for step(s) {shown}; plots and the summary skip them"]
 
 
 # --- the one-writer lock ---------------------------------------------------------------------------------

@@ -21,35 +21,27 @@ from .sizes import ModelShape, check_sizes
 def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False, log=print) -> ModelRef:
     """Everything below; returns what model.name_or_path names. `run_dir`: the run dir the run will write
     (continued=True: an existing run), None for a new one under run.out_dir."""
-    check_engine(cfg)
-    check_dirs(cfg, run_dir, continued)
-    ref = model_ref(cfg.model)
-    shape = model_shape(ref)
-    if shape is not None:
-        check_sizes(cfg, shape, engine_class(cfg.engine.backend).device_of(cfg.engine.chosen),
-                    warm_start=tiny_to_build(cfg) and cfg.warmstart.steps > 0)
-    check_prompts(cfg, ref, log)
-    return ref
-
-
-def model_shape(ref: ModelRef) -> ModelShape | None:
-    """The model's dimensions from its config; None without the usual decoder fields (sizes not estimated)."""
-    if ref.kind == "tiny":
-        from ..tiny import TINY_ARCH, TINY_VOCAB
-        return ModelShape.of({**TINY_ARCH, "vocab_size": TINY_VOCAB})
-    try:
-        return ModelShape.of(model_config(ref))
-    except (TypeError, ValueError):   # a field missing (None) or not a number
-        return None
-
-
-def check_engine(cfg: Config) -> None:
     # each engine knows what it needs (packages, a GPU), also for the capabilities the refresh mode uses
     engine_class(cfg.engine.backend).check_available(cfg.engine.chosen, REFRESH_MODES[cfg.refresh.mode].needs)
     cpus = len(os.sched_getaffinity(0))
     if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
         raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {cpus} CPU(s); set run.threads <= "
                           f"{cpus}, or 0 (auto: as many as the load average leaves free)")
+    check_dirs(cfg, run_dir, continued)
+    ref = model_ref(cfg.model)
+    if ref.kind == "tiny":
+        from ..tiny import TINY_ARCH, TINY_VOCAB
+        shape = ModelShape.of({**TINY_ARCH, "vocab_size": TINY_VOCAB})
+    else:
+        try:
+            shape = ModelShape.of(model_config(ref))   # no weights are read
+        except (TypeError, ValueError):   # a decoder field missing (None) or not a number: sizes not estimated
+            shape = None
+    if shape is not None:
+        check_sizes(cfg, shape, engine_class(cfg.engine.backend).device_of(cfg.engine.chosen),
+                    warm_start=tiny_to_build(cfg) and cfg.warmstart.steps > 0)
+    check_prompts(cfg, ref, log)
+    return ref
 
 
 def tiny_to_build(cfg: Config) -> bool:
