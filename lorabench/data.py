@@ -31,8 +31,7 @@ class Problem:
 def parse_ground_truth(answer: str, where: str = "answer") -> str:
     """N of the answer's last '#### N', commas removed, refused unless the reward reads it as a number."""
     if "####" not in answer:
-        raise DataError(f"{where}: answer has no '####' line ({answer[:60]!r}); GSM8K answers must end "
-                        f"with '#### N'")
+        raise DataError(f"{where}: answer has no '####' line ({answer[:60]!r}); GSM8K answers must end with '#### N'")
     written = answer.split("####")[-1].strip()
     truth = written.replace(",", "")
     if not truth:

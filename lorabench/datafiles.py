@@ -30,15 +30,18 @@ def read_rows(source: str, split: str) -> list[tuple[str, dict]]:
     return jsonl_rows(path) if path.suffix == ".jsonl" else parquet_rows(path)
 
 
-def _refuse_too_large(path: Path, nbytes: int, what: str) -> None:
-    """Rows are held in memory for the whole run: a file (parquet: its text uncompressed) over half the
-    machine's memory is refused before it is read, not left to the OOM killer."""
+def over_half_memory(nbytes: int) -> str | None:
+    """'more than half <the machine's memory> (N bytes)' when `nbytes` is: a file read whole (a sparse one
+    costs its maker nothing) is refused before it is read, not left to the OOM killer; else None."""
     from .machine import machine_memory
     memory, where = machine_memory("cpu")
-    if nbytes > memory // 2:
-        raise DataError(f"dataset file {path} {what} {nbytes:,} bytes, more than half {where} ({memory:,} bytes), and "
-                        f"its rows are held in memory for the whole run; use a smaller file (GSM8K's training split "
-                        f"is 4 MB)")
+    return f"more than half {where} ({memory:,} bytes)" if nbytes > memory // 2 else None
+
+
+def _refuse_too_large(path: Path, nbytes: int, what: str) -> None:
+    if over := over_half_memory(nbytes):   # parquet: its text uncompressed
+        raise DataError(f"dataset file {path} {what} {nbytes:,} bytes, {over}, and its rows are held in memory for "
+                        f"the whole run; use a smaller file (GSM8K's training split is 4 MB)")
 
 
 def _refuse_too_long(where: str, lines: list[tuple[int, int]], unit: str) -> None:
@@ -139,8 +142,7 @@ def hub_rows(split: str) -> list[tuple[str, dict]]:
         table = datasets.load_dataset(name, config, split=split)
     except ConnectionError as err:  # HF_HUB_OFFLINE=1 and not in the datasets cache
         raise DataError(f"data.source='hub': {name} is not in the datasets cache ({err}); run once with network "
-                        f"access (without HF_HUB_OFFLINE) or use a local file such as "
-                        f"data/gsm8k_sample.jsonl") from err
+                        f"access (without HF_HUB_OFFLINE) or use a local file such as data/gsm8k_sample.jsonl") from err
     where = f"{name}[{split}]"
     rows, too_long = [], []
     for i, row in enumerate(table):

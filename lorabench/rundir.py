@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .adapters import LORA_DTYPE, AdapterError, AdapterLayout
+from .datafiles import over_half_memory
 from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow
 
 # The run dir's layout: each name is written down here only; the other modules use these.
@@ -275,14 +276,9 @@ SUBDIRS = {ADAPTERS: ("dir", _ADAPTER_DIR.match), CHECKPOINT_DIR: ("file", {CHEC
 
 
 def _refuse_too_large(root: SafeDir, name: str) -> None:
-    """Resume reads these files whole: one over half the machine's memory (a sparse file costs its sender
-    nothing) is refused instead of exhausting the memory."""
-    from .machine import machine_memory
-    size, (memory, where) = root.entry(name).st_size, machine_memory("cpu")
-    if size > memory // 2:
-        raise RunDirError(f"{root.path / name} is {size:,} bytes, more than half {where} ({memory:,} bytes), and "
-                          f"resume reads it whole; {_RECOVER}. Is it this run's file? Restore it from a backup, or "
-                          f"start a new run")
+    if over := over_half_memory(size := root.entry(name).st_size):
+        raise RunDirError(f"{root.path / name} is {size:,} bytes, {over}, and resume reads it whole; {_RECOVER}. Is "
+                          f"it this run's file? Restore it from a backup, or start a new run")
 
 
 def check_entries(run_dir: Path | SafeDir) -> None:

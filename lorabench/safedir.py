@@ -398,8 +398,7 @@ _DIR_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-")   # `.NAME.tmp-PID-x` / `.N
 def remove_dead_dir_temps(parent: Path) -> list[Path]:
     """Remove every atomic_dir temp under `parent` whose writer is dead, whatever name it was for (a killed
     build's entry may never be built again)."""
-    return _remove_dead(parent, lambda name: int(m.group(1)) if (m := _DIR_TEMP.match(name)) else None,
-                        dirs_only=True)
+    return _remove_dead(parent, lambda name: int(m.group(1)) if (m := _DIR_TEMP.match(name)) else None, True)
 
 
 def fsync_path(path: Path) -> None:
