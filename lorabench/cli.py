@@ -24,6 +24,7 @@ from .data import DataError
 from .engines.base import EngineError
 from .models import ModelError
 from .policy import UpdateDiverged
+from .rundir import CONFIG
 from .runlog import RunDirError
 from .safedir import RunDirWriteError
 from .session import ConfigError, describe, load_config
@@ -126,7 +127,7 @@ def stopped_message(err: Exception, runlog, group_dir: Path | None = None) -> st
     step = runlog.committed_step
     held = f"{runlog.dir} is intact ({f'its last checkpoint is step {step}' if step else 'no step checkpointed'})"
     if isinstance(err, UpdateDiverged):   # resuming as it was would repeat the same seeded step
-        config = str(runlog.dir / "config.json")
+        config = str(runlog.dir / CONFIG)
         new = shlex.join(["lorabench", "run", "--config", config, "run.name=NEW", err.override])
         unbounded = shlex.join(["lorabench", "resume", str(runlog.dir), err.past_bound])
         past = f"; or continue it without the bound: {unbounded}" if err.past_bound else ""

@@ -1,11 +1,7 @@
-"""GSM8K problems: from the hub (openai/gsm8k, config 'main'), from local jsonl/parquet files, or
-from a seeded offline generator of GSM8K-style word problems with the same schema.
-
-Schema everywhere: `question` (str) and `answer` (str whose last line is '#### N'); the ground
-truth is the text after '####' with commas removed. Prompts are one user chat message: the
-question followed by the instruction below (as in verl's GSM8K recipe). Files are read by
-datafiles.py (bounded bytes per row, UTF-8, errors naming the line); data/README.md describes the
-formats (data/write_sample.py writes the committed sample).
+"""GSM8K problems: from the hub (openai/gsm8k), local jsonl/parquet files (read by datafiles.py), or a
+seeded offline generator of GSM8K-style word problems. Schema: `question` and `answer` (its last line
+'#### N'); the ground truth is N with commas removed. A prompt is one user message: the question and
+the instruction below. data/README.md describes the formats.
 """
 from __future__ import annotations
 
@@ -33,11 +29,9 @@ class Problem:
 
 
 def parse_ground_truth(answer: str, where: str = "answer") -> str:
-    """N of the answer's last '#### N', commas removed, refused unless the reward reads it as a
-    number (rewards.normalize_number: what training and evaluation compare completions with)."""
+    """N of the answer's last '#### N', commas removed, refused unless the reward reads it as a number."""
     if "####" not in answer:
-        raise DataError(f"{where}: answer has no '####' line ({answer[:60]!r}); GSM8K answers must end "
-                        f"with '#### N'")
+        raise DataError(f"{where}: answer has no '####' line ({answer[:60]!r}); GSM8K answers must end with '#### N'")
     written = answer.split("####")[-1].strip()
     truth = written.replace(",", "")
     if not truth:
@@ -70,20 +64,13 @@ def _problem(loc: str, row: dict) -> Problem:
     return Problem(row["question"].strip(), row["answer"], parse_ground_truth(row["answer"], loc), loc)
 
 
-def problems_from_rows(rows, where: str) -> list[Problem]:
-    """Problems from dict rows (numbered 'row 1', ...) or from (location, row) pairs."""
-    labelled = [r if isinstance(r, tuple) else (f"{where} row {i + 1}", r) for i, r in enumerate(rows)]
-    if not labelled:
-        raise DataError(f"{where}: no rows; the file must hold at least one question/answer row")
-    return [_problem(loc, row) for loc, row in labelled]
-
-
 def load_gsm8k(split: str = "train", source: str = "hub") -> list[Problem]:
-    """`source='hub'`: openai/gsm8k (config 'main') through `datasets` (refused at once when the hub
-    cannot be reached). Otherwise a local .jsonl or .parquet path with question/answer fields (the
-    same rows for every split)."""
-    where = f"openai/gsm8k[{split}]" if source == "hub" else str(source)
-    return problems_from_rows(read_rows(source, split), where)
+    """openai/gsm8k's `split` (source='hub'), or every row of a local .jsonl or .parquet file."""
+    rows = read_rows(source, split)
+    if not rows:
+        where = f"openai/gsm8k[{split}]" if source == "hub" else str(source)
+        raise DataError(f"{where}: no rows; the file must hold at least one question/answer row")
+    return [_problem(loc, row) for loc, row in rows]
 
 
 # --- the offline generator -------------------------------------------------------------------
@@ -122,8 +109,8 @@ def _one_problem(rng: random.Random) -> tuple[str, list[str], int]:
 
 
 def synthetic_problems(n: int, seed: int | str) -> list[Problem]:
-    """`n` GSM8K-style problems; the same (n, seed) always gives the same problems (a str seed is
-    hashed with SHA-512 by `random`, independent of PYTHONHASHSEED)."""
+    """`n` GSM8K-style problems, the same for the same (n, seed) (a str seed is hashed independently of
+    PYTHONHASHSEED)."""
     rng = random.Random(seed)
     problems = []
     for _ in range(n):
@@ -139,8 +126,7 @@ def final_line_variants(value: str) -> list[str]:
 
 
 def warmstart_completion(problem: Problem, rng: random.Random, strict_fraction: float) -> str:
-    """SFT target: the reasoning lines, then a final line that is '#### N' only `strict_fraction`
-    of the time, so GRPO with the strict reward has a format to discover."""
+    """SFT target: the reasoning, then '#### N' only `strict_fraction` of the time (GRPO has a format to learn)."""
     reasoning = problem.answer.rsplit("####", 1)[0].strip()
     variants = final_line_variants(problem.ground_truth)
     final = variants[0] if rng.random() < strict_fraction else rng.choice(variants[1:])
@@ -155,18 +141,16 @@ def prompt_ids(tokenizer, messages: list[dict], enable_thinking: bool = False) -
 
 
 def max_token_bytes(tokenizer) -> int:
-    """An upper bound on the bytes of text one token covers: the longest vocabulary entry in UTF-8
-    (byte-level BPE shows a byte as one or two characters, SentencePiece a space as '▁', both
-    overcount). A normalizer (NFC/NFKC) may shorten text before it is split, so it gets a margin."""
+    """An upper bound on the bytes of text one token covers: the longest vocabulary entry in UTF-8 (an
+    overcount), with a margin when a normalizer (NFC/NFKC) may shorten text before it is split."""
     longest = max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return longest * (4 if backend is None or backend.normalizer is not None else 1)
 
 
 def overlong_prompts(problems: list[Problem], tokenizer, limit: int, enable_thinking: bool = False) -> list[tuple]:
-    """(problem, how long) for each prompt over `limit` tokens. A question of more than
-    limit x max_token_bytes bytes has more than `limit` tokens whatever it says, so it is refused
-    by its length in bytes and never tokenised (a 50 MB row costs nothing here)."""
+    """(problem, how long) for each prompt over `limit` tokens. A question of more than limit x max_token_bytes
+    bytes is refused by its length and never tokenised (a 50 MB row costs nothing)."""
     byte_bound = limit * max_token_bytes(tokenizer)
     over = []
     for problem in problems:
@@ -181,13 +165,11 @@ def overlong_prompts(problems: list[Problem], tokenizer, limit: int, enable_thin
 
 
 def step_problems(seed: int, step: int, n: int) -> list[Problem]:
-    """Fresh synthetic problems for one GRPO step, a pure function of (seed, step), so a resumed run
-    sees the uninterrupted run's problems; 'train-', 'eval-', 'warmstart-' seed streams never mix."""
+    """One GRPO step's synthetic problems, a pure function of (seed, step) (a resumed run sees the same)."""
     return synthetic_problems(n, f"train-{seed}-{step}")
 
 
 def check_source_paths(source: str, eval_source: str = "") -> None:
-    """A source that is not 'synthetic' or 'hub' must be an existing file; the error names the field."""
     for field_name, value in (("data.source", source), ("data.eval_source", eval_source)):
         if not value or value in ("synthetic", "hub") or Path(value).is_file():
             continue
@@ -228,8 +210,7 @@ class DataSettings(Section):
 
 
 class ProblemSource:
-    """Training and held-out problems from the configured source (synthetic, hub or file); how many
-    held-out problems an evaluation scores, and how often each (`eval_size`, `eval_samples`)."""
+    """Training and held-out problems from the configured source; `eval_size` x `eval_samples` per evaluation."""
 
     @classmethod
     def from_settings(cls, data: DataSettings, seed: int) -> ProblemSource:

@@ -1,11 +1,7 @@
-"""Reading dataset rows from local .jsonl / .parquet files and from the hub, with bounded memory and
-errors that name the file, the line (or row) and the fix. data.py turns the rows into problems.
-
-jsonl is parsed line by line with stdlib `json`, not `datasets` or `pyarrow.json`: they report a bad
-line as a byte offset, hold a 50 MB line whole and (datasets) copy the file into a cache before it is
-validated. Each line is checked for bounded length (a longer one is skipped in pieces), UTF-8 (a BOM
-on line 1 accepted), JSON, an object. Parquet is read with pyarrow in batches, a value's byte length
-checked before it becomes a string. The hub split comes through `datasets` (and its cache).
+"""Dataset rows from local .jsonl / .parquet files and from the hub, with bounded memory and errors
+naming the file, the line (or row) and the fix. jsonl is read line by line with stdlib `json` (which
+names a bad line, not a byte offset); a line over MAX_ROW_BYTES is skipped in pieces. Parquet is read
+in batches, a value's byte length checked before it becomes a string.
 """
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ class DataError(ValueError):
 
 
 def read_rows(source: str, split: str) -> list[tuple[str, dict]]:
-    """(location, row) pairs of a local .jsonl/.parquet file or of the hub's GSM8K `split`;
-    location reads 'FILE line 7' / 'FILE row 7' / 'openai/gsm8k[test] row 7'."""
+    """(location, row) pairs: 'FILE line 7' / 'FILE row 7' / 'openai/gsm8k[test] row 7'."""
     if source == "hub":
         return hub_rows(split)
     path = Path(source)
@@ -35,27 +30,30 @@ def read_rows(source: str, split: str) -> list[tuple[str, dict]]:
     return jsonl_rows(path) if path.suffix == ".jsonl" else parquet_rows(path)
 
 
-def _refuse_too_large(path: Path, nbytes: int, what: str) -> None:
-    """The rows of a file are held in memory for the whole run: a file (or, parquet, its text
-    uncompressed) larger than half the machine's memory is refused before it is read, instead of a
-    wait that ends in the OOM killer (a sparse 1 TB file costs its maker nothing)."""
+def over_half_memory(nbytes: int) -> str | None:
+    """'more than half <the machine's memory> (N bytes)' when `nbytes` is: a file read whole (a sparse one
+    costs its maker nothing) is refused before it is read, not left to the OOM killer; else None."""
     from .machine import machine_memory
     memory, where = machine_memory("cpu")
-    if nbytes > memory // 2:
-        raise DataError(f"dataset file {path} {what} {nbytes:,} bytes, more than half {where} ({memory:,} bytes), and "
-                        f"its rows are held in memory for the whole run; use a smaller file (GSM8K's training split "
-                        f"is 4 MB)")
+    return f"more than half {where} ({memory:,} bytes)" if nbytes > memory // 2 else None
 
 
-def _too_long(where: str, lines: list[tuple[int, int]], unit: str) -> DataError:
+def _refuse_too_large(path: Path, nbytes: int, what: str) -> None:
+    if over := over_half_memory(nbytes):   # parquet: its text uncompressed
+        raise DataError(f"dataset file {path} {what} {nbytes:,} bytes, {over}, and its rows are held in memory for "
+                        f"the whole run; use a smaller file (GSM8K's training split is 4 MB)")
+
+
+def _refuse_too_long(where: str, lines: list[tuple[int, int]], unit: str) -> None:
+    if not lines:
+        return
     number, nbytes = lines[0]
-    return DataError(f"{where}: {len(lines)} {unit}(s) longer than {MAX_ROW_BYTES:,} bytes (1 MiB), the first is "
-                     f"{unit} {number} ({nbytes:,} bytes); GSM8K rows are under 2 KB: remove or shorten those rows")
+    raise DataError(f"{where}: {len(lines)} {unit}(s) longer than {MAX_ROW_BYTES:,} bytes (1 MiB), the first is "
+                    f"{unit} {number} ({nbytes:,} bytes); GSM8K rows are under 2 KB: remove or shorten those rows")
 
 
 def bounded_lines(fh, limit: int):
-    """(line number, bytes) of a binary file, or (line number, length) for a line over `limit`
-    bytes, which is skipped in pieces of `limit` bytes so memory stays bounded."""
+    """(line number, bytes), or (line number, length) for a line over `limit` bytes, skipped in pieces."""
     number = 0
     while line := fh.readline(limit + 1):
         number += 1
@@ -94,8 +92,7 @@ def jsonl_rows(path: Path) -> list[tuple[str, dict]]:
                 raise DataError(f"{path} line {number}: a {type(row).__name__}, not a JSON object; write one "
                                 f'{{"question": ..., "answer": ...}} object per line')
             rows.append((f"{path} line {number}", row))
-    if too_long:
-        raise _too_long(str(path), too_long, "line")
+    _refuse_too_long(str(path), too_long, "line")
     return rows
 
 
@@ -130,13 +127,11 @@ def parquet_rows(path: Path) -> list[tuple[str, dict]]:
             else:
                 rows.append((f"{path} row {offset + i + 1}", {f: batch.column(f)[i].as_py() for f in FIELDS}))
         offset += batch.num_rows
-    if too_long:
-        raise _too_long(str(path), too_long, "row")
+    _refuse_too_long(str(path), too_long, "row")
     return rows
 
 
 def hub_rows(split: str) -> list[tuple[str, dict]]:
-    """openai/gsm8k (config 'main') through `datasets`; refused fast when the hub cannot be reached."""
     from .hub import dataset_unavailable
     name, config = HUB_DATASET
     reason = dataset_unavailable(name)
@@ -147,8 +142,7 @@ def hub_rows(split: str) -> list[tuple[str, dict]]:
         table = datasets.load_dataset(name, config, split=split)
     except ConnectionError as err:  # HF_HUB_OFFLINE=1 and not in the datasets cache
         raise DataError(f"data.source='hub': {name} is not in the datasets cache ({err}); run once with network "
-                        f"access (without HF_HUB_OFFLINE) or use a local file such as "
-                        f"data/gsm8k_sample.jsonl") from err
+                        f"access (without HF_HUB_OFFLINE) or use a local file such as data/gsm8k_sample.jsonl") from err
     where = f"{name}[{split}]"
     rows, too_long = [], []
     for i, row in enumerate(table):
@@ -157,6 +151,5 @@ def hub_rows(split: str) -> list[tuple[str, dict]]:
             too_long.append((i + 1, nbytes))
         else:
             rows.append((f"{where} row {i + 1}", row))
-    if too_long:
-        raise _too_long(where, too_long, "row")
+    _refuse_too_long(where, too_long, "row")
     return rows

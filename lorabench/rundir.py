@@ -2,14 +2,10 @@
 
 `inspect(run_dir)` reads everything resume depends on and either refuses, naming the file, the line
 and a way to recover, or returns the repairs that make the files agree with the checkpoint (a torn
-last line cut off, a missing final newline added, rows the checkpoint holds appended; one adapter
-dir past the checkpoint is redone with the step). It writes nothing, so a refusal leaves the run dir
-byte for byte as it was; nothing is truncated or rewritten to make a dir fit (docs/reliability.md
-§2a lists what is refused). Every entry is read through the run dir itself (safedir.py).
-
-`RunLock`: one writer per run dir, an fcntl.flock on RUN/lock holding the writer's PID; the kernel
-drops a killed writer's flock, so its lock is reclaimed with a note. Local filesystems only (flock on
-NFS is emulated and not relied on here).
+last line cut, a final newline added, rows the checkpoint holds appended). It writes nothing, so a
+refusal leaves the run dir byte for byte as it was (docs/reliability.md §2a). Every entry is read
+through the run dir itself (safedir.py). `RunLock`: one writer per run dir, an fcntl.flock on RUN/lock
+holding the writer's PID; a killed writer's lock is reclaimed with a note (local filesystems only).
 """
 from __future__ import annotations
 
@@ -27,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .adapters import LORA_DTYPE, AdapterError, AdapterLayout
+from .datafiles import over_half_memory
 from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow
 
 # The run dir's layout: each name is written down here only; the other modules use these.
@@ -41,14 +38,14 @@ ROW_FILES = (SYNC, ROLLOUTS, METRICS)   # the rows a checkpoint vouches for
 
 def adapter_dir_name(step: int) -> str:
     """adapters/<this>: the PEFT dir of step `step`'s adapter."""
-    return f"step_{step}"
+    return f"step_{step}"   # _ADAPTER_DIR reads it back
 
 
 # the fields every checkpoint holds; others (a newer lorabench's) are kept, checked by their kind
 _CHECKPOINT_KEYS = ("step", "optimizer", "torch_rng", "adapter_buffer", "adapter_layout", "adapter_config", "rows")
 BEHIND = "adapter_behind_buffer"   # optional (grpo.max_staleness): the adapter one version before the checkpoint's
 _RECOVER = "nothing in the run dir was changed"
-_NEW_RUN = "start a new run (adapters/step_<n> hold the trained adapters as PEFT dirs)"
+_NEW_RUN = f"start a new run ({ADAPTERS}/{adapter_dir_name('<n>')} hold the trained adapters as PEFT dirs)"
 
 
 def clean(value):
@@ -95,9 +92,8 @@ class JsonlFile:
 
 
 def scan_jsonl(path: Path, data: bytes | None = None) -> JsonlFile:
-    """Every row of `path` (a missing file has none), or of `data` read from it. A bad line that is
-    not the last raises RunDirError; a bad last line without its newline is the torn line a kill
-    leaves. A link as the file itself is refused, never read."""
+    """Every row of `path` (a missing file has none; a link is refused), or of `data` read from it. A bad line
+    that is not the last raises RunDirError; a bad last line without its newline is the torn line of a kill."""
     scan = JsonlFile(Path(path))
     data = read_no_follow(scan.path) if data is None else data
     if not data:
@@ -124,28 +120,25 @@ def scan_jsonl(path: Path, data: bytes | None = None) -> JsonlFile:
 
 
 def scan_in(root: SafeDir, name: str) -> JsonlFile:
-    """scan_jsonl of the run-dir file `name`, read through the run dir's fd."""
     return scan_jsonl(root.path / name, root.read_bytes(name) or b"")
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a run-dir JSONL file, for readers (notebooks, plots): a torn last line is left
-    out; any other bad line raises RunDirError naming it."""
+    """The rows of a run-dir JSONL file, for readers: a torn last line is left out."""
     return scan_jsonl(path).rows
 
 
 # --- the checkpoint --------------------------------------------------------------------------------------
 def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     """checkpoint/trainer_state.pt, or None when there is none. weights_only: a run dir from
-    someone else cannot run code when it is resumed; opened without following links."""
+    someone else cannot run code when it is resumed."""
     if not isinstance(run_dir, SafeDir):
         with SafeDir.open(run_dir) as root:
             return read_checkpoint(root)
-    root = run_dir
-    path = root.path / CHECKPOINT
-    if not root.expect(CHECKPOINT_DIR, "dir"):
+    path = run_dir.path / CHECKPOINT
+    if not run_dir.expect(CHECKPOINT_DIR, "dir"):
         return None
-    with root.sub(CHECKPOINT_DIR) as folder:
+    with run_dir.sub(CHECKPOINT_DIR) as folder:
         fh = folder.open_read(CHECKPOINT.name)
     if fh is None:
         return None
@@ -164,27 +157,54 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
 # --- what a checkpoint must hold (read before anything is built or written) ---------------------------
 def checkpoint_problem(state) -> str | None:
     """The first field of a checkpoint that resume could not use, as "field 'X' ... (why)", or None.
-    Every field is checked by what it must be for the policy that wrote it, not against a closed
-    list: a field this lorabench does not know is kept, and any field named *_buffer is an adapter
-    buffer (the layout's size, the policy's adapter dtype LORA_DTYPE, finite) or, but for adapter_buffer,
-    None. Only what needs the policy is left to it (Policy.load: its layout, its optimizer's order)."""
+    Fields are checked by what they must be for the policy that wrote it, not against a closed list: an
+    unknown field is kept, and any *_buffer field is an adapter buffer (the layout's size, LORA_DTYPE,
+    finite) or, but for adapter_buffer, None. What needs the policy is left to Policy.load."""
     if not isinstance(state, dict):
         return f"it holds {type(state).__name__}, not the dict of fields a checkpoint is"
     missing = [k for k in _CHECKPOINT_KEYS if k not in state]
     if missing:
         return f"it lacks the field(s) {missing} (written by another lorabench version?)"
-    step = state["step"]
+    step, config, rows = state["step"], state["adapter_config"], state["rows"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return f"field 'step' is {_shown(step)}, not a step count"
     try:
         layout = AdapterLayout.from_json(state["adapter_layout"])
     except AdapterError as err:
         return f"field 'adapter_layout': {err}"
-    found = (_layout_problem(layout, state["adapter_config"]) or _rng_problem(state["torch_rng"])
-             or optimizer_problem(state["optimizer"], layout) or _rows_problem(state["rows"])
-             or _fingerprint_problem(state.get("fingerprint", {})))
-    buffers = [k for k in state if k.endswith("_buffer") and (k == "adapter_buffer" or state[k] is not None)]
-    return found or next(filter(None, (_buffer_problem(k, state[k], layout) for k in buffers)), None)
+    if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
+        return f"field 'adapter_config' is {_shown(config)}, not a PEFT LoRA config with a rank r >= 1"
+    if not layout.names:
+        return "field 'adapter_layout' names no tensor"
+    for name, shape in zip(layout.names, layout.shapes):   # lora_A [r, in], lora_B [out, r]
+        rank_dim = 0 if name.endswith("lora_A.weight") else 1 if name.endswith("lora_B.weight") else None
+        if rank_dim is None or len(shape) != 2 or min(shape) < 1 or shape[rank_dim] != config["r"]:
+            return (f"field 'adapter_layout' has {name} of shape {list(shape)}, not a LoRA tensor of the adapter "
+                    f"config's rank r={config['r']}")
+    try:   # a random state torch can restore (tried on a generator of its own)
+        torch.Generator().set_state(state["torch_rng"])
+    except (RuntimeError, TypeError) as err:
+        return (f"field 'torch_rng' is {_shown(state['torch_rng'])}, which torch cannot restore as its random state "
+                f"({err})")
+    found = optimizer_problem(state["optimizer"], layout)
+    if found:
+        return found
+    if not isinstance(rows, dict) or not all(isinstance(v, list) and all(isinstance(r, dict) for r in v)
+                                             for v in rows.values()):
+        return f"field 'rows' is {_shown(rows)}, not the rows of its steps ({{file name: [row, ...]}})"
+    if not isinstance(fingerprint := state.get("fingerprint", {}), dict) or not all(
+            isinstance(v, dict) for v in fingerprint.values()):
+        return f"field 'fingerprint' is {_shown(fingerprint)}, not a dict of what the run was trained on"
+    for key in [k for k in state if k.endswith("_buffer") and (k == "adapter_buffer" or state[k] is not None)]:
+        buffer = state[key]
+        if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != layout.numel:
+            return f"field {key!r} is {_shown(buffer)}; the adapter layout needs one dimension of {layout.numel:,}"
+        if buffer.dtype != LORA_DTYPE:   # a wider dtype could hold values the policy's cannot
+            return (f"field {key!r} is {_shown(buffer)}, not the dtype of the policy's adapter "
+                    f"({str(LORA_DTYPE).removeprefix('torch.')})")
+        if not bool(torch.isfinite(buffer).all()):
+            return f"field {key!r} holds NaN/Inf: that adapter diverged"
+    return None
 
 
 def _shown(value) -> str:
@@ -192,41 +212,6 @@ def _shown(value) -> str:
         return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return text if len(text) <= 40 else f"a {type(value).__name__}"
-
-
-def _layout_problem(layout: AdapterLayout, config) -> str | None:
-    """LoRA pairs of the adapter config's rank: lora_A [r, in], lora_B [out, r]."""
-    if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
-        return f"field 'adapter_config' is {_shown(config)}, not a PEFT LoRA config with a rank r >= 1"
-    if not layout.names:
-        return "field 'adapter_layout' names no tensor"
-    r = config["r"]
-    for name, shape in zip(layout.names, layout.shapes):
-        rank_dim = 0 if name.endswith("lora_A.weight") else 1 if name.endswith("lora_B.weight") else None
-        if rank_dim is None or len(shape) != 2 or min(shape) < 1 or shape[rank_dim] != r:
-            return (f"field 'adapter_layout' has {name} of shape {list(shape)}, not a LoRA tensor of the adapter "
-                    f"config's rank r={r}")
-    return None
-
-
-def _buffer_problem(key: str, buffer, layout: AdapterLayout) -> str | None:
-    if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != layout.numel:
-        return f"field {key!r} is {_shown(buffer)}; the adapter layout needs one dimension of {layout.numel:,}"
-    if buffer.dtype != LORA_DTYPE:   # a wider dtype could hold values the policy's cannot
-        return (f"field {key!r} is {_shown(buffer)}, not the dtype of the policy's adapter "
-                f"({str(LORA_DTYPE).removeprefix('torch.')})")
-    if not bool(torch.isfinite(buffer).all()):
-        return f"field {key!r} holds NaN/Inf: that adapter diverged"
-    return None
-
-
-def _rng_problem(rng) -> str | None:
-    """The saved torch RNG state must be one torch can restore (tried on a generator of its own)."""
-    try:
-        torch.Generator().set_state(rng)
-    except (RuntimeError, TypeError) as err:
-        return f"field 'torch_rng' is {_shown(rng)}, which torch cannot restore as its random state ({err})"
-    return None
 
 
 def optimizer_problem(optimizer, layout: AdapterLayout) -> str | None:
@@ -269,19 +254,6 @@ def _is_moment(name: str, value, shapes: set) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point() and tuple(value.shape) in shapes
 
 
-def _rows_problem(rows) -> str | None:
-    if not isinstance(rows, dict) or not all(isinstance(v, list) and all(isinstance(r, dict) for r in v)
-                                             for v in rows.values()):
-        return f"field 'rows' is {_shown(rows)}, not the rows of its steps ({{file name: [row, ...]}})"
-    return None
-
-
-def _fingerprint_problem(fingerprint) -> str | None:
-    if not isinstance(fingerprint, dict) or not all(isinstance(v, dict) for v in fingerprint.values()):
-        return f"field 'fingerprint' is {_shown(fingerprint)}, not a dict of what the run was trained on"
-    return None
-
-
 def _step(row: dict) -> int:
     step = row.get("step", 0)
     return step if isinstance(step, int) else 0
@@ -304,14 +276,9 @@ SUBDIRS = {ADAPTERS: ("dir", _ADAPTER_DIR.match), CHECKPOINT_DIR: ("file", {CHEC
 
 
 def _refuse_too_large(root: SafeDir, name: str) -> None:
-    """Resume reads these files whole: one larger than half the machine's memory (a sparse file in
-    a shared archive costs its sender nothing) is refused instead of exhausting the memory."""
-    from .machine import machine_memory
-    size, (memory, where) = root.entry(name).st_size, machine_memory("cpu")
-    if size > memory // 2:
-        raise RunDirError(f"{root.path / name} is {size:,} bytes, more than half {where} ({memory:,} bytes), and "
-                          f"resume reads it whole; {_RECOVER}. Is it this run's file? Restore it from a backup, or "
-                          f"start a new run")
+    if over := over_half_memory(size := root.entry(name).st_size):
+        raise RunDirError(f"{root.path / name} is {size:,} bytes, {over}, and resume reads it whole; {_RECOVER}. Is "
+                          f"it this run's file? Restore it from a backup, or start a new run")
 
 
 def check_entries(run_dir: Path | SafeDir) -> None:
@@ -321,13 +288,12 @@ def check_entries(run_dir: Path | SafeDir) -> None:
     if not isinstance(run_dir, SafeDir):
         with SafeDir.open(run_dir) as root:
             return check_entries(root)
-    root = run_dir
     for name in FILES:
-        if root.expect(name, "file", single=name in CHANGED_IN_PLACE):
-            _refuse_too_large(root, name)
+        if run_dir.expect(name, "file", single=name in CHANGED_IN_PLACE):
+            _refuse_too_large(run_dir, name)
     for name, (wanted, ours) in SUBDIRS.items():
-        if root.expect(name, "dir"):
-            with root.sub(name) as sub:
+        if run_dir.expect(name, "dir"):
+            with run_dir.sub(name) as sub:
                 for child in sub.names():
                     if ours(child):
                         sub.expect(child, wanted)
@@ -348,8 +314,7 @@ class Repair:
 
 @dataclass
 class RunDirState:
-    """What `inspect` found: the checkpoint (None: the run has not committed a step) and what to do
-    before continuing. Nothing has been changed."""
+    """What `inspect` found: the checkpoint (None: no step committed) and what to do before continuing."""
     dir: Path
     checkpoint: dict | None
     repairs: list[Repair] = field(default_factory=list)
@@ -361,21 +326,26 @@ class RunDirState:
 
 
 def inspect(run_dir: Path) -> RunDirState:
-    """Read the run dir and decide whether it can be continued (see the module docstring)."""
     run_dir = Path(run_dir)
     with SafeDir.open(run_dir) as root:
         check_entries(root)
         files = {name: scan_in(root, name) for name in (*ROW_FILES, EVALS, CONFIG_CHANGES)}
         state = RunDirState(run_dir, read_checkpoint(root))
         adapters_ahead = [s for s in _adapter_steps(root) if s > state.step]
-        has_summary = _summary_of_steps(root)
+        # summary.json may be of trained steps: any but a zero-step run's (which is extended like any run)
+        has_summary = root.expect(SUMMARY, "file") and (_parse_row(root.read_bytes(SUMMARY) or b"")[0] or {}).get(
+            "steps") != 0
     for scan in files.values():
-        state.repairs += _tail_repairs(scan)
+        if scan.torn:
+            state.repairs.append(Repair(scan.path, "cut_torn_tail", end=scan.end, note=torn_note(scan)))
+        elif scan.tail_is_row:
+            state.repairs.append(Repair(scan.path, "add_newline", note=f"{scan.path.name}: ending its last row with a "
+                                        f"newline"))
     if state.checkpoint is None:
         _refuse_work_without_checkpoint(run_dir, files, adapters_ahead, has_summary)
         return state
     if len(adapters_ahead) > 1:
-        raise RunDirError(f"{run_dir / 'adapters'} holds step_{adapters_ahead[0]} and step_{adapters_ahead[1]}, "
+        raise RunDirError(f"{run_dir / ADAPTERS} holds step_{adapters_ahead[0]} and step_{adapters_ahead[1]}, "
                           f"past the checkpoint's step {state.step} (a kill between an adapter dir and its checkpoint "
                           f"leaves one); {_RECOVER}. Was {CHECKPOINT} restored from an older backup? Restore the "
                           f"matching one, or start a new run")
@@ -386,7 +356,11 @@ def inspect(run_dir: Path) -> RunDirState:
             state.repairs.append(Repair(files[name].path, "append_rows", rows=missing, note=(
                 f"{name}: appending the {len(missing)} row(s) of step(s) {steps} that the checkpoint holds (the run "
                 f"was stopped between its checkpoint and these rows)")))
-    state.notes += _metrics_gaps(files[METRICS], state.checkpoint["rows"].get(METRICS, []))
+    have = {_step(r) for r in (*files[METRICS].rows, *state.checkpoint["rows"].get(METRICS, []))}
+    gaps = [s for s in range(1, max(have, default=0) + 1) if s not in have]
+    if gaps:   # a corrupt line deleted by hand: noted, not refused
+        state.notes.append(f"{METRICS} has no row for step(s) {gaps[:10]}{' ...' if len(gaps) > 10 else ''}; plots "
+                           f"and the summary skip them")
     return state
 
 
@@ -405,50 +379,25 @@ def torn_note(scan: JsonlFile) -> str:
             f"kill mid-write): {scan.tail[:60]!r}")
 
 
-def _tail_repairs(scan: JsonlFile) -> list[Repair]:
-    if scan.torn:
-        return [Repair(scan.path, "cut_torn_tail", end=scan.end, note=torn_note(scan))]
-    if scan.tail_is_row:
-        return [Repair(scan.path, "add_newline", note=f"{scan.path.name}: ending its last row with a newline")]
-    return []
-
-
-def _summary_of_steps(root: SafeDir) -> bool:
-    """Whether summary.json may be of trained steps: any but the summary of a zero-step run (which
-    has no checkpoint, and is extended like any run)."""
-    if not root.expect(SUMMARY, "file"):
-        return False
-    row, _ = _parse_row(root.read_bytes(SUMMARY) or b"")
-    return not (row is not None and row.get("steps") == 0)
-
-
 def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[int], has_summary: bool) -> None:
-    """No checkpoint is fine for a run stopped before its first commit; with the work of committed
-    steps beside it, starting at step 0 would mix two runs in one dir."""
+    """No checkpoint is fine before the first commit; beside committed steps' work, step 0 would mix two runs."""
     evidence = [f"{name}: {len(files[name].rows)} rows" for name in ROW_FILES if files[name].rows]
     later_evals = [r for r in files[EVALS].rows if _step(r) > 0]
     if later_evals:
-        evidence.append(f"evals.jsonl: evaluations at step {_step(later_evals[-1])}")
+        evidence.append(f"{EVALS}: evaluations at step {_step(later_evals[-1])}")
     if len(adapters) > 1:
-        evidence.append(f"adapters/step_{adapters[0]}..step_{adapters[-1]}")
+        evidence.append(f"{ADAPTERS}/step_{adapters[0]}..step_{adapters[-1]}")
     if has_summary:
-        evidence.append("summary.json")
+        evidence.append(SUMMARY)
     if evidence:
         raise RunDirError(f"{run_dir} has no checkpoint ({CHECKPOINT} is missing) but holds the work of earlier steps "
                           f"({'; '.join(evidence)}); continuing would start again at step 0 beside them, so "
                           f"{_RECOVER}. Restore {CHECKPOINT} from a backup and resume, or {_NEW_RUN}")
 
 
-def _vouches(held: dict, row: dict) -> bool:
-    """A file row matches the checkpoint's copy (as JSON) on every key the copy has; the metrics row
-    gains its step timings (time/*) only after the checkpoint was written."""
-    held = json.loads(row_line(held))
-    return all(k in row and row[k] == v for k, v in held.items())
-
-
 def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
-    """The checkpoint's rows that `scan` lacks at its end. Refuses rows past the checkpoint, rows
-    that differ from its copies, and steps out of order or logged twice (two writers)."""
+    """The checkpoint's rows that `scan` lacks at its end. Refuses rows past the checkpoint, rows that differ
+    from its copies, and steps out of order or logged twice (two writers)."""
     steps = [_step(r) for r in scan.rows]
     for i in range(1, len(steps)):
         if steps[i] < steps[i - 1] or (scan.path.name == METRICS and steps[i] == steps[i - 1]):
@@ -463,8 +412,8 @@ def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
                           f"matching {CHECKPOINT}, or start a new run")
     first_held = min((_step(r) for r in held), default=step + 1)
     window = [(line, row) for line, row in zip(scan.lines, scan.rows) if _step(row) >= first_held]
-    for (line, row), copy in zip(window, held):
-        if not _vouches(copy, row):
+    for (line, row), copy in zip(window, held):   # equal on every key of the copy (as JSON): the metrics row
+        if any(k not in row or row[k] != v for k, v in json.loads(row_line(copy)).items()):   # gains time/* later
             raise RunDirError(f"{scan.path} line {line} (step {_step(row)}) differs from the row the checkpoint holds "
                               f"for it; {_RECOVER}. Restore the file or the checkpoint from a backup, or start a new "
                               f"run")
@@ -473,17 +422,6 @@ def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
         raise RunDirError(f"{scan.path} line {line} (step {_step(row)}) is one row more than the checkpoint holds for "
                           f"its steps; {_RECOVER}. Remove the extra rows by hand, or start a new run")
     return held[len(window):]
-
-
-def _metrics_gaps(scan: JsonlFile, held: list[dict]) -> list[str]:
-    """Steps without a metrics row (a corrupt line deleted by hand): noted, not refused."""
-    have = {_step(r) for r in scan.rows} | {_step(r) for r in held}
-    last = max(have, default=0)
-    gaps = [s for s in range(1, last + 1) if s not in have]
-    if not gaps:
-        return []
-    shown = f"{gaps[:10]}{' ...' if len(gaps) > 10 else ''}"
-    return [f"{scan.path.name} has no row for step(s) {shown}; plots and the summary skip them"]
 
 
 # --- the one-writer lock ---------------------------------------------------------------------------------
@@ -502,8 +440,7 @@ def _in_use(run_dir: Path, pid: int | None) -> RunDirError:
 
 
 def lock_holder(run_dir: Path) -> RunDirError | None:
-    """Whether another writer holds the run dir's lock (read-only: the lock file is not changed,
-    nor opened through a link)."""
+    """Whether another writer holds the run dir's lock (read-only: the lock file is not changed)."""
     with SafeDir.open(run_dir) as root:
         try:
             fd = root.open_file(LOCK_NAME, os.O_RDONLY)
@@ -522,11 +459,10 @@ def lock_holder(run_dir: Path) -> RunDirError | None:
 
 
 class RunLock:
-    """Held by the one process writing a run dir; `release()` (or the process's death) frees it. The
-    lock file is opened without following a link and must have one name: it is truncated. The flock
-    is held on a read-only fd, and the PID written through a short-lived one, so the run keeps no
-    file open for writing between writes (a filesystem can be remounted read-only under it). A
-    refusal puts the file back as it was found (release(restore=True)): removed if it was not there."""
+    """Held by the one process writing a run dir; `release()` (or its death) frees it. The lock file must
+    have one name (it is truncated). The flock is held on a read-only fd and the PID written through a
+    short-lived one, so no file stays open for writing (a filesystem can be remounted read-only under it).
+    A refusal puts the file back as it was found (release(restore=True)): removed if it was not there."""
 
     def __init__(self, run_dir: Path | SafeDir, log=print, patience_s: float = 1.0):
         self.root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)
@@ -564,7 +500,6 @@ class RunLock:
         return st is not None and (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev)
 
     def _write(self, data: bytes) -> None:
-        """Replace the lock file's content, through an fd of the very file the flock is on."""
         with self.root.editing(LOCK_NAME, os.O_WRONLY) as fd:
             if not self._named(fd):
                 raise RunDirError(f"{self.path} was replaced while this process held it; one writer per run dir "
@@ -573,8 +508,7 @@ class RunLock:
             os.pwrite(fd, data, 0)
 
     def release(self, restore: bool = False) -> None:
-        """Emptied (a clean exit), or with `restore` (nothing else was written: a refusal) as it was found,
-        removed if it was not there: a writer waiting for it then takes the new one (__init__)."""
+        """Emptied (a clean exit), or with `restore` (a refusal) as it was found, removed if it was not there."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError, RunDirError):   # a full or read-only disk must not hide why a run stopped

@@ -1,18 +1,12 @@
 """A run directory entered only through itself: nothing in it is followed out of it.
 
-A run dir is something people copy, share and download, so its entries are data, never pointers:
-`SafeDir` holds an fd of the directory, opened without following a link, and opens every entry
-relative to it (`dir_fd`) with O_NOFOLLOW. Refused with `RunDirError` naming the entry: a symbolic
-link where a file or folder is expected, a FIFO, socket or device, and a file changed in place that
-has a second name (a hard link: an append would change it under its other name too). So nothing
-outside the run dir is read, written, truncated, chmod'ed or deleted through it. The path *to* the
-run dir is the user's own choice and is followed; the run dir itself must not be a link.
-
-A write that fails for a reason outside lorabench (disk full, a read-only filesystem, a quota)
-raises `RunDirWriteError` naming the file and the cause. Every write appears whole or not at all:
-a fsynced hidden temp sibling (`.<name>.<pid>...`) is renamed onto its name, and the next write
-next to it removes temps whose writer is dead. Outside a run dir (the model cache, group.json, an
-adapter dir for the engine) the same by path: `atomic_write(path, data)`, `atomic_dir(path)`.
+A run dir is copied, shared and downloaded, so its entries are data, never pointers: `SafeDir` holds
+an fd of the directory (not opened through a link) and opens every entry relative to it with
+O_NOFOLLOW. Refused with `RunDirError` naming the entry: a link, a FIFO, socket or device, and a file
+changed in place that has a second name (a hard link). The path *to* the run dir is the user's and
+is followed. A failed write raises `RunDirWriteError` naming the file and the cause; every write is
+a fsynced hidden temp (`.<name>.<pid>...`) renamed onto its name, and temps of dead writers are
+removed. Outside a run dir the same by path: `atomic_write(path, data)`, `atomic_dir(path)`.
 """
 from __future__ import annotations
 
@@ -28,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC   # O_EXCL never follows a link
 _CAUSES = {errno.ENOSPC: "no space left on its filesystem", errno.EDQUOT: "the disk quota is exceeded",
            errno.EROFS: "its filesystem is read-only", errno.EACCES: "it is not writable by this user",
            errno.EPERM: "it is not writable by this user", errno.EIO: "an I/O error (a failing disk?)",
@@ -39,9 +34,8 @@ class RunDirError(ValueError):
 
 
 class RunDirWriteError(OSError):
-    """A write into a run dir failed (disk full, read-only filesystem, ...); `errno` is the cause's.
-    What the run dir held before is intact: a row is appended whole or left torn at the end (which
-    resume cuts), a file is replaced whole or not at all."""
+    """A write into a run dir failed (disk full, read-only, ...); `errno` is the cause's. What the run
+    dir held is intact: a row is appended whole or left torn at the end (resume cuts it)."""
 
     def __str__(self) -> str:   # the message alone: it names the cause itself
         return str(self.strerror)
@@ -53,29 +47,26 @@ _KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a directory", stat.S_I
 
 def refusal(path: Path, st: os.stat_result, wanted: str, dir_fd: int | None = None,
             is_root: bool = False) -> RunDirError:
-    """The one-line refusal of an entry that is not what lorabench expects (`wanted`: 'file' or 'dir');
-    a link's target is read to name it (`path` by its name relative to `dir_fd`, when given)."""
+    """The one-line refusal of an entry that is not a `wanted` ('file' or 'dir'), naming a link's target."""
     wanted = "directory" if wanted == "dir" else wanted
-    target = ""
     if stat.S_ISLNK(st.st_mode):
+        target = "?"
         with contextlib.suppress(OSError):
-            target = os.readlink(path if dir_fd is None else path.name, dir_fd=dir_fd)
-    if stat.S_ISLNK(st.st_mode) and is_root:
-        return RunDirError(f"{path} is a symbolic link (to {target or '?'}), not a run directory; a run dir is entered "
-                           f"only through itself, so lorabench did not follow it. If the directory it points to is "
-                           f"yours, pass that directory itself (its real path: realpath {path})")
-    if stat.S_ISLNK(st.st_mode):
-        return RunDirError(f"{path} is a symbolic link (to {target or '?'}) where lorabench expects a {wanted}; a run "
-                           f"dir is entered only through itself, so nothing a link in it points to is read or "
-                           f"written, and lorabench did not open it. If the link and its target are yours, replace "
-                           f"the link with a copy of the target; otherwise delete the link")
+            target = os.readlink(path if dir_fd is None else path.name, dir_fd=dir_fd) or "?"
+        if is_root:
+            return RunDirError(f"{path} is a symbolic link (to {target}), not a run directory; a run dir is entered "
+                               f"only through itself, so lorabench did not follow it. If the directory it points to is "
+                               f"yours, pass that directory itself (its real path: realpath {path})")
+        return RunDirError(f"{path} is a symbolic link (to {target}) where lorabench expects a {wanted}; a run dir is "
+                           f"entered only through itself, so nothing a link in it points to is read or written, and "
+                           f"lorabench did not open it. If the link and its target are yours, replace the link with a "
+                           f"copy of the target; otherwise delete the link")
     return RunDirError(f"{path} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'a device')} where lorabench expects a "
                        f"{wanted}; lorabench did not open it. Put the run's {wanted} back (from a backup) or remove "
                        f"it, then run the command again")
 
 
 def write_failure(path: Path, err: OSError, root: Path | None = None) -> RunDirWriteError:
-    """A RunDirWriteError naming `path`, the cause (free bytes for ENOSPC) and the way on."""
     cause = _CAUSES.get(err.errno, err.strerror or str(err))
     if err.errno == errno.ENOSPC:
         with contextlib.suppress(OSError):
@@ -92,8 +83,8 @@ def write_failure(path: Path, err: OSError, root: Path | None = None) -> RunDirW
 
 
 class _Sink:
-    """The temp file a writer fills. It keeps the OSError a failed write raised: torch.save reports a
-    full disk as a RuntimeError without errno, chained to this OSError."""
+    """The temp file a writer fills; keeps the OSError of a failed write (torch.save reports a full disk as a
+    RuntimeError without errno)."""
 
     def __init__(self, fh):
         self._fh, self.error = fh, None
@@ -115,17 +106,14 @@ class SafeDir:
     def __init__(self, path: Path, fd: int, root: Path | None = None):
         self.path, self.fd, self.root = Path(path), fd, root or Path(path)
 
-    # -- opening ------------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | Path, create: bool = False, mode: int | None = None) -> SafeDir:
-        """The run dir itself: a directory, not a link (its parents are the user's path, followed).
-        create=True makes it (and its parents); `mode` is set whatever the umask, with create=True
-        only on a dir this call made (an existing one keeps its owner's mode: a refused command
+        """The run dir itself, not a link (its parents are the user's path, followed); create=True makes it.
+        `mode` is set whatever the umask; with create=True only on a dir this call made (a refused command
         changes nothing). A missing dir raises FileNotFoundError (create=False)."""
         return cls._opened(Path(path), Path(path), None, Path(path), create, mode)
 
     def sub(self, name: str, create: bool = False, mode: int | None = None) -> SafeDir:
-        """The child directory `name` (made when create=True), refused if it is a link."""
         return self._opened(self.path / name, name, self.fd, self.root, create, mode)
 
     @classmethod
@@ -173,17 +161,16 @@ class SafeDir:
         with contextlib.suppress(OSError, AttributeError, TypeError):
             self.close()
 
-    # -- looking ------------------------------------------------------------------------------------
     def entry(self, name: str) -> os.stat_result | None:
-        """lstat of `name` (a link is reported as a link), None when absent."""
+        """lstat of `name`, None when absent."""
         try:
             return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
 
     def expect(self, name: str, wanted: str, single: bool = False) -> bool:
-        """Whether `name` exists, refusing it if it is not a `wanted` ('file' | 'dir'), or (single=True:
-        a file changed in place) a file with a second name."""
+        """Whether `name` exists, refusing it if it is not a `wanted` ('file' | 'dir'), or (single=True: a file
+        changed in place) a file with a second name."""
         st = self.entry(name)
         if st is not None:
             self._check(name, st, wanted, single)
@@ -202,10 +189,9 @@ class SafeDir:
     def names(self) -> list[str]:
         return sorted(os.listdir(self.fd))
 
-    # -- reading ------------------------------------------------------------------------------------
     def open_file(self, name: str, flags: int, mode: int = 0o640, single: bool = False) -> int | None:
-        """An fd of the regular file `name` (None when absent and not created), never through a link;
-        O_NONBLOCK: a FIFO never hangs the open."""
+        """An fd of the regular file `name` (None when absent), never through a link; O_NONBLOCK: a FIFO never
+        hangs the open."""
         try:
             fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=self.fd)
         except FileNotFoundError:
@@ -227,12 +213,10 @@ class SafeDir:
         return fd
 
     def open_read(self, name: str):
-        """A binary file object of `name` (None when absent), e.g. for torch.load."""
         fd = self.open_file(name, os.O_RDONLY)
         return None if fd is None else os.fdopen(fd, "rb")
 
     def read_bytes(self, name: str) -> bytes | None:
-        """The bytes of the file `name`, None when it does not exist."""
         fh = self.open_read(name)
         if fh is None:
             return None
@@ -240,7 +224,6 @@ class SafeDir:
             return fh.read()
 
     def last_byte(self, name: str) -> bytes:
-        """The file's last byte (b'' when absent or empty)."""
         fd = self.open_file(name, os.O_RDONLY)
         if fd is None:
             return b""
@@ -250,9 +233,8 @@ class SafeDir:
         finally:
             os.close(fd)
 
-    # -- writing ------------------------------------------------------------------------------------
     def open_own(self, name: str, flags: int, mode: int = 0o640) -> int:
-        """An fd for changing `name` in place (the lock): a regular file of one name, never a link."""
+        """An fd for changing `name` in place: a regular file of one name."""
         try:
             return self.open_file(name, flags, mode, single=True)
         except OSError as err:   # a RunDirError (a link, ...) is a ValueError: raised as it is
@@ -260,8 +242,7 @@ class SafeDir:
 
     @contextlib.contextmanager
     def editing(self, name: str, flags: int, mode: int = 0o640) -> Iterator[int]:
-        """An fd of `name` to change in place (open_own), fsynced after the block; a failed write
-        raises RunDirWriteError."""
+        """An fd of `name` to change in place (open_own), fsynced after the block."""
         fd = self.open_own(name, flags, mode)
         try:
             yield fd
@@ -272,7 +253,6 @@ class SafeDir:
             os.close(fd)
 
     def append(self, name: str, data: bytes, mode: int = 0o640) -> None:
-        """Append `data` to `name` (created with `mode`), fsynced."""
         with self.editing(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode) as fd:
             view = memoryview(data)
             while view:
@@ -284,16 +264,15 @@ class SafeDir:
 
     def write_atomic(self, name: str, data: bytes | None = None, *, writer: Callable | None = None,
                      mode: int = 0o640, exclusive: bool = False) -> None:
-        """Make `name` hold `data` (or what `writer(binary_file)` writes) whole: a fsynced temp file
-        here is renamed onto it (exclusive=True: linked, refusing an existing `name`)."""
+        """Make `name` hold `data` (or what `writer(binary_file)` writes) whole: a fsynced temp renamed onto it
+        (exclusive=True: linked, refusing an existing `name`)."""
         if (data is None) == (writer is None):
             raise TypeError("write_atomic needs exactly one of data= or writer=")
         self.expect(name, "file")
         self.remove_dead_temps((f".{name}.",))
         tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=self.fd)
+            fd = os.open(tmp, _NEW, 0o600, dir_fd=self.fd)
             sink = _Sink(os.fdopen(fd, "wb"))
             try:
                 sink.write(data) if writer is None else writer(sink)
@@ -315,21 +294,17 @@ class SafeDir:
             else:
                 os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
             os.fsync(self.fd)
-        except OSError as err:
-            self._drop(tmp)
-            raise write_failure(self.path / name, err, self.root) from None
-        except BaseException:
-            self._drop(tmp)
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+            if isinstance(err, OSError):
+                raise write_failure(self.path / name, err, self.root) from None
             raise
-
-    def _drop(self, name: str) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=self.fd)
 
     @contextlib.contextmanager
     def atomic_subdir(self, name: str, mode: int = 0o700) -> Iterator[SafeDir]:
-        """Yield a fresh hidden temp dir; on success it replaces the dir `name` in one rename (an
-        existing one is swapped out first and removed after; put back if the rename fails)."""
+        """Yield a fresh hidden temp dir; on success it replaces the dir `name` in one rename (an existing one is
+        swapped out first and removed after; put back if the rename fails)."""
         self.expect(name, "dir")
         self.remove_dead_temps((f".{name}.tmp-", f".{name}.old-"))
         pid, fds = os.getpid(), {"src_dir_fd": self.fd, "dst_dir_fd": self.fd}
@@ -356,8 +331,7 @@ class SafeDir:
             raise
 
     def remove_dead_temps(self, prefixes: tuple[str, ...]) -> None:
-        """Remove `<prefix><pid>...` entries whose writer is dead (a link is removed, not followed)."""
-        _remove_dead(self.fd, lambda name: _writer_pid(name, prefixes))
+        remove_stale_temps(self.fd, prefixes)
 
 
 def _unreadable(path: Path) -> RunDirError:
@@ -366,8 +340,7 @@ def _unreadable(path: Path) -> RunDirError:
 
 
 def read_no_follow(path: str | Path) -> bytes | None:
-    """The bytes of the file at `path` (None when absent), refusing a link as its last component:
-    for readers of one run-dir file (notebooks), whose path up to the file is their own."""
+    """The bytes of the file at `path` (None when absent), refusing a link as its last component only."""
     path = Path(path)
     try:
         parent = SafeDir(path.parent, os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
@@ -389,16 +362,16 @@ def pid_alive(pid: int) -> bool:
 
 
 def _remove_dead(parent: Path | int, writer_pid, dirs_only: bool = False) -> list[Path]:
-    """Remove the entries of `parent` (a path, or a SafeDir's fd) for which `writer_pid(name)`
-    names a dead process (never this one's or a live one's temps; a link is removed, not followed)."""
+    """Remove the entries of `parent` (a path, or a dir fd) for which `writer_pid(name)` names a dead process
+    other than this one (a link is removed, not followed)."""
     dir_fd, removed = parent if isinstance(parent, int) else None, []
     try:
         entries = list(os.scandir(parent))
     except FileNotFoundError:
         return removed
     for entry in entries:   # by an fd, entry.path is the name, relative to dir_fd
-        is_dir = entry.is_dir(follow_symlinks=False)
-        if (dirs_only and not is_dir) or not _dead_writer(writer_pid(entry.name)):
+        is_dir, pid = entry.is_dir(follow_symlinks=False), writer_pid(entry.name)
+        if (dirs_only and not is_dir) or pid is None or pid == os.getpid() or pid_alive(pid):
             continue
         if is_dir:
             shutil.rmtree(entry.path, dir_fd=dir_fd, ignore_errors=True)
@@ -409,35 +382,27 @@ def _remove_dead(parent: Path | int, writer_pid, dirs_only: bool = False) -> lis
     return removed
 
 
-def _writer_pid(name: str, prefixes: tuple[str, ...]) -> int | None:
-    """`pid` of a temp named `<prefix><pid>-...` or `<prefix><pid>.`...; None for any other name."""
-    prefix = next((p for p in prefixes if name.startswith(p)), None)
-    head = name[len(prefix):].replace(".", "-").split("-", 1)[0] if prefix is not None else ""
-    return int(head) if head.isdigit() else None
-
-
-def _dead_writer(pid: int | None) -> bool:
-    return pid is not None and pid != os.getpid() and not pid_alive(pid)
-
-
-def remove_stale_temps(parent: Path, prefixes: tuple[str, ...]) -> list[Path]:
-    """Remove entries of `parent` named `<prefix><pid>-...` (or `<prefix><pid>.`) whose writer
-    process `pid` is dead: the garbage a killed atomic write leaves. Returns what was removed."""
-    return _remove_dead(parent, lambda name: _writer_pid(name, prefixes))
+def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...]) -> list[Path]:
+    """Remove entries of `parent` named `<prefix><pid>-...` (or `<prefix><pid>.`) whose writer `pid` is dead:
+    what a killed atomic write leaves. Returns what was removed."""
+    def writer_pid(name: str) -> int | None:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        head = name[len(prefix):].replace(".", "-").split("-", 1)[0] if prefix is not None else ""
+        return int(head) if head.isdigit() else None
+    return _remove_dead(parent, writer_pid)
 
 
 _DIR_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-")   # `.NAME.tmp-PID-x` / `.NAME.old-PID-x`: atomic_dir's
 
 
 def remove_dead_dir_temps(parent: Path) -> list[Path]:
-    """Remove every atomic_dir temp under `parent` whose writer is dead, whatever name it was for: a
-    cache entry whose build was killed may never be built again (another process did, or its recipe changed)."""
-    return _remove_dead(parent, lambda name: int(m.group(1)) if (m := _DIR_TEMP.match(name)) else None,
-                        dirs_only=True)
+    """Remove every atomic_dir temp under `parent` whose writer is dead, whatever name it was for (a killed
+    build's entry may never be built again)."""
+    return _remove_dead(parent, lambda name: int(m.group(1)) if (m := _DIR_TEMP.match(name)) else None, True)
 
 
 def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes a rename inside it durable)."""
+    """fsync a file or a directory (a directory's fsync makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
     try:
         os.fsync(fd)
@@ -446,9 +411,8 @@ def fsync_path(path: Path) -> None:
 
 
 def write_new_file(path: Path | str, *chunks, mode: int = 0o600, dir_fd: int | None = None) -> None:
-    """Create `path` (it must not exist; relative to `dir_fd` when given) with `mode` whatever the
-    umask, write `chunks` (bytes-like) and fsync it. O_EXCL never follows a link."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    """Create `path` (it must not exist) with `mode` whatever the umask, write `chunks` and fsync it."""
+    fd = os.open(path, _NEW, mode, dir_fd=dir_fd)
     with os.fdopen(fd, "wb") as fh:
         for chunk in chunks:
             fh.write(chunk)
@@ -458,8 +422,7 @@ def write_new_file(path: Path | str, *chunks, mode: int = 0o600, dir_fd: int | N
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Make the file `path` hold `data` whole: a fsynced temp file in the same directory is renamed
-    onto it. Temps a killed writer left next to it are removed first."""
+    """Make the file `path` hold `data` whole: a fsynced temp next to it renamed onto it."""
     path = Path(path)
     remove_stale_temps(path.parent, (f".{path.name}.",))
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
@@ -474,12 +437,9 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(final: Path, replace: bool = False, mode: int = 0o700) -> Iterator[Path]:
-    """Yield a temp directory next to `final`; on success it becomes `final` in one rename.
-
-    replace=False (caches): if `final` appeared meanwhile (another process built it), theirs is
-    kept and ours dropped. replace=True (adapter dirs): an existing `final` is swapped out and
-    removed only after the new one is in place, put back if the swap fails. A crash leaves the old
-    directory, the new one or nothing, never a torn one."""
+    """Yield a temp directory next to `final`; on success it becomes `final` in one rename. replace=False
+    (caches): a `final` that appeared meanwhile is kept and ours dropped. replace=True: an existing `final` is
+    swapped out, removed once the new one is in place, put back if the swap fails. Never a torn one."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(final.parent, (f".{final.name}.tmp-", f".{final.name}.old-"))

@@ -1,13 +1,11 @@
-"""Which config fields a continued run may change (`lorabench resume RUN k=v`, or `lorabench run`
-naming an existing run dir), decided where each field is defined: `setting(..., resume=ALLOWED|REFUSED,
-why=...)` (settings.py), so a new field follows these rules from the line that defines it.
+"""Which config fields a continued run may change, decided where each field is defined:
+`setting(..., resume=ALLOWED|REFUSED, why=...)` (settings.py).
 
-REFUSED: what makes the experiment (base model and tokenizer, adapter shape, data stream and seed,
-objective): a change would train the saved adapter on something else or make rows before and after
-incomparable; refused naming the field, both values and what to do instead. ALLOWED (how long, how
-executed, logged or evaluated): appended to RUN/config_changes.jsonl; config.json is never rewritten,
-and the effective config is config.json with those rows applied in order. run.out_dir and run.name
-only say where the run dir is: not compared, taken from where it is now, refused as overrides.
+REFUSED: what makes the experiment (model, adapter shape, data, seed, objective); refused naming the
+field, both values and what to do instead. ALLOWED (how long, how executed, logged or evaluated):
+appended to RUN/config_changes.jsonl; config.json is never rewritten, and the effective config is
+config.json with those rows applied in order. run.out_dir and run.name only say where the run dir is:
+not compared, taken from where it is now, refused as overrides.
 """
 from __future__ import annotations
 
@@ -17,42 +15,31 @@ from pathlib import Path
 
 from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
 from ..safedir import SafeDir
-from ..settings import ALLOWED as _ALLOWED
-from .config import (
-    Config,
-    ConfigError,
-    apply_override,
-    flat,
-    parse_config_bytes,
-    path_component_problem,
-)
-from .config import every_key as _every_key
-from .config import field_of as _field_of
+from ..settings import ALLOWED
+from . import config
+from .config import Config, ConfigError, apply_override, flat
 
 LOCATION = ("run.out_dir", "run.name")
 
 
 def decisions() -> dict[str, tuple[str, str]]:
-    """{key: (resume, why)} for every field of the composed config, as its section declares it
-    (settings.setting); read when asked, so a part registered later is included."""
-    return {key: (f.metadata["resume"], f.metadata["why"]) for key in _every_key()
-            for f in [_field_of(key)] if f is not None}
+    """{key: (resume, why)} for every field of the composed config (read when asked: a part registered later
+    is included)."""
+    return {key: (f.metadata["resume"], f.metadata["why"]) for key in config.every_key()
+            for f in [config.field_of(key)] if f}
 
 
 def refused() -> dict[str, str]:
-    """The fields a continued run may not change, and why."""
-    return {k: why for k, (resume, why) in decisions().items() if resume != _ALLOWED}
+    return {k: why for k, (resume, why) in decisions().items() if resume != ALLOWED}
 
 
 def allowed() -> dict[str, str]:
-    """The fields a continued run may change (where the run dir is aside), and why."""
-    return {k: why for k, (resume, why) in decisions().items() if resume == _ALLOWED and k not in LOCATION}
+    return {k: why for k, (resume, why) in decisions().items() if resume == ALLOWED and k not in LOCATION}
 
 
 def effective_config(run_dir: Path, changes: bool = True) -> Config:
-    """The run's config now: config.json with the allowed changes of config_changes.jsonl applied
-    (`changes=False`: config.json alone, as the run was started). Both are read through the run dir
-    itself (safedir.py: a link in their place is refused)."""
+    """The run's config now: config.json with config_changes.jsonl applied (`changes=False`: config.json
+    alone), both read through the run dir itself."""
     run_dir = Path(run_dir)
     try:
         root = SafeDir.open(run_dir)
@@ -62,13 +49,13 @@ def effective_config(run_dir: Path, changes: bool = True) -> Config:
     with root:
         raw = root.read_bytes(CONFIG)
         if raw is None:
-            raise RunDirError(f"{run_dir} is not a lorabench run dir: it has no config.json; pass a run dir written "
+            raise RunDirError(f"{run_dir} is not a lorabench run dir: it has no {CONFIG}; pass a run dir written "
                               f"by lorabench (`lorabench run` prints 'run dir: ...')")   # a run there may be refused
-        data = parse_config_bytes(raw, run_dir / CONFIG)
+        data = config.parse_config_bytes(raw, run_dir / CONFIG)
         scan = scan_in(root, CONFIG_CHANGES)
         rows = [_change_row(run_dir, line, row) for line, row in zip(scan.lines, scan.rows)] if changes else []
     if isinstance(data.get("run"), dict):   # where the run dir is now (it may have been moved or renamed)
-        name_ok = path_component_problem(run_dir.name) is None
+        name_ok = config.path_component_problem(run_dir.name) is None
         data["run"].update(out_dir=str(run_dir.parent), name=run_dir.name if name_ok else "")
     data = Config.from_dict(data, source=str(run_dir / CONFIG)).to_dict()
     for row in rows:
@@ -78,11 +65,10 @@ def effective_config(run_dir: Path, changes: bool = True) -> Config:
             for part in path:
                 table = table.setdefault(part, {})
             table[name] = new
-    return Config.from_dict(data, source=f"{run_dir / 'config.json'} + config_changes.jsonl")
+    return Config.from_dict(data, source=f"{run_dir / CONFIG} + {CONFIG_CHANGES}")
 
 
 def _change_row(run_dir: Path, line: int, row: dict) -> dict:
-    """A config_changes.jsonl row's changes, {field: [old, new]} as record_config_changes appends them."""
     found = row.get("changes", {})
     if not isinstance(found, dict) or not all(isinstance(v, list) and len(v) == 2 for v in found.values()):
         raise RunDirError(f"{run_dir / CONFIG_CHANGES} line {line}: 'changes' is {str(found)[:60]}, not the "
@@ -92,7 +78,6 @@ def _change_row(run_dir: Path, line: int, row: dict) -> dict:
 
 
 def resume_config(run_dir: Path, overrides: list[str]) -> Config:
-    """The config `lorabench resume RUN overrides` asks for: the effective config plus overrides."""
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key in LOCATION:
@@ -108,19 +93,16 @@ def resume_config(run_dir: Path, overrides: list[str]) -> Config:
 
 
 def new_run_command(run_dir: Path, *overrides: str) -> str:
-    """The command that starts a new run from this run dir's config (a refused change's way out)."""
     return shlex.join(["lorabench", "run", "--config", str(Path(run_dir) / CONFIG), "run.name=NEW", *overrides])
 
 
 def changes(old: Config, new: Config) -> dict[str, tuple]:
-    """{field: (old, new)} for every field that differs, location fields aside."""
     before, after = flat(old), flat(new)
     return {k: (before[k], after[k]) for k in before if k not in LOCATION and before[k] != after[k]}
 
 
 def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) -> dict[str, tuple]:
-    """The allowed changes from `old` (the run's effective config) to `new`; refused ones raise
-    RunDirError naming every refused field, both values and the way out."""
+    """The allowed changes from `old` (the run's effective config) to `new`; refused ones raise RunDirError."""
     diff, may_change, reasons = changes(old, new), allowed(), refused()
     refused_diff = {k: v for k, v in diff.items() if k not in may_change}
     if refused_diff:

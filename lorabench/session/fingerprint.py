@@ -1,16 +1,10 @@
 """What defines an experiment, recorded in every checkpoint, so that resume proves what it continues.
 
-    fp = experiment_fingerprint(cfg, model_path)        # at the start of a run (session.py)
-    check_config(recorded, effective, run_dir, step)    # resume: config.json vs the checkpoint
-    check_data(recorded, cfg, run_dir, step)            # resume: the data files vs the checkpoint
-    check_model(recorded, fp["model"], cfg, run_dir, step)   # resume, once the model is resolved
-
-A fingerprint is plain JSON-like data: "config", every field a continued run may not change
-(compat.refused) as trained; "data", per data field its file's size and sha256 (the synthetic
-generator: a sha256 of its first problems; 'hub': the dataset's name); "model", the model dir's files
-by size and sha256 (sampled above WHOLE_LIMIT), or a hub model's repo id and cached commit. A
-difference is refused naming the field or file and both values; paths are recorded for the message
-only (a moved file with the same bytes is the same data). docs/reliability.md §2b says what is not seen.
+A fingerprint is plain JSON-like data: "config", every field compat.refused as trained; "data", per
+data field its file's size and sha256 (synthetic: a sha256 of its first problems; 'hub': the name);
+"model", the model dir's files by size and sha256 (sampled above WHOLE_LIMIT), or a hub model's repo
+id and cached commit. A difference is refused naming the field or file and both values; paths are
+for the message only (a moved file is the same data). docs/reliability.md §2b says what is not seen.
 """
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..rundir import RunDirError
+from ..rundir import CONFIG, RunDirError
 from .compat import new_run_command, refused
 from .config import flat
 
@@ -30,8 +24,8 @@ _NOT_MODEL = ("readme", "license", "notice", ".", "lorabench_recipe")
 
 
 def file_fingerprint(path: Path) -> dict | None:
-    """{path, bytes, sha256[, sampled]} of an existing file, None if it is missing: the sha256 of its
-    bytes, whole up to WHOLE_LIMIT, else of SAMPLES blocks spread evenly (the first and the last included)."""
+    """{path, bytes, sha256[, sampled]} of a file (None if missing): the sha256 of its bytes, whole up to
+    WHOLE_LIMIT, else of SAMPLES blocks spread evenly (the first and the last included)."""
     path = Path(path).expanduser().absolute()
     if not path.is_file():
         return None
@@ -49,18 +43,14 @@ def file_fingerprint(path: Path) -> dict | None:
             **({"sampled": True} if size > WHOLE_LIMIT else {})}
 
 
-def _problems_sha(problems) -> str:
-    text = json.dumps([[p.question, p.answer] for p in problems], ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def data_fingerprint(cfg) -> dict:
     from ..data import step_problems, synthetic_problems
     out = {}
     for field, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
         if source == "synthetic":
-            seed = cfg.run.seed
-            out[field] = {"synthetic": _problems_sha(step_problems(seed, 1, 4) + synthetic_problems(4, f"eval-{seed}"))}
+            problems = step_problems(cfg.run.seed, 1, 4) + synthetic_problems(4, f"eval-{cfg.run.seed}")
+            text = json.dumps([[p.question, p.answer] for p in problems], ensure_ascii=False)
+            out[field] = {"synthetic": hashlib.sha256(text.encode()).hexdigest()}
         elif source == "hub":
             out[field] = {"hub": "openai/gsm8k"}
         elif source:
@@ -69,9 +59,8 @@ def data_fingerprint(cfg) -> dict:
 
 
 def model_fingerprint(cfg, model_path: str) -> dict:
-    """The model's identity: a local or tiny model dir's files; a hub model's repo id and the commit
-    its cached snapshot is at (its files arrive one by one as they are first used, so they are not
-    listed: the commit names them all)."""
+    """A local or tiny model dir's files; a hub model's repo id and its cached snapshot's commit (its files
+    arrive as they are first used: the commit names them all)."""
     name = cfg.model.name_or_path
     folder = Path(model_path).expanduser()
     if not folder.is_dir():
@@ -95,15 +84,13 @@ def _new_run_hint(run_dir: Path) -> str:
 
 
 def check_config(recorded: dict, effective, run_dir: Path, step: int) -> None:
-    """The run dir's effective config (config.json + config_changes.jsonl) must be what the checkpoint
-    was trained with, field by field (a hand-edited config.json is refused, not trained on)."""
+    """The run dir's effective config must be what the checkpoint was trained with, field by field."""
     now = flat(effective)
     for key, then in recorded.get("config", {}).items():
         if key in now and json.dumps(now[key]) != json.dumps(then):
-            raise RunDirError(f"{Path(run_dir) / 'config.json'} has {key}={now[key]!r}, but its checkpoint (step "
-                              f"{step}) was trained with {key}={then!r} (was config.json edited?); nothing was "
-                              f"changed. Put {key} back to {json.dumps(then)} in config.json, or "
-                              f"{_new_run_hint(run_dir)}")
+            raise RunDirError(f"{Path(run_dir) / CONFIG} has {key}={now[key]!r}, but its checkpoint (step {step}) "
+                              f"was trained with {key}={then!r} (was {CONFIG} edited?); nothing was changed. Put "
+                              f"{key} back to {json.dumps(then)} in {CONFIG}, or {_new_run_hint(run_dir)}")
 
 
 def _describe(fp: dict | None) -> str:
@@ -115,12 +102,10 @@ def _describe(fp: dict | None) -> str:
 
 
 def _without_path(fp: dict | None) -> dict | None:
-    """What names the data: sizes and digests, wherever the file lies now."""
     return {k: v for k, v in fp.items() if k != "path"} if isinstance(fp, dict) else fp
 
 
 def check_data(recorded: dict, cfg, run_dir: Path, step: int) -> None:
-    """Each data file must hold the bytes the checkpoint was trained on (wherever it now lies)."""
     now = data_fingerprint(cfg)
     for field, then in recorded.get("data", {}).items():
         current = now.get(field)
@@ -136,7 +121,6 @@ def check_data(recorded: dict, cfg, run_dir: Path, step: int) -> None:
 
 
 def check_model(recorded: dict, current: dict, cfg, run_dir: Path, step: int) -> None:
-    """The model's files (and a hub model's cached commit) must be the ones the checkpoint was trained on."""
     then_files, now_files = recorded.get("files"), current.get("files")
     differences = []
     if recorded.get("revision") and current.get("revision") and recorded["revision"] != current["revision"]:

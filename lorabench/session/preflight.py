@@ -1,10 +1,7 @@
-"""Checks that need the environment, run before a run dir is created or a model is built, so a bad
-input costs seconds and leaves nothing behind: the engine is installed (and its device exists), the
-dirs a run writes are writable, the model is a local model dir, 'tiny' or a hub id usable now, the
-run's size fits the machine (sizes.py), and every dataset row is readable and its prompt fits the
-model. Config-only checks are the sections' own (problems()). Nothing is written in the run dir or
-the model cache; a hub model's tokenizer and the hub dataset are fetched into their caches, as the
-run would.
+"""Checks that need the environment, run before a run dir is created or a model is built: the engine
+is installed, the dirs a run writes are writable, the model is usable, the run's size fits the
+machine (sizes.py), and every dataset row is readable and its prompt fits. Nothing is written in the
+run dir or the model cache (a hub tokenizer and dataset are fetched into their caches, as the run would).
 """
 from __future__ import annotations
 
@@ -22,13 +19,24 @@ from .sizes import ModelShape, check_sizes
 
 
 def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False, log=print) -> ModelRef:
-    """Everything below, in order; returns what model.name_or_path names. `run_dir`: the run dir
-    the run will write (continued=True: an existing run being continued), None for a new
-    timestamped one under run.out_dir."""
-    check_engine(cfg)
+    """Everything below; returns what model.name_or_path names. `run_dir`: the run dir the run will write
+    (continued=True: an existing run), None for a new one under run.out_dir."""
+    # each engine knows what it needs (packages, a GPU), also for the capabilities the refresh mode uses
+    engine_class(cfg.engine.backend).check_available(cfg.engine.chosen, REFRESH_MODES[cfg.refresh.mode].needs)
+    cpus = len(os.sched_getaffinity(0))
+    if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
+        raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {cpus} CPU(s); set run.threads <= "
+                          f"{cpus}, or 0 (auto: as many as the load average leaves free)")
     check_dirs(cfg, run_dir, continued)
     ref = model_ref(cfg.model)
-    shape = model_shape(ref)
+    if ref.kind == "tiny":
+        from ..tiny import TINY_ARCH, TINY_VOCAB
+        shape = ModelShape.of({**TINY_ARCH, "vocab_size": TINY_VOCAB})
+    else:
+        try:
+            shape = ModelShape.of(model_config(ref))   # no weights are read
+        except (TypeError, ValueError):   # a decoder field missing (None) or not a number: sizes not estimated
+            shape = None
     if shape is not None:
         check_sizes(cfg, shape, engine_class(cfg.engine.backend).device_of(cfg.engine.chosen),
                     warm_start=tiny_to_build(cfg) and cfg.warmstart.steps > 0)
@@ -36,43 +44,19 @@ def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False,
     return ref
 
 
-def model_shape(ref: ModelRef) -> ModelShape | None:
-    """The model's dimensions from its config (no weights are read); None for a config without the
-    usual decoder fields (then sizes are not estimated)."""
-    if ref.kind == "tiny":
-        from ..tiny import TINY_ARCH, TINY_VOCAB
-        return ModelShape.of({**TINY_ARCH, "vocab_size": TINY_VOCAB})
-    try:
-        return ModelShape.of(model_config(ref))
-    except (TypeError, ValueError):   # a field missing (None) or not a number
-        return None
-
-
-def check_engine(cfg: Config) -> None:
-    # each engine knows what it needs (packages, a GPU), also for the capabilities the refresh mode uses
-    engine_class(cfg.engine.backend).check_available(cfg.engine.chosen, REFRESH_MODES[cfg.refresh.mode].needs)
-    cpus = len(os.sched_getaffinity(0))
-    if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
-        raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {cpus} CPU(s); set run.threads <= "
-                          f"{cpus}, or 0 (auto: as many as the load average leaves free)")
-
-
 def tiny_to_build(cfg: Config) -> bool:
-    """The model is 'tiny' and its recipe is not cached yet: the run builds (and warm-starts) it first."""
     from ..tiny import tiny_cache_path
     return cfg.model.name_or_path == "tiny" and not (
         tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file()
 
 
 def _unwritable(folder: Path) -> str | None:
-    """Why a run could not write into the existing dir `folder`, or None."""
     if os.statvfs(folder).f_flag & os.ST_RDONLY:
         return "is on a read-only filesystem"
     return None if os.access(folder, os.W_OK | os.X_OK) else "is not writable by this user"
 
 
 def _writable(path: str | Path, field: str) -> None:
-    """`path` (or the nearest existing parent, where it would be created) must be a writable dir."""
     probe = Path(path).expanduser().absolute()
     while not probe.exists():
         probe = probe.parent
@@ -83,20 +67,15 @@ def _writable(path: str | Path, field: str) -> None:
         raise ConfigError(f"{field}={str(path)!r}: {probe} {why}; point {field} at a writable directory")
 
 
-def _run_dir_writable(run_dir: Path, continued: bool) -> None:
-    """An existing run dir (a mount point, say) and its folders must be writable themselves."""
-    for folder in (run_dir, *(run_dir / sub for sub in FOLDERS)):
-        why = _unwritable(folder) if folder.is_dir() else None   # rundir.check_entries refused links already
-        if why:
-            fix = ("copy the run dir to a writable place and resume the copy" if continued else
-                   "choose another run.name or run.out_dir")
-            which = f"the run dir {run_dir}" + ("" if folder == run_dir else f": its folder {folder.name}/")
-            raise ConfigError(f"{which} {why}, and a run writes its rows and checkpoints there; {fix}")
-
-
 def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False) -> None:
-    if run_dir is not None and Path(run_dir).is_dir():
-        _run_dir_writable(Path(run_dir), continued)
+    if run_dir is not None and Path(run_dir).is_dir():   # it (a mount point, say) and its folders must be writable
+        for folder in (Path(run_dir), *(Path(run_dir) / sub for sub in FOLDERS)):
+            why = _unwritable(folder) if folder.is_dir() else None   # rundir.check_entries refused links already
+            if why:
+                fix = ("copy the run dir to a writable place and resume the copy" if continued else
+                       "choose another run.name or run.out_dir")
+                which = f"the run dir {run_dir}" + ("" if folder == Path(run_dir) else f": its folder {folder.name}/")
+                raise ConfigError(f"{which} {why}, and a run writes its rows and checkpoints there; {fix}")
     else:   # a new run dir is made in run.out_dir
         _writable(cfg.run.out_dir, "run.out_dir")
     if tiny_to_build(cfg):
@@ -117,7 +96,6 @@ def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False
 
 
 def prompt_limit(cfg: Config, context: int) -> tuple[int, str]:
-    """(longest prompt in tokens, why): data.max_prompt_tokens, or what the context leaves."""
     g, d = cfg.grpo, cfg.data
     room = context - g.max_new_tokens
     if room < 1:
@@ -132,8 +110,7 @@ def prompt_limit(cfg: Config, context: int) -> tuple[int, str]:
 
 
 def _problem_sets(cfg: Config, log) -> list[tuple[str, str, list]]:
-    """(field, source, problems) the run will prompt with: every row of a file or hub split; for the
-    synthetic generator the held-out set and step 1 (its prompts are all alike: 40-80 tokens)."""
+    """(field, source, problems) the run will prompt with (synthetic: step 1 and the held-out set, all alike)."""
     d, seed = cfg.data, cfg.run.seed
     check_source_paths(d.source, d.eval_source)
     train = (step_problems(seed, 1, cfg.grpo.prompts_per_step) if d.source == "synthetic"
@@ -159,7 +136,6 @@ def _problem_sets(cfg: Config, log) -> list[tuple[str, str, list]]:
 
 
 def check_prompts(cfg: Config, ref: ModelRef, log=print) -> None:
-    """Every prompt the run will use fits: a count and the first offending row otherwise."""
     context = model_context(ref)
     limit, why = prompt_limit(cfg, context)
     sets = _problem_sets(cfg, log)   # reads and checks the files first: a bad row is found without a tokenizer

@@ -1,14 +1,7 @@
-"""A trained run's adapter, read from its run dir without continuing the run (notebook 03 looks
-into it instead of training it again):
-
-    run, passed = find_trained_run(cfg, "runs", model_path)   # the newest run dir of cfg's experiment
-    if run:
-        load_trained_run(trainer, run)                        # the trainer at its checkpoint's step
-
-"Of cfg's experiment" is what `lorabench resume` asks: every field it may not change equal, and the
-base model the one the checkpoint's fingerprint recorded. Only read, through the run dir itself
-(config.json and its changes, the checkpoint, metrics.jsonl); its lock is only probed, so a run dir
-whose writer is still running can be read too and stays as it was.
+"""A trained run's adapter, read from its run dir without continuing the run: `find_trained_run` finds
+the newest run dir of cfg's experiment (what `lorabench resume` asks: every refused field equal, the
+model the checkpoint recorded), `load_trained_run` puts it into a trainer. The run dir is only read
+and its lock only probed, so a run whose writer is still running can be read too.
 """
 from __future__ import annotations
 
@@ -20,7 +13,6 @@ from pathlib import Path
 
 @dataclass
 class TrainedRun:
-    """A run dir's last checkpoint as read (nothing in the run dir is written), and what it holds."""
     dir: Path
     step: int                 # the checkpoint's step: the adapter's version
     checkpoint: dict          # rundir.read_checkpoint's state (weights only)
@@ -45,8 +37,8 @@ def dir_listing(path: Path) -> dict[str, tuple]:
 
 
 def run_dirs(run_root: str | Path) -> list[Path]:
-    """The run dirs directly under `run_root` (dirs holding config.json, no links), newest first by
-    the time their checkpoint (or, before one, the dir itself) last changed."""
+    """The run dirs directly under `run_root` (holding config.json, no links), newest first by the time their
+    checkpoint (or the dir itself) last changed."""
     from ..rundir import CHECKPOINT_DIR, CONFIG
     root = Path(run_root)
     if not root.is_dir():
@@ -60,10 +52,8 @@ def run_dirs(run_root: str | Path) -> list[Path]:
 
 
 def read_trained_run(cfg, run_dir: str | Path, model_path: str) -> TrainedRun:
-    """The last checkpoint of `run_dir` if it is the experiment `cfg` describes: every field a
-    continued run may not change (session.compat.refused) equal, and the base model the one its
-    checkpoint recorded. Read through the package's read-only readers; raises RunDirError (or
-    ConfigError) saying why not. The run dir is never written to."""
+    """The last checkpoint of `run_dir` if it is the experiment `cfg` describes; raises RunDirError (or
+    ConfigError) saying why not."""
     from ..rundir import METRICS, RunDirError, check_entries, lock_holder, read_checkpoint, read_jsonl
     from .compat import changes, effective_config, refused
     from .fingerprint import check_model, model_fingerprint
@@ -85,8 +75,8 @@ def read_trained_run(cfg, run_dir: str | Path, model_path: str) -> TrainedRun:
 
 
 def find_trained_run(cfg, run_root: str | Path, model_path: str) -> tuple[TrainedRun | None, list[tuple[str, str]]]:
-    """The newest run dir under `run_root` that `read_trained_run` accepts (None if none), and each
-    newer one passed over: (its name, why; the first clause of the refusal)."""
+    """The newest run dir under `run_root` that `read_trained_run` accepts (None if none), and (name, why) of
+    each newer one passed over."""
     from ..rundir import RunDirError
     from .config import ConfigError
     passed = []
@@ -100,9 +90,8 @@ def find_trained_run(cfg, run_root: str | Path, model_path: str) -> tuple[Traine
 
 
 def load_trained_run(trainer, run: TrainedRun) -> None:
-    """Put the checkpoint into `trainer`, whose run log writes nothing, as `lorabench resume` does
-    (GRPOTrainer.load_state: adapter, optimizer, with grpo.max_staleness the adapter one version
-    behind), and refresh the engine with it: the trainer is then at the checkpoint's step."""
+    """Put the checkpoint into `trainer` (whose run log writes nothing) as `lorabench resume` does, refreshing
+    the engine with it."""
     from ..adapters import AdapterLayout, FlatAdapter
     state = run.checkpoint
     layout = AdapterLayout.from_json(state["adapter_layout"])

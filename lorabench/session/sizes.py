@@ -1,13 +1,9 @@
 """Is a run's size within what this machine can hold? An estimate before anything is built.
 
-Each term is a lower bound on memory the run certainly allocates (completions only, no prompt tokens,
-no activations), so a refusal is never a false alarm; a run that passes may still not fit.
-    needs(cfg, shape) -> [Need]        # the terms, largest first
-    check_sizes(cfg, shape, device)    # ConfigError when their sum (or the tiny warm-start's) exceeds it
-Terms: sequences held at once (~1 KiB of Python objects plus 64 bytes per new token each); the LoRA
-state (every LoRA parameter in float32 x 8: weights, gradients, two Adam moments, the rollback
-snapshot of those three, the published adapter); the base weights in model.dtype; and what the engine
-allocates in this process (its `process_memory`: the hf engine's own weights and logits chunk).
+Each term is a lower bound on memory the run certainly allocates, so a refusal is never a false alarm:
+sequences held at once (~1 KiB plus 64 bytes per new token each); the LoRA state (float32 x 8: weights,
+gradients, two Adam moments, their rollback snapshot, the published adapter); the base weights; and
+what the engine allocates in this process (`process_memory`).
 """
 from __future__ import annotations
 
@@ -33,7 +29,6 @@ class ModelShape:
 
     @classmethod
     def of(cls, config) -> ModelShape:
-        """From a transformers config (or a dict of its fields), Llama/Qwen naming."""
         get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
         hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
         return cls(hidden, int(get("intermediate_size", 4 * hidden)), int(get("num_hidden_layers")), heads,
@@ -41,7 +36,6 @@ class ModelShape:
                    int(get("vocab_size")), bool(get("tie_word_embeddings", False)))
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each decoder linear, by module name."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
@@ -84,27 +78,19 @@ def needs(cfg: Config, shape: ModelShape) -> list[Need]:
 WARMSTART_TOKENS = 32   # fewer than any warm-start sequence has: the chat template and instruction alone are ~48
 
 
-def warmstart_need(cfg: Config, shape: ModelShape) -> Need:
-    """The tiny model's warm-start, run while it is built (before the run, so not added to needs()):
-    the float32 logits of one SFT batch over the vocabulary."""
-    n = cfg.warmstart.batch_size
-    return Need(f"the tiny model's warm-start: float32 logits of {n:,} sequences of at least {WARMSTART_TOKENS} tokens "
-                f"over {shape.vocab} tokens", n * WARMSTART_TOKENS * shape.vocab * 4,
-                f"lower warmstart.batch_size (now {n}; 32 is the default)")
-
-
 def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:,.1f} GB"
 
 
 def check_sizes(cfg: Config, shape: ModelShape, device: str, warm_start: bool = False) -> None:
-    """Refuses a run whose needs() exceed the machine; with `warm_start` (the tiny model will be
-    built first) also a warm-start batch that does."""
+    """Refuses a run whose needs() (or, `warm_start`, the tiny model's warm-start: one SFT batch's float32 logits,
+    run while it is built) exceed the machine."""
     have, where = machine_memory(device)
-    warm = warmstart_need(cfg, shape) if warm_start else None
-    if warm is not None and warm.nbytes > have:
-        raise ConfigError(f"{warm.what} need at least {_gb(warm.nbytes)} of memory, more than {where} ({_gb(have)}); "
-                          f"{warm.fix}")
+    n = cfg.warmstart.batch_size
+    if warm_start and (warm := n * WARMSTART_TOKENS * shape.vocab * 4) > have:
+        raise ConfigError(f"the tiny model's warm-start: float32 logits of {n:,} sequences of at least "
+                          f"{WARMSTART_TOKENS} tokens over {shape.vocab} tokens need at least {_gb(warm)} of memory, "
+                          f"more than {where} ({_gb(have)}); lower warmstart.batch_size (now {n}; 32 is the default)")
     terms = needs(cfg, shape)
     total = sum(t.nbytes for t in terms)
     if total <= have:
