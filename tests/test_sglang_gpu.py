@@ -423,13 +423,19 @@ def test_inplace_versions_and_hazards(tiny_path):
     a new engine gets a full load; a refresher that skips its write is caught by the version check."""
     from lorabench.refresh import InPlaceRefresh, make_refresher
     versions, refs, seqs, plens = _versions_and_references(tiny_path, 7)
-    out = {"parity": [], "previous": []}
+    out = {"parity": [], "previous": [], "full_load": [], "vs_full_load": []}
 
     def check(eng, v):
         got = eng.score(seqs, plens, "policy")
         out["parity"].append(diff(got, refs[v]))
         out["previous"].append(diff(got, refs[v - 1]) if v else (float("nan"), float("nan")))
         assert eng.served_version("policy") == v, (eng.served_version("policy"), v)
+        # the same version loaded whole under another name, on the same engine: what in place must equal
+        eng.load_adapter_tensors("full-load", versions[v].to("cuda"))
+        full = eng.score(seqs, plens, "full-load")
+        eng.unload_adapter("full-load")
+        out["full_load"].append(diff(full, refs[v]))
+        out["vs_full_load"].append(diff(got, full))
 
     cfg = gpu_config("engine.sglang.max_loras_per_batch=3")
     with start_engine(cfg, tiny_path) as eng:
@@ -481,10 +487,14 @@ def test_inplace_versions_and_hazards(tiny_path):
     record("inplace_hazards", out)
     assert out["remapped"] == 1.0 and out["stale_caught"], out
     assert out["write_during_generate_waited"] and out["write_after_generate"], out
-    for (_, mean), (_, prev) in zip(out["parity"], out["previous"]):
-        # the mean bar: with these strong adapters single tokens of the tiny model's peaked vocabulary
-        # move by up to ~0.5 in bf16 (both engines round), so the per-token max is recorded, not judged
-        assert mean < 0.02, out
+    for (_, mean), (_, prev), (_, full), (_, apart) in zip(out["parity"], out["previous"], out["full_load"],
+                                                           out["vs_full_load"]):
+        # against transformers+PEFT both sides round in bf16, and with these strong adapters the mean gap
+        # depends on the model (0.009-0.017 on one tiny model, 0.014-0.020 on another): in place must be as
+        # close as a full load of the same version on the same engine is, and far closer to it than to the
+        # previous version; the per-token max is recorded, not judged
+        assert mean < 0.03 and mean <= 1.1 * full + 2e-3, out
+        assert apart < 0.1 * prev if prev == prev else apart < 0.5 * full + 2e-3, out
         assert not prev == prev or prev > 10 * mean, out  # the previous version is >= 10x further
 
 
