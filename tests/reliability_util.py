@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -106,9 +107,17 @@ class FullDisk:
             self.mounted = False
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli(*args, cwd=None, env_extra=None, **popen) -> subprocess.Popen:
-    """`python -m lorabench.cli ARGS` as a child process (its own session, so a kill reaches only it)."""
+    """`python -m lorabench.cli ARGS` as a child process (its own session, so a kill reaches only it),
+    with SIGINT at its default as in a terminal's foreground: a pytest started as a background job
+    ignores SIGINT, a child would inherit that, and Python keeps an inherited SIG_IGN (no Ctrl-C)."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT), **(env_extra or {}))
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        popen.setdefault("preexec_fn", _sigint_default)
     return subprocess.Popen([sys.executable, "-m", "lorabench.cli", *args], cwd=cwd or ROOT, env=env,
                             start_new_session=True, **popen)
 
