@@ -16,8 +16,9 @@ when it is built. Only `AdapterNotLoaded` is caught on unload (the first refresh
 unload); any other engine error propagates.
 
 Adding a mode: a Refresher subclass with `mode`, `help` (`needs`: optional engine capabilities it
-uses; `Settings`: its own `refresh.<mode>` section, given to `from_settings`), plus its line in
-REFRESH_MODES; the run config, `--help-config`, benchmarks and plots read the registry.
+uses; `Settings`: its own `refresh.<mode>` section, given to `from_settings`; a setting made with
+`writes_dir=True` is checked writable before a run starts), plus its line in REFRESH_MODES; the run
+config, `--help-config`, preflight, benchmarks and plots read the registry (tests/test_components.py).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class RefreshSettings(Section):
 @dataclass
 class FileSettings(Section):
     tmp_dir: str = setting("", "Where file refresh writes adapter dirs; '' = /dev/shm if writable, else the "
-                           "system temp dir.", resume=ALLOWED, why="where file refresh writes")
+                           "system temp dir.", resume=ALLOWED, why="where file refresh writes", writes_dir=True)
 
 
 @dataclass

@@ -32,11 +32,12 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message says which field and how to fix it."""
 
 
-def setting(default, help: str, *, resume: str, why: str):
-    """A settings field: its default, help text, and whether (and why) a continued run may change it."""
+def setting(default, help: str, *, resume: str, why: str, writes_dir: bool = False):
+    """A settings field: its default, help text, and whether (and why) a continued run may change it.
+    writes_dir: a directory the run writes into, checked writable before anything is made (preflight)."""
     if resume not in (ALLOWED, REFUSED):
         raise ValueError(f"resume={resume!r}: use settings.ALLOWED or settings.REFUSED")
-    metadata = {"help": help, "resume": resume, "why": why}
+    metadata = {"help": help, "resume": resume, "why": why, **({"writes_dir": True} if writes_dir else {})}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=metadata)
     return field(default=default, metadata=metadata)

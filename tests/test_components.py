@@ -1,9 +1,11 @@
 """Adding a component is one class and one registry line: a toy engine and a toy refresh mode, each
 with one setting of its own, appear in `--help-config`, are validated, follow the resume rules and
-run a GRPO step through RunSession, without a line changed anywhere else."""
+run a GRPO step through RunSession, without a line changed anywhere else; a mode whose setting is a
+directory it writes into gets that directory checked before the run dir exists."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +80,31 @@ class ScaledRefresh(TensorRefresh):
         super()._refresh(scaled, record)
 
 
+class NotedRefresh(TensorRefresh):
+    """Tensor refresh that also notes each version it sent in a directory of the user's choosing."""
+
+    @dataclass
+    class Settings(Section):
+        notes_dir: str = setting("", "Where each refreshed version is noted ('' = nowhere).", resume=ALLOWED,
+                                 why="where the notes go", writes_dir=True)
+
+    mode = "noted"
+    help = "tensor refresh that notes each version in a directory"
+
+    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, notes_dir: str = ""):
+        super().__init__(engine, adapter_name, bucket_mb)
+        self.notes_dir = notes_dir
+
+    @classmethod
+    def from_settings(cls, engine, adapter_name, settings, own=None, base_weights=None):
+        return cls(engine, adapter_name, settings.bucket_mb, own.notes_dir)
+
+    def _refresh(self, adapter, record):
+        super()._refresh(adapter, record)
+        if self.notes_dir:
+            (Path(self.notes_dir) / f"version-{adapter.version}").touch()
+
+
 @pytest.fixture
 def registered(monkeypatch):
     monkeypatch.setitem(ENGINES, "counting", f"{__name__}:CountingEngine")   # the one registry line each
@@ -138,3 +165,21 @@ def test_they_run_a_step_and_a_continued_run_keeps_the_rules(registered, tmp_pat
         assert again.trainer.step_count == 1 and again.engine.budget == 60
     finally:
         again.close()
+
+
+def test_a_mode_with_a_dir_setting_gets_it_checked_and_used(monkeypatch, tmp_path):
+    monkeypatch.setitem(REFRESH_MODES, "noted", NotedRefresh)   # its one registry line
+    notes, not_a_dir = tmp_path / "notes", tmp_path / "a-file"
+    notes.mkdir()
+    not_a_dir.write_text("")
+    config = toy_config(tmp_path, "engine.backend=hf", "refresh.mode=noted", f"refresh.noted.notes_dir={not_a_dir}")
+    with pytest.raises(ConfigError, match=rf"refresh.noted.notes_dir='{not_a_dir}': .* is a file, not a directory"):
+        RunSession.open(config, log=lambda *a: None)
+    assert not (tmp_path / "runs").exists()                     # refused before anything was made
+    session = RunSession.open(toy_config(tmp_path, "engine.backend=hf", "refresh.mode=noted",
+                                         f"refresh.noted.notes_dir={notes}"), log=lambda *a: None)
+    try:
+        session.trainer.step()
+    finally:
+        session.close()
+    assert sorted(p.name for p in notes.iterdir()) == ["version-0", "version-1"]

@@ -14,7 +14,8 @@ from ..engines import engine_class
 from ..models import ModelRef, model_config, model_context, model_ref, model_tokenizer
 from ..refresh import REFRESH_MODES
 from ..rundir import FOLDERS
-from .config import Config, ConfigError
+from ..settings import walk
+from .config import SECTIONS, Config, ConfigError
 from .sizes import ModelShape, check_sizes
 
 
@@ -81,8 +82,10 @@ def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False
     if tiny_to_build(cfg):
         from ..tiny import cache_root
         _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
-    if cfg.refresh.file.tmp_dir:
-        _writable(cfg.refresh.file.tmp_dir, "refresh.file.tmp_dir")
+    for name in SECTIONS:   # every setting that declares a dir the run writes into (refresh.file.tmp_dir)
+        for key, f, value in walk(getattr(cfg, name), name):
+            if value and f.metadata.get("writes_dir"):
+                _writable(value, key)
     log_file = cfg.engine.sglang.log_file
     if log_file:     # opened, not created, when the engine starts: its directory must exist
         path = Path(log_file).expanduser().absolute()
