@@ -91,13 +91,11 @@ class NotedRefresh(TensorRefresh):
     mode = "noted"
     help = "tensor refresh that notes each version in a directory"
 
-    def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, notes_dir: str = ""):
-        super().__init__(engine, adapter_name, bucket_mb)
-        self.notes_dir = notes_dir
-
     @classmethod
     def from_settings(cls, engine, adapter_name, settings, own=None, base_weights=None):
-        return cls(engine, adapter_name, settings.bucket_mb, own.notes_dir)
+        refresher = cls(engine, adapter_name, settings.bucket_mb)
+        refresher.notes_dir = own.notes_dir
+        return refresher
 
     def _refresh(self, adapter, record):
         super()._refresh(adapter, record)
