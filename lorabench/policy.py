@@ -227,7 +227,7 @@ class Policy:
     def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, with_entropy: bool):
         """(log-probs [n, L-1] with gradients, entropies or None); the head only at completion tokens."""
         fn = token_logprobs_and_entropy if with_entropy else token_logprobs
-        with self.compute():
+        with self.compute(), torch._dynamo.config.patch(**_IN_CHECKPOINT):
             out = fn(self.model, part.input_ids, mask, self.grpo.temperature, positions=part.completion_mask.bool(),
                      compiled_head=self.compile != "off")
         return out if with_entropy else (out, None)
@@ -358,6 +358,13 @@ def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None
         if checkpointing:
             layer.forward = _checkpointed(layer, layer.forward)
         layer.compile(dynamic=True)
+
+
+# transformers (5.25 on) routes a layer's kernels through a variable it sets and resets inside the
+# forward; inside a checkpoint dynamo would break the compiled layer there, to replay the set in the
+# recompute, which a set-and-reset does not need
+_IN_CHECKPOINT = ({"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+                  if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint") else {})
 
 
 def _checkpointed(layer, forward):
