@@ -40,13 +40,18 @@ def test_interrupts_at_random_moments_change_nothing_but_time(tiny_model_dir, to
     steps = 6
     cfg = tiny_config(tmp_path, f"grpo.steps={steps}")
     plain = make_trainer(cfg, tiny_model_dir, tokenizer, tmp_path / "plain")
-    t0 = time.perf_counter()
-    plain.run(steps, progress=False)
-    step_s = (time.perf_counter() - t0) / steps
+    step_times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        plain.run(1, progress=False)
+        step_times.append(time.perf_counter() - t0)
+    # within the fastest step, so that a draw lands inside a run on a loaded machine too (a mean that
+    # a slow first step inflates let a whole run end before its interrupt, and no interrupt was tried)
+    step_s = min(step_times)
     interrupted = make_trainer(cfg, tiny_model_dir, tokenizer, tmp_path / "interrupted")
     rng, notes = random.Random(0), []
     while interrupted.step_count < steps:
-        timer = interrupt_after(rng.uniform(0.0, 1.5 * step_s))
+        timer = interrupt_after(rng.uniform(0.0, step_s))
         try:
             interrupted.run(steps - interrupted.step_count, progress=False)
         except KeyboardInterrupt as stop:
