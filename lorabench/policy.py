@@ -217,6 +217,19 @@ class Policy:
                                               ).float().mean().item() if tokens.any() else float("nan")
         return {**stats, **mismatch(old_logp, batch), **diagnostics.means()}
 
+    def compile_now(self) -> None:
+        """grpo.compile=all: compile what `train` runs (each layer with and without an input that needs grad,
+        the head with and without entropies, the reference pass) by training on a dummy batch, then put back
+        weights, optimizer, version and every RNG: the policy is as if it had not run. The session calls it
+        while the engine starts, so the compile (~1 min on a GPU) is not paid again in the first step."""
+        if self.compile != "all":
+            return
+        saved, last_stats = self.snapshot(), self.last_stats
+        with rngs_kept(self.device):
+            self.train(_compile_batch())
+        self.restore(saved)
+        self.last_stats = last_stats
+
     def _activate(self) -> None:
         """This policy's adapter is the one the shared model's forward applies (a policy group)."""
         if len(self.model.peft_config) > 1:
@@ -344,6 +357,23 @@ def compile_mode(setting: str, device: str) -> str:
     if setting == "auto":
         return "all" if torch.device(device).type == "cuda" else "off"
     return setting
+
+
+def rngs_kept(device: str):
+    """A context: torch's CPU RNG and that of `device` (a CUDA GPU) as they are now, put back at its end."""
+    return torch.random.fork_rng(devices=[torch.device(device).index or 0] if device.startswith("cuda") else [])
+
+
+def _compile_batch() -> RolloutBatch:
+    """Three padded rows of 14, 19 and 24 tokens (a prompt of 4): a micro-batch like a real one for the
+    compiled layers' guards (several rows, padding, a width that is a multiple of 8 and no model dimension)."""
+    lengths, prompt, width = (14, 19, 24), 4, 24
+    positions = torch.arange(width)
+    attention = torch.stack([(positions < n).long() for n in lengths])                     # [3, 24]
+    completion = torch.stack([((positions[1:] >= prompt) & (positions[1:] < n)).float() for n in lengths])
+    input_ids = (10 + positions.repeat(3, 1) % 50) * attention                             # [3, 24]
+    advantages = torch.tensor([1.0, -1.0, 0.5])
+    return RolloutBatch(input_ids, attention, completion, torch.zeros(completion.shape), advantages, advantages)
 
 
 def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None:

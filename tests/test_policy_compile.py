@@ -122,3 +122,60 @@ def test_compile_without_decoder_layers_is_refused():
     with pytest.raises(ConfigError,
                        match=r"grpo.compile=all: the model models/odd \(Linear\) .* grpo.compile=head or off"):
         _compile_decoder_layers(NoLayers(), "models/odd", checkpointing=True)
+
+
+def test_compiling_ahead_changes_nothing_and_leaves_the_update_nothing_to_compile(tiny_model_dir):
+    """Policy.compile_now (run while the engine starts) trains a dummy batch and puts everything back: the
+    policy's weights, optimizer, version and the RNG are as before, the first real update compiles no graph,
+    and it equals the update of a policy that compiled in it."""
+    from torch._dynamo.utils import counters
+    cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.micro_batch_tokens=96", "grpo.compile=all"])
+
+    def new_policy() -> Policy:
+        torch.manual_seed(0)
+        policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cpu")
+        perturb_lora_B(policy.model, seed=3)
+        return policy
+
+    torch._dynamo.reset()
+    ahead = new_policy()
+    weights, rng = [p.detach().clone() for p in ahead.params], torch.get_rng_state()
+    ahead.compile_now()
+    assert counters["stats"]["unique_graphs"] >= 3, dict(counters)   # it compiled: two head passes, the layer
+    assert torch.equal(torch.get_rng_state(), rng) and ahead.version == 0 and not ahead.optimizer.state
+    assert all(torch.equal(w, p) for w, p in zip(weights, ahead.params))
+    counters.clear()
+    ahead_stats = ahead.train(synthetic_batch())
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters)
+    torch._dynamo.reset()
+    plain = new_policy()
+    plain_stats = plain.train(synthetic_batch())
+    for key in ("loss", "grad_norm", "tokens"):
+        assert ahead_stats[key] == pytest.approx(plain_stats[key], rel=1e-6, abs=1e-8), key
+    for a, p in zip(ahead.params, plain.params):
+        assert torch.allclose(a, p, rtol=1e-6, atol=1e-8)
+
+
+def test_a_group_compiles_while_its_engine_starts_and_its_first_step_compiles_nothing(tiny_model_dir, tmp_path):
+    """Through GroupSession.open (what `lorabench run` does): the log says so, and step 1 of two policies on one
+    shared model (each with its own adapter active in turn) compiles no graph."""
+    import json
+
+    from torch._dynamo.utils import counters
+
+    from lorabench.session import GroupSession
+    entries = [{"name": "slow", "grpo": {"lr": 1e-4}}, {"name": "fast", "grpo": {"lr": 1e-3}}]
+    cfg = Config.load(None, [f"policies={json.dumps(entries)}", f"model.name_or_path={tiny_model_dir}",
+                             f"run.out_dir={tmp_path}", "run.name=g", f"refresh.file.tmp_dir={tmp_path}",
+                             "grpo.compile=all", "grpo.prompts_per_step=2", "grpo.group_size=2",
+                             "grpo.max_new_tokens=4", "data.eval_size=2", "run.threads=1"])
+    torch._dynamo.reset()
+    lines: list[str] = []
+    group = GroupSession.open(cfg, log=lines.append, evaluate_first=False)
+    try:
+        assert any("compiling the training graphs while the engine starts" in line for line in lines), lines
+        counters.clear()
+        group.trainer.step()
+        assert counters["stats"]["unique_graphs"] == 0, dict(counters)
+    finally:
+        group.close()

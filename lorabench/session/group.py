@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..group import GROUP_FILE
 from .config import Config, ConfigError, flat
-from .run import RunSession, _SessionLifecycle, build_trainer, plan_run, start_engine, threads_and_model
+from .run import RunSession, _SessionLifecycle, build_trainer, engine_and_policies, plan_run, threads_and_model
 
 
 @dataclass
@@ -126,13 +126,11 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         from ..group import PolicyGroup
         log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
             + "; ".join(spec.label() for spec in cfg.policies))
-        engine = start_engine(cfg, model_path, log)
+        engine, policies = engine_and_policies(cfg, members, model_path, log)
         try:
-            trainers, sessions, beside = {}, {}, None
+            trainers, sessions = {}, {}
             for name, member in members.items():
-                trainer = build_trainer(member, model_path, engine, runlogs[name], log=log, beside=beside,
-                                        peft_name=name)
-                beside = beside or trainer
+                trainer = build_trainer(member, model_path, engine, runlogs[name], log=log, policy=policies[name])
                 trainers[name] = trainer
                 sessions[name] = RunSession(member, runlogs[name], engine, trainer, model_path, model_seconds)
         except BaseException:

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import os
 import shlex
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..interrupts import interrupts_to_the_main_thread, wait_interruptibly
 from ..machine import cpu_threads
 from .config import Config, ConfigError, engine_needs
 
@@ -240,10 +243,11 @@ class RunSession(_SessionLifecycle):
     def _build(cls, cfg, plan: RunPlan, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool,
                progress):
         progress(f"starting the {cfg.engine.backend} engine")
-        engine = start_engine(cfg, model_path, log)
+        engine, policies = engine_and_policies(cfg, {"default": cfg}, model_path, log)
         try:
             progress("building the trainer")
-            trainer = build_trainer(cfg, model_path, engine, runlog, log=log)   # loads and checks the checkpoint
+            trainer = build_trainer(cfg, model_path, engine, runlog, log=log,   # loads and checks the checkpoint
+                                    policy=policies["default"])
             plan.record_changes(runlog, log)
             session = cls(cfg, runlog, engine, trainer, model_path, model_seconds)
             if evaluate_first:
@@ -302,10 +306,61 @@ def start_engine(cfg: Config, model_path: str, log=None, **overrides):
     return engine
 
 
-def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, beside=None,
-                  peft_name: str = "default"):
-    """The GRPO trainer for `cfg` on `engine`, each component from its section. `beside`: a trainer of the
-    same policy group, whose model this one's policy shares (its adapter added as `peft_name`)."""
+def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str, log=print) -> tuple:
+    """The engine `cfg` chooses and {peft name: Policy} for `members` (the first policy's model shared by the
+    others: a policy group). Under grpo.compile=all the policies are built first, then compiled on a thread of
+    their own (Policy.compile_now) while the engine starts: on a GPU each takes about a minute, and the first
+    step compiles nothing. The RNGs are as the policies' builds left them either way. With
+    engine.sglang.tp_size > 1 the engine starts first (SGLang refuses GPUs whose free memory differs by 10%)."""
+    from ..engines import engine_class
+    from ..policy import Policy, compile_mode, rngs_kept
+    device = engine_class(cfg.engine.backend).device_of(cfg.engine.chosen)
+
+    def build() -> dict:
+        built, beside = {}, None
+        for name, member in members.items():
+            built[name] = beside = Policy(model_path, member.lora, member.grpo, member.model.dtype, device,
+                                          adapter_name=name, init_seed=member.run.seed, beside=beside)
+        return built
+
+    compiled = compile_mode(next(iter(members.values())).grpo.compile, device) == "all"
+    if not compiled or getattr(cfg.engine.chosen, "tp_size", 1) > 1:
+        engine = start_engine(cfg, model_path, log)
+        try:
+            return engine, build()
+        except BaseException:
+            engine.close()
+            raise
+    policies = build()
+    log("grpo.compile=all: compiling the training graphs while the engine starts")
+    t0, done = time.perf_counter(), Future()
+    threading.Thread(target=_compile, args=(policies, done), name="lorabench-compile", daemon=True).start()
+    with rngs_kept(device):   # what the engine's start draws is not the run's
+        engine = start_engine(cfg, model_path, log)
+        try:
+            wait_interruptibly(done.result)
+        except BaseException:
+            engine.close()
+            raise
+    log(f"training graphs compiled and engine started in {time.perf_counter() - t0:.0f} s")
+    return engine, policies
+
+
+def _compile(policies: dict, done: Future) -> None:
+    """On its own thread; an interrupted open leaves it to end (a compile cannot be stopped)."""
+    interrupts_to_the_main_thread()
+    try:
+        for policy in policies.values():   # a group's policies share the layers, not the active adapter
+            policy.compile_now()
+    except BaseException as err:  # handed to the thread that waits for it, whatever it is
+        done.set_exception(err)
+    else:
+        done.set_result(None)
+
+
+def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, policy=None):
+    """The GRPO trainer for `cfg` on `engine`, each component from its section; `policy`: one built already
+    (engine_and_policies: a policy group's share one model), else a new one."""
     from ..data import ProblemSource
     from ..grpo import GRPOTrainer
     from ..models import load_tokenizer
@@ -316,8 +371,7 @@ def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=N
     if runlog.settings != cfg.run:   # the run log decides when checkpoints are due: from this config
         raise ValueError(f"the run log of {runlog.dir} was opened with other run settings than cfg.run; open it with "
                          f"RunLog(run_dir, settings=cfg.run)")
-    policy = Policy(model_path, cfg.lora, cfg.grpo, cfg.model.dtype, engine.device, adapter_name=peft_name,
-                    init_seed=cfg.run.seed, beside=beside.policy if beside is not None else None)
+    policy = policy or Policy(model_path, cfg.lora, cfg.grpo, cfg.model.dtype, engine.device, init_seed=cfg.run.seed)
     refresher = make_refresher(cfg.refresh, engine, cfg.engine.adapter_name, base_weights=policy.base_weights())
     return GRPOTrainer(cfg.grpo, policy, engine, refresher, ProblemSource.from_settings(cfg.data, cfg.run.seed),
                        tokenizer or load_tokenizer(model_path), runlog, seed=cfg.run.seed,
