@@ -82,7 +82,8 @@ class GRPOSettings(Section):
                                              why="memory and speed only: the same gradients, recomputed")
     compile: str = setting("auto", "torch.compile in training: 'all' (every decoder layer and the output head's "
                            "passes over the vocabulary), 'head' (the head only), 'off', or 'auto' ('all' on a CUDA "
-                           "GPU, 'off' elsewhere). The first step pays the compile.", resume=ALLOWED,
+                           "GPU, 'off' elsewhere). 'all' compiles while the engine starts (a dummy batch), not in "
+                           "the first step.", resume=ALLOWED,
                            why="speed only: the same computation, compiled")
     reward_mode: str = setting("strict", "'strict' (last '#### N') or 'flexible' (last number).",
                                resume=REFUSED, why=_OBJECTIVE)

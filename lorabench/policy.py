@@ -240,7 +240,7 @@ class Policy:
     def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, with_entropy: bool):
         """(log-probs [n, L-1] with gradients, entropies or None); the head only at completion tokens."""
         fn = token_logprobs_and_entropy if with_entropy else token_logprobs
-        with self.compute(), torch._dynamo.config.patch(**_IN_CHECKPOINT):
+        with self.compute(), torch._dynamo.config.patch(**_DYNAMO):
             out = fn(self.model, part.input_ids, mask, self.grpo.temperature, positions=part.completion_mask.bool(),
                      compiled_head=self.compile != "off")
         return out if with_entropy else (out, None)
@@ -254,7 +254,7 @@ class Policy:
 
     @torch.no_grad()
     def _reference_logprobs(self, part: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
-        with self.model.disable_adapter(), self.compute():
+        with self.model.disable_adapter(), self.compute(), torch._dynamo.config.patch(**_DYNAMO):
             return token_logprobs(self.model, part.input_ids, mask, self.grpo.temperature,
                                   positions=part.completion_mask.bool())
 
@@ -390,11 +390,14 @@ def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None
         layer.compile(dynamic=True)
 
 
-# transformers (5.25 on) routes a layer's kernels through a variable it sets and resets inside the
-# forward; inside a checkpoint dynamo would break the compiled layer there, to replay the set in the
-# recompute, which a set-and-reset does not need
-_IN_CHECKPOINT = ({"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
-                  if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint") else {})
+# dynamo's settings while the layers run. transformers (5.25 on) routes a layer's kernels through a
+# variable it sets and resets inside the forward; inside a checkpoint dynamo would break the compiled
+# layer there, to replay the set in the recompute, which a set-and-reset does not need. A group's
+# policies share the layers, which compile again for what differs between them: on the H200 (torch
+# 2.11) a group of four after a single run in one process reached dynamo's default limit of 8 graphs
+# of the layer, and one policy trained eagerly.
+_DYNAMO = {key: value for key, value in {"skip_fwd_side_effects_in_bwd_under_checkpoint": True,
+                                          "recompile_limit": 64}.items() if hasattr(torch._dynamo.config, key)}
 
 
 def _checkpointed(layer, forward):
