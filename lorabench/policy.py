@@ -388,6 +388,13 @@ def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None
         if checkpointing:
             layer.forward = _checkpointed(layer, layer.forward)
         layer.compile(dynamic=True)
+    model.get_base_model().get_input_embeddings().register_forward_hook(_needing_grad)
+
+
+def _needing_grad(embedding, inputs, output: torch.Tensor) -> torch.Tensor:
+    """The frozen embedding's output made to need grad in training: layer 0 then sees what the others see,
+    and the layer compiles one graph, not two (its gradient there is computed and not used)."""
+    return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
 
 
 # dynamo's settings while the layers run. transformers (5.25 on) routes a layer's kernels through a
