@@ -218,10 +218,10 @@ class Policy:
         return {**stats, **mismatch(old_logp, batch), **diagnostics.means()}
 
     def compile_now(self) -> None:
-        """grpo.compile=all: compile what `train` runs (each layer with and without an input that needs grad,
-        the head with and without entropies, the reference pass) by training on a dummy batch, then put back
-        weights, optimizer, version and every RNG: the policy is as if it had not run. The session calls it
-        while the engine starts, so the compile (~1 min on a GPU) is not paid again in the first step."""
+        """grpo.compile=all: compile what `train` runs (the decoder layer, the head with and without entropies,
+        the reference pass) by training on a dummy batch, then put back weights, optimizer, version and every
+        RNG: the policy is as if it had not run. The session calls it while the engine starts, so the compile
+        (~100 s on the H200) is not paid in the first step."""
         if self.compile != "all":
             return
         saved, last_stats = self.snapshot(), self.last_stats

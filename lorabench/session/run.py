@@ -360,7 +360,7 @@ def _compile(policies: dict, done: Future) -> None:
 
 def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, policy=None):
     """The GRPO trainer for `cfg` on `engine`, each component from its section; `policy`: one built already
-    (engine_and_policies: a policy group's share one model), else a new one."""
+    (engine_and_policies: a policy group's policies share one model), else a new one."""
     from ..data import ProblemSource
     from ..grpo import GRPOTrainer
     from ..models import load_tokenizer
