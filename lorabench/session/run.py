@@ -323,27 +323,23 @@ def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str
                                           adapter_name=name, init_seed=member.run.seed, beside=beside)
         return built
 
-    compiled = compile_mode(next(iter(members.values())).grpo.compile, device) == "all"
-    if not compiled or getattr(cfg.engine.chosen, "tp_size", 1) > 1:
-        engine = start_engine(cfg, model_path, log)
-        try:
-            return engine, build()
-        except BaseException:
-            engine.close()
-            raise
-    policies = build()
-    log("grpo.compile=all: compiling the training graphs while the engine starts")
-    t0, done = time.perf_counter(), Future()
-    threading.Thread(target=_compile, args=(policies, done), name="lorabench-compile", daemon=True).start()
+    ahead = (compile_mode(next(iter(members.values())).grpo.compile, device) == "all"
+             and getattr(cfg.engine.chosen, "tp_size", 1) == 1)
+    policies = build() if ahead else {}
+    compiled, t0 = Future(), time.perf_counter()
+    if ahead:
+        log("grpo.compile=all: compiling the training graphs while the engine starts")
+        threading.Thread(target=_compile, args=(policies, compiled), name="lorabench-compile", daemon=True).start()
     with rngs_kept(device):   # what the engine's start draws is not the run's
         engine = start_engine(cfg, model_path, log)
-        try:
-            wait_interruptibly(done.result)
-        except BaseException:
-            engine.close()
-            raise
-    log(f"training graphs compiled and engine started in {time.perf_counter() - t0:.0f} s")
-    return engine, policies
+    try:
+        if ahead:
+            wait_interruptibly(compiled.result)
+            log(f"training graphs compiled and engine started in {time.perf_counter() - t0:.0f} s")
+        return engine, policies or build()
+    except BaseException:
+        engine.close()
+        raise
 
 
 def _compile(policies: dict, done: Future) -> None:
