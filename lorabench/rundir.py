@@ -37,8 +37,8 @@ ROW_FILES = (SYNC, ROLLOUTS, METRICS)   # the rows a checkpoint vouches for
 
 
 def adapter_dir_name(step: int) -> str:
-    """adapters/<this>: the PEFT dir of step `step`'s adapter."""
-    return f"step_{step}"   # _ADAPTER_DIR reads it back
+    """adapters/<this>: the PEFT dir of step `step`'s adapter (_ADAPTER_DIR reads it back)."""
+    return f"step_{step}"
 
 
 # the fields every checkpoint holds; others (a newer lorabench's) are kept, checked by their kind
@@ -464,10 +464,10 @@ class RunLock:
     short-lived one, so no file stays open for writing (a filesystem can be remounted read-only under it).
     A refusal puts the file back as it was found (release(restore=True)): removed if it was not there."""
 
-    def __init__(self, run_dir: Path | SafeDir, log=print, patience_s: float = 1.0):
+    def __init__(self, run_dir: Path | SafeDir, log=print):
         self.root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)
         self.path = self.root.path / LOCK_NAME
-        deadline = time.monotonic() + patience_s   # rides out another process's read-only probe
+        deadline = time.monotonic() + 1.0   # rides out another process's read-only probe (lock_holder)
         while True:
             existed = self.root.entry(LOCK_NAME) is not None
             self.fd = self.root.open_own(LOCK_NAME, os.O_RDONLY | os.O_CREAT, 0o640)

@@ -302,16 +302,16 @@ class SafeDir:
             raise
 
     @contextlib.contextmanager
-    def atomic_subdir(self, name: str, mode: int = 0o700) -> Iterator[SafeDir]:
+    def atomic_subdir(self, name: str) -> Iterator[SafeDir]:
         """Yield a fresh hidden temp dir; on success it replaces the dir `name` in one rename (an existing one is
         swapped out first and removed after; put back if the rename fails)."""
         self.expect(name, "dir")
         self.remove_dead_temps((f".{name}.tmp-", f".{name}.old-"))
         pid, fds = os.getpid(), {"src_dir_fd": self.fd, "dst_dir_fd": self.fd}
         tmp = f".{name}.tmp-{pid}-{secrets.token_hex(4)}"
-        os.mkdir(tmp, mode, dir_fd=self.fd)
+        os.mkdir(tmp, 0o700, dir_fd=self.fd)
         try:
-            with self.sub(tmp, mode=mode) as inner:
+            with self.sub(tmp, mode=0o700) as inner:
                 yield inner
                 os.fsync(inner.fd)
             if self.entry(name) is None:
@@ -361,16 +361,17 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead(parent: Path | int, writer_pid, dirs_only: bool = False) -> list[Path]:
-    """Remove the entries of `parent` (a path, or a dir fd) for which `writer_pid(name)` names a dead process
-    other than this one (a link is removed, not followed)."""
+def _remove_dead(parent: Path | int, writer: re.Pattern, dirs_only: bool = False) -> list[Path]:
+    """Remove the entries of `parent` (a path, or a dir fd) whose name `writer` matches with the PID of a dead
+    process other than this one as its group 1 (a link is removed, not followed)."""
     dir_fd, removed = parent if isinstance(parent, int) else None, []
     try:
         entries = list(os.scandir(parent))
     except FileNotFoundError:
         return removed
     for entry in entries:   # by an fd, entry.path is the name, relative to dir_fd
-        is_dir, pid = entry.is_dir(follow_symlinks=False), writer_pid(entry.name)
+        is_dir, match = entry.is_dir(follow_symlinks=False), writer.match(entry.name)
+        pid = int(match.group(1)) if match else None
         if (dirs_only and not is_dir) or pid is None or pid == os.getpid() or pid_alive(pid):
             continue
         if is_dir:
@@ -385,20 +386,13 @@ def _remove_dead(parent: Path | int, writer_pid, dirs_only: bool = False) -> lis
 def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...]) -> list[Path]:
     """Remove entries of `parent` named `<prefix><pid>-...` (or `<prefix><pid>.`) whose writer `pid` is dead:
     what a killed atomic write leaves. Returns what was removed."""
-    def writer_pid(name: str) -> int | None:
-        prefix = next((p for p in prefixes if name.startswith(p)), None)
-        head = name[len(prefix):].replace(".", "-").split("-", 1)[0] if prefix is not None else ""
-        return int(head) if head.isdigit() else None
-    return _remove_dead(parent, writer_pid)
-
-
-_DIR_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-")   # `.NAME.tmp-PID-x` / `.NAME.old-PID-x`: atomic_dir's
+    return _remove_dead(parent, re.compile(f"(?:{'|'.join(map(re.escape, prefixes))})(\\d+)(?:[-.]|$)"))
 
 
 def remove_dead_dir_temps(parent: Path) -> list[Path]:
-    """Remove every atomic_dir temp under `parent` whose writer is dead, whatever name it was for (a killed
-    build's entry may never be built again)."""
-    return _remove_dead(parent, lambda name: int(m.group(1)) if (m := _DIR_TEMP.match(name)) else None, True)
+    """Remove every atomic_dir temp (`.NAME.tmp-PID-x`, `.NAME.old-PID-x`) under `parent` whose writer is dead,
+    whatever name it was for (a killed build's entry may never be built again)."""
+    return _remove_dead(parent, re.compile(r"\..+\.(?:tmp|old)-(\d+)-"), dirs_only=True)
 
 
 def fsync_path(path: Path) -> None:

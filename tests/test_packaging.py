@@ -122,8 +122,7 @@ MODULES = ["__init__", "adapters", "cli", "data", "datafiles", "engines/__init__
            "explain/refresh_costs", "explain/staleness", "explain/step", "grpo", "hub", "interrupts",
            "loss", "machine", "models", "policy", "progress", "refresh", "refresh_bench", "rewards", "rollout",
            "rundir", "runlog", "safedir", "session/__init__", "session/compat", "session/config",
-           "session/fingerprint", "session/preflight", "session/run", "session/sizes", "settings", "tiny", "viz",
-           "widgets"]
+           "session/preflight", "session/run", "settings", "tiny", "viz", "widgets"]
 REMOVED = ["warmstart", "engines/sglang_inplace", "engines/sglang_pool", "fsutil", "shapes"]
 MOVED_INTO_THE_SESSION = ["config", "compat", "preflight", "sizes", "fingerprint"]   # they handle the whole Config
 

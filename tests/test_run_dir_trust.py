@@ -484,7 +484,7 @@ def test_hub_model_is_identified_by_its_cached_commit(tmp_path, monkeypatch):
     snapshot identifies it; another commit is refused naming both."""
     from huggingface_hub import constants
 
-    from lorabench.session.fingerprint import check_model, model_fingerprint
+    from lorabench.session.compat import check_model, model_fingerprint
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     cfg = Config.load(overrides=["model.name_or_path=org/model"])
     snapshot = tmp_path / "models--org--model" / "snapshots" / "a1b2c3"

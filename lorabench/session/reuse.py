@@ -10,6 +10,12 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..adapters import AdapterLayout, FlatAdapter
+from ..rundir import CHECKPOINT_DIR, CONFIG, METRICS, check_entries, lock_holder, read_checkpoint, read_jsonl
+from ..safedir import RunDirError
+from .compat import changes, check_model, effective_config, model_fingerprint, refused
+from .config import ConfigError
+
 
 @dataclass
 class TrainedRun:
@@ -39,7 +45,6 @@ def dir_listing(path: Path) -> dict[str, tuple]:
 def run_dirs(run_root: str | Path) -> list[Path]:
     """The run dirs directly under `run_root` (holding config.json, no links), newest first by the time their
     checkpoint (or the dir itself) last changed."""
-    from ..rundir import CHECKPOINT_DIR, CONFIG
     root = Path(run_root)
     if not root.is_dir():
         return []
@@ -54,9 +59,6 @@ def run_dirs(run_root: str | Path) -> list[Path]:
 def read_trained_run(cfg, run_dir: str | Path, model_path: str) -> TrainedRun:
     """The last checkpoint of `run_dir` if it is the experiment `cfg` describes; raises RunDirError (or
     ConfigError) saying why not."""
-    from ..rundir import METRICS, RunDirError, check_entries, lock_holder, read_checkpoint, read_jsonl
-    from .compat import changes, effective_config, refused
-    from .fingerprint import check_model, model_fingerprint
     run_dir = Path(run_dir)
     check_entries(run_dir)   # no link in it is followed, nothing of an odd kind is opened
     listing = dir_listing(run_dir)
@@ -77,8 +79,6 @@ def read_trained_run(cfg, run_dir: str | Path, model_path: str) -> TrainedRun:
 def find_trained_run(cfg, run_root: str | Path, model_path: str) -> tuple[TrainedRun | None, list[tuple[str, str]]]:
     """The newest run dir under `run_root` that `read_trained_run` accepts (None if none), and (name, why) of
     each newer one passed over."""
-    from ..rundir import RunDirError
-    from .config import ConfigError
     passed = []
     for run_dir in run_dirs(run_root):
         try:
@@ -92,7 +92,6 @@ def find_trained_run(cfg, run_root: str | Path, model_path: str) -> tuple[Traine
 def load_trained_run(trainer, run: TrainedRun) -> None:
     """Put the checkpoint into `trainer` (whose run log writes nothing) as `lorabench resume` does, refreshing
     the engine with it."""
-    from ..adapters import AdapterLayout, FlatAdapter
     state = run.checkpoint
     layout = AdapterLayout.from_json(state["adapter_layout"])
     trainer.load_state(state, FlatAdapter(state["adapter_buffer"], layout, state["adapter_config"], run.step),

@@ -36,7 +36,7 @@ class RunPlan:
 
     def check_model(self, cfg: Config, model_path: str, log=print) -> dict:
         """The experiment's fingerprint; a continued run's model must be its checkpoint's (none recorded: noted)."""
-        from .fingerprint import check_model, experiment_fingerprint
+        from .compat import check_model, experiment_fingerprint
         fingerprint = experiment_fingerprint(cfg, model_path)
         checkpoint = self.continued.checkpoint if self.continued else None
         if checkpoint and "fingerprint" in checkpoint:
@@ -97,8 +97,8 @@ class RunPlan:
 
 def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
     """A new run, or the continuation of the run in `run_dir` (or run.out_dir/run.name), which must have no
-    link (rundir.check_entries), no other writer, be readable (rundir.inspect), accept `cfg` (compat.py)
-    and be the experiment its checkpoint was trained on (fingerprint.py)."""
+    link (rundir.check_entries), no other writer, be readable (rundir.inspect), accept `cfg`
+    and be the experiment its checkpoint was trained on (compat.py)."""
     from ..rundir import CONFIG, RunDirError, check_entries, lock_holder
     path = Path(run_dir) if run_dir else (Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None)
     if path is None or not os.path.lexists(path):
@@ -142,8 +142,7 @@ def _refuse_leftovers(path: Path) -> None:
 def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPlan:
     """Config.json as the checkpoint was trained (no hand edit), the requested changes, the data's bytes."""
     from ..rundir import inspect
-    from .compat import check_continuation, effective_config
-    from .fingerprint import check_config, check_data
+    from .compat import check_config, check_continuation, check_data, effective_config
     state = inspect(path)
     effective = effective_config(path)
     recorded = (state.checkpoint or {}).get("fingerprint")
