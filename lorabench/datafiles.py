@@ -27,7 +27,10 @@ def read_rows(source: str, split: str) -> list[tuple[str, dict]]:
     if path.suffix not in (".jsonl", ".parquet"):
         raise DataError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl or .parquet")
     _refuse_too_large(path, path.stat().st_size, "is")
-    return jsonl_rows(path) if path.suffix == ".jsonl" else parquet_rows(path)
+    if path.suffix == ".parquet":
+        return parquet_rows(path)
+    with open(path, "rb") as fh:
+        return _kept(str(path), "line", jsonl_rows(path, fh))
 
 
 def over_half_memory(nbytes: int) -> str | None:
@@ -44,12 +47,21 @@ def _refuse_too_large(path: Path, nbytes: int, what: str) -> None:
                         f"the whole run; use a smaller file (GSM8K's training split is 4 MB)")
 
 
-def _refuse_too_long(where: str, lines: list[tuple[int, int]], unit: str) -> None:
-    if not lines:
-        return
-    number, nbytes = lines[0]
-    raise DataError(f"{where}: {len(lines)} {unit}(s) longer than {MAX_ROW_BYTES:,} bytes (1 MiB), the first is "
-                    f"{unit} {number} ({nbytes:,} bytes); GSM8K rows are under 2 KB: remove or shorten those rows")
+def _kept(where: str, unit: str, items) -> list[tuple[str, dict]]:
+    """(location, row) for each (number, row) of `items`; a row given as an int, its byte length, is over
+    MAX_ROW_BYTES: those are refused together, with their count and the first."""
+    rows, too_long = [], []
+    for number, row in items:
+        if isinstance(row, int):
+            too_long.append((number, row))
+        else:
+            rows.append((f"{where} {unit} {number}", row))
+    if too_long:
+        number, nbytes = too_long[0]
+        raise DataError(f"{where}: {len(too_long)} {unit}(s) longer than {MAX_ROW_BYTES:,} bytes (1 MiB), the first "
+                        f"is {unit} {number} ({nbytes:,} bytes); GSM8K rows are under 2 KB: remove or shorten those "
+                        f"rows")
+    return rows
 
 
 def bounded_lines(fh, limit: int):
@@ -66,34 +78,31 @@ def bounded_lines(fh, limit: int):
         yield number, length
 
 
-def jsonl_rows(path: Path) -> list[tuple[str, dict]]:
+def jsonl_rows(path: Path, fh):
+    """(line number, row object), or (line number, length) for a line over MAX_ROW_BYTES; blank lines skipped."""
     import json
-    rows, too_long = [], []
-    with open(path, "rb") as fh:
-        for number, line in bounded_lines(fh, MAX_ROW_BYTES):
-            if isinstance(line, int):
-                too_long.append((number, line))
-                continue
-            if number == 1:
-                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM, as some editors write
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path} line {number}: not UTF-8 (byte {line[err.start]:#04x} at column "
-                                f"{err.start + 1}); save the file as UTF-8") from err
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {number}: not valid JSON ({err}); fix or remove that line (one "
-                                f"JSON object per line)") from err
-            if not isinstance(row, dict):
-                raise DataError(f"{path} line {number}: a {type(row).__name__}, not a JSON object; write one "
-                                f'{{"question": ..., "answer": ...}} object per line')
-            rows.append((f"{path} line {number}", row))
-    _refuse_too_long(str(path), too_long, "line")
-    return rows
+    for number, line in bounded_lines(fh, MAX_ROW_BYTES):
+        if isinstance(line, int):
+            yield number, line
+            continue
+        if number == 1:
+            line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM, as some editors write
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path} line {number}: not UTF-8 (byte {line[err.start]:#04x} at column "
+                            f"{err.start + 1}); save the file as UTF-8") from err
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path} line {number}: not valid JSON ({err}); fix or remove that line (one "
+                            f"JSON object per line)") from err
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {number}: a {type(row).__name__}, not a JSON object; write one "
+                            f'{{"question": ..., "answer": ...}} object per line')
+        yield number, row
 
 
 def parquet_rows(path: Path) -> list[tuple[str, dict]]:
@@ -117,18 +126,13 @@ def parquet_rows(path: Path) -> list[tuple[str, dict]]:
     text = sum(pf.metadata.row_group(g).column(c).total_uncompressed_size
                for g in range(pf.metadata.num_row_groups) for c in columns)
     _refuse_too_large(path, text, "holds question and answer columns of")
-    rows, too_long, offset = [], [], 0
-    for batch in pf.iter_batches(batch_size=1024, columns=list(FIELDS)):
-        # byte lengths first: a huge value is counted, never turned into a Python string
-        lengths = pc.add(*(pc.fill_null(pc.binary_length(batch.column(f)), 0) for f in FIELDS))
-        for i, nbytes in enumerate(lengths.to_pylist()):
-            if nbytes > MAX_ROW_BYTES:
-                too_long.append((offset + i + 1, nbytes))
-            else:
-                rows.append((f"{path} row {offset + i + 1}", {f: batch.column(f)[i].as_py() for f in FIELDS}))
-        offset += batch.num_rows
-    _refuse_too_long(str(path), too_long, "row")
-    return rows
+
+    def values():   # byte lengths first: a huge value is counted, never turned into a Python string
+        for batch in pf.iter_batches(batch_size=1024, columns=list(FIELDS)):
+            lengths = pc.add(*(pc.fill_null(pc.binary_length(batch.column(f)), 0) for f in FIELDS))
+            for i, nbytes in enumerate(lengths.to_pylist()):
+                yield nbytes if nbytes > MAX_ROW_BYTES else {f: batch.column(f)[i].as_py() for f in FIELDS}
+    return _kept(str(path), "row", enumerate(values(), 1))
 
 
 def hub_rows(split: str) -> list[tuple[str, dict]]:
@@ -143,13 +147,5 @@ def hub_rows(split: str) -> list[tuple[str, dict]]:
     except ConnectionError as err:  # HF_HUB_OFFLINE=1 and not in the datasets cache
         raise DataError(f"data.source='hub': {name} is not in the datasets cache ({err}); run once with network "
                         f"access (without HF_HUB_OFFLINE) or use a local file such as data/gsm8k_sample.jsonl") from err
-    where = f"{name}[{split}]"
-    rows, too_long = [], []
-    for i, row in enumerate(table):
-        nbytes = sum(len(str(row.get(f, "")).encode()) for f in FIELDS)
-        if nbytes > MAX_ROW_BYTES:
-            too_long.append((i + 1, nbytes))
-        else:
-            rows.append((f"{where} row {i + 1}", row))
-    _refuse_too_long(where, too_long, "row")
-    return rows
+    sized = ((row, sum(len(str(row.get(f, "")).encode()) for f in FIELDS)) for row in table)
+    return _kept(f"{name}[{split}]", "row", enumerate((row if n <= MAX_ROW_BYTES else n for row, n in sized), 1))

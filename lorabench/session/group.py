@@ -166,23 +166,23 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
     if links:
         raise RunDirError(f"{root} holds links {links[:5]}; a policy group's dir holds {GROUP_FILE} and one run dir "
                           f"per policy only: choose another run.name or run.out_dir")
-    if GROUP_FILE in entries:   # read_group refuses a link or an unreadable file
-        specs = read_group(root)
-        recorded = [spec.name for spec in specs]
-        if recorded != list(names):
-            raise RunDirError(f"{root} is a policy group of {recorded}, not {list(names)}: continue it with its own "
-                              f"policies (lorabench resume {root}), or choose another run.name for a new group")
-    elif entries:
+    if not entries:
+        return False
+    if GROUP_FILE not in entries:
         raise RunDirError(f"{root} holds {entries[:5]} but no {GROUP_FILE}: it is not a policy group lorabench made; "
                           f"choose another run.name or run.out_dir")
+    specs = read_group(root)   # refuses a link or an unreadable file
+    recorded = [spec.name for spec in specs]
+    if recorded != list(names):
+        raise RunDirError(f"{root} is a policy group of {recorded}, not {list(names)}: continue it with its own "
+                          f"policies (lorabench resume {root}), or choose another run.name for a new group")
     odd = [e for e in entries if e != GROUP_FILE and e not in names]
     if odd:
         raise RunDirError(f"{root} holds {odd[:5]}, which are not the dirs of the policies its {GROUP_FILE} names "
                           f"{names}; a policy group's dir holds {GROUP_FILE} and one run dir per policy only: move "
                           f"them out, or choose another run.name or run.out_dir")
-    if GROUP_FILE in entries:
-        check_recorded(root, specs)
-    return GROUP_FILE in entries
+    check_recorded(root, specs)
+    return True
 
 
 def check_recorded(root: Path, specs: list) -> None:

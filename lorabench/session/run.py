@@ -307,10 +307,10 @@ def start_engine(cfg: Config, model_path: str, log=None, **overrides):
 
 def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str, log=print) -> tuple:
     """The engine `cfg` chooses and {peft name: Policy} for `members` (the first policy's model shared by the
-    others: a policy group). Under grpo.compile=all the policies are built first, then compiled on a thread of
-    their own (Policy.compile_now) while the engine starts: on a GPU each takes about a minute, and the first
-    step compiles nothing. The RNGs are as the policies' builds left them either way. With
-    engine.sglang.tp_size > 1 the engine starts first (SGLang refuses GPUs whose free memory differs by 10%)."""
+    others: a policy group). Under grpo.compile=all the policies are built first and compiled on a thread of
+    their own while the engine starts, so the first step compiles nothing; the RNGs are as the builds left
+    them either way. With engine.sglang.tp_size > 1 the engine starts first (SGLang refuses GPUs whose free
+    memory differs)."""
     from ..engines import engine_class
     from ..policy import Policy, compile_mode, rngs_kept
     device = engine_class(cfg.engine.backend).device_of(cfg.engine.chosen)
