@@ -45,7 +45,16 @@ GPU_SETTING = ["lora.r=32", "lora.alpha=64", "refresh.mode=inplace", "grpo.promp
 
 def timed_steps(session, steps: int) -> dict:
     """Each step timed from outside (the commit's wait for the previous one included)."""
-    walls, rows = [], []
+    walls, rows, writes = [], [], []
+    commits = session.trainer._commits
+    if commits._pool is not None:   # run.commit_in_background: time each write on the commit thread
+        write = commits._write
+
+        def timed_write(*args) -> None:
+            t0 = time.perf_counter()
+            write(*args)
+            writes.append(time.perf_counter() - t0)
+        commits._write = timed_write
 
     def one_step() -> None:
         t0 = time.perf_counter()
@@ -64,7 +73,7 @@ def timed_steps(session, steps: int) -> dict:
     parts = {k[5:-2]: statistics.median(r[k] for r in later) for k in later[0] if k.startswith("time/")}
     return {"first_step_s": walls[0], "step_wall_s_p50": statistics.median(walls[1:]), "step_wall_s": walls,
             "parts_s_p50": parts, "last_commit_drain_s": drain,
-            "background_write_s_last": commits.write_s if (commits := session.trainer._commits) else None,
+            "background_write_s_last": writes[-1] if writes else (0.0 if commits._pool is not None else None),
             "completion_tokens_p50": statistics.median(r["completions/mean_length"] for r in later),
             "served_versions": [r["adapter/served_version"] for r in rows],
             "lags": [r.get("adapter/lag", 0) for r in rows], "gpu_busy_percent": busy.percent,

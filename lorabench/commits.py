@@ -52,7 +52,6 @@ class Commits:
         self._in_flight: tuple[int, Future] | None = None    # at most one commit: (step, its write)
         self._failure: tuple[int, BaseException] | None = None
         self._guard = threading.Lock()   # the stepping thread and any waiting thread share _in_flight
-        self.write_s = 0.0 if background else None   # how long the last background commit took to write
 
     def commit(self, record, adapter, clock, history: list) -> None:
         """Step `record.step` done: its metrics row into `history`, and into the run dir when due."""
@@ -98,10 +97,8 @@ class Commits:
 
     def _write(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
         """On the commit thread: what a commit in line writes, in the same order."""
-        t0 = time.perf_counter()
         self.runlog.commit(step, state, adapter, rows, save_adapter)
         self.runlog.log_metrics(rows[METRICS])
-        self.write_s = time.perf_counter() - t0
 
     def _settle(self, wait: bool) -> tuple[int, BaseException] | None:
         """(step, error) of a failed background commit, or None; wait=False: without waiting for one

@@ -25,7 +25,7 @@ import torch
 
 from .adapters import FlatAdapter
 from .clock import Clock
-from .commits import Commits, TrainerStopped  # noqa: F401 (TrainerStopped: grpo.TrainerStopped, as before)
+from .commits import Commits, TrainerStopped  # noqa: F401 (TrainerStopped: re-exported)
 from .data import Problem, ProblemSource, prompt_ids
 from .engines.base import GenerateRequest, ReleasesMemory, Sampling, StaleAdapter, generate_served, require
 from .interrupts import interrupts_deferred, interrupts_to_the_main_thread, wait_interruptibly
@@ -293,10 +293,6 @@ class GRPOTrainer:
                 refresh = self.refresher.refresh(adapter)
                 clock.lap("refresh")
                 metrics = step_metrics(step, rollouts, batch, stats, reward_means, refresh, adapter.delta_norm())
-                if g.max_staleness:   # how many updates the sampling adapter lagged; the loss's weights
-                    metrics.update({"adapter/lag": step - 1 - rollouts.served_version,
-                                    "train/is_weight_mean": stats["is_weight_mean"],
-                                    "train/is_truncated_fraction": stats["is_truncated_fraction"]})
                 metrics["probe/adapter_gap"] = self.probe_gap()
                 if self.refresher.serving_adapter is not None and not math.isfinite(metrics["probe/adapter_gap"]):
                     raise self.policy.diverged_output(adapter)   # the engine could not sample from it
@@ -472,10 +468,10 @@ class GRPOTrainer:
 
 def step_metrics(step: int, rollouts: Rollouts, batch: RolloutBatch, stats: dict, reward_means: dict,
                  refresh: RefreshRecord, delta_norm: float) -> dict:
-    """One metrics.jsonl row (time/* is added when the step is committed)."""
+    """One metrics.jsonl row, less probe/* (the step adds it) and time/* (added when it is committed)."""
     completions, texts = rollouts.completions, rollouts.texts
     groups = batch.rewards.view(-1, rollouts.group_size)
-    return {
+    row = {
         "step": step, "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item(),
         **reward_means,
         "reward/strict_format": sum(map(has_strict_format, texts)) / len(texts),
@@ -494,6 +490,10 @@ def step_metrics(step: int, rollouts: Rollouts, batch: RolloutBatch, stats: dict
         "refresh/mode": refresh.mode, "refresh/bytes": refresh.nbytes, "refresh/total_s": refresh.total_s,
         **{f"refresh/{k}_s": v for k, v in refresh.parts.items()},
     }
+    if "is_weight_mean" in stats:   # grpo.max_staleness: how far the sampling adapter lagged; the loss's weights
+        row.update({"adapter/lag": step - 1 - rollouts.served_version, "train/is_weight_mean": stats["is_weight_mean"],
+                    "train/is_truncated_fraction": stats["is_truncated_fraction"]})
+    return row
 
 
 def step_samples(step: int, rollouts: Rollouts, batch: RolloutBatch) -> list[dict]:

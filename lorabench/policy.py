@@ -180,15 +180,13 @@ class Policy:
                 mask = self._layer_mask(part)
                 logp, entropy = self._logprobs(part, mask, with_entropy=epoch == 0)
                 width = logp.shape[1]
-                if epoch == 0:
+                with_ref = grpo.kl_beta > 0 or (epoch == 0 and grpo.kl_metric)
+                ref = self._reference_logprobs(part, mask) if with_ref else None
+                if epoch == 0:   # the policy that sampled the batch
                     old_logp[index, :width] = logp.detach()
                     if stale:
                         weight = torch.exp(logp.detach() - part.engine_logprobs).clamp(max=grpo.tis_cap)
                         is_weight[index, :width] = weight * part.completion_mask
-                ref = self._reference_logprobs(part, mask) if grpo.kl_beta > 0 else None
-                if epoch == 0:   # the policy that sampled the batch
-                    if ref is None and grpo.kl_metric:
-                        ref = self._reference_logprobs(part, mask)
                     diagnostics.add(logp.detach(), entropy, ref, part.completion_mask)
                 loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
                                     grpo.clip_eps, ref, grpo.kl_beta, is_weight[index, :width] if stale else None)
@@ -210,18 +208,18 @@ class Policy:
             self.optimizer.step()
         self.model.eval()
         self.version += 1
-        if stale:
+        if stale:   # NaN without completion tokens (the mean of none)
             tokens = batch.completion_mask.bool()
-            stats["is_weight_mean"] = is_weight[tokens].mean().item() if tokens.any() else float("nan")
-            stats["is_truncated_fraction"] = (torch.exp(old_logp - batch.engine_logprobs)[tokens] > grpo.tis_cap
-                                              ).float().mean().item() if tokens.any() else float("nan")
+            stats["is_weight_mean"] = is_weight[tokens].mean().item()
+            truncated = torch.exp(old_logp - batch.engine_logprobs)[tokens] > grpo.tis_cap
+            stats["is_truncated_fraction"] = truncated.float().mean().item()
         return {**stats, **mismatch(old_logp, batch), **diagnostics.means()}
 
     def compile_now(self) -> None:
         """grpo.compile=all: compile what `train` runs (the decoder layer, the head with and without entropies,
         the reference pass) by training on a dummy batch, then put back weights, optimizer, version and every
         RNG: the policy is as if it had not run. The session calls it while the engine starts, so the compile
-        (~100 s on the H200) is not paid in the first step."""
+        is not paid in the first step."""
         if self.compile != "all":
             return
         saved, last_stats = self.snapshot(), self.last_stats
@@ -397,12 +395,9 @@ def _needing_grad(embedding, inputs, output: torch.Tensor) -> torch.Tensor:
     return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
 
 
-# dynamo's settings while the layers run. transformers (5.25 on) routes a layer's kernels through a
-# variable it sets and resets inside the forward; inside a checkpoint dynamo would break the compiled
-# layer there, to replay the set in the recompute, which a set-and-reset does not need. A group's
-# policies share the layers, which compile again for what differs between them: on the H200 (torch
-# 2.11) a group of four after a single run in one process reached dynamo's default limit of 8 graphs
-# of the layer, and one policy trained eagerly.
+# dynamo's settings while the layers run: no graph break at a variable the forward sets and resets
+# inside a checkpoint (the recompute need not replay it), and room for the graphs a group's policies
+# compile of the shared layers (dynamo's default limit, 8, sends a policy to eager).
 _DYNAMO = {key: value for key, value in {"skip_fwd_side_effects_in_bwd_under_checkpoint": True,
                                           "recompile_limit": 64}.items() if hasattr(torch._dynamo.config, key)}
 
