@@ -16,12 +16,14 @@ when it is built. Only `AdapterNotLoaded` is caught on unload (the first refresh
 unload); any other engine error propagates.
 
 Adding a mode: a Refresher subclass with `mode`, `help` (`needs`: optional engine capabilities it
-uses; `Settings`: its own `refresh.<mode>` section, given to `from_settings`; a setting made with
-`writes_dir=True` is checked writable before a run starts), plus its line in REFRESH_MODES; the run
-config, `--help-config`, preflight, benchmarks and plots read the registry (tests/test_components.py).
+uses; `Settings`: its own `refresh.<mode>` section, whose fields reach __init__ as keywords; a setting
+made with `writes_dir=True` is checked writable before a run starts; `takes_base_weights`: __init__
+gets the trainer's base weights), plus its line in REFRESH_MODES; the run config, `--help-config`,
+preflight, benchmarks and plots read the registry (tests/test_components.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -123,6 +125,7 @@ class Refresher:
     release_tags: ClassVar[tuple[str, ...]] = ("kv_cache",)  # engine memory it can spare during training
     keeps_engine_fresh: ClassVar[bool] = True              # False only for the stale control
     Settings: ClassVar[type | None] = None                 # its own section, refresh.<mode>
+    takes_base_weights: ClassVar[bool] = False             # __init__ needs the trainer's base weights
 
     def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0):
         for capability in self.needs:
@@ -133,8 +136,12 @@ class Refresher:
 
     @classmethod
     def from_settings(cls, engine, adapter_name: str, settings: RefreshSettings, own=None, base_weights=None):
-        """From the refresh section, the mode's own sub-section (`own`) and the trainer's base weights."""
-        return cls(engine, adapter_name, settings.bucket_mb)
+        """From the refresh section, the mode's own sub-section (`own`: each field an __init__ keyword) and, where
+        the mode `takes_base_weights`, the trainer's base weights."""
+        kwargs = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)} if own is not None else {}
+        if cls.takes_base_weights:
+            kwargs["base_weights"] = base_weights
+        return cls(engine, adapter_name, settings.bucket_mb, **kwargs)
 
     @property
     def serving_adapter(self) -> str | None:
@@ -183,10 +190,6 @@ class FileRefresh(Refresher):
         super().__init__(engine, adapter_name, bucket_mb)
         self.root = adapter_tmp_root(tmp_dir)
         self._previous: Path | None = None
-
-    @classmethod
-    def from_settings(cls, engine, adapter_name, settings, own=None, base_weights=None):
-        return cls(engine, adapter_name, settings.bucket_mb, (own or FileSettings()).tmp_dir)
 
     def _refresh(self, adapter, record):
         clock = Clock(record.parts)
@@ -246,6 +249,7 @@ class MergedRefresh(Refresher):
     help = "merge W + (alpha/r)BA and push full weights in buckets (the full-weight baseline)"
     needs = (PushesWeights,)
     release_tags = ("kv_cache", "weights")  # every weight is pushed again after resume
+    takes_base_weights = True
 
     def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, base_weights=None):
         super().__init__(engine, adapter_name, bucket_mb)
@@ -254,10 +258,6 @@ class MergedRefresh(Refresher):
         self.base_weights = base_weights
         # every weight (an earlier run may have merged others) on the first push and after a release
         self._push_every_weight = True
-
-    @classmethod
-    def from_settings(cls, engine, adapter_name, settings, own=None, base_weights=None):
-        return cls(engine, adapter_name, settings.bucket_mb, base_weights)
 
     @property
     def serving_adapter(self) -> str | None:
