@@ -16,12 +16,14 @@ when it is built. Only `AdapterNotLoaded` is caught on unload (the first refresh
 unload); any other engine error propagates.
 
 Adding a mode: a Refresher subclass with `mode`, `help` (`needs`: optional engine capabilities it
-uses; `Settings`: its own `refresh.<mode>` section, given to `from_settings`; a setting made with
-`writes_dir=True` is checked writable before a run starts), plus its line in REFRESH_MODES; the run
-config, `--help-config`, preflight, benchmarks and plots read the registry (tests/test_components.py).
+uses; `Settings`: its own `refresh.<mode>` section, whose fields reach __init__ as keywords; a setting
+made with `writes_dir=True` is checked writable before a run starts; `takes_base_weights`: __init__
+gets the trainer's base weights), plus its line in REFRESH_MODES; the run config, `--help-config`,
+preflight, benchmarks and plots read the registry (tests/test_components.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -44,12 +46,9 @@ _HOW = "how the adapter reaches the engine; what it serves is the same"
 @dataclass
 class RefreshSettings(Section):
     """The `refresh` section; one sub-section per mode with settings of its own (`refresh.file`)."""
-    mode: str = setting("tensor", "How the adapter reaches the engine after each step; one of the registry's "
-                        "(lorabench.refresh.REFRESH_MODES): 'file' (PEFT dir, unload + load), 'tensor' "
-                        "(load_lora_adapter_from_tensors), 'inplace' (load once, then overwrite the engine's "
-                        "resident adapter: SGLang's GPU LoRA pool), 'merged' (push the adapted layers' merged "
-                        "weights; decode then runs without LoRA kernels) or 'none' (the stale-adapter control). "
-                        "docs/results.md compares them.", resume=ALLOWED,
+    mode: str = setting("tensor", "How the adapter reaches the engine after each step: one of "
+                        "lorabench.refresh.REFRESH_MODES, each listed with its help in --help-config "
+                        "(docs/results.md compares them).", resume=ALLOWED,
                         why=f"{_HOW} (not to or from 'none', whose engine serves a stale adapter)")
     bucket_mb: float = setting(64.0, "Bucket size in MB: the adapter is staged in buckets of this size, and a merged "
                                "push sends one engine call per bucket (larger buckets: fewer calls, more peak "
@@ -123,6 +122,7 @@ class Refresher:
     release_tags: ClassVar[tuple[str, ...]] = ("kv_cache",)  # engine memory it can spare during training
     keeps_engine_fresh: ClassVar[bool] = True              # False only for the stale control
     Settings: ClassVar[type | None] = None                 # its own section, refresh.<mode>
+    takes_base_weights: ClassVar[bool] = False             # __init__ needs the trainer's base weights
 
     def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0):
         for capability in self.needs:
@@ -133,8 +133,12 @@ class Refresher:
 
     @classmethod
     def from_settings(cls, engine, adapter_name: str, settings: RefreshSettings, own=None, base_weights=None):
-        """From the refresh section, the mode's own sub-section (`own`) and the trainer's base weights."""
-        return cls(engine, adapter_name, settings.bucket_mb)
+        """From the refresh section, the mode's own sub-section (`own`: each field an __init__ keyword) and, where
+        the mode `takes_base_weights`, the trainer's base weights."""
+        kwargs = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)} if own is not None else {}
+        if cls.takes_base_weights:
+            kwargs["base_weights"] = base_weights
+        return cls(engine, adapter_name, settings.bucket_mb, **kwargs)
 
     @property
     def serving_adapter(self) -> str | None:
@@ -183,10 +187,6 @@ class FileRefresh(Refresher):
         super().__init__(engine, adapter_name, bucket_mb)
         self.root = adapter_tmp_root(tmp_dir)
         self._previous: Path | None = None
-
-    @classmethod
-    def from_settings(cls, engine, adapter_name, settings, own=None, base_weights=None):
-        return cls(engine, adapter_name, settings.bucket_mb, (own or FileSettings()).tmp_dir)
 
     def _refresh(self, adapter, record):
         clock = Clock(record.parts)
@@ -246,6 +246,7 @@ class MergedRefresh(Refresher):
     help = "merge W + (alpha/r)BA and push full weights in buckets (the full-weight baseline)"
     needs = (PushesWeights,)
     release_tags = ("kv_cache", "weights")  # every weight is pushed again after resume
+    takes_base_weights = True
 
     def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, base_weights=None):
         super().__init__(engine, adapter_name, bucket_mb)
@@ -254,10 +255,6 @@ class MergedRefresh(Refresher):
         self.base_weights = base_weights
         # every weight (an earlier run may have merged others) on the first push and after a release
         self._push_every_weight = True
-
-    @classmethod
-    def from_settings(cls, engine, adapter_name, settings, own=None, base_weights=None):
-        return cls(engine, adapter_name, settings.bucket_mb, base_weights)
 
     @property
     def serving_adapter(self) -> str | None:

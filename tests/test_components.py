@@ -69,11 +69,7 @@ class ScaledRefresh(TensorRefresh):
 
     def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0, scale: float = 1.0):
         super().__init__(engine, adapter_name, bucket_mb)
-        self.scale = scale
-
-    @classmethod
-    def from_settings(cls, engine, adapter_name, settings, own=None, base_weights=None):
-        return cls(engine, adapter_name, settings.bucket_mb, own.scale)
+        self.scale = scale   # from refresh.scaled.scale: Refresher.from_settings passes its fields
 
     def _refresh(self, adapter, record):
         scaled = FlatAdapter(adapter.buffer * self.scale, adapter.layout, adapter.config, adapter.version)
