@@ -21,10 +21,12 @@ STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.lab
          "ytick.labelsize": 9, "legend.fontsize": 9, "figure.titlesize": 12, "figure.dpi": 100}
 
 
-def labelled_figure(label: str, *grid, **kw):
-    """plt.subplots(*grid, layout="constrained", **kw), the figure named `label`."""
+def labelled_figure(label: str, *grid, title: str | None = None, **kw):
+    """plt.subplots(*grid, layout="constrained", **kw), the figure named `label`, `title` its left suptitle."""
     fig, axes = plt.subplots(*grid, layout="constrained", **kw)
     fig.set_label(label)
+    if title is not None:
+        fig.suptitle(title, x=0.01, ha="left")
     return fig, axes
 
 
@@ -164,12 +166,13 @@ def _floor_ms(row, bandwidth_gbps):
     return 1e3 * row["bytes"] / (bandwidth_gbps * 1e9) if bandwidth_gbps and row.get("bytes") else None
 
 
+def _repeats_ms(samples, median_s: float) -> list[float]:
+    return [1e3 * s for s in (samples if samples is not None else [median_s])]
+
+
 def end_to_end_ms(row) -> list[float]:
     """Every repeat's refresh call + first request after it, in ms (a row without samples: its medians)."""
-    samples = row.get("samples", {}).get("end_to_end_s")
-    if samples is None:
-        samples = [row["total_s"] + row.get("first_request_s", 0.0)]
-    return [1e3 * s for s in samples]
+    return _repeats_ms(row.get("samples", {}).get("end_to_end_s"), row["total_s"] + row.get("first_request_s", 0.0))
 
 
 def quartiles(values) -> tuple[float, float, float]:
@@ -201,25 +204,35 @@ def _spread_legend(ax, color="#777777", floor: bool = False, vertical_tick: bool
         ax.plot([], [], "D", ms=6, color="k", mfc="white", label="floor: bytes moved once")
 
 
+def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e") -> float:
+    """One `plot_spread` line per row (end to end, top down, log x), labelled `note(median, values)`;
+    returns the lowest repeat."""
+    for y, row in enumerate(rows):
+        values = end_to_end_ms(row)
+        _, median, _ = plot_spread(ax, y, values, color(row))
+        ax.annotate(note(median, values), (max(values), y), textcoords="offset points", xytext=(6, 0), va="center")
+    ax.set_yticks(range(len(rows)), labels)
+    ax.set(ylim=(len(rows) - 0.5, -0.5), xscale="log")
+    ax.grid(alpha=0.3, axis="x", which="both")
+    return min(min(end_to_end_ms(r)) for r in rows)
+
+
 def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
     """Each mode's refreshes end to end (call + first request), fastest median on top; log x, so the
     floor (the bytes moved once at the measured bandwidth, a white diamond) shows beside 1000x larger."""
     rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
-    lowest = []
+    labels = [r.get("label", r["mode"]) for r in rows]
+    lowest = _spread_rows(ax, rows, labels, lambda median, _: f"{ms_text(median)} ms",
+                          lambda row: MODE_COLORS.get(row["mode"], "#5d6d7e"))
     for y, row in enumerate(rows):
-        values = end_to_end_ms(row)
-        _, median, _ = plot_spread(ax, y, values, MODE_COLORS.get(row["mode"], "#5d6d7e"))
-        ax.annotate(f"{ms_text(median)} ms", (max(values), y), textcoords="offset points", xytext=(6, 0), va="center")
         floor = _floor_ms(row, bandwidth_gbps)
         if floor is not None:
             ax.plot([floor], [y], "D", ms=6, color="k", mfc="white")
-        lowest.append(min(values + ([floor] if floor else [])))
+            lowest = min(lowest, floor)
     _spread_legend(ax, floor=bandwidth_gbps is not None)
-    ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
-    ax.set(ylim=(len(rows) - 0.5, -0.5), xscale="log", xlabel="ms, refresh call + first request (log scale)",
-           xlim=(min(lowest) / 2, 4 * max(max(end_to_end_ms(r)) for r in rows)))
+    ax.set(xlabel="ms, refresh call + first request (log scale)",
+           xlim=(lowest / 2, 4 * max(max(end_to_end_ms(r)) for r in rows)))
     title_with_legend(ax, "End to end, per mode", ncol=4)
-    ax.grid(alpha=0.3, axis="x", which="both")
     return ax
 
 
@@ -243,22 +256,20 @@ def plot_parts(rows, ax):
 
 def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
     """Which refresh is fastest end to end, with every repeat (left), and where the time goes (right)."""
-    fig, (left, right) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)))
+    fig, (left, right) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), title=label)
     plot_end_to_end(rows, left, bandwidth_gbps)
     plot_parts(rows, right)
-    fig.suptitle(label, x=0.01, ha="left")
     return fig
 
 
 def call_ms(row) -> list[float]:
     """Every repeat's refresh call in ms (a row without samples: its median)."""
-    return [1e3 * s for s in row.get("samples", {}).get("total_s", [row["total_s"]])]
+    return _repeats_ms(row.get("samples", {}).get("total_s"), row["total_s"])
 
 
 def part_ms(row, part: str) -> list[float]:
     """Every repeat's time in one part of the call, in ms (a row without samples: the median's)."""
-    samples = row.get("samples", {}).get("parts", {}).get(part)
-    return [1e3 * s for s in (samples if samples is not None else [row["parts"].get(part, 0.0)])]
+    return _repeats_ms(row.get("samples", {}).get("parts", {}).get(part), row["parts"].get(part, 0.0))
 
 
 def push_cost_fit(rows) -> tuple[float, float]:
@@ -274,7 +285,7 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     """Left: the pushes each bucket size takes (from the weights' sizes). Right: each merged refresh's
     push part against its pushes (linear: a line's slope is one push's cost), the fit and the floor."""
     rows = sorted(rows, key=lambda r: r["buckets"])
-    fig, (left, right) = labelled_figure("merged_buckets", 1, 2, figsize=(12, 4.4))
+    fig, (left, right) = labelled_figure("merged_buckets", 1, 2, figsize=(12, 4.4), title=label)
     left.step([mb for mb, _ in curve], [n for _, n in curve], where="post", color="#999999",
               label="pushes the packing gives")
     left.plot([r["bucket_mb"] for r in rows], [r["buckets"] for r in rows], "o", ms=7, color=PART_COLORS["push"],
@@ -301,7 +312,6 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     title_with_legend(right, "The push part of a merged refresh vs pushes", ncol=2)
     for ax in (left, right):
         ax.grid(alpha=0.3, which="both")
-    fig.suptitle(label, x=0.01, ha="left")
     return fig
 
 
@@ -375,7 +385,7 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
 
 def refresh_rank_figure(rows, label: str = ""):
     """Each mode's refresh end to end against the LoRA rank (log-log), medians joined."""
-    fig, ax = labelled_figure("refresh_rank", figsize=(9, 4.6))
+    fig, ax = labelled_figure("refresh_rank", figsize=(9, 4.6), title=label)
     ranks = sorted({r["rank"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     for i, mode in enumerate(modes):
@@ -402,25 +412,18 @@ def refresh_rank_figure(rows, label: str = ""):
     title_with_legend(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each "
                           "repeat; dashed: a time in proportion to the bytes)", ncol=5)
     ax.grid(alpha=0.3, which="both")
-    fig.suptitle(label, x=0.01, ha="left")
     return fig
 
 
 def thread_probe_figure(rows, label: str = ""):
     """The same in-place refresh end to end at each torch thread count (log x: a 100x stall fits)."""
-    fig, ax = labelled_figure("timing_threads", figsize=(9, 1.6 + 0.55 * len(rows)))
-    for y, row in enumerate(rows):
-        values = end_to_end_ms(row)
-        _, median, _ = plot_spread(ax, y, values, "#5d6d7e")
-        ax.annotate(f"median {ms_text(median)} ms, slowest {ms_text(max(values))} ms", (max(values), y),
-                    textcoords="offset points", xytext=(6, 0), va="center")
+    fig, ax = labelled_figure("timing_threads", figsize=(9, 1.6 + 0.55 * len(rows)), title=label)
+    lowest = _spread_rows(ax, rows, [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}" for r in rows],
+                          lambda median, values: f"median {ms_text(median)} ms, slowest {ms_text(max(values))} ms")
     _spread_legend(ax)
-    ax.set_yticks(range(len(rows)), [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}" for r in rows])
-    ax.set(ylim=(len(rows) - 0.5, -0.5), xscale="log", xlabel="ms, in-place refresh + first request (log scale)",
-           xlim=(min(min(end_to_end_ms(r)) for r in rows) / 1.5, 12 * max(max(end_to_end_ms(r)) for r in rows)))
+    ax.set(xlabel="ms, in-place refresh + first request (log scale)",
+           xlim=(lowest / 1.5, 12 * max(max(end_to_end_ms(r)) for r in rows)))
     title_with_legend(ax, "The same refresh at each torch thread count", ncol=3)
-    ax.grid(alpha=0.3, axis="x", which="both")
-    fig.suptitle(label, x=0.01, ha="left")
     return fig
 
 

@@ -28,16 +28,16 @@
 # command that continues the run from a shell.
 #
 # **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached; Run All in
-# a fresh kernel; `benchmarks/notebook_times.py`, the load average the machine's 1-minute one): expect
-# **6-10 minutes** on a machine shared with other work: 446 s at load average 2.5-2.9 and 341 s at
-# 4.7 (the panel's 30 steps 257 s of the 446, the reward exercise's 5 steps 62 s, the broken run's 20
-# steps 194 s), 447 s and 532 s in JupyterLab with a busy loop beside it (load 11.8 and 7.9). The
-# first time, the tiny model is built and warm-started first (400 steps) into `~/.cache/lorabench` (or
-# `$LORABENCH_CACHE`), where notebook 03 and `lorabench demo` find it too: that added 10.5 minutes at
-# load 6-7 (Run All 1,183 s), 2-4 minutes on a quiet machine. The bars and the panel's line show the
-# time left. On a GPU (one H200, `ENGINE = "sglang"`, the tiny model cached): **107-156 s** for Run
-# All in a fresh kernel with SGLang in it (156 s with the reward exercise), about 30 s of it starting
-# the engine; a step takes well under a second there.
+# a fresh kernel; `benchmarks/notebook_times.py`): expect **6-10 minutes** on a machine shared with
+# other work, longer the more of its cores other work keeps busy: 341-532 s measured (of a 446 s Run
+# All, the panel's 30 steps 257 s, the reward exercise's 5 steps 62 s, the broken run's 20 steps 194 s).
+# The first time, the tiny model is built and warm-started first (400 steps) into `~/.cache/lorabench`
+# (or `$LORABENCH_CACHE`), where notebook 03 and `lorabench demo` find it too: that adds 2-4 minutes on
+# a quiet machine, up to 10.5 minutes on a busy one (Run All 1,183 s). The bars and the panel's line
+# show the time left. On a GPU (one H200, `ENGINE = "sglang"`): **107-225 s** for Run All in a fresh
+# kernel with SGLang in it, about 30 s of it starting the engine when its caches are warm (225 s on a
+# fresh machine: the warm-start 16 s and the engine's first start 1.8 min); a step takes well under a
+# second.
 
 # %%
 # setup

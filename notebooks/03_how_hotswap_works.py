@@ -32,12 +32,11 @@
 #    loss, which cannot tell who sampled the rollouts.
 #
 # **How long.** Run All on a 2-core CPU at these defaults (hf engine, 1 torch thread, the tiny model
-# cached; `benchmarks/notebook_times.py`), with the load average (`os.getloadavg()`) it ran at. When
-# `RUN_ROOT` holds notebook 01's or the demo's run dir: **2-5 minutes** (121 s quiet, load 1.7-1.8;
-# about 5 minutes at load 3-7, the run below less its training). When it does not, 30 GRPO steps are
-# trained here first: **3-10 minutes** (192 s quiet; 260 s and 397 s beside a CPU-bound job, load
-# 4-6; 563 s on a machine shared with other work, load 3-7, of which 255 s the training and 275 s
-# section 4.3's 48 steps). The first time ever, building and warm-starting the tiny model comes first
+# cached; `benchmarks/notebook_times.py`), longer the more of its cores other work keeps busy. When
+# `RUN_ROOT` holds notebook 01's or the demo's run dir: **2-5 minutes** (121 s quiet, about 5 minutes
+# on a busy machine, the run below less its training). When it does not, 30 GRPO steps are trained
+# here first: **3-10 minutes** (192 s quiet; 260 s and 397 s beside a CPU-bound job; 563 s on a
+# machine shared with other work, of which 255 s the training and 275 s section 4.3's 48 steps). The first time ever, building and warm-starting the tiny model comes first
 # (a progress bar counts its steps; cached afterwards: notebook 01 measures it). On a GPU (one H200,
 # `ENGINE = "sglang"`, reusing notebook 01's run dir): **90-95 s**, Run All in a fresh kernel with SGLang
 # in it (about 35 s of it starting the engine). The last code cell prints this Run All's own time and

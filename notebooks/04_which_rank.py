@@ -25,12 +25,11 @@
 # policy-gradient RL it does, because RL feeds the model very few bits per episode.
 #
 # **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached; Run All in
-# a fresh kernel; `benchmarks/notebook_times.py`): **2-8 minutes**: 135 s on a quiet machine (load
-# average 0.02), 424 s on a 2-core machine shared with other work (load average 2.9-3.7), the 16 steps
-# of all four policies 373 s of it (about 23 s per step there, 7 s quiet). The first time, the tiny
-# model is built and warm-started (notebook 01 measures it) into `~/.cache/lorabench`, where the other
-# notebooks and `lorabench demo` find it too. On a GPU (one H200, `ENGINE = "sglang"`, the tiny model,
-# Run All in a fresh kernel with SGLang in it): **93 s**.
+# a fresh kernel; `benchmarks/notebook_times.py`): **2-8 minutes**: 135 s on a quiet machine, 424 s on
+# a 2-core machine shared with other work, the 16 steps of all four policies 373 s of it (about 23 s
+# per step there, 7 s quiet). The first time, the tiny model is built and warm-started (notebook 01
+# measures it) into `~/.cache/lorabench`, where the other notebooks and `lorabench demo` find it too. On a GPU (one H200, `ENGINE = "sglang"`, the tiny model,
+# Run All in a fresh kernel with SGLang in it): **93-124 s**.
 
 # %%
 # setup

@@ -9,19 +9,22 @@ from ..data import prompt_ids
 from ..loss import token_logprobs
 
 
+def _greedy(trainer, problems, adapter: str | None) -> list:
+    """The engine's greedy outputs for `problems`; `adapter`: 'serving' (the trainer's), a name or None."""
+    name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
+    prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in problems]
+    return trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)
+
+
 def rollout_sequences(trainer, n_prompts: int = 2, adapter: str | None = "serving") -> tuple[list, list]:
     """Greedy engine completions of held-out prompts: (prompt + completion ids, prompt lengths)."""
-    name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
-    prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in trainer.source.eval_set(n_prompts)]
-    outs = trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)
+    outs = _greedy(trainer, trainer.source.eval_set(n_prompts), adapter)
     return [o.prompt_ids + o.token_ids for o in outs], [len(o.prompt_ids) for o in outs]
 
 
 def greedy_completions(trainer, problems, adapter: str | None = "serving") -> list[str]:
-    """The engine's greedy completion of each problem as text; `adapter`: 'serving', a name or None."""
-    name = trainer.refresher.serving_adapter if adapter == "serving" else adapter
-    prompts = [prompt_ids(trainer.tokenizer, p.messages) for p in problems]
-    outs = trainer.engine.generate(prompts, trainer.sampling(greedy=True), adapter=name)
+    """The engine's greedy completion of each problem as text."""
+    outs = _greedy(trainer, problems, adapter)
     return trainer.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
 
 

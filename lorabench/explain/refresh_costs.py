@@ -229,14 +229,10 @@ def cpu_gpu_table(rows, gpu: tuple[list[dict], str] | None):
                           "here: place": range(1, len(here) + 1)}).set_index("mode")
     if gpu is not None:
         gpu_rows, label = gpu
-        there = sorted(gpu_rows, key=_gpu_ms)
-        table[f"{label}: ms"] = pd.Series({r["mode"]: _gpu_ms(r) for r in there})
+        there = sorted(gpu_rows, key=_median_ms)
+        table[f"{label}: ms"] = pd.Series({r["mode"]: _median_ms(r) for r in there})
         table[f"{label}: place"] = pd.Series({r["mode"]: i + 1 for i, r in enumerate(there)})
     return table
-
-
-def _gpu_ms(row) -> float:
-    return 1e3 * (row["total_s"] + row["first_request_s"])
 
 
 def cpu_gpu_markdown(rows, gpu: tuple[list[dict], str] | None) -> str:
@@ -244,7 +240,7 @@ def cpu_gpu_markdown(rows, gpu: tuple[list[dict], str] | None) -> str:
     here = [r["mode"] for r in sorted(rows, key=_median_ms)]
     if gpu is None:
         return f"Fastest to slowest here: {', '.join(f'`{m}`' for m in here)}; no GPU recording found to compare."
-    there = [r["mode"] for r in sorted(gpu[0], key=_gpu_ms)]
+    there = [r["mode"] for r in sorted(gpu[0], key=_median_ms)]
     if here == there:
         return (f"Here and on the GPU ({gpu[1]}) the order is the same: {' < '.join(f'`{m}`' for m in here)}.")
     moved = [f"`{m}` {here.index(m) + 1} here, {there.index(m) + 1} there" for m in here
