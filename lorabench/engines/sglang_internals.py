@@ -319,7 +319,7 @@ class _Mapping:
     layout: AdapterLayout
     staging: dict[int, torch.Tensor]     # device -> [numel] in the pool's dtype, lent to the engine
     version: dict[int, torch.Tensor]     # device -> [1] int64, the version the next apply writes
-    status: dict[int, torch.Tensor] = field(default_factory=dict)  # device -> [STATUS_BYTES] uint8
+    status: dict[int, torch.Tensor]      # device -> [STATUS_BYTES] uint8, where each rank replies
 
 
 class PoolWriter:
@@ -370,7 +370,8 @@ class PoolWriter:
     def _map(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         mapping = _Mapping(lora_id(self.engine.engine, name), adapter.layout,
                            {d: torch.empty(adapter.layout.numel, dtype=self.dtype, device=d) for d in self.devices},
-                           {d: torch.zeros(1, dtype=torch.int64, device=d) for d in self.devices})
+                           {d: torch.zeros(1, dtype=torch.int64, device=d) for d in self.devices},
+                           {d: torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=d) for d in self.devices})
         self._stage(mapping, adapter)
         # on a GPU: CUDA tensors cross to the engine as IPC handles (CPU tensors would need fd passing)
         layout = torch.frombuffer(bytearray(adapter.layout.to_json().encode()), dtype=torch.uint8).to(self.devices[0])
@@ -393,8 +394,6 @@ class PoolWriter:
 
     def _send(self, command: str, mapping: _Mapping, extra: list, flush_cache: bool,
               timings: dict | None = None) -> dict:
-        if not mapping.status:
-            mapping.status = {d: torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=d) for d in self.devices}
         for status in mapping.status.values():
             status.zero_()
         named = [(f"{PREFIX}{command}/{mapping.lora_id}/status/{d}", s) for d, s in mapping.status.items()]
