@@ -117,13 +117,14 @@ def test_docs_state_the_minimum_python(doc, pyproject):
 
 # --- the package layout ----------------------------------------------------------------------------
 MODULES = ["__init__", "adapters", "cli", "data", "datafiles", "engines/__init__", "engines/base",
-           "engines/engine_thread", "engines/hf", "engines/loopback", "engines/sglang", "engines/sglang_internals",
+           "engines/engine_thread", "engines/hf", "engines/sglang", "engines/sglang_internals",
            "explain/__init__", "explain/checks", "explain/hotswap", "explain/lora", "explain/ranks",
            "explain/refresh_costs", "explain/staleness", "explain/step", "grpo", "hub", "interrupts",
            "loss", "machine", "models", "policy", "progress", "refresh", "refresh_bench", "rewards", "rollout",
            "rundir", "runlog", "safedir", "session/__init__", "session/compat", "session/config",
            "session/preflight", "session/run", "settings", "tiny", "viz", "widgets"]
-REMOVED = ["warmstart", "engines/sglang_inplace", "engines/sglang_pool", "fsutil", "shapes"]
+REMOVED = ["warmstart", "engines/sglang_inplace", "engines/sglang_pool", "engines/loopback", "fsutil", "shapes",
+           "session/fingerprint", "session/sizes"]
 MOVED_INTO_THE_SESSION = ["config", "compat", "preflight", "sizes", "fingerprint"]   # they handle the whole Config
 
 

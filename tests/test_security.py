@@ -102,7 +102,7 @@ def test_sglang_rendezvous_store_listens_on_loopback_only(monkeypatch):
     from torch.distributed import TCPStore
     from torch.distributed.rendezvous import _create_c10d_store
 
-    from lorabench.engines.loopback import LoopbackStore as _LoopbackStore
+    from lorabench.engines.sglang_internals import LoopbackStore as _LoopbackStore
     monkeypatch.delenv("SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE", raising=False)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     plain = TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10))  # the check can fail:

@@ -157,6 +157,16 @@ def require(engine, capability: type, who: str) -> None:
                           f"cannot. Pick another refresh.mode or engine.backend")
 
 
+def check_new(name: str, loaded) -> None:
+    if name in loaded:
+        raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
+
+
+def check_loaded(name: str, loaded, why: str = "") -> None:
+    if name not in loaded:
+        raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(loaded)}){why}")
+
+
 IN_PLACE_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
 
 

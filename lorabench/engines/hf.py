@@ -21,11 +21,12 @@ from ..models import load_model, pick_device, with_lora
 from ..settings import ALLOWED, Section, check, setting
 from .base import (
     SERVED,
-    AdapterAlreadyLoaded,
     AdapterNotLoaded,
     Completion,
     EngineError,
     Sampling,
+    check_loaded,
+    check_new,
     check_same_lora_config,
 )
 
@@ -155,8 +156,7 @@ class HFEngine:
 
     @_serialized
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
-        if name in self._adapters:
-            raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
+        check_new(name, self._adapters)
         from peft import LoraConfig, set_peft_model_state_dict
         tensors, config = adapter.tensors, adapter.config
         validate(tensors, config, self._shapes)
@@ -186,9 +186,7 @@ class HFEngine:
     @_serialized
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         """Copy new values into adapter `name`'s PEFT parameters (all checked before any is written)."""
-        if name not in self._adapters:
-            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()}); load it "
-                                   f"before updating it in place")
+        check_loaded(name, self._adapters, "; load it before updating it in place")
         check_same_lora_config(name, self._adapters[name], adapter.config)
         adapter.check_finite()  # a direct caller gets the load path's refusal of NaN/Inf too
         tensors, tag = adapter.tensors, f".{name}."
@@ -207,8 +205,7 @@ class HFEngine:
 
     @_serialized
     def unload_adapter(self, name: str) -> None:
-        if name not in self._adapters:
-            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {self.loaded_adapters()})")
+        check_loaded(name, self._adapters)
         with interrupts_deferred():
             self._drop(name)
 

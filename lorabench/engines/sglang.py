@@ -1,18 +1,16 @@
 """The SGLang backend: an in-process `sglang.Engine` (no HTTP server, no open port) with LoRA enabled,
 serving the base weights once and adapters refreshed live by name.
 
-This module uses the Engine's public methods and attributes only: generate, load_lora_adapter,
-load_lora_adapter_from_tensors, unload_lora_adapter, update_weights_from_tensor, release/resume_memory_
-occupation, get_server_info, loop. Token ids in, token ids and log-probs out (skip_tokenizer_init=True).
-Every use of SGLang internals (the in-place writer, the shutdown, the watch for failed processes,
-aborting a request, reply texts, the --lora-backend names) is in sglang_internals.py, each with the
-release it was verified on and the check that it still holds.
+This module calls the Engine's public methods only (generate, load_lora_adapter[_from_tensors],
+unload_lora_adapter, update_weights_from_tensor, release/resume_memory_occupation, get_server_info);
+token ids in, token ids and log-probs out (skip_tokenizer_init=True). Every use of an SGLang
+internal is in sglang_internals.py, with the releases it was verified on.
 
 Invariants: every prompt names its adapter (`lora_path=[name]*n`, `[None]*n` for the base model);
-'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts; adapter configs
-are plain JSON and PEFT state-dict names; tensors are on the GPU before CUDA-IPC serialisation; only the
-memory tags released are resumed; a failed call raises EngineError with the engine's own message.
-Scripts that start an Engine need an `if __name__ == "__main__":` guard (SGLang spawns processes).
+'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts; tensors are on
+the GPU before CUDA-IPC serialisation; only the memory tags released are resumed; a failed call raises
+EngineError with the engine's own message. Scripts that start an Engine need an
+`if __name__ == "__main__":` guard (SGLang spawns processes).
 """
 from __future__ import annotations
 
@@ -34,7 +32,6 @@ from ..settings import ALLOWED, Section, check, setting
 from . import sglang_internals as internals
 from .base import (
     SERVED,
-    AdapterAlreadyLoaded,
     AdapterNotLoaded,
     Completion,
     EngineError,
@@ -42,10 +39,11 @@ from .base import (
     GenerateRequest,
     Sampling,
     UpdatesAdapterInPlace,
+    check_loaded,
+    check_new,
     check_same_lora_config,
 )
 from .engine_thread import EngineThread
-from .loopback import LoopbackStore
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,13 +92,12 @@ class SGLangSettings(Section):
                               "step's training (docs/multi_gpu.md).")
     in_place: bool = served(True, "Register lorabench's in-place writer (a custom weight loader) when the engine "
                             "starts, so refresh.mode=inplace may write to it, also after a switch from another mode "
-                            "on the open engine (the refresh lesson, the benchmarks); its buffers are made at the "
-                            "first in-place write. false: nothing of it is set up and inplace is refused.")
+                            "on the open engine; its buffers are made at the first in-place write. false: nothing "
+                            "of it is set up and inplace is refused.")
     extra_args: str = served("", 'A JSON object of further sglang.Engine arguments, e.g. \'{"enable_memory_saver": '
                              'true}\'.')
     log_file: str = served("", "A file (appended) for the output of the engine's own processes: its progress bars "
-                           "and logs; '' = this process's stdout/stderr (a notebook sends it to a file, so its "
-                           "output is the lesson's alone).")
+                           "and logs; '' = this process's stdout/stderr.")
 
     def extra(self) -> dict:
         return json.loads(self.extra_args) if self.extra_args else {}
@@ -137,8 +134,8 @@ class SGLangSettings(Section):
         return [*[f"engine.sglang.extra_args sets {key}={extra[key]!r}; use engine.sglang.{key} instead (one place "
                   f"for where the engine runs)" for key in placed],
                 *check(extra.get("dp_size", 1) == 1, f"engine.sglang.extra_args sets dp_size={extra.get('dp_size')!r}: "
-                       f"sglang 0.5.17 refuses adapter and weight updates with dp_size > 1; run one engine per "
-                       f"data-parallel group, or use engine.sglang.tp_size (docs/multi_gpu.md)")]
+                       f"sglang {', '.join(internals.VERIFIED)} refuses adapter and weight updates with dp_size > 1; "
+                       f"run one engine per data-parallel group, or use engine.sglang.tp_size (docs/multi_gpu.md)")]
 
     def engine_kwargs(self, model_path: str, needs: EngineNeeds) -> dict:
         kwargs = dict(model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True, enable_lora=True,
@@ -307,7 +304,7 @@ class SGLangEngine:
             # SGLang refuses to start when its GPUs' free memory differs by > 10%: give back this
             # process's cached blocks on the GPU it shares with rank 0 first
             torch.cuda.empty_cache()
-        store = LoopbackStore.for_engine(tp_size)
+        store = internals.LoopbackStore.for_engine(tp_size)
         try:
             with store.environment(), child_output_to(settings.log_file):
                 self.engine, self._store = sglang.Engine(**kwargs), store
@@ -324,7 +321,7 @@ class SGLangEngine:
             raise EngineError(f"sglang.Engine failed to start ({type(err).__name__}: {err}); check "
                               f"engine.sglang.mem_fraction_static (now {settings.mem_fraction_static}) and the model "
                               f"path {model_path}{hint}") from err
-        self._thread.use_loop(self.engine.loop)   # the loop sglang.Engine made on this thread, its own
+        self._thread.use_loop(internals.event_loop(self.engine))   # made on this thread: its own
         self._adapters: set[str] = set()
         self._configs: dict[str, dict] = {}   # name -> config it was loaded with (tensor loads)
         self._versions: dict[str | None, int] = {None: 0}
@@ -365,17 +362,9 @@ class SGLangEngine:
             return self.pool.version(adapter)  # kept in the engine, beside its copy of the adapter
         return self._versions.get(adapter)
 
-    def _new(self, name: str) -> None:
-        if name in self._adapters:
-            raise AdapterAlreadyLoaded(f"adapter {name!r} is already loaded; unload it before loading again")
-
-    def _known(self, name: str, why: str = "") -> None:
-        if name not in self._adapters:
-            raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)}){why}")
-
     @_on_engine_thread()
     def load_adapter(self, name: str, path: Path, version: int = 0) -> None:
-        self._new(name)
+        check_new(name, self._adapters)
         internals.check_reply(self.engine.load_lora_adapter(name, str(path)), f"load_lora_adapter({name!r}, {path})")
         self._adapters.add(name)
         self._configs.pop(name, None)
@@ -383,7 +372,7 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None:
-        self._new(name)
+        check_new(name, self._adapters)
         if not adapter.buffer.is_cuda:  # CUDA-IPC carries GPU tensors only
             raise EngineError(f"load_adapter_tensors: the adapter is on {adapter.buffer.device}; move it to the "
                               f"GPU first (FlatAdapter.to('cuda'))")
@@ -398,7 +387,7 @@ class SGLangEngine:
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         """Overwrite loaded adapter `name` in the engine's GPU LoRA pool (sglang_internals.PoolWriter). None
         of our calls is in flight (one at a time); a request sent past us through `self.engine` refuses it."""
-        self._known(name, "; load it before updating it in place")
+        check_loaded(name, self._adapters, "; load it before updating it in place")
         if name not in self._configs:
             raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
                               f"first (load_adapter_tensors), so its config is known")
@@ -416,7 +405,7 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def unload_adapter(self, name: str) -> None:
-        self._known(name)
+        check_loaded(name, self._adapters)
         if self.pool is not None:
             self.pool.forget(name)
         internals.check_reply(self.engine.unload_lora_adapter(name), f"unload_lora_adapter({name!r})")

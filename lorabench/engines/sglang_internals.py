@@ -1,51 +1,50 @@
-"""Every use of SGLang internals in lorabench, behind one door: engines/sglang.py drives sglang.Engine
-through its public methods and comes here for anything else. Each internal is named once below with
-the check that proves it still holds; all were verified on the releases in VERIFIED. On another
-release `check_version` refuses the in-place writer (before the run starts, and at an open engine's
-first in-place write; refresh.mode=tensor is the public fallback), and at every engine start, whatever
-the mode, `release_notes` names the life-cycle internals the engine lacks (each is then skipped).
+"""Every use of SGLang internals in lorabench, behind one door; engines/sglang.py uses sglang.Engine's
+public methods only. Each internal is named once below, all verified on the releases in VERIFIED.
+On another release `check_version` refuses the in-place writer (before the run starts and at an open
+engine's first in-place write; refresh.mode=tensor is the public fallback), and `release_notes` names,
+at every engine start whatever the mode, the life-cycle internals the engine lacks (each then skipped).
 
 Every refresh mode (the engine's life cycle):
-- `shut_down`: sglang.Engine.shutdown's steps but its last, kill_process_tree(os.getpid()), which
-  SIGKILLs every child of this process (in a notebook kernel: the user's own). It reads
-  `tokenizer_manager._subprocess_watchdog`, `Engine.send_to_rpc`, `Engine._weight_cache_daemon_procs`
-  (`_terminate_weight_cache_daemons`), each skipped where absent (`missing`), stops the processes the
-  public `get_all_child_pids` names, and removes the atexit hook SGLang registers.
-- `watch`: SGLang's processes send SIGQUIT to this one when one fails (its own handler kills this
-  process); which one exited is read from /proc/<pid>/stat, without reaping it.
-- `abort_requests`: `tokenizer_manager.abort_request(abort_all=True)` (no public abort); where it is
-  not callable, an interrupted request runs to its end.
-- `check_reply`: replies carry no error code; the texts for a missing or an already loaded adapter
-  are read only where the engine's own record of what it loaded did not answer first.
-- `LORA_BACKENDS`: the choices of `--lora-backend`, checked where sglang is absent or verified; on
-  another release SGLang checks the name itself (`lora_backend_known`).
+- `shut_down`: sglang.Engine.shutdown without its last step, kill_process_tree(os.getpid()), which
+  SIGKILLs every child of this process (a notebook kernel's too). It reads `tokenizer_manager.
+  _subprocess_watchdog`, `Engine.send_to_rpc` and `Engine._weight_cache_daemon_procs`, each skipped
+  where absent (`missing`), stops the processes `get_all_child_pids` names, and unregisters SGLang's
+  atexit hook.
+- `watch`: a failing SGLang process sends SIGQUIT to this one (SGLang's handler would kill it); which
+  one exited is read from /proc/<pid>/stat, without reaping it.
+- `event_loop`: `Engine.loop`, the asyncio loop its synchronous calls run (made on the engine thread).
+- `abort_requests`: `tokenizer_manager.abort_request(abort_all=True)` where callable (no public abort).
+- `check_reply`: replies carry no error code; the texts for a missing or an already loaded adapter are
+  read only where the engine's own record of its adapters did not answer first.
+- `LORA_BACKENDS`: `--lora-backend`'s choices, checked where sglang is absent or verified.
+- `LoopbackStore`: SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE points the scheduler ranks at a store
+  hosted here on loopback, joined by rank 0 too through torch's TORCHELASTIC_USE_AGENT_STORE.
 
-refresh.mode=inplace only (`check_version`):
-- `lora_id`, `requests_in_flight`: the tokenizer manager's lora_registry and rid_to_state;
-- the pool writer (`PoolWriter`, made at the first in-place write, so a file, tensor or merged refresh
-  allocates nothing of it; `handle`, registered as a custom weight loader when the engine starts unless
-  engine.sglang.in_place=false): `update_weights_from_tensor(..., load_format=LOADER)` runs `handle(model,
-  named_tensors)` in every scheduler process (one per tensor-parallel rank), which reads LoRAManager
-  (loras, lora_refs, num_pinned_loras, memory_pool, lora_modules, fetch_new_loras),
-  LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer, uid_to_buffer_id,
-  load_lora_weight_to_buffer), lora.utils (get_target_module_name, get_stacked_multiply) and the layers'
-  slice_lora_{a,b}_weights. Its proof: each map writes the adapter with SGLang's own loader and with the
-  plan, and refuses the plan unless they are bit-identical.
+refresh.mode=inplace only (`check_version`): `lora_id` and `requests_in_flight` (the tokenizer
+manager's lora_registry and rid_to_state), and the pool writer. `PoolWriter` is made at the first
+in-place write, so a file, tensor or merged refresh allocates nothing of it; `handle` is registered as
+a custom weight loader at engine start unless engine.sglang.in_place=false. `update_weights_from_tensor
+(..., load_format=LOADER)` runs `handle(model, named_tensors)` in every scheduler process (one per
+tensor-parallel rank); it reads LoRAManager (loras, lora_refs, num_pinned_loras, memory_pool,
+lora_modules, fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer,
+uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils (get_target_module_name,
+get_stacked_multiply) and the layers' slice_lora_{a,b}_weights. Its proof: each map writes the adapter
+with SGLang's own loader and with the plan, and refuses the plan unless they are bit-identical.
 
-The writer puts the trainer's flat adapter straight into the GPU LoRA pool the kernels read, one batched
-device copy per refresh. `map` (once per adapter): the trainer lends each GPU a staging buffer (CUDA IPC)
-and the layout; the scheduler pins the adapter in a slot (never evicted, so its host copy is never
-reloaded over it) and runs SGLang's stacking (q/k/v, gate/up) and tensor-parallel slicing on tensors of
-*source indices*, which reduce to a few hundred strided blocks: the copy plan. `apply` (every refresh): a
-cast copy into staging, then the plan and the version into an engine-owned tensor in one batch of copies
-(a failed write cannot bump it), and a prefix-cache flush. Each rank replies in a GPU status buffer. A
-moved slot or a lost plan: apply is refused and the writer maps again; what the plan does not cover (MoE,
-embedding/lm_head LoRA): map is refused. An exception in a scheduler kills the process tree, so every
-check raises `Refused`, which `handle` turns into a reply; nothing is written before every check passes.
+`map` (once per adapter): the trainer lends each GPU a staging buffer (CUDA IPC) and the layout; the
+scheduler pins the adapter in a slot (never evicted, so its host copy is never reloaded over it) and
+runs SGLang's stacking and tensor-parallel slicing on tensors of *source indices*, which reduce to a
+few hundred strided blocks: the copy plan. `apply` (every refresh): a cast copy into staging, then the
+plan and the version into an engine-owned tensor in one batch of copies (a failed write cannot bump
+it), and a prefix-cache flush. Each rank replies in a GPU status buffer. A moved slot or a lost plan:
+apply is refused and the writer maps again; what the plan does not cover (MoE, embedding/lm_head
+LoRA): map is refused. An exception in a scheduler kills the process tree, so every check raises
+`Refused`, which `handle` turns into a reply; nothing is written before every check passes.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import json
 import math
@@ -65,7 +64,7 @@ from ..adapters import AdapterLayout, FlatAdapter
 from .base import AdapterAlreadyLoaded, AdapterNotLoaded, EngineError
 
 VERIFIED = ("0.5.17",)             # the releases every internal here was checked against
-LORA_BACKENDS = ("", "triton", "csgmv", "torch_native")   # --lora-backend's choices; '' = SGLang's default
+LORA_BACKENDS = ("", "triton", "csgmv", "torch_native")   # --lora-backend's on VERIFIED; '' = SGLang's default
 LOADER = "lorabench.engines.sglang_internals.handle"
 PREFIX = "lorabench-pool/"         # tensor names: PREFIX + <command>/<lora id>/<what>[/<device>]
 STATUS_BYTES = 4096
@@ -147,6 +146,10 @@ def lora_id(engine, name: str) -> str:
 
 def requests_in_flight(engine) -> bool:   # anyone's
     return bool(engine.tokenizer_manager.rid_to_state)
+
+
+def event_loop(engine):
+    return engine.loop
 
 
 def abort_requests(engine) -> None:
@@ -257,6 +260,58 @@ def stop_processes(engine) -> list:
     return processes
 
 
+# === the rendezvous store of the tensor-parallel ranks ==============================================
+class LoopbackStore:
+    """The rendezvous store of SGLang's scheduler ranks, hosted here on 127.0.0.1.
+
+    Why: torch's TCPStore server (started by rank 0) listens on every interface whatever host it is given,
+    an unauthenticated store open to the network. Here it is bound to loopback (master_listen_fd) and every
+    rank joins as a client (SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE; TORCHELASTIC_USE_AGENT_STORE for rank
+    0), the variables set only while the engine starts and only if the user has not set the override."""
+
+    def __init__(self, world_size: int | None):
+        self.server = None
+        self.variables: dict[str, str] = {}
+        if world_size is None:
+            return
+        import socket
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(128)
+            port = sock.getsockname()[1]
+            self.server = TCPStore("127.0.0.1", port, world_size, True, timedelta(seconds=600),
+                                   wait_for_workers=False, master_listen_fd=sock.fileno())
+            sock.detach()  # the store owns the descriptor now and closes it when it stops
+        self.variables = {"SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": f"tcp://127.0.0.1:{port}",
+                          "TORCHELASTIC_USE_AGENT_STORE": "True",
+                          # older torch reads it in the agent-store branch
+                          "TORCHELASTIC_RESTART_COUNT": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
+
+    @classmethod
+    def for_engine(cls, tp_size: int) -> LoopbackStore:
+        user_set = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE" in os.environ
+        return cls(None if user_set else tp_size)
+
+    @contextlib.contextmanager
+    def environment(self):
+        saved = {k: os.environ.get(k) for k in self.variables}
+        os.environ.update(self.variables)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def close(self) -> None:
+        self.server = None  # the last reference: torch stops the server and closes its socket
+
+
 # === the trainer's side ==========================================================================
 @dataclass
 class _Mapping:
@@ -264,7 +319,7 @@ class _Mapping:
     layout: AdapterLayout
     staging: dict[int, torch.Tensor]     # device -> [numel] in the pool's dtype, lent to the engine
     version: dict[int, torch.Tensor]     # device -> [1] int64, the version the next apply writes
-    status: dict[int, torch.Tensor] = field(default_factory=dict)  # device -> [STATUS_BYTES] uint8
+    status: dict[int, torch.Tensor]      # device -> [STATUS_BYTES] uint8, where each rank replies
 
 
 class PoolWriter:
@@ -315,7 +370,8 @@ class PoolWriter:
     def _map(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         mapping = _Mapping(lora_id(self.engine.engine, name), adapter.layout,
                            {d: torch.empty(adapter.layout.numel, dtype=self.dtype, device=d) for d in self.devices},
-                           {d: torch.zeros(1, dtype=torch.int64, device=d) for d in self.devices})
+                           {d: torch.zeros(1, dtype=torch.int64, device=d) for d in self.devices},
+                           {d: torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=d) for d in self.devices})
         self._stage(mapping, adapter)
         # on a GPU: CUDA tensors cross to the engine as IPC handles (CPU tensors would need fd passing)
         layout = torch.frombuffer(bytearray(adapter.layout.to_json().encode()), dtype=torch.uint8).to(self.devices[0])
@@ -338,8 +394,6 @@ class PoolWriter:
 
     def _send(self, command: str, mapping: _Mapping, extra: list, flush_cache: bool,
               timings: dict | None = None) -> dict:
-        if not mapping.status:
-            mapping.status = {d: torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=d) for d in self.devices}
         for status in mapping.status.values():
             status.zero_()
         named = [(f"{PREFIX}{command}/{mapping.lora_id}/status/{d}", s) for d, s in mapping.status.items()]
@@ -482,7 +536,7 @@ def _map(model, lora_id: str, parts: dict, device: int) -> int:
                                         manager.embed_tokens_module, manager.lm_head_module)
         raise Refused(f"the copy plan disagrees with SGLang's own loader on {len(bad)} of {len(plan.dsts)} "
                       f"blocks (first: {tuple(plan.dsts[bad[0]].shape)}); this SGLang lays out its pool "
-                      f"differently (verified on 0.5.17): use refresh.mode=tensor")
+                      f"differently (verified on {', '.join(VERIFIED)}): use refresh.mode=tensor")
     _keep_host_copy(adapter, view)
     # The trainer sends the same status buffer with every command; while this process holds it,
     # torch finds the open IPC mapping in its cache instead of opening the handle again per apply.
