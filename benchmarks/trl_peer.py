@@ -11,7 +11,13 @@ CPU smoke: --tiny (lorabench's tiny model, 2 prompts x 2 x 8 tokens, 2 steps).
 """
 from __future__ import annotations
 
-import argparse, json, os, statistics, sys, tempfile, time
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -33,7 +39,11 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=420.0)
     ap.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     a = ap.parse_args()
-    import accelerate, datasets, peft, transformers, trl
+    import accelerate
+    import datasets
+    import peft
+    import transformers
+    import trl
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -61,8 +71,9 @@ def main() -> None:
     dtype = torch.float32 if a.tiny else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     probs = synthetic_problems(prompts * (a.steps + 2), "trl-peer")
-    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p.question}], "answer": parse_ground_truth(p.answer)}
-                            for p in probs])
+    ds = Dataset.from_list([
+        {"prompt": [{"role": "user", "content": p.question}], "answer": parse_ground_truth(p.answer)}
+        for p in probs])
 
     def strict_reward(completions, answer, **kw):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -89,7 +100,8 @@ def main() -> None:
 
         def on_step_end(self, args, state, control, **kw):
             now = time.perf_counter()
-            steps.append(now - marks["last"]); marks["last"] = now
+            steps.append(now - marks["last"])
+            marks["last"] = now
             print(f"[{now - T0:7.1f}s] step {state.global_step}: {steps[-1]:.2f} s", flush=True)
             if len(steps) >= a.steps or now - T0 > a.time_limit:
                 control.should_training_stop = True
