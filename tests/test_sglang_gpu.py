@@ -422,8 +422,13 @@ def test_inplace_versions_and_hazards(tiny_path):
     plan the engine lost is re-mapped;
     a new engine gets a full load; a refresher that skips its write is caught by the version check."""
     from lorabench.refresh import InPlaceRefresh, make_refresher
+    t0 = time.monotonic()
+
+    def phase(what: str) -> None:
+        progress(f"in place hazards: {what} at {time.monotonic() - t0:.0f} s")
     versions, refs, seqs, plens = _versions_and_references(tiny_path, 7)
     out = {"parity": [], "previous": [], "full_load": [], "vs_full_load": []}
+    phase("references made")
 
     def check(eng, v):
         got = eng.score(seqs, plens, "policy")
@@ -439,6 +444,7 @@ def test_inplace_versions_and_hazards(tiny_path):
 
     cfg = gpu_config("engine.sglang.max_loras_per_batch=3")
     with start_engine(cfg, tiny_path) as eng:
+        phase("engine open")
         refresher = make_refresher("inplace", eng, "policy")
         for v in (0, 1):                                  # a full load, then the first in-place write (map)
             refresher.refresh(versions[v].to("cuda"))
@@ -446,6 +452,7 @@ def test_inplace_versions_and_hazards(tiny_path):
         for k in range(3):                                # churn: every other slot is taken and evicted
             eng.load_adapter_tensors(f"other{k}", random_adapter(tiny_path, 50 + k).to("cuda"))
             eng.score(seqs[:2], plens[:2], f"other{k}")
+        phase("versions 0-1 checked, other adapters churned")
         refresher.refresh(versions[2].to("cuda"))
         check(eng, 2)
         for k in range(3):
@@ -466,6 +473,7 @@ def test_inplace_versions_and_hazards(tiny_path):
         refresher.refresh(versions[3].to("cuda"))          # handed to the engine thread: runs after the request
         finished["write"] = time.monotonic()
         worker.join()
+        phase("a write during a request waited")
         out["write_after_generate"] = finished["write"] > finished["generate"]
         check(eng, 3)
         # the engine loses the plan
@@ -478,12 +486,16 @@ def test_inplace_versions_and_hazards(tiny_path):
             def _refresh(self, adapter, record):
                 if self.adapter_name not in self.engine.loaded_adapters():
                     super()._refresh(adapter, record)
+        phase("lost plan re-mapped")
         out["stale_caught"] = _stale_adapter_caught(eng, tiny_path, SkipsWrites)
+        phase("skipped write caught")
     with start_engine(cfg, tiny_path) as eng:  # a new engine: nothing mapped, a full load first
+        phase("second engine open")
         refresher = make_refresher("inplace", eng, "policy")
         for v in (5, 6):
             refresher.refresh(versions[v].to("cuda"))
             check(eng, v)
+    phase("second engine closed")
     record("inplace_hazards", out)
     assert out["remapped"] == 1.0 and out["stale_caught"], out
     assert out["write_during_generate_waited"] and out["write_after_generate"], out
