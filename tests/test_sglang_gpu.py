@@ -311,11 +311,18 @@ def test_soak_sglang_refresh_cycles(tiny_path):
     sampling = Sampling(max_new_tokens=16, temperature=1.0, seed=0)
     out = {"cycles_per_mode": cycles, "rows": []}
     layers = LoraLayers(model)
-    with start_engine(gpu_config(), tiny_path) as eng:
+    import watch  # benchmarks/: a line per phase with its time, and the stacks if one passes its deadline
+    watch.stacks_in_children()
+    with watch.phase("soak: engine open", 120):
+        eng = start_engine(gpu_config(), tiny_path)
+    watch.engine = eng
+    with eng:
         for mode in ("file", "tensor", "inplace"):
             refresher = make_refresher(mode, eng, "soak")
             t0 = time.perf_counter()
             for cycle in range(cycles):
+                if cycle % 100 == 0:
+                    watch.say(f"soak {mode}: cycle {cycle} of {cycles}")
                 with torch.no_grad():
                     for p in lora_b:
                         p.mul_(0.999).add_(1e-4)
@@ -332,6 +339,7 @@ def test_soak_sglang_refresh_cycles(tiny_path):
                 assert len(list(refresher.root.iterdir())) == 1  # old adapter dirs are removed
             refresher.close()
             out[f"{mode}_seconds"] = time.perf_counter() - t0
+            watch.say(f"soak {mode}: {cycles} cycles in {out[f'{mode}_seconds']:.1f} s")
             eng.unload_adapter("soak")
     record("soak_sglang", out)
     for mode in ("file", "tensor", "inplace"):
@@ -359,9 +367,15 @@ def release_resume_run(model_path: str, gpus: int, *overrides, name: str = "grpo
     prompts = [s[:p] for s, p in zip(*probe_sequences(model_path))]
     greedy = Sampling(max_new_tokens=24, temperature=0.0)
     out = {}
-    with start_engine(gpu_config(*saver), model_path) as eng:
+    import watch  # benchmarks/: a line per phase with its time, and the stacks if one passes its deadline
+    watch.stacks_in_children()
+    with watch.phase("release/resume: engine open with the memory saver", 150):
+        eng = start_engine(gpu_config(*saver), model_path)
+    watch.engine = eng
+    with eng:
         eng.load_adapter_tensors("policy", a.to("cuda"))
         before = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
+        watch.say("release/resume: greedy outputs before the release")
         free0 = free_per_gpu(gpus)
         eng.release_memory(["kv_cache"])
         free1 = free_per_gpu(gpus)
@@ -371,12 +385,14 @@ def release_resume_run(model_path: str, gpus: int, *overrides, name: str = "grpo
         free2 = free_per_gpu(gpus)
         with pytest.raises(EngineError, match="without release_memory"):
             eng.resume_memory()
+        watch.say("release/resume: released, refused twice, resumed")
         after = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
         out.update(freed_gb_per_gpu=[(f1 - f0) / 1e9 for f0, f1 in zip(free0, free1)],
                    taken_back_gb_per_gpu=[(f1 - f2) / 1e9 for f1, f2 in zip(free1, free2)],
                    greedy_same_after_resume=before == after)
         eng.unload_adapter("policy")
-        _, rows, _ = run_grpo(gpu_config(*saver, "refresh.mode=inplace", f"run.name={name}"), model_path, eng, 6)
+        with watch.phase("release/resume: 6 GRPO steps releasing the engine while training", 150):
+            _, rows, _ = run_grpo(gpu_config(*saver, "refresh.mode=inplace", f"run.name={name}"), model_path, eng, 6)
         out["grpo_mismatch_active"] = [r["mismatch/active_mean"] for r in rows]
         out["grpo_reward"] = [r["reward/mean"] for r in rows]
     return out
