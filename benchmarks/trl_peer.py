@@ -5,8 +5,10 @@ alpha=64 on q,k,v,o,gate,up,down; 64 prompts x 8 completions x 256 new tokens pe
 use_vllm=False (TRL's own transformers generate), bf16, gradient checkpointing on (set explicitly), beta as
 TRL's default. Micro-batch 8 completions x gradient_accumulation 64 = 512 completions per optimizer step, and
 steps_per_generation = gradient_accumulation_steps, so one generation of 64x8 feeds exactly one optimizer step.
-A TrainerCallback times each optimizer step by wall clock, prints a line per step and stops at --steps or
---time-limit. GPU (offline): bash .trl-site/with-trl.sh python benchmarks/trl_peer.py --out $OUT/trl_peer.json
+A TrainerCallback times each optimizer step by wall clock, prints a line per step, writes --out after each, and
+stops at --steps or before a step that would pass --time-limit; a heartbeat prints every 30 s and, past the
+limit mid-step, writes what it has (with the step it stopped in) and exits 3.
+GPU (offline): bash .trl-site/with-trl.sh python benchmarks/trl_peer.py --out $OUT/trl_peer.json
 CPU smoke: --tiny (lorabench's tiny model, 2 prompts x 2 x 8 tokens, 2 steps).
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -93,6 +96,37 @@ def main() -> None:
     steps: list[float] = []
     marks = {"last": None}
 
+    def write(**extra) -> dict:
+        out = {"what": "TRL GRPOTrainer + PEFT LoRA, the peer (issue 36)",
+               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               "versions": {m.__name__: m.__version__ for m in (trl, transformers, peft, torch, accelerate, datasets)},
+               "settings": {**settings, "prompts": prompts, "lora": "r=32 alpha=64 7 projections",
+                            "model": "tiny" if a.tiny else "qwen3-0.6b-random", "beta": cfg.beta,
+                            "loss_type": cfg.loss_type, "generation_batch_size": cfg.generation_batch_size},
+               "open_s": round(marks["opened"], 2), "first_step_s": round(steps[0], 2) if steps else None,
+               "steps_s": [round(s, 2) for s in steps],
+               "step_p50_s": round(statistics.median(steps[1:]), 2) if len(steps) > 1 else None,
+               "tokens_per_step_max": prompts * gens * new,
+               "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if torch.cuda.is_available() else None,
+               **extra}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(a.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(a.out)
+        return out
+
+    def heartbeat() -> None:
+        while True:
+            time.sleep(30)
+            now = time.perf_counter()
+            since = now - (marks["last"] or now)
+            print(f"[{now - T0:7.1f}s] step {len(steps) + 1} running for {since:.0f} s", flush=True)
+            if now - T0 > a.time_limit:
+                print(f"[{now - T0:7.1f}s] past --time-limit {a.time_limit:.0f} s in step {len(steps) + 1}: "
+                      f"stopping; the steps so far are in {a.out}", flush=True)
+                write(stopped_in_step=len(steps) + 1, stopped_after_s=round(now - T0, 1))
+                os._exit(3)
+
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             marks["begin"] = marks["last"] = time.perf_counter()
@@ -103,31 +137,20 @@ def main() -> None:
             steps.append(now - marks["last"])
             marks["last"] = now
             print(f"[{now - T0:7.1f}s] step {state.global_step}: {steps[-1]:.2f} s", flush=True)
-            if len(steps) >= a.steps or now - T0 > a.time_limit:
+            write()
+            if len(steps) >= a.steps or now - T0 + steps[-1] > a.time_limit:  # the next would pass the limit
                 control.should_training_stop = True
             return control
 
     trainer = GRPOTrainer(model=model, reward_funcs=strict_reward, args=cfg, train_dataset=ds,
                           processing_class=tok, peft_config=lora, callbacks=[Clock()])
-    opened = time.perf_counter() - T0
-    print(f"[{opened:7.1f}s] trainer built", flush=True)
+    marks["opened"] = time.perf_counter() - T0
+    print(f"[{marks['opened']:7.1f}s] trainer built", flush=True)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    threading.Thread(target=heartbeat, daemon=True).start()
     trainer.train()
-    out = {"what": "TRL GRPOTrainer + PEFT LoRA, the peer (issue 36)",
-           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-           "versions": {m.__name__: m.__version__ for m in (trl, transformers, peft, torch, accelerate, datasets)},
-           "settings": {**settings, "prompts": prompts, "lora": "r=32 alpha=64 7 projections",
-                        "model": "tiny" if a.tiny else "qwen3-0.6b-random", "beta": cfg.beta,
-                        "loss_type": cfg.loss_type, "generation_batch_size": cfg.generation_batch_size},
-           "open_s": round(opened, 2), "first_step_s": round(steps[0], 2) if steps else None,
-           "steps_s": [round(s, 2) for s in steps],
-           "step_p50_s": round(statistics.median(steps[1:]), 2) if len(steps) > 1 else None,
-           "tokens_per_step_max": prompts * gens * new,
-           "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if torch.cuda.is_available() else None}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps(out), flush=True)
+    print(json.dumps(write()), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@
 # hub>=1.5,<2; datasets 5.x needs hub>=1.31, which the GPU venv may lack), pyarrow 23.0.1 (slimmed:
 # no flight/gandiva/substrait/tests/headers), xxhash, multiprocess 0.70.19, fsspec 2026.2.0,
 # requests + urllib3/idna/certifi/charset_normalizer.
-# NOT shipped, found elsewhere on the GPU machine:
-#   sglang site: transformers 5.12.1, tokenizers 0.22.2, dill 0.4.1, typing_extensions
-#   GPU venv:    torch, numpy, triton, peft, safetensors, huggingface_hub (1.x), httpx, pandas (3.0.6 seen),
-#                psutil, pyyaml, tqdm, filelock, packaging, jinja2
+# and, as the offline sglang site has them, transformers 5.12.1, tokenizers 0.22.2 and dill 0.4.1, so a device
+# call carries this site alone (the sglang site beside it passes the 64 MiB a call may carry).
+# NOT shipped, found in the GPU venv: torch, numpy, triton, peft, safetensors, huggingface_hub (1.x), httpx,
+#   pandas (3.0.6 seen), psutil, pyyaml, regex, tqdm, filelock, packaging, jinja2, typing_extensions
 # On the GPU machine, from the checkout's root: bash .trl-site/with-trl.sh python benchmarks/trl_peer.py
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")" && pwd)
@@ -21,7 +21,7 @@ P=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --a
    --platform manylinux1_x86_64 --platform any)
 WHEELS=(trl==1.16.0 accelerate==1.16.0 datasets==4.8.5 pyarrow==23.0.1 xxhash==4.1.0 multiprocess==0.70.19
         fsspec==2026.2.0 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1
-        charset_normalizer==3.5.3)
+        charset_normalizer==3.5.3 transformers==5.12.1 tokenizers==0.22.2 dill==0.4.1)
 python3 -m pip download -q --no-deps "${P[@]}" -d "$CACHE" "${WHEELS[@]}"
 SITE=$WORK/trl-site
 for w in "${WHEELS[@]}"; do
@@ -33,13 +33,18 @@ rm -rf bin
 find . -depth -type d \( -name __pycache__ -o -name tests \) -exec rm -rf {} +
 find . -name '*.pyi' -delete
 # pyarrow: datasets imports pyarrow, .compute, .dataset, .parquet, .json (libarrow, _acero, _dataset,
-# _compute, _parquet); flight, gandiva, substrait, the C++ headers, Cython sources, cmake/pkgconfig go
+# _compute, _parquet); pyarrow.lib links libarrow_substrait and libarrow_flight, so they stay; gandiva, the C++
+# headers, Cython sources, cmake/pkgconfig go. Every library a kept .so needs must be in the site (checked below)
 rm -rf pyarrow/include pyarrow/src pyarrow/lib/cmake pyarrow/lib/pkgconfig
-rm -f pyarrow/*flight* pyarrow/libarrow_flight* pyarrow/*gandiva* pyarrow/libgandiva* pyarrow/*substrait* \
-      pyarrow/libarrow_substrait* pyarrow/*.pyx pyarrow/*.pxd pyarrow/*.pxi pyarrow/*.cpp pyarrow/*.h
+rm -f pyarrow/*gandiva* pyarrow/libgandiva* pyarrow/*.pyx pyarrow/*.pxd pyarrow/*.pxi pyarrow/*.cpp pyarrow/*.h
 rm -rf pyarrow/includes pyarrow/interchange/tests
 find pyarrow -name '*.so*' -type f | while read -r f; do
   readelf -d "$f" 2>/dev/null | grep -qE 'RPATH|RUNPATH' || strip --strip-unneeded "$f" 2>/dev/null || true
+done
+for f in $(find pyarrow -name '*.so*' -type f); do
+  for need in $(readelf -d "$f" | sed -n 's/.*Shared library: \[\(libarrow[^]]*\|libparquet[^]]*\)\].*/\1/p'); do
+    [ -e "pyarrow/$need" ] || { echo "$f needs pyarrow/$need, which the slimming removed" >&2; exit 1; }
+  done
 done
 cd "$WORK"
 tar --owner=0 --group=0 --sort=name -cf - trl-site | xz -9 -T1 > "$OUT/trl-site.tar.xz"
