@@ -298,6 +298,16 @@ def tree_rss_bytes(root: int) -> int:
     return total
 
 
+def open_watched(what: str, cfg, model_path: str, deadline_s: float):
+    """start_engine under benchmarks/watch.py: a line every 10 s while it opens and the stacks (the engine's
+    processes' too) if it passes deadline_s; the engine is watched from then on."""
+    import watch  # benchmarks/
+    watch.stacks_in_children()
+    with watch.phase(what, deadline_s):
+        watch.engine = start_engine(cfg, model_path)
+    return watch.engine
+
+
 def test_soak_sglang_refresh_cycles(tiny_path):
     """>= 300 refresh cycles per mode (file, tensor, inplace) with generation between them: no failure,
     and neither host RSS (this process + engine processes) nor GPU memory grows beyond noise."""
@@ -311,12 +321,8 @@ def test_soak_sglang_refresh_cycles(tiny_path):
     sampling = Sampling(max_new_tokens=16, temperature=1.0, seed=0)
     out = {"cycles_per_mode": cycles, "rows": []}
     layers = LoraLayers(model)
-    import watch  # benchmarks/: a line per phase with its time, and the stacks if one passes its deadline
-    watch.stacks_in_children()
-    with watch.phase("soak: engine open", 120):
-        eng = start_engine(gpu_config(), tiny_path)
-    watch.engine = eng
-    with eng:
+    import watch  # benchmarks/
+    with open_watched("soak: engine open", gpu_config(), tiny_path, 120) as eng:
         for mode in ("file", "tensor", "inplace"):
             refresher = make_refresher(mode, eng, "soak")
             t0 = time.perf_counter()
@@ -367,12 +373,8 @@ def release_resume_run(model_path: str, gpus: int, *overrides, name: str = "grpo
     prompts = [s[:p] for s, p in zip(*probe_sequences(model_path))]
     greedy = Sampling(max_new_tokens=24, temperature=0.0)
     out = {}
-    import watch  # benchmarks/: a line per phase with its time, and the stacks if one passes its deadline
-    watch.stacks_in_children()
-    with watch.phase("release/resume: engine open with the memory saver", 150):
-        eng = start_engine(gpu_config(*saver), model_path)
-    watch.engine = eng
-    with eng:
+    import watch  # benchmarks/
+    with open_watched("release/resume: engine open with the memory saver", gpu_config(*saver), model_path, 150) as eng:
         eng.load_adapter_tensors("policy", a.to("cuda"))
         before = {n: [c.token_ids for c in eng.generate(prompts, greedy, n)] for n in ("policy", None)}
         watch.say("release/resume: greedy outputs before the release")

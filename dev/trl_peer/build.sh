@@ -3,7 +3,7 @@
 #   bash dev/trl_peer/build.sh [OUT_DIR]      # default .trl-site (git-ignored); needs PyPI here
 # Ships trl 1.16.0, accelerate 1.16.0, datasets 4.8.5 (hub>=0.25,<2: fits transformers 5.12.1's
 # hub>=1.5,<2; datasets 5.x needs hub>=1.31, which the GPU venv may lack), pyarrow 23.0.1 (slimmed:
-# no flight/gandiva/substrait/tests/headers), xxhash, multiprocess 0.70.19, fsspec 2026.2.0,
+# no gandiva/tests/headers), xxhash, multiprocess 0.70.19, fsspec 2026.2.0,
 # requests + urllib3/idna/certifi/charset_normalizer.
 # and, as the offline sglang site has them, transformers 5.12.1, tokenizers 0.22.2 and dill 0.4.1, so a device
 # call carries this site alone (the sglang site beside it passes the 64 MiB a call may carry).
@@ -38,11 +38,10 @@ find . -name '*.pyi' -delete
 rm -rf pyarrow/include pyarrow/src pyarrow/lib/cmake pyarrow/lib/pkgconfig
 rm -f pyarrow/*gandiva* pyarrow/libgandiva* pyarrow/*.pyx pyarrow/*.pxd pyarrow/*.pxi pyarrow/*.cpp pyarrow/*.h
 rm -rf pyarrow/includes pyarrow/interchange/tests
-find pyarrow -name '*.so*' -type f | while read -r f; do
-  readelf -d "$f" 2>/dev/null | grep -qE 'RPATH|RUNPATH' || strip --strip-unneeded "$f" 2>/dev/null || true
-done
 for f in $(find pyarrow -name '*.so*' -type f); do
-  for need in $(readelf -d "$f" | sed -n 's/.*Shared library: \[\(libarrow[^]]*\|libparquet[^]]*\)\].*/\1/p'); do
+  dyn=$(readelf -d "$f" 2>/dev/null) || dyn=
+  grep -qE 'RPATH|RUNPATH' <<< "$dyn" || strip --strip-unneeded "$f" 2>/dev/null || true
+  for need in $(sed -n 's/.*Shared library: \[\(libarrow[^]]*\|libparquet[^]]*\)\].*/\1/p' <<< "$dyn"); do
     [ -e "pyarrow/$need" ] || { echo "$f needs pyarrow/$need, which the slimming removed" >&2; exit 1; }
   done
 done
