@@ -95,12 +95,12 @@ def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
 def _owned_fields(where: str, section: str, values, sections: dict) -> dict:
     from . import settings as st
     if section not in OWNED:
-        why = _WHY_SHARED.get(section, "a policy may set only " + ", ".join(_owned_names()))
         if section not in sections:
             near = closest(section, list(OWNED))
             raise ConfigError(f"{where}: unknown key {section!r}{f' (did you mean {near!r}?)' if near else ''}; a "
                               f"policy may set {_owned_names()}")
-        raise ConfigError(f"{where}: {section}.* is shared by all policies of a run ({why}); set it outside "
+        why = f" ({_WHY_SHARED[section]})" if section in _WHY_SHARED else ""
+        raise ConfigError(f"{where}: {section}.* is shared by all policies of a run{why}; set it outside "
                           f"`policies`. A policy may set {_owned_names()}")
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: {section} must be a table of fields, e.g. {section}.r = 4; got {values!r:.60}")

@@ -47,6 +47,9 @@ def group_cfg(model, out, name, *extra, ranks=(2, 8)) -> Config:
     ([{"lora": {"r": 2}}], "has no name"),
     ([{"name": "a", "lora": {"r": 0}}], "policies[0] (a): lora.r=0"),
     ([{"name": "a", "engine": {"backend": "sglang"}}], "engine.* is shared"),
+    # a shared section without a reason of its own: the line names it and the fields a policy may set
+    ([{"name": "a", "refresh": {"mode": "tensor"}}], "refresh.* is shared by all policies of a run; set it outside "
+                                                     "`policies`. A policy may set lora.*, grpo.lr"),
 ])
 def test_a_policy_may_set_only_its_own_fields_and_bad_entries_say_which(entries, words):
     with pytest.raises(ConfigError, match="policies") as err:
