@@ -143,6 +143,8 @@ def main() -> None:
                         help="the commit modes to run, one run each, in this order")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0],
                         help="grpo.max_staleness of the runs: each commit mode runs once per value")
+    parser.add_argument("--sizes", nargs="+", default=["64x8x256"],
+                        help="PxGxT: prompts x completions x new tokens per step, one run per size (GPU setting only)")
     parser.add_argument("--no-decode", action="store_true", help="skip SGLang's own decode of the batch (~20 s a run)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="step-user-"))
@@ -155,16 +157,18 @@ def main() -> None:
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
               "overrides": [*base, *args.overrides], "runs": []}
-    for mode in args.modes:
-        for staleness in args.staleness:
-            name = mode + (f"-stale{staleness}" if staleness else "")
-            row = measure([*base, *args.overrides, f"run.commit_in_background={str(mode == 'background').lower()}",
-                           f"grpo.max_staleness={staleness}"], root / "runs", name, args.steps,
-                          decode=not (args.tiny or args.no_decode))
-            result["runs"].append(row)
-            print(json.dumps({k: row[k] for k in ("name", "first_step_s", "step_wall_s_p50", "parts_s_p50",
-                                                  "gpu_busy_percent")}), flush=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+    sizes = [None] if args.tiny else args.sizes
+    for size, mode, staleness in ((s, m, k) for s in sizes for m in args.modes for k in args.staleness):
+        name = mode + (f"-stale{staleness}" if staleness else "") + (f"-{size}" if len(sizes) > 1 else "")
+        shape = [] if size is None else [f"grpo.{key}={int(v)}" for key, v in
+                                         zip(("prompts_per_step", "group_size", "max_new_tokens"), size.split("x"))]
+        row = measure([*base, *shape, *args.overrides, f"run.commit_in_background={str(mode == 'background').lower()}",
+                       f"grpo.max_staleness={staleness}"], root / "runs", name, args.steps,
+                      decode=not (args.tiny or args.no_decode))
+        result["runs"].append(row)
+        print(json.dumps({k: row[k] for k in ("name", "first_step_s", "step_wall_s_p50", "parts_s_p50",
+                                              "gpu_busy_percent")}), flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

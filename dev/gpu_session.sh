@@ -8,6 +8,7 @@
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
 #        user_step (benchmarks/step_user_path.py: RunSession at the defaults, background and in-line commits, then
 #                   a second process with torch's compile caches warm),
+#        stale (step_user_path.py, background commit, grpo.max_staleness 1 then 0, $LORABENCH_STALE_ARGS),
 #        step_variant (step_gpu.py at 64x8x256 only, with $LORABENCH_STEP_VARIANT_ARGS, e.g. an --engine-extra),
 #        fits (step_gpu.py --fits-only: the 24 GB check alone; on top of the README's command:
 #        LORABENCH_FIT_OVERRIDES="engine.sglang.mem_fraction_static=0.3 grpo.micro_batch_tokens=16384"),
@@ -19,6 +20,8 @@
 #        own_gpu (two GPUs: step_user_path.py with the engine on cuda:1, grpo.max_staleness 0 and 1),
 #        own_gpu_learning (two GPUs: staleness_learning.py's demo runs, engine on cuda:1; ~1.5 min a run);
 #        the two-GPU tests are `tests` with LORABENCH_GPU_TESTS=tests/test_sglang_tp2.py.
+# LORABENCH_MPS=1 starts a private CUDA MPS daemon first (its pipe dir in the environment of every part), so the
+# trainer's and the engine's kernels share the GPU's SMs instead of taking turns; it quits when the call ends.
 # Carry .gpu-extras (its lean tarball and with-extras.sh) for `tests` too: its torch_memory_saver
 # runs the release/resume test, which skips without it.
 # Results (JSON, PNG, one log per part) are packed into $OUT/results.tgz (the device tool brings
@@ -36,6 +39,13 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu.txt" 2>&1
 status=0
+if [ -n "${LORABENCH_MPS:-}" ]; then   # a private CUDA MPS daemon for this call's processes (trainer + engine share the SMs)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/lorabench-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/lorabench-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then echo "MPS daemon started ($CUDA_MPS_PIPE_DIRECTORY)" | tee "$RES/mps.txt"
+  else echo "MPS daemon did not start: the parts run without it" | tee "$RES/mps.txt"; unset CUDA_MPS_PIPE_DIRECTORY; fi
+  trap 'echo quit | nvidia-cuda-mps-control 2>/dev/null' EXIT
+fi
 extras=.gpu-extras; [ -d $extras ] || extras=../.gpu-extras   # run from a snapshot dir too
 with_extras=(); [ -f $extras/with-extras.sh ] && with_extras=(bash $extras/with-extras.sh)
 part_timeout=(); [ -n "${LORABENCH_PART_TIMEOUT:-}" ] && part_timeout=(timeout -k 10 "$LORABENCH_PART_TIMEOUT")
@@ -57,6 +67,8 @@ for part in "$@"; do
     user_step) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_user_path.json" ${LORABENCH_USER_STEP_ARGS:-} \
                && "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_user_path_warm.json" --modes background \
                     --steps 3 ${LORABENCH_USER_STEP_ARGS:-} ;;
+    stale) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_stale.json" --modes background \
+             --staleness 1 0 --no-decode ${LORABENCH_STALE_ARGS:-} ;;
     step_variant) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step_variant.json" --skip-24gb --sizes 64x8x256 \
                     ${LORABENCH_STEP_VARIANT_ARGS:-} ;;
     fits) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step_fits.json" --fits-only --fit-overrides "${LORABENCH_FIT_OVERRIDES:-}" \
