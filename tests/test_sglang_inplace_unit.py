@@ -221,10 +221,19 @@ def test_the_cli_checks_the_sglang_release_before_anything_exists(tmp_path, mode
 
 # --- what an engine that is never written in place sets up, and the notes on another release -----------
 def test_the_in_place_writer_is_registered_only_when_the_engine_may_be_written_in_place():
+    """A run's engine sets it up for refresh.mode=inplace only; a scratch engine (a benchmark, notebook 02's,
+    which switches modes) for any; engine.sglang.in_place=false never."""
     from lorabench.engines.base import EngineNeeds
     from lorabench.engines.sglang import SGLangSettings
+    from lorabench.session.config import Config, engine_needs
     assert SGLangSettings().engine_kwargs("/m", EngineNeeds())["custom_weight_loader"] == [pool.LOADER]
     assert "custom_weight_loader" not in SGLangSettings(in_place=False).engine_kwargs("/m", EngineNeeds())
+    for mode in ("tensor", "file", "merged", "none", "inplace"):
+        cfg = Config.load(None, ["engine.backend=sglang", f"refresh.mode={mode}"])
+        run = cfg.engine.sglang.engine_kwargs("/m", engine_needs(cfg, run=True))
+        scratch = cfg.engine.sglang.engine_kwargs("/m", engine_needs(cfg, run=False))
+        assert ("custom_weight_loader" in run) == (mode == "inplace"), mode
+        assert scratch["custom_weight_loader"] == [pool.LOADER], mode
 
 
 def test_inplace_on_an_engine_without_the_writer_is_refused_before_it_starts(monkeypatch):

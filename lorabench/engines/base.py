@@ -36,6 +36,8 @@ class EngineNeeds:
     model_dtype: str = "float32"
     adapters: int = 1           # adapters served side by side (a policy group: one per policy)
     max_new_tokens: int = 48    # the longest completion it will be asked for
+    in_place: bool = True       # the run may write its adapter in place (refresh.mode=inplace); an engine
+                                # opened without a run (a benchmark, a lesson switching modes) may be too
 
 
 class EngineError(RuntimeError):

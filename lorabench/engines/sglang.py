@@ -91,9 +91,10 @@ class SGLangSettings(Section):
                               "its memory and, with grpo.max_staleness=1, the next step's rollouts run beside this "
                               "step's training (docs/multi_gpu.md).")
     in_place: bool = served(True, "Register lorabench's in-place writer (a custom weight loader) when the engine "
-                            "starts, so refresh.mode=inplace may write to it, also after a switch from another mode "
-                            "on the open engine; its buffers are made at the first in-place write. false: nothing "
-                            "of it is set up and inplace is refused.")
+                            "starts for a run that refreshes in place (refresh.mode=inplace; an engine opened "
+                            "without a run too, so a lesson may switch to it); its buffers are made at the first "
+                            "in-place write. A run in another mode sets up nothing of it. false: never, and "
+                            "inplace is refused.")
     extra_args: str = served("", 'A JSON object of further sglang.Engine arguments, e.g. \'{"enable_memory_saver": '
                              'true}\'.')
     log_file: str = served("", "A file (appended) for the output of the engine's own processes: its progress bars "
@@ -143,7 +144,7 @@ class SGLangSettings(Section):
                       lora_target_modules=sglang_target_modules(needs.target_modules), dtype=self.dtype,
                       max_loras_per_batch=max(self.max_loras_per_batch, needs.adapters + 1),   # + the base
                       random_seed=needs.seed, log_level="error")
-        if self.in_place:
+        if self.in_place and needs.in_place:
             kwargs["custom_weight_loader"] = [internals.LOADER]
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
         if self.cuda_graph_max_bs or needs.largest_batch:
@@ -273,6 +274,7 @@ class SGLangEngine:
         self.settings = settings = settings or SGLangSettings()
         needs = needs or EngineNeeds()
         self.max_lora_rank = settings.max_lora_rank or needs.lora_rank
+        self.has_writer = settings.in_place and needs.in_place   # engine_kwargs registered it
         self.adapter_dtype = DTYPES.get(settings.dtype)  # None for 'auto': the model's own dtype
         self.device = "cuda"
         self.engine = self._store = None
@@ -392,9 +394,10 @@ class SGLangEngine:
             raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
                               f"first (load_adapter_tensors), so its config is known")
         check_same_lora_config(name, self._configs[name], adapter.config)
-        if not self.settings.in_place:
-            raise EngineError("this engine was started with engine.sglang.in_place=false, without the in-place "
-                              "writer; start one with true, or use refresh.mode=tensor")
+        if not self.has_writer:
+            raise EngineError("this engine was started without the in-place writer (engine.sglang.in_place=false, "
+                              "or for a run whose refresh.mode is not inplace); start one for a run with "
+                              "refresh.mode=inplace, or use refresh.mode=tensor")
         if self.pool is None:
             internals.check_version()
             self.pool = internals.PoolWriter(self)

@@ -23,7 +23,8 @@ Every refresh mode (the engine's life cycle):
 refresh.mode=inplace only (`check_version`): `lora_id` and `requests_in_flight` (the tokenizer
 manager's lora_registry and rid_to_state), and the pool writer. `PoolWriter` is made at the first
 in-place write, so a file, tensor or merged refresh allocates nothing of it; `handle` is registered as
-a custom weight loader at engine start unless engine.sglang.in_place=false. `update_weights_from_tensor
+a custom weight loader when an engine that may be written in place starts (a run's for refresh.mode=
+inplace, a scratch engine), unless engine.sglang.in_place=false. `update_weights_from_tensor
 (..., load_format=LOADER)` runs `handle(model, named_tensors)` in every scheduler process (one per
 tensor-parallel rank); it reads LoRAManager (loras, lora_refs, num_pinned_loras, memory_pool,
 lora_modules, fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer,

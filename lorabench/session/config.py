@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import settings as st
 from ..data import DataSettings
-from ..engines import ENGINES, EngineNeeds, EngineSettings, engine_class
+from ..engines import ENGINES, EngineNeeds, EngineSettings, UpdatesAdapterInPlace, engine_class
 from ..group import PolicySpec, member_dict, parse_policies
 from ..grpo import GRPOSettings
 from ..models import ModelSettings
@@ -166,9 +166,10 @@ def _section_problems(section) -> list[str]:
     return [*section.problems(), *(p for sub in section.subsections.values() for p in _section_problems(sub))]
 
 
-def engine_needs(cfg: Config, members: dict[str, Config] | None = None) -> EngineNeeds:
+def engine_needs(cfg: Config, members: dict[str, Config] | None = None, run: bool = True) -> EngineNeeds:
     """What this run asks of its engine; for a policy group: every policy's adapter, the largest rank, all
-    target modules, the K policies' rollouts in one batch. `members`: cfg.members(), if built already."""
+    target modules, the K policies' rollouts in one batch. `members`: cfg.members(), if built already.
+    run=False: a scratch engine (a benchmark, a lesson), which any refresh mode may write, in place too."""
     g, d = cfg.grpo, cfg.data
     members = cfg.members() if members is None else members
     loras = [m.lora for m in members.values()] if cfg.policies else [cfg.lora]
@@ -181,7 +182,8 @@ def engine_needs(cfg: Config, members: dict[str, Config] | None = None) -> Engin
     return EngineNeeds(lora_rank=max(lora.r for lora in loras), target_modules=target,
                        largest_batch=max(len(loras) * g.prompts_per_step * g.group_size, d.eval_size * d.eval_samples),
                        seed=cfg.run.seed, model_dtype=cfg.model.dtype, adapters=len(loras),
-                       max_new_tokens=g.max_new_tokens)
+                       max_new_tokens=g.max_new_tokens,
+                       in_place=not run or UpdatesAdapterInPlace in REFRESH_MODES[cfg.refresh.mode].needs)
 
 
 def flat(cfg: Config) -> dict[str, object]:

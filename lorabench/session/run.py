@@ -296,10 +296,11 @@ def resolve_model(cfg: Config, log=print, progress=None) -> str:
     return resolve_model_path(cfg.model, cfg.warmstart, cfg.run.seed, log=log, progress=progress)
 
 
-def start_engine(cfg: Config, model_path: str, log=None, **overrides):
-    """The engine cfg.engine chooses, with what the run needs of it; its notes (a small KV cache) are logged."""
+def start_engine(cfg: Config, model_path: str, log=None, run: bool = False, **overrides):
+    """The engine cfg.engine chooses, with what the run needs of it; its notes (a small KV cache) are logged.
+    run=True: a run's engine, set up for its refresh mode only; else a scratch engine any mode may write."""
     from ..engines import make_engine
-    engine = make_engine(cfg.engine, model_path, engine_needs(cfg), **overrides)
+    engine = make_engine(cfg.engine, model_path, engine_needs(cfg, run=run), **overrides)
     for note in getattr(engine, "notes", ()) if log is not None else ():
         log(f"note: {note}")
     return engine
@@ -330,7 +331,7 @@ def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str
         log("grpo.compile=all: compiling the training graphs while the engine starts")
         threading.Thread(target=_compile, args=(policies, compiled), name="lorabench-compile", daemon=True).start()
     with rngs_kept(device):   # what the engine's start draws is not the run's
-        engine = start_engine(cfg, model_path, log)
+        engine = start_engine(cfg, model_path, log, run=True)
     try:
         if ahead:
             wait_interruptibly(compiled.result)
