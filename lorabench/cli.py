@@ -22,6 +22,7 @@ from pathlib import Path
 from .adapters import AdapterError, AdapterWriteError
 from .data import DataError
 from .engines.base import EngineError
+from .metrics import MISMATCH_MAX, REFRESH_S, REWARD
 from .models import ModelError
 from .policy import UpdateDiverged
 from .rundir import CONFIG
@@ -151,15 +152,15 @@ def _write_summary(session, done: dict, t0: float) -> dict:
     cfg, runlog, before, after = session.cfg, session.runlog, session.before, done["after"]
     rows = runlog.metrics()
     plots = runlog.save_plots(run_plot_images(rows, done["evals"]))
-    refresh_ms = sorted(1e3 * r["refresh/total_s"] for r in rows) or [float("nan")]
+    refresh_ms = sorted(1e3 * r[REFRESH_S] for r in rows) or [float("nan")]
     summary = {
         "run_dir": str(runlog.dir), "steps": len(rows), "refresh_mode": cfg.refresh.mode, "engine": cfg.engine.backend,
         "heldout_strict_before": before[0]["strict"], "heldout_strict_after": after[0]["strict"],
         "heldout_greedy_before": before[1]["strict"], "heldout_greedy_after": after[1]["strict"],
-        "train_reward_first5": sum(r["reward/mean"] for r in rows[:5]) / max(1, len(rows[:5])),
-        "train_reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / max(1, len(rows[-5:])),
+        "train_reward_first5": sum(r[REWARD] for r in rows[:5]) / max(1, len(rows[:5])),
+        "train_reward_last5": sum(r[REWARD] for r in rows[-5:]) / max(1, len(rows[-5:])),
         "refresh_ms_p50": refresh_ms[len(refresh_ms) // 2], "refresh_ms_max": refresh_ms[-1],
-        "mismatch_max": max((r["mismatch/max"] for r in rows), default=float("nan")),
+        "mismatch_max": max((r[MISMATCH_MAX] for r in rows), default=float("nan")),
         "seconds_model": session.model_seconds, "seconds_grpo": done["seconds_grpo"],
         "seconds_total": time.perf_counter() - t0,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

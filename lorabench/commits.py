@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .interrupts import interrupts_to_the_main_thread, wait_interruptibly
+from .metrics import COMMIT_WAIT_S
 from .rundir import METRICS, ROLLOUTS, SYNC
 
 
@@ -86,7 +87,7 @@ class Commits:
     def _finish(record, clock, history: list, waited: float) -> None:
         clock.lap("log")
         record.metrics.update(clock.metrics())
-        record.metrics["time/commit_wait_s"] = waited   # within time/log_s: the previous commit still being written
+        record.metrics[COMMIT_WAIT_S] = waited   # within time/log_s: the previous commit still being written
         history.append(record.metrics)
 
     def _rows(self) -> dict[str, list[dict]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .clock import synced_time
 from .engines.base import generate_each
+from .metrics import REWARD
 from .rollout import rollouts_of
 from .settings import ConfigError, closest, path_component_problem, unique_keys
 
@@ -198,7 +199,7 @@ class PolicyGroup:
             due = [name for name, t in self.trainers.items() if t.step_count < target[name]]
             records = self.step(due)
             done.append(records)
-            bar.set_postfix({name: f"{r.metrics['reward/mean']:.2f}" for name, r in records.items()})
+            bar.set_postfix({name: f"{r.metrics[REWARD]:.2f}" for name, r in records.items()})
         self.wait_committed()
         return done
 

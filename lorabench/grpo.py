@@ -29,6 +29,7 @@ from .commits import Commits, TrainerStopped  # noqa: F401 (TrainerStopped: re-e
 from .data import Problem, ProblemSource, prompt_ids
 from .engines.base import GenerateRequest, ReleasesMemory, Sampling, StaleAdapter, generate_served, require
 from .interrupts import interrupts_deferred, interrupts_to_the_main_thread, wait_interruptibly
+from .metrics import PROBE_GAP, REWARD, STEP_S, memory_of, step_row, time_of
 from .policy import Policy
 from .refresh import RefreshRecord
 from .rewards import gsm8k_reward, has_strict_format, reward_functions
@@ -168,8 +169,8 @@ class StepClock(Clock):
         return seconds
 
     def metrics(self) -> dict[str, float]:
-        return {**{f"time/{k}_s": v for k, v in self.parts.items()}, "time/step_s": self.total,
-                **{f"memory/{k}_peak_gb": v for k, v in self.peak_gb.items()}}
+        return {**{time_of(k): v for k, v in self.parts.items()}, STEP_S: self.total,
+                **{memory_of(k): v for k, v in self.peak_gb.items()}}
 
 
 class GRPOTrainer:
@@ -292,9 +293,9 @@ class GRPOTrainer:
                 adapter = self.policy.adapter()
                 refresh = self.refresher.refresh(adapter)
                 clock.lap("refresh")
-                metrics = step_metrics(step, rollouts, batch, stats, reward_means, refresh, adapter.delta_norm())
-                metrics["probe/adapter_gap"] = self.probe_gap()
-                if self.refresher.serving_adapter is not None and not math.isfinite(metrics["probe/adapter_gap"]):
+                metrics = step_row(step, rollouts, batch, stats, reward_means, refresh, adapter.delta_norm())
+                metrics[PROBE_GAP] = self.probe_gap()
+                if self.refresher.serving_adapter is not None and not math.isfinite(metrics[PROBE_GAP]):
                     raise self.policy.diverged_output(adapter)   # the engine could not sample from it
                 clock.lap("probe")
                 committing.enter_context(interrupts_deferred())   # from here on the step is committed whole
@@ -394,7 +395,7 @@ class GRPOTrainer:
         for _ in (bar := tqdm(range(self.settings.steps - self.step_count if n is None else n), desc="GRPO",
                               disable=not progress)):
             records.append(rec := self.step())
-            bar.set_postfix(reward=f"{rec.metrics['reward/mean']:.2f}", refresh_ms=f"{1e3 * rec.refresh.total_s:.1f}")
+            bar.set_postfix(reward=f"{rec.metrics[REWARD]:.2f}", refresh_ms=f"{1e3 * rec.refresh.total_s:.1f}")
         self.wait_committed()
         return records
 
@@ -464,36 +465,6 @@ class GRPOTrainer:
                 self._sampler.shutdown()
             self._commits.shutdown()
             self.refresher.close()
-
-
-def step_metrics(step: int, rollouts: Rollouts, batch: RolloutBatch, stats: dict, reward_means: dict,
-                 refresh: RefreshRecord, delta_norm: float) -> dict:
-    """One metrics.jsonl row, less probe/* (the step adds it) and time/* (added when it is committed)."""
-    completions, texts = rollouts.completions, rollouts.texts
-    groups = batch.rewards.view(-1, rollouts.group_size)
-    row = {
-        "step": step, "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item(),
-        **reward_means,
-        "reward/strict_format": sum(map(has_strict_format, texts)) / len(texts),
-        "advantage/abs_mean": batch.advantages.abs().mean().item(),
-        "advantage/active_groups": (groups.std(1) > 0).float().mean().item(),
-        "loss/policy": stats["loss"], "loss/clip_fraction": stats["clip_fraction"],
-        "kl/mean": stats.get("kl_to_base"), "entropy/mean": stats.get("entropy"),
-        "grad_norm": stats["grad_norm"], "train/tokens": stats["tokens"],
-        "completions/mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
-        "completions/stop_fraction": sum(c.finish_reason == "stop" for c in completions) / len(completions),
-        "completions/last_number_right": sum(gsm8k_reward(t, a, "flexible") for t, a in zip(texts, rollouts.answers))
-        / len(texts),
-        **{f"mismatch/{k}": stats[f"mismatch_{k}"] for k in ("mean", "p99", "max", "active_mean")},
-        "adapter/version": refresh.version, "adapter/served_version": rollouts.served_version,
-        "adapter/delta_norm": delta_norm,
-        "refresh/mode": refresh.mode, "refresh/bytes": refresh.nbytes, "refresh/total_s": refresh.total_s,
-        **{f"refresh/{k}_s": v for k, v in refresh.parts.items()},
-    }
-    if "is_weight_mean" in stats:   # grpo.max_staleness: how far the sampling adapter lagged; the loss's weights
-        row.update({"adapter/lag": step - 1 - rollouts.served_version, "train/is_weight_mean": stats["is_weight_mean"],
-                    "train/is_truncated_fraction": stats["is_truncated_fraction"]})
-    return row
 
 
 def step_samples(step: int, rollouts: Rollouts, batch: RolloutBatch) -> list[dict]:

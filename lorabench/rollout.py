@@ -10,6 +10,7 @@ import torch
 from .data import Problem, prompt_ids
 from .engines.base import Completion, GenerateRequest, Sampling
 from .loss import group_advantages
+from .metrics import reward_of
 
 
 @dataclass
@@ -108,7 +109,7 @@ def score(rollouts: Rollouts, reward_fns: list[tuple[str, object, float]]) -> tu
     for name, fn, weight in reward_fns:
         values = torch.tensor(fn(rollouts.questions, rollouts.texts, answers=rollouts.answers), dtype=torch.float32)
         total += weight * values
-        means[f"reward/{name}/mean"] = values.mean().item()
+        means[reward_of(name)] = values.mean().item()
     return total, means
 
 

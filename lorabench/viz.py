@@ -12,6 +12,8 @@ import statistics
 import matplotlib.pyplot as plt  # headless: matplotlib picks Agg by itself when there is no display
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
+from . import metrics as m
+
 PART_COLORS = {"write": "#4c72b0", "snapshot": "#8172b2", "stage": "#64b5cd", "unload": "#dd8452",
                "load": "#55a868", "merge": "#937860", "push": "#c44e52", "snapshot & rest": "#8172b2",
                "not split": "#999999", "call": "#5d6d7e", "first request": "#e8a33d"}
@@ -58,10 +60,10 @@ def title_with_legend(ax, title: str, ncol: int = 3) -> None:
 
 def plot_rewards(rows, evals=(), ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    steps, reward = _series(rows, "reward/mean")
+    steps, reward = _series(rows, m.REWARD)
     ax.plot(steps, reward, ".", alpha=0.4, color="#4c72b0", label="reward")
     ax.plot(steps, _rolling(reward), "-", color="#4c72b0", label="reward, mean of 5")
-    steps_f, fmt = _series(rows, "reward/strict_format")
+    steps_f, fmt = _series(rows, m.STRICT_FORMAT)
     ax.plot(steps_f, _rolling(fmt), "--", color="#55a868", label="ends '#### N', mean of 5")
     for e in evals:
         if not e.get("greedy"):
@@ -76,15 +78,14 @@ def plot_rewards(rows, evals=(), ax=None):
 
 def plot_refresh(rows, ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    parts = in_part_order({k[len("refresh/"):-2] for r in rows for k in r
-                           if k.startswith("refresh/") and k.endswith("_s") and k != "refresh/total_s"})
+    parts = in_part_order(m.refresh_parts(rows))
     bottom = [0.0] * len(rows)
     steps = [r["step"] for r in rows]
     for part in parts:
-        vals = [1e3 * (r.get(f"refresh/{part}_s") or 0.0) for r in rows]
+        vals = [1e3 * (r.get(m.refresh_part(part)) or 0.0) for r in rows]
         ax.bar(steps, vals, bottom=bottom, color=PART_COLORS.get(part), label=part, width=0.8)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    mode = rows[0].get("refresh/mode", "") if rows else ""
+    mode = rows[0].get(m.REFRESH_MODE, "") if rows else ""
     ax.set(xlabel="GRPO step", ylabel="ms")
     title_with_legend(ax, "Adapter refresh after each step" + (f" ({mode})" if mode else ""), ncol=4)
     ax.grid(alpha=0.3, axis="y")
@@ -95,8 +96,8 @@ def plot_mismatch(rows, ax=None):
     """Trainer-vs-engine mismatch (mean, p99) beside the probe gap (how far the adapter moved the model
     on a fixed answer): the first must stay far below the second."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    for key, style, label in (("probe/adapter_gap", "s-", "probe gap"), ("mismatch/p99", "^:", "mismatch, p99"),
-                              ("mismatch/mean", "o-", "mismatch, mean")):
+    for key, style, label in ((m.PROBE_GAP, "s-", "probe gap"), (m.MISMATCH_P99, "^:", "mismatch, p99"),
+                              (m.MISMATCH, "o-", "mismatch, mean")):
         steps, values = _series(rows, key)
         if values:
             ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label)
@@ -109,7 +110,7 @@ def plot_mismatch(rows, ax=None):
 def plot_delta_norm(rows, ax=None):
     """‖ΔW‖ = sqrt(Σ ‖(α/r)·B·A‖²_F) over the adapted layers, per step: 0 until the adapter moves."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    steps, norm = _series(rows, "adapter/delta_norm")
+    steps, norm = _series(rows, m.DELTA_NORM)
     ax.plot(steps, norm, "o-", ms=3, color="#8172b2")
     ax.set(xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
     title_with_legend(ax, "How far the adapter has moved: ‖ΔW‖")
@@ -119,10 +120,10 @@ def plot_delta_norm(rows, ax=None):
 
 RUN_VIEWS = (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)   # the step panel's four axes
 POLICY_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#8c8c8c"]
-GROUP_VIEWS = (("reward/mean", "Reward (mean of 5 steps)", "mean over the step's completions", False, True),
-               ("mismatch/mean", "Mismatch, trainer vs engine", "mean |Δ log-prob| (nats)", True, False),
-               ("refresh/total_s", "Adapter refresh after each step", "s", False, False),
-               ("adapter/delta_norm", "How far each adapter has moved: ‖ΔW‖", "‖ΔW‖ (Frobenius)", False, False))
+GROUP_VIEWS = ((m.REWARD, "Reward (mean of 5 steps)", "mean over the step's completions", False, True),
+               (m.MISMATCH, "Mismatch, trainer vs engine", "mean |Δ log-prob| (nats)", True, False),
+               (m.REFRESH_S, "Adapter refresh after each step", "s", False, False),
+               (m.DELTA_NORM, "How far each adapter has moved: ‖ΔW‖", "‖ΔW‖ (Frobenius)", False, False))
 
 
 def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel: str, ax=None, log: bool = False,
@@ -326,9 +327,8 @@ def empty_axes(ax, note: str) -> None:
 def plot_learned(rows, evals, ax) -> None:
     """Per step (fresh problems each), 5-step means of the reward, the share ending '#### N' and the
     share whose last number is right in any format; held-out greedy points."""
-    for key, color, label in (("reward/mean", "#4c72b0", "reward"),
-                              ("reward/strict_format", "#55a868", "ends '#### N'"),
-                              ("completions/last_number_right", "#c44e52", "last number right, any format")):
+    for key, color, label in ((m.REWARD, "#4c72b0", "reward"), (m.STRICT_FORMAT, "#55a868", "ends '#### N'"),
+                              (m.LAST_NUMBER_RIGHT, "#c44e52", "last number right, any format")):
         steps, values = _series(rows, key)
         ax.plot(steps, _rolling(values), "-", color=color, label=f"{label}, mean of 5")
     greedy = [e for e in evals if e.get("greedy")]
@@ -336,20 +336,20 @@ def plot_learned(rows, evals, ax) -> None:
         ax.plot([e["step"] for e in greedy], [e[key] for e in greedy], marker, color=color, ms=7, ls="none",
                 markeredgecolor="k")
     ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
-    top = max([1.0] + [v for v in _series(rows, "reward/mean")[1]])   # a format bonus pays above 1
+    top = max([1.0] + [v for v in _series(rows, m.REWARD)[1]])   # a format bonus pays above 1
     ax.set(xlabel="GRPO step", ylabel="share of completions (reward: mean)", ylim=(-0.02, top + 0.02))
     ax.grid(alpha=0.3)
     title_with_legend(ax, "What the reward paid for, and the arithmetic", ncol=2)
 
 
 def run_learned_figure(rows, evals):
-    """What a run learned (`plot_learned`), its KL to the base model and its entropy, per step."""
+    """What a run learned (`plot_learned`), its m.KL to the base model and its entropy, per step."""
     fig, (learned, kl, entropy) = labelled_figure("run_learned", 1, 3, figsize=(13, 4.6),
                                                   gridspec_kw={"width_ratios": [1.5, 1, 1]})
     plot_learned(rows, evals, learned)
     for ax, key, color, title, ylabel in (
-            (kl, "kl/mean", "#8172b2", "KL to the base model", "nats per token (k3)"),
-            (entropy, "entropy/mean", "#937860", "Entropy of the policy", "nats per token")):
+            (kl, m.KL, "#8172b2", "KL to the base model", "nats per token (k3)"),
+            (entropy, m.ENTROPY, "#937860", "Entropy of the policy", "nats per token")):
         steps, values = _series(rows, key)
         ax.plot(steps, values, "o-", ms=3, color=color)
         ax.set(xlabel="GRPO step", ylabel=ylabel, ylim=(0, 1.15 * max(values, default=0) or 1))
@@ -363,18 +363,18 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
     probe gap (left, log: they differ by decades), and the reward of the engine's completions (right)."""
     fig, (gap, reward) = labelled_figure("broken_refresh", 1, 2, figsize=(12, 4.2))
     for rows, key, style, color, label in (
-            (refreshed, "probe/adapter_gap", "s-", "#999999", "probe gap, refreshed run"),
-            (refreshed, "mismatch/mean", "o-", "#4c72b0", "mismatch, refreshed run"),
-            (broken, "mismatch/mean", "o-", "#c44e52", f"mismatch, refresh.mode={mode}")):
+            (refreshed, m.PROBE_GAP, "s-", "#999999", "probe gap, refreshed run"),
+            (refreshed, m.MISMATCH, "o-", "#4c72b0", "mismatch, refreshed run"),
+            (broken, m.MISMATCH, "o-", "#c44e52", f"mismatch, refresh.mode={mode}")):
         steps, values = _series(rows, key)
         gap.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=4, color=color, label=label)
     gap.set(xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
     gap.grid(alpha=0.3)
     title_with_legend(gap, "Trainer vs engine", ncol=1)
     for rows, color, label in ((refreshed, "#4c72b0", "refreshed run"), (broken, "#c44e52", f"refresh.mode={mode}")):
-        steps, values = _series(rows, "reward/mean")
+        steps, values = _series(rows, m.REWARD)
         reward.plot(steps, values, "o-", ms=4, color=color, label=label)
-    top = max([1.0] + [v for rows in (refreshed, broken) for v in _series(rows, "reward/mean")[1]])
+    top = max([1.0] + [v for rows in (refreshed, broken) for v in _series(rows, m.REWARD)[1]])
     reward.set(xlabel="GRPO step", ylabel="reward (mean over the step)", ylim=(-0.02, top + 0.02))
     reward.grid(alpha=0.3)
     title_with_legend(reward, "Reward of the engine's completions", ncol=2)
@@ -438,7 +438,7 @@ def ms_text(ms: float, digits: int = 3) -> str:
 def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], key: str = "strict"):
     """Notebook 04: each policy's training reward beside its held-out `key` share (± 2 s.e.)."""
     fig, (left, right) = labelled_figure("rank_sweep", 1, 2, figsize=(11, 3.8), width_ratios=(3, 2))
-    plot_policies(histories, "reward/mean", "Training reward (mean of 5 steps)", "mean over the step's completions",
+    plot_policies(histories, m.REWARD, "Training reward (mean of 5 steps)", "mean over the step's completions",
                   ax=left, rolling=True)
     names = list(after)
     shares = [after[name][key] for name in names]

@@ -31,6 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from . import metrics as m
 from .interrupts import interrupts_to_the_main_thread
 from .progress import PROGRESS_TEXT, WaitProgress, duration  # noqa: F401  (WaitProgress: the lessons' import)
 from .viz import GROUP_VIEWS, RUN_VIEWS, STYLE, empty_axes, plot_policies
@@ -82,33 +83,33 @@ def refresh_table(record) -> str:
             f"<tr><td><b>total</b></td><td><b>{1e3 * record.total_s:.2f}</b></td></tr></table>")
 
 
-def status_lines(m: dict | None, rewards: list[tuple[str, object, float]]) -> str:
+def status_lines(row: dict | None, rewards: list[tuple[str, object, float]]) -> str:
     """The step, then reward, probe gap and mismatch, each explained; `rewards`: (name, fn, weight)."""
-    if m is None:
+    if row is None:
         return "<i>no step yet: click Step</i>"
-    step, version = m["step"], m["adapter/version"]
-    head = (f"<b>step {step}</b>: completions sampled from adapter v{m['adapter/served_version']} → trained to "
-            f"v{version} → v{version} refreshed into the engine in {1e3 * m['refresh/total_s']:.1f} ms "
-            f"({m['refresh/mode']}) · step {m['time/step_s']:.2f} s · ‖ΔW‖ {m['adapter/delta_norm']:.4f}"
-            + (f" · sampled {m['adapter/lag']} update(s) behind the trainer (grpo.max_staleness), importance "
-               f"weights mean {m['train/is_weight_mean']:.3f}" if "adapter/lag" in m else ""))
-    correct = m.get("reward/correct/mean", m["reward/mean"])
+    step, version = row["step"], row[m.VERSION]
+    head = (f"<b>step {step}</b>: completions sampled from adapter v{row[m.SERVED_VERSION]} → trained to "
+            f"v{version} → v{version} refreshed into the engine in {1e3 * row[m.REFRESH_S]:.1f} ms "
+            f"({row[m.REFRESH_MODE]}) · step {row[m.STEP_S]:.2f} s · ‖ΔW‖ {row[m.DELTA_NORM]:.4f}"
+            + (f" · sampled {row[m.LAG]} update(s) behind the trainer (grpo.max_staleness), importance "
+               f"weights mean {row[m.IS_WEIGHT]:.3f}" if m.LAG in row else ""))
+    correct = row.get(m.CORRECT, row[m.REWARD])
     weights = {name: (fn, weight) for name, fn, weight in rewards}
     rule = weights["correct"][0].rule
-    share = m.get("reward/format/mean", 0.0)
+    share = row.get(m.FORMAT, 0.0)
     bonus = (f" + {weights['format'][1]:g} × share ending '#### N' ({share:.2f}), a format bonus paid right or wrong"
              if "format" in weights else "; no format bonus in this run")
-    own = "".join(f" + {weight:g} × {html.escape(name)} ({_fmt(m.get(f'reward/{name}/mean'), '.3f')})"
+    own = "".join(f" + {weight:g} × {html.escape(name)} ({_fmt(row.get(m.reward_of(name)), '.3f')})"
                   for name, _, weight in rewards if name not in ("correct", "format"))   # a reward of your own
-    reward = (f"<b>reward</b> {m['reward/mean']:.3f} = correct {correct:.3f} (a completion scores 1 when {rule})"
+    reward = (f"<b>reward</b> {row[m.REWARD]:.3f} = correct {correct:.3f} (a completion scores 1 when {rule})"
               f"{bonus}{own}")
-    probe = (f"<b>probe gap</b> {_fmt(m.get('probe/adapter_gap'), '.3g')} nats: mean |log p(adapter) − log p(base)| "
+    probe = (f"<b>probe gap</b> {_fmt(row.get(m.PROBE_GAP), '.3g')} nats: mean |log p(adapter) − log p(base)| "
              "on one fixed held-out answer, scored by the engine; how far the served adapter has moved the model "
              "(0 = the base model)")
-    mismatch = (f"<b>mismatch</b> mean {_fmt(m['mismatch/mean'], '.1e')}, p99 {_fmt(m.get('mismatch/p99'), '.1e')} "
-                f"(max {_fmt(m['mismatch/max'], '.1e')}) nats: |trainer − engine| log-prob of the tokens just sampled; "
-                "far below the probe gap means the engine served the trainer's policy (float32: ~1e-6; SGLang's bf16 "
-                "kernels: mean ~3e-3; the max is one token's rounding tail, not an alarm)")
+    mismatch = (f"<b>mismatch</b> mean {_fmt(row[m.MISMATCH], '.1e')}, p99 {_fmt(row.get(m.MISMATCH_P99), '.1e')} "
+                f"(max {_fmt(row[m.MISMATCH_MAX], '.1e')}) nats: |trainer − engine| log-prob of the tokens just "
+                "sampled; far below the probe gap means the engine served the trainer's policy (float32: ~1e-6; "
+                "SGLang's bf16 kernels: mean ~3e-3; the max is one token's rounding tail, not an alarm)")
     return "<br>".join([head, reward, probe, mismatch])
 
 
@@ -358,12 +359,12 @@ def policies_table(histories: dict[str, list[dict]]) -> str:
         if not history:
             rows.append(f"<tr><td>{name}</td><td colspan=7><i>no step yet</i></td></tr>")
             continue
-        m = history[-1]
-        recent = [r["reward/mean"] for r in history[-5:]]
-        rows.append(f"<tr><td><b>{name}</b></td><td>{m['step']}</td><td>{m['reward/mean']:.3f}</td>"
-                    f"<td>{sum(recent) / len(recent):.3f}</td><td>{_fmt(m['mismatch/mean'], '.1e')}</td>"
-                    f"<td>{_fmt(m.get('probe/adapter_gap'), '.3g')}</td><td>{1e3 * m['refresh/total_s']:.1f}</td>"
-                    f"<td>v{m['adapter/served_version']}</td></tr>")
+        last = history[-1]
+        recent = [r[m.REWARD] for r in history[-5:]]
+        rows.append(f"<tr><td><b>{name}</b></td><td>{last['step']}</td><td>{last[m.REWARD]:.3f}</td>"
+                    f"<td>{sum(recent) / len(recent):.3f}</td><td>{_fmt(last[m.MISMATCH], '.1e')}</td>"
+                    f"<td>{_fmt(last.get(m.PROBE_GAP), '.3g')}</td><td>{1e3 * last[m.REFRESH_S]:.1f}</td>"
+                    f"<td>v{last[m.SERVED_VERSION]}</td></tr>")
     return (f"{_TABLE_STYLE}<div>One engine batch per step for all policies; each policy trained, refreshed and "
             f"checked on its own (its rollouts served by its own adapter at the trainer's version)</div>"
             f"<table class='lb-table'>{head}{''.join(rows)}</table>")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import CoreOnlyEngine, merged_state_dict, perturb_lora_B
 
+from lorabench import metrics
 from lorabench.adapters import FlatAdapter
 from lorabench.data import Problem
 from lorabench.engines import EngineError, StaleAdapter
@@ -225,6 +226,10 @@ def test_step_record_and_exact_tensor_refresh(make_trainer):
         assert torch.allclose(torch.tensor([s["advantage"] for s in rec.samples]), group_advantages(rewards, 4))
         assert m["reward/mean"] == pytest.approx(rewards.mean().item()) == pytest.approx(m["reward/correct/mean"])
     assert len(trainer.history) == 3
+    # the names readers import (lorabench.metrics) are the row's: none names a key no step writes
+    declared = {v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str)}
+    stale_or_bonus = {metrics.LAG, metrics.IS_WEIGHT, metrics.IS_TRUNCATED, metrics.FORMAT}
+    assert declared - stale_or_bonus <= set(m) and declared <= METRIC_KEYS | stale_or_bonus
 
 
 @pytest.mark.parametrize("mode", ["tensor", "file", "inplace", "merged", "none"])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..metrics import REWARD
 from ..progress import WaitProgress
 from ..viz import labelled_figure, title_with_legend
 
@@ -98,7 +99,7 @@ def resolve_model_shown(model, warmstart, seed: int) -> tuple[str, bool, float]:
     return path, True, time.perf_counter() - t0
 
 
-def last_mean(rows: list[dict], key: str = "reward/mean", last: int = 5) -> float:
+def last_mean(rows: list[dict], key: str = REWARD, last: int = 5) -> float:
     values = [r[key] for r in rows[-last:]]
     return sum(values) / len(values)
 
@@ -124,9 +125,9 @@ def use_trained_run(trainer, found: tuple, run_root: str | Path, steps: int) -> 
             for i in range(steps):
                 t0 = time.perf_counter()
                 m = trainer.step().metrics
-                progress(what, i + 1, steps, note=f"reward {m['reward/mean']:.2f}, last step "
+                progress(what, i + 1, steps, note=f"reward {m[REWARD]:.2f}, last step "
                                                   f"{time.perf_counter() - t0:.1f} s")
-            seconds = progress.finish(f"reward of the last step {trainer.history[-1]['reward/mean']:.2f}")
+            seconds = progress.finish(f"reward of the last step {trainer.history[-1][REWARD]:.2f}")
         text = (f"**Trained here:** no run dir of this experiment with a checkpoint under `{run_root}` (notebook 01 "
                 f"and `lorabench demo` write there), so this kernel trained {steps} GRPO steps in {seconds:.0f} s, "
                 f"writing nothing to disk.{skipped}")

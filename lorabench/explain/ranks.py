@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+from ..metrics import ACTIVE_GROUPS, DELTA_NORM, GRAD_NORM, LOSS
 from .step import fit_table, share_se
 
 
@@ -44,10 +45,10 @@ def update_table(histories: dict[str, list[dict]], ranks: dict[str, int], alpha:
     import pandas as pd
     rows = []
     for name, h in histories.items():
-        mean = {k: sum(r[k] for r in h) / len(h) for k in ("grad_norm", "advantage/active_groups", "loss/policy")}
+        mean = {k: sum(r[k] for r in h) / len(h) for k in (GRAD_NORM, ACTIVE_GROUPS, LOSS)}
         rows.append({"policy": name, "rank r": ranks[name], "α/r": alpha / ranks[name],
-                     "‖ΔW‖ now": h[-1]["adapter/delta_norm"], "‖∇‖ mean": mean["grad_norm"],
-                     "groups with signal": mean["advantage/active_groups"], "loss mean": mean["loss/policy"]})
+                     "‖ΔW‖ now": h[-1][DELTA_NORM], "‖∇‖ mean": mean[GRAD_NORM],
+                     "groups with signal": mean[ACTIVE_GROUPS], "loss mean": mean[LOSS]})
     return fit_table(pd.DataFrame(rows).set_index("policy"), {"α/r": "{:g}", "‖ΔW‖ now": "{:.3g}", "‖∇‖ mean": "{:.3g}",
                                                               "groups with signal": "{:.0%}", "loss mean": "{:+.1e}"})
 
@@ -56,7 +57,7 @@ def update_sentence(histories: dict[str, list[dict]], ranks: dict[str, int], alp
                     lr: float) -> str:
     """Markdown: each adapter's ‖ΔW‖ against its rank, and whether the policies behind the best are
     those that moved least (then one learning rate compares update sizes as much as rank)."""
-    norms = {name: rows[-1]["adapter/delta_norm"] for name, rows in histories.items()}
+    norms = {name: rows[-1][DELTA_NORM] for name, rows in histories.items()}
     by_rank = sorted(norms, key=lambda n: ranks[n])
     values = [norms[n] for n in by_rank]
     falling = all(a > b for a, b in zip(values, values[1:]))

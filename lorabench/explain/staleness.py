@@ -7,6 +7,7 @@ import torch
 from matplotlib.ticker import MaxNLocator
 
 from ..loss import token_logprobs
+from ..metrics import MISMATCH, REWARD, SERVED_VERSION
 from ..progress import WaitProgress
 from ..viz import labelled_figure, title_with_legend
 from .checks import rollout_sequences, trainer_vs_engine
@@ -31,7 +32,7 @@ def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
                 trainer = make_trainer(arm, seed)
                 try:
                     for _ in range(steps):
-                        reward = trainer.step().metrics["reward/mean"]
+                        reward = trainer.step().metrics[REWARD]
                         done += 1
                         progress(what, done, total,
                                  note=f"seed {seed}, {arm} run: step {trainer.step_count}, reward {reward:.2f}")
@@ -75,7 +76,7 @@ def compare_summary(result: dict, last: int = 5) -> dict:
             "heldout": {a: heldout_means(result["heldout"][a]) for a in ARMS},
             "first_adapter": heldout_means(result["first_adapter"]),
             "heldout_n": sum(e["n"] for e in result["heldout"]["refreshed"]),   # problems scored, all seeds
-            "stale_served": sorted({r["adapter/served_version"] for rows in result["rows"]["stale"] for r in rows})}
+            "stale_served": sorted({r[SERVED_VERSION] for rows in result["rows"]["stale"] for r in rows})}
 
 
 HELDOUT_MEASURES = {"format": "answers ending '#### N'", "flexible": "last number right, any format",
@@ -104,7 +105,7 @@ def plot_refreshed_vs_stale(result: dict):
     """Reward and mismatch per step, refreshed vs stale: a thin line per seed, their mean thick."""
     fig, axes = labelled_figure("refreshed_vs_stale", 1, 2, figsize=(13, 4.0))
     floor = 1e-9   # a mismatch of exactly 0 has no place on a log axis
-    for ax, key, transform in ((axes[0], "reward/mean", float), (axes[1], "mismatch/mean", lambda v: max(v, floor))):
+    for ax, key, transform in ((axes[0], REWARD, float), (axes[1], MISMATCH, lambda v: max(v, floor))):
         for arm in ARMS:
             runs = [[transform(r[key]) for r in rows] for rows in result["rows"][arm]]
             steps = range(1, result["steps"] + 1)

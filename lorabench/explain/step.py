@@ -5,6 +5,8 @@ import re
 
 import torch
 
+from ..metrics import KL, MEAN_LENGTH, MISMATCH, PROBE_GAP, REWARD, REWARD_STD, SERVED_VERSION, VERSION, reward_of
+
 
 def gradient_norm(params, clear: bool = True) -> float:
     """‖∇‖ over `params` (grpo's grad_norm, before clipping); their .grad set to None when `clear`."""
@@ -127,11 +129,11 @@ def prediction_note(predicted: float | None, rewards: torch.Tensor, group_size: 
 def kl_penalty_note(rows: list[dict], kl_beta: float, example_beta: float = 0.04) -> str:
     """Markdown: what `grpo.kl_beta` would add to the loss, from the run's `kl/mean` (the k3 estimate
     the loss uses, sampling policy against the base), beside the run's own kl_beta."""
-    logged = [r for r in rows if r.get("kl/mean") is not None]
+    logged = [r for r in rows if r.get(KL) is not None]
     if not logged:
         return "**KL penalty.** No KL was logged in this run (`grpo.kl_metric` is off)."
     last = logged[-1]
-    kl = last["kl/mean"]
+    kl = last[KL]
     own = ("off (the default, as in DAPO and Dr. GRPO: a reward checked by a rule has no reward model to "
            "exploit, and the policy has to move away from the base to learn), so the column *KL to base* "
            "is a metric only" if kl_beta == 0 else f"{kl_beta:g}, so the loss holds β × KL per token")
@@ -146,10 +148,10 @@ def kl_penalty_note(rows: list[dict], kl_beta: float, example_beta: float = 0.04
 def reward_exercise_note(rows: list[dict], name: str, steps: int) -> str:
     """Markdown: what reward `name` paid over the last `steps` rows, and the completions' length."""
     ran, before = rows[-steps:], rows[-2 * steps:-steps]
-    paid = sum(r.get(f"reward/{name}/mean", 0.0) for r in ran) / len(ran)
+    paid = sum(r.get(reward_of(name), 0.0) for r in ran) / len(ran)
 
     def length(part):
-        return sum(r["completions/mean_length"] for r in part) / len(part) if part else float("nan")
+        return sum(r[MEAN_LENGTH] for r in part) / len(part) if part else float("nan")
     now, then = length(ran), length(before)
     change = ("shorter" if now < then else "longer" if now > then else "as long") if before else "not compared"
     return (f"**Your reward `{name}`** paid {paid:.3f} on average over its {len(ran)} step(s) (logged as "
@@ -211,8 +213,8 @@ def half_means(rows: list[dict], per_step: int) -> tuple[tuple[float, float], tu
     half = max(1, len(rows) // 2)
 
     def mean_se(part):
-        mean = sum(r["reward/mean"] for r in part) / len(part)
-        return mean, (sum(r["reward/std"] ** 2 / per_step for r in part) ** 0.5) / len(part)
+        mean = sum(r[REWARD] for r in part) / len(part)
+        return mean, (sum(r[REWARD_STD] ** 2 / per_step for r in part) ** 0.5) / len(part)
     return mean_se(rows[:half]), mean_se(rows[half:] or rows[:half])
 
 
@@ -224,17 +226,17 @@ def broken_summary(refreshed: list[dict], broken: list[dict], per_step: int, mod
     mismatch first and last, against the refreshed mismatch and probe gap, and each run's reward
     direction (first half against second, `direction`); `per_step`: completions per step."""
     k = min(len(broken), len(refreshed))
-    first, last = broken[0]["mismatch/mean"], broken[k - 1]["mismatch/mean"]
-    ref_last, gap_last = refreshed[k - 1]["mismatch/mean"], refreshed[k - 1]["probe/adapter_gap"]
+    first, last = broken[0][MISMATCH], broken[k - 1][MISMATCH]
+    ref_last, gap_last = refreshed[k - 1][MISMATCH], refreshed[k - 1][PROBE_GAP]
     fold = last / max(first, 1e-12)
     climb = {"rose": f"rose {fold:.2g}-fold", "fell": f"fell {1 / fold:.2g}-fold",
              "held": f"held (×{fold:.2g}: under {FOLD:g}-fold either way)"}[
         "rose" if fold > FOLD else "fell" if fold < 1 / FOLD else "held"]
-    served = [r["adapter/served_version"] for r in broken[:k]]
+    served = [r[SERVED_VERSION] for r in broken[:k]]
     engine = (f"the engine served adapter version {served[0]} at every step while the trainer moved on to version "
-              f"{broken[k - 1]['adapter/version']}" if len(set(served)) == 1 else
+              f"{broken[k - 1][VERSION]}" if len(set(served)) == 1 else
               f"the engine served versions {served[0]} to {served[-1]} while the trainer moved on to version "
-              f"{broken[k - 1]['adapter/version']}")
+              f"{broken[k - 1][VERSION]}")
     scale = gap_last / last if last > 0 else float("inf")
     where = ("of the order of the refreshed run's probe gap" if 1 / 3 <= scale <= 3 else
              f"{max(scale, 1 / scale):.0f}× {'below' if scale > 3 else 'above'} the refreshed run's probe gap")
