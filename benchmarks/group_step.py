@@ -45,7 +45,7 @@ def device_used_gb() -> float:
     return (total - free) / 1e9
 
 
-PARTS = ("rollout", "reward", "train", "rollout_wait", "refresh", "probe", "log")   # time/<part>_s of a step
+PARTS = ("rollout", "reward", "train", "group_wait", "refresh", "probe", "log")   # time/<part>_s of a step
 
 
 def timed(step, n: int, what: str, deadline_s: float) -> tuple[list[float], list]:

@@ -249,7 +249,7 @@ class PolicyGroup:
                 wait_interruptibly(self._ahead[2].exception)
             while started:
                 self.current = started[0][0]
-                records[self.current] = finish(started[0][1])   # refreshed, probed, committed
+                records[self.current] = finish(started[0][1], waited=True)   # refreshed, probed, committed
                 started.pop(0)
         finally:
             for _, phases in started:   # updated, not published: rolled back

@@ -228,7 +228,9 @@ class GRPOTrainer:
         wait_committed). `rollouts`: sampled by the caller for `rollout_request()` in `rollout_s` s (a
         policy group batches its policies' requests); checked like the trainer's own."""
         with self.stepping():
-            return finish(self.phases(rollouts, rollout_s))
+            phases = self.phases(rollouts, rollout_s)
+            next(phases)
+            return finish(phases)
 
     @contextlib.contextmanager
     def stepping(self):
@@ -280,10 +282,10 @@ class GRPOTrainer:
         return rollouts_of(self.engine, self.tokenizer, problems, request, completions, served)
 
     def phases(self, rollouts: Rollouts | None, rollout_s: float):
-        """One step as a generator (under `stepping()`): its first next() samples (or checks the given
-        rollouts), scores and updates; the second refreshes the engine, probes and commits, returning the
-        StepRecord (`finish`). Closed between the two, the update is rolled back. A policy group updates
-        all its policies before it publishes any (group.PolicyGroup.step)."""
+        """One step as a generator (under `stepping()`): next() samples (or checks the given rollouts),
+        scores and updates; `finish` then refreshes the engine, probes and commits, returning the
+        StepRecord. Closed between the two, the update is rolled back. A policy group updates all its
+        policies before it publishes any (group.PolicyGroup.step)."""
         self._commits.check(wait=False)
         g, step, clock = self.settings, self.policy.version + 1, StepClock()
         self.clock = clock   # the step under way: its parts so far (a step panel shows which one runs)
@@ -306,7 +308,8 @@ class GRPOTrainer:
                 with self._engine_memory_released():
                     stats = self.policy.train(batch)
                 clock.lap("train")
-                yield
+                if (yield):   # held between its update and its publish by a policy group (finish: waited)
+                    clock.lap("group_wait")
                 if self._ahead is not None:   # sampled from this adapter whatever the timing: the refresh waits
                     wait_interruptibly(self._ahead[1].exception)
                     clock.lap("rollout_wait")
@@ -485,13 +488,15 @@ class GRPOTrainer:
             self.refresher.close()
 
 
-def finish(phases) -> StepRecord:
-    """A step's remaining phases (GRPOTrainer.phases), run to their StepRecord."""
-    while True:
-        try:
-            next(phases)
-        except StopIteration as done:
-            return done.value
+def finish(phases, waited: bool = False) -> StepRecord:
+    """The publish of a step updated by next(phases) (GRPOTrainer.phases): its StepRecord. waited: the step
+    was held between its update and its publish (a policy group's other policies, its batch sampled ahead),
+    timed as time/group_wait_s."""
+    try:
+        phases.send(waited)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("GRPOTrainer.phases has two phases: update, then publish")
 
 
 def step_samples(step: int, rollouts: Rollouts, batch: RolloutBatch) -> list[dict]:
