@@ -11,7 +11,8 @@ learning rate only (same rank: the same work per policy). Per size PxGxT (prompt
 tokens, per policy) and group size K (--ks): p50 of steps 2..n of the group's step and of one
 policy's, the ratio to K single steps, where each policy's step goes (time/<part>_s), each policy's
 trainer-vs-engine mismatch (mean, max) and served versions, the device memory in use (all
-processes: trainer + engine) with the group and with one policy. Every phase prints a line with its
+processes: trainer + engine) with the group and with one policy. --group-overrides set the group
+alone (grpo.max_staleness=1: its next batch sampled while its updates run). Every phase prints a line with its
 time and stops the run if it overruns (watch.py).
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ def device_used_gb() -> float:
     return (total - free) / 1e9
 
 
-PARTS = ("rollout", "reward", "train", "refresh", "probe", "log")   # time/<part>_s of a step's metrics
+PARTS = ("rollout", "reward", "train", "group_wait", "refresh", "probe", "log")   # time/<part>_s of a step
 
 
 def timed(step, n: int, what: str, deadline_s: float) -> tuple[list[float], list]:
@@ -62,9 +63,9 @@ def parts_p50(rows: list[dict]) -> dict[str, float]:
     return {part: statistics.median(r.get(f"time/{part}_s", 0.0) for r in rows) for part in PARTS}
 
 
-def run_group(base: list[str], k: int, size: str, root: Path, steps: int) -> dict:
+def run_group(base: list[str], k: int, size: str, root: Path, steps: int, extra: list[str] = ()) -> dict:
     entries = [{"name": f"lr{i}", "grpo": {"lr": LRS[i]}} for i in range(k)]
-    cfg = Config.load(None, [*base, *size_overrides(size), f"policies={json.dumps(entries)}",
+    cfg = Config.load(None, [*base, *size_overrides(size), *extra, f"policies={json.dumps(entries)}",
                              f"run.out_dir={root}", f"run.name=group{k}-{size}"])
     t0 = time.perf_counter()
     with watch.phase(f"K={k} {size}: GroupSession.open", 300):
@@ -133,6 +134,8 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=None, help="group sizes to run (default: --k)")
     parser.add_argument("--limit", type=float, default=560, help="the run stops itself after this many seconds")
     parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument("--group-overrides", nargs="*", default=[],
+                        help="for the group only, e.g. grpo.max_staleness=1 against one policy at the defaults")
     args = parser.parse_args()
     watch.limit(args.limit)
     watch.stacks_in_children()
@@ -145,13 +148,14 @@ def main() -> None:
     base += args.overrides
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
-              "date": time.strftime("%Y-%m-%d %H:%M"), "k": args.k, "overrides": base, "sizes": {}}
+              "date": time.strftime("%Y-%m-%d %H:%M"), "k": args.k, "overrides": base,
+              "group_overrides": args.group_overrides, "sizes": {}}
     for size in args.sizes:
         single = run_single(base, size, root / "runs", args.steps)
         result["sizes"][size] = {"single": single}
         Path(args.out).write_text(json.dumps(result, indent=1))   # a group cut off by the limit keeps this
         for k in args.ks or [args.k]:
-            group = run_group(base, k, size, root / "runs", args.steps)
+            group = run_group(base, k, size, root / "runs", args.steps, args.group_overrides)
             result["sizes"][size][f"group_k{k}"] = {
                 **group, "vs_one_step": group["step_wall_s_p50"] / single["step_wall_s_p50"],
                 "vs_k_steps": group["step_wall_s_p50"] / (k * single["step_wall_s_p50"])}

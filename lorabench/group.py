@@ -9,16 +9,21 @@ problem source and run dir, sharing the engine (all K adapters, each under its p
 rollout requests as one batch, engines.base.generate_each: the CPU engine runs them in turn, so a
 policy's rollouts equal those it gets alone) and the trainer's base model (one PEFT model holding the K
 adapters, policy.Policy `beside`). What a policy may own is listed in OWNED; everything else defines
-the shared batch, engine or model. `time/rollout_s` is the shared batch's.
+the shared batch, engine or model. `time/rollout_s` is the shared batch's (with grpo.max_staleness: the
+wait for the batch sampled ahead).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 from .clock import synced_time
 from .engines.base import generate_each
+from .grpo import finish
+from .interrupts import interrupts_to_the_main_thread, wait_interruptibly
 from .metrics import REWARD
 from .rollout import rollouts_of
 from .settings import ConfigError, closest, path_component_problem, unique_keys
@@ -155,12 +160,19 @@ def owned_key(key: str) -> bool:
 
 
 class PolicyGroup:
-    """K policies' loop: `step()` samples every policy's rollouts in one engine batch, then each trainer steps."""
+    """K policies' loop. `step()` samples every policy's rollouts in one engine batch, updates every policy,
+    then refreshes, probes and commits each. With grpo.max_staleness=1 the next step's batch is sampled
+    while the updates run, from the adapters one update behind (the refreshes wait for it), as a single
+    run's would be: a resumed or repeated step samples from those adapters again."""
 
     def __init__(self, trainers: dict, engine):
         self.trainers = trainers      # name -> GRPOTrainer, all on `engine`, their policies on one model
         self.engine = engine
         self.current = None           # the policy whose step is under way; after step() raised, the one that did
+        stale = next(iter(trainers.values())).settings.max_staleness   # a shared setting
+        self._sampler = ThreadPoolExecutor(1, "lorabench-group-rollouts", interrupts_to_the_main_thread) \
+            if stale else None
+        self._ahead: tuple[dict[str, int], dict, Future] | None = None   # ({name: step}, requests, their batch)
 
     @property
     def step_count(self) -> int:
@@ -168,23 +180,80 @@ class PolicyGroup:
         return min(t.step_count for t in self.trainers.values())
 
     def step(self, names=None) -> dict:
-        """One GRPO step of each policy in `names` (default: all): {name: StepRecord}. A policy's failed step is
-        rolled back and raised at once: the policies after it have not taken this step (`run` evens them out)."""
+        """One GRPO step of each policy in `names` (default: all): {name: StepRecord}. A failure rolls back
+        every policy whose update was not yet published (all update before any publishes) and is raised at
+        once, naming the policy (`current`); `run` evens the policies out."""
         names = list(self.trainers) if names is None else list(names)
-        asked = {}
-        for name in names:
-            self.current = name
-            asked[name] = self.trainers[name].rollout_request()
-        self.current = None   # the shared batch: a failure there is no one policy's
+        with contextlib.ExitStack() as stepping:
+            for name in names:
+                stepping.enter_context(self.trainers[name].stepping())
+            rollouts, rollout_s = self._rollouts(names)
+            return self._update_then_publish(names, rollouts, rollout_s)
+
+    def _rollouts(self, names: list[str]) -> tuple[dict, float]:
+        """{name: Rollouts} of each policy's next step from one engine batch (sampled ahead, or now) and the
+        time it took or was waited for; with staleness, the batch of the step after is submitted."""
+        steps = {name: self.trainers[name].step_count + 1 for name in names}
         t0 = synced_time()
-        completions = generate_each(self.engine, [request for _, request in asked.values()])
+        taken = self._take_ahead(steps)
+        if taken is None:
+            asked = {}
+            for name in names:
+                self.current = name
+                asked[name] = self.trainers[name].rollout_request()
+            self.current = None   # the shared batch: a failure there is no one policy's
+            behind = [name for name in names if self.trainers[name].serve_behind()]
+            served = self._sample(asked)
+            for name in behind:
+                self.trainers[name].resend_if_stale()
+        else:
+            asked, served = taken
         rollout_s = synced_time() - t0
-        records = {}
-        for name, (problems, request), done in zip(names, asked.values(), completions):
-            self.current = name
-            trainer = self.trainers[name]
-            rollouts = rollouts_of(self.engine, trainer.tokenizer, problems, request, done)
-            records[name] = trainer.step(rollouts, rollout_s)
+        rollouts = {name: rollouts_of(self.engine, self.trainers[name].tokenizer, problems, request, *served[name])
+                    for name, (problems, request) in asked.items()}
+        ahead = {name: step + 1 for name, step in steps.items() if step < self.trainers[name].settings.steps}
+        if self._sampler is not None and ahead:
+            requests = {name: self.trainers[name].rollout_request(ahead=True) for name in ahead}
+            self._ahead = (ahead, requests, self._sampler.submit(self._sample, requests))
+        return rollouts, rollout_s
+
+    def _sample(self, asked: dict) -> dict:
+        """{name: (completions, the version that served them)}: the requests as one batch, each version read
+        before any refresh can follow (a refresh waits for a batch sampled ahead)."""
+        done = generate_each(self.engine, [request for _, request in asked.values()])
+        return {name: (out, self.engine.served_version(request.adapter))
+                for (name, (_, request)), out in zip(asked.items(), done)}
+
+    def _take_ahead(self, steps: dict[str, int]):
+        """(requests, served) sampled ahead for exactly these policies at these steps, waited for; else None
+        (a batch ahead for others is waited for and dropped: the policies sample in line, as it would have)."""
+        if self._ahead is None:
+            return None
+        for_steps, requests, future = self._ahead
+        self._ahead = None
+        if for_steps != steps:
+            futures_wait([future])   # no engine call left running
+            return None
+        return requests, wait_interruptibly(future.result)
+
+    def _update_then_publish(self, names: list[str], rollouts: dict, rollout_s: float) -> dict:
+        started, records = [], {}
+        try:
+            for name in names:
+                self.current = name
+                phases = self.trainers[name].phases(rollouts[name], rollout_s)
+                next(phases)   # scored and updated
+                started.append((name, phases))
+            self.current = None
+            if self._ahead is not None:   # sampled from the adapters the engine serves now: the refreshes wait
+                wait_interruptibly(self._ahead[2].exception)
+            while started:
+                self.current = started[0][0]
+                records[self.current] = finish(started[0][1], waited=True)   # refreshed, probed, committed
+                started.pop(0)
+        finally:
+            for _, phases in started:   # updated, not published: rolled back
+                phases.close()
         self.current = None
         return records
 
@@ -212,7 +281,13 @@ class PolicyGroup:
             trainer.wait_committed()
 
     def close(self) -> None:
-        """Each trainer's commits and refresher (not the engine), all of them also when one raises."""
+        """A batch sampled ahead waited for, then each trainer's commits and refresher (not the engine), all of
+        them also when one raises."""
         with contextlib.ExitStack() as closing:
             for trainer in self.trainers.values():
                 closing.callback(trainer.close)
+            if self._sampler is not None:
+                closing.callback(self._sampler.shutdown)
+            if self._ahead is not None:
+                futures_wait([self._ahead[2]])
+                self._ahead = None

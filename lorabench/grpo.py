@@ -104,7 +104,8 @@ class GRPOSettings(Section):
                                  "next step's rollouts are sampled while this step trains, from the adapter one "
                                  "update behind, and the loss weights each token by min(π_old / π_sample, tis_cap); "
                                  "a larger value acts as 1. Step 1 samples on-policy; a resumed run samples as the "
-                                 "run would have. A rollout older than this is refused.",
+                                 "run would have. A rollout older than this is refused. A policy group samples every "
+                                 "policy's next batch while its updates run.",
                                  resume=REFUSED, why=_SAMPLING)
     tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
                              "max_staleness > 0 (truncated importance sampling).", resume=REFUSED, why=_OBJECTIVE)
@@ -198,7 +199,6 @@ class GRPOTrainer:
         self._commits = Commits(self.runlog, settings.steps, self._state, lambda: self.policy.version)
         # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
         self._ahead: tuple[int, Future] | None = None
-        self._requested: tuple[int, list[Problem]] | None = None   # the last rollout_request(): step, problems
         self._sampler = ThreadPoolExecutor(1, "lorabench-rollouts", interrupts_to_the_main_thread) \
             if settings.max_staleness else None
         # the adapter the engine serves (the policy's), and with max_staleness the one before it, which the
@@ -227,23 +227,39 @@ class GRPOTrainer:
         """Rollout -> reward -> update -> refresh the engine -> commit (maybe still written on return:
         wait_committed). `rollouts`: sampled by the caller for `rollout_request()` in `rollout_s` s (a
         policy group batches its policies' requests); checked like the trainer's own."""
-        self._commits.check(wait=False)
+        with self.stepping():
+            phases = self.phases(rollouts, rollout_s)
+            next(phases)
+            return finish(phases)
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """This trainer's steps one at a time: StepInProgress if another thread's step runs."""
         if not self._stepping.acquire(blocking=False):
             raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
                                  f"Run N?); Stop it or wait for it (panel.wait()), then step again")
         try:
-            return self._step(rollouts, rollout_s)
+            yield
         finally:
             self._stepping.release()
 
-    def rollout_request(self) -> tuple[list[Problem], GenerateRequest]:
-        """The next step's problems and their engine request, once the engine serves the trainer's adapter."""
-        self._resend_if_stale()
-        problems, request = self._request_for(self.policy.version + 1)
-        self._requested = (self.policy.version + 1, problems)   # what step(rollouts) checks rollouts against
-        return problems, request
+    def rollout_request(self, ahead: bool = False) -> tuple[list[Problem], GenerateRequest]:
+        """The next step's problems and their engine request, once the engine serves the trainer's adapter;
+        ahead=True: the step after it (a policy group samples it while this one trains, grpo.max_staleness)."""
+        if not ahead:
+            self.resend_if_stale()
+        return self._request_for(self.policy.version + (2 if ahead else 1))
 
-    def _resend_if_stale(self) -> None:
+    def serve_behind(self) -> bool:
+        """With max_staleness, the engine serves the adapter one version behind (how the step after a resume or
+        a rolled-back step samples, as the pipeline would have) until `resend_if_stale`; False: there is none."""
+        if self._behind is None:
+            return False
+        self._engine_stale = True   # until the engine serves the current adapter again
+        self.refresher.refresh(self._behind)
+        return True
+
+    def resend_if_stale(self) -> None:
         """After a rolled-back step the engine may have lost the adapter mid-refresh: send it again."""
         if self._engine_stale:
             self.refresher.refresh(self._current)
@@ -265,11 +281,16 @@ class GRPOTrainer:
         completions, served = generate_served(self.engine, request.prompt_ids, request.sampling, request.adapter)
         return rollouts_of(self.engine, self.tokenizer, problems, request, completions, served)
 
-    def _step(self, rollouts: Rollouts | None, rollout_s: float) -> StepRecord:
+    def phases(self, rollouts: Rollouts | None, rollout_s: float):
+        """One step as a generator (under `stepping()`): next() samples (or checks the given rollouts),
+        scores and updates; `finish` then refreshes the engine, probes and commits, returning the
+        StepRecord. Closed between the two, the update is rolled back. A policy group updates all its
+        policies before it publishes any (group.PolicyGroup.step)."""
+        self._commits.check(wait=False)
         g, step, clock = self.settings, self.policy.version + 1, StepClock()
         self.clock = clock   # the step under way: its parts so far (a step panel shows which one runs)
         if rollouts is None:
-            self._resend_if_stale()
+            self.resend_if_stale()
             ahead = self._take_ahead(step)
             rollouts = ahead if ahead is not None else self._sample_in_line(step)
             clock.lap("rollout")
@@ -287,6 +308,8 @@ class GRPOTrainer:
                 with self._engine_memory_released():
                     stats = self.policy.train(batch)
                 clock.lap("train")
+                if (yield):   # held between its update and its publish by a policy group (finish: waited)
+                    clock.lap("group_wait")
                 if self._ahead is not None:   # sampled from this adapter whatever the timing: the refresh waits
                     wait_interruptibly(self._ahead[1].exception)
                     clock.lap("rollout_wait")
@@ -306,8 +329,8 @@ class GRPOTrainer:
 
     def _check_given(self, rollouts: Rollouts, step: int) -> None:
         """Given rollouts must be of this step's rollout_request(), under this trainer's adapter."""
-        asked_step, expected = self._requested or (None, [])
-        if asked_step != step or [p.question for p in rollouts.problems] != [p.question for p in expected]:
+        expected = self.source.train_batch(step, self.settings.prompts_per_step)
+        if [p.question for p in rollouts.problems] != [p.question for p in expected]:
             raise ValueError(f"step {step}: the rollouts given are not of this step's problems; sample them for "
                              f"trainer.rollout_request() of this step")
         if rollouts.adapter != self.refresher.serving_adapter:
@@ -317,12 +340,10 @@ class GRPOTrainer:
     def _sample_in_line(self, step: int) -> Rollouts:
         """This step's rollouts when none were sampled ahead: with max_staleness from the adapter one
         version behind, as the pipeline samples them (a resumed or repeated step gets the same ones)."""
-        if self._behind is None:
-            return self._sample(step)
-        self._engine_stale = True   # until the engine serves the current adapter again
-        self.refresher.refresh(self._behind)
+        behind = self.serve_behind()
         rollouts = self._sample(step)
-        self._resend_if_stale()
+        if behind:
+            self.resend_if_stale()
         return rollouts
 
     def _take_ahead(self, step: int) -> Rollouts | None:
@@ -465,6 +486,17 @@ class GRPOTrainer:
                 self._sampler.shutdown()
             self._commits.shutdown()
             self.refresher.close()
+
+
+def finish(phases, waited: bool = False) -> StepRecord:
+    """The publish of a step updated by next(phases) (GRPOTrainer.phases): its StepRecord. waited: the step
+    was held between its update and its publish (a policy group's other policies, its batch sampled ahead),
+    timed as time/group_wait_s."""
+    try:
+        phases.send(waited)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("GRPOTrainer.phases has two phases: update, then publish")
 
 
 def step_samples(step: int, rollouts: Rollouts, batch: RolloutBatch) -> list[dict]:

@@ -413,9 +413,9 @@ def test_the_group_panel_steps_every_policy_and_shows_them_side_by_side(tiny_mod
 
 
 def test_a_step_interrupted_in_one_policy_rolls_it_back_and_the_group_evens_out(tiny_model_dir, tmp_path):
-    """Ctrl-C (Kernel -> Interrupt) during one policy's update: that policy's step is rolled back,
-    the policies before it keep theirs, and `run` brings every policy to grpo.steps with each step
-    in its run dir exactly once."""
+    """Ctrl-C (Kernel -> Interrupt) during one policy's update: every policy updated but not yet published
+    (all update before any publishes) is rolled back with it, and `run` brings every policy to grpo.steps
+    with each step in its run dir exactly once."""
     group = GroupSession.open(group_cfg(tiny_model_dir, tmp_path, "g", *SMALL, "grpo.steps=3"), **QUIET)
     try:
         second = group.trainer.trainers["r8"]
@@ -427,7 +427,8 @@ def test_a_step_interrupted_in_one_policy_rolls_it_back_and_the_group_evens_out(
         second.policy.train = interrupted
         with pytest.raises(KeyboardInterrupt):
             group.trainer.step()
-        assert {n: t.step_count for n, t in group.trainer.trainers.items()} == {"r2": 1, "r8": 0}
+        assert group.trainer.current == "r8"
+        assert {n: t.step_count for n, t in group.trainer.trainers.items()} == {"r2": 0, "r8": 0}
         group.trainer.run(progress=False)
         assert {n: t.step_count for n, t in group.trainer.trainers.items()} == {"r2": 3, "r8": 3}
     finally:

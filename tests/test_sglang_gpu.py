@@ -857,3 +857,42 @@ def test_stale_run_on_sglang_keeps_its_lags_across_a_resume(tiny_path, tmp_path)
     record("stale_sglang", out)
     assert out["lag"] == [0, 1, 1, 1, 1], out
     assert out["served"] == [0, 0, 1, 2, 3], out
+
+
+def test_stale_group_on_sglang_samples_ahead_and_resumes_its_lags(tiny_path, tmp_path):
+    """A group of two policies, grpo.max_staleness=1, through GroupSession (`lorabench run`'s path) on SGLang,
+    refreshed in place: from step 2 on each step's batch was sampled while the previous step's updates ran
+    (lag 1, served version step - 2, every policy's mismatch at its single-policy level), and the group
+    closed after 3 steps and resumed to 5 samples its first step in line from the adapters behind (lag 1 again,
+    not 0). Every phase bounded (benchmarks/watch.py)."""
+    import watch  # benchmarks/
+
+    from lorabench.session import GroupSession
+    watch.stacks_in_children()
+    entries = [{"name": "r4", "lora": {"r": 4}}, {"name": "r16", "lora": {"r": 16}}]
+    run_dir, records = tmp_path / "stale-group", []
+    for steps in (3, 5):
+        cfg = gpu_config(f"policies={json.dumps(entries)}", "grpo.max_staleness=1", f"grpo.steps={steps}",
+                         "refresh.mode=inplace", "grpo.compile=off")
+        with watch.phase(f"stale group to step {steps}: open", 150):
+            group = (GroupSession.open(cfg, run_dir, log=progress, evaluate_first=False) if steps == 3 else
+                     GroupSession.resume(run_dir, [f"grpo.steps={steps}"], log=progress, evaluate_first=False))
+        watch.engine = group.engine
+        try:
+            while group.trainer.step_count < steps:
+                with watch.phase(f"stale group: step {group.trainer.step_count + 1}", 60):
+                    records.append(group.trainer.step())
+        finally:
+            with watch.phase("stale group: close", 60):
+                group.close()
+    rows = {name: [r[name].metrics for r in records] for name in records[0]}
+    out = {"lag": {n: [m["adapter/lag"] for m in ms] for n, ms in rows.items()},
+           "served": {n: [m["adapter/served_version"] for m in ms] for n, ms in rows.items()},
+           "mismatch_active_mean": {n: [m["mismatch/active_mean"] for m in ms] for n, ms in rows.items()},
+           "step_s": [max(r[n].metrics["time/step_s"] for n in r) for r in records]}
+    record("stale_group_sglang", out)
+    for name in rows:
+        assert out["lag"][name] == [0, 1, 1, 1, 1], out
+        assert out["served"][name] == [0, 0, 1, 2, 3], out
+        active = [m for m in out["mismatch_active_mean"][name] if m == m and m is not None]
+        assert not active or max(active) < 0.05, out

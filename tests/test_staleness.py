@@ -5,6 +5,8 @@ stale run repeated bit for bit, a checkpoint without the adapter one version beh
 on-policy for one step, and learning on the demo. Stopped and resumed stale runs: test_crash.py."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from reliability_util import make_trainer, stale_run, tens_problems  # noqa: F401 (fixture)
@@ -154,11 +156,101 @@ def test_a_checkpoint_without_the_adapter_behind_resumes_one_step_on_policy(make
     assert [r["adapter/lag"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 0, 1]
 
 
-def test_staleness_is_refused_with_memory_release_and_with_policies():
+def test_staleness_is_refused_with_memory_release():
     with pytest.raises(Exception, match="release_memory_during_training"):
         Config.load(None, ["grpo.max_staleness=1", "engine.release_memory_during_training=true"])
-    with pytest.raises(Exception, match="max_staleness > 0 with policies"):
-        Config.load(None, ["grpo.max_staleness=1", 'policies=[{"name": "a"}, {"name": "b"}]'])
+
+
+# --- a policy group, one step stale: its batch sampled while its updates run ---------------------------
+def stale_group(model, tmp_path, name: str, steps: int, *extra):
+    from lorabench.session import GroupSession
+    entries = json.dumps([{"name": "fast", "grpo": {"lr": 0.003}}, {"name": "slow", "grpo": {"lr": 0.001}}])
+    cfg = Config.load(None, [f"model.name_or_path={model}", f"run.out_dir={tmp_path}", f"run.name={name}", *SMALL,
+                             *stale_run(tens_problems(tmp_path)), f"grpo.steps={steps}", f"policies={entries}",
+                             *extra])
+    return GroupSession.open(cfg, tmp_path / name, evaluate_first=False, **QUIET)
+
+
+def group_outcome(group, tmp_path, name: str) -> dict:
+    """Per policy: its rollouts.jsonl, its metrics rows without timings, its final adapter."""
+    group.trainer.wait_committed()
+    return {p: (read_jsonl(tmp_path / name / p / "rollouts.jsonl"),
+                list(map(without_timings, read_jsonl(tmp_path / name / p / "metrics.jsonl"))),
+                t.policy.adapter().buffer) for p, t in group.trainer.trainers.items()}
+
+
+def test_a_stale_group_samples_ahead_and_each_policy_is_its_stale_run_alone(tiny_model_dir, tmp_path):
+    """Every step after the first is sampled while the previous step's updates ran, from the adapters one
+    update behind (lag 1, served version step - 2), and each policy's rows and final adapter are bit for bit
+    those of the same policy run alone, stale (the CPU engine serves each request as if it came alone)."""
+    group = stale_group(tiny_model_dir, tmp_path, "g", 4)
+    try:
+        taken, take = [], group.trainer._take_ahead
+
+        def counted(steps):
+            got = take(steps)
+            taken.append(got is not None)
+            return got
+        group.trainer._take_ahead = counted
+        group.trainer.run(progress=False)
+        together = group_outcome(group, tmp_path, "g")
+        members = group.cfg.members()
+    finally:
+        group.close()
+    assert taken == [False, True, True, True]   # step 1 in line, each later batch sampled ahead
+    for name, (rollouts, rows, adapter) in together.items():
+        assert [r["adapter/lag"] for r in rows] == [0, 1, 1, 1]
+        assert [r["adapter/served_version"] for r in rows] == [0, 0, 1, 2]
+        alone = RunSession.open(members[name], tmp_path / f"alone-{name}", evaluate_first=False, **QUIET)
+        try:
+            alone.trainer.run(progress=False)
+            assert alone.trainer._ahead is None
+            expected = (read_jsonl(tmp_path / f"alone-{name}" / "rollouts.jsonl"),
+                        list(map(without_timings, alone.metrics())), alone.trainer.policy.adapter().buffer)
+        finally:
+            alone.close()
+        assert rollouts == expected[0] and rows == expected[1] and torch.equal(adapter, expected[2]), name
+    assert not torch.equal(together["fast"][2], together["slow"][2])   # two learning rates: two adapters
+
+
+def test_a_stale_group_stopped_and_resumed_is_the_uninterrupted_group(tiny_model_dir, tmp_path):
+    """Closed after 2 of 4 steps (its batch sampled ahead dropped) and resumed: the resumed step samples in line
+    from the adapters behind, as the pipeline would have, and every row and final adapter equals the
+    uninterrupted run's; so does a failed update's step, rolled back for every policy and taken again."""
+    from lorabench.session import GroupSession
+    whole = stale_group(tiny_model_dir, tmp_path, "whole", 4)
+    try:
+        whole.trainer.run(progress=False)
+        expected = group_outcome(whole, tmp_path, "whole")
+    finally:
+        whole.close()
+    part = stale_group(tiny_model_dir, tmp_path, "part", 4)
+    try:
+        part.trainer.run(2, progress=False)
+        assert part.trainer._ahead is not None    # step 3's batch, sampled ahead, dropped at close
+    finally:
+        part.close()
+    resumed = GroupSession.resume(tmp_path / "part", evaluate_first=False, **QUIET)
+    try:
+        second = resumed.trainer.trainers["slow"]
+        train = second.policy.train
+
+        def fails_once(*args, **kwargs):
+            second.policy.train = train
+            raise RuntimeError("an update that fails once")
+        second.policy.train = fails_once
+        with pytest.raises(RuntimeError, match="fails once"):
+            resumed.trainer.step()
+        assert resumed.trainer.current == "slow"
+        # fast had updated, not yet published: rolled back with slow
+        assert {n: t.step_count for n, t in resumed.trainer.trainers.items()} == {"fast": 2, "slow": 2}
+        resumed.trainer.run(progress=False)
+        got = group_outcome(resumed, tmp_path, "part")
+    finally:
+        resumed.close()
+    for name in expected:
+        assert got[name][0] == expected[name][0] and got[name][1] == expected[name][1], name
+        assert torch.equal(got[name][2], expected[name][2]), name
 
 
 @pytest.mark.slow

@@ -155,8 +155,6 @@ def group_problems(cfg: Config) -> list[str]:
     return [*st.check(cfg.refresh.mode != "merged", "refresh.mode=merged with policies: a merged refresh overwrites "
                       "the engine's base weights, which every policy of the group shares; use refresh.mode=inplace, "
                       "tensor or file"),
-            *st.check(not cfg.grpo.max_staleness, "grpo.max_staleness > 0 with policies: a policy group samples every "
-                      "policy's rollouts in one batch per step, on-policy; set grpo.max_staleness=0"),
             *st.check(not cfg.engine.release_memory_during_training, "engine.release_memory_during_training=true with "
                       "policies: each policy would release and resume the shared engine around its own update; "
                       "not supported for a group, set it to false")]
