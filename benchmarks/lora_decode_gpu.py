@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,16 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_calls import call_sglang  # noqa: E402  (this folder)
-from synthetic import random_qwen3_dir  # noqa: E402
+from sglang_calls import timed_decode  # noqa: E402  (this folder)
+from synthetic import qwen3_06b_with_adapter  # noqa: E402
 
-from lorabench.adapters import FlatAdapter  # noqa: E402
-from lorabench.clock import synced_time  # noqa: E402
-from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
 from lorabench.engines.sglang import SGLangEngine, SGLangSettings  # noqa: E402
-from lorabench.models import load_tokenizer  # noqa: E402
-from lorabench.refresh_bench import adapter_model  # noqa: E402
-from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
 STACK = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")  # the offline stack
 VARIANTS = {  # name -> extra sglang.Engine arguments
@@ -42,13 +35,6 @@ VARIANTS = {  # name -> extra sglang.Engine arguments
     "csgmv, chunk 128": {"max_lora_chunk_size": 128},
     "triton": {"lora_backend": "triton"},
 }
-
-
-def decode(engine, ids: list[list[int]], new_tokens: int, adapter) -> float:
-    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
-    t0 = synced_time()
-    call_sglang(engine, lambda e: e.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids)))
-    return synced_time() - t0
 
 
 def main() -> None:
@@ -61,14 +47,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     args = parser.parse_args()
     import sglang
-    root = Path(tempfile.mkdtemp(prefix="lora-decode-"))
-    build_tiny_tokenizer(root / "tok")
-    q06 = str(random_qwen3_dir("0.6B", str(root / "tok"), Path(args.cache) / "qwen3-0.6b-random"))
-    tok = load_tokenizer(q06)
     batches = [int(b) for b in args.batches.split(",")]
-    prompts = [prompt_ids(tok, p.messages) for p in synthetic_problems(max(batches), "lora-decode")]
-    adapter = FlatAdapter.from_peft(adapter_model(q06, 32, dtype="bfloat16", device="cuda")).to("cuda", torch.bfloat16)
-    torch.cuda.empty_cache()
+    q06, prompts, adapter = qwen3_06b_with_adapter(args.cache, max(batches), "lora-decode")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sglang": sglang.__version__,
               "commit": os.environ.get("LORABENCH_COMMIT", ""), "date": time.strftime("%Y-%m-%d %H:%M"),
               "setting": f"Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections, {args.new_tokens} new "
@@ -82,8 +62,8 @@ def main() -> None:
                 ids = prompts[:batch]
                 times = {}
                 for which, lora in (("base", None), ("adapter", "a")):
-                    decode(engine, ids, args.new_tokens, lora)
-                    times[which] = statistics.median(decode(engine, ids, args.new_tokens, lora) for _ in range(3))
+                    timed_decode(engine, ids, args.new_tokens, lora)
+                    times[which] = statistics.median(timed_decode(engine, ids, args.new_tokens, lora) for _ in range(3))
                 tokens = batch * args.new_tokens
                 row = {"variant": name, "extra_args": VARIANTS[name], "batch": batch,
                        "base_tok_s": tokens / times["base"], "adapter_tok_s": tokens / times["adapter"],

@@ -10,3 +10,13 @@ def call_sglang(engine, fn):
     if engine._thread is None:
         raise EngineError("call_sglang: the engine is closed; open a new one")
     return engine._thread.call(lambda: fn(engine.engine), on_interrupt=engine._abort)
+
+
+def timed_decode(engine, ids: list[list[int]], new_tokens: int, adapter, logprob: bool = False) -> float:
+    """Seconds of SGLang's own generate of `new_tokens` per prompt (ignore_eos, temperature 1), GPU work included."""
+    from lorabench.clock import synced_time
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
+    t0 = synced_time()
+    call_sglang(engine, lambda e: e.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids),
+                                             return_logprob=logprob))
+    return synced_time() - t0

@@ -82,3 +82,21 @@ def qwen3_06b_run(root: Path, cache: str | Path, data_name: str) -> list[str]:
                             for p in synthetic_problems(4096, data_name)))
     return [f"model.name_or_path={model_dir}", f"data.source={data}", "data.eval_size=4"]
 
+
+def qwen3_06b_with_adapter(cache: str | Path, prompts: int, tag: str) -> tuple[str, list[list[int]], object]:
+    """For decode benchmarks: the random Qwen3-0.6B-shape dir (cached under `cache`), `prompts` GSM8K-format
+    prompts as token ids, and a bf16 LoRA r=32 on the 7 projections (B non-zero) on the GPU, as a FlatAdapter."""
+    import tempfile
+
+    from lorabench.adapters import FlatAdapter
+    from lorabench.data import prompt_ids, synthetic_problems
+    from lorabench.refresh_bench import adapter_model
+    from lorabench.tiny import build_tiny_tokenizer
+    tok_dir = Path(tempfile.mkdtemp(prefix=f"{tag}-")) / "tok"
+    build_tiny_tokenizer(tok_dir)
+    q06 = str(random_qwen3_dir("0.6B", str(tok_dir), Path(cache) / "qwen3-0.6b-random"))
+    tok = load_tokenizer(q06)
+    ids = [prompt_ids(tok, p.messages) for p in synthetic_problems(prompts, tag)]
+    adapter = FlatAdapter.from_peft(adapter_model(q06, 32, dtype="bfloat16", device="cuda")).to("cuda", torch.bfloat16)
+    torch.cuda.empty_cache()
+    return q06, ids, adapter

@@ -29,6 +29,16 @@ def session_for(model, tmp_path, *extra, name="s") -> RunSession:
     return RunSession.open(cfg, tmp_path / name, evaluate_first=False, **QUIET)
 
 
+def fail_next_update(trainer, message: str) -> None:
+    """The trainer's next update raises RuntimeError(message), once."""
+    train = trainer.policy.train
+
+    def fails(*args, **kwargs):
+        trainer.policy.train = train
+        raise RuntimeError(message)
+    trainer.policy.train = fails
+
+
 def test_the_importance_weight_scales_each_token_and_carries_no_gradient():
     logp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_(True)
     adv, mask = torch.tensor([1.0]), torch.ones(1, 2)
@@ -91,12 +101,7 @@ def test_a_rolled_back_step_drops_the_rollouts_sampled_ahead(tiny_model_dir, tmp
     trainer = session.trainer
     try:
         trainer.step()
-        train = trainer.policy.train
-
-        def fails(*args, **kwargs):
-            trainer.policy.train = train
-            raise RuntimeError("a failing update")
-        trainer.policy.train = fails
+        fail_next_update(trainer, "a failing update")
         with pytest.raises(RuntimeError, match="a failing update"):
             trainer.step()
         assert trainer.step_count == 1 and trainer._ahead is None
@@ -232,13 +237,7 @@ def test_a_stale_group_stopped_and_resumed_is_the_uninterrupted_group(tiny_model
         part.close()
     resumed = GroupSession.resume(tmp_path / "part", evaluate_first=False, **QUIET)
     try:
-        second = resumed.trainer.trainers["slow"]
-        train = second.policy.train
-
-        def fails_once(*args, **kwargs):
-            second.policy.train = train
-            raise RuntimeError("an update that fails once")
-        second.policy.train = fails_once
+        fail_next_update(resumed.trainer.trainers["slow"], "an update that fails once")
         with pytest.raises(RuntimeError, match="fails once"):
             resumed.trainer.step()
         assert resumed.trainer.current == "slow"
