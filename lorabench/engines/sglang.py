@@ -563,7 +563,8 @@ def _interrupts_ignored_by_children():
 
 
 def _params(sampling: Sampling) -> dict:
-    """SGLang's sampling parameters for `sampling` (greedy: top_k 1; a seed only where sampling)."""
+    """SGLang's sampling parameters for `sampling` (greedy: top_k 1; a seed only where sampling, which
+    SGLang's sampler reads only with engine.sglang.extra_args '{"enable_deterministic_inference": true}')."""
     params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
               "top_p": sampling.top_p if sampling.temperature > 0 else 1.0}
     if sampling.temperature == 0:
