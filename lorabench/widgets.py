@@ -366,7 +366,8 @@ def policies_table(histories: dict[str, list[dict]]) -> str:
                     f"<td>{_fmt(last.get(m.PROBE_GAP), '.3g')}</td><td>{1e3 * last[m.REFRESH_S]:.1f}</td>"
                     f"<td>v{last[m.SERVED_VERSION]}</td></tr>")
     return (f"{_TABLE_STYLE}<div>One engine batch per step for all policies; each policy trained, refreshed and "
-            f"checked on its own (its rollouts served by its own adapter at the trainer's version)</div>"
+            f"checked on its own (its rollouts served by its own adapter: the trainer's version, or one behind with "
+            f"grpo.max_staleness=1)</div>"
             f"<table class='lb-table'>{head}{''.join(rows)}</table>")
 
 

@@ -98,7 +98,7 @@ display(pd.DataFrame([{"policy": name, "rank": t.policy.lora_layers.config["r"],
 # %% [markdown]
 # ## Train them side by side
 # **Step** takes one GRPO step of every policy: one engine batch with all their prompts (each
-# prompt names its policy's adapter), then each policy's update and refresh. The table under the
+# prompt names its policy's adapter), then every policy's update, then each one's refresh. The table under the
 # buttons checks what a policy alone would: every policy's rollouts came from its own adapter at its
 # trainer's version. The cell below runs `STEPS` steps; the panel stays live afterwards.
 
