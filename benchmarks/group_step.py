@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import watch  # noqa: E402  (this folder)
+from synthetic import size_overrides  # noqa: E402
 
 from lorabench.session import Config, GroupSession, RunSession  # noqa: E402
 
@@ -116,11 +117,6 @@ def _size_s(size: str) -> float:
     """A generous bound on one policy's step at `size` on an H200 (the watchdog's deadline), in s."""
     p, g, t = (int(x) for x in size.split("x"))
     return 2.0 + p * g * t / 20_000
-
-
-def size_overrides(size: str) -> list[str]:
-    p, g, t = (int(x) for x in size.split("x"))
-    return [f"grpo.prompts_per_step={p}", f"grpo.group_size={g}", f"grpo.max_new_tokens={t}"]
 
 
 def main() -> None:

@@ -16,19 +16,15 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_calls import timed_decode  # noqa: E402  (this folder)
-from synthetic import qwen3_06b_with_adapter  # noqa: E402
+from sglang_calls import gpu_header, timed_decode  # noqa: E402  (this folder)
+from synthetic import STACK_ARGS, qwen3_06b_with_adapter  # noqa: E402
 
 from lorabench.engines.sglang import SGLangEngine, SGLangSettings  # noqa: E402
 
-STACK = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")  # the offline stack
 VARIANTS = {  # name -> extra sglang.Engine arguments
     "default (csgmv, chunk 16)": {},
     "csgmv, chunk 64": {"max_lora_chunk_size": 64},
@@ -46,16 +42,14 @@ def main() -> None:
                         help="names from VARIANTS, separated by ; (the names hold commas)")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     args = parser.parse_args()
-    import sglang
     batches = [int(b) for b in args.batches.split(",")]
     q06, prompts, adapter = qwen3_06b_with_adapter(args.cache, max(batches), "lora-decode")
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sglang": sglang.__version__,
-              "commit": os.environ.get("LORABENCH_COMMIT", ""), "date": time.strftime("%Y-%m-%d %H:%M"),
+    result = {**gpu_header(), "rows": [],
               "setting": f"Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections, {args.new_tokens} new "
-                         f"tokens, ignore_eos, T=1.0, p50 of 3 after 1 warm-up", "rows": []}
+                         f"tokens, ignore_eos, T=1.0, p50 of 3 after 1 warm-up"}
     for name in args.variants.split(";"):
         settings = SGLangSettings(max_lora_rank=32, mem_fraction_static=0.5, dtype="bfloat16",
-                                  cuda_graph_max_bs=max(batches), **STACK, extra_args=json.dumps(VARIANTS[name]))
+                                  cuda_graph_max_bs=max(batches), **STACK_ARGS, extra_args=json.dumps(VARIANTS[name]))
         with SGLangEngine(q06, settings) as engine:
             engine.load_adapter_tensors("a", adapter)
             for batch in batches:

@@ -19,20 +19,16 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import watch  # noqa: E402  (this folder)
-from sglang_calls import timed_decode  # noqa: E402
-from synthetic import qwen3_06b_with_adapter  # noqa: E402
+from sglang_calls import gpu_header, timed_decode  # noqa: E402
+from synthetic import STACK_ARGS, qwen3_06b_with_adapter  # noqa: E402
 
 from lorabench.engines.sglang import SGLangEngine, SGLangSettings  # noqa: E402
 
-STACK = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")
 VARIANTS = {"plain": False, "logprob": True}   # name -> return_logprob
 
 
@@ -46,15 +42,13 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     args = parser.parse_args()
     watch.limit(args.limit)
-    import sglang
     batches = [int(b) for b in args.batches.split(",")]
     q06, prompts, adapter = qwen3_06b_with_adapter(args.cache, max(batches), "sampling-cost")
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sglang": sglang.__version__,
-              "commit": os.environ.get("LORABENCH_COMMIT", ""), "date": time.strftime("%Y-%m-%d %H:%M"),
+    result = {**gpu_header(), "rows": [],
               "setting": f"Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections (tensors), {args.new_tokens} "
-                         f"new tokens, ignore_eos, T=1.0, top_p=1.0, p50 of 2 after 1 warm-up", "rows": []}
+                         f"new tokens, ignore_eos, T=1.0, top_p=1.0, p50 of 2 after 1 warm-up"}
     settings = SGLangSettings(max_lora_rank=32, mem_fraction_static=args.mem_fraction, dtype="bfloat16",
-                              cuda_graph_max_bs=max(batches), **STACK)
+                              cuda_graph_max_bs=max(batches), **STACK_ARGS)
     with watch.phase("engine start", 150):
         engine = SGLangEngine(q06, settings)
     watch.engine = engine

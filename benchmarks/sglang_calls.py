@@ -12,6 +12,17 @@ def call_sglang(engine, fn):
     return engine._thread.call(lambda: fn(engine.engine), on_interrupt=engine._abort)
 
 
+def gpu_header() -> dict:
+    """What a GPU result records of its machine and versions (commit: $LORABENCH_COMMIT)."""
+    import os
+    import time
+
+    import sglang
+    import torch
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sglang": sglang.__version__,
+            "commit": os.environ.get("LORABENCH_COMMIT", ""), "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
 def timed_decode(engine, ids: list[list[int]], new_tokens: int, adapter, logprob: bool = False) -> float:
     """Seconds of SGLang's own generate of `new_tokens` per prompt (ignore_eos, temperature 1), GPU work included."""
     from lorabench.clock import synced_time

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meters import GpuBusy, trained_flops  # noqa: E402  (this folder)
-from synthetic import qwen3_06b_run  # noqa: E402  (this folder)
+from synthetic import qwen3_06b_run, size_overrides  # noqa: E402  (this folder)
 
 from lorabench.data import prompt_ids  # noqa: E402
 from lorabench.session import Config, RunSession  # noqa: E402
@@ -160,8 +160,7 @@ def main() -> None:
     sizes = [None] if args.tiny else args.sizes
     for size, mode, staleness in ((s, m, k) for s in sizes for m in args.modes for k in args.staleness):
         name = mode + (f"-stale{staleness}" if staleness else "") + (f"-{size}" if len(sizes) > 1 else "")
-        shape = [] if size is None else [f"grpo.{key}={int(v)}" for key, v in
-                                         zip(("prompts_per_step", "group_size", "max_new_tokens"), size.split("x"))]
+        shape = [] if size is None else size_overrides(size)
         row = measure([*base, *shape, *args.overrides, f"run.commit_in_background={str(mode == 'background').lower()}",
                        f"grpo.max_staleness={staleness}"], root / "runs", name, args.steps,
                       decode=not (args.tiny or args.no_decode))

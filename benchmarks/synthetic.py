@@ -18,6 +18,7 @@ from lorabench.models import load_tokenizer
 from lorabench.safedir import atomic_dir
 
 # the engine arguments of our offline GPU stack (no FlashInfer, FA3 or xgrammar; a full install needs none)
+STACK_ARGS = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")  # SGLangSettings
 STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
          "engine.sglang.grammar_backend=none", "engine.sglang.dtype=bfloat16", "model.dtype=bfloat16"]
 
@@ -81,6 +82,12 @@ def qwen3_06b_run(root: Path, cache: str | Path, data_name: str) -> list[str]:
     data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
                             for p in synthetic_problems(4096, data_name)))
     return [f"model.name_or_path={model_dir}", f"data.source={data}", "data.eval_size=4"]
+
+
+def size_overrides(size: str) -> list[str]:
+    """'PxGxT' (prompts x completions x new tokens per step) as config overrides."""
+    p, g, t = (int(x) for x in size.split("x"))
+    return [f"grpo.prompts_per_step={p}", f"grpo.group_size={g}", f"grpo.max_new_tokens={t}"]
 
 
 def qwen3_06b_with_adapter(cache: str | Path, prompts: int, tag: str) -> tuple[str, list[list[int]], object]:

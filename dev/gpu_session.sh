@@ -8,7 +8,7 @@
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
 #        user_step (benchmarks/step_user_path.py: RunSession at the defaults, background and in-line commits, then
 #                   a second process with torch's compile caches warm),
-#        sampling (benchmarks/sampling_cost_gpu.py: decode with log-probs and/or a sampling seed, per batch size),
+#        sampling (benchmarks/sampling_cost_gpu.py: decode with and without log-probs, per batch size),
 #        stale (step_user_path.py, background commit, grpo.max_staleness 1 then 0, $LORABENCH_STALE_ARGS),
 #        step_variant (step_gpu.py at 64x8x256 only, with $LORABENCH_STEP_VARIANT_ARGS, e.g. an --engine-extra),
 #        fits (step_gpu.py --fits-only: the 24 GB check alone; on top of the README's command:

@@ -144,7 +144,7 @@ class SGLangSettings(Section):
                       lora_target_modules=sglang_target_modules(needs.target_modules), dtype=self.dtype,
                       max_loras_per_batch=max(self.max_loras_per_batch, needs.adapters + 1),   # + the base
                       random_seed=needs.seed, log_level="error")
-        if self.in_place and needs.in_place:
+        if self.registers_writer(needs):
             kwargs["custom_weight_loader"] = [internals.LOADER]
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
         if self.cuda_graph_max_bs or needs.largest_batch:
@@ -156,6 +156,10 @@ class SGLangSettings(Section):
         if self.tp_size > 1:
             kwargs["tp_size"] = self.tp_size
         return {**kwargs, **self.extra()}
+
+    def registers_writer(self, needs: EngineNeeds) -> bool:
+        """Whether the engine starts with the in-place writer registered (engine_kwargs)."""
+        return self.in_place and needs.in_place
 
     def gpu_problems(self, visible: int) -> list[str]:
         """Where the engine runs against the `visible` CUDA GPUs of this process."""
@@ -274,7 +278,7 @@ class SGLangEngine:
         self.settings = settings = settings or SGLangSettings()
         needs = needs or EngineNeeds()
         self.max_lora_rank = settings.max_lora_rank or needs.lora_rank
-        self.has_writer = settings.in_place and needs.in_place   # engine_kwargs registered it
+        self.has_writer = settings.registers_writer(needs)
         self.adapter_dtype = DTYPES.get(settings.dtype)  # None for 'auto': the model's own dtype
         self.device = "cuda"
         self.engine = self._store = None
