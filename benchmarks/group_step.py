@@ -144,7 +144,7 @@ def main() -> None:
     base += args.overrides
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
-              "date": time.strftime("%Y-%m-%d %H:%M"), "k": args.k, "overrides": base,
+              "date": time.strftime("%Y-%m-%d %H:%M"), "ks": args.ks or [args.k], "overrides": base,
               "group_overrides": args.group_overrides, "sizes": {}}
     for size in args.sizes:
         single = run_single(base, size, root / "runs", args.steps)

@@ -145,9 +145,14 @@ def pick_device(requested: str = "") -> str:
 
 @contextlib.contextmanager
 def quiet_peft():
-    """Hides PEFT's FutureWarning about transformers' deprecated `is_gradient_checkpointing` (PEFT's to fix)."""
+    """Hides PEFT's FutureWarning about transformers' deprecated `is_gradient_checkpointing` (PEFT's to fix), and
+    its warning that an adapter name inside 'lora_' (a policy named 'a', 'lo', ...) may load wrongly: lorabench
+    never loads by PEFT's name matching (LoraLayers reads each layer's ModuleDict entry; the hf engine refuses a
+    load with a missing or unexpected key)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="Adapter name .* should not be contained in the prefix",
+                                category=UserWarning)
         yield
 
 

@@ -1,6 +1,8 @@
 """HFEngine with SGLang's semantics: base unless a request names an adapter, strict load/unload,
 generate log-probs that agree with score(), seeded sampling, base-weight updates, memory symmetry,
 adapter versions that only a successful write moves, and the engine registry and capabilities."""
+import warnings
+
 import pytest
 import torch
 from conftest import max_abs_diff, model_logprobs, perturb_lora_B
@@ -185,6 +187,22 @@ def test_two_adapters_are_independent(engine, make_peft_model, base_model, sampl
     assert max_abs_diff(engine.score(seqs, lens, "two"), want2) < 1e-5
     assert max_abs_diff(engine.score(seqs, lens, None), model_logprobs(base_model, seqs, lens)) < 1e-5
     assert engine.served_version("one") is None and engine.served_version("two") == 2
+
+
+@pytest.mark.parametrize("names", [("a", "lo"), ("x", "a")])
+def test_names_inside_peft_prefix_load_right_and_quietly(engine, make_peft_model, sample_sequences, names):
+    """A policy named 'a' is a PEFT adapter named 'a', inside PEFT's 'lora_' prefix: PEFT warns that its
+    weights may load wrongly. Loaded first (get_peft_model) or beside another (add_adapter), each serves its
+    own weights, and the warning is not shown (quiet_peft says why it does not apply)."""
+    seqs, lens = sample_sequences
+    models = [make_peft_model(seed=seed) for seed in (1, 2)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for version, (name, model) in enumerate(zip(names, models), 1):
+            engine.load_adapter_tensors(name, FlatAdapter.from_peft(model, version=version))
+    assert not [w for w in seen if "prefix" in str(w.message)]
+    for name, model in zip(names, models):
+        assert max_abs_diff(engine.score(seqs, lens, name), model_logprobs(model, seqs, lens)) < 1e-5
 
 
 def test_unloading_the_active_adapter_is_quiet_and_keeps_the_other(engine, make_peft_model, sample_sequences):

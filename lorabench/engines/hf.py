@@ -17,7 +17,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
 
 from ..adapters import FlatAdapter, base_param_name, linear_shapes, validate
 from ..interrupts import interrupts_deferred
-from ..models import load_model, pick_device, with_lora
+from ..models import load_model, pick_device, quiet_peft, with_lora
 from ..settings import ALLOWED, Section, check, setting
 from .base import (
     SERVED,
@@ -167,7 +167,8 @@ class HFEngine:
             if self._peft is None:
                 self._peft = with_lora(self._base, lora_config, adapter_name=name)
             else:
-                self._peft.add_adapter(name, lora_config)
+                with quiet_peft():
+                    self._peft.add_adapter(name, lora_config)
             result = set_peft_model_state_dict(self._peft, tensors, adapter_name=name)
             unexpected = [k for k in result.unexpected_keys if "lora_" in k]
             missing = [k for k in result.missing_keys if f".{name}." in k and "lora_" in k]
