@@ -46,7 +46,10 @@ class RunSettings(Section):
     """The `run` section: where the run dir goes, the seed, and when it is written."""
     out_dir: str = setting("runs", "Parent of run directories.", resume=ALLOWED, why=_WHERE)
     name: str = setting("", "Run directory name; '' = timestamp.", resume=ALLOWED, why=_WHERE)
-    seed: int = setting(0, "Seed for data, sampling and init; the same seed reproduces a run.", resume=REFUSED,
+    seed: int = setting(0, "Seed for data, sampling and init; on the hf engine the same seed reproduces a "
+                        "run bit for bit. SGLang 0.5.17 reads a request's seed only with engine.sglang.extra_args "
+                        "'{\"enable_deterministic_inference\": true}' and otherwise samples unseeded: data and init "
+                        "repeat, the rollouts do not.", resume=REFUSED,
                         why="it seeds the data, the sampling, the LoRA init and (tiny) the base model")
     save_adapter_every: int = setting(10, "Write adapters/step_<n>/ every n steps (and the last step).",
                                       resume=ALLOWED, why="logging")
