@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -82,11 +83,33 @@ def timed_steps(session, steps: int) -> dict:
                                    for k in later[0] if k.startswith("memory/")}}
 
 
+class _Bypasses(logging.Handler):
+    """Why inductor compiled a graph without its on-disk cache: the reasons it logs (codecache, INFO)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Bypassing" in record.getMessage():
+            self.reasons.append(record.getMessage())
+
+
+BYPASSES = _Bypasses()
+
+
+def watch_cache_bypasses() -> None:
+    codecache = logging.getLogger("torch._inductor.codecache")
+    codecache.addHandler(BYPASSES)
+    codecache.setLevel(min(codecache.getEffectiveLevel(), logging.INFO))
+
+
 def compile_cache_counters() -> dict:
-    """torch's counts of compiled graphs and of on-disk cache hits and misses so far in this process."""
+    """torch's counts of compiled graphs and of on-disk cache hits and misses so far in this process, and why
+    a graph bypassed inductor's cache (watch_cache_bypasses)."""
     from torch._dynamo.utils import counters
-    return {group: dict(counters[group]) for group in ("stats", "aot_autograd", "inductor")
-            if group in counters}
+    return {**{group: dict(counters[group]) for group in ("stats", "aot_autograd", "inductor") if group in counters},
+            "fxgraph_cache_bypass_reasons": sorted(set(BYPASSES.reasons))}
 
 
 def sglang_decode(session, t: int) -> dict:
@@ -147,6 +170,7 @@ def main() -> None:
                         help="PxGxT: prompts x completions x new tokens per step, one run per size (GPU setting only)")
     parser.add_argument("--no-decode", action="store_true", help="skip SGLang's own decode of the batch (~20 s a run)")
     args = parser.parse_args()
+    watch_cache_bypasses()
     root = Path(tempfile.mkdtemp(prefix="step-user-"))
     if args.tiny:
         base = ["model.name_or_path=tiny"]
