@@ -61,13 +61,16 @@ class PolicySpec:
         return f"{self.name}: {', '.join(parts) or 'the shared settings'}"
 
 
-def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
+def parse_policies(entries, source: str, sections: dict, from_file: bool = False) -> list[PolicySpec]:
     """The `policies` list of a config, each entry checked: a unique name usable as a dir name, and only
-    fields a policy may own, typed as outside `policies`. ConfigError names the entry and the fix."""
+    fields a policy may own, typed as outside `policies`. Read from JSON or TOML (an override's JSON text,
+    `from_file`: a config file or group.json) each value must already have its field's type, as in a config
+    file (check_policy_types). ConfigError names the entry and the fix."""
     if entries in (None, []):
         return []
     if isinstance(entries, str):
         import json
+        from_file = True
         try:
             entries = json.loads(entries, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as err:
@@ -78,6 +81,8 @@ def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ConfigError(f"{source}: policies must be a list of tables, e.g. policies = [{{name = \"r1\", "
                           f"lora.r = 1}}, {{name = \"r16\", lora.r = 16}}] in TOML; got {entries!r:.80}")
+    if from_file:
+        check_policy_types(entries, source, sections)
     specs, seen = [], set()
     for i, entry in enumerate(entries):
         where = f"{source}: policies[{i}]"
@@ -96,6 +101,15 @@ def parse_policies(entries, source: str, sections: dict) -> list[PolicySpec]:
                      for section, values in entry.items() if section != "name"}
         specs.append(PolicySpec(name, overrides, where))
     return specs
+
+
+def check_policy_types(entries, source: str, sections: dict) -> None:
+    """Each value of a policy entry read from JSON or TOML has its field's type (settings.check_types)."""
+    from . import settings as st
+    for i, entry in enumerate(entries if isinstance(entries, list) else []):
+        for name, values in entry.items() if isinstance(entry, dict) else ():
+            if name in sections:
+                st.check_types(sections[name], values, f"{source}: policies[{i}].{name}")
 
 
 def _owned_fields(where: str, section: str, values, sections: dict) -> dict:

@@ -154,7 +154,11 @@ def test_a_policy_field_is_read_as_the_same_field_outside_policies(key, value):
 
 
 @pytest.mark.parametrize("entries, words", [
-    ('[{"name": "a", "lora": {"r": "abc"}}]', "policies[0] (a): lora.r: 'abc' is not an int"),
+    ('[{"name": "a", "lora": {"r": "abc"}}]', "policies[0].lora.r: 'abc' is a string (in quotes)"),
+    ('[{"name": "a", "lora": {"r": "16"}}]',   # was run as r=16, where a config file refuses the same JSON
+     "policies[0].lora.r: '16' is a string (in quotes), not a whole number; write one without quotes"),
+    ('[{"name": "a", "lora": {"r": 16.0}}]', "policies[0].lora.r: 16.0 is a float, not a whole number"),
+    ('[{"name": "a", "grpo": {"lr": "3e-4"}}]', "policies[0].grpo.lr: '3e-4' is a string (in quotes), not a number"),
     ('[{"name": "a"}, {"name": "b", "lora": {"r": 0}}]', "policies[1] (b): lora.r=0: the LoRA rank"),
     ('[{"name": "a", "grpo": {"lr": Infinity}}]', "policies[0] (a): grpo.lr=inf: must be a finite number"),
     ('[{"name": 5}]', "policies[0]: name 5 is not a string"),
@@ -206,7 +210,10 @@ def _swap_dirs(group: Path) -> None:
      "has lora.r=2 and G/r16/config.json has lora.r=16"),
     (_rewrite(lambda d: {"policies": [d["policies"][0], {"name": "r16", "lora": {"r": 8}}]}),
      "G/group.json has lora.r=8 for policy 'r16', but G/r16/config.json has lora.r=16"),
-    (_rewrite(lambda d: _set(d, 0, "lora", "r", "abc")), "G/group.json: policies[0] (r2): lora.r: 'abc' is not an int"),
+    (_rewrite(lambda d: _set(d, 0, "lora", "r", "abc")),
+     "G/group.json cannot be read as a policy group (G/group.json: policies[0].lora.r: 'abc' is a string (in quotes)"),
+    (_rewrite(lambda d: _set(d, 0, "lora", "r", "2")),   # its run dir's own rank, as text: was read as 2
+     "G/group.json: policies[0].lora.r: '2' is a string (in quotes), not a whole number"),
     (_rewrite(lambda d: d["policies"]), "(it holds a list, not an object with the one key 'policies')"),
     (_rewrite(lambda d: {**d, "note": "mine"}), "(it holds keys ['note', 'policies'], not an object with the one"),
     (_rewrite(lambda d: {"policies": []}), "('policies' is [], not the non-empty list"),   # was a traceback

@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import settings as st
 from ..data import DataSettings
 from ..engines import ENGINES, EngineNeeds, EngineSettings, UpdatesAdapterInPlace, engine_class
-from ..group import PolicySpec, member_dict, parse_policies
+from ..group import PolicySpec, check_policy_types, member_dict, parse_policies
 from ..grpo import GRPOSettings
 from ..models import ModelSettings
 from ..policy import LoraSettings
@@ -242,11 +242,7 @@ def read_config_file(path: str | Path) -> dict:
         raise ConfigError(f"config file {path}: the top level must be an object of sections, got {st.shown(data)}")
     for name, section in SECTIONS.items():
         st.check_types(section, data.get(name), f"{path}: {name}")
-    policies = data.get("policies")
-    for i, entry in enumerate(policies if isinstance(policies, list) else []):
-        for name, values in entry.items() if isinstance(entry, dict) else ():
-            if name in SECTIONS:
-                st.check_types(SECTIONS[name], values, f"{path}: policies[{i}].{name}")
+    check_policy_types(data.get("policies"), str(path), SECTIONS)
     return data
 
 

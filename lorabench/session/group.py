@@ -248,7 +248,7 @@ def read_group(root: Path) -> list:
             raise ConfigError(f"it holds {found}, not an object with the one key 'policies'")
         if not isinstance(data["policies"], list) or not data["policies"]:
             raise ConfigError(f"'policies' is {data['policies']!r:.60}, not the non-empty list lorabench writes")
-        return parse_policies(data["policies"], str(path), SECTIONS)
+        return parse_policies(data["policies"], str(path), SECTIONS, from_file=True)
     except (UnicodeDecodeError, json.JSONDecodeError, ConfigError) as err:
         raise RunDirError(f"{path} cannot be read as a policy group ({err}); nothing was changed: restore it, or "
                           f"resume each policy's run dir alone (lorabench resume {root}/NAME)") from err
