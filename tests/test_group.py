@@ -82,7 +82,7 @@ def test_the_group_dir_refuses_links_strangers_and_other_policies(tiny_model_dir
     target = tmp_path / "elsewhere"
     target.mkdir()
     (tmp_path / "linked").symlink_to(target)
-    with pytest.raises(RunDirError, match="is a link"):
+    with pytest.raises(RunDirError, match="is a symbolic link"):
         GroupSession.open(group_cfg(tiny_model_dir, tmp_path, "linked", *SMALL), **QUIET)
     stranger = tmp_path / "stranger"
     stranger.mkdir()
@@ -257,6 +257,27 @@ def test_resume_refuses_an_override_a_group_cannot_take(group_dir, capsys, overr
     line = refused(capsys, "resume", group_dir, *overrides)
     assert words.replace("G/", f"{group_dir}/") in line, line
     assert tree_state(group_dir) == before
+
+
+def test_resume_of_a_group_without_its_group_json_names_what_it_holds(group_dir, capsys):
+    """Without group.json the group's dir was told it "is not a lorabench run dir: it has no config.json"."""
+    (group_dir / "group.json").unlink()
+    before = tree_state(group_dir)
+    line = refused(capsys, "resume", group_dir)
+    assert (f"{group_dir} is not a run dir: it has no config.json but holds the run dirs ['r16', 'r2'] (the runs' "
+            f"parent dir, or a policy group whose group.json is gone); nothing was changed. Resume one of them "
+            f"(lorabench resume {group_dir}/r16)") in line, line
+    assert tree_state(group_dir) == before
+
+
+def test_resume_through_a_link_to_a_group_names_its_real_path(group_dir, capsys):
+    """A link to a group was refused with "choose another run.name or run.out_dir", a new run's fix."""
+    link = group_dir.parent / "link"
+    link.symlink_to(group_dir.name)
+    before = tree_state(group_dir)
+    line = refused(capsys, "resume", link)
+    assert f"{link} is a symbolic link (to g), not a run directory" in line and f"realpath {link}" in line, line
+    assert tree_state(group_dir) == before and os.readlink(link) == "g"
 
 
 def test_resume_of_one_policy_refuses_policies(group_dir, capsys):

@@ -16,11 +16,14 @@ docs/reliability.md §2b says what is not seen.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shlex
+import stat
 from pathlib import Path
 
+from ..group import GROUP_FILE
 from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
 from ..safedir import SafeDir
 from ..settings import ALLOWED
@@ -56,6 +59,11 @@ def effective_config(run_dir: Path, changes: bool = True) -> Config:
                           f"'run dir: ...')") from None
     with root:
         raw = root.read_bytes(CONFIG)
+        if raw is None and (runs := _run_dirs_in(root)):
+            raise RunDirError(f"{run_dir} is not a run dir: it has no {CONFIG} but holds the run dirs {runs[:5]} "
+                              f"(the runs' parent dir, or a policy group whose {GROUP_FILE} is gone); nothing was "
+                              f"changed. Resume one of them (lorabench resume {run_dir / runs[0]}), or restore the "
+                              f"group's {GROUP_FILE} from a backup to continue the group")
         if raw is None:
             raise RunDirError(f"{run_dir} is not a lorabench run dir: it has no {CONFIG}; pass a run dir written "
                               f"by lorabench (`lorabench run` prints 'run dir: ...')")   # a run there may be refused
@@ -74,6 +82,18 @@ def effective_config(run_dir: Path, changes: bool = True) -> Config:
                 table = table.setdefault(part, {})
             table[name] = new
     return Config.from_dict(data, source=f"{run_dir / CONFIG} + {CONFIG_CHANGES}")
+
+
+def _run_dirs_in(root: SafeDir) -> list[str]:
+    """The entries of `root` that are directories (not links) holding a config.json."""
+    found = []
+    for name in root.names():
+        entry = root.entry(name)
+        if entry is not None and stat.S_ISDIR(entry.st_mode):
+            with contextlib.suppress(RunDirError), root.sub(name) as sub:   # an unreadable one is not listed
+                if sub.entry(CONFIG) is not None:
+                    found.append(name)
+    return found
 
 
 def _change_row(run_dir: Path, line: int, row: dict) -> dict:

@@ -158,9 +158,12 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
     from ..rundir import RunDirError
     if not os.path.lexists(root):
         return False
-    if os.path.islink(root) or not root.is_dir():
-        raise RunDirError(f"{root} is {'a link' if os.path.islink(root) else 'not a directory'}; a policy group "
-                          f"is made in a directory of its own: choose another run.name or run.out_dir")
+    if os.path.islink(root):   # entered only through itself, as a run dir is
+        from ..safedir import refusal
+        raise refusal(root, os.lstat(root), "dir", is_root=True)
+    if not root.is_dir():
+        raise RunDirError(f"{root} is not a directory; a policy group is made in a directory of its own: choose "
+                          f"another run.name or run.out_dir")
     entries = sorted(os.listdir(root))
     links = [e for e in entries if e != GROUP_FILE and os.path.islink(root / e)]
     if links:
