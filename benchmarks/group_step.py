@@ -88,6 +88,7 @@ def run_group(base: list[str], k: int, size: str, root: Path, steps: int, extra:
             "per_policy": {name: {"mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in policy_rows),
                                   "mismatch_max": max(r["mismatch/max"] for r in policy_rows),
                                   "served_versions": [r["adapter/served_version"] for r in rows[name]],
+                                  "lags": [r["adapter/lag"] for r in rows[name]],   # lag 1: mismatch holds the lag
                                   "parts_s_p50": parts_p50(policy_rows)}
                            for name, policy_rows in later.items()}}
 

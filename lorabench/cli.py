@@ -22,7 +22,7 @@ from pathlib import Path
 from .adapters import AdapterError, AdapterWriteError
 from .data import DataError
 from .engines.base import EngineError
-from .metrics import MISMATCH_MAX, REFRESH_S, REWARD
+from .metrics import LAG, MISMATCH_MAX, REFRESH_S, REWARD
 from .models import ModelError
 from .policy import UpdateDiverged
 from .rundir import CONFIG
@@ -160,7 +160,9 @@ def _write_summary(session, done: dict, t0: float) -> dict:
         "train_reward_first5": sum(r[REWARD] for r in rows[:5]) / max(1, len(rows[:5])),
         "train_reward_last5": sum(r[REWARD] for r in rows[-5:]) / max(1, len(rows[-5:])),
         "refresh_ms_p50": refresh_ms[len(refresh_ms) // 2], "refresh_ms_max": refresh_ms[-1],
-        "mismatch_max": max((r[MISMATCH_MAX] for r in rows), default=float("nan")),
+        # a step sampled one adapter behind (grpo.max_staleness) differs by that lag, not by the engine
+        "mismatch_max": max((r[MISMATCH_MAX] for r in rows if not r.get(LAG)), default=float("nan")),
+        "lagged_steps": sum(1 for r in rows if r.get(LAG)),
         "seconds_model": session.model_seconds, "seconds_grpo": done["seconds_grpo"],
         "seconds_total": time.perf_counter() - t0,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -185,7 +187,9 @@ def print_summary(s: dict) -> None:
           f"   (greedy: {s['heldout_greedy_before']:.2f} -> {s['heldout_greedy_after']:.2f})")
     print(f"train reward, first 5 steps -> last 5: {s['train_reward_first5']:.2f} -> {s['train_reward_last5']:.2f}")
     print(f"adapter refresh per step: p50 {s['refresh_ms_p50']:.1f} ms, max {s['refresh_ms_max']:.1f} ms; "
-          f"trainer-vs-engine log-prob mismatch max {s['mismatch_max']:.2e}")
+          f"trainer-vs-engine log-prob mismatch max {s['mismatch_max']:.2e}"
+          + (f" (on-policy steps; the {s['lagged_steps']} sampled one adapter behind differ by that lag)"
+             if s.get("lagged_steps") else ""))
     print(f"time: model {s['seconds_model']:.0f}s, GRPO {s['seconds_grpo']:.0f}s, total {s['seconds_total']:.0f}s; "
           f"peak RSS {s['peak_rss_mb']:.0f} MB")
     print(f"run dir: {s['run_dir']}\nplots:   " + "\n         ".join(s["plots"]))

@@ -315,6 +315,15 @@ def stale_reference(tiny_model_dir, stale_extra, tmp_path_factory):
     return out / "ref"
 
 
+def test_a_stale_runs_summary_counts_the_engine_mismatch_of_on_policy_steps_only(stale_reference):
+    """The summary's mismatch says whether the engine served the trainer's adapter (~1e-6 on the CPU engine); a
+    step sampled one adapter behind differs by the lag (it printed ~1e-1 as the engine's mismatch)."""
+    rows = read_jsonl(stale_reference / "metrics.jsonl")
+    summary = json.loads((stale_reference / "summary.json").read_text())
+    assert max(r["mismatch/max"] for r in rows[1:]) > 1e-3   # the lag shows in the rows
+    assert summary["lagged_steps"] == 5 and summary["mismatch_max"] == rows[0]["mismatch/max"] < 1e-4, summary
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_a_stopped_stale_run_resumes_as_the_uninterrupted_run(stale_reference, stale_extra, tiny_model_dir, tmp_path,
                                                               stop):
