@@ -94,13 +94,18 @@ def plot_refresh(rows, ax=None):
 
 def plot_mismatch(rows, ax=None):
     """Trainer-vs-engine mismatch (mean, p99) beside the probe gap (how far the adapter moved the model
-    on a fixed answer): the first must stay far below the second."""
+    on a fixed answer): the first must stay far below the second. Steps sampled one adapter behind
+    (grpo.max_staleness) are drawn apart: their mismatch is the lag, not the engine's."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    for key, style, label in ((m.PROBE_GAP, "s-", "probe gap"), (m.MISMATCH_P99, "^:", "mismatch, p99"),
-                              (m.MISMATCH, "o-", "mismatch, mean")):
-        steps, values = _series(rows, key)
+    on_policy, behind = [r for r in rows if not r.get(m.LAG)], [r for r in rows if r.get(m.LAG)]
+    for part, key, style, label in ((rows, m.PROBE_GAP, "s-", "probe gap"),
+                                    (on_policy, m.MISMATCH_P99, "^:", "mismatch, p99"),
+                                    (on_policy, m.MISMATCH, "o-", "mismatch, mean"),
+                                    (behind, m.MISMATCH, "x", "mean, one behind (lag)")):
+        steps, values = _series(part, key)
         if values:
-            ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label)
+            ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label,
+                        **({"color": "#999999"} if part is behind else {}))
     ax.set(xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
     title_with_legend(ax, "Is the engine serving the trainer's policy?")
     ax.grid(alpha=0.3)

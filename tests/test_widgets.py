@@ -448,6 +448,17 @@ def test_figures_are_readable_and_legends_sit_outside_the_data():
                 plt.close(fig)
 
 
+def test_the_mismatch_plot_keeps_steps_sampled_one_behind_apart():
+    """A stale run's lagged steps differ by the lag: they were drawn on the engine's mismatch line."""
+    from lorabench import viz
+    rows = [{**r, "adapter/lag": 0 if r["step"] == 1 else 1, "mismatch/mean": 5e-7 if r["step"] == 1 else 0.01}
+            for r in _run_rows()]
+    lines = {line.get_label(): line for line in viz.plot_mismatch(rows).get_lines()}
+    assert list(lines["mismatch, mean"].get_xdata()) == [1]
+    assert list(lines["mean, one behind (lag)"].get_xdata()) == [2, 3, 4, 5, 6]
+    plt.close("all")
+
+
 def test_push_cost_fit_recovers_the_cost_per_push():
     from lorabench.viz import push_cost_fit
     fixed, per_push = push_cost_fit(_merged_rows())
