@@ -109,7 +109,8 @@ def status_lines(row: dict | None, rewards: list[tuple[str, object, float]]) -> 
     mismatch = (f"<b>mismatch</b> mean {_fmt(row[m.MISMATCH], '.1e')}, p99 {_fmt(row.get(m.MISMATCH_P99), '.1e')} "
                 f"(max {_fmt(row[m.MISMATCH_MAX], '.1e')}) nats: |trainer − engine| log-prob of the tokens just "
                 "sampled; far below the probe gap means the engine served the trainer's policy (float32: ~1e-6; "
-                "SGLang's bf16 kernels: mean ~3e-3; the max is one token's rounding tail, not an alarm)")
+                "SGLang's bf16 kernels: mean ~3e-3; the max is one token's rounding tail, not an alarm)"
+                + (f"; sampled {row[m.LAG]} update(s) behind, so here it is mostly that lag" if row.get(m.LAG) else ""))
     return "<br>".join([head, reward, probe, mismatch])
 
 
