@@ -1,7 +1,8 @@
-"""What this machine holds: its memory (a container's limit included), for size checks."""
+"""What this machine holds: its memory (a container's limit included), for size checks, and its free CPUs."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -25,14 +26,38 @@ _TORCH_DEFAULT_THREADS: list[int] = []   # torch's own thread count, read before
 
 def cpu_threads(setting: int) -> tuple[int, str]:
     """run.threads resolved: (torch CPU threads, how they were chosen); 0 = auto: torch's default less the
-    busy CPUs, at least 1 (threads waiting on each other lose more to a busy core than one too few)."""
+    busy CPUs, at least 1 (threads waiting on each other lose more to a busy core than one too few). Busy:
+    the 1-minute load average, or fewer where /proc/stat shows fewer busy now: the load average also counts
+    tasks waiting in the kernel, and an idle VM can show ~1 (one torch thread, the demo 1.5x slower)."""
     import torch
     if not _TORCH_DEFAULT_THREADS:
         _TORCH_DEFAULT_THREADS.append(torch.get_num_threads())
     if setting > 0:
         return setting, f"{setting} (run.threads)"
-    default = _TORCH_DEFAULT_THREADS[0]
-    load = os.getloadavg()[0]
-    threads = max(1, min(default, len(os.sched_getaffinity(0)) - round(load)))
-    return threads, (f"{threads} (run.threads=0, auto: torch's default {default} less the CPUs busy by the "
-                     f"1-minute load average, {load:.2f})")
+    default, cpus = _TORCH_DEFAULT_THREADS[0], os.sched_getaffinity(0)
+    load, now = os.getloadavg()[0], busy_now(cpus)
+    busy = load if now is None else min(load, now)
+    threads = max(1, min(default, len(cpus) - round(busy)))
+    seen = f"the 1-minute load average {load:.2f}" + ("" if now is None else f", {now:.2f} busy in /proc/stat now")
+    return threads, f"{threads} (run.threads=0, auto: torch's default {default} less the CPUs busy: {seen})"
+
+
+def busy_now(cpus: set[int], seconds: float = 0.3) -> float | None:
+    """How many of `cpus` other processes keep busy, measured over `seconds` from /proc/stat (this process's
+    own CPU time taken out); None where there is no /proc/stat."""
+    def sample() -> dict[int, list[int]]:
+        with open("/proc/stat") as fh:   # "cpuN user nice system idle iowait irq softirq steal ..."
+            rows = [line.split() for line in fh if line.startswith("cpu") and line[3].isdigit()]
+        return {int(row[0][3:]): [int(x) for x in row[1:9]] for row in rows}
+    try:
+        before, own = sample(), time.process_time()
+        time.sleep(seconds)
+        after, own = sample(), time.process_time() - own
+    except (OSError, ValueError):
+        return None
+    busy = 0.0
+    for cpu in cpus & before.keys() & after.keys():
+        delta = [b - a for a, b in zip(before[cpu], after[cpu])]
+        if sum(delta) > 0:
+            busy += 1 - (delta[3] + delta[4]) / sum(delta)   # idle and iowait are free
+    return max(0.0, busy - own / seconds)

@@ -59,8 +59,9 @@ class RunSettings(Section):
                                     resume=ALLOWED, why="logging")
     sample_completions: int = setting(4, "Completions per step written to rollouts.jsonl (all are kept in the "
                                       "step record).", resume=ALLOWED, why="logging")
-    threads: int = setting(0, "torch CPU threads; 0 = auto: torch's default less the CPUs the 1-minute load average "
-                           "says are busy, at least 1.", resume=ALLOWED, why="execution")
+    threads: int = setting(0, "torch CPU threads; 0 = auto: torch's default less the CPUs other work keeps busy "
+                           "(the 1-minute load average, or fewer where /proc/stat shows fewer busy now), at least 1.",
+                           resume=ALLOWED, why="execution")
     commit_in_background: bool = setting(True, "Write each checkpoint and its rows on a background thread while the "
                                          "next step runs (in the same order, so a kill leaves what it would leave "
                                          "in line); false: the step waits for its commit.", resume=ALLOWED,

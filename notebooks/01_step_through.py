@@ -92,8 +92,8 @@ display(Markdown(f"{g.prompts_per_step} problems × {g.group_size} completions p
 # or `$LORABENCH_CACHE`, where notebook 03 and `lorabench demo` find it too), creates the run
 # directory (`config.json`, then per step `metrics.jsonl`, `sync.jsonl`, `rollouts.jsonl` and a
 # checkpoint), starts the engine with the trainer's adapter, and scores held-out problems before
-# the first step. It also chooses torch's CPU threads (`run.threads=0`: as many as the machine's
-# load average leaves free; its line below says how many). The bar below follows each part.
+# the first step. It also chooses torch's CPU threads (`run.threads=0`: as many as other work on
+# the machine leaves free; its line below says how many). The bar below follows each part.
 
 # %%
 with WaitProgress("opening the run") as progress:

@@ -2,6 +2,8 @@
 import dataclasses
 import json
 import math
+import os
+import time
 
 import pytest
 
@@ -357,21 +359,41 @@ def test_compile_setting_resolves_and_refuses_booleans():
 
 
 def test_auto_threads_leave_the_cpus_other_work_keeps_busy(monkeypatch):
-    """run.threads=0: torch's default count less the CPUs the load average says are busy, at least 1;
-    a positive setting is kept."""
+    """run.threads=0: torch's default count less the CPUs other work keeps busy, at least 1: the load
+    average, or fewer where /proc/stat shows fewer busy now (an idle VM's load average of ~0.8 chose one
+    thread); a positive setting is kept."""
     import os
 
     from lorabench import machine
     monkeypatch.setattr(machine, "_TORCH_DEFAULT_THREADS", [2])
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    for load, threads in ((0.2, 2), (0.7, 1), (1.4, 1), (6.0, 1)):
+    for load, now, threads in ((0.2, None, 2), (0.7, None, 1), (1.4, None, 1), (6.0, None, 1),
+                               (0.8, 0.0, 2), (1.4, 1.1, 1), (0.3, 1.0, 2), (6.0, 2.0, 1)):
         monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
-        assert machine.cpu_threads(0)[0] == threads, load
-        assert f"{load:.2f}" in machine.cpu_threads(0)[1]
+        monkeypatch.setattr(machine, "busy_now", lambda cpus, now=now: now)
+        threads_set, how = machine.cpu_threads(0)
+        assert threads_set == threads, (load, now)
+        assert f"{load:.2f}" in how and (now is None or f"{now:.2f} busy in /proc/stat now" in how), how
     assert machine.cpu_threads(2) == (2, "2 (run.threads)")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert machine.cpu_threads(0)[0] == 2        # never above torch's own default
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="busy_now reads /proc/stat (Linux)")
+def test_busy_now_sees_a_process_that_keeps_a_cpu_busy():
+    import subprocess
+    import sys
+
+    from lorabench import machine
+    cpu = min(os.sched_getaffinity(0))
+    loop = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.5)
+        assert machine.busy_now({cpu}) > 0.7
+    finally:
+        loop.kill()
+        loop.wait()
 
 
 def test_a_written_config_reads_back_under_the_strict_file_rules(tmp_path):

@@ -34,7 +34,7 @@ def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False,
     cpus = len(os.sched_getaffinity(0))
     if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
         raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {cpus} CPU(s); set run.threads <= "
-                          f"{cpus}, or 0 (auto: as many as the load average leaves free)")
+                          f"{cpus}, or 0 (auto: as many as other work leaves free)")
     check_dirs(cfg, run_dir, continued)
     ref = model_ref(cfg.model)
     if ref.kind == "tiny":
