@@ -50,8 +50,20 @@ class Terminated(BaseException):
     """SIGTERM, raised where the process is, so that `finally` blocks and atomic writes clean up."""
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
+def stop_handler(stop: type[BaseException]):
+    """A signal handler raising `stop` where the main thread is. Inside a finaliser (`__del__`, run by the
+    garbage collector anywhere) Python would print the exception and go on, losing the signal: there it is
+    sent again 50 ms later instead, to be raised outside it."""
+    def handler(signum, frame):
+        while frame is not None:
+            if frame.f_code.co_name == "__del__":
+                timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+                timer.daemon = True
+                timer.start()
+                return
+            frame = frame.f_back
+        raise stop()
+    return handler
 
 
 def log_line(*parts) -> None:
@@ -213,7 +225,10 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = [*args.overrides, *rest]
     on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
+    previous = signal.signal(signal.SIGTERM, stop_handler(Terminated)) if on_main_thread else None
+    ctrl_c = on_main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler   # not if ignored
+    if ctrl_c:
+        signal.signal(signal.SIGINT, stop_handler(KeyboardInterrupt))
     try:
         summary = _command(args)
     except USER_ERRORS as err:
@@ -227,6 +242,8 @@ def main(argv=None) -> int:
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
+        if ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     if summary is not None:
         print_summary(summary)
     return 0

@@ -104,3 +104,38 @@ def test_an_interrupted_wait_stops_the_panel(trainer):
     panel.wait()                             # the step in progress ends, then the run stops
     assert 1 <= trainer.step_count < 50 and "interrupted" in str(panel.log.outputs)
     panel.close()
+
+
+FINALISER = """
+import signal, sys, time
+from lorabench.cli import Terminated, stop_handler
+signal.signal(signal.SIG{name}, stop_handler({stop}))
+class Slow:
+    def __del__(self):
+        print("in __del__", flush=True)
+        time.sleep(0.3)   # the signal is handled here
+try:
+    while True:
+        Slow()
+        time.sleep(0.1)
+except {stop}:
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("name, stop", [("TERM", "Terminated"), ("INT", "KeyboardInterrupt")])
+def test_a_signal_handled_inside_a_finaliser_still_stops_the_command(name, stop):
+    """The CLI's SIGTERM handled in a `__del__` (the regex module's, run by the garbage collector during the tiny
+    model's warm-start) was printed as "Exception ignored" and lost: the build went on and the process did not stop
+    within 120 s. It is sent again once the finaliser is left."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", FINALISER.format(name=name, stop=stop)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "in __del__\n"
+        proc.send_signal(getattr(signal, f"SIG{name}"))
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3 and "Exception ignored" not in err, err
