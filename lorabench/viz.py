@@ -348,7 +348,7 @@ def plot_learned(rows, evals, ax) -> None:
 
 
 def run_learned_figure(rows, evals):
-    """What a run learned (`plot_learned`), its m.KL to the base model and its entropy, per step."""
+    """What a run learned (`plot_learned`), its KL to the base model and its entropy, per step."""
     fig, (learned, kl, entropy) = labelled_figure("run_learned", 1, 3, figsize=(13, 4.6),
                                                   gridspec_kw={"width_ratios": [1.5, 1, 1]})
     plot_learned(rows, evals, learned)
