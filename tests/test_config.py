@@ -309,6 +309,22 @@ def test_kv_cache_too_small_for_the_largest_batch_is_said_with_the_fix():
     assert "mem_fraction_static=0.9 " in kv_capacity_note(10_000, needs, 0.3)   # never all of the GPU
 
 
+def test_sampling_ahead_beside_the_trainer_without_mps_is_said_with_the_fix(tmp_path, monkeypatch):
+    """One step stale with the engine on the trainer's GPU overlaps little unless CUDA MPS runs (the GPU
+    takes the two processes' kernels in turns): the engine's note says so and how to fix it, and only then."""
+    from lorabench.engines.sglang import overlap_note
+    from lorabench.session.config import Config, engine_needs
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))       # an MPS pipe dir with no daemon in it
+    stale = engine_needs(Config.load(None, ["engine.backend=sglang", "grpo.max_staleness=1"]))
+    note = overlap_note(stale, base_gpu_id=0)
+    assert f"no CUDA MPS daemon runs (no {tmp_path / 'control'})" in note
+    assert "nvidia-cuda-mps-control -d" in note and "engine.sglang.base_gpu_id=1" in note
+    assert overlap_note(stale, base_gpu_id=1) == ""                     # a GPU of its own
+    assert overlap_note(engine_needs(Config.load(None, ["engine.backend=sglang"])), base_gpu_id=0) == ""  # on-policy
+    (tmp_path / "control").touch()                                      # the daemon's control pipe
+    assert overlap_note(stale, base_gpu_id=0) == ""
+
+
 def test_max_lora_rank_below_r():
     msg = _error(["engine.backend=sglang", "engine.sglang.max_lora_rank=8", "lora.r=16"])
     assert "engine.sglang.max_lora_rank=8" in msg and "lora.r=16" in msg

@@ -38,6 +38,7 @@ class EngineNeeds:
     max_new_tokens: int = 48    # the longest completion it will be asked for
     in_place: bool = True       # the run may write its adapter in place (refresh.mode=inplace); an engine
                                 # opened without a run (a benchmark, a lesson switching modes) may be too
+    samples_ahead: bool = False # the next step's rollouts are sampled while this one trains (grpo.max_staleness)
 
 
 class EngineError(RuntimeError):

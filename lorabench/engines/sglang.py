@@ -182,6 +182,18 @@ def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> s
             f"(now {fraction:g}) would hold it, where the trainer's memory on the same GPU leaves room")
 
 
+def overlap_note(needs: EngineNeeds, base_gpu_id: int) -> str:
+    """'' or why sampling ahead overlaps little here: the engine shares the trainer's GPU and no CUDA MPS
+    daemon runs, so the GPU takes the two processes' kernels in turns (docs/results.md section 2)."""
+    pipes = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
+    if not needs.samples_ahead or base_gpu_id != 0 or (pipes / "control").exists():
+        return ""
+    return (f"grpo.max_staleness samples the next step while this one trains, but the engine shares the trainer's "
+            f"GPU and no CUDA MPS daemon runs (no {pipes / 'control'}): the GPU runs the two processes' kernels in "
+            f"turns, so a step costs about what an on-policy one does. Start MPS before the run "
+            f"(nvidia-cuda-mps-control -d) or give the engine a GPU of its own (engine.sglang.base_gpu_id=1)")
+
+
 @contextlib.contextmanager
 def child_output_to(path: str):
     """While the engine's processes start, this process's file descriptors 1 and 2 point at `path`: the
@@ -335,11 +347,11 @@ class SGLangEngine:
         self.pool: internals.PoolWriter | None = None   # made at the first in-place write
 
     def _notes(self, needs: EngineNeeds) -> list[str]:
-        """What the session tells the user (on the engine's thread): its room for the run, and on an
-        unverified release, which internals it lacks."""
-        note = kv_capacity_note(self.engine.get_server_info().get("max_total_num_tokens"), needs,
-                                self.settings.mem_fraction_static)
-        return [*([note] if note else []), *internals.release_notes(self.engine)]
+        """What the session tells the user (on the engine's thread): its room for the run, whether sampling
+        ahead can overlap training, and on an unverified release, which internals it lacks."""
+        notes = [kv_capacity_note(self.engine.get_server_info().get("max_total_num_tokens"), needs,
+                                  self.settings.mem_fraction_static), overlap_note(needs, self.settings.base_gpu_id)]
+        return [*filter(None, notes), *internals.release_notes(self.engine)]
 
     @staticmethod
     def device_of(settings: SGLangSettings) -> str:

@@ -180,7 +180,7 @@ def engine_needs(cfg: Config, members: dict[str, Config] | None = None, run: boo
     return EngineNeeds(lora_rank=max(lora.r for lora in loras), target_modules=target,
                        largest_batch=max(len(loras) * g.prompts_per_step * g.group_size, d.eval_size * d.eval_samples),
                        seed=cfg.run.seed, model_dtype=cfg.model.dtype, adapters=len(loras),
-                       max_new_tokens=g.max_new_tokens,
+                       max_new_tokens=g.max_new_tokens, samples_ahead=g.max_staleness > 0,
                        in_place=not run or UpdatesAdapterInPlace in REFRESH_MODES[cfg.refresh.mode].needs)
 
 
