@@ -17,6 +17,8 @@ The engine on a GPU of its own (two GPUs):
         --overrides engine.sglang.base_gpu_id=1 engine.sglang.mem_fraction_static=0.85 torch keeps its
 compiled graphs in its on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): the first run on a
 machine pays the compile; a later process (`--modes background` again) shows the first step with a warm cache.
+Under CUDA MPS (dev/gpu_session.sh, LORABENCH_MPS=1), --trainer-sm-percent caps this process's share of the SMs
+and leaves the engine's processes all of them: with one step stale the rollout, not training, is the longer.
 """
 from __future__ import annotations
 
@@ -169,9 +171,16 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["64x8x256"],
                         help="PxGxT: prompts x completions x new tokens per step, one run per size (GPU setting only)")
     parser.add_argument("--no-decode", action="store_true", help="skip SGLang's own decode of the batch (~20 s a run)")
+    parser.add_argument("--trainer-sm-percent", type=int, default=0,
+                        help="under CUDA MPS: the share of the GPU's SMs this process (the trainer) may use; the "
+                             "engine's processes keep all of them (0: no limit)")
     args = parser.parse_args()
     watch_cache_bypasses()
     root = Path(tempfile.mkdtemp(prefix="step-user-"))
+    if args.trainer_sm_percent:   # read once, when this process's CUDA context is made; the engine's start after
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.trainer_sm_percent)
+        torch.zeros(1, device="cuda")
+        del os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
     if args.tiny:
         base = ["model.name_or_path=tiny"]
     else:
@@ -180,7 +189,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
-              "overrides": [*base, *args.overrides], "runs": []}
+              "overrides": [*base, *args.overrides], "trainer_sm_percent": args.trainer_sm_percent or 100,
+              "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "runs": []}
     sizes = [None] if args.tiny else args.sizes
     for size, mode, staleness in ((s, m, k) for s in sizes for m in args.modes for k in args.staleness):
         name = mode + (f"-stale{staleness}" if staleness else "") + (f"-{size}" if len(sizes) > 1 else "")

@@ -10,6 +10,8 @@
 #                   a second process with torch's compile caches warm),
 #        sampling (benchmarks/sampling_cost_gpu.py: decode with and without log-probs, per batch size),
 #        stale (step_user_path.py, background commit, grpo.max_staleness 1 then 0, $LORABENCH_STALE_ARGS),
+#        stale_split (MPS: step_user_path.py one step stale at 64x8x256, a process per trainer SM share in
+#                     $LORABENCH_SM_SPLITS, default "100 70 50"; the engine keeps every SM),
 #        step_variant (step_gpu.py at 64x8x256 only, with $LORABENCH_STEP_VARIANT_ARGS, e.g. an --engine-extra),
 #        fits (step_gpu.py --fits-only: the 24 GB check alone; on top of the README's command:
 #        LORABENCH_FIT_OVERRIDES="engine.sglang.mem_fraction_static=0.3 grpo.micro_batch_tokens=16384"),
@@ -71,6 +73,11 @@ for part in "$@"; do
     sampling) "${part_timeout[@]}" python benchmarks/sampling_cost_gpu.py --out "$RES/sampling_cost.json" ${LORABENCH_SAMPLING_ARGS:-} ;;
     stale) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_stale.json" --modes background \
              --staleness 1 0 --no-decode ${LORABENCH_STALE_ARGS:-} ;;
+    stale_split) for pct in ${LORABENCH_SM_SPLITS:-100 70 50}; do
+                   echo "=== trainer SM share $pct%"
+                   "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_stale_sm$pct.json" --modes background \
+                     --staleness 1 --no-decode --sizes 64x8x256 --trainer-sm-percent "$pct" ${LORABENCH_STALE_ARGS:-}
+                 done ;;
     step_variant) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step_variant.json" --skip-24gb --sizes 64x8x256 \
                     ${LORABENCH_STEP_VARIANT_ARGS:-} ;;
     fits) "${part_timeout[@]}" python benchmarks/step_gpu.py --out "$RES/step_fits.json" --fits-only --fit-overrides "${LORABENCH_FIT_OVERRIDES:-}" \
