@@ -25,11 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def demo_run(run_parent: Path, staleness: int, seed: int, overrides: list[str]) -> dict:
+def demo_run(run_parent: Path, staleness: int, seed: int, overrides: list[str], limit: float) -> dict:
     name = f"stale{staleness}-seed{seed}"
     cmd = [sys.executable, "-m", "lorabench.cli", "demo", f"run.out_dir={run_parent}", f"run.name={name}",
            f"run.seed={seed}", f"grpo.max_staleness={staleness}", *overrides]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as err:
+        tail = [(out or b"")[-2000:].decode(errors="replace") for out in (err.stdout, err.stderr)]
+        raise SystemExit(f"{name} ran past --run-limit {limit:g} s; its output's end:\n{tail[0]}\n{tail[1]}") from err
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     run_dir = run_parent / name
@@ -70,6 +74,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="the JSON to write")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--run-limit", type=float, default=900, help="seconds one demo run may take")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = parser.parse_args()
     import torch
@@ -83,12 +88,16 @@ def main() -> int:
         sys.path.insert(0, str(ROOT))
         from lorabench.session import Config, resolve_model
         overrides = [f"model.name_or_path={resolve_model(Config(), log=print)}", *overrides]
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:                # alternate the two so machine load falls on both alike
             for staleness in (0, 1):
-                row = demo_run(Path(tmp), staleness, seed, overrides)
+                print(f"[{time.perf_counter() - t0:7.1f} s] stale{staleness}-seed{seed}: started", flush=True)
+                row = demo_run(Path(tmp), staleness, seed, overrides, args.run_limit)
                 result["runs"].append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "lags"}), flush=True)
+                shown = json.dumps({k: v for k, v in row.items() if k != "lags"})
+                print(f"[{time.perf_counter() - t0:7.1f} s] {shown}", flush=True)
+                Path(args.out).write_text(json.dumps(result, indent=1))   # a run cut short keeps the runs before
     result["load_after"] = os.getloadavg()
     summarise(result)
     Path(args.out).write_text(json.dumps(result, indent=1))

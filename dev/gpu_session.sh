@@ -20,6 +20,7 @@
 #        lora_decode (benchmarks/lora_decode_gpu.py: SGLang decode with/without LoRA per kernel backend),
 #        group_step (benchmarks/group_step.py: K=4 policies on one engine vs one policy, $LORABENCH_GROUP_ARGS),
 #        notebooks (the notebooks with SGLang in a Jupyter kernel; needs .gpu-extras),
+#        stale_learning (one GPU: staleness_learning.py's demo runs on SGLang beside the trainer; ~1.5 min a run),
 #        own_gpu (two GPUs: step_user_path.py with the engine on cuda:1, grpo.max_staleness 0 and 1),
 #        own_gpu_learning (two GPUs: staleness_learning.py's demo runs, engine on cuda:1; ~1.5 min a run);
 #        the two-GPU tests are `tests` with LORABENCH_GPU_TESTS=tests/test_sglang_tp2.py.
@@ -90,6 +91,9 @@ for part in "$@"; do
     notebooks) "${part_timeout[@]}" bash $extras/with-extras.sh python dev/run_notebooks_gpu.py "$RES" ;;
     own_gpu) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_own_gpu.json" --modes background \
                --staleness 0 1 --overrides engine.sglang.base_gpu_id=1 engine.sglang.mem_fraction_static=0.85 ;;
+    stale_learning) "${part_timeout[@]}" python benchmarks/staleness_learning.py --out "$RES/staleness_learning_gpu.json" \
+               ${LORABENCH_SEEDS:+--seeds $LORABENCH_SEEDS} engine.backend=sglang engine.sglang.attention_backend=triton \
+               engine.sglang.sampling_backend=pytorch engine.sglang.grammar_backend=none engine.sglang.dtype=bfloat16 ;;
     own_gpu_learning) "${part_timeout[@]}" python benchmarks/staleness_learning.py \
                --out "$RES/staleness_learning_own_gpu.json" ${LORABENCH_SEEDS:+--seeds $LORABENCH_SEEDS} \
                engine.backend=sglang engine.sglang.attention_backend=triton engine.sglang.sampling_backend=pytorch \
