@@ -105,8 +105,8 @@ class GRPOSettings(Section):
                                  "update behind, and the loss weights each token by min(π_old / π_sample, tis_cap); "
                                  "a larger value acts as 1. Step 1 samples on-policy; a resumed run samples as the "
                                  "run would have. A rollout older than this is refused. A policy group samples every "
-                                 "policy's next batch while its updates run. With SGLang on the trainer's GPU this overlaps "
-                                 "only under CUDA MPS (the engine says so when it opens).",
+                                 "policy's next batch while its updates run. With SGLang on the trainer's GPU this "
+                                 "overlaps only under CUDA MPS (the engine says so when it opens).",
                                  resume=REFUSED, why=_SAMPLING)
     tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
                              "max_staleness > 0 (truncated importance sampling).", resume=REFUSED, why=_OBJECTIVE)
