@@ -4,7 +4,7 @@ Rows of the steps since the last checkpoint are published with it, so the run di
 its checkpoint cannot vouch for: checkpoint -> sync and rollout rows -> metrics rows. With
 run.commit_in_background commit n is written while step n+1 runs, in the same order, and n+1 starts
 only after n is written whole, so a kill -9 leaves what it could leave in line and resume repairs it
-the same way. What a background commit writes is copied first (`host_copy`): step n+1 changes the
+the same way. What a background commit writes is copied first (`snapshot`): step n+1 changes the
 optimizer's moments in place. A failed write is raised once, as in line; then the trainer stops.
 """
 from __future__ import annotations
@@ -21,15 +21,22 @@ from .metrics import COMMIT_WAIT_S
 from .rundir import METRICS, ROLLOUTS, SYNC
 
 
-def host_copy(value):
-    """A deep copy whose tensors are on the CPU and share no storage with `value`'s."""
+def tensors_mapped(value, fn):
+    """`value` with `fn` applied to each of its tensors (in dicts, lists and tuples); the rest as it is."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return fn(value)
     if isinstance(value, dict):
-        return {k: host_copy(v) for k, v in value.items()}
+        return {k: tensors_mapped(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(host_copy(v) for v in value)
+        return type(value)(tensors_mapped(v, fn) for v in value)
     return value   # numbers, strings, None: immutable
+
+
+def snapshot(value):
+    """A deep copy sharing no storage with `value`'s, each tensor on its own device: on a GPU the copy is queued
+    in stream order, before the next step's in-place updates, and the step does not wait for it as it would
+    for a copy to the host; the commit thread moves it to the host."""
+    return tensors_mapped(value, lambda t: t.detach().clone())
 
 
 class TrainerStopped(RuntimeError):
@@ -76,7 +83,7 @@ class Commits:
             if self._failure is not None:
                 raise self._failure[1]
             waited = time.perf_counter() - t0
-            state = host_copy(self._state())   # the next step changes the optimizer's moments in place
+            state = snapshot(self._state())   # the next step changes the optimizer's moments in place
             self._finish(record, clock, history, waited)
             rows = copy.deepcopy(self._rows())   # the metrics dicts are also the history's
             self.pending = []
@@ -98,6 +105,7 @@ class Commits:
 
     def _write(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
         """On the commit thread: what a commit in line writes, in the same order."""
+        state = tensors_mapped(state, lambda t: t.to("cpu"))   # the checkpoint's tensors on the host
         self.runlog.commit(step, state, adapter, rows, save_adapter)
         self.runlog.log_metrics(rows[METRICS])
 

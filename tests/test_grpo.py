@@ -571,20 +571,28 @@ def test_a_commit_is_written_while_the_next_step_runs(make_trainer, tmp_path):
     """run.commit_in_background (the default): step() returns before its commit is written; the next
     step trains while it is (here the commit thread is held until step 2's update is done, so the
     order is certain); wait_committed returns once both commits are in the run dir, equal to the
-    history. The same trainer in line writes before step() returns."""
+    history, each with its own step's optimizer moments (step 2 changed them in place while commit 1
+    waited). The same trainer in line writes before step() returns."""
     trainer = make_trainer("tensor", run_dir=tmp_path / "run")
-    events, release = [], threading.Event()
+    trainer.rewards = [("length", length_reward, 1.0)]       # real updates: moments that change every step
+    events, release, moments = [], threading.Event(), {}
     commit, train = trainer.runlog.commit, trainer.policy.train
 
-    def held_commit(step, *args):
+    def tensors(optimizer_state: dict) -> list:
+        return [t for _, s in sorted(optimizer_state["state"].items()) for _, t in sorted(s.items())]
+
+    def held_commit(step, state, *args):
         events.append(f"commit {step} starts")
         assert release.wait(timeout=120), "step 2's update never came"
-        commit(step, *args)
+        written = tensors(state["optimizer"])
+        assert len(written) == len(moments[step]) and all(map(torch.equal, written, moments[step])), step
+        commit(step, state, *args)
         events.append(f"commit {step} written")
 
     def noted_train(*args):
         stats = train(*args)
         events.append(f"update {trainer.policy.version}")
+        moments[trainer.policy.version] = [t.clone() for t in tensors(trainer.policy.optimizer.state_dict())]
         if trainer.policy.version == 2:
             release.set()
         return stats
@@ -595,6 +603,7 @@ def test_a_commit_is_written_while_the_next_step_runs(make_trainer, tmp_path):
     trainer.step()
     trainer.wait_committed()
     assert events.index("update 2") < events.index("commit 1 written")   # step 2 trained while 1 was written
+    assert not all(map(torch.equal, moments[1], moments[2]))               # so commit 1 could have held step 2's
     assert [e for e in events if e.startswith("commit")] == ["commit 1 starts", "commit 1 written",
                                                             "commit 2 starts", "commit 2 written"]
     assert trainer.runlog.metrics() == json.loads(json.dumps(trainer.history, default=str).replace("NaN", "null"))
