@@ -4,6 +4,7 @@ several callers' requests in one engine batch) -> rewards (`score`) -> one padde
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import chain
 
 import torch
 
@@ -115,15 +116,22 @@ def score(rollouts: Rollouts, reward_fns: list[tuple[str, object, float]]) -> tu
 
 def collate(rollouts: Rollouts, rewards: torch.Tensor, pad_id: int) -> RolloutBatch:
     """Right-padded token tensors, completion mask and the engine's log-probs aligned with it."""
-    seqs = [c.prompt_ids + c.token_ids for c in rollouts.completions]
-    n, width = len(seqs), max(map(len, seqs))
-    ids, attn = torch.full((n, width), pad_id, dtype=torch.long), torch.zeros((n, width), dtype=torch.long)
-    cmask, elp = torch.zeros((n, width - 1)), torch.zeros((n, width - 1))
-    for i, (c, s) in enumerate(zip(rollouts.completions, seqs)):
-        ids[i, :len(s)] = torch.tensor(s)
-        attn[i, :len(s)] = 1
-        start = len(c.prompt_ids) - 1  # log-prob row t predicts token t+1
-        cmask[i, start:start + len(c.token_ids)] = 1
-        elp[i, start:start + len(c.token_ids)] = torch.tensor(c.logprobs)
+    completions = rollouts.completions
+    if any(len(c.logprobs) != len(c.token_ids) for c in completions):   # else rows would shift into each other
+        raise ValueError("a completion's log-probs do not match its tokens (one per token): the engine's reply is "
+                         "malformed")
+    prompt = torch.tensor([len(c.prompt_ids) for c in completions])                     # [N]
+    new = torch.tensor([len(c.token_ids) for c in completions])                         # [N]
+    width = int((prompt + new).max())
+    positions = torch.arange(width)
+    attn = (positions < (prompt + new)[:, None]).long()                                 # [N, L]
+    ids = torch.full(attn.shape, pad_id, dtype=torch.long)
+    # one tensor per batch, not per row: a mask fills row after row, in the order the lists are joined
+    tokens = chain.from_iterable(part for c in completions for part in (c.prompt_ids, c.token_ids))
+    ids[attn.bool()] = torch.tensor(list(tokens), dtype=torch.long)
+    start = (prompt - 1)[:, None]   # log-prob row t predicts token t+1
+    cmask = ((positions[:-1] >= start) & (positions[:-1] < start + new[:, None])).float()   # [N, L-1]
+    elp = torch.zeros(cmask.shape)
+    elp[cmask.bool()] = torch.tensor(list(chain.from_iterable(c.logprobs for c in completions)), dtype=torch.float32)
     return RolloutBatch(ids, attn, cmask, elp, rewards, group_advantages(rewards, rollouts.group_size))
 

@@ -95,6 +95,11 @@ def test_collate_aligns_tokens_masks_and_engine_logprobs():
     assert torch.equal(batch.rewards, rewards)
     assert torch.equal(batch.advantages, group_advantages(rewards, 2))      # groups of 2 (2 problems)
     assert batch.advantages[2:].abs().sum() == 0                            # an all-equal group
+    # one log-prob short in one row and one over in the next: the totals agree, the rows would not
+    rollouts.completions[0].logprobs.pop()
+    rollouts.completions[1].logprobs.append(-0.9)
+    with pytest.raises(ValueError, match="log-probs do not match its tokens"):
+        collate(rollouts, rewards, pad_id=0)
 
 
 def test_batch_rows_trim_to_their_own_longest_sequence():
