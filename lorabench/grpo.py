@@ -195,6 +195,7 @@ class GRPOTrainer:
                             enable_thinking)
         self._probe = prompt + tokenizer(problem.answer if problem else "2 + 3 = 5\n#### 5",
                                          add_special_tokens=False)["input_ids"], len(prompt)
+        self._probe_base = None                # the base's log-probs on it: scored once, the base never changes
         self._engine_stale = False             # a failed step was rolled back: re-send the adapter first
         self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
         self._commits = Commits(self.runlog, settings.steps, self._state, lambda: self.policy.version)
@@ -454,8 +455,9 @@ class GRPOTrainer:
             return float("nan")
         seq, plen = self._probe
         with_adapter = self.engine.score([seq], [plen], adapter)[0]
-        base = self.engine.score([seq], [plen], None)[0]
-        return (with_adapter - base).abs().mean().item()
+        if self._probe_base is None:   # a refresh that serves an adapter leaves the engine's base weights as they are
+            self._probe_base = self.engine.score([seq], [plen], None)[0]
+        return (with_adapter - self._probe_base).abs().mean().item()
 
     def sampling(self, step: int | None = None, greedy: bool = False) -> Sampling:
         g = self.settings

@@ -187,9 +187,18 @@ def test_trainer_starts_with_its_adapter_in_engine(make_trainer):
     assert trainer.refresher.refreshes == 1
     assert trainer.step_count == trainer.policy.version == 0
     assert trainer.engine.served_version("policy") == 0
+    base_scores, score = [], trainer.engine.score
+
+    def noted_score(seqs, prompt_lens, adapter):
+        if adapter is None:
+            base_scores.append(seqs)
+        return score(seqs, prompt_lens, adapter)
+    trainer.engine.score = noted_score
     assert trainer.probe_gap() < 1e-6                           # fresh LoRA (B = 0) == base
     _perturb_and_refresh(trainer)
     assert trainer.probe_gap() > 1e-3
+    trainer.step()
+    assert len(base_scores) == 1          # the base is scored once: a step's probe asks the engine for the adapter only
 
 
 def test_step_record_and_exact_tensor_refresh(make_trainer):
