@@ -138,6 +138,34 @@ def train_mfu(session, row: dict) -> float:
     return flops / row["parts_s_p50"]["train"] / (PEAK_BF16_TFLOPS * 1e12)
 
 
+def save_attention_in_checkpoints() -> None:
+    """An experiment, not the package's behaviour: each compiled layer's checkpoint keeps the fused attention's
+    outputs instead of recomputing them in backward (selective activation checkpointing). The seeded attention
+    ops then are not recomputed, so torch need not wrap them to replay their seed (the wrapper that makes two
+    graphs bypass inductor's cache), and backward skips one attention forward per layer, for more memory."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    import lorabench.policy as policy
+    aten = torch.ops.aten
+    kept = {getattr(aten, name).default for name in (
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name)}
+
+    def choose(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def checkpointed(layer, forward):
+        def run(*args, **kwargs):
+            if layer.training and torch.is_grad_enabled():
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs,
+                                  context_fn=functools.partial(create_selective_checkpoint_contexts, choose))
+            return forward(*args, **kwargs)
+        return run
+    policy._checkpointed = checkpointed
+
+
 def measure(overrides: list[str], out_dir: Path, name: str, steps: int, decode: bool) -> dict:
     cfg = Config.load(None, [*overrides, f"run.out_dir={out_dir}", f"run.name={name}"])
     t0 = time.perf_counter()
@@ -171,6 +199,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["64x8x256"],
                         help="PxGxT: prompts x completions x new tokens per step, one run per size (GPU setting only)")
     parser.add_argument("--no-decode", action="store_true", help="skip SGLang's own decode of the batch (~20 s a run)")
+    parser.add_argument("--save-attention", action="store_true",
+                        help="an experiment: checkpoints keep the attention's outputs (save_attention_in_checkpoints)")
     parser.add_argument("--trainer-sm-percent", type=int, default=0,
                         help="under CUDA MPS: the share of the GPU's SMs this process (the trainer) may use; the "
                              "engine's processes keep all of them (0: no limit)")
@@ -181,6 +211,8 @@ def main() -> None:
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.trainer_sm_percent)
         torch.zeros(1, device="cuda")
         del os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+    if args.save_attention:
+        save_attention_in_checkpoints()
     if args.tiny:
         base = ["model.name_or_path=tiny"]
     else:
@@ -190,6 +222,7 @@ def main() -> None:
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
               "overrides": [*base, *args.overrides], "trainer_sm_percent": args.trainer_sm_percent or 100,
+              "save_attention": args.save_attention,
               "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "runs": []}
     sizes = [None] if args.tiny else args.sizes
     for size, mode, staleness in ((s, m, k) for s in sizes for m in args.modes for k in args.staleness):
