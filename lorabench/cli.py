@@ -22,6 +22,7 @@ from pathlib import Path
 from .adapters import AdapterError, AdapterWriteError
 from .data import DataError
 from .engines.base import EngineError
+from .interrupts import resend_lost_stops
 from .metrics import LAG, MISMATCH_MAX, REFRESH_S, REWARD
 from .models import ModelError
 from .policy import UpdateDiverged
@@ -51,17 +52,10 @@ class Terminated(BaseException):
 
 
 def stop_handler(stop: type[BaseException]):
-    """A signal handler raising `stop` where the main thread is. Inside a finaliser (`__del__`, run by the
-    garbage collector anywhere) Python would print the exception and go on, losing the signal: there it is
-    sent again 50 ms later instead, to be raised outside it."""
+    """A signal handler raising `stop` where the main thread is; raised inside a finaliser, where Python
+    would drop it, it is sent again (interrupts.resend_lost_stops)."""
     def handler(signum, frame):
-        while frame is not None:
-            if frame.f_code.co_name == "__del__":
-                timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
-                timer.daemon = True
-                timer.start()
-                return
-            frame = frame.f_back
+        resend_lost_stops(stop, signum)
         raise stop()
     return handler
 

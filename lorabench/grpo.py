@@ -28,7 +28,7 @@ from .clock import Clock
 from .commits import Commits, TrainerStopped  # noqa: F401 (TrainerStopped: re-exported)
 from .data import Problem, ProblemSource, prompt_ids
 from .engines.base import GenerateRequest, ReleasesMemory, Sampling, StaleAdapter, generate_served, require
-from .interrupts import interrupts_deferred, interrupts_to_the_main_thread, wait_interruptibly
+from .interrupts import interrupts_deferred, interrupts_to_the_main_thread, resend_lost_stops, wait_interruptibly
 from .metrics import PROBE_GAP, REWARD, STEP_S, memory_of, step_row, time_of
 from .policy import Policy
 from .refresh import RefreshRecord
@@ -236,7 +236,9 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def stepping(self):
-        """This trainer's steps one at a time: StepInProgress if another thread's step runs."""
+        """This trainer's steps one at a time: StepInProgress if another thread's step runs. A Ctrl-C that a
+        finaliser would swallow is sent again (interrupts.resend_lost_stops)."""
+        resend_lost_stops()
         if not self._stepping.acquire(blocking=False):
             raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
                                  f"Run N?); Stop it or wait for it (panel.wait()), then step again")

@@ -4,7 +4,9 @@ engine loading an adapter) would leave the trainer, the run dir or the engine di
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 
 
@@ -23,6 +25,30 @@ def interrupts_deferred():
         signal.signal(signal.SIGINT, previous)
         if arrived:
             signal.raise_signal(signal.SIGINT)
+
+
+_RESENT = {KeyboardInterrupt: signal.SIGINT}   # a stop that a signal raises -> that signal
+
+
+def resend_lost_stops(stop: type[BaseException] = KeyboardInterrupt, signum: int = signal.SIGINT) -> None:
+    """From now on in this process, `stop` raised by a signal's handler while a finaliser or a weakref callback
+    runs (the garbage collector runs them anywhere, and there Python prints "Exception ignored" and goes on, so
+    the Ctrl-C or the kill was lost) is sent again 50 ms later, to be raised where the main thread is then.
+    Other exceptions Python cannot raise go to the hook that was there before."""
+    _RESENT[stop] = signum
+    if getattr(sys.unraisablehook, "resends_lost_stops", False):
+        return
+    before = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        lost = next((s for kind, s in _RESENT.items() if isinstance(unraisable.exc_value, kind)), None)
+        if lost is None:
+            return before(unraisable)
+        timer = threading.Timer(0.05, os.kill, (os.getpid(), lost))
+        timer.daemon = True
+        timer.start()
+    hook.resends_lost_stops = True
+    sys.unraisablehook = hook
 
 
 WAKE_S = 0.1   # how soon a waiting main thread acts on an interrupt that reached another thread
