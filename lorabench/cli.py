@@ -220,9 +220,7 @@ def main(argv=None) -> int:
     args.overrides = [*args.overrides, *rest]
     on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.signal(signal.SIGTERM, stop_handler(Terminated)) if on_main_thread else None
-    ctrl_c = on_main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler   # not if ignored
-    if ctrl_c:
-        signal.signal(signal.SIGINT, stop_handler(KeyboardInterrupt))
+    resend_lost_stops()   # Python's own Ctrl-C (where it is not ignored) dropped in a finaliser
     try:
         summary = _command(args)
     except USER_ERRORS as err:
@@ -236,8 +234,6 @@ def main(argv=None) -> int:
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
-        if ctrl_c:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
     if summary is not None:
         print_summary(summary)
     return 0

@@ -122,9 +122,9 @@ def collate(rollouts: Rollouts, rewards: torch.Tensor, pad_id: int) -> RolloutBa
                          "malformed")
     prompt = torch.tensor([len(c.prompt_ids) for c in completions])                     # [N]
     new = torch.tensor([len(c.token_ids) for c in completions])                         # [N]
-    width = int((prompt + new).max())
-    positions = torch.arange(width)
-    attn = (positions < (prompt + new)[:, None]).long()                                 # [N, L]
+    lengths = prompt + new                                                              # [N]
+    positions = torch.arange(int(lengths.max()))
+    attn = (positions < lengths[:, None]).long()                                        # [N, L]
     ids = torch.full(attn.shape, pad_id, dtype=torch.long)
     # one tensor per batch, not per row: a mask fills row after row, in the order the lists are joined
     tokens = chain.from_iterable(part for c in completions for part in (c.prompt_ids, c.token_ids))
