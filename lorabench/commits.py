@@ -33,10 +33,35 @@ def tensors_mapped(value, fn):
 
 
 def snapshot(value):
-    """A deep copy sharing no storage with `value`'s, each tensor on its own device: on a GPU the copy is queued
-    in stream order, before the next step's in-place updates, and the step does not wait for it as it would
-    for a copy to the host; the commit thread moves it to the host."""
-    return tensors_mapped(value, lambda t: t.detach().clone())
+    """(a deep copy sharing no storage with `value`'s, each tensor on its own device; {GPU: the event after its
+    copies}). On a GPU the copy is queued in stream order, before the next step's in-place updates, and the step
+    does not wait for it as it would for a copy to the host; the commit thread moves it there (`to_host`)."""
+    devices = set()
+
+    def clone(t):
+        devices.add(t.device)
+        return t.detach().clone()
+    copied = tensors_mapped(value, clone)
+    return copied, {d: torch.cuda.current_stream(d).record_event() for d in devices if d.type == "cuda"}
+
+
+def to_host(value, ready: dict):
+    """`value`'s tensors on the host, copied on a stream of this thread's own once `ready`'s events have passed:
+    the copies neither wait for the stepping thread's later kernels nor hold them up (each copy on the stepping
+    thread's stream would wait for the work queued before it), then waited for once."""
+    streams = {device: torch.cuda.Stream(device) for device in ready}
+    for device, stream in streams.items():
+        stream.wait_event(ready[device])
+
+    def copy_out(t):
+        if not t.is_cuda:
+            return t
+        with torch.cuda.stream(streams[t.device]):
+            return t.to("cpu", non_blocking=True)   # into pinned memory: asynchronous
+    host = tensors_mapped(value, copy_out)
+    for stream in streams.values():
+        stream.synchronize()
+    return host
 
 
 class TrainerStopped(RuntimeError):
@@ -83,12 +108,13 @@ class Commits:
             if self._failure is not None:
                 raise self._failure[1]
             waited = time.perf_counter() - t0
-            state = snapshot(self._state())   # the next step changes the optimizer's moments in place
+            state, ready = snapshot(self._state())   # the next step changes the optimizer's moments in place
             self._finish(record, clock, history, waited)
             rows = copy.deepcopy(self._rows())   # the metrics dicts are also the history's
             self.pending = []
             with self._guard:
-                self._in_flight = (step, self._pool.submit(self._write, step, state, adapter, rows, save_adapter))
+                self._in_flight = (step, self._pool.submit(self._write, step, state, ready, adapter, rows,
+                                                                  save_adapter))
 
     @staticmethod
     def _finish(record, clock, history: list, waited: float) -> None:
@@ -103,9 +129,9 @@ class Commits:
                 ROLLOUTS: [s for r in self.pending for s in r.samples[:k]],
                 METRICS: [r.metrics for r in self.pending]}
 
-    def _write(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
+    def _write(self, step: int, state: dict, ready: dict, adapter, rows: dict, save_adapter: bool) -> None:
         """On the commit thread: what a commit in line writes, in the same order."""
-        state = tensors_mapped(state, lambda t: t.to("cpu"))   # the checkpoint's tensors on the host
+        state = to_host(state, ready)   # the checkpoint's tensors
         self.runlog.commit(step, state, adapter, rows, save_adapter)
         self.runlog.log_metrics(rows[METRICS])
 
