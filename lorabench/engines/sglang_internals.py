@@ -389,9 +389,11 @@ class PoolWriter:
             mapping.staging[device].copy_(adapter.buffer, non_blocking=True)   # cast to the pool's dtype
             mapping.version[device].fill_(adapter.version)
         # the engine reads these from another process: finish writing first, on the engine's GPUs and,
-        # for an engine on GPUs of its own, on the trainer's, where a device-to-device copy is issued
+        # for an engine on GPUs of its own, on the trainer's, where a device-to-device copy is issued. The
+        # streams the copies ran on, not the whole device: a background commit's copies to the host run on
+        # a stream of their own (commits.to_host) and are not waited for.
         for device in {*self.devices, adapter.buffer.device.index or 0}:
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()
 
     def _send(self, command: str, mapping: _Mapping, extra: list, flush_cache: bool,
               timings: dict | None = None) -> dict:
