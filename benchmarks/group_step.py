@@ -64,6 +64,13 @@ def parts_p50(rows: list[dict]) -> dict[str, float]:
     return {part: statistics.median(r.get(f"time/{part}_s", 0.0) for r in rows) for part in PARTS}
 
 
+def engine_ms_p50(refreshes: list) -> dict[str, float]:
+    """p50 of each timing an in-place refresh reports (RefreshRecord.engine_ms: the engine's own apply, our
+    stage, request and reply, in ms); {} for other modes."""
+    keys = sorted({key for r in refreshes for key in r.engine_ms})
+    return {key: statistics.median(r.engine_ms.get(key, 0.0) for r in refreshes) for key in keys}
+
+
 def run_group(base: list[str], k: int, size: str, root: Path, steps: int, extra: list[str] = ()) -> dict:
     entries = [{"name": f"lr{i}", "grpo": {"lr": LRS[i]}} for i in range(k)]
     cfg = Config.load(None, [*base, *size_overrides(size), *extra, f"policies={json.dumps(entries)}",
@@ -88,8 +95,9 @@ def run_group(base: list[str], k: int, size: str, root: Path, steps: int, extra:
             "per_policy": {name: {"mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in policy_rows),
                                   "mismatch_max": max(r["mismatch/max"] for r in policy_rows),
                                   "served_versions": [r["adapter/served_version"] for r in rows[name]],
-                                  "lags": [r["adapter/lag"] for r in rows[name]],   # lag 1: mismatch holds the lag
-                                  "parts_s_p50": parts_p50(policy_rows)}
+                                  "lags": [r.get("adapter/lag", 0) for r in rows[name]],   # on-policy rows have none
+                                  "parts_s_p50": parts_p50(policy_rows),
+                                  "refresh_engine_ms_p50": engine_ms_p50([r[name].refresh for r in records[1:]])}
                            for name, policy_rows in later.items()}}
 
 
@@ -111,7 +119,8 @@ def run_single(base: list[str], size: str, root: Path, steps: int) -> dict:
             "device_used_gb": used, "rollout_s_p50": statistics.median(r["time/rollout_s"] for r in later),
             "parts_s_p50": parts_p50(later), "mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in later),
             "mismatch_max": max(r["mismatch/max"] for r in later),
-            "served_versions": [r.metrics["adapter/served_version"] for r in records]}
+            "served_versions": [r.metrics["adapter/served_version"] for r in records],
+            "refresh_engine_ms_p50": engine_ms_p50([r.refresh for r in records[1:]])}
 
 
 def _size_s(size: str) -> float:
