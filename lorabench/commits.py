@@ -9,6 +9,7 @@ optimizer's moments in place. A failed write is raised once, as in line; then th
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -16,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .interrupts import interrupts_to_the_main_thread, wait_interruptibly
+from .interrupts import interrupts_deferred, interrupts_to_the_main_thread, wait_interruptibly
 from .metrics import COMMIT_WAIT_S
 from .rundir import METRICS, ROLLOUTS, SYNC
 
@@ -85,6 +86,7 @@ class Commits:
         self._in_flight: tuple[int, Future] | None = None    # at most one commit: (step, its write)
         self._failure: tuple[int, BaseException] | None = None
         self._guard = threading.Lock()   # the stepping thread and any waiting thread share _in_flight
+        self._held: list | None = None   # background writes waiting for the end of `held`
 
     def commit(self, record, adapter, clock, history: list) -> None:
         """Step `record.step` done: its metrics row into `history`, and into the run dir when due."""
@@ -112,9 +114,29 @@ class Commits:
             self._finish(record, clock, history, waited)
             rows = copy.deepcopy(self._rows())   # the metrics dicts are also the history's
             self.pending = []
-            with self._guard:
-                self._in_flight = (step, self._pool.submit(self._write, step, state, ready, adapter, rows,
-                                                                  save_adapter))
+            write = (step, state, ready, adapter, rows, save_adapter)
+            if self._held is not None:
+                self._held.append(write)
+            else:
+                self._submit(write)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Background commits made inside reach the commit thread when the block ends, also when it raises (a
+        policy group publishes every policy first: a commit thread pickling a checkpoint beside the next
+        policy's refresh slows it, the two sharing the interpreter)."""
+        self._held = []
+        try:
+            yield
+        finally:
+            with interrupts_deferred():
+                held, self._held = self._held, None
+                for write in held:
+                    self._submit(write)
+
+    def _submit(self, write: tuple) -> None:
+        with self._guard:
+            self._in_flight = (write[0], self._pool.submit(self._write, *write))
 
     @staticmethod
     def _finish(record, clock, history: list, waited: float) -> None:

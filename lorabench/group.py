@@ -261,10 +261,13 @@ class PolicyGroup:
             self.current = None
             if self._ahead is not None:   # sampled from the adapters the engine serves now: the refreshes wait
                 wait_interruptibly(self._ahead[2].exception)
-            while started:
-                self.current = started[0][0]
-                records[self.current] = finish(started[0][1], waited=True)   # refreshed, probed, committed
-                started.pop(0)
+            with contextlib.ExitStack() as held:   # every policy refreshed and probed before any commit is written
+                for name, _ in started:
+                    held.enter_context(self.trainers[name].commits_held())
+                while started:
+                    self.current = started[0][0]
+                    records[self.current] = finish(started[0][1], waited=True)   # refreshed, probed, committed
+                    started.pop(0)
         finally:
             for _, phases in started:   # updated, not published: rolled back
                 phases.close()

@@ -450,6 +450,10 @@ class GRPOTrainer:
                      f"before lorabench kept it): step {adapter.version + 1} is sampled on-policy (adapter/lag 0), "
                      f"the steps after it one version behind as before")
 
+    def commits_held(self):
+        """A block whose background commits reach the commit thread when it ends (commits.Commits.held)."""
+        return self._commits.held()
+
     def probe_gap(self) -> float:
         """Mean |adapter - base| engine log-prob on the fixed probe (NaN when merged: no base left)."""
         adapter = self.refresher.serving_adapter

@@ -366,6 +366,37 @@ def test_a_policy_in_a_group_equals_the_same_policy_run_alone(warm_model, tmp_pa
     assert together["r2"][-1]["adapter/delta_norm"] != together["r8"][-1]["adapter/delta_norm"]
 
 
+def test_a_group_step_hands_no_commit_to_its_thread_before_every_policy_is_published(tiny_model_dir, tmp_path):
+    """A commit thread pickling a checkpoint beside the next policy's refresh slows that refresh (they share the
+    interpreter): a group's step refreshes and probes every policy first, then each commit reaches its thread,
+    and every step is still in the run dirs at the end."""
+    cfg = group_cfg(tiny_model_dir, tmp_path, "g", "grpo.steps=2", "run.commit_in_background=true", *SMALL,
+                    ranks=(2, 4, 8))
+    group = GroupSession.open(cfg, evaluate_first=False, **QUIET)
+    events = []
+    try:
+        for name, trainer in group.trainer.trainers.items():
+            def refresh(adapter, name=name, original=trainer.refresher.refresh):
+                events.append(("refresh", name))
+                return original(adapter)
+
+            def submit(*args, name=name, original=trainer._commits._pool.submit):
+                events.append(("commit", name))
+                return original(*args)
+            trainer.refresher.refresh, trainer._commits._pool.submit = refresh, submit
+        for _ in range(2):
+            group.trainer.step()
+            kinds = [kind for kind, _ in events]
+            assert kinds == ["refresh"] * 3 + ["commit"] * 3, events
+            assert sorted(name for _, name in events[3:]) == ["r2", "r4", "r8"]
+            events.clear()
+        group.trainer.wait_committed()
+    finally:
+        group.close()
+    for name in ("r2", "r4", "r8"):
+        assert [row["step"] for row in read_jsonl(tmp_path / "g" / name / "metrics.jsonl")] == [1, 2]
+
+
 @pytest.mark.slow
 def test_every_rollout_is_checked_against_its_own_policy(warm_model, tmp_path):
     """Rollouts of one policy handed to another's trainer are refused before anything trains; and if
