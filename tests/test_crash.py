@@ -287,6 +287,7 @@ def test_kill_and_resume_many(reference_run, tiny_model_dir, tmp_path):
     rng = random.Random(2024)
     kills, chain = [], 0
     while len(kills) < 10:
+        assert chain < 30, f"{len(kills)} kills in {chain} runs: the runs end before their kill points"
         points = sorted(rng.sample(range(1, 6), 3))
         points = [0] + points if chain % 2 == 0 else points  # 0: during step 1, before any checkpoint
         work = tmp_path / f"chain{chain}"
