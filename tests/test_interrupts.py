@@ -45,9 +45,9 @@ def test_interrupts_at_random_moments_change_nothing_but_time(tiny_model_dir, to
         t0 = time.perf_counter()
         plain.run(1, progress=False)
         step_times.append(time.perf_counter() - t0)
-    # draws within a typical step, so that most land inside one, widened after each run that finished no step:
-    # a trainer's first step also scores the base model for its probe and is slower than the plain steps, and
-    # draws within the fastest of those interrupted step 1 again and again (the loop never ended)
+    # draws within a typical step, so that most land inside one; the window widens after a run that finished no
+    # step, so the loop always ends (a trainer's first step also scores the base model for its probe and can
+    # outlast every plain step: a fixed window within the fastest one could interrupt it forever)
     typical = sorted(step_times)[steps // 2]
     interrupted = make_trainer(cfg, tiny_model_dir, tokenizer, tmp_path / "interrupted")
     rng, notes, window = random.Random(0), [], typical
