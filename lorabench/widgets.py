@@ -305,8 +305,9 @@ class StepPanel:
             with self._status_lock:
                 self._running = None
             _RUNNING.discard(self)
-            self._set_running(False)
-            self._idle.set()
+            with self._start_lock:   # a click that meets the enabled buttons waits here, then starts its run
+                self._set_running(False)
+                self._idle.set()
 
     def _tick(self, done: threading.Event) -> None:
         while not done.wait(self.tick_s):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import html
 import re
+import threading
 import time
 
 import matplotlib.pyplot as plt
@@ -101,6 +102,26 @@ def test_buttons_drive_the_trainer(trainer):
     panel.run_button.click()
     panel.wait(timeout=60)
     assert trainer.step_count == 3 and panel.step_label.value == "steps done: 3"
+
+
+def test_a_click_as_the_buttons_come_back_starts_a_run(trainer):
+    """The buttons are enabled at a run's end a moment before the panel counts as idle: a click in between (a
+    person quick on Run N, a loaded machine) was refused with "busy", though the button said it was free."""
+    panel = StepPanel(trainer)
+    enabled, set_running = threading.Event(), panel._set_running
+
+    def slow_to_finish(running: bool) -> None:   # the front end sees the buttons enabled, the thread goes on
+        set_running(running)
+        if not running:
+            enabled.set()
+            time.sleep(0.3)
+    panel._set_running = slow_to_finish
+    panel.start(1)
+    assert enabled.wait(60)
+    panel._set_running = set_running
+    assert panel.start(1), [o.get("text") for o in panel.log.outputs]   # the click, at once
+    panel.wait(timeout=60)
+    assert trainer.step_count == 2 and not any("busy" in o.get("text", "") for o in panel.log.outputs)
 
 
 def test_stop_ends_the_run_between_steps(trainer):
