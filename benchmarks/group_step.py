@@ -142,6 +142,9 @@ def main() -> None:
     parser.add_argument("--overrides", nargs="*", default=[])
     parser.add_argument("--group-overrides", nargs="*", default=[],
                         help="for the group only, e.g. grpo.max_staleness=1 against one policy at the defaults")
+    parser.add_argument("--engine-sm-percents", type=int, nargs="+", default=[100],
+                        help="under CUDA MPS: the group's engine (its scheduler) gets this share of the SMs, one "
+                             "group run per value; the trainer keeps all of them (its CUDA context exists first)")
     args = parser.parse_args()
     watch.limit(args.limit)
     watch.stacks_in_children()
@@ -160,13 +163,18 @@ def main() -> None:
         single = run_single(base, size, root / "runs", args.steps)
         result["sizes"][size] = {"single": single}
         Path(args.out).write_text(json.dumps(result, indent=1))   # a group cut off by the limit keeps this
-        for k in args.ks or [args.k]:
+        for k, share in [(k, share) for k in args.ks or [args.k] for share in args.engine_sm_percents]:
+            # read by the CUDA context the engine's scheduler makes when it starts; the trainer's exists already
+            os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
             group = run_group(base, k, size, root / "runs", args.steps, args.group_overrides)
-            result["sizes"][size][f"group_k{k}"] = {
-                **group, "vs_one_step": group["step_wall_s_p50"] / single["step_wall_s_p50"],
+            os.environ.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+            key = f"group_k{k}" + ("" if share == 100 else f"_engine_sm{share}")
+            result["sizes"][size][key] = {
+                **group, "engine_sm_percent": share,
+                "vs_one_step": group["step_wall_s_p50"] / single["step_wall_s_p50"],
                 "vs_k_steps": group["step_wall_s_p50"] / (k * single["step_wall_s_p50"])}
-            ratios = result["sizes"][size][f"group_k{k}"]
-            watch.say(f"{size} K={k}: step p50 {group['step_wall_s_p50']:.2f} s vs one policy's "
+            ratios = result["sizes"][size][key]
+            watch.say(f"{size} K={k}, engine SMs {share}%: step p50 {group['step_wall_s_p50']:.2f} s vs one policy's "
                       f"{single['step_wall_s_p50']:.2f} s ({ratios['vs_one_step']:.2f}x; {ratios['vs_k_steps']:.2f}x "
                       f"of {k} single steps)")
             Path(args.out).write_text(json.dumps(result, indent=1))

@@ -92,13 +92,13 @@ for part in "$@"; do
     own_gpu) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_own_gpu.json" --modes background \
                --staleness 0 1 --overrides engine.sglang.base_gpu_id=1 engine.sglang.mem_fraction_static=0.85 ;;
     stale_learning) "${part_timeout[@]}" python benchmarks/staleness_learning.py --out "$RES/staleness_learning_gpu.json" \
-               ${LORABENCH_SEEDS:+--seeds $LORABENCH_SEEDS} engine.backend=sglang engine.sglang.attention_backend=triton \
-               engine.sglang.sampling_backend=pytorch engine.sglang.grammar_backend=none engine.sglang.dtype=bfloat16 ;;
+               engine.backend=sglang engine.sglang.attention_backend=triton engine.sglang.sampling_backend=pytorch \
+               engine.sglang.grammar_backend=none engine.sglang.dtype=bfloat16 ${LORABENCH_SEEDS:+--seeds $LORABENCH_SEEDS} ;;
     own_gpu_learning) "${part_timeout[@]}" python benchmarks/staleness_learning.py \
-               --out "$RES/staleness_learning_own_gpu.json" ${LORABENCH_SEEDS:+--seeds $LORABENCH_SEEDS} \
+               --out "$RES/staleness_learning_own_gpu.json" \
                engine.backend=sglang engine.sglang.attention_backend=triton engine.sglang.sampling_backend=pytorch \
                engine.sglang.grammar_backend=none engine.sglang.dtype=bfloat16 engine.sglang.base_gpu_id=1 \
-               engine.sglang.mem_fraction_static=0.85 ;;
+               engine.sglang.mem_fraction_static=0.85 ${LORABENCH_SEEDS:+--seeds $LORABENCH_SEEDS} ;;
     *) echo "unknown part $part"; false ;;
   esac > "$OUT/$part.log" 2>&1
   rc=$?
