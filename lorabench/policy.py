@@ -20,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 
 from .adapters import (
     LORA_DTYPE,
-    PEFT_PREFIX,
     AdapterError,
     AdapterLayout,
     FlatAdapter,
@@ -127,14 +126,8 @@ class Policy:
 
     @torch.no_grad()
     def delta_ratios(self, adapter: FlatAdapter) -> torch.Tensor:
-        """[modules] ||dW||_F / ||W||_F, dW = (alpha/r)·B·A, in float64 (1e30 weights stay finite). Cheap:
-        ||BA||_F^2 = sum((B^T B) * (A A^T)), two r x r products per module, never the full dW."""
-        squares = []
-        for module in self.delta_modules:
-            a = adapter.tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"].double()     # [r, in]
-            b = adapter.tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"].double()     # [out, r]
-            squares.append(((b.T @ b) * (a @ a.T)).sum())
-        delta = adapter.scaling * torch.stack(squares).clamp_min(0).sqrt()
+        """[modules] ||dW||_F / ||W||_F, dW = (alpha/r)·B·A, in float64 (FlatAdapter.delta_squares)."""
+        delta = adapter.scaling * adapter.delta_squares.sqrt()
         return delta / self.base_norms.to(delta.device)   # a checkpoint's adapter is read onto the CPU
 
     def _beyond_bound(self, adapter: FlatAdapter) -> tuple[str, float] | None:

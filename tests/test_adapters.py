@@ -179,6 +179,11 @@ def test_delta_norm_is_the_merged_weight_change(peft_model, adapter):
     merged = merged_state_dict(peft_model)
     by_hand = math.sqrt(sum(float((merged[n] - base[n]).pow(2).sum()) for n in base))
     assert adapter.delta_norm() == pytest.approx(by_hand, rel=1e-4)
+    # module by module too: the batched r x r products put each module's ||ΔW||² in its own place
+    each = torch.tensor([float((merged[f"{m}.weight"] - base[f"{m}.weight"]).double().pow(2).sum())
+                         for m in adapter.modules], dtype=torch.float64)
+    assert len({adapter.tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"].shape for m in adapter.modules}) > 1
+    torch.testing.assert_close(adapter.scaling ** 2 * adapter.delta_squares, each, rtol=1e-3, atol=1e-12)
 
 
 def test_from_tensors_refuses_empty_and_mixed_dtypes(tensors, config):
