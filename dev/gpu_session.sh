@@ -42,6 +42,8 @@ export LORABENCH_COMMIT=${LORABENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu.txt" 2>&1
+# whether a CUDA compiler is there (FlashInfer's kernels, which the offline stack leaves out, are compiled at first use)
+{ command -v nvcc && nvcc --version | tail -2; } >> "$RES/gpu.txt" 2>&1 || echo "nvcc: not found" >> "$RES/gpu.txt"
 status=0
 if [ -n "${LORABENCH_MPS:-}" ]; then   # a private CUDA MPS daemon for this call's processes (trainer + engine share the SMs)
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/lorabench-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/lorabench-mps/log
