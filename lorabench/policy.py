@@ -10,7 +10,6 @@ UpdateDiverged, and the trainer rolls the step back (grpo.py: _whole_step).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from .adapters import (
     split_lora_key,
     validate,
 )
+from .commits import cloned
 from .loss import causal_padding_mask, grpo_loss, token_budget_batches, token_logprobs, token_logprobs_and_entropy
 from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch, round_up
@@ -263,7 +263,7 @@ class Policy:
 
     def snapshot(self) -> tuple:
         """What a failed step must not change: LoRA weights, optimizer state, version."""
-        return ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()), self.version)
+        return cloned(list(self.params)), cloned(self.optimizer.state_dict()), self.version
 
     @torch.no_grad()
     def restore(self, saved: tuple) -> None:

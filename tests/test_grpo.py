@@ -2,6 +2,7 @@
 micro-batched update; the trainer end to end on the tiny random model with a real HFEngine
 (refresh exactness through mismatch/max, the served-version check, rollback of a failed step); the
 run dir the trainer writes and resume."""
+import copy
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from conftest import CoreOnlyEngine, merged_state_dict, perturb_lora_B
 
 from lorabench import metrics
 from lorabench.adapters import FlatAdapter
+from lorabench.commits import cloned
 from lorabench.data import Problem
 from lorabench.engines import EngineError, StaleAdapter
 from lorabench.engines.base import Completion, Sampling
@@ -327,6 +329,36 @@ class FailsOnce(TensorRefresh):
             self.failed = True
             raise OSError("simulated failure in the refresh")
         super()._refresh(adapter, record)
+
+
+def test_cloned_copies_every_tensor_into_storage_of_its_own():
+    value = {"a": [torch.arange(3.0), torch.tensor(2.0)], "b": (torch.ones(2, 2, dtype=torch.float64), "text", 5)}
+    copied = cloned(value)
+    assert isinstance(copied["b"], tuple) and copied["b"][1:] == ("text", 5)
+    pairs = [(value["a"][0], copied["a"][0]), (value["a"][1], copied["a"][1]), (value["b"][0], copied["b"][0])]
+    for old, new in pairs:
+        assert torch.equal(old, new) and new.dtype == old.dtype and new.shape == old.shape
+        assert new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+    value["a"][0].add_(1)
+    assert copied["a"][0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_policy_snapshot_restores_weights_and_optimizer_moments_exactly(make_trainer):
+    trainer = make_trainer("tensor")
+    trainer.rewards = [("length", length_reward, 1.0)]
+    trainer.step()
+    policy = trainer.policy
+    saved = policy.snapshot()
+    weights = [p.detach().clone() for p in policy.params]
+    moments = copy.deepcopy(policy.optimizer.state_dict()["state"])
+    trainer.step()   # moves the weights and the moments in place
+    assert not all(torch.equal(m["exp_avg"], policy.optimizer.state_dict()["state"][i]["exp_avg"])
+                   for i, m in moments.items())
+    policy.restore(saved)
+    assert all(torch.equal(p, w) for p, w in zip(policy.params, weights)) and policy.version == 1
+    restored = policy.optimizer.state_dict()["state"]
+    assert restored.keys() == moments.keys()
+    assert all(torch.equal(restored[i][k], m[k]) for i, m in moments.items() for k in m)
 
 
 def test_failed_refresh_rolls_the_step_back_and_the_next_step_resends(make_trainer, monkeypatch):
