@@ -32,19 +32,27 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=None, kl_beta: float = 0.0,
               is_weight=None):
-    """Returns (loss, metrics). logp, old_logp, ref_logp, mask, is_weight: [n, L-1]; advantages: [n].
+    """Returns (loss, metrics as floats). logp, old_logp, ref_logp, mask, is_weight: [n, L-1]; advantages: [n].
     is_weight (no gradient): min(π_old / π_sample, C) per token, multiplying its surrogate (max_staleness)."""
+    loss, metrics = grpo_loss_terms(logp, old_logp, advantages, mask, clip_eps, ref_logp, kl_beta, is_weight)
+    return loss, {name: value.item() for name, value in metrics.items()}
+
+
+def grpo_loss_terms(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=None, kl_beta: float = 0.0,
+                    is_weight=None):
+    """`grpo_loss` with its metrics as 0-dim tensors on the loss's device: the trainer sums them without a sync."""
     ratio = torch.exp(logp - old_logp)                                          # [n, L-1]
     adv = advantages[:, None]                                                   # [n, 1]
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     if is_weight is not None:
         per_token = per_token * is_weight.detach()
-    metrics = {"clip_fraction": ((ratio - 1).abs() > clip_eps).float()[mask.bool()].mean().item()}
+    on = mask.float()                                                           # [n, L-1]; NaN below without tokens
+    metrics = {"clip_fraction": (((ratio - 1).abs() > clip_eps).float() * on).sum() / on.sum()}
     if ref_logp is not None and kl_beta > 0:
         diff = ref_logp - logp
         kl = torch.exp(diff) - diff - 1                                         # k3, >= 0
         per_token = per_token + kl_beta * kl
-        metrics["kl"] = (kl * mask).sum().item() / mask.sum().clamp(min=1).item()
+        metrics["kl"] = (kl * mask).sum().double() / mask.sum().clamp(min=1).double()
     per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)              # [n] token mean
     return per_seq.mean(), metrics
 
@@ -194,7 +202,8 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask, temperature: fl
     target_rows = input_ids[:, 1:].reshape(-1)                                  # [N*(L-1)]
     picked = None
     if positions is not None:
-        picked = positions.reshape(-1).nonzero()[:, 0]                          # [R] rows wanted
+        # [R] rows wanted; `positions` on the host (the trainer's) picks them without waiting for the device
+        picked = positions.reshape(-1).nonzero()[:, 0].to(hidden.device, non_blocking=True)
         hidden_rows, target_rows = hidden_rows.index_select(0, picked), target_rows[picked]
     plain_head = isinstance(head, torch.nn.Linear) and head.bias is None   # else autograd, chunks checkpointed
     pieces, entropies = [], []

@@ -29,7 +29,7 @@ from .adapters import (
     validate,
 )
 from .commits import cloned
-from .loss import causal_padding_mask, grpo_loss, token_budget_batches, token_logprobs, token_logprobs_and_entropy
+from .loss import causal_padding_mask, grpo_loss_terms, token_budget_batches, token_logprobs, token_logprobs_and_entropy
 from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch, round_up
 from .rundir import optimizer_problem
@@ -157,40 +157,46 @@ class Policy:
         # compiled layers compile again when a micro-batch's width turns from a multiple of 8 to not
         # (inductor guards on alignment): widths stay multiples
         multiple = COMPILED_WIDTH_MULTIPLE if self.compile == "all" else 1
-        batch = batch.to(self.device).padded_to_multiple(multiple)
+        batch = batch.to("cpu").padded_to_multiple(multiple)
         micro = token_budget_batches([round_up(n, multiple) for n in batch.lengths], grpo.micro_batch_tokens)
-        old_logp = torch.zeros_like(batch.engine_logprobs)          # [N, L-1] π_old: before the update
+        # micro-batches cut on the host and sent without waiting, their statistics summed on the device: the
+        # loop never waits for the GPU, so a launch-bound update (small micro-batches, or kernels beside the
+        # engine's) launches ahead instead of draining the GPU at each sync
+        parts = [batch.rows(index, multiple) for index in micro]
+        old_logp: list[torch.Tensor] = []                           # per micro-batch [n, L-1] π_old: before the update
         stale = grpo.max_staleness > 0                              # sampled by an older adapter: weighted
-        is_weight = torch.ones_like(batch.engine_logprobs) if stale else None   # [N, L-1] min(π_old/π_sample, C)
-        stats = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "tokens": 0}
+        is_weight: list[torch.Tensor] = []                          # per micro-batch [n, L-1] min(π_old/π_sample, C)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)   # loss, clip_fraction, kl
+        tokens = 0
         diagnostics = Diagnostics()
         self._activate()
         self.model.train()
         for epoch in range(grpo.epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            for index in micro:
-                part = batch.rows(index, multiple)
+            for j, (host, index) in enumerate(zip(parts, micro)):
+                part = host.to(self.device, non_blocking=True)
+                positions = host.completion_mask.bool()             # on the host: the head's rows without a sync
                 mask = self._layer_mask(part)
-                logp, entropy = self._logprobs(part, mask, with_entropy=epoch == 0)
-                width = logp.shape[1]
+                logp, entropy = self._logprobs(part, positions, mask, with_entropy=epoch == 0)
                 with_ref = grpo.kl_beta > 0 or (epoch == 0 and grpo.kl_metric)
-                ref = self._reference_logprobs(part, mask) if with_ref else None
+                ref = self._reference_logprobs(part, positions, mask) if with_ref else None
                 if epoch == 0:   # the policy that sampled the batch
-                    old_logp[index, :width] = logp.detach()
+                    old_logp.append(logp.detach())
                     if stale:
                         weight = torch.exp(logp.detach() - part.engine_logprobs).clamp(max=grpo.tis_cap)
-                        is_weight[index, :width] = weight * part.completion_mask
+                        is_weight.append(weight * part.completion_mask)
                     diagnostics.add(logp.detach(), entropy, ref, part.completion_mask)
-                loss, m = grpo_loss(logp, old_logp[index, :width], part.advantages, part.completion_mask,
-                                    grpo.clip_eps, ref, grpo.kl_beta, is_weight[index, :width] if stale else None)
+                loss, m = grpo_loss_terms(logp, old_logp[j], part.advantages, part.completion_mask, grpo.clip_eps,
+                                          ref, grpo.kl_beta, is_weight[j] if stale else None)
                 share = len(index) / batch.size
                 if loss.requires_grad:   # not when no completion in the micro-batch has a token
                     (loss * share).backward()                       # micro-batches sum to the batch mean
-                stats["loss"] += loss.item() * share / grpo.epochs
-                stats["clip_fraction"] += m["clip_fraction"] * share / grpo.epochs
-                stats["kl"] += m.get("kl", 0.0) * share / grpo.epochs
-                stats["tokens"] += int(part.attention_mask.sum())
-            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, grpo.max_grad_norm))
+                terms = [loss.detach(), m["clip_fraction"], m.get("kl", torch.zeros_like(loss))]
+                sums += torch.stack([t.double() for t in terms]) * share / grpo.epochs
+                tokens += int(host.attention_mask.sum())
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, grpo.max_grad_norm)
+            loss_sum, clip_sum, kl_sum, norm = torch.cat([sums, grad_norm.double().reshape(1)]).tolist()   # one sync
+            stats = {"loss": loss_sum, "clip_fraction": clip_sum, "kl": kl_sum, "tokens": tokens, "grad_norm": norm}
             self.last_stats = dict(stats)
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 self.lora_layers.snapshot(self.version)   # non-finite weights already? it names the tensor
@@ -201,12 +207,13 @@ class Policy:
             self.optimizer.step()
         self.model.eval()
         self.version += 1
+        old = _placed(old_logp, micro, batch.engine_logprobs.shape)   # [N, L-1] on the host
         if stale:   # NaN without completion tokens (the mean of none)
-            tokens = batch.completion_mask.bool()
-            stats["is_weight_mean"] = is_weight[tokens].mean().item()
-            truncated = torch.exp(old_logp - batch.engine_logprobs)[tokens] > grpo.tis_cap
+            sampled = batch.completion_mask.bool()
+            stats["is_weight_mean"] = _placed(is_weight, micro, old.shape)[sampled].mean().item()
+            truncated = torch.exp(old - batch.engine_logprobs)[sampled] > grpo.tis_cap
             stats["is_truncated_fraction"] = truncated.float().mean().item()
-        return {**stats, **mismatch(old_logp, batch), **diagnostics.means()}
+        return {**stats, **mismatch(old, batch), **diagnostics.means()}
 
     def compile_now(self) -> None:
         """grpo.compile=all: compile what `train` runs (the decoder layer, the head with and without entropies,
@@ -228,11 +235,11 @@ class Policy:
             for p in self.params:   # PEFT's set_adapter freezes the other adapters only
                 p.requires_grad_(True)
 
-    def _logprobs(self, part: RolloutBatch, mask: torch.Tensor, with_entropy: bool):
-        """(log-probs [n, L-1] with gradients, entropies or None); the head only at completion tokens."""
+    def _logprobs(self, part: RolloutBatch, positions: torch.Tensor, mask: torch.Tensor, with_entropy: bool):
+        """(log-probs [n, L-1] with gradients, entropies or None); the head only at `positions` (completion tokens)."""
         fn = token_logprobs_and_entropy if with_entropy else token_logprobs
         with self.compute(), torch._dynamo.config.patch(**_DYNAMO):
-            out = fn(self.model, part.input_ids, mask, self.grpo.temperature, positions=part.completion_mask.bool(),
+            out = fn(self.model, part.input_ids, mask, self.grpo.temperature, positions=positions,
                      compiled_head=self.compile != "off")
         return out if with_entropy else (out, None)
 
@@ -244,10 +251,9 @@ class Policy:
         return part.attention_mask
 
     @torch.no_grad()
-    def _reference_logprobs(self, part: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
+    def _reference_logprobs(self, part: RolloutBatch, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with self.model.disable_adapter(), self.compute(), torch._dynamo.config.patch(**_DYNAMO):
-            return token_logprobs(self.model, part.input_ids, mask, self.grpo.temperature,
-                                  positions=part.completion_mask.bool())
+            return token_logprobs(self.model, part.input_ids, mask, self.grpo.temperature, positions=positions)
 
     @contextlib.contextmanager
     def compute(self):
@@ -416,21 +422,24 @@ class Diagnostics:
     entropy of softmax(logits / T) in nats; kl_to_base: k3 exp(d) - d - 1, d = log p_base - log π_old."""
 
     def __init__(self):
-        self.tokens, self.entropy, self.kl, self.kl_tokens = 0.0, 0.0, 0.0, 0.0
+        self.sums = None   # [4] float64 on the batch's device: tokens, entropy, kl, kl tokens (summed, no sync)
 
     def add(self, logp, entropy, ref_logp, completion_mask) -> None:
         mask = completion_mask.float()                                         # [n, L-1]
-        self.tokens += mask.sum().item()
-        self.entropy += (entropy * mask).sum().item()
+        terms = [mask.sum(), (entropy * mask).sum()]
         if ref_logp is not None:
             diff = ref_logp - logp                                             # [n, L-1]
-            self.kl += ((torch.exp(diff) - diff - 1) * mask).sum().item()
-            self.kl_tokens += mask.sum().item()
+            terms += [((torch.exp(diff) - diff - 1) * mask).sum(), mask.sum()]
+        else:
+            terms += [mask.new_zeros(()), mask.new_zeros(())]
+        added = torch.stack(terms).double()
+        self.sums = added if self.sums is None else self.sums + added
 
     def means(self) -> dict[str, float | None]:
         """{'entropy': mean nats per completion token, 'kl_to_base': the same, or None if not measured}."""
-        return {"entropy": self.entropy / self.tokens if self.tokens else float("nan"),
-                "kl_to_base": self.kl / self.kl_tokens if self.kl_tokens else None}
+        tokens, entropy, kl, kl_tokens = self.sums.tolist() if self.sums is not None else (0.0,) * 4
+        return {"entropy": entropy / tokens if tokens else float("nan"),
+                "kl_to_base": kl / kl_tokens if kl_tokens else None}
 
 
 def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
@@ -444,6 +453,14 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
     return {"mismatch_mean": diff.mean().item(), "mismatch_p99": torch.quantile(diff[:2**24], 0.99).item(),
             "mismatch_max": diff.max().item(),
             "mismatch_active_mean": active_diff.mean().item() if active_diff.numel() else float("nan")}
+
+
+def _placed(pieces: list[torch.Tensor], micro: list[list[int]], shape) -> torch.Tensor:
+    """Micro-batch pieces [n_j, w_j] put back at their rows and first columns of one [N, L-1] host tensor."""
+    out = torch.zeros(shape)
+    for piece, index in zip(pieces, micro):
+        out[index, :piece.shape[1]] = piece.float().cpu()
+    return out
 
 
 def _lora_config(base, lora, model_path: str):

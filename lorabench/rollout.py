@@ -54,8 +54,10 @@ class RolloutBatch:
     def lengths(self) -> list[int]:
         return self.attention_mask.sum(1).tolist()
 
-    def to(self, device) -> RolloutBatch:
-        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+    def to(self, device, non_blocking: bool = False) -> RolloutBatch:
+        """non_blocking from the host: the copies are queued without waiting for the device's earlier work."""
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                               for f in fields(self)})
 
     def rows(self, index: list[int], width_multiple: int = 1) -> RolloutBatch:
         """Rows `index`, trimmed to their longest sequence rounded up to `width_multiple` (at most this width)."""
