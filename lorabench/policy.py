@@ -456,11 +456,12 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
 
 
 def _placed(pieces: list[torch.Tensor], micro: list[list[int]], shape) -> torch.Tensor:
-    """Micro-batch pieces [n_j, w_j] put back at their rows and first columns of one [N, L-1] host tensor."""
-    out = torch.zeros(shape)
+    """Micro-batch pieces [n_j, w_j] put back at their rows and first columns of one [N, L-1] tensor on their
+    device, then brought to the host in one copy (one wait for the device, however many micro-batches)."""
+    out = pieces[0].new_zeros(shape, dtype=torch.float32)
     for piece, index in zip(pieces, micro):
-        out[index, :piece.shape[1]] = piece.float().cpu()
-    return out
+        out[torch.tensor(index).to(out.device, non_blocking=True), :piece.shape[1]] = piece.float()
+    return out.cpu()
 
 
 def _lora_config(base, lora, model_path: str):

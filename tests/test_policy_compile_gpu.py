@@ -31,3 +31,35 @@ def test_compiled_update_equals_eager_on_gpu(tiny_model_dir, checkpointing):
     compiled_stats, compiled_grads = trained(tiny_model_dir, "all", "cuda", setting, "grpo.micro_batch_tokens=40")
     assert counters["stats"]["unique_graphs"] >= 3 and not counters["graph_break"], dict(counters)
     assert_same_update((eager_stats, eager_grads), (compiled_stats, compiled_grads), rel=1e-4, abs_stats=1e-6)
+
+
+def test_an_update_waits_for_the_gpu_as_often_with_four_micro_batches_as_with_one(tiny_model_dir):
+    """Policy.train waits for the device once per optimizer step and a fixed few times at its end (the
+    statistics to the host), never per micro-batch, so a launch-bound update (small micro-batches, or kernels
+    beside the engine's) launches ahead of the GPU. CUDA's sync debug mode reports each wait as a warning."""
+    import warnings
+
+    from lorabench.policy import Policy
+    from lorabench.session.config import Config
+
+    def waits(budget: int) -> tuple[int, int]:
+        cfg = Config.load(overrides=["lora.r=4", "lora.alpha=8", "grpo.compile=all",
+                                     f"grpo.micro_batch_tokens={budget}"])
+        torch.manual_seed(0)
+        policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cuda")
+        batch = synthetic_batch()
+        policy.train(batch)   # compiles
+        parts = len(token_budget_batches([round_up(n, COMPILED_WIDTH_MULTIPLE) for n in batch.lengths], budget))
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                policy.train(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught), parts
+
+    (one, one_parts), (many, many_parts) = waits(4096), waits(40)
+    assert one_parts == 1 and many_parts == 4, (one_parts, many_parts)
+    assert many == one <= 4, (one, many)
