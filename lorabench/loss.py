@@ -23,6 +23,16 @@ LOGIT_TRANSFORM_SETTINGS = {
 }
 
 
+def sent_ahead(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` without the host waiting for the device: a host tensor bound for a GPU goes through pinned
+    memory (a copy from pageable memory may wait until the stream has drained); PyTorch's pinned-memory cache
+    keeps the source until the copy has run."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """(r - group mean) / (group std + eps), rewards laid out group by group: [P*G] -> [P*G]."""
     r = rewards.view(-1, group_size)                    # [P, G]
@@ -203,7 +213,7 @@ def token_logprobs_and_entropy(model, input_ids, attention_mask, temperature: fl
     picked = None
     if positions is not None:
         # [R] rows wanted; `positions` on the host (the trainer's) picks them without waiting for the device
-        picked = positions.reshape(-1).nonzero()[:, 0].to(hidden.device, non_blocking=True)
+        picked = sent_ahead(positions.reshape(-1).nonzero()[:, 0], hidden.device)
         hidden_rows, target_rows = hidden_rows.index_select(0, picked), target_rows[picked]
     plain_head = isinstance(head, torch.nn.Linear) and head.bias is None   # else autograd, chunks checkpointed
     pieces, entropies = [], []

@@ -29,7 +29,14 @@ from .adapters import (
     validate,
 )
 from .commits import cloned
-from .loss import causal_padding_mask, grpo_loss_terms, token_budget_batches, token_logprobs, token_logprobs_and_entropy
+from .loss import (
+    causal_padding_mask,
+    grpo_loss_terms,
+    sent_ahead,
+    token_budget_batches,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch, round_up
 from .rundir import optimizer_problem
@@ -174,7 +181,7 @@ class Policy:
         for epoch in range(grpo.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for j, (host, index) in enumerate(zip(parts, micro)):
-                part = host.to(self.device, non_blocking=True)
+                part = host.to(self.device)
                 positions = host.completion_mask.bool()             # on the host: the head's rows without a sync
                 mask = self._layer_mask(part)
                 logp, entropy = self._logprobs(part, positions, mask, with_entropy=epoch == 0)
@@ -460,7 +467,7 @@ def _placed(pieces: list[torch.Tensor], micro: list[list[int]], shape) -> torch.
     device, then brought to the host in one copy (one wait for the device, however many micro-batches)."""
     out = pieces[0].new_zeros(shape, dtype=torch.float32)
     for piece, index in zip(pieces, micro):
-        out[torch.tensor(index).to(out.device, non_blocking=True), :piece.shape[1]] = piece.float()
+        out[sent_ahead(torch.tensor(index), out.device), :piece.shape[1]] = piece.float()
     return out.cpu()
 
 

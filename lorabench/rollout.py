@@ -10,7 +10,7 @@ import torch
 
 from .data import Problem, prompt_ids
 from .engines.base import Completion, GenerateRequest, Sampling
-from .loss import group_advantages
+from .loss import group_advantages, sent_ahead
 from .metrics import reward_of
 
 
@@ -54,10 +54,9 @@ class RolloutBatch:
     def lengths(self) -> list[int]:
         return self.attention_mask.sum(1).tolist()
 
-    def to(self, device, non_blocking: bool = False) -> RolloutBatch:
-        """non_blocking from the host: the copies are queued without waiting for the device's earlier work."""
-        return RolloutBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-                               for f in fields(self)})
+    def to(self, device) -> RolloutBatch:
+        """A copy on `device`; from the host to a GPU sent ahead (loss.sent_ahead): the host does not wait."""
+        return RolloutBatch(**{f.name: sent_ahead(getattr(self, f.name), device) for f in fields(self)})
 
     def rows(self, index: list[int], width_multiple: int = 1) -> RolloutBatch:
         """Rows `index`, trimmed to their longest sequence rounded up to `width_multiple` (at most this width)."""
