@@ -201,17 +201,7 @@ class Policy:
                 terms = [loss.detach(), m["clip_fraction"], m.get("kl", torch.zeros_like(loss))]
                 sums += torch.stack([t.double() for t in terms]) * share / grpo.epochs
                 tokens += int(host.attention_mask.sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, grpo.max_grad_norm)
-            loss_sum, clip_sum, kl_sum, norm = torch.cat([sums, grad_norm.double().reshape(1)]).tolist()   # one sync
-            stats = {"loss": loss_sum, "clip_fraction": clip_sum, "kl": kl_sum, "tokens": tokens, "grad_norm": norm}
-            self.last_stats = dict(stats)
-            if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
-                self.lora_layers.snapshot(self.version)   # non-finite weights already? it names the tensor
-                raise _diverged(grpo, f"GRPO step {self.version + 1} diverged: loss {stats['loss']:.3g}, gradient "
-                                f"norm {stats['grad_norm']:.3g} (before clipping to grpo.max_grad_norm="
-                                f"{grpo.max_grad_norm:g}); the update was not applied, served, saved or "
-                                f"checkpointed.")   # before a NaN reaches the weights
-            self.optimizer.step()
+            stats = self._clipped_step(sums, tokens)
         self.model.eval()
         self.version += 1
         old = _placed(old_logp, micro, batch.engine_logprobs.shape)   # [N, L-1] on the host
@@ -221,6 +211,22 @@ class Policy:
             truncated = torch.exp(old - batch.engine_logprobs)[sampled] > grpo.tis_cap
             stats["is_truncated_fraction"] = truncated.float().mean().item()
         return {**stats, **mismatch(old, batch), **diagnostics.means()}
+
+    def _clipped_step(self, sums: torch.Tensor, tokens: int) -> dict[str, float]:
+        """The epoch's end: clip, read its sums (loss, clip_fraction, kl; the loop's one wait for the device),
+        refuse a non-finite update before it reaches the weights, then the optimizer step."""
+        grpo = self.grpo
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, grpo.max_grad_norm)
+        loss, clip, kl, norm = torch.cat([sums, grad_norm.double().reshape(1)]).tolist()
+        stats = {"loss": loss, "clip_fraction": clip, "kl": kl, "tokens": tokens, "grad_norm": norm}
+        self.last_stats = dict(stats)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.lora_layers.snapshot(self.version)   # non-finite weights already? it names the tensor
+            raise _diverged(grpo, f"GRPO step {self.version + 1} diverged: loss {loss:.3g}, gradient norm {norm:.3g} "
+                            f"(before clipping to grpo.max_grad_norm={grpo.max_grad_norm:g}); the update was not "
+                            f"applied, served, saved or checkpointed.")
+        self.optimizer.step()
+        return stats
 
     def compile_now(self) -> None:
         """grpo.compile=all: compile what `train` runs (the decoder layer, the head with and without entropies,
