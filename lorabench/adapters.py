@@ -123,6 +123,11 @@ class AdapterLayout:
     def numel(self) -> int:
         return self.offsets[-1]
 
+    @cached_property
+    def modules(self) -> list[str]:
+        """The adapted modules' plain names, sorted: the order of every per-module vector (delta_squares)."""
+        return sorted({split_lora_key(name)[0] for name in self.names})
+
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Name -> view of `buffer` (1-D, `numel` elements)."""
         if buffer.dim() != 1 or buffer.numel() != self.numel:
@@ -192,7 +197,7 @@ class FlatAdapter:
 
     @property
     def modules(self) -> list[str]:
-        return sorted({split_lora_key(k)[0] for k in self.layout.names})
+        return self.layout.modules
 
     def to(self, device=None, dtype=None) -> FlatAdapter:
         return dataclasses.replace(self, buffer=self.buffer.to(device=device, dtype=dtype))

@@ -25,7 +25,6 @@ from .adapters import (
     base_weights,
     linear_shapes,
     plain_config,
-    split_lora_key,
     validate,
 )
 from .commits import cloned
@@ -344,7 +343,7 @@ def _diverged(grpo, message: str, then: str = "", ratio: float = math.inf, offer
 @torch.no_grad()
 def _base_norms(model, layout: AdapterLayout) -> tuple[list[str], torch.Tensor]:
     """The adapted modules (plain names, layout order) and ||W||_F of each one's frozen base weight."""
-    modules = sorted({split_lora_key(name)[0] for name in layout.names})
+    modules = layout.modules
     weights = base_weights(model)
     norms = torch.stack([weights[f"{m}.weight"].double().norm() for m in modules])
     return modules, norms.clamp_min(torch.finfo(torch.float64).tiny)   # a zero weight: any change is infinite
@@ -439,13 +438,11 @@ class Diagnostics:
 
     def add(self, logp, entropy, ref_logp, completion_mask) -> None:
         mask = completion_mask.float()                                         # [n, L-1]
-        terms = [mask.sum(), (entropy * mask).sum()]
+        kl = kl_tokens = mask.new_zeros(())
         if ref_logp is not None:
             diff = ref_logp - logp                                             # [n, L-1]
-            terms += [((torch.exp(diff) - diff - 1) * mask).sum(), mask.sum()]
-        else:
-            terms += [mask.new_zeros(()), mask.new_zeros(())]
-        added = torch.stack(terms).double()
+            kl, kl_tokens = ((torch.exp(diff) - diff - 1) * mask).sum(), mask.sum()
+        added = torch.stack([mask.sum(), (entropy * mask).sum(), kl, kl_tokens]).double()
         self.sums = added if self.sums is None else self.sums + added
 
     def means(self) -> dict[str, float | None]:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import base_weights, split_lora_key
+from .adapters import base_weights
 from .clock import Clock
 from .engines.base import AdapterNotLoaded, Sampling
 from .refresh import REFRESH_MODES, make_refresher, pack_buckets, refresh_settings
@@ -161,8 +161,7 @@ def merged_push_tensors(peft_model) -> list[tuple[str, torch.Tensor]]:
     """What a merged refresh pushes after its first: the adapted layers' base weights (views)."""
     from .policy import LoraLayers
     base = base_weights(peft_model)
-    modules = sorted({split_lora_key(name)[0] for name in LoraLayers(peft_model).layout.names})
-    return [(f"{m}.weight", base[f"{m}.weight"]) for m in modules]
+    return [(f"{m}.weight", base[f"{m}.weight"]) for m in LoraLayers(peft_model).layout.modules]
 
 
 def push_count(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> int:
