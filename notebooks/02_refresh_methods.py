@@ -313,7 +313,7 @@ explain.self_check({
     "the reveal names the fastest mode the figure shows on top":
         f"`{stated[0]}`" in explain.mode_prediction_note(None, rows).split("You wrote")[0],
     "section 5's table puts the modes in this run's order, the places 1 to 4":
-        list(explain.cpu_gpu_table(rows, gpu).index) == [r["mode"] for r in sorted(rows, key=explain.refresh_costs._median_ms)]
+        list(explain.cpu_gpu_table(rows, gpu).index) == [r["mode"] for r in sorted(rows, key=explain.refresh_costs.median_ms)]
         and list(explain.cpu_gpu_table(rows, gpu)["here: place"]) == list(range(1, len(rows) + 1)),
     "every bucket size gave a different push count, the one the packing computed":
         len({r["buckets"] for r in merged}) == len(merged)

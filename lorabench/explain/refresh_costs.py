@@ -83,7 +83,8 @@ def storage_markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _median_ms(row) -> float:
+def median_ms(row) -> float:
+    """A refresh row's median end-to-end time in ms (what the lesson orders the modes by)."""
     return quartiles(end_to_end_ms(row))[1]
 
 
@@ -97,7 +98,7 @@ def mode_groups(rows) -> list[list[str]]:
     """Modes by median end to end, fastest first, in groups: a mode whose middle half overlaps the
     previous mode's joins its group (their order is within the spread and can swap between runs)."""
     groups: list[list[dict]] = []
-    for row in sorted(rows, key=_median_ms):
+    for row in sorted(rows, key=median_ms):
         if groups and _overlap(end_to_end_ms(groups[-1][-1]), end_to_end_ms(row)):
             groups[-1].append(row)
         else:
@@ -110,7 +111,7 @@ def modes_markdown(rows, bandwidth_gbps: float) -> str:
     from ..refresh_bench import floor_seconds
     by_mode = {r["mode"]: r for r in rows}
     groups = mode_groups(rows)
-    order = " < ".join(" ≈ ".join(f"`{m}` {ms_text(_median_ms(by_mode[m]))} ms" for m in g) for g in groups)
+    order = " < ".join(" ≈ ".join(f"`{m}` {ms_text(median_ms(by_mode[m]))} ms" for m in g) for g in groups)
     tied = [g for g in groups if len(g) > 1]
     spread = ("; ≈ joins modes whose middle halves overlap: their order is within the spread and can swap "
               "between runs" if tied else "; every mode's middle half is clear of the next one's")
@@ -172,13 +173,13 @@ def rank_markdown(rows) -> str:
 
     def change(m):
         within = _overlap(end_to_end_ms(at[(m, low)]), end_to_end_ms(at[(m, high)]))
-        return f"`{m}` ×{_median_ms(at[(m, high)]) / _median_ms(at[(m, low)]):.2f}{' (within the spread)' * within}"
+        return f"`{m}` ×{median_ms(at[(m, high)]) / median_ms(at[(m, low)]):.2f}{' (within the spread)' * within}"
     tiers = _rank_tiers(at, modes, ranks)
     if len(tiers) > 1:
         order = (f"- At every rank: {' < '.join(', '.join(f'`{m}`' for m in t) for t in tiers)} (each group's "
                  f"middle halves below the next group's at every rank; within a group the order can change)")
     else:
-        fastest = {k: min((at[(m, k)] for m in modes), key=_median_ms)["mode"] for k in ranks}
+        fastest = {k: min((at[(m, k)] for m in modes), key=median_ms)["mode"] for k in ranks}
         order = ("- No mode's middle half is clear of another's at every rank; the fastest median at each: "
                  + ", ".join(f"r={k}: `{m}`" for k, m in fastest.items()))
     adapter = (f"the adapter grows ×{size[high] / size[low]:.0f} ({size[low]:.2g} MB -> {size[high]:.2g} MB)"
@@ -224,23 +225,23 @@ def gpu_mode_rows(path: Path = GPU_RESULTS) -> tuple[list[dict], str] | None:
 def cpu_gpu_table(rows, gpu: tuple[list[dict], str] | None):
     """Each mode's median end to end and place here, beside the GPU recording's."""
     import pandas as pd
-    here = sorted(rows, key=_median_ms)
-    table = pd.DataFrame({"mode": [r["mode"] for r in here], "here: ms": [_median_ms(r) for r in here],
+    here = sorted(rows, key=median_ms)
+    table = pd.DataFrame({"mode": [r["mode"] for r in here], "here: ms": [median_ms(r) for r in here],
                           "here: place": range(1, len(here) + 1)}).set_index("mode")
     if gpu is not None:
         gpu_rows, label = gpu
-        there = sorted(gpu_rows, key=_median_ms)
-        table[f"{label}: ms"] = pd.Series({r["mode"]: _median_ms(r) for r in there})
+        there = sorted(gpu_rows, key=median_ms)
+        table[f"{label}: ms"] = pd.Series({r["mode"]: median_ms(r) for r in there})
         table[f"{label}: place"] = pd.Series({r["mode"]: i + 1 for i, r in enumerate(there)})
     return table
 
 
 def cpu_gpu_markdown(rows, gpu: tuple[list[dict], str] | None) -> str:
     """The two orders in words: the same, or which modes trade places."""
-    here = [r["mode"] for r in sorted(rows, key=_median_ms)]
+    here = [r["mode"] for r in sorted(rows, key=median_ms)]
     if gpu is None:
         return f"Fastest to slowest here: {', '.join(f'`{m}`' for m in here)}; no GPU recording found to compare."
-    there = [r["mode"] for r in sorted(gpu[0], key=_median_ms)]
+    there = [r["mode"] for r in sorted(gpu[0], key=median_ms)]
     if here == there:
         return (f"Here and on the GPU ({gpu[1]}) the order is the same: {' < '.join(f'`{m}`' for m in here)}.")
     moved = [f"`{m}` {here.index(m) + 1} here, {there.index(m) + 1} there" for m in here
@@ -271,7 +272,7 @@ def mode_prediction_note(predicted: str | None, rows) -> str:
     if predicted not in {r["mode"] for r in rows}:
         modes = ", ".join(f"`{r['mode']}`" for r in rows)
         return f"**The reveal.** Fastest here: {fastest}; `{predicted}` is not a mode ({modes})."
-    place = [r["mode"] for r in sorted(rows, key=_median_ms)].index(predicted) + 1
+    place = [r["mode"] for r in sorted(rows, key=median_ms)].index(predicted) + 1
     return (f"**The reveal.** Fastest end to end on this machine: {fastest}. You predicted `{predicted}`: "
             + ("right." if predicted in first else
                f"it came {({1: '1st', 2: '2nd', 3: '3rd'}).get(place, f'{place}th')} of {len(rows)}."))
