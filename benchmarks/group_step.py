@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import watch  # noqa: E402  (this folder)
+from meters import trainer_context  # noqa: E402
 from synthetic import size_overrides  # noqa: E402
 
 from lorabench.session import Config, GroupSession, RunSession  # noqa: E402
@@ -145,7 +146,11 @@ def main() -> None:
     parser.add_argument("--engine-sm-percents", type=int, nargs="+", default=[100],
                         help="under CUDA MPS: the group's engine (its scheduler) gets this share of the SMs, one "
                              "group run per value; the trainer keeps all of them (its CUDA context exists first)")
+    parser.add_argument("--trainer-below-normal", action="store_true",
+                        help="under CUDA MPS: this process (the trainer) is a BELOW_NORMAL client "
+                             "(CUDA_MPS_CLIENT_PRIORITY=1): where both have kernels ready, the engine's run first")
     args = parser.parse_args()
+    trainer_context(below_normal=args.trainer_below_normal)
     watch.limit(args.limit)
     watch.stacks_in_children()
     root = Path(tempfile.mkdtemp(prefix="group-step-"))
@@ -158,7 +163,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d %H:%M"), "ks": args.ks or [args.k], "overrides": base,
-              "group_overrides": args.group_overrides, "sizes": {}}
+              "group_overrides": args.group_overrides,
+              "trainer_below_normal": args.trainer_below_normal, "sizes": {}}
     for size in args.sizes:
         single = run_single(base, size, root / "runs", args.steps)
         result["sizes"][size] = {"single": single}

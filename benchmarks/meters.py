@@ -5,7 +5,8 @@ sys.path; the CPU tests use `saved_activation_bytes` to check what the training 
   micro-batch (activation_memory.py);
 - `matmul_params`, `model_flops_per_token`, `trained_flops`: the FLOPs of a trained token and of a
   batch, for model FLOPs utilisation (step_gpu.py, train_gpu.py, step_user_path.py);
-- `GpuBusy`: the share of time each GPU was running a kernel while a block ran (step_user_path.py).
+- `GpuBusy`: the share of time each GPU was running a kernel while a block ran (step_user_path.py);
+- `trainer_context`: under CUDA MPS, the trainer's share of the SMs and its client priority, before the engine starts.
 """
 from __future__ import annotations
 
@@ -103,3 +104,20 @@ class GpuBusy:
             self._proc.wait(timeout=10)
             self._reader.join(timeout=10)
         self.percent = {gpu: sum(v) / len(v) for gpu, v in sorted(self.samples.items())}
+
+
+def trainer_context(sm_percent: int = 0, below_normal: bool = False) -> None:
+    """Under CUDA MPS: make this process's CUDA context now with the trainer's share of the SMs
+    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) and client priority (CUDA_MPS_CLIENT_PRIORITY=1, BELOW_NORMAL), both read
+    once when a context is made, then take them out of the environment: the engine's processes, started
+    later from it, keep every SM and the NORMAL priority. Nothing to do when neither is asked for."""
+    import os
+    asked = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(sm_percent) if sm_percent else None,
+             "CUDA_MPS_CLIENT_PRIORITY": "1" if below_normal else None}
+    asked = {k: v for k, v in asked.items() if v is not None}
+    if not asked:
+        return
+    os.environ.update(asked)
+    torch.zeros(1, device="cuda")
+    for key in asked:
+        del os.environ[key]

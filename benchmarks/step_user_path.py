@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meters import GpuBusy, trained_flops  # noqa: E402  (this folder)
+from meters import GpuBusy, trained_flops, trainer_context  # noqa: E402  (this folder)
 from synthetic import qwen3_06b_run, size_overrides  # noqa: E402  (this folder)
 
 from lorabench.data import prompt_ids  # noqa: E402
@@ -198,13 +198,13 @@ def main() -> None:
     parser.add_argument("--trainer-sm-percent", type=int, default=0,
                         help="under CUDA MPS: the share of the GPU's SMs this process (the trainer) may use; the "
                              "engine's processes keep all of them (0: no limit)")
+    parser.add_argument("--trainer-below-normal", action="store_true",
+                        help="under CUDA MPS: this process (the trainer) is a BELOW_NORMAL client "
+                             "(CUDA_MPS_CLIENT_PRIORITY=1): where both have kernels ready, the engine's run first")
     args = parser.parse_args()
     watch_cache_bypasses()
     root = Path(tempfile.mkdtemp(prefix="step-user-"))
-    if args.trainer_sm_percent:   # read once, when this process's CUDA context is made; the engine's start after
-        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.trainer_sm_percent)
-        torch.zeros(1, device="cuda")
-        del os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+    trainer_context(args.trainer_sm_percent, args.trainer_below_normal)
     if args.save_attention:
         save_attention_in_checkpoints()
     if args.tiny:
@@ -216,6 +216,7 @@ def main() -> None:
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
               "overrides": [*base, *args.overrides], "trainer_sm_percent": args.trainer_sm_percent or 100,
+              "trainer_below_normal": args.trainer_below_normal,
               "save_attention": args.save_attention,
               "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "runs": []}
     sizes = [None] if args.tiny else args.sizes
