@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--engine-sm-percents", type=int, nargs="+", default=[100],
                         help="under CUDA MPS: the group's engine (its scheduler) gets this share of the SMs, one "
                              "group run per value; the trainer keeps all of them (its CUDA context exists first)")
+    parser.add_argument("--single-p50", type=float, default=0.0,
+                        help="one policy's step p50 (s) from an earlier run in the same call: no single run here")
     parser.add_argument("--trainer-below-normal", action="store_true",
                         help="under CUDA MPS: this process (the trainer) is a BELOW_NORMAL client "
                              "(CUDA_MPS_CLIENT_PRIORITY=1): where both have kernels ready, the engine's run first")
@@ -166,7 +168,8 @@ def main() -> None:
               "group_overrides": args.group_overrides,
               "trainer_below_normal": args.trainer_below_normal, "sizes": {}}
     for size in args.sizes:
-        single = run_single(base, size, root / "runs", args.steps)
+        single = {"step_wall_s_p50": args.single_p50, "given": True} if args.single_p50 else \
+            run_single(base, size, root / "runs", args.steps)
         result["sizes"][size] = {"single": single}
         Path(args.out).write_text(json.dumps(result, indent=1))   # a group cut off by the limit keeps this
         for k, share in [(k, share) for k in args.ks or [args.k] for share in args.engine_sm_percents]:
