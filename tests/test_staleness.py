@@ -256,10 +256,11 @@ def test_a_stale_group_stopped_and_resumed_is_the_uninterrupted_group(tiny_model
 def test_one_step_stale_grpo_learns_on_the_demo(tmp_path):
     """The demo model with grpo.max_staleness=1: the training reward rises as the on-policy demo's does.
 
-    24 steps, because the demo's reward takes off between steps 10 and 20 and a one-step lag can put
-    that later: at 16 steps the rise was as small as 0.145 on a loaded machine, at 24 it is ~0.6."""
+    32 steps, the mean of the last 8: the demo's reward takes off between steps 10 and 20, a one-step lag can
+    put that later, and a stale run may dip for a few steps after it (the warm-started model, and so the
+    curve, differs between CPU kinds); on-policy and stale both end near 0.5 (docs/results.md)."""
     model = resolve_model(Config(), log=print)
-    cfg = Config.load(None, [f"model.name_or_path={model}", "grpo.max_staleness=1", "grpo.steps=24",
+    cfg = Config.load(None, [f"model.name_or_path={model}", "grpo.max_staleness=1", "grpo.steps=32",
                              "data.eval_size=16", f"run.out_dir={tmp_path}", "run.name=stale"])
     session = RunSession.open(cfg, tmp_path / "stale", evaluate_first=False, **QUIET)
     try:
@@ -268,6 +269,6 @@ def test_one_step_stale_grpo_learns_on_the_demo(tmp_path):
     finally:
         session.close()
     first = sum(r["reward/mean"] for r in rows[:4]) / 4
-    last = sum(r["reward/mean"] for r in rows[-4:]) / 4
+    last = sum(r["reward/mean"] for r in rows[-8:]) / 8
     assert last - first > 0.3, [round(r["reward/mean"], 2) for r in rows]
     assert sum(r["adapter/lag"] for r in rows) >= len(rows) // 2, [r["adapter/lag"] for r in rows]
