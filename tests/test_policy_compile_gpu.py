@@ -37,7 +37,9 @@ def test_an_update_waits_for_the_gpu_as_often_with_four_micro_batches_as_with_on
     """Policy.train waits for the device once per optimizer step and a fixed few times at its end (the
     statistics to the host), never per micro-batch, so a launch-bound update (small micro-batches, or kernels
     beside the engine's) launches ahead of the GPU. CUDA's sync debug mode reports each wait as a warning."""
+    import traceback
     import warnings
+    from pathlib import Path
 
     from lorabench.policy import Policy
     from lorabench.session.config import Config
@@ -51,15 +53,24 @@ def test_an_update_waits_for_the_gpu_as_often_with_four_micro_batches_as_with_on
         policy.train(batch)   # compiles
         parts = len(token_budget_batches([round_up(n, COMPILED_WIDTH_MULTIPLE) for n in batch.lengths], budget))
         torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
+        where: list[str] = []   # each wait: the innermost lorabench frames that asked for it
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                          if "lorabench" in f.filename]
+                where.append(" < ".join(reversed(frames[-3:])) or f"{filename}:{lineno}")
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 policy.train(batch)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught), parts
+        return where, parts
 
     (one, one_parts), (many, many_parts) = waits(4096), waits(40)
     assert one_parts == 1 and many_parts == 4, (one_parts, many_parts)
-    assert many == one <= 4, (one, many)
+    assert len(many) == len(one) <= 4, ("one micro-batch:", one, "four:", many)
