@@ -1,5 +1,6 @@
-"""SGLang's decode with a LoRA adapter vs without, per LoRA kernel backend: where the rollout's gap
-to base decode comes from, and which engine setting closes it.
+"""SGLang's decode with a LoRA adapter vs without, per LoRA kernel backend and per decode setting (the
+triton attention's KV splits, decode steps per schedule): where the rollout's gap to base decode comes
+from, and which engine setting closes it or makes both faster.
 
     python benchmarks/lora_decode_gpu.py --out results/lora_decode.json [--batches 512] [--variants ...]
 
@@ -37,6 +38,11 @@ VARIANTS = {  # name -> extra sglang.Engine arguments
     "csgmv, chunk 64": {"max_lora_chunk_size": 64},
     "csgmv, chunk 128": {"max_lora_chunk_size": 128},
     "triton": {"lora_backend": "triton"},
+    # the decode attention's KV splits (8 by default, for long contexts; ours are 80-350 tokens at 512 sequences)
+    "triton, kv splits 2": {"lora_backend": "triton", "triton_attention_num_kv_splits": 2},
+    "triton, kv splits 4": {"lora_backend": "triton", "triton_attention_num_kv_splits": 4},
+    # the scheduler's CPU work once per 4 decode steps instead of each
+    "triton, 4 decode steps a schedule": {"lora_backend": "triton", "num_continuous_decode_steps": 4},
 }
 
 
