@@ -43,6 +43,8 @@ VARIANTS = {  # name -> extra sglang.Engine arguments
     "triton, kv splits 4": {"lora_backend": "triton", "triton_attention_num_kv_splits": 4},
     # the scheduler's CPU work once per 4 decode steps instead of each
     "triton, 4 decode steps a schedule": {"lora_backend": "triton", "num_continuous_decode_steps": 4},
+    # SGLang's own default attention: needs FlashInfer's JIT sources and nvcc (run under dev/flashinfer_jit)
+    "flashinfer attention": {"lora_backend": "triton", "attention_backend": "flashinfer"},
 }
 
 
