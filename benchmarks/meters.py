@@ -10,6 +10,7 @@ sys.path; the CPU tests use `saved_activation_bytes` to check what the training 
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
@@ -111,10 +112,8 @@ def trainer_context(sm_percent: int = 0, below_normal: bool = False) -> None:
     (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) and client priority (CUDA_MPS_CLIENT_PRIORITY=1, BELOW_NORMAL), both read
     once when a context is made, then take them out of the environment: the engine's processes, started
     later from it, keep every SM and the NORMAL priority. Nothing to do when neither is asked for."""
-    import os
-    asked = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(sm_percent) if sm_percent else None,
-             "CUDA_MPS_CLIENT_PRIORITY": "1" if below_normal else None}
-    asked = {k: v for k, v in asked.items() if v is not None}
+    asked = {**({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(sm_percent)} if sm_percent else {}),
+             **({"CUDA_MPS_CLIENT_PRIORITY": "1"} if below_normal else {})}
     if not asked:
         return
     os.environ.update(asked)

@@ -114,7 +114,7 @@ class Policy:
         self.param_names = [own[id(p)] for p in self.params]   # in the checkpoint: whose each moment is
         self.optimizer = torch.optim.AdamW(list(zip(self.param_names, self.params)), lr=grpo.lr, weight_decay=0.0)
         self.version, self.grpo, self.last_stats = 0, grpo, {}
-        self.delta_modules, self.base_norms = _base_norms(self.model, self.layout)
+        self.base_norms = _base_norms(self.model, self.layout)   # [modules], layout.modules' order
 
     def adapter(self) -> FlatAdapter:
         """The current LoRA weights as one new FlatAdapter at the policy's version; UpdateDiverged beyond the bound."""
@@ -144,7 +144,7 @@ class Policy:
         ratios = self.delta_ratios(adapter)
         worst = int(ratios.nan_to_num(nan=math.inf).argmax())
         ratio = float(ratios[worst])
-        return None if math.isfinite(ratio) and ratio <= bound else (self.delta_modules[worst], ratio)
+        return None if math.isfinite(ratio) and ratio <= bound else (self.layout.modules[worst], ratio)
 
     def diverged_output(self, adapter: FlatAdapter) -> UpdateDiverged:
         """The engine's log-probs under `adapter` are not finite: an update no bound stopped."""
@@ -341,12 +341,11 @@ def _diverged(grpo, message: str, then: str = "", ratio: float = math.inf, offer
 
 
 @torch.no_grad()
-def _base_norms(model, layout: AdapterLayout) -> tuple[list[str], torch.Tensor]:
-    """The adapted modules (plain names, layout order) and ||W||_F of each one's frozen base weight."""
-    modules = layout.modules
+def _base_norms(model, layout: AdapterLayout) -> torch.Tensor:
+    """||W||_F of each adapted module's frozen base weight, in `layout.modules` order."""
     weights = base_weights(model)
-    norms = torch.stack([weights[f"{m}.weight"].double().norm() for m in modules])
-    return modules, norms.clamp_min(torch.finfo(torch.float64).tiny)   # a zero weight: any change is infinite
+    norms = torch.stack([weights[f"{m}.weight"].double().norm() for m in layout.modules])
+    return norms.clamp_min(torch.finfo(torch.float64).tiny)   # a zero weight: any change is infinite
 
 
 def _enable_activation_checkpointing(model) -> None:
