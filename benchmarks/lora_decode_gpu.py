@@ -63,17 +63,22 @@ def main() -> None:
     result = {**gpu_header(), "rows": [],
               "setting": f"Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections, {args.new_tokens} new "
                          f"tokens, ignore_eos, T=1.0, p50 of 3 after 1 warm-up"}
+    t0 = time.monotonic()
     for name in args.variants.split(";"):
+        print(f"[decode {time.monotonic() - t0:.0f} s] {name}: engine opening", flush=True)
         settings = SGLangSettings(max_lora_rank=32, mem_fraction_static=0.5, dtype="bfloat16",
                                   cuda_graph_max_bs=max(batches), **STACK_ARGS, extra_args=json.dumps(VARIANTS[name]))
         with SGLangEngine(q06, settings) as engine:
             engine.load_adapter_tensors("a", adapter)
+            print(f"[decode {time.monotonic() - t0:.0f} s] {name}: engine open, adapter loaded", flush=True)
             for batch in batches:
                 ids = prompts[:batch]
                 times = {}
                 for which, lora in (("base", None), ("adapter", "a")):
                     timed_decode(engine, ids, args.new_tokens, lora)
                     times[which] = statistics.median(timed_decode(engine, ids, args.new_tokens, lora) for _ in range(3))
+                    print(f"[decode {time.monotonic() - t0:.0f} s] {name}, batch {batch}, {which}: "
+                          f"{times[which]:.2f} s", flush=True)
                 tokens = batch * args.new_tokens
                 row = {"variant": name, "extra_args": VARIANTS[name], "batch": batch,
                        "base_tok_s": tokens / times["base"], "adapter_tok_s": tokens / times["adapter"],
