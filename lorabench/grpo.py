@@ -200,7 +200,9 @@ class GRPOTrainer:
         self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
         self._commits = Commits(self.runlog, settings.steps, self._state, lambda: self.policy.version)
         # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
-        self._ahead: tuple[int, Future] | None = None
+        # (step, its sampling, its scoring): the scoring runs after the sampling on the same thread, off the step's
+        # path; a refresh waits for the sampling only
+        self._ahead: tuple[int, Future, Future] | None = None
         self._sampler = ThreadPoolExecutor(1, "lorabench-rollouts", interrupts_to_the_main_thread) \
             if settings.max_staleness else None
         # the adapter the engine serves (the policy's), and with max_staleness the one before it, which the
@@ -296,16 +298,17 @@ class GRPOTrainer:
         if rollouts is None:
             self.resend_if_stale()
             ahead = self._take_ahead(step)
-            rollouts = ahead if ahead is not None else self._sample_in_line(step)
+            rollouts, scored = ahead if ahead is not None else (self._sample_in_line(step), None)
             clock.lap("rollout")
             if self._sampler is not None and step < g.steps:   # the next step's, sampled while this one trains
-                self._ahead = (step + 1, self._sampler.submit(self._sample, step + 1))
+                sampled = self._sampler.submit(self._sample, step + 1)
+                self._ahead = (step + 1, sampled, self._sampler.submit(lambda: self._scored(sampled.result())))
         else:
             self._check_given(rollouts, step)
             clock.add("rollout", rollout_s)
+            scored = None
         self._check_served(rollouts)
-        rewards, reward_means = score(rollouts, self.rewards)
-        batch = collate(rollouts, rewards, self.tokenizer.pad_token_id)
+        batch, reward_means = scored or self._scored(rollouts)
         clock.lap("reward")
         with contextlib.ExitStack() as committing:
             with self._whole_step(step):
@@ -341,6 +344,11 @@ class GRPOTrainer:
             raise StaleAdapter(f"step {step}: the rollouts given were served by adapter {rollouts.adapter!r}, this "
                                f"trainer's is {self.refresher.serving_adapter!r}; nothing was trained on them")
 
+    def _scored(self, rollouts: Rollouts) -> tuple[RolloutBatch, dict[str, float]]:
+        """The rollouts rewarded and collated, with each reward function's mean (pure: on any thread)."""
+        rewards, reward_means = score(rollouts, self.rewards)
+        return collate(rollouts, rewards, self.tokenizer.pad_token_id), reward_means
+
     def _sample_in_line(self, step: int) -> Rollouts:
         """This step's rollouts when none were sampled ahead: with max_staleness from the adapter one
         version behind, as the pipeline samples them (a resumed or repeated step gets the same ones)."""
@@ -350,21 +358,21 @@ class GRPOTrainer:
             self.resend_if_stale()
         return rollouts
 
-    def _take_ahead(self, step: int) -> Rollouts | None:
-        """The rollouts sampled ahead for `step`, if any (waited for; an interrupt stops the wait)."""
+    def _take_ahead(self, step: int) -> tuple[Rollouts, tuple] | None:
+        """(rollouts, scored) sampled ahead for `step`, if any (waited for; an interrupt stops the wait)."""
         if self._ahead is None:
             return None
-        for_step, future = self._ahead
+        for_step, sampled, scored = self._ahead
         self._ahead = None
-        rollouts = wait_interruptibly(future.result)
-        return rollouts if for_step == step else None
+        scored = wait_interruptibly(scored.result)
+        return (sampled.result(), scored) if for_step == step else None
 
     def _drop_ahead(self) -> None:
         """Rollouts sampled ahead for a step that will not follow: waited for (no engine call left running), dropped."""
         if self._ahead is not None:
-            _, future = self._ahead
+            _, sampled, scored = self._ahead
             self._ahead = None
-            futures_wait([future])
+            futures_wait([sampled, scored])
 
     def _check_served(self, rollouts: Rollouts) -> None:
         """The engine served the trainer's version or one at most grpo.max_staleness older (the
