@@ -186,7 +186,9 @@ class PolicyGroup:
         stale = next(iter(trainers.values())).settings.max_staleness   # a shared setting
         self._sampler = ThreadPoolExecutor(1, "lorabench-group-rollouts", interrupts_to_the_main_thread) \
             if stale else None
-        self._ahead: tuple[dict[str, int], dict, Future] | None = None   # ({name: step}, requests, their batch)
+        # ({name: step}, their batch, the batch scored): the scoring follows the sampling on the sampler's thread,
+        # off the step's path; a refresh waits for the sampling only
+        self._ahead: tuple[dict[str, int], Future, Future] | None = None
 
     @property
     def step_count(self) -> int:
@@ -205,8 +207,9 @@ class PolicyGroup:
             return self._update_then_publish(names, rollouts, rollout_s)
 
     def _rollouts(self, names: list[str]) -> tuple[dict, float]:
-        """{name: Rollouts} of each policy's next step from one engine batch (sampled ahead, or now) and the
-        time it took or was waited for; with staleness, the batch of the step after is submitted."""
+        """{name: (Rollouts, scored or None)} of each policy's next step from one engine batch (sampled ahead and
+        scored, or now) and the time it took or was waited for; with staleness, the batch of the step after is
+        submitted."""
         steps = {name: self.trainers[name].step_count + 1 for name in names}
         t0 = synced_time()
         taken = self._take_ahead(steps)
@@ -220,16 +223,28 @@ class PolicyGroup:
             served = self._sample(asked)
             for name in behind:
                 self.trainers[name].resend_if_stale()
+            rollout_s = synced_time() - t0
+            rollouts = {name: (self._rollouts_of(name, asked, served), None) for name in asked}
         else:
-            asked, served = taken
-        rollout_s = synced_time() - t0
-        rollouts = {name: rollouts_of(self.engine, self.trainers[name].tokenizer, problems, request, *served[name])
-                    for name, (problems, request) in asked.items()}
+            rollouts, rollout_s = taken, synced_time() - t0
         ahead = {name: step + 1 for name, step in steps.items() if step < self.trainers[name].settings.steps}
         if self._sampler is not None and ahead:
             requests = {name: self.trainers[name].rollout_request(ahead=True) for name in ahead}
-            self._ahead = (ahead, requests, self._sampler.submit(self._sample, requests))
+            sampled = self._sampler.submit(self._sample, requests)
+            self._ahead = (ahead, sampled, self._sampler.submit(lambda: self._scored(requests, sampled.result())))
         return rollouts, rollout_s
+
+    def _rollouts_of(self, name: str, asked: dict, served: dict):
+        problems, request = asked[name]
+        return rollouts_of(self.engine, self.trainers[name].tokenizer, problems, request, *served[name])
+
+    def _scored(self, asked: dict, served: dict) -> dict:
+        """{name: (Rollouts, (batch, reward means))}: each policy's rollouts scored and collated (on any thread)."""
+        scored = {}
+        for name in asked:
+            rollouts = self._rollouts_of(name, asked, served)
+            scored[name] = (rollouts, self.trainers[name].scored(rollouts))
+        return scored
 
     def _sample(self, asked: dict) -> dict:
         """{name: (completions, the version that served them)}: the requests as one batch, each version read
@@ -239,28 +254,28 @@ class PolicyGroup:
                 for (name, (_, request)), out in zip(asked.items(), done)}
 
     def _take_ahead(self, steps: dict[str, int]):
-        """(requests, served) sampled ahead for exactly these policies at these steps, waited for; else None
+        """{name: (Rollouts, scored)} sampled ahead for exactly these policies at these steps, waited for; else None
         (a batch ahead for others is waited for and dropped: the policies sample in line, as it would have)."""
         if self._ahead is None:
             return None
-        for_steps, requests, future = self._ahead
+        for_steps, sampled, scored = self._ahead
         self._ahead = None
         if for_steps != steps:
-            futures_wait([future])   # no engine call left running
+            futures_wait([sampled, scored])   # no engine call left running
             return None
-        return requests, wait_interruptibly(future.result)
+        return wait_interruptibly(scored.result)
 
     def _update_then_publish(self, names: list[str], rollouts: dict, rollout_s: float) -> dict:
         started, records = [], {}
         try:
             for name in names:
                 self.current = name
-                phases = self.trainers[name].phases(rollouts[name], rollout_s)
+                phases = self.trainers[name].phases(*rollouts[name], rollout_s=rollout_s)
                 next(phases)   # scored and updated
                 started.append((name, phases))
             self.current = None
             if self._ahead is not None:   # sampled from the adapters the engine serves now: the refreshes wait
-                wait_interruptibly(self._ahead[2].exception)
+                wait_interruptibly(self._ahead[1].exception)
             with contextlib.ExitStack() as held:   # every policy refreshed and probed before any commit is written
                 for name, _ in started:
                     held.enter_context(self.trainers[name].commits_held())
@@ -306,5 +321,5 @@ class PolicyGroup:
             if self._sampler is not None:
                 closing.callback(self._sampler.shutdown)
             if self._ahead is not None:
-                futures_wait([self._ahead[2]])
+                futures_wait(self._ahead[1:])
                 self._ahead = None

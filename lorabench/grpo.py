@@ -232,7 +232,7 @@ class GRPOTrainer:
         wait_committed). `rollouts`: sampled by the caller for `rollout_request()` in `rollout_s` s (a
         policy group batches its policies' requests); checked like the trainer's own."""
         with self.stepping():
-            phases = self.phases(rollouts, rollout_s)
+            phases = self.phases(rollouts, rollout_s=rollout_s)
             next(phases)
             return finish(phases)
 
@@ -287,7 +287,7 @@ class GRPOTrainer:
         completions, served = generate_served(self.engine, request.prompt_ids, request.sampling, request.adapter)
         return rollouts_of(self.engine, self.tokenizer, problems, request, completions, served)
 
-    def phases(self, rollouts: Rollouts | None, rollout_s: float):
+    def phases(self, rollouts: Rollouts | None, scored: tuple | None = None, rollout_s: float = 0.0):
         """One step as a generator (under `stepping()`): next() samples (or checks the given rollouts),
         scores and updates; `finish` then refreshes the engine, probes and commits, returning the
         StepRecord. Closed between the two, the update is rolled back. A policy group updates all its
@@ -302,13 +302,12 @@ class GRPOTrainer:
             clock.lap("rollout")
             if self._sampler is not None and step < g.steps:   # the next step's, sampled while this one trains
                 sampled = self._sampler.submit(self._sample, step + 1)
-                self._ahead = (step + 1, sampled, self._sampler.submit(lambda: self._scored(sampled.result())))
-        else:
+                self._ahead = (step + 1, sampled, self._sampler.submit(lambda: self.scored(sampled.result())))
+        else:   # a policy group's (scored too, when sampled ahead)
             self._check_given(rollouts, step)
             clock.add("rollout", rollout_s)
-            scored = None
         self._check_served(rollouts)
-        batch, reward_means = scored or self._scored(rollouts)
+        batch, reward_means = scored or self.scored(rollouts)
         clock.lap("reward")
         with contextlib.ExitStack() as committing:
             with self._whole_step(step):
@@ -344,7 +343,7 @@ class GRPOTrainer:
             raise StaleAdapter(f"step {step}: the rollouts given were served by adapter {rollouts.adapter!r}, this "
                                f"trainer's is {self.refresher.serving_adapter!r}; nothing was trained on them")
 
-    def _scored(self, rollouts: Rollouts) -> tuple[RolloutBatch, dict[str, float]]:
+    def scored(self, rollouts: Rollouts) -> tuple[RolloutBatch, dict[str, float]]:
         """The rollouts rewarded and collated, with each reward function's mean (pure: on any thread)."""
         rewards, reward_means = score(rollouts, self.rewards)
         return collate(rollouts, rewards, self.tokenizer.pad_token_id), reward_means
