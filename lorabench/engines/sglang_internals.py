@@ -329,6 +329,7 @@ class PoolWriter:
     def __init__(self, engine):
         self.engine = engine
         self.mapped: dict[str, _Mapping] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}   # device -> where status buffers are zeroed and read
         args = engine.engine.server_args
         self.devices = [args.base_gpu_id + i * args.gpu_id_step for i in range(args.tp_size)]
         self.dtype = engine.adapter_dtype or torch.bfloat16
@@ -395,10 +396,22 @@ class PoolWriter:
         for device in {*self.devices, adapter.buffer.device.index or 0}:
             torch.cuda.current_stream(device).synchronize()
 
+    def _on_status_stream(self, mapping: _Mapping, fn) -> list:
+        """fn(status) for each rank's status buffer on a stream of the pool's own, waited for. On the current
+        (default) stream a zero_() could queue behind the trainer's launched-ahead update, run after the engine's
+        reply and wipe it (a sampler thread reads the served version while the main thread trains), and a read
+        would wait for the whole update."""
+        done = []
+        for device, status in mapping.status.items():
+            stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+            with torch.cuda.stream(stream):
+                done.append(fn(status))
+            stream.synchronize()
+        return done
+
     def _send(self, command: str, mapping: _Mapping, extra: list, flush_cache: bool,
               timings: dict | None = None) -> dict:
-        for status in mapping.status.values():
-            status.zero_()
+        self._on_status_stream(mapping, torch.Tensor.zero_)
         named = [(f"{PREFIX}{command}/{mapping.lora_id}/status/{d}", s) for d, s in mapping.status.items()]
         named += [(f"{PREFIX}{name}", t) for name, t in extra]
         t0 = time.perf_counter()
@@ -407,7 +420,7 @@ class PoolWriter:
         ok, message = _outcome(result)
         if not ok:
             raise EngineError(f"in-place {command} of adapter id {mapping.lora_id} failed; engine says: {message}")
-        replies = [read_status(s) for s in mapping.status.values()]
+        replies = self._on_status_stream(mapping, read_status)
         if timings is not None:
             timings.update(request=t1 - t0, reply=time.perf_counter() - t1)
         refused = [r["refused"] for r in replies if "refused" in r]
