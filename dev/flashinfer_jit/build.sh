@@ -21,8 +21,9 @@ import sys, zipfile
 wheel, out = sys.argv[1:]
 skip = ("flashinfer/data/cutlass/python/", "flashinfer/data/cutlass/examples/", "flashinfer/data/cutlass/test/",
         "flashinfer/data/cutlass/tools/", "flashinfer/data/cccl/python/")
+keep = ("flashinfer/data/cutlass/tools/util/include/",)   # cutlass/util/*.h: the sm90 prefill kernels include them
 with zipfile.ZipFile(wheel) as z:
-    names = [n for n in z.namelist() if n.startswith("flashinfer/data/") and not n.startswith(skip)]
+    names = [n for n in z.namelist() if n.startswith("flashinfer/data/") and (n.startswith(keep) or not n.startswith(skip))]
     z.extractall(out, names)
 print(f"{len(names)} files from {wheel}")
 P
