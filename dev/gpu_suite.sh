@@ -7,7 +7,8 @@
 set -uo pipefail
 export LORABENCH_GPU_OUT=${OUT:-gpu_results}
 export LORABENCH_CACHE=${LORABENCH_CACHE:-/tmp/lorabench-cache}
-export LORABENCH_COMMIT=${LORABENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# "-dirty": the tree is not that commit (a device copy may carry an older .git than its files: pass LORABENCH_COMMIT)
+export LORABENCH_COMMIT=${LORABENCH_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$LORABENCH_GPU_OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LORABENCH_GPU_OUT/gpu.txt" 2>&1
