@@ -258,12 +258,12 @@ class PolicyGroup:
         (a batch ahead for others is waited for and dropped: the policies sample in line, as it would have)."""
         if self._ahead is None:
             return None
-        for_steps, sampled, scored = self._ahead
+        for_steps, sampling, scoring = self._ahead
         self._ahead = None
         if for_steps != steps:
-            futures_wait([sampled, scored])   # no engine call left running
+            futures_wait([sampling, scoring])   # no engine call left running
             return None
-        return wait_interruptibly(scored.result)
+        return wait_interruptibly(scoring.result)
 
     def _update_then_publish(self, names: list[str], rollouts: dict, rollout_s: float) -> dict:
         started, records = [], {}

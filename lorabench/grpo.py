@@ -361,17 +361,16 @@ class GRPOTrainer:
         """(rollouts, scored) sampled ahead for `step`, if any (waited for; an interrupt stops the wait)."""
         if self._ahead is None:
             return None
-        for_step, sampled, scored = self._ahead
+        for_step, sampling, scoring = self._ahead
         self._ahead = None
-        scored = wait_interruptibly(scored.result)
-        return (sampled.result(), scored) if for_step == step else None
+        scored = wait_interruptibly(scoring.result)
+        return (sampling.result(), scored) if for_step == step else None
 
     def _drop_ahead(self) -> None:
         """Rollouts sampled ahead for a step that will not follow: waited for (no engine call left running), dropped."""
         if self._ahead is not None:
-            _, sampled, scored = self._ahead
-            self._ahead = None
-            futures_wait([sampled, scored])
+            ahead, self._ahead = self._ahead, None
+            futures_wait(ahead[1:])
 
     def _check_served(self, rollouts: Rollouts) -> None:
         """The engine served the trainer's version or one at most grpo.max_staleness older (the
