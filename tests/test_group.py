@@ -100,6 +100,28 @@ def test_the_group_dir_refuses_links_strangers_and_other_policies(tiny_model_dir
         GroupSession.resume(tmp_path / "g", **QUIET)
 
 
+def test_group_json_is_written_through_the_dir_not_a_link_swapped_in_after_the_check(tiny_model_dir, tmp_path):
+    """The window between check_group_dir and write_group: a group dir replaced by a link to another dir, or a
+    group.json put there meanwhile, is refused and nothing is written through it."""
+    from lorabench.session.group import write_group
+    cfg = group_cfg(tiny_model_dir, tmp_path, "g", *SMALL)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "g").symlink_to(target)   # what a swap after the check would leave
+    with pytest.raises(RunDirError, match="is a symbolic link"):
+        write_group(tmp_path / "g", cfg)
+    assert os.listdir(target) == []
+    (tmp_path / "g").unlink()
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "group.json").write_text("theirs")
+    with pytest.raises(RunDirError, match="written once"):
+        write_group(tmp_path / "g", cfg)
+    assert (tmp_path / "g" / "group.json").read_text() == "theirs"
+    (tmp_path / "g" / "group.json").unlink()
+    write_group(tmp_path / "g", cfg)
+    assert [p["name"] for p in json.loads((tmp_path / "g" / "group.json").read_text())["policies"]] == ["r2", "r8"]
+
+
 # --- the group dir as strict as a run dir, through the CLI ------------------------------------------
 # Each case: exit 2, one 'lorabench: ...' line naming the culprit, no traceback (reliability_util.refused), and
 # nothing written: no run.out_dir for a bad config, the group dir unchanged (tree_state) for a refused resume.

@@ -258,8 +258,9 @@ def read_group(root: Path) -> list:
 
 
 def write_group(root: Path, cfg: Config) -> None:
-    """group.json, once, atomically (the dir made if needed)."""
-    from ..safedir import atomic_write
-    root.mkdir(parents=True, exist_ok=True)
-    atomic_write(root / GROUP_FILE, json.dumps({"policies": [p.to_dict() for p in cfg.policies]}, indent=1).encode(),
-                 mode=0o640)
+    """group.json, once, atomically, through the dir's own fd (the dir made if needed): a dir swapped for a link
+    since check_group_dir, or a group.json written there since, is refused, nothing written."""
+    from ..safedir import SafeDir
+    with SafeDir.open(root, create=True) as group_dir:
+        group_dir.write_atomic(GROUP_FILE, json.dumps({"policies": [p.to_dict() for p in cfg.policies]},
+                                                      indent=1).encode(), mode=0o640, exclusive=True)
