@@ -797,36 +797,45 @@ def test_policy_group_on_sglang(tiny_path, tmp_path):
     assert out["swapped_failed"] == sorted(names), out   # the check fails when the two are swapped
 
 
-@pytest.mark.parametrize("mode", ["inplace", "tensor"])
-def test_policy_group_of_four_06b(q06_model, tmp_path, mode):
+# one step stale: the batch sampled ahead reads its versions on the sampler's thread while the compiled updates'
+# kernels are queued ahead on the trainer's (the in-place pool's status buffer once lost its reply there at step 3)
+GROUP_OF_FOUR = {"inplace": ["grpo.compile=off"], "tensor": ["grpo.compile=off"],
+                 "inplace-stale": ["grpo.max_staleness=1", "grpo.activation_checkpointing=false"]}
+
+
+@pytest.mark.parametrize("case", list(GROUP_OF_FOUR))
+def test_policy_group_of_four_06b(q06_model, tmp_path, case):
     """Four policies of the 0.6B shape (r=32, differing in grpo.lr) opened as `lorabench run` opens a
-    group (GroupSession.open with its held-out evaluation first) and stepped three times, every phase
-    bounded: a step that waits past its deadline prints every stack here and in the engine's
-    processes and ends the test (benchmarks/watch.py), so a hang shows where it is. Every rollout is
-    served by its own policy's version."""
+    group (GroupSession.open with its held-out evaluation first) and stepped, every phase bounded: a step
+    that waits past its deadline prints every stack here and in the engine's processes and ends the test
+    (benchmarks/watch.py), so a hang shows where it is. Every rollout is served by its own policy's
+    version (one step stale: the version before, from step 2 on)."""
     import watch  # benchmarks/
 
     from lorabench.session import GroupSession
     watch.stacks_in_children()
+    stale = "grpo.max_staleness=1" in GROUP_OF_FOUR[case]
     entries = [{"name": f"lr{i}", "grpo": {"lr": lr}} for i, lr in enumerate((1e-4, 3e-4, 1e-3, 3e-3))]
     cfg = gpu_config(f"model.name_or_path={q06_model}", "model.dtype=bfloat16", "lora.r=32", "lora.alpha=64",
-                     f"refresh.mode={mode}", "grpo.compile=off", "grpo.prompts_per_step=16", "grpo.group_size=8",
-                     "grpo.max_new_tokens=128", "grpo.temperature=1.0", f"policies={json.dumps(entries)}")
-    with watch.phase(f"group of four ({mode}): GroupSession.open with its held-out evaluation", 300):
+                     f"refresh.mode={case.split('-')[0]}", "grpo.prompts_per_step=16", "grpo.group_size=8",
+                     "grpo.max_new_tokens=128", "grpo.temperature=1.0", f"policies={json.dumps(entries)}",
+                     *GROUP_OF_FOUR[case])
+    with watch.phase(f"group of four ({case}): GroupSession.open with its held-out evaluation", 300):
         group = GroupSession.open(cfg, tmp_path / "group", log=progress)
     watch.engine = group.engine
     try:
         records = []
-        for step in range(1, 4):
-            with watch.phase(f"group of four ({mode}): step {step}", 120):
+        for step in range(1, 6 if stale else 4):
+            with watch.phase(f"group of four ({case}): step {step}", 120):
                 records.append(group.trainer.step())
     finally:
-        with watch.phase(f"group of four ({mode}): close", 120):
+        with watch.phase(f"group of four ({case}): close", 120):
             group.close()
     versions = {name: [r[name].metrics["adapter/served_version"] for r in records] for name in records[0]}
-    record(f"group_of_four_06b_{mode}", {"served_versions": versions,
+    record(f"group_of_four_06b_{case}", {"served_versions": versions,
                                          "step_s": [max(r[n].metrics["time/step_s"] for n in r) for r in records]})
-    assert all(v == [0, 1, 2] for v in versions.values()), versions
+    expected = [0, 0, 1, 2, 3] if stale else [0, 1, 2]
+    assert all(v == expected for v in versions.values()), versions
 
 
 def test_stale_run_on_sglang_keeps_its_lags_across_a_resume(tiny_path, tmp_path):
