@@ -24,10 +24,13 @@ if [ -f "$CACHE_DIR/flashinfer.tar.xz" ]; then
   tar -xJf "$CACHE_DIR/flashinfer.tar.xz" -C "$FLASHINFER_WORKSPACE_BASE" \
     && echo "with-flashinfer: kernels restored from $CACHE_DIR/flashinfer.tar.xz" >&2
 fi
+since=$(mktemp /tmp/flashinfer-since-XXXX)   # what the command compiled is newer than this
 "$@"
 rc=$?
 packed=$(mktemp /tmp/flashinfer-XXXX.tar.xz)
-if [ -n "$(ls -A "$FLASHINFER_WORKSPACE_BASE")" ] && tar -cJf "$packed" -C "$FLASHINFER_WORKSPACE_BASE" . 2>/dev/null; then
+# packed again only when the command compiled something (xz over the objects costs device time)
+if [ -n "$(find "$FLASHINFER_WORKSPACE_BASE" -type f -newer "$since" -print -quit)" ] \
+   && tar -cJf "$packed" -C "$FLASHINFER_WORKSPACE_BASE" . 2>/dev/null; then
   mb=$(( $(stat -c %s "$packed") / 1048576 ))
   if [ "$mb" -le "${FLASHINFER_CACHE_MAX_MB:-16}" ]; then
     mkdir -p "$CACHE_OUT" && mv "$packed" "$CACHE_OUT/flashinfer.tar.xz" && echo "with-flashinfer: kernels saved ($mb MB)" >&2
@@ -35,5 +38,5 @@ if [ -n "$(ls -A "$FLASHINFER_WORKSPACE_BASE")" ] && tar -cJf "$packed" -C "$FLA
     echo "with-flashinfer: the compiled workspace packs to $mb MB, above FLASHINFER_CACHE_MAX_MB; not saved" >&2
   fi
 fi
-rm -f "$packed"
+rm -f "$packed" "$since"
 exit $rc
