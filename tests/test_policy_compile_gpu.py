@@ -53,10 +53,11 @@ def test_an_update_waits_for_the_gpu_as_often_with_four_micro_batches_as_with_on
         policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cuda")
         batch = synthetic_batch()
         policy.train(batch)   # compiles
+        policy.train(batch)   # the process's first update after it waits once more, in torch/cuda (no lorabench frame)
         parts = len(token_budget_batches([round_up(n, COMPILED_WIDTH_MULTIPLE) for n in batch.lengths], budget))
         torch.cuda.synchronize()
         where: list[str] = []   # each wait of the thread that trains: the innermost lorabench frames that asked for it
-        elsewhere: list[str] = []   # another thread's (on the H100, torch 2.11: one in torch/cuda, no lorabench frame)
+        elsewhere: list[str] = []   # another thread's
 
         def record(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" in str(message):
