@@ -11,18 +11,28 @@ import threading
 
 
 @contextlib.contextmanager
-def interrupts_deferred():
-    """A SIGINT (Ctrl-C, Kernel -> Interrupt) arriving while the block runs is delivered when it ends, to
-    the handler that was there before. On the main thread only: no other thread gets KeyboardInterrupt."""
+def sigint_handled_by(handler):
+    """SIGINT goes to `handler` while the block runs, then to the handler that was there before. On the
+    main thread only (elsewhere nothing changes): no other thread gets KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    arrived = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """A SIGINT (Ctrl-C, Kernel -> Interrupt) arriving while the block runs is delivered when it ends, to
+    the handler that was there before (main thread only, as `sigint_handled_by`)."""
+    arrived = []
+    try:
+        with sigint_handled_by(lambda signum, frame: arrived.append(signum)):
+            yield
+    finally:
         if arrived:
             signal.raise_signal(signal.SIGINT)
 

@@ -21,13 +21,13 @@ import math
 import os
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..adapters import FlatAdapter, validate
+from ..interrupts import sigint_handled_by
 from ..settings import ALLOWED, Section, check, setting
 from . import sglang_internals as internals
 from .base import (
@@ -296,7 +296,10 @@ class SGLangEngine:
         self.engine = self._store = None
         self._thread = EngineThread("lorabench-sglang")
         try:
-            with _interrupts_ignored_by_children():
+            # SIGINT ignored while the engine starts, so SGLang's processes inherit 'ignore' (a disposition
+            # survives exec, a handler does not): Jupyter interrupts the kernel's whole process group, and a
+            # scheduler stopped by it would take the engine down. The start itself cannot be interrupted.
+            with sigint_handled_by(signal.SIG_IGN):
                 self._thread.call(self._start, model_path, settings.engine_kwargs(model_path, needs), engine_overrides)
             self.notes = self._thread.call(self._notes, needs)
         except BaseException:
@@ -561,21 +564,6 @@ class SGLangEngine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-@contextlib.contextmanager
-def _interrupts_ignored_by_children():
-    """While the engine starts, SIGINT is ignored on the main thread, so SGLang's processes inherit 'ignore'
-    (a disposition survives exec, a handler does not): Jupyter interrupts the kernel's whole process group,
-    and a scheduler stopped by it would take the engine down. The start itself cannot be interrupted."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _params(sampling: Sampling) -> dict:
