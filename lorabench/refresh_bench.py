@@ -97,14 +97,14 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least one timed refresh")
-    with _scratch_refresher(engine, peft_model, mode, bucket_mb, adapter_name) as (layers, refresher), \
+    with scratch_refresher(engine, peft_model, mode, bucket_mb, adapter_name) as (layers, refresher), \
             torch_threads(threads) as used:
         records, first_requests = _timed_refreshes(engine, layers, refresher, warmup, repeats)
     return {**_meta(engine, peft_model, mode, bucket_mb, repeats), "threads": used, **_row(records, first_requests)}
 
 
 @contextmanager
-def _scratch_refresher(engine, peft_model, mode: str, bucket_mb: float, adapter_name: str):
+def scratch_refresher(engine, peft_model, mode: str, bucket_mb: float, adapter_name: str):
     """(layers, refresher) for `peft_model`'s adapter, its LoRA weights views of one flat buffer as the
     policy keeps them; after the block the refresher is closed and the adapter unloaded."""
     from .policy import LoraLayers
@@ -259,7 +259,7 @@ def thread_probe(engine, peft_model, thread_counts, repeats: int = 10, progress=
     """In-place refreshes at each torch thread count, one row per count (as measure_refresh's). The counts
     take turns, one timed refresh per round, so a changing load favours none. `progress` after each round."""
     timed = {n: ([], []) for n in thread_counts}
-    with _scratch_refresher(engine, peft_model, "inplace", 64.0, "threads") as (layers, refresher):
+    with scratch_refresher(engine, peft_model, "inplace", 64.0, "threads") as (layers, refresher):
         with torch_threads(thread_counts[0]):   # untimed: the first refresh loads the adapter
             _timed_refreshes(engine, layers, refresher, warmup=1, repeats=0)
         for round_ in range(repeats):

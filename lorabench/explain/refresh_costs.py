@@ -4,7 +4,6 @@ new one) and what its timings say, each order stated only where the repeats' spr
 from __future__ import annotations
 
 import json
-from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -29,12 +28,8 @@ def storage_across_refresh(engine, peft_model, mode: str, module: str = "model.l
     again; where the engine's lora_B of `module` lives before and after, and what each holds. The handle
     kept across the refresh keeps the old memory alive, so a new tensor cannot reuse its address."""
     from ..adapters import PEFT_PREFIX
-    from ..engines.base import AdapterNotLoaded
-    from ..policy import LoraLayers
-    from ..refresh import make_refresher, refresh_settings
-    layers = LoraLayers(peft_model, flatten=True)   # as the policy keeps them
-    refresher = make_refresher(refresh_settings(mode), engine, adapter_name)
-    try:
+    from ..refresh_bench import scratch_refresher
+    with scratch_refresher(engine, peft_model, mode, 64.0, adapter_name) as (layers, refresher):
         refresher.refresh(layers.snapshot(0))
         held = engine_lora_weight(engine, adapter_name, module)
         old = held.detach().clone()
@@ -52,10 +47,6 @@ def storage_across_refresh(engine, peft_model, mode: str, module: str = "model.l
                 "old handle reads": "the new values" if torch.equal(held, now) else
                                     "the old values" if torch.equal(held, old) else "neither",
                 "before": old.flatten()[:3].tolist(), "after": now.flatten()[:3].tolist()}
-    finally:
-        refresher.close()
-        with suppress(AdapterNotLoaded):
-            engine.unload_adapter(adapter_name)
 
 
 def storage_table(results: list[dict]):
