@@ -8,13 +8,12 @@ import torch
 from ..metrics import KL, MEAN_LENGTH, MISMATCH, PROBE_GAP, REWARD, REWARD_STD, SERVED_VERSION, VERSION, reward_of
 
 
-def gradient_norm(params, clear: bool = True) -> float:
-    """‖∇‖ over `params` (grpo's grad_norm, before clipping); their .grad set to None when `clear`."""
+def gradient_norm(params) -> float:
+    """‖∇‖ over `params` (grpo's grad_norm, before clipping); their .grad set to None after."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() if grads else 0.0
-    if clear:
-        for p in params:
-            p.grad = None
+    for p in params:
+        p.grad = None
     return norm
 
 
