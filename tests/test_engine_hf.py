@@ -358,8 +358,9 @@ def test_generate_adapter_differs_from_base(engine, adapter, prompts):
 
 
 def test_generate_in_chunks_equals_one_batch(tiny_model_dir, prompts):
-    """generate_batch splits large requests; the split does not change greedy output."""
-    small = HFEngine(str(tiny_model_dir), device="cpu", generate_batch=1)
+    """GENERATE_BATCH splits large requests; the split does not change greedy output."""
+    small = HFEngine(str(tiny_model_dir), device="cpu")
+    small.GENERATE_BATCH = 1   # one sequence per generate call
     big = HFEngine(str(tiny_model_dir), device="cpu")
     try:
         greedy = Sampling(max_new_tokens=5, temperature=0.0)

@@ -92,10 +92,8 @@ class HFEngine:
     adapter_dtype = None     # keeps what it is sent: the trainer's dtype, so its weights equal the trainer's
 
     GENERATE_BATCH = 128   # sequences generated at once: the logits of all their positions are kept
-    def __init__(self, model_path: str, device: str = "", dtype: str = "float32",
-                 generate_batch: int = GENERATE_BATCH):
+    def __init__(self, model_path: str, device: str = "", dtype: str = "float32"):
         self.device, self.dtype, self.model_path = pick_device(device), dtype, model_path
-        self.generate_batch = generate_batch
         self._lock = threading.RLock()
         self._base = load_model(model_path, self.dtype, self.device).requires_grad_(False)
         self._peft = None                      # PeftModel once an adapter is installed
@@ -258,8 +256,8 @@ class HFEngine:
         # trains on another thread while this samples)
         generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
         with ctx:
-            for start in range(0, len(prompt_ids), self.generate_batch):
-                out += self._generate_chunk(model, prompt_ids[start:start + self.generate_batch], sampling, generator)
+            for start in range(0, len(prompt_ids), self.GENERATE_BATCH):
+                out += self._generate_chunk(model, prompt_ids[start:start + self.GENERATE_BATCH], sampling, generator)
         return out
 
     def _padded(self, rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
