@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_calls import call_sglang  # noqa: E402  (this folder)
-from synthetic import random_qwen3_dir  # noqa: E402  (this folder)
+from synthetic import peft_adapter, random_qwen3_dir  # noqa: E402  (this folder)
 
 from lorabench.clock import synced_time  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
@@ -138,8 +138,7 @@ def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict
     refresher = None if how.startswith("naive") else make_refresher(
         refresh_settings(how, **({"tmp_dir": str(root)} if how == "file" else {})), engine, name)
     if refresher is None:
-        from lorabench.adapters import FlatAdapter
-        engine.load_adapter_tensors(name, FlatAdapter.from_peft(model).to("cuda", torch.bfloat16))
+        engine.load_adapter_tensors(name, peft_adapter(model).to("cuda", torch.bfloat16))
     calls, e2e, parts, engine_ms, parity, previous, snapshots = [], [], [], [], [], [], []
     last = probe.trainer_logprobs(model)
     for i in range(warmup + n):
@@ -183,8 +182,7 @@ def time_mode(engine, model, probe: Probe, how: str, n: int, root: Path) -> dict
 
 def request_study(engine, model, probe: Probe, n: int = 20) -> dict:
     """The one-token request in several states: what does a steady request cost, and why?"""
-    from lorabench.adapters import FlatAdapter
-    engine.load_adapter_tensors("study", FlatAdapter.from_peft(model).to("cuda", torch.bfloat16))
+    engine.load_adapter_tensors("study", peft_adapter(model).to("cuda", torch.bfloat16))
     tok_ids = probe.request_ids
     out = {}
 

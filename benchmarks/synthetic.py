@@ -7,6 +7,8 @@ dev/run_notebooks_gpu.py (imported with the checkout and this folder on sys.path
   cannot reach the hub.
 - `random_tokens_like_rollouts`: random token ids laid out as `lorabench.rollout.collate` lays out
   rollouts, to time or test the training path without sampling.
+- `peft_adapter`: a PEFT model's adapter as a FlatAdapter, copied through PEFT's own state dict (the
+  tests' reference for the policy's faster path, policy.LoraLayers).
 """
 from __future__ import annotations
 
@@ -27,6 +29,16 @@ QWEN3_SHAPES = {
     "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16),
     "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
 }
+
+
+def peft_adapter(model, adapter_name: str = "default", version: int = 0):
+    """The adapter `adapter_name` of a PEFT model as a new FlatAdapter (PEFT names, its config as plain JSON)."""
+    from peft import get_peft_model_state_dict
+
+    from lorabench.adapters import FlatAdapter, plain_config, split_lora_key
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    modules = sorted({split_lora_key(k)[0].split(".")[-1] for k in state})
+    return FlatAdapter.from_tensors(state, plain_config(model.peft_config[adapter_name], modules), version)
 
 
 def random_qwen3_dir(shape: str, tokenizer_path: str, out_dir: str | Path, seed: int = 0) -> Path:
@@ -95,7 +107,6 @@ def qwen3_06b_with_adapter(cache: str | Path, prompts: int, tag: str) -> tuple[s
     prompts as token ids, and a bf16 LoRA r=32 on the 7 projections (B non-zero) on the GPU, as a FlatAdapter."""
     import tempfile
 
-    from lorabench.adapters import FlatAdapter
     from lorabench.data import prompt_ids, synthetic_problems
     from lorabench.refresh_bench import adapter_model
     from lorabench.tiny import build_tiny_tokenizer
@@ -104,6 +115,6 @@ def qwen3_06b_with_adapter(cache: str | Path, prompts: int, tag: str) -> tuple[s
     q06 = str(random_qwen3_dir("0.6B", str(tok_dir), Path(cache) / "qwen3-0.6b-random"))
     tok = load_tokenizer(q06)
     ids = [prompt_ids(tok, p.messages) for p in synthetic_problems(prompts, tag)]
-    adapter = FlatAdapter.from_peft(adapter_model(q06, 32, dtype="bfloat16", device="cuda")).to("cuda", torch.bfloat16)
+    adapter = peft_adapter(adapter_model(q06, 32, dtype="bfloat16", device="cuda")).to("cuda", torch.bfloat16)
     torch.cuda.empty_cache()
     return q06, ids, adapter

@@ -170,14 +170,6 @@ class FlatAdapter:
         layout = AdapterLayout.of(tensors)
         return cls(layout.flatten({k: v.detach() for k, v in tensors.items()}), layout, dict(config), version)
 
-    @classmethod
-    def from_peft(cls, model, adapter_name: str = "default", version: int = 0) -> FlatAdapter:
-        """The adapter of a PEFT model, copied (the slow path: the policy has a faster one)."""
-        from peft import get_peft_model_state_dict
-        state = get_peft_model_state_dict(model, adapter_name=adapter_name)
-        modules = sorted({split_lora_key(k)[0].split(".")[-1] for k in state})
-        return cls.from_tensors(state, plain_config(model.peft_config[adapter_name], modules), version)
-
     @cached_property
     def tensors(self) -> dict[str, torch.Tensor]:
         """PEFT name -> view of the buffer (lora_A [r, in], lora_B [out, r])."""

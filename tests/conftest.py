@@ -110,8 +110,10 @@ def model_logprobs(model, sequences, prompt_lens, temperature: float = 1.0) -> l
 def merged_state_dict(peft_model, adapted_only: bool = False) -> dict[str, torch.Tensor]:
     """W + (α/r)·B·A for every layer of a PEFT model, out of place: the package's merge
     (adapters.merge_weights) of the model's own adapter."""
-    from lorabench.adapters import FlatAdapter, base_weights, merge_weights
-    return merge_weights(base_weights(peft_model), FlatAdapter.from_peft(peft_model), adapted_only)
+    from synthetic import peft_adapter
+
+    from lorabench.adapters import base_weights, merge_weights
+    return merge_weights(base_weights(peft_model), peft_adapter(peft_model), adapted_only)
 
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

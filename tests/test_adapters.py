@@ -9,6 +9,7 @@ import stat
 import pytest
 import torch
 from conftest import max_abs_diff, merged_state_dict, model_logprobs, perturb_lora_B
+from synthetic import peft_adapter  # benchmarks/, on sys.path by conftest
 
 from lorabench.adapters import (
     CONFIG_NAME,
@@ -41,7 +42,7 @@ def peft_model(make_peft_model):
 
 @pytest.fixture
 def adapter(peft_model) -> FlatAdapter:
-    return FlatAdapter.from_peft(peft_model, version=3)
+    return peft_adapter(peft_model, version=3)
 
 
 @pytest.fixture
@@ -134,7 +135,7 @@ def test_from_peft_task_type_becomes_string(tiny_model_dir):
     model = get_peft_model(load_model(str(tiny_model_dir)),
                            LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
                                       task_type=TaskType.CAUSAL_LM))
-    cfg = FlatAdapter.from_peft(model).config
+    cfg = peft_adapter(model).config
     assert cfg["task_type"] == "CAUSAL_LM" and type(cfg["task_type"]) is str
     assert cfg["peft_type"] == "LORA" and type(cfg["peft_type"]) is str
     assert cfg["target_modules"] == ["q_proj", "v_proj"]
@@ -171,7 +172,7 @@ def test_adapter_is_a_detached_copy(peft_model, adapter):
 
 
 def test_fresh_adapter_has_zero_delta(make_peft_model):
-    assert FlatAdapter.from_peft(make_peft_model(perturb=False)).delta_norm() == 0.0
+    assert peft_adapter(make_peft_model(perturb=False)).delta_norm() == 0.0
 
 
 def test_delta_norm_is_the_merged_weight_change(peft_model, adapter):
@@ -267,7 +268,7 @@ def test_save_peft_dir_private_and_atomic(adapter, tmp_path):
 def test_save_peft_dir_overwrites_existing(adapter, tmp_path, make_peft_model):
     path = adapter.save_peft_dir(tmp_path / "policy")
     (path / "stale.txt").write_text("from an older write")
-    other = FlatAdapter.from_peft(make_peft_model(seed=1))
+    other = peft_adapter(make_peft_model(seed=1))
     other.save_peft_dir(path)
     assert sorted(os.listdir(path)) == sorted([CONFIG_NAME, WEIGHTS_NAME])
     assert os.listdir(tmp_path) == ["policy"]
@@ -491,7 +492,7 @@ def test_base_param_names_match_plain_model(peft_model, tiny_model_dir):
     mapped = {base_param_name(n) for n, _ in peft_model.named_parameters() if ".lora_" not in n}
     assert mapped == plain
     # and the engine-facing adapter names cover exactly the plain model's Linear layers (no lm_head)
-    modules = FlatAdapter.from_peft(peft_model).modules
+    modules = peft_adapter(peft_model).modules
     shapes = linear_shapes(peft_model)
     assert shapes == linear_shapes(load_model(str(tiny_model_dir)))  # PEFT wrappers unwrapped
     assert set(modules) <= set(shapes)
@@ -510,7 +511,7 @@ def test_merged_state_dict_equals_peft_merge(peft_model):
         assert tensor.dtype == reference[name].dtype
         assert torch.allclose(tensor, reference[name], atol=1e-6, rtol=0), name
         changed += not torch.equal(tensor, base_before[next(n for n in base_before if base_param_name(n) == name)])
-    assert changed == len(FlatAdapter.from_peft(peft_model).modules)   # every adapted layer moved
+    assert changed == len(peft_adapter(peft_model).modules)   # every adapted layer moved
     # the trainer's base weights are untouched (bit-identical) and still not merged
     after = {n: p.detach() for n, p in peft_model.named_parameters() if ".lora_" not in n}
     assert all(torch.equal(after[n], base_before[n]) for n in base_before)
@@ -556,7 +557,7 @@ def test_lora_layers_snapshot_equals_peft_state_dict(make_peft_model, tmp_path):
     from lorabench.policy import LoraLayers
     model = make_peft_model(seed=2)
     perturb_lora_B(model, seed=3)
-    reference = FlatAdapter.from_peft(model)
+    reference = peft_adapter(model)
     layers = LoraLayers(model)
     snap = layers.snapshot(7)
     assert snap.version == 7 and snap.layout == reference.layout and snap.config == reference.config

@@ -27,6 +27,7 @@ import pytest
 import torch
 from conftest import max_abs_diff, model_logprobs, perturb_lora_B
 from reliability_util import TINY_RUN, cli, make_trainer, mounted_disk, stale_run, tens_problems  # noqa: F401
+from synthetic import peft_adapter  # benchmarks/, on sys.path by conftest
 
 from lorabench.adapters import CONFIG_NAME, PEFT_PREFIX, WEIGHTS_NAME, AdapterWriteError, FlatAdapter
 from lorabench.refresh import FileRefresh
@@ -146,13 +147,13 @@ def test_disk_full_file_refresh_keeps_previous_adapter(engine, make_peft_model, 
     seqs, lens = sample_sequences
     refresher = FileRefresh(engine, "policy", tmp_dir=str(full_disk.path))
     try:
-        refresher.refresh(FlatAdapter.from_peft(model, version=1))
+        refresher.refresh(peft_adapter(model, version=1))
         serving = engine.score(seqs, lens, "policy")
         dirs_before = sorted(refresher.root.iterdir())
         assert full_disk.fill() > 0
         perturb_lora_B(model, seed=7)
         with pytest.raises(AdapterWriteError) as info:
-            refresher.refresh(FlatAdapter.from_peft(model, version=2))
+            refresher.refresh(peft_adapter(model, version=2))
         err = info.value
         assert err.errno == errno.ENOSPC and isinstance(err, OSError)
         msg = str(err)
@@ -164,7 +165,7 @@ def test_disk_full_file_refresh_keeps_previous_adapter(engine, make_peft_model, 
         assert sorted(refresher.root.iterdir()) == dirs_before           # no partial dir left
         assert refresher.refreshes == 1
         full_disk.free()
-        refresher.refresh(FlatAdapter.from_peft(model, version=3))       # space again: refresh works
+        refresher.refresh(peft_adapter(model, version=3))       # space again: refresh works
         assert max_abs_diff(engine.score(seqs, lens, "policy"), model_logprobs(model, seqs, lens)) < 1e-5
     finally:
         refresher.close()

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 from conftest import max_abs_diff, model_logprobs, perturb_lora_B
+from synthetic import peft_adapter  # benchmarks/, on sys.path by conftest
 
 from lorabench.adapters import AdapterError, FlatAdapter
 from lorabench.data import prompt_ids, synthetic_problems
@@ -37,7 +38,7 @@ def base_model(tiny_model_dir):
 def adapter(make_peft_model):
     """(trainer model, its adapter) with a non-zero lora_B."""
     model = make_peft_model(seed=0)
-    return model, FlatAdapter.from_peft(model)
+    return model, peft_adapter(model)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def test_base_request_stays_base_while_adapter_loaded(engine, adapter, base_mode
 
 
 def test_zero_adapter_equals_base(engine, make_peft_model, sample_sequences):
-    engine.load_adapter_tensors("fresh", FlatAdapter.from_peft(make_peft_model(perturb=False)))
+    engine.load_adapter_tensors("fresh", peft_adapter(make_peft_model(perturb=False)))
     seqs, lens = sample_sequences
     assert max_abs_diff(engine.score(seqs, lens, "fresh"), engine.score(seqs, lens, None)) < 1e-6
 
@@ -174,8 +175,8 @@ def test_two_adapters_are_independent(engine, make_peft_model, base_model, sampl
     seqs, lens = sample_sequences
     m1, m2 = make_peft_model(seed=1), make_peft_model(seed=2)
     want1, want2 = model_logprobs(m1, seqs, lens), model_logprobs(m2, seqs, lens)
-    engine.load_adapter_tensors("one", FlatAdapter.from_peft(m1, version=1))
-    engine.load_adapter_tensors("two", FlatAdapter.from_peft(m2, version=2))
+    engine.load_adapter_tensors("one", peft_adapter(m1, version=1))
+    engine.load_adapter_tensors("two", peft_adapter(m2, version=2))
     assert engine.loaded_adapters() == ["one", "two"]
     assert (engine.served_version("one"), engine.served_version("two")) == (1, 2)
     assert max_abs_diff(want1, want2) > 1e-3
@@ -199,7 +200,7 @@ def test_names_inside_peft_prefix_load_right_and_quietly(engine, make_peft_model
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for version, (name, model) in enumerate(zip(names, models), 1):
-            engine.load_adapter_tensors(name, FlatAdapter.from_peft(model, version=version))
+            engine.load_adapter_tensors(name, peft_adapter(model, version=version))
     assert not [w for w in seen if "prefix" in str(w.message)]
     for name, model in zip(names, models):
         assert max_abs_diff(engine.score(seqs, lens, name), model_logprobs(model, seqs, lens)) < 1e-5
@@ -211,8 +212,8 @@ def test_unloading_the_active_adapter_is_quiet_and_keeps_the_other(engine, make_
     import warnings
     seqs, lens = sample_sequences
     m1, m2 = make_peft_model(seed=1), make_peft_model(seed=2)
-    engine.load_adapter_tensors("one", FlatAdapter.from_peft(m1))
-    engine.load_adapter_tensors("two", FlatAdapter.from_peft(m2))
+    engine.load_adapter_tensors("one", peft_adapter(m1))
+    engine.load_adapter_tensors("two", peft_adapter(m2))
     engine.score(seqs, lens, "two")                            # "two" is PEFT's active adapter now
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -262,9 +263,9 @@ def test_served_version_follows_loads(engine, adapter, tmp_path):
 def test_served_version_follows_in_place_updates(engine, make_peft_model, sample_sequences):
     model = make_peft_model(seed=0)
     seqs, lens = sample_sequences
-    engine.load_adapter_tensors("policy", FlatAdapter.from_peft(model, version=1))
+    engine.load_adapter_tensors("policy", peft_adapter(model, version=1))
     perturb_lora_B(model, seed=7)
-    new = FlatAdapter.from_peft(model, version=2)
+    new = peft_adapter(model, version=2)
     assert engine.update_adapter_in_place("policy", new) == {}   # hf reports no timings of its own
     assert engine.served_version("policy") == 2
     assert max_abs_diff(engine.score(seqs, lens, "policy"), model_logprobs(model, seqs, lens)) < 1e-5
@@ -275,10 +276,10 @@ def test_refused_in_place_update_moves_neither_weights_nor_version(engine, make_
     name is refused before anything is written, and the version stays where it was."""
     model = make_peft_model(seed=0)
     seqs, lens = sample_sequences
-    engine.load_adapter_tensors("policy", FlatAdapter.from_peft(model, version=1))
+    engine.load_adapter_tensors("policy", peft_adapter(model, version=1))
     serving = engine.score(seqs, lens, "policy")
     perturb_lora_B(model, seed=4)
-    new = FlatAdapter.from_peft(model, version=2)
+    new = peft_adapter(model, version=2)
     doubled_alpha = FlatAdapter(new.buffer, new.layout, {**new.config, "lora_alpha": 2 * new.config["lora_alpha"]}, 2)
     with pytest.raises(EngineError, match="lora_alpha"):
         engine.update_adapter_in_place("policy", doubled_alpha)
@@ -305,9 +306,9 @@ def test_in_place_update_under_any_adapter_name(engine, make_peft_model, sample_
     ('model.layers.0...') must still find the adapter's own parameters."""
     model = make_peft_model(seed=0, target_modules=["q_proj", "v_proj"])
     seqs, lens = sample_sequences
-    engine.load_adapter_tensors(name, FlatAdapter.from_peft(model, version=1))
+    engine.load_adapter_tensors(name, peft_adapter(model, version=1))
     perturb_lora_B(model, seed=9)
-    engine.update_adapter_in_place(name, FlatAdapter.from_peft(model, version=2))
+    engine.update_adapter_in_place(name, peft_adapter(model, version=2))
     assert engine.served_version(name) == 2
     assert max_abs_diff(engine.score(seqs, lens, name), model_logprobs(model, seqs, lens)) < 1e-5
 

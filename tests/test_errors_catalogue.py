@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 from reliability_util import QUICK_RUN, ROOT, cli, make_trainer, mounted_disk, one_line_error  # noqa: F401 (fixture)
+from synthetic import peft_adapter  # benchmarks/, on sys.path by conftest
 
 from lorabench.adapters import CONFIG_NAME, AdapterError, AdapterWriteError, FlatAdapter, validate
 from lorabench.data import DataError, ProblemSource
@@ -127,7 +128,7 @@ def test_engine_refusal_keeps_previous_adapter(engine, make_peft_model, sample_s
     while the tensors cover every layer: the engine's own load refuses it with its message, and
     the adapter loaded before is served unchanged."""
     seqs, lens = sample_sequences
-    good = FlatAdapter.from_peft(make_peft_model(seed=0))
+    good = peft_adapter(make_peft_model(seed=0))
     engine.load_adapter_tensors("policy", good)
     serving = engine.score(seqs, lens, "policy")
     bad_config = dict(good.config, layers_to_transform=[0])
@@ -165,7 +166,7 @@ def test_inf_adapter_never_reaches_engine(make_trainer, sample_sequences):
 def test_adapter_config_without_lora_alpha_refused(engine, make_peft_model, tmp_path):
     """A PEFT dir whose adapter_config.json lacks lora_alpha (PEFT would silently use its default
     and change the scaling alpha/r): the engine refuses it naming the field and the fix."""
-    adapter_dir = FlatAdapter.from_peft(make_peft_model(seed=0)).save_peft_dir(tmp_path / "no-alpha")
+    adapter_dir = peft_adapter(make_peft_model(seed=0)).save_peft_dir(tmp_path / "no-alpha")
     config = json.loads((adapter_dir / CONFIG_NAME).read_text())
     del config["lora_alpha"]
     (adapter_dir / CONFIG_NAME).write_text(json.dumps(config))

@@ -12,10 +12,10 @@ import torch
 from conftest import LORA_R, merged_state_dict
 from notebook_helpers import load_results
 from refresh_sweep import refresh_sweep_figure, sweep  # benchmarks/
+from synthetic import peft_adapter  # benchmarks/, on sys.path by conftest
 
 from lorabench import explain
 from lorabench import refresh_bench as rb
-from lorabench.adapters import FlatAdapter
 from lorabench.refresh import pack_buckets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def test_bandwidth_is_measured():
 @pytest.mark.parametrize("mode", ["file", "tensor", "inplace", "merged"])
 def test_measure_refresh_row(engine, tiny_model_dir, mode, monkeypatch):
     model = rb.adapter_model(str(tiny_model_dir), LORA_R)
-    adapter = FlatAdapter.from_peft(model)
+    adapter = peft_adapter(model)
     bucket_mb = 0.01
     served, generate = [], engine.generate
     monkeypatch.setattr(engine, "generate", lambda p, s, a: served.append((a, s.max_new_tokens)) or generate(p, s, a))
@@ -151,7 +151,7 @@ def test_topk_and_logprob_difference(make_peft_model, tokenizer, engine, sample_
     assert 5 <= len(topk["tokens"]) <= 10
     assert torch.all(topk["adapter"][:-1] >= topk["adapter"][1:])              # sorted by the adapter
     assert not torch.allclose(topk["base"], topk["adapter"])
-    engine.load_adapter_tensors("a", FlatAdapter.from_peft(model))
+    engine.load_adapter_tensors("a", peft_adapter(model))
     diff = explain.logprob_difference(engine, seqs[0], lens[0], "a")
     assert diff.shape == (len(seqs[0]) - lens[0],) and diff.abs().max() > 1e-3
     with model.disable_adapter():

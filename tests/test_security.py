@@ -157,10 +157,10 @@ def test_file_refresh_dirs_private_on_tmpfs(engine, make_peft_model, umask_zero)
     refresher = FileRefresh(engine, "policy")                   # the default: /dev/shm when writable
     try:
         assert refresher.root.parent == Path("/dev/shm") and _fs_type(refresher.root) == "tmpfs"
-        from lorabench.adapters import FlatAdapter
+        from synthetic import peft_adapter
         model = make_peft_model()
         for step in (1, 2):
-            refresher.refresh(FlatAdapter.from_peft(model, version=step))
+            refresher.refresh(peft_adapter(model, version=step))
             modes = _modes(refresher.root)
             assert len(modes) == 1 + 1 + 2                        # root, one adapter dir, its two files
             for path, mode in modes.items():

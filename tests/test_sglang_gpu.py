@@ -29,6 +29,7 @@ if not _SGLANG:
                 allow_module_level=True)
 
 from sglang_calls import call_sglang  # noqa: E402  (benchmarks/, on sys.path by conftest)
+from synthetic import peft_adapter  # noqa: E402  (benchmarks/, as above)
 
 from lorabench.adapters import FlatAdapter  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
@@ -87,7 +88,7 @@ def random_adapter(model_path: str, seed: int, r: int = 16, scale: float = 0.1, 
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, scale)
-    return FlatAdapter.from_peft(model, version=version)
+    return peft_adapter(model, version=version)
 
 
 def probe_sequences(model_path: str, n: int = 8) -> tuple[list[list[int]], list[int]]:
@@ -676,7 +677,7 @@ def drawn_adapters(model_path: str, k: int, r: int, scale: float, seed: int, ver
                     p.normal_(0, p.shape[1] ** -0.5)
                 elif "lora_B" in name:
                     p.normal_(0, scale)
-        adapters.append(FlatAdapter.from_peft(model, version=version))
+        adapters.append(peft_adapter(model, version=version))
     return adapters
 
 
