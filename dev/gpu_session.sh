@@ -10,7 +10,7 @@
 #                   a second process with torch's compile caches warm),
 #        sampling (benchmarks/sampling_cost_gpu.py: decode with and without log-probs, per batch size),
 #        stale (step_user_path.py, background commit, grpo.max_staleness in $LORABENCH_STALENESS (default "1 0"),
-#               $LORABENCH_STALE_ARGS; SGLang's own decode of the batch too with LORABENCH_STALE_DECODE=" "),
+#               $LORABENCH_STALE_ARGS; SGLang's own decode of the batch too with LORABENCH_STALE_DECODE=1),
 #        stale_split (MPS: step_user_path.py one step stale at 64x8x256, a process per trainer SM share in
 #                     $LORABENCH_SM_SPLITS, default "100 70 50"; the engine keeps every SM),
 #        step_variant (step_gpu.py at 64x8x256 only, with $LORABENCH_STEP_VARIANT_ARGS, e.g. an --engine-extra),
@@ -77,7 +77,7 @@ for part in "$@"; do
                     --steps 3 ${LORABENCH_USER_STEP_ARGS:-} ;;
     sampling) "${part_timeout[@]}" python benchmarks/sampling_cost_gpu.py --out "$RES/sampling_cost.json" ${LORABENCH_SAMPLING_ARGS:-} ;;
     stale) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_stale.json" --modes background \
-             --staleness ${LORABENCH_STALENESS:-1 0} ${LORABENCH_STALE_DECODE:---no-decode} ${LORABENCH_STALE_ARGS:-} ;;
+             --staleness ${LORABENCH_STALENESS:-1 0} $([ -n "${LORABENCH_STALE_DECODE:-}" ] || echo --no-decode) ${LORABENCH_STALE_ARGS:-} ;;
     stale_split) for pct in ${LORABENCH_SM_SPLITS:-100 70 50}; do
                    echo "=== trainer SM share $pct%"
                    "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_stale_sm$pct.json" --modes background \

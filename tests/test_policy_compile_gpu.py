@@ -36,9 +36,7 @@ def test_compiled_update_equals_eager_on_gpu(tiny_model_dir, checkpointing):
 def test_an_update_waits_for_the_gpu_as_often_with_four_micro_batches_as_with_one(tiny_model_dir):
     """Policy.train waits for the device once per optimizer step and a fixed few times at its end (the
     statistics to the host), never per micro-batch, so a launch-bound update (small micro-batches, or kernels
-    beside the engine's) launches ahead of the GPU. CUDA's sync debug mode reports each wait as a warning; the
-    training thread's are counted, another thread's printed."""
-    import threading
+    beside the engine's) launches ahead of the GPU. CUDA's sync debug mode reports each wait as a warning."""
     import traceback
     import warnings
     from pathlib import Path
@@ -53,20 +51,16 @@ def test_an_update_waits_for_the_gpu_as_often_with_four_micro_batches_as_with_on
         policy = Policy(str(tiny_model_dir), cfg.lora, cfg.grpo, "float32", "cuda")
         batch = synthetic_batch()
         policy.train(batch)   # compiles
-        policy.train(batch)   # the process's first update after it waits once more, in torch/cuda (no lorabench frame)
+        policy.train(batch)   # the first update after the compile waits once more, in torch/cuda (H100, torch 2.11)
         parts = len(token_budget_batches([round_up(n, COMPILED_WIDTH_MULTIPLE) for n in batch.lengths], budget))
         torch.cuda.synchronize()
-        where: list[str] = []   # each wait of the thread that trains: the innermost lorabench frames that asked for it
-        elsewhere: list[str] = []   # another thread's
+        where: list[str] = []   # each wait: the innermost lorabench frames that asked for it
 
         def record(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" in str(message):
                 frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
                           if "lorabench" in f.filename]
-                if threading.current_thread() is threading.main_thread():
-                    where.append(" < ".join(reversed(frames[-3:])) or f"{filename}:{lineno}")
-                else:
-                    elsewhere.append(f"{threading.current_thread().name}: {filename}:{lineno}")
+                where.append(" < ".join(reversed(frames[-3:])) or f"{filename}:{lineno}")
 
         with warnings.catch_warnings():
             warnings.simplefilter("always")
@@ -76,7 +70,7 @@ def test_an_update_waits_for_the_gpu_as_often_with_four_micro_batches_as_with_on
                 policy.train(batch)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        print(f"micro-batch budget {budget}: {len(where)} waits in train {where}; other threads' {elsewhere}")
+        print(f"micro-batch budget {budget}: {len(where)} waits in train {where}")
         return where, parts
 
     (one, one_parts), (many, many_parts) = waits(4096), waits(40)
