@@ -58,6 +58,14 @@ def title_with_legend(ax, title: str, ncol: int = 3) -> None:
     ax.set_title(title, loc="left", pad=8 + 17 * rows)
 
 
+def _label_axes(ax, title: str, ncol: int = 3, axis: str = "both", which: str = "major", **props):
+    """ax.set(**props), `title_with_legend`, and a light grid along `axis` at `which` ticks; returns ax."""
+    ax.set(**props)
+    title_with_legend(ax, title, ncol)
+    ax.grid(alpha=0.3, axis=axis, which=which)
+    return ax
+
+
 def plot_rewards(rows, evals=(), ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     steps, reward = _series(rows, m.REWARD)
@@ -70,10 +78,7 @@ def plot_rewards(rows, evals=(), ax=None):
             ax.plot([e["step"]], [e["strict"]], "D", color="#c44e52", ms=7)
     if any(not e.get("greedy") for e in evals):
         ax.plot([], [], "D", color="#c44e52", label="held-out reward")
-    ax.set(xlabel="GRPO step", ylabel="mean over the step's completions", ylim=(-0.02, 1.02))
-    title_with_legend(ax, "Reward")
-    ax.grid(alpha=0.3)
-    return ax
+    return _label_axes(ax, "Reward", xlabel="GRPO step", ylabel="mean over the step's completions", ylim=(-0.02, 1.02))
 
 
 def plot_refresh(rows, ax=None):
@@ -86,10 +91,8 @@ def plot_refresh(rows, ax=None):
         ax.bar(steps, vals, bottom=bottom, color=PART_COLORS.get(part), label=part, width=0.8)
         bottom = [b + v for b, v in zip(bottom, vals)]
     mode = rows[0].get(m.REFRESH_MODE, "") if rows else ""
-    ax.set(xlabel="GRPO step", ylabel="ms")
-    title_with_legend(ax, "Adapter refresh after each step" + (f" ({mode})" if mode else ""), ncol=4)
-    ax.grid(alpha=0.3, axis="y")
-    return ax
+    return _label_axes(ax, "Adapter refresh after each step" + (f" ({mode})" if mode else ""), ncol=4, axis="y",
+                       xlabel="GRPO step", ylabel="ms")
 
 
 def plot_mismatch(rows, ax=None):
@@ -106,10 +109,8 @@ def plot_mismatch(rows, ax=None):
         if values:
             ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label,
                         **({"color": "#999999"} if part is behind else {}))
-    ax.set(xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
-    title_with_legend(ax, "Is the engine serving the trainer's policy?")
-    ax.grid(alpha=0.3)
-    return ax
+    return _label_axes(ax, "Is the engine serving the trainer's policy?", xlabel="GRPO step",
+                       ylabel="|Δ log-prob| (nats)")
 
 
 def plot_delta_norm(rows, ax=None):
@@ -117,10 +118,7 @@ def plot_delta_norm(rows, ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     steps, norm = _series(rows, m.DELTA_NORM)
     ax.plot(steps, norm, "o-", ms=3, color="#8172b2")
-    ax.set(xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
-    title_with_legend(ax, "How far the adapter has moved: ‖ΔW‖")
-    ax.grid(alpha=0.3)
-    return ax
+    return _label_axes(ax, "How far the adapter has moved: ‖ΔW‖", xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
 
 
 RUN_VIEWS = (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)   # the step panel's four axes
@@ -144,10 +142,7 @@ def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel
             values = _rolling(values)
         draw = ax.semilogy if log else ax.plot
         draw(steps, [max(v, 1e-9) for v in values] if log else values, "-", color=color, label=name)
-    ax.set(xlabel="GRPO step", ylabel=ylabel)
-    title_with_legend(ax, title, ncol=4)
-    ax.grid(alpha=0.3)
-    return ax
+    return _label_axes(ax, title, ncol=4, xlabel="GRPO step", ylabel=ylabel)
 
 
 def run_plot_images(rows, evals) -> dict[str, bytes]:
@@ -224,9 +219,8 @@ def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e") -> float:
 
 
 def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
-    """Each mode's refreshes end to end (call + first request), fastest median on top; log x, so the
-    floor (the bytes moved once at the measured bandwidth, a white diamond) shows beside 1000x larger."""
-    rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
+    """Each mode's refreshes end to end (call + first request), top down; log x, so the floor (the bytes
+    moved once at the measured bandwidth, a white diamond) shows beside 1000x larger."""
     labels = [r.get("label", r["mode"]) for r in rows]
     lowest = _spread_rows(ax, rows, labels, lambda median, _: f"{ms_text(median)} ms",
                           lambda row: MODE_COLORS.get(row["mode"], "#5d6d7e"))
@@ -244,7 +238,6 @@ def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
 
 def plot_parts(rows, ax):
     """Each mode's median call split into its parts, then the median first request, stacked linearly."""
-    rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
     left = [0.0] * len(rows)
     for part in [*in_part_order({p for r in rows for p in r["parts"]}), "first request"]:
         vals = [1e3 * (r.get("first_request_s", 0.0) if part == "first request" else r["parts"].get(part, 0.0))
@@ -261,7 +254,9 @@ def plot_parts(rows, ax):
 
 
 def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
-    """Which refresh is fastest end to end, with every repeat (left), and where the time goes (right)."""
+    """Which refresh is fastest end to end, with every repeat (left), and where the time goes (right);
+    the fastest median on top."""
+    rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
     fig, (left, right) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), title=label)
     plot_end_to_end(rows, left, bandwidth_gbps)
     plot_parts(rows, right)
@@ -281,10 +276,10 @@ def part_ms(row, part: str) -> list[float]:
 def push_cost_fit(rows) -> tuple[float, float]:
     """Least squares of the median push part against pushes: (fixed ms, ms per push)."""
     xs, ys = [r["buckets"] for r in rows], [quartiles(part_ms(r, "push"))[1] for r in rows]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var and n > 1 else 0.0
-    return my - slope * mx, slope
+    if len(set(xs)) < 2:   # one push count: no slope to fit
+        return statistics.fmean(ys), 0.0
+    slope, fixed = statistics.linear_regression(xs, ys)
+    return fixed, slope
 
 
 def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, label: str = ""):
@@ -299,11 +294,10 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     for r in rows:
         left.annotate(f"{r['bucket_mb']:g} MB", (r["bucket_mb"], r["buckets"]), textcoords="offset points",
                       xytext=(6, 4))
-    left.set(xscale="log", yscale="log", xlabel="bucket size (MB, log scale)",
-             ylabel="pushes (engine calls, log scale)")
-    title_with_legend(left, "Bucket size -> pushes, from the tensors' sizes", ncol=1)
+    _label_axes(left, "Bucket size -> pushes, from the tensors' sizes", ncol=1, which="both", xscale="log",
+                yscale="log", xlabel="bucket size (MB, log scale)", ylabel="pushes (engine calls, log scale)")
     for r in rows:
-        plot_spread(right, r["buckets"], part_ms(r, "push"), PART_COLORS["push"], horizontal=False, width=0.5)
+        plot_spread(right, r["buckets"], part_ms(r, "push"), PART_COLORS["push"], horizontal=False)
     _spread_legend(right, PART_COLORS["push"], vertical_tick=False)
     fixed, per_push = push_cost_fit(rows)
     most = max(r["buckets"] for r in rows)
@@ -313,11 +307,9 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     if floor is not None:
         right.axhline(floor, color="k", ls="--", lw=1.2, label=f"floor: weights moved once ({floor:.2g} ms)")
     top = max(max(part_ms(r, "push")) for r in rows)
-    right.set(xlabel="pushes (engine calls)", ylabel="ms, the call's push part", xlim=(0, 1.08 * most),
-              ylim=(0, 1.15 * max(top, floor or 0.0)))
-    title_with_legend(right, "The push part of a merged refresh vs pushes", ncol=2)
-    for ax in (left, right):
-        ax.grid(alpha=0.3, which="both")
+    _label_axes(right, "The push part of a merged refresh vs pushes", ncol=2, which="both",
+                xlabel="pushes (engine calls)", ylabel="ms, the call's push part", xlim=(0, 1.08 * most),
+                ylim=(0, 1.15 * max(top, floor or 0.0)))
     return fig
 
 
@@ -341,10 +333,8 @@ def plot_learned(rows, evals, ax) -> None:
         ax.plot([e["step"] for e in greedy], [e[key] for e in greedy], marker, color=color, ms=7, ls="none",
                 markeredgecolor="k")
     ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
-    top = max([1.0] + [v for v in _series(rows, m.REWARD)[1]])   # a format bonus pays above 1
-    ax.set(xlabel="GRPO step", ylabel="share of completions (reward: mean)", ylim=(-0.02, top + 0.02))
-    ax.grid(alpha=0.3)
-    title_with_legend(ax, "What the reward paid for, and the arithmetic", ncol=2)
+    _label_axes(ax, "What the reward paid for, and the arithmetic", ncol=2, xlabel="GRPO step",
+                ylabel="share of completions (reward: mean)", ylim=(-0.02, _top_reward(rows) + 0.02))
 
 
 def run_learned_figure(rows, evals):
@@ -363,6 +353,11 @@ def run_learned_figure(rows, evals):
     return fig
 
 
+def _top_reward(*histories) -> float:
+    """The highest reward in `histories`, at least 1 (a format bonus pays above 1)."""
+    return max([1.0] + [v for rows in histories for v in _series(rows, m.REWARD)[1]])
+
+
 def broken_refresh_figure(refreshed, broken, mode: str = "none"):
     """The same steps refreshed and with refresh.mode=`mode`: the mismatch beside the refreshed run's
     probe gap (left, log: they differ by decades), and the reward of the engine's completions (right)."""
@@ -373,16 +368,12 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
             (broken, m.MISMATCH, "o-", "#c44e52", f"mismatch, refresh.mode={mode}")):
         steps, values = _series(rows, key)
         gap.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=4, color=color, label=label)
-    gap.set(xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
-    gap.grid(alpha=0.3)
-    title_with_legend(gap, "Trainer vs engine", ncol=1)
+    _label_axes(gap, "Trainer vs engine", ncol=1, xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
     for rows, color, label in ((refreshed, "#4c72b0", "refreshed run"), (broken, "#c44e52", f"refresh.mode={mode}")):
         steps, values = _series(rows, m.REWARD)
         reward.plot(steps, values, "o-", ms=4, color=color, label=label)
-    top = max([1.0] + [v for rows in (refreshed, broken) for v in _series(rows, m.REWARD)[1]])
-    reward.set(xlabel="GRPO step", ylabel="reward (mean over the step)", ylim=(-0.02, top + 0.02))
-    reward.grid(alpha=0.3)
-    title_with_legend(reward, "Reward of the engine's completions", ncol=2)
+    _label_axes(reward, "Reward of the engine's completions", ncol=2, xlabel="GRPO step",
+                ylabel="reward (mean over the step)", ylim=(-0.02, _top_reward(refreshed, broken) + 0.02))
     for ax in (gap, reward):
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     return fig
@@ -413,10 +404,9 @@ def refresh_rank_figure(rows, label: str = ""):
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))   # 1, 2, 5 of each decade, as numbers
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set(xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
-    title_with_legend(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each "
-                          "repeat; dashed: a time in proportion to the bytes)", ncol=5)
-    ax.grid(alpha=0.3, which="both")
+    _label_axes(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each repeat; "
+                    "dashed: a time in proportion to the bytes)", ncol=5, which="both",
+                xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
     return fig
 
 
@@ -450,7 +440,6 @@ def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], 
     n = after[names[0]]["n"]
     errors = [2 * (p * (1 - p) / n) ** 0.5 for p in shares]
     right.bar(names, shares, yerr=errors, capsize=4, color=POLICY_COLORS[:len(names)])
-    right.set(ylabel=f"held-out {key} reward (greedy)", ylim=(0, 1.05), xlabel="policy")
-    title_with_legend(right, f"After training ({n} problems, ± 2 s.e.)")
-    right.grid(alpha=0.3, axis="y")
+    _label_axes(right, f"After training ({n} problems, ± 2 s.e.)", axis="y", ylabel=f"held-out {key} reward (greedy)",
+                ylim=(0, 1.05), xlabel="policy")
     return fig
