@@ -56,31 +56,35 @@ _TABLE_STYLE = ("<style>.lb-table td,.lb-table th{padding:2px 8px;text-align:lef
                 "font-family:monospace;vertical-align:top}.lb-table th{border-bottom:1px solid #999}</style>")
 
 
+def _row(*cells, tag: str = "td") -> str:
+    return "<tr>" + "".join(f"<{tag}>{cell}</{tag}>" for cell in cells) + "</tr>"
+
+
+def _table(caption: str, header: list[str], rows: list[str]) -> str:
+    """The panel's HTML table: `caption` (HTML) above, `header` cells, then `rows` (each from `_row`)."""
+    return f"{_TABLE_STYLE}<div>{caption}</div><table class='lb-table'>{_row(*header, tag='th')}{''.join(rows)}</table>"
+
+
 def completions_table(samples: list[dict], max_chars: int = 120) -> str:
     """HTML table of the last group's completions (the last prompt of the step): reward, advantage."""
     if not samples:
         return "<i>no step yet</i>"
     last = samples[-1]["prompt"]
     group = [s for s in samples if s["prompt"] == last]
-    rows = "".join(
-        f"<tr><td>{i}</td><td>{s['reward']:.2f}</td><td>{s['advantage']:+.2f}</td>"
-        f"<td>{html.escape(s['completion'][:max_chars]).replace(chr(10), ' ⏎ ')}</td></tr>"
-        for i, s in enumerate(group))
-    question = html.escape(group[0]["question"])
-    return (f"{_TABLE_STYLE}<div><b>Last group</b> (answer {html.escape(str(group[0]['answer']))}): {question}</div>"
-            f"<table class='lb-table'><tr><th>#</th><th>reward</th><th>advantage</th><th>completion</th></tr>"
-            f"{rows}</table>")
+    rows = [_row(i, f"{s['reward']:.2f}", f"{s['advantage']:+.2f}",
+                 html.escape(s["completion"][:max_chars]).replace("\n", " ⏎ ")) for i, s in enumerate(group)]
+    return _table(f"<b>Last group</b> (answer {html.escape(str(group[0]['answer']))}): "
+                  f"{html.escape(group[0]['question'])}", ["#", "reward", "advantage", "completion"], rows)
 
 
 def refresh_table(record) -> str:
     """HTML table of one RefreshRecord: each part and the total in ms, bytes and buckets."""
     if record is None:
         return "<i>no refresh yet</i>"
-    cells = "".join(f"<tr><td>{part}</td><td>{1e3 * s:.2f}</td></tr>" for part, s in record.parts.items())
-    return (f"{_TABLE_STYLE}<div><b>Refresh to adapter version {record.version}</b> ({record.mode}, "
-            f"{record.nbytes / 2**20:.2f} MB in {len(record.buckets)} bucket(s))</div>"
-            f"<table class='lb-table'><tr><th>part</th><th>ms</th></tr>{cells}"
-            f"<tr><td><b>total</b></td><td><b>{1e3 * record.total_s:.2f}</b></td></tr></table>")
+    rows = [_row(part, f"{1e3 * s:.2f}") for part, s in record.parts.items()]
+    return _table(f"<b>Refresh to adapter version {record.version}</b> ({record.mode}, "
+                  f"{record.nbytes / 2**20:.2f} MB in {len(record.buckets)} bucket(s))", ["part", "ms"],
+                  [*rows, _row("<b>total</b>", f"<b>{1e3 * record.total_s:.2f}</b>")])
 
 
 def status_lines(row: dict | None, rewards: list[tuple[str, object, float]]) -> str:
@@ -354,8 +358,6 @@ def policies_table(histories: dict[str, list[dict]]) -> str:
     """HTML: each policy's last step (reward, mismatch, probe gap, refresh, served version)."""
     if not any(histories.values()):
         return "<i>no step yet: click Step (every policy takes one)</i>"
-    head = ("<tr><th>policy</th><th>step</th><th>reward</th><th>reward, mean of 5</th><th>mismatch mean</th>"
-            "<th>probe gap</th><th>refresh ms</th><th>served version</th></tr>")
     rows = []
     for name, history in histories.items():
         if not history:
@@ -363,14 +365,13 @@ def policies_table(histories: dict[str, list[dict]]) -> str:
             continue
         last = history[-1]
         recent = [r[m.REWARD] for r in history[-5:]]
-        rows.append(f"<tr><td><b>{name}</b></td><td>{last['step']}</td><td>{last[m.REWARD]:.3f}</td>"
-                    f"<td>{sum(recent) / len(recent):.3f}</td><td>{_fmt(last[m.MISMATCH], '.1e')}</td>"
-                    f"<td>{_fmt(last.get(m.PROBE_GAP), '.3g')}</td><td>{1e3 * last[m.REFRESH_S]:.1f}</td>"
-                    f"<td>v{last[m.SERVED_VERSION]}</td></tr>")
-    return (f"{_TABLE_STYLE}<div>One engine batch per step for all policies; each policy trained, refreshed and "
-            f"checked on its own (its rollouts served by its own adapter: the trainer's version, or one behind with "
-            f"grpo.max_staleness=1)</div>"
-            f"<table class='lb-table'>{head}{''.join(rows)}</table>")
+        rows.append(_row(f"<b>{name}</b>", last["step"], f"{last[m.REWARD]:.3f}", f"{sum(recent) / len(recent):.3f}",
+                         _fmt(last[m.MISMATCH], ".1e"), _fmt(last.get(m.PROBE_GAP), ".3g"),
+                         f"{1e3 * last[m.REFRESH_S]:.1f}", f"v{last[m.SERVED_VERSION]}"))
+    return _table("One engine batch per step for all policies; each policy trained, refreshed and checked on its own "
+                  "(its rollouts served by its own adapter: the trainer's version, or one behind with "
+                  "grpo.max_staleness=1)", ["policy", "step", "reward", "reward, mean of 5", "mismatch mean",
+                                            "probe gap", "refresh ms", "served version"], rows)
 
 
 _RUNNING: weakref.WeakSet[StepPanel] = weakref.WeakSet()   # panels whose steps are running now
