@@ -103,14 +103,13 @@ class WaitProgress:
 
     def _summary(self, total: float, note: str) -> str:
         """'what: done in 2.1 min, 30 of 30 (part 12 s, part 40 s) · note', as HTML."""
-        count = self.counts.get(self.description)
-        parts = ", ".join(f"{what} {duration(s)}" + (f", {self.counts[what][0]} of {self.counts[what][1]}"
-                                                     if what in self.counts else "")
-                          for what, s in self.parts.items() if s >= 0.5 and what != self.description)
-        return (f"{html.escape(self.description)}: done in {duration(total)}"
-                f"{f', {count[0]} of {count[1]}' if count else ''}"
-                f"{f' ({html.escape(parts)})' if parts else ''}"
-                f"{f' · {html.escape(note)}' if note else ''}")
+        def counted(what: str) -> str:
+            return ", {} of {}".format(*self.counts[what]) if what in self.counts else ""
+
+        parts = ", ".join(f"{what} {duration(s)}{counted(what)}" for what, s in self.parts.items()
+                          if s >= 0.5 and what != self.description)
+        return (f"{html.escape(self.description)}: done in {duration(total)}{counted(self.description)}"
+                f"{f' ({html.escape(parts)})' if parts else ''}{f' · {html.escape(note)}' if note else ''}")
 
     def finish(self, note: str = "") -> float:
         """End the display: the whole wait and its parts; returns the whole wait in seconds. Once:

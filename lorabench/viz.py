@@ -44,8 +44,7 @@ def _series(rows, key):
 
 
 def _rolling(values, window=5):
-    return [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
-            for i in range(len(values))]
+    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
 
 
 def title_with_legend(ax, title: str, ncol: int = 3) -> None:
