@@ -204,33 +204,31 @@ def _spread_legend(ax, color="#777777", floor: bool = False, vertical_tick: bool
         ax.plot([], [], "D", ms=6, color="k", mfc="white", label="floor: bytes moved once")
 
 
-def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e") -> float:
-    """One `plot_spread` line per row (end to end, top down, log x), labelled `note(median, values)`;
-    returns the lowest repeat."""
-    for y, row in enumerate(rows):
-        values = end_to_end_ms(row)
+def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e", floors=()) -> tuple[float, float]:
+    """One `plot_spread` line per row (end to end, top down, log x), labelled `note(median, values)`, then
+    a white diamond at each floor (ms) not None; returns the lowest repeat or floor and the highest repeat."""
+    every = [end_to_end_ms(row) for row in rows]
+    for y, (row, values) in enumerate(zip(rows, every)):
         _, median, _ = plot_spread(ax, y, values, color(row))
         ax.annotate(note(median, values), (max(values), y), textcoords="offset points", xytext=(6, 0), va="center")
+    floors = [(y, floor) for y, floor in enumerate(floors) if floor is not None]
+    for y, floor in floors:
+        ax.plot([floor], [y], "D", ms=6, color="k", mfc="white")
     ax.set_yticks(range(len(rows)), labels)
     ax.set(ylim=(len(rows) - 0.5, -0.5), xscale="log")
     ax.grid(alpha=0.3, axis="x", which="both")
-    return min(min(end_to_end_ms(r)) for r in rows)
+    return min([min(v) for v in every] + [f for _, f in floors]), max(max(v) for v in every)
 
 
 def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
     """Each mode's refreshes end to end (call + first request), top down; log x, so the floor (the bytes
     moved once at the measured bandwidth, a white diamond) shows beside 1000x larger."""
     labels = [r.get("label", r["mode"]) for r in rows]
-    lowest = _spread_rows(ax, rows, labels, lambda median, _: f"{ms_text(median)} ms",
-                          lambda row: MODE_COLORS.get(row["mode"], "#5d6d7e"))
-    for y, row in enumerate(rows):
-        floor = _floor_ms(row, bandwidth_gbps)
-        if floor is not None:
-            ax.plot([floor], [y], "D", ms=6, color="k", mfc="white")
-            lowest = min(lowest, floor)
+    lowest, highest = _spread_rows(ax, rows, labels, lambda median, _: f"{ms_text(median)} ms",
+                                   lambda row: MODE_COLORS.get(row["mode"], "#5d6d7e"),
+                                   [_floor_ms(row, bandwidth_gbps) for row in rows])
     _spread_legend(ax, floor=bandwidth_gbps is not None)
-    ax.set(xlabel="ms, refresh call + first request (log scale)",
-           xlim=(lowest / 2, 4 * max(max(end_to_end_ms(r)) for r in rows)))
+    ax.set(xlabel="ms, refresh call + first request (log scale)", xlim=(lowest / 2, 4 * highest))
     title_with_legend(ax, "End to end, per mode", ncol=4)
     return ax
 
@@ -412,11 +410,11 @@ def refresh_rank_figure(rows, label: str = ""):
 def thread_probe_figure(rows, label: str = ""):
     """The same in-place refresh end to end at each torch thread count (log x: a 100x stall fits)."""
     fig, ax = labelled_figure("timing_threads", figsize=(9, 1.6 + 0.55 * len(rows)), title=label)
-    lowest = _spread_rows(ax, rows, [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}" for r in rows],
-                          lambda median, values: f"median {ms_text(median)} ms, slowest {ms_text(max(values))} ms")
+    lowest, highest = _spread_rows(
+        ax, rows, [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}" for r in rows],
+        lambda median, values: f"median {ms_text(median)} ms, slowest {ms_text(max(values))} ms")
     _spread_legend(ax)
-    ax.set(xlabel="ms, in-place refresh + first request (log scale)",
-           xlim=(lowest / 1.5, 12 * max(max(end_to_end_ms(r)) for r in rows)))
+    ax.set(xlabel="ms, in-place refresh + first request (log scale)", xlim=(lowest / 1.5, 12 * highest))
     title_with_legend(ax, "The same refresh at each torch thread count", ncol=3)
     return fig
 
