@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters import PEFT_PREFIX
 from ..viz import call_ms, end_to_end_ms, ms_text, part_ms, push_cost_fit, quartiles
 
 
@@ -27,7 +28,6 @@ def storage_across_refresh(engine, peft_model, mode: str, module: str = "model.l
     """Refresh into the hf `engine` by `mode`, change the LoRA weights as an optimizer step does, refresh
     again; where the engine's lora_B of `module` lives before and after, and what each holds. The handle
     kept across the refresh keeps the old memory alive, so a new tensor cannot reuse its address."""
-    from ..adapters import PEFT_PREFIX
     from ..refresh_bench import scratch_refresher
     with scratch_refresher(engine, peft_model, mode, 64.0, adapter_name) as (layers, refresher):
         refresher.refresh(layers.snapshot(0))
@@ -201,7 +201,7 @@ def threads_markdown(rows, cpus: int, load_average: float, chosen: int | None = 
     return text
 
 
-# notebook 02's sweep on SGLang (one H200, Qwen3-0.6B's shape in bf16, r=32), as the repository records it
+# notebook 02's sweep on SGLang as the repository records it (gpu_mode_rows labels it from its own fields)
 GPU_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu" / "refresh_notebook02_sglang.json"
 
 

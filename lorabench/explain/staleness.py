@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from matplotlib.ticker import MaxNLocator
 
-from ..loss import token_logprobs
+from ..loss import grpo_loss, token_logprobs
 from ..metrics import MISMATCH, REWARD, SERVED_VERSION
 from ..progress import WaitProgress
 from ..viz import labelled_figure, title_with_legend
@@ -171,7 +171,6 @@ def heldout_sentence(summary: dict) -> str:
 def one_group_loss(trainer, problem, step: int) -> dict:
     """One group of G completions for `problem` from the served adapter, through the package's own
     advantages and clipped loss, with π_old = the trainer's log-probs (as Policy.train) and = the engine's."""
-    from ..loss import grpo_loss
     from ..rollout import collate, sample, score
     g, name = trainer.settings, trainer.refresher.serving_adapter
     rollouts = sample(trainer.engine, trainer.tokenizer, [problem], g.group_size, trainer.sampling(step), name,

@@ -1,11 +1,14 @@
 """Notebook 01: one GRPO step by hand, what the run learned (from its numbers), a broken refresh."""
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
 
+from ..loss import group_advantages, grpo_loss
 from ..metrics import KL, MEAN_LENGTH, MISMATCH, PROBE_GAP, REWARD, REWARD_STD, SERVED_VERSION, VERSION, reward_of
+from ..rewards import extract_answer
 
 
 def gradient_norm(params) -> float:
@@ -50,9 +53,6 @@ def group_view(batch, texts: list[str], logp, old_logp, group: int, group_size: 
     """One group of a batch, completion by completion: reward, advantage, the answer the reward read,
     the completion's end, its tokens, mean log π and ratio, and its loss term (`grpo_loss` on its row)."""
     import pandas as pd
-
-    from ..loss import grpo_loss
-    from ..rewards import extract_answer
     rows = []
     for i in range(group * group_size, (group + 1) * group_size):
         mask = batch.completion_mask[i:i + 1]
@@ -75,9 +75,6 @@ def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
 
 def advantage_note(rewards: torch.Tensor, group_size: int, group: int = 0) -> str:
     """Markdown: `loss.group_advantages` worked out for `group`, and the groups with all-equal rewards."""
-    import inspect
-
-    from ..loss import group_advantages
     eps = inspect.signature(group_advantages).parameters["eps"].default
     groups = rewards.view(-1, group_size)
     r = groups[group]
@@ -106,7 +103,6 @@ def group_rewards_note(rewards: torch.Tensor, group_size: int, group: int) -> st
 def prediction_note(predicted: float | None, rewards: torch.Tensor, group_size: int, group: int) -> str:
     """Markdown: the best completion's advantage against the prediction, and for 0/1 rewards the closed
     form √((G−k)/k) of k right out of G."""
-    from ..loss import group_advantages
     r = rewards.view(-1, group_size)[group]
     advantages = group_advantages(r, group_size)
     best = advantages[r.argmax()].item()
