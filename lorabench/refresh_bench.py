@@ -51,7 +51,6 @@ def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 
         dst.copy_(src)
         sync()
         best = min(best, time.perf_counter() - t0)
-    del src, dst
     return n * 4 / best / 1e9
 
 

@@ -1,9 +1,6 @@
-"""Teaching helpers for the notebooks, one module per subject; `from lorabench import explain` gives
-every helper by name (explain.trainer_vs_engine, explain.rank_verdict, ...).
-
-- lora: one LoRA layer's factors, base vs adapter-applied predictions, a refresh as a timeline;
-- checks: the check behind each failure mode (trainer vs engine on the engine's own rollouts);
-- step (notebook 01), refresh_costs (02), hotswap and staleness (03), ranks (04).
+"""Teaching helpers for the notebooks, one module per subject (step: notebook 01, refresh_costs: 02,
+hotswap and staleness: 03, ranks: 04; lora and checks serve several); `from lorabench import explain`
+gives every helper by name (explain.trainer_vs_engine, explain.rank_verdict, ...).
 
 Every number comes from the real trainer model and the real engine; the plots take plain tensors or
 rows, so they can be redrawn from saved runs; every sentence that states an order or a trend is

@@ -1,7 +1,6 @@
 """One LoRA layer's factors, base vs adapter-applied predictions, and a refresh as a timeline."""
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import torch
 
 from ..adapters import base_param_name
@@ -67,9 +66,8 @@ def next_token_topk(peft_model, tokenizer, prefix_ids: list[int], k: int = 8) ->
     return {"tokens": [repr(tokenizer.decode([int(t)])) for t in top], "base": base[top], "adapter": with_adapter[top]}
 
 
-def plot_topk(topk: dict, ax=None, title: str = "Next token, base vs adapter"):
-    ax = ax or plt.subplots(figsize=(7, 1.2 + 0.32 * len(topk["tokens"])), layout="constrained")[1]
-    ax.figure.set_label("next_token_topk")
+def plot_topk(topk: dict, title: str = "Next token, base vs adapter"):
+    _, ax = labelled_figure("next_token_topk", figsize=(7, 1.2 + 0.32 * len(topk["tokens"])))
     y = torch.arange(len(topk["tokens"])).float()
     ax.barh(y - 0.2, topk["base"].numpy(), height=0.4, color="#999999", label="base (no adapter)")
     ax.barh(y + 0.2, topk["adapter"].numpy(), height=0.4, color="#4c72b0", label="adapter applied")
@@ -97,9 +95,8 @@ def top_effects(tokens: list[str], diff: torch.Tensor, k: int = 3) -> list[tuple
     return [(i, tokens[i], float(diff[i])) for i in order]
 
 
-def plot_logprob_difference(tokens: list[str], diff: torch.Tensor, ax=None):
-    ax = ax or plt.subplots(figsize=(12, 3.6), layout="constrained")[1]
-    ax.figure.set_label("per_token_effect")
+def plot_logprob_difference(tokens: list[str], diff: torch.Tensor):
+    _, ax = labelled_figure("per_token_effect", figsize=(12, 3.6))
     colors = ["#55a868" if v >= 0 else "#c44e52" for v in diff.tolist()]
     ax.bar(range(len(diff)), diff.numpy(), color=colors)
     ax.set_xticks(range(len(tokens)), tokens, rotation=0 if len(tokens) <= 24 else 90, fontsize=MIN_FONT_PT + 1)
@@ -112,10 +109,9 @@ def plot_logprob_difference(tokens: list[str], diff: torch.Tensor, ax=None):
     return ax
 
 
-def plot_refresh_timeline(rows: list[dict], ax=None, title: str = "One refresh, part by part"):
+def plot_refresh_timeline(rows: list[dict], title: str = "One refresh, part by part"):
     """One bar per refresh_bench row: its parts in the order they ran, the total and bytes at the end."""
-    ax = ax or plt.subplots(figsize=(12, 1.8 + 0.5 * len(rows)), layout="constrained")[1]
-    ax.figure.set_label("refresh_timeline")
+    _, ax = labelled_figure("refresh_timeline", figsize=(12, 1.8 + 0.5 * len(rows)))
     seen = set()
     for i, row in enumerate(rows):
         t = 0.0

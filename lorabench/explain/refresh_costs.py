@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters import PEFT_PREFIX
 from ..viz import call_ms, end_to_end_ms, ms_text, part_ms, push_cost_fit, quartiles
 
 
@@ -27,7 +28,6 @@ def storage_across_refresh(engine, peft_model, mode: str, module: str = "model.l
     """Refresh into the hf `engine` by `mode`, change the LoRA weights as an optimizer step does, refresh
     again; where the engine's lora_B of `module` lives before and after, and what each holds. The handle
     kept across the refresh keeps the old memory alive, so a new tensor cannot reuse its address."""
-    from ..adapters import PEFT_PREFIX
     from ..refresh_bench import scratch_refresher
     with scratch_refresher(engine, peft_model, mode, 64.0, adapter_name) as (layers, refresher):
         refresher.refresh(layers.snapshot(0))
@@ -72,6 +72,11 @@ def storage_markdown(results: list[dict]) -> str:
                      f"{'equals' if r['engine = trainer'] else 'does not equal'} the trainer's new weights, and the "
                      f"handle taken before the refresh reads {r['old handle reads']}.")
     return "\n".join(lines)
+
+
+def _code(modes, sep: str = ", ") -> str:
+    """Mode names as Markdown code, joined by `sep`."""
+    return sep.join(f"`{m}`" for m in modes)
 
 
 def median_ms(row) -> float:
@@ -167,7 +172,7 @@ def rank_markdown(rows) -> str:
         return f"`{m}` ×{median_ms(at[(m, high)]) / median_ms(at[(m, low)]):.2f}{' (within the spread)' * within}"
     tiers = _rank_tiers(at, modes, ranks)
     if len(tiers) > 1:
-        order = (f"- At every rank: {' < '.join(', '.join(f'`{m}`' for m in t) for t in tiers)} (each group's "
+        order = (f"- At every rank: {' < '.join(_code(t) for t in tiers)} (each group's "
                  f"middle halves below the next group's at every rank; within a group the order can change)")
     else:
         fastest = {k: min((at[(m, k)] for m in modes), key=median_ms)["mode"] for k in ranks}
@@ -196,7 +201,7 @@ def threads_markdown(rows, cpus: int, load_average: float, chosen: int | None = 
     return text
 
 
-# notebook 02's sweep on SGLang (one H200, Qwen3-0.6B's shape in bf16, r=32), as the repository records it
+# notebook 02's sweep on SGLang as the repository records it (gpu_mode_rows labels it from its own fields)
 GPU_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu" / "refresh_notebook02_sglang.json"
 
 
@@ -216,14 +221,11 @@ def gpu_mode_rows(path: Path = GPU_RESULTS) -> tuple[list[dict], str] | None:
 def cpu_gpu_table(rows, gpu: tuple[list[dict], str] | None):
     """Each mode's median end to end and place here, beside the GPU recording's."""
     import pandas as pd
-    here = sorted(rows, key=median_ms)
-    table = pd.DataFrame({"mode": [r["mode"] for r in here], "here: ms": [median_ms(r) for r in here],
-                          "here: place": range(1, len(here) + 1)}).set_index("mode")
-    if gpu is not None:
-        gpu_rows, label = gpu
-        there = sorted(gpu_rows, key=median_ms)
-        table[f"{label}: ms"] = pd.Series({r["mode"]: median_ms(r) for r in there})
-        table[f"{label}: place"] = pd.Series({r["mode"]: i + 1 for i, r in enumerate(there)})
+    table = pd.DataFrame(index=pd.Index([r["mode"] for r in sorted(rows, key=median_ms)], name="mode"))
+    for label, measured in [("here", rows)] + ([(gpu[1], gpu[0])] if gpu is not None else []):
+        ordered = sorted(measured, key=median_ms)
+        table[f"{label}: ms"] = pd.Series({r["mode"]: median_ms(r) for r in ordered})
+        table[f"{label}: place"] = pd.Series({r["mode"]: place for place, r in enumerate(ordered, 1)})
     return table
 
 
@@ -231,10 +233,10 @@ def cpu_gpu_markdown(rows, gpu: tuple[list[dict], str] | None) -> str:
     """The two orders in words: the same, or which modes trade places."""
     here = [r["mode"] for r in sorted(rows, key=median_ms)]
     if gpu is None:
-        return f"Fastest to slowest here: {', '.join(f'`{m}`' for m in here)}; no GPU recording found to compare."
+        return f"Fastest to slowest here: {_code(here)}; no GPU recording found to compare."
     there = [r["mode"] for r in sorted(gpu[0], key=median_ms)]
     if here == there:
-        return (f"Here and on the GPU ({gpu[1]}) the order is the same: {' < '.join(f'`{m}`' for m in here)}.")
+        return f"Here and on the GPU ({gpu[1]}) the order is the same: {_code(here, ' < ')}."
     moved = [f"`{m}` {here.index(m) + 1} here, {there.index(m) + 1} there" for m in here
              if m in there and here.index(m) != there.index(m)]
     why = []
@@ -245,25 +247,26 @@ def cpu_gpu_markdown(rows, gpu: tuple[list[dict], str] | None) -> str:
         why.append("on the GPU every engine call is a request to SGLang's scheduler and a load or a push "
                    "costs far more than its bytes, so `inplace`, which only writes values into memory the "
                    "engine holds, is fastest")
-    tied = [" and ".join(f"`{m}`" for m in g) for g in mode_groups(rows) if len(g) > 1]
+    tied = [_code(g, " and ") for g in mode_groups(rows) if len(g) > 1]
     ties = (f" Within each other's spread here (their places can swap in the next run): {'; '.join(tied)}."
             if tied else "")
-    return (f"Fastest to slowest here: {' < '.join(f'`{m}`' for m in here)}; on the GPU ({gpu[1]}): "
-            f"{' < '.join(f'`{m}`' for m in there)}. Places that differ: {'; '.join(moved)}.{ties}"
+    return (f"Fastest to slowest here: {_code(here, ' < ')}; on the GPU ({gpu[1]}): {_code(there, ' < ')}. "
+            f"Places that differ: {'; '.join(moved)}.{ties}"
             + (f" Why: {'; '.join(why)}." if why else ""))
 
 
 def mode_prediction_note(predicted: str | None, rows) -> str:
     """The fastest mode measured (with those tied with it within the spread) against the learner's guess."""
     first = mode_groups(rows)[0]
-    fastest = " ≈ ".join(f"`{m}`" for m in first)
+    fastest = _code(first, " ≈ ")
     if predicted is None:
         return (f"**The reveal.** Fastest end to end on this machine: {fastest}. You wrote no prediction "
                 f"(set `my_prediction` before section 2 and run it again).")
-    if predicted not in {r["mode"] for r in rows}:
-        modes = ", ".join(f"`{r['mode']}`" for r in rows)
+    order = [r["mode"] for r in sorted(rows, key=median_ms)]
+    if predicted not in order:
+        modes = _code(r["mode"] for r in rows)
         return f"**The reveal.** Fastest here: {fastest}; `{predicted}` is not a mode ({modes})."
-    place = [r["mode"] for r in sorted(rows, key=median_ms)].index(predicted) + 1
+    place = order.index(predicted) + 1
     return (f"**The reveal.** Fastest end to end on this machine: {fastest}. You predicted `{predicted}`: "
             + ("right." if predicted in first else
                f"it came {({1: '1st', 2: '2nd', 3: '3rd'}).get(place, f'{place}th')} of {len(rows)}."))

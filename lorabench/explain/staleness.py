@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from matplotlib.ticker import MaxNLocator
 
-from ..loss import token_logprobs
+from ..loss import grpo_loss, token_logprobs
 from ..metrics import MISMATCH, REWARD, SERVED_VERSION
 from ..progress import WaitProgress
 from ..viz import labelled_figure, title_with_legend
@@ -171,7 +171,6 @@ def heldout_sentence(summary: dict) -> str:
 def one_group_loss(trainer, problem, step: int) -> dict:
     """One group of G completions for `problem` from the served adapter, through the package's own
     advantages and clipped loss, with π_old = the trainer's log-probs (as Policy.train) and = the engine's."""
-    from ..loss import grpo_loss
     from ..rollout import collate, sample, score
     g, name = trainer.settings, trainer.refresher.serving_adapter
     rollouts = sample(trainer.engine, trainer.tokenizer, [problem], g.group_size, trainer.sampling(step), name,
@@ -211,16 +210,14 @@ def group_loss_table(groups: dict):
     import pandas as pd
     rows = {}
     for label, g in groups.items():
-        lo, hi = float(g["ratio"].min()), float(g["ratio"].max())
-        rows[f"{label}: engine served v{g['served_version']}, trainer at v{g['trainer_version']}"] = {
-            "loss, π_old = trainer": g["own"]["loss"], "outside 1 ± ε, π_old = trainer": g["own"]["clip_fraction"],
-            "loss, π_old = sampler": g["sampler"]["loss"],
-            "outside 1 ± ε, π_old = sampler": g["sampler"]["clip_fraction"],
-            "π_θ/π_sampler min": lo, "π_θ/π_sampler max": hi}
-    losses = {c: "{:+.2e}" for c in ("loss, π_old = trainer", "loss, π_old = sampler")}
-    shares = {c: "{:.1%}" for c in ("outside 1 ± ε, π_old = trainer", "outside 1 ± ε, π_old = sampler")}
-    return fit_table(pd.DataFrame(rows).T, {**losses, **shares, "π_θ/π_sampler min": "{:.4f}",
-                                            "π_θ/π_sampler max": "{:.4f}"})
+        row = {}
+        for old, side in (("trainer", g["own"]), ("sampler", g["sampler"])):
+            row |= {f"loss, π_old = {old}": side["loss"], f"outside 1 ± ε, π_old = {old}": side["clip_fraction"]}
+        row |= {"π_θ/π_sampler min": float(g["ratio"].min()), "π_θ/π_sampler max": float(g["ratio"].max())}
+        rows[f"{label}: engine served v{g['served_version']}, trainer at v{g['trainer_version']}"] = row
+    table = pd.DataFrame(rows).T
+    return fit_table(table, {c: "{:+.2e}" if c.startswith("loss") else "{:.1%}" if c.startswith("outside") else "{:.4f}"
+                             for c in table.columns})
 
 
 def group_loss_sentence(stale: dict, fresh: dict) -> str:
@@ -241,15 +238,14 @@ def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str
     """Markdown: where a stale refresh's harm shows, and the verdict: the stale trainer's held-out strict
     reward 'lower', 'the same' or 'higher' (two s.e.); the served reward counts if every seed agrees."""
     n, mean, seeds = summary["heldout_n"], summary["mean"], len(summary["per_seed"]["refreshed"])
-    served_gap = mean["refreshed"] - mean["stale"]
-    if summary["refreshed_higher"] == seeds:
-        served = (f"**It shows in the served reward**: the engine's rollouts scored {mean['refreshed']:.2f} refreshed "
-                  f"against {mean['stale']:.2f} stale over the last {summary['last']} steps ({served_gap:+.2f}, the "
-                  f"refreshed run higher in every seed), because the stale engine kept serving the first adapter")
-    else:
-        served = (f"The served reward does not show it clearly in these runs: {mean['refreshed']:.2f} refreshed "
-                  f"against {mean['stale']:.2f} stale over the last {summary['last']} steps, the refreshed run higher "
-                  f"in {summary['refreshed_higher']} of {seeds} seeds")
+    shows_served = summary["refreshed_higher"] == seeds
+    scores = (f"{mean['refreshed']:.2f} refreshed against {mean['stale']:.2f} stale over the last {summary['last']} "
+              f"steps")
+    served = (f"**It shows in the served reward**: the engine's rollouts scored {scores} "
+              f"({mean['refreshed'] - mean['stale']:+.2f}, the refreshed run higher in every seed), because the stale "
+              f"engine kept serving the first adapter" if shows_served else
+              f"The served reward does not show it clearly in these runs: {scores}, the refreshed run higher in "
+              f"{summary['refreshed_higher']} of {seeds} seeds")
     parts, words = [], {}
     for k, what in HELDOUT_MEASURES.items():
         fresh, stale = summary["heldout"]["refreshed"][k], summary["heldout"]["stale"][k]
@@ -259,7 +255,6 @@ def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str
                      f"{' within two standard errors' if word == 'held' else ''})")
     verdict = words["strict"]
     unharmed = all(w != "lower" for w in words.values())
-    shows_served = summary["refreshed_higher"] == seeds
     heldout = "**On held-out problems it does not show**" if unharmed else "**On held-out problems it shows too**"
     if unharmed and shows_served:
         close = ("The stale trainer still took every gradient step, on the first adapter's rollouts: in these runs "

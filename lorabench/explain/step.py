@@ -1,11 +1,14 @@
 """Notebook 01: one GRPO step by hand, what the run learned (from its numbers), a broken refresh."""
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
 
+from ..loss import group_advantages, grpo_loss
 from ..metrics import KL, MEAN_LENGTH, MISMATCH, PROBE_GAP, REWARD, REWARD_STD, SERVED_VERSION, VERSION, reward_of
+from ..rewards import extract_answer
 
 
 def gradient_norm(params) -> float:
@@ -50,9 +53,6 @@ def group_view(batch, texts: list[str], logp, old_logp, group: int, group_size: 
     """One group of a batch, completion by completion: reward, advantage, the answer the reward read,
     the completion's end, its tokens, mean log π and ratio, and its loss term (`grpo_loss` on its row)."""
     import pandas as pd
-
-    from ..loss import grpo_loss
-    from ..rewards import extract_answer
     rows = []
     for i in range(group * group_size, (group + 1) * group_size):
         mask = batch.completion_mask[i:i + 1]
@@ -75,9 +75,6 @@ def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
 
 def advantage_note(rewards: torch.Tensor, group_size: int, group: int = 0) -> str:
     """Markdown: `loss.group_advantages` worked out for `group`, and the groups with all-equal rewards."""
-    import inspect
-
-    from ..loss import group_advantages
     eps = inspect.signature(group_advantages).parameters["eps"].default
     groups = rewards.view(-1, group_size)
     r = groups[group]
@@ -106,7 +103,6 @@ def group_rewards_note(rewards: torch.Tensor, group_size: int, group: int) -> st
 def prediction_note(predicted: float | None, rewards: torch.Tensor, group_size: int, group: int) -> str:
     """Markdown: the best completion's advantage against the prediction, and for 0/1 rewards the closed
     form √((G−k)/k) of k right out of G."""
-    from ..loss import group_advantages
     r = rewards.view(-1, group_size)[group]
     advantages = group_advantages(r, group_size)
     best = advantages[r.argmax()].item()
@@ -228,14 +224,12 @@ def broken_summary(refreshed: list[dict], broken: list[dict], per_step: int, mod
     first, last = broken[0][MISMATCH], broken[k - 1][MISMATCH]
     ref_last, gap_last = refreshed[k - 1][MISMATCH], refreshed[k - 1][PROBE_GAP]
     fold = last / max(first, 1e-12)
-    climb = {"rose": f"rose {fold:.2g}-fold", "fell": f"fell {1 / fold:.2g}-fold",
-             "held": f"held (×{fold:.2g}: under {FOLD:g}-fold either way)"}[
-        "rose" if fold > FOLD else "fell" if fold < 1 / FOLD else "held"]
+    climb = (f"rose {fold:.2g}-fold" if fold > FOLD else f"fell {1 / fold:.2g}-fold" if fold < 1 / FOLD else
+             f"held (×{fold:.2g}: under {FOLD:g}-fold either way)")
     served = [r[SERVED_VERSION] for r in broken[:k]]
-    engine = (f"the engine served adapter version {served[0]} at every step while the trainer moved on to version "
-              f"{broken[k - 1][VERSION]}" if len(set(served)) == 1 else
-              f"the engine served versions {served[0]} to {served[-1]} while the trainer moved on to version "
-              f"{broken[k - 1][VERSION]}")
+    versions = (f"adapter version {served[0]} at every step" if len(set(served)) == 1 else
+                f"versions {served[0]} to {served[-1]}")
+    engine = f"the engine served {versions} while the trainer moved on to version {broken[k - 1][VERSION]}"
     scale = gap_last / last if last > 0 else float("inf")
     where = ("of the order of the refreshed run's probe gap" if 1 / 3 <= scale <= 3 else
              f"{max(scale, 1 / scale):.0f}× {'below' if scale > 3 else 'above'} the refreshed run's probe gap")
