@@ -91,11 +91,10 @@ class JsonlFile:
         return bool(self.tail) and not self.tail_is_row
 
 
-def scan_jsonl(path: Path, data: bytes | None = None) -> JsonlFile:
-    """Every row of `path` (a missing file has none; a link is refused), or of `data` read from it. A bad line
-    that is not the last raises RunDirError; a bad last line without its newline is the torn line of a kill."""
+def scan_jsonl(path: Path, data: bytes | None) -> JsonlFile:
+    """Every row of `data`, read from `path` (None: a missing file, which has none). A bad line that is not the
+    last raises RunDirError; a bad last line without its newline is the torn line of a kill."""
     scan = JsonlFile(Path(path))
-    data = read_no_follow(scan.path) if data is None else data
     if not data:
         return scan
     scan.end = data.rfind(b"\n") + 1
@@ -120,12 +119,12 @@ def scan_jsonl(path: Path, data: bytes | None = None) -> JsonlFile:
 
 
 def scan_in(root: SafeDir, name: str) -> JsonlFile:
-    return scan_jsonl(root.path / name, root.read_bytes(name) or b"")
+    return scan_jsonl(root.path / name, root.read_bytes(name))
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a run-dir JSONL file, for readers: a torn last line is left out."""
-    return scan_jsonl(path).rows
+    """The rows of a run-dir JSONL file (a link is refused), for readers: a torn last line is left out."""
+    return scan_jsonl(path, read_no_follow(path)).rows
 
 
 # --- the checkpoint --------------------------------------------------------------------------------------
@@ -139,11 +138,11 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     if not run_dir.expect(CHECKPOINT_DIR, "dir"):
         return None
     with run_dir.sub(CHECKPOINT_DIR) as folder:
-        fh = folder.open_read(CHECKPOINT.name)
-    if fh is None:
+        fd = folder.open_file(CHECKPOINT.name, os.O_RDONLY)
+    if fd is None:
         return None
     try:
-        with fh:
+        with os.fdopen(fd, "rb") as fh:
             state = torch.load(fh, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         raise RunDirError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}); {_RECOVER}. Restore it "
