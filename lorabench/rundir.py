@@ -147,8 +147,7 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         raise RunDirError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}); {_RECOVER}. Restore it "
                           f"from a backup and resume, or {_NEW_RUN}") from err
-    problem = checkpoint_problem(state)
-    if problem:
+    if problem := checkpoint_problem(state):
         raise RunDirError(f"{path}: {problem}; {_RECOVER}. Restore it from a backup and resume, or {_NEW_RUN}")
     return state
 
@@ -161,8 +160,7 @@ def checkpoint_problem(state) -> str | None:
     finite) or, but for adapter_buffer, None. What needs the policy is left to Policy.load."""
     if not isinstance(state, dict):
         return f"it holds {type(state).__name__}, not the dict of fields a checkpoint is"
-    missing = [k for k in _CHECKPOINT_KEYS if k not in state]
-    if missing:
+    if missing := [k for k in _CHECKPOINT_KEYS if k not in state]:
         return f"it lacks the field(s) {missing} (written by another lorabench version?)"
     step, config, rows = state["step"], state["adapter_config"], state["rows"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -185,8 +183,7 @@ def checkpoint_problem(state) -> str | None:
     except (RuntimeError, TypeError) as err:
         return (f"field 'torch_rng' is {_shown(state['torch_rng'])}, which torch cannot restore as its random state "
                 f"({err})")
-    found = optimizer_problem(state["optimizer"], layout)
-    if found:
+    if found := optimizer_problem(state["optimizer"], layout):
         return found
     if not isinstance(rows, dict) or not all(isinstance(v, list) and all(isinstance(r, dict) for r in v)
                                              for v in rows.values()):
@@ -381,8 +378,7 @@ def torn_note(scan: JsonlFile) -> str:
 def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[int], has_summary: bool) -> None:
     """No checkpoint is fine before the first commit; beside committed steps' work, step 0 would mix two runs."""
     evidence = [f"{name}: {len(files[name].rows)} rows" for name in ROW_FILES if files[name].rows]
-    later_evals = [r for r in files[EVALS].rows if _step(r) > 0]
-    if later_evals:
+    if later_evals := [r for r in files[EVALS].rows if _step(r) > 0]:
         evidence.append(f"{EVALS}: evaluations at step {_step(later_evals[-1])}")
     if len(adapters) > 1:
         evidence.append(f"{ADAPTERS}/step_{adapters[0]}..step_{adapters[-1]}")
@@ -404,8 +400,7 @@ def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
             raise RunDirError(f"{scan.path} line {scan.lines[i]} repeats or goes back to step {steps[i]} (first at "
                               f"line {first}): two processes wrote this run dir, or rows were copied in; {_RECOVER}. "
                               f"Keep one copy of each step's rows (by hand), or start a new run")
-    past = [(line, s) for line, s in zip(scan.lines, steps) if s > step]
-    if past:
+    if past := [(line, s) for line, s in zip(scan.lines, steps) if s > step]:
         raise RunDirError(f"{scan.path} line {past[0][0]} holds step {past[0][1]}, past the checkpoint's step {step}: "
                           f"the checkpoint is older than the rows (restored from a backup?); {_RECOVER}. Restore the "
                           f"matching {CHECKPOINT}, or start a new run")
