@@ -264,7 +264,7 @@ class SafeDir:
         if (data is None) == (writer is None):
             raise TypeError("write_atomic needs exactly one of data= or writer=")
         self.expect(name, "file")
-        self.remove_dead_temps((f".{name}.",))
+        remove_stale_temps(self.fd, (f".{name}.",))
         tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, _NEW, 0o600, dir_fd=self.fd)
@@ -301,7 +301,7 @@ class SafeDir:
         """Yield a fresh hidden temp dir; on success it replaces the dir `name` in one rename (an existing one is
         swapped out first and removed after; put back if the rename fails)."""
         self.expect(name, "dir")
-        self.remove_dead_temps((f".{name}.tmp-", f".{name}.old-"))
+        remove_stale_temps(self.fd, (f".{name}.tmp-", f".{name}.old-"))
         pid, fds = os.getpid(), {"src_dir_fd": self.fd, "dst_dir_fd": self.fd}
         tmp = f".{name}.tmp-{pid}-{secrets.token_hex(4)}"
         os.mkdir(tmp, 0o700, dir_fd=self.fd)
@@ -324,9 +324,6 @@ class SafeDir:
         except BaseException:
             shutil.rmtree(tmp, dir_fd=self.fd, ignore_errors=True)
             raise
-
-    def remove_dead_temps(self, prefixes: tuple[str, ...]) -> None:
-        remove_stale_temps(self.fd, prefixes)
 
 
 def _unreadable(path: Path) -> RunDirError:
