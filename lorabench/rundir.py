@@ -91,11 +91,10 @@ class JsonlFile:
         return bool(self.tail) and not self.tail_is_row
 
 
-def scan_jsonl(path: Path, data: bytes | None = None) -> JsonlFile:
-    """Every row of `path` (a missing file has none; a link is refused), or of `data` read from it. A bad line
-    that is not the last raises RunDirError; a bad last line without its newline is the torn line of a kill."""
+def scan_jsonl(path: Path, data: bytes | None) -> JsonlFile:
+    """Every row of `data`, read from `path` (None: a missing file, which has none). A bad line that is not the
+    last raises RunDirError; a bad last line without its newline is the torn line of a kill."""
     scan = JsonlFile(Path(path))
-    data = read_no_follow(scan.path) if data is None else data
     if not data:
         return scan
     scan.end = data.rfind(b"\n") + 1
@@ -120,12 +119,12 @@ def scan_jsonl(path: Path, data: bytes | None = None) -> JsonlFile:
 
 
 def scan_in(root: SafeDir, name: str) -> JsonlFile:
-    return scan_jsonl(root.path / name, root.read_bytes(name) or b"")
+    return scan_jsonl(root.path / name, root.read_bytes(name))
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a run-dir JSONL file, for readers: a torn last line is left out."""
-    return scan_jsonl(path).rows
+    """The rows of a run-dir JSONL file (a link is refused), for readers: a torn last line is left out."""
+    return scan_jsonl(path, read_no_follow(path)).rows
 
 
 # --- the checkpoint --------------------------------------------------------------------------------------
@@ -139,17 +138,16 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     if not run_dir.expect(CHECKPOINT_DIR, "dir"):
         return None
     with run_dir.sub(CHECKPOINT_DIR) as folder:
-        fh = folder.open_read(CHECKPOINT.name)
-    if fh is None:
+        fd = folder.open_file(CHECKPOINT.name, os.O_RDONLY)
+    if fd is None:
         return None
     try:
-        with fh:
+        with os.fdopen(fd, "rb") as fh:
             state = torch.load(fh, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         raise RunDirError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}); {_RECOVER}. Restore it "
                           f"from a backup and resume, or {_NEW_RUN}") from err
-    problem = checkpoint_problem(state)
-    if problem:
+    if problem := checkpoint_problem(state):
         raise RunDirError(f"{path}: {problem}; {_RECOVER}. Restore it from a backup and resume, or {_NEW_RUN}")
     return state
 
@@ -162,8 +160,7 @@ def checkpoint_problem(state) -> str | None:
     finite) or, but for adapter_buffer, None. What needs the policy is left to Policy.load."""
     if not isinstance(state, dict):
         return f"it holds {type(state).__name__}, not the dict of fields a checkpoint is"
-    missing = [k for k in _CHECKPOINT_KEYS if k not in state]
-    if missing:
+    if missing := [k for k in _CHECKPOINT_KEYS if k not in state]:
         return f"it lacks the field(s) {missing} (written by another lorabench version?)"
     step, config, rows = state["step"], state["adapter_config"], state["rows"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -186,8 +183,7 @@ def checkpoint_problem(state) -> str | None:
     except (RuntimeError, TypeError) as err:
         return (f"field 'torch_rng' is {_shown(state['torch_rng'])}, which torch cannot restore as its random state "
                 f"({err})")
-    found = optimizer_problem(state["optimizer"], layout)
-    if found:
+    if found := optimizer_problem(state["optimizer"], layout):
         return found
     if not isinstance(rows, dict) or not all(isinstance(v, list) and all(isinstance(r, dict) for r in v)
                                              for v in rows.values()):
@@ -382,8 +378,7 @@ def torn_note(scan: JsonlFile) -> str:
 def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[int], has_summary: bool) -> None:
     """No checkpoint is fine before the first commit; beside committed steps' work, step 0 would mix two runs."""
     evidence = [f"{name}: {len(files[name].rows)} rows" for name in ROW_FILES if files[name].rows]
-    later_evals = [r for r in files[EVALS].rows if _step(r) > 0]
-    if later_evals:
+    if later_evals := [r for r in files[EVALS].rows if _step(r) > 0]:
         evidence.append(f"{EVALS}: evaluations at step {_step(later_evals[-1])}")
     if len(adapters) > 1:
         evidence.append(f"{ADAPTERS}/step_{adapters[0]}..step_{adapters[-1]}")
@@ -405,8 +400,7 @@ def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
             raise RunDirError(f"{scan.path} line {scan.lines[i]} repeats or goes back to step {steps[i]} (first at "
                               f"line {first}): two processes wrote this run dir, or rows were copied in; {_RECOVER}. "
                               f"Keep one copy of each step's rows (by hand), or start a new run")
-    past = [(line, s) for line, s in zip(scan.lines, steps) if s > step]
-    if past:
+    if past := [(line, s) for line, s in zip(scan.lines, steps) if s > step]:
         raise RunDirError(f"{scan.path} line {past[0][0]} holds step {past[0][1]}, past the checkpoint's step {step}: "
                           f"the checkpoint is older than the rows (restored from a backup?); {_RECOVER}. Restore the "
                           f"matching {CHECKPOINT}, or start a new run")

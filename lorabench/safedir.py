@@ -6,7 +6,7 @@ O_NOFOLLOW. Refused with `RunDirError` naming the entry: a link, a FIFO, socket 
 changed in place that has a second name (a hard link). The path *to* the run dir is the user's and
 is followed. A failed write raises `RunDirWriteError` naming the file and the cause; every write is
 a fsynced hidden temp (`.<name>.<pid>...`) renamed onto its name, and temps of dead writers are
-removed. Outside a run dir the same by path: `atomic_write(path, data)`, `atomic_dir(path)`.
+removed. Outside a run dir the same by path: `atomic_dir(path)`.
 """
 from __future__ import annotations
 
@@ -74,11 +74,10 @@ def write_failure(path: Path, err: OSError, root: Path | None = None) -> RunDirW
     where = root or path.parent
     fix = {errno.ENOSPC: "there is space again", errno.EDQUOT: "there is quota again",
            errno.EROFS: "the filesystem is writable again"}.get(err.errno, "that is fixed")
-    code = errno.errorcode.get(err.errno, err.errno)
-    failure = RunDirWriteError(err.errno or errno.EIO, f"cannot write {path}: {cause} ({code}); what {where} held "
-                               f"before is intact: once {fix}, `lorabench resume {where}` continues from its last "
-                               f"checkpoint")
-    failure.cause, failure.fix = f"cannot write {path}: {cause} ({code})", fix   # for a run not started yet
+    failed = f"cannot write {path}: {cause} ({errno.errorcode.get(err.errno, err.errno)})"
+    failure = RunDirWriteError(err.errno or errno.EIO, f"{failed}; what {where} held before is intact: once {fix}, "
+                               f"`lorabench resume {where}` continues from its last checkpoint")
+    failure.cause, failure.fix = failed, fix   # for a run not started yet
     return failure
 
 
@@ -212,15 +211,11 @@ class SafeDir:
             raise
         return fd
 
-    def open_read(self, name: str):
-        fd = self.open_file(name, os.O_RDONLY)
-        return None if fd is None else os.fdopen(fd, "rb")
-
     def read_bytes(self, name: str) -> bytes | None:
-        fh = self.open_read(name)
-        if fh is None:
+        fd = self.open_file(name, os.O_RDONLY)
+        if fd is None:
             return None
-        with fh:
+        with os.fdopen(fd, "rb") as fh:
             return fh.read()
 
     def last_byte(self, name: str) -> bytes:
@@ -269,7 +264,7 @@ class SafeDir:
         if (data is None) == (writer is None):
             raise TypeError("write_atomic needs exactly one of data= or writer=")
         self.expect(name, "file")
-        self.remove_dead_temps((f".{name}.",))
+        remove_stale_temps(self.fd, (f".{name}.",))
         tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, _NEW, 0o600, dir_fd=self.fd)
@@ -306,7 +301,7 @@ class SafeDir:
         """Yield a fresh hidden temp dir; on success it replaces the dir `name` in one rename (an existing one is
         swapped out first and removed after; put back if the rename fails)."""
         self.expect(name, "dir")
-        self.remove_dead_temps((f".{name}.tmp-", f".{name}.old-"))
+        remove_stale_temps(self.fd, (f".{name}.tmp-", f".{name}.old-"))
         pid, fds = os.getpid(), {"src_dir_fd": self.fd, "dst_dir_fd": self.fd}
         tmp = f".{name}.tmp-{pid}-{secrets.token_hex(4)}"
         os.mkdir(tmp, 0o700, dir_fd=self.fd)
@@ -329,9 +324,6 @@ class SafeDir:
         except BaseException:
             shutil.rmtree(tmp, dir_fd=self.fd, ignore_errors=True)
             raise
-
-    def remove_dead_temps(self, prefixes: tuple[str, ...]) -> None:
-        remove_stale_temps(self.fd, prefixes)
 
 
 def _unreadable(path: Path) -> RunDirError:
@@ -361,14 +353,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead(parent: Path | int, writer: re.Pattern, dirs_only: bool = False) -> list[Path]:
+def _remove_dead(parent: Path | int, writer: re.Pattern, dirs_only: bool = False) -> None:
     """Remove the entries of `parent` (a path, or a dir fd) whose name `writer` matches with the PID of a dead
     process other than this one as its group 1 (a link is removed, not followed)."""
-    dir_fd, removed = parent if isinstance(parent, int) else None, []
+    dir_fd = parent if isinstance(parent, int) else None
     try:
         entries = list(os.scandir(parent))
     except FileNotFoundError:
-        return removed
+        return
     for entry in entries:   # by an fd, entry.path is the name, relative to dir_fd
         is_dir, match = entry.is_dir(follow_symlinks=False), writer.match(entry.name)
         pid = int(match.group(1)) if match else None
@@ -379,20 +371,18 @@ def _remove_dead(parent: Path | int, writer: re.Pattern, dirs_only: bool = False
         else:
             with contextlib.suppress(OSError):
                 os.unlink(entry.path, dir_fd=dir_fd)
-        removed.append(Path(entry.path))
-    return removed
 
 
-def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...]) -> list[Path]:
+def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...]) -> None:
     """Remove entries of `parent` named `<prefix><pid>-...` (or `<prefix><pid>.`) whose writer `pid` is dead:
-    what a killed atomic write leaves. Returns what was removed."""
-    return _remove_dead(parent, re.compile(f"(?:{'|'.join(map(re.escape, prefixes))})(\\d+)(?:[-.]|$)"))
+    what a killed atomic write leaves."""
+    _remove_dead(parent, re.compile(f"(?:{'|'.join(map(re.escape, prefixes))})(\\d+)(?:[-.]|$)"))
 
 
-def remove_dead_dir_temps(parent: Path) -> list[Path]:
+def remove_dead_dir_temps(parent: Path) -> None:
     """Remove every atomic_dir temp (`.NAME.tmp-PID-x`, `.NAME.old-PID-x`) under `parent` whose writer is dead,
     whatever name it was for (a killed build's entry may never be built again)."""
-    return _remove_dead(parent, re.compile(r"\..+\.(?:tmp|old)-(\d+)-"), dirs_only=True)
+    _remove_dead(parent, re.compile(r"\..+\.(?:tmp|old)-(\d+)-"), dirs_only=True)
 
 
 def fsync_path(path: Path) -> None:
@@ -413,20 +403,6 @@ def write_new_file(path: Path | str, *chunks, mode: int = 0o600, dir_fd: int | N
         fh.flush()
         os.fsync(fh.fileno())
         os.fchmod(fh.fileno(), mode)
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Make the file `path` hold `data` whole: a fsynced temp next to it renamed onto it."""
-    path = Path(path)
-    remove_stale_temps(path.parent, (f".{path.name}.",))
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
-    try:
-        write_new_file(tmp, data, mode=mode)
-        os.replace(tmp, path)
-        fsync_path(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from lorabench.cli import main
 from lorabench.grpo import TrainerStopped
 from lorabench.rundir import RunDirError, inspect, read_checkpoint, read_jsonl
 from lorabench.runlog import RunLog
-from lorabench.safedir import RunDirWriteError, SafeDir
+from lorabench.safedir import RunDirWriteError, SafeDir, remove_stale_temps
 from lorabench.session.config import Config, ConfigError
 
 # flexible reward: the random tiny model earns a reward now and then, so its adapter really moves
@@ -212,7 +212,7 @@ def test_safedir_never_follows_a_link(tmp_path, victim):
             call()
     with pytest.raises(RunDirError, match="symbolic link"), root.atomic_subdir("sub"):
         pass
-    root.remove_dead_temps((".x.tmp-",))
+    remove_stale_temps(root.fd, (".x.tmp-",))
     assert not os.path.lexists(tmp_path / "d" / ".x.tmp-999999999-ab")
     assert tree_state(victim) == outside
     root.close()

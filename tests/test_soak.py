@@ -38,14 +38,15 @@ def _growth(series: list[dict], key: str = "rss_mb") -> dict:
 def _save(key: str, record: dict) -> None:
     """Merge this test's record into cpu_soak.json (atomically) and redraw cpu_soak.png — only with
     LORABENCH_RECORD=1, so an ordinary test run leaves the committed record alone."""
-    from lorabench.safedir import atomic_write
+    from lorabench.safedir import SafeDir
     if not os.environ.get("LORABENCH_RECORD"):
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "cpu_soak.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
     data[key] = record
-    atomic_write(path, (json.dumps(data, indent=1) + "\n").encode(), 0o644)
+    with SafeDir.open(RESULTS) as results:   # a fsynced temp renamed onto the file
+        results.write_atomic(path.name, (json.dumps(data, indent=1) + "\n").encode(), mode=0o644)
     _plot(data, RESULTS / "cpu_soak.png")
 
 

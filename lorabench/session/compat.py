@@ -132,8 +132,7 @@ def changes(old: Config, new: Config) -> dict[str, tuple]:
 def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) -> dict[str, tuple]:
     """The allowed changes from `old` (the run's effective config) to `new`; refused ones raise RunDirError."""
     diff, may_change, reasons = changes(old, new), allowed(), refused()
-    refused_diff = {k: v for k, v in diff.items() if k not in may_change}
-    if refused_diff:
+    if refused_diff := {k: v for k, v in diff.items() if k not in may_change}:
         listed = "; ".join(f"{k} {a!r} -> {b!r} ({reasons.get(k, 'not decided as safe to change')})"
                            for k, (a, b) in refused_diff.items())
         overrides = [f"{k}={json.dumps(b) if not isinstance(b, str) else b}" for k, (_, b) in refused_diff.items()]

@@ -70,8 +70,7 @@ def _writable(path: str | Path, field: str) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(f"{field}={str(path)!r}: {probe} is a file, not a directory; point {field} at a directory")
-    why = _unwritable(probe)
-    if why:
+    if why := _unwritable(probe):
         raise ConfigError(f"{field}={str(path)!r}: {probe} {why}; point {field} at a writable directory")
 
 

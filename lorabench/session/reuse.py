@@ -62,8 +62,7 @@ def read_trained_run(cfg, run_dir: str | Path, model_path: str) -> TrainedRun:
     run_dir = Path(run_dir)
     check_entries(run_dir)   # no link in it is followed, nothing of an odd kind is opened
     listing = dir_listing(run_dir)
-    differ = {k: v for k, v in changes(effective_config(run_dir), cfg).items() if k in refused()}
-    if differ:
+    if differ := {k: v for k, v in changes(effective_config(run_dir), cfg).items() if k in refused()}:
         shown = ", ".join(f"{k}={a!r} there, {b!r} here" for k, (a, b) in list(differ.items())[:3])
         raise RunDirError(f"{run_dir.name}: another experiment ({shown})")
     state = read_checkpoint(run_dir)
