@@ -18,7 +18,7 @@ The engine on a GPU of its own (two GPUs):
 compiled graphs in its on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): the first run on a
 machine pays the compile; a later process (`--modes background` again) shows the first step with a warm cache.
 Under CUDA MPS (dev/gpu_session.sh, LORABENCH_MPS=1), --trainer-sm-percent caps this process's share of the SMs
-and leaves the engine's processes all of them: with one step stale the rollout, not training, is the longer.
+and leaves the engine's processes all of them; --engine-sm-percent caps the engine's and leaves the trainer all.
 """
 from __future__ import annotations
 
@@ -198,6 +198,9 @@ def main() -> None:
     parser.add_argument("--trainer-sm-percent", type=int, default=0,
                         help="under CUDA MPS: the share of the GPU's SMs this process (the trainer) may use; the "
                              "engine's processes keep all of them (0: no limit)")
+    parser.add_argument("--engine-sm-percent", type=int, default=0,
+                        help="under CUDA MPS: the share of the SMs the engine's processes may use; this process (the "
+                             "trainer) keeps all of them (0: no limit)")
     parser.add_argument("--trainer-below-normal", action="store_true",
                         help="under CUDA MPS: this process (the trainer) is a BELOW_NORMAL client "
                              "(CUDA_MPS_CLIENT_PRIORITY=1): where both have kernels ready, the engine's run first")
@@ -205,6 +208,9 @@ def main() -> None:
     watch_cache_bypasses()
     root = Path(tempfile.mkdtemp(prefix="step-user-"))
     trainer_context(args.trainer_sm_percent, args.trainer_below_normal)
+    if args.engine_sm_percent:
+        torch.zeros(1, device="cuda")   # the trainer's context first: MPS reads the share when a context is made
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.engine_sm_percent)   # the engine's, made later
     if args.save_attention:
         save_attention_in_checkpoints()
     if args.tiny:
@@ -216,6 +222,7 @@ def main() -> None:
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
               "overrides": [*base, *args.overrides], "trainer_sm_percent": args.trainer_sm_percent or 100,
+              "engine_sm_percent": args.engine_sm_percent or 100,
               "trainer_below_normal": args.trainer_below_normal,
               "save_attention": args.save_attention,
               "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "runs": []}
