@@ -64,6 +64,8 @@ def test_broken_summary_words_follow_the_numbers():
                                   per_step=64)
     assert explain.stated_directions(flat)[0] == "held", flat
     assert "served versions 0 to 5" in flat, flat
+    exact = explain.broken_summary(refreshed, rows([5e-7, 0, 0, 0, 0, 0.0], [0.1] * 6, served=range(6)), per_step=64)
+    assert "The mismatch fell to 0" in exact and "inf" not in exact, exact   # an engine serving the trainer's adapter
 
 
 def _evals(**shares):

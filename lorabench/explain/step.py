@@ -224,14 +224,15 @@ def broken_summary(refreshed: list[dict], broken: list[dict], per_step: int, mod
     first, last = broken[0][MISMATCH], broken[k - 1][MISMATCH]
     ref_last, gap_last = refreshed[k - 1][MISMATCH], refreshed[k - 1][PROBE_GAP]
     fold = last / max(first, 1e-12)
-    climb = (f"rose {fold:.2g}-fold" if fold > FOLD else f"fell {1 / fold:.2g}-fold" if fold < 1 / FOLD else
-             f"held (×{fold:.2g}: under {FOLD:g}-fold either way)")
+    climb = (f"rose {fold:.2g}-fold" if fold > FOLD else "fell to 0" if fold == 0 else
+             f"fell {1 / fold:.2g}-fold" if fold < 1 / FOLD else f"held (×{fold:.2g}: under {FOLD:g}-fold either way)")
     served = [r[SERVED_VERSION] for r in broken[:k]]
     versions = (f"adapter version {served[0]} at every step" if len(set(served)) == 1 else
                 f"versions {served[0]} to {served[-1]}")
     engine = f"the engine served {versions} while the trainer moved on to version {broken[k - 1][VERSION]}"
     scale = gap_last / last if last > 0 else float("inf")
-    where = ("of the order of the refreshed run's probe gap" if 1 / 3 <= scale <= 3 else
+    where = ("nothing beside the refreshed run's probe gap" if last == 0 else
+             "of the order of the refreshed run's probe gap" if 1 / 3 <= scale <= 3 else
              f"{max(scale, 1 / scale):.0f}× {'below' if scale > 3 else 'above'} the refreshed run's probe gap")
     words = []
     for rows in (broken[:k], refreshed[:k]):
