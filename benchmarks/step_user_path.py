@@ -207,10 +207,7 @@ def main() -> None:
     args = parser.parse_args()
     watch_cache_bypasses()
     root = Path(tempfile.mkdtemp(prefix="step-user-"))
-    trainer_context(args.trainer_sm_percent, args.trainer_below_normal)
-    if args.engine_sm_percent:
-        torch.zeros(1, device="cuda")   # the trainer's context first: MPS reads the share when a context is made
-        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.engine_sm_percent)   # the engine's, made later
+    trainer_context(args.trainer_sm_percent, args.trainer_below_normal, args.engine_sm_percent)
     if args.save_attention:
         save_attention_in_checkpoints()
     if args.tiny:
