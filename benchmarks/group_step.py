@@ -72,10 +72,12 @@ def engine_ms_p50(refreshes: list) -> dict[str, float]:
     return {key: statistics.median(r.engine_ms.get(key, 0.0) for r in refreshes) for key in keys}
 
 
-def run_group(base: list[str], k: int, size: str, root: Path, steps: int, extra: list[str] = ()) -> dict:
+def run_group(base: list[str], k: int, size: str, root: Path, steps: int, extra: list[str] = (),
+              name: str = "") -> dict:
+    """A new group in a dir of its own (`name`): an existing one would be continued, not measured afresh."""
     entries = [{"name": f"lr{i}", "grpo": {"lr": LRS[i]}} for i in range(k)]
     cfg = Config.load(None, [*base, *size_overrides(size), *extra, f"policies={json.dumps(entries)}",
-                             f"run.out_dir={root}", f"run.name=group{k}-{size}"])
+                             f"run.out_dir={root}", f"run.name={name or f'group{k}-{size}'}"])
     t0 = time.perf_counter()
     with watch.phase(f"K={k} {size}: GroupSession.open", 300):
         session = GroupSession.open(cfg, log=lambda *a: None, evaluate_first=False)
@@ -94,6 +96,8 @@ def run_group(base: list[str], k: int, size: str, root: Path, steps: int, extra:
             "step_wall_s": walls, "device_used_gb": used,
             "rollout_s_p50": statistics.median(r["time/rollout_s"] for r in later["lr0"]),
             "per_policy": {name: {"mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in policy_rows),
+                                  "mismatch_mean_per_step": [r["mismatch/mean"] for r in rows[name]],
+                                  "mismatch_max_per_step": [r["mismatch/max"] for r in rows[name]],
                                   "mismatch_max": max(r["mismatch/max"] for r in policy_rows),
                                   "served_versions": [r["adapter/served_version"] for r in rows[name]],
                                   "lags": [r.get("adapter/lag", 0) for r in rows[name]],   # on-policy rows have none
@@ -175,9 +179,9 @@ def main() -> None:
         for k, share in [(k, share) for k in args.ks or [args.k] for share in args.engine_sm_percents]:
             # read by the CUDA context the engine's scheduler makes when it starts; the trainer's exists already
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
-            group = run_group(base, k, size, root / "runs", args.steps, args.group_overrides)
-            os.environ.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
             key = f"group_k{k}" + ("" if share == 100 else f"_engine_sm{share}")
+            group = run_group(base, k, size, root / "runs", args.steps, args.group_overrides, f"{key}-{size}")
+            os.environ.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
             result["sizes"][size][key] = {
                 **group, "engine_sm_percent": share,
                 "vs_one_step": group["step_wall_s_p50"] / single["step_wall_s_p50"],

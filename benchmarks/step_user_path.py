@@ -171,9 +171,11 @@ def measure(overrides: list[str], out_dir: Path, name: str, steps: int, decode: 
         if decode:
             row["train_mfu"] = train_mfu(session, row)
             row["sglang_decode"] = sglang_decode(session, cfg.grpo.max_new_tokens)
-            p, g = cfg.grpo.prompts_per_step, cfg.grpo.group_size
-            rollout_tok_s = p * g * row["completion_tokens_p50"] / row["parts_s_p50"]["rollout"]
-            row["rollout_vs_base_decode"] = rollout_tok_s / row["sglang_decode"]["base_tok_s"]
+            if not cfg.grpo.max_staleness:   # a stale step's rollout ran beside training, off the step's path
+                p, g = cfg.grpo.prompts_per_step, cfg.grpo.group_size
+                rollout_tok_s = p * g * row["completion_tokens_p50"] / row["parts_s_p50"]["rollout"]
+                row["rollout_vs_base_decode"] = rollout_tok_s / row["sglang_decode"]["base_tok_s"]
+                row["rollout_vs_adapter_decode"] = rollout_tok_s / row["sglang_decode"]["adapter_tok_s"]
     finally:
         session.close()
     return row
