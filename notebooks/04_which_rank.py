@@ -29,7 +29,7 @@
 # a 2-core machine shared with other work, the 16 steps of all four policies 373 s of it (about 23 s
 # per step there, 7 s quiet). The first time, the tiny model is built and warm-started (notebook 01
 # measures it) into `~/.cache/lorabench`, where the other notebooks and `lorabench demo` find it too. On a GPU (one H200, `ENGINE = "sglang"`, the tiny model,
-# Run All in a fresh kernel with SGLang in it): **93-124 s**.
+# Run All in a fresh kernel with SGLang in it): **70-124 s**.
 
 # %%
 # setup

@@ -39,8 +39,9 @@ def test_an_update_waits_for_the_gpu_as_often_with_four_micro_batches_as_with_on
     """Policy.train waits for the device once per optimizer step and a fixed few times at its end (the
     statistics to the host), never per micro-batch, so a launch-bound update (small micro-batches, or kernels
     beside the engine's) launches ahead of the GPU. CUDA's sync debug mode reports each wait as a warning; the
-    waits counted are those asked for under a lorabench frame. A wait with none (torch's own, once in a process
-    on the H100 with torch 2.11, whichever budget came first) is printed with its thread and stack, not counted."""
+    waits counted are those asked for under a lorabench frame. A wait with none is printed with its thread and
+    stack, not counted: with torch 2.11 (H100 and H200) one comes from switching the mode on itself, inside
+    `torch.cuda.set_sync_debug_mode("warn")`, in the first budget measured."""
     import threading
     import traceback
     import warnings
