@@ -115,17 +115,19 @@ def compile_cache_counters() -> dict:
 
 
 def sglang_decode(session, t: int) -> dict:
-    """SGLang's own decode of a step's batch, base and with the adapter (step_gpu.decode_reference)."""
+    """SGLang's own decode of a step's batch, base, with the adapter, and with the adapter and each token's
+    log-prob returned, as a rollout asks (step_gpu.decode_reference)."""
     from step_gpu import decode_reference
     trainer = session.trainer
     g = trainer.settings
     problems = trainer.source.train_batch(99, g.prompts_per_step)
     ids = [prompt_ids(trainer.tokenizer, p.messages) for p in problems for _ in range(g.group_size)]
     served = trainer.refresher.serving_adapter
-    rounds = [(decode_reference(session.engine, ids, t, None), decode_reference(session.engine, ids, t, served))
-              for _ in range(3)]
+    rounds = [(decode_reference(session.engine, ids, t, None), decode_reference(session.engine, ids, t, served),
+               decode_reference(session.engine, ids, t, served, logprobs=True)) for _ in range(3)]
     return {"base_tok_s": statistics.median(r[0]["tok_s"] for r in rounds),
-            "adapter_tok_s": statistics.median(r[1]["tok_s"] for r in rounds)}
+            "adapter_tok_s": statistics.median(r[1]["tok_s"] for r in rounds),
+            "adapter_logprob_tok_s": statistics.median(r[2]["tok_s"] for r in rounds)}
 
 
 def train_mfu(session, row: dict) -> float:
@@ -176,6 +178,7 @@ def measure(overrides: list[str], out_dir: Path, name: str, steps: int, decode: 
                 rollout_tok_s = p * g * row["completion_tokens_p50"] / row["parts_s_p50"]["rollout"]
                 row["rollout_vs_base_decode"] = rollout_tok_s / row["sglang_decode"]["base_tok_s"]
                 row["rollout_vs_adapter_decode"] = rollout_tok_s / row["sglang_decode"]["adapter_tok_s"]
+                row["rollout_vs_adapter_logprob_decode"] = rollout_tok_s / row["sglang_decode"]["adapter_logprob_tok_s"]
     finally:
         session.close()
     return row
