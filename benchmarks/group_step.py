@@ -149,7 +149,9 @@ def main() -> None:
                         help="for the group only, e.g. grpo.max_staleness=1 against one policy at the defaults")
     parser.add_argument("--engine-sm-percents", type=int, nargs="+", default=[100],
                         help="under CUDA MPS: the group's engine (its scheduler) gets this share of the SMs, one "
-                             "group run per value; the trainer keeps all of them (its CUDA context exists first)")
+                             "group run per value; the trainer keeps all of them (its CUDA context exists first). "
+                             "60%% on the H200 was slower than 100%% and its mismatch rose 3.5-8x (docs/results.md, "
+                             "section 2)")
     parser.add_argument("--single-p50", type=float, default=0.0,
                         help="one policy's step p50 (s) from an earlier run in the same call: no single run here")
     parser.add_argument("--trainer-below-normal", action="store_true",
@@ -187,6 +189,11 @@ def main() -> None:
                 "vs_one_step": group["step_wall_s_p50"] / single["step_wall_s_p50"],
                 "vs_k_steps": group["step_wall_s_p50"] / (k * single["step_wall_s_p50"])}
             ratios = result["sizes"][size][key]
+            floor = single.get("mismatch_mean_p50") or float("nan")
+            for name, policy in group["per_policy"].items():   # no adapter moves on the random model: a gap is wrong
+                if max(policy["mismatch_mean_per_step"]) > 2 * floor:
+                    watch.say(f"{size} K={k}, engine SMs {share}%: {name}'s trainer-vs-engine mismatch "
+                              f"{max(policy['mismatch_mean_per_step']):.4f} is above twice one policy's {floor:.4f}")
             watch.say(f"{size} K={k}, engine SMs {share}%: step p50 {group['step_wall_s_p50']:.2f} s vs one policy's "
                       f"{single['step_wall_s_p50']:.2f} s ({ratios['vs_one_step']:.2f}x; {ratios['vs_k_steps']:.2f}x "
                       f"of {k} single steps)")
