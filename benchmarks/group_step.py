@@ -12,9 +12,8 @@ tokens, per policy) and group size K (--ks): p50 of steps 2..n of the group's st
 policy's, the ratio to K single steps, where each policy's step goes (time/<part>_s), each policy's
 trainer-vs-engine mismatch (mean, max) and served versions, the device memory in use (all
 processes: trainer + engine) with the group and with one policy. --group-overrides set the group
-alone (grpo.max_staleness=1: its next batch sampled while its updates run); under CUDA MPS,
---engine-sm-percents and --engine-priorities run the group once per share of the SMs and client priority of its
-engine. Every phase prints a line with its time and stops the run if it overruns (watch.py).
+alone (grpo.max_staleness=1: its next batch sampled while its updates run). Every phase prints a line with its
+time and stops the run if it overruns (watch.py).
 """
 from __future__ import annotations
 
@@ -153,11 +152,6 @@ def main() -> None:
                              "group run per value; the trainer keeps all of them (its CUDA context exists first). "
                              "60%% on the H200 was slower than 100%% and its mismatch rose 3.5-8x (docs/results.md, "
                              "section 2)")
-    parser.add_argument("--engine-priorities", nargs="+", choices=["normal", "below"], default=["normal"],
-                        help="under CUDA MPS: the group's engine as a NORMAL or a BELOW_NORMAL client "
-                             "(CUDA_MPS_CLIENT_PRIORITY=1 for its processes only), one group run per value: below, "
-                             "the trainer's kernels run first where both have kernels ready, so the updates (the "
-                             "longer half of a stale group's step) keep their speed and the batch fills the gaps")
     parser.add_argument("--single-p50", type=float, default=0.0,
                         help="one policy's step p50 (s) from an earlier run in the same call: no single run here")
     parser.add_argument("--trainer-below-normal", action="store_true",
@@ -184,32 +178,23 @@ def main() -> None:
             run_single(base, size, root / "runs", args.steps)
         result["sizes"][size] = {"single": single}
         Path(args.out).write_text(json.dumps(result, indent=1))   # a group cut off by the limit keeps this
-        if torch.cuda.is_available():
-            torch.zeros(1, device="cuda")   # the trainer's context, made before the engine's settings below
-        for k, share, priority in [(k, share, priority) for k in args.ks or [args.k]
-                                   for share in args.engine_sm_percents for priority in args.engine_priorities]:
-            # read by the CUDA contexts the engine's processes make when they start; the trainer's exists already
-            engine_env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share),
-                          **({"CUDA_MPS_CLIENT_PRIORITY": "1"} if priority == "below" else {})}
-            os.environ.update(engine_env)
-            key = (f"group_k{k}" + ("" if share == 100 else f"_engine_sm{share}")
-                   + ("" if priority == "normal" else "_engine_below_normal"))
-            try:
-                group = run_group(base, k, size, root / "runs", args.steps, args.group_overrides, f"{key}-{size}")
-            finally:
-                for name in engine_env:
-                    os.environ.pop(name)
+        for k, share in [(k, share) for k in args.ks or [args.k] for share in args.engine_sm_percents]:
+            # read by the CUDA context the engine's scheduler makes when it starts; the trainer's exists already
+            os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
+            key = f"group_k{k}" + ("" if share == 100 else f"_engine_sm{share}")
+            group = run_group(base, k, size, root / "runs", args.steps, args.group_overrides, f"{key}-{size}")
+            os.environ.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
             result["sizes"][size][key] = {
-                **group, "engine_sm_percent": share, "engine_priority": priority,
+                **group, "engine_sm_percent": share,
                 "vs_one_step": group["step_wall_s_p50"] / single["step_wall_s_p50"],
                 "vs_k_steps": group["step_wall_s_p50"] / (k * single["step_wall_s_p50"])}
             ratios = result["sizes"][size][key]
             floor = single.get("mismatch_mean_p50") or float("nan")
             for name, policy in group["per_policy"].items():   # no adapter moves on the random model: a gap is wrong
                 if max(policy["mismatch_mean_per_step"]) > 2 * floor:
-                    watch.say(f"{size} {key}: {name}'s trainer-vs-engine mismatch "
+                    watch.say(f"{size} K={k}, engine SMs {share}%: {name}'s trainer-vs-engine mismatch "
                               f"{max(policy['mismatch_mean_per_step']):.4f} is above twice one policy's {floor:.4f}")
-            watch.say(f"{size} {key}: step p50 {group['step_wall_s_p50']:.2f} s vs one policy's "
+            watch.say(f"{size} K={k}, engine SMs {share}%: step p50 {group['step_wall_s_p50']:.2f} s vs one policy's "
                       f"{single['step_wall_s_p50']:.2f} s ({ratios['vs_one_step']:.2f}x; {ratios['vs_k_steps']:.2f}x "
                       f"of {k} single steps)")
             Path(args.out).write_text(json.dumps(result, indent=1))
