@@ -6,8 +6,7 @@ sys.path; the CPU tests use `saved_activation_bytes` to check what the training 
 - `matmul_params`, `model_flops_per_token`, `trained_flops`: the FLOPs of a trained token and of a
   batch, for model FLOPs utilisation (step_gpu.py, train_gpu.py, step_user_path.py);
 - `GpuBusy`: the share of time each GPU was running a kernel while a block ran (step_user_path.py);
-- `trainer_context`: under CUDA MPS, the trainer's share of the SMs and its client priority (and the engine's share),
-  before the engine starts.
+- `trainer_context`: under CUDA MPS, the trainer's share of the SMs and its client priority, before the engine starts.
 """
 from __future__ import annotations
 
@@ -108,19 +107,16 @@ class GpuBusy:
         self.percent = {gpu: sum(v) / len(v) for gpu, v in sorted(self.samples.items())}
 
 
-def trainer_context(sm_percent: int = 0, below_normal: bool = False, engine_sm_percent: int = 0) -> None:
+def trainer_context(sm_percent: int = 0, below_normal: bool = False) -> None:
     """Under CUDA MPS: make this process's CUDA context now with the trainer's share of the SMs
     (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) and client priority (CUDA_MPS_CLIENT_PRIORITY=1, BELOW_NORMAL), both read
     once when a context is made, then take them out of the environment: the engine's processes, started
-    later from it, keep the NORMAL priority and every SM, or `engine_sm_percent` of them when given. Nothing to
-    do when none is asked for."""
+    later from it, keep every SM and the NORMAL priority. Nothing to do when neither is asked for."""
     asked = {**({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(sm_percent)} if sm_percent else {}),
              **({"CUDA_MPS_CLIENT_PRIORITY": "1"} if below_normal else {})}
-    if not asked and not engine_sm_percent:
+    if not asked:
         return
     os.environ.update(asked)
     torch.zeros(1, device="cuda")
     for key in asked:
         del os.environ[key]
-    if engine_sm_percent:   # read by the contexts the engine's processes make later
-        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(engine_sm_percent)

@@ -18,7 +18,7 @@ The engine on a GPU of its own (two GPUs):
 compiled graphs in its on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): the first run on a
 machine pays the compile; a later process (`--modes background` again) shows the first step with a warm cache.
 Under CUDA MPS (dev/gpu_session.sh, LORABENCH_MPS=1), --trainer-sm-percent caps this process's share of the SMs
-and leaves the engine's processes all of them; --engine-sm-percent caps the engine's and leaves the trainer all.
+and leaves the engine's processes all of them: with one step stale the rollout, not training, is the longer.
 """
 from __future__ import annotations
 
@@ -123,11 +123,10 @@ def sglang_decode(session, t: int) -> dict:
     problems = trainer.source.train_batch(99, g.prompts_per_step)
     ids = [prompt_ids(trainer.tokenizer, p.messages) for p in problems for _ in range(g.group_size)]
     served = trainer.refresher.serving_adapter
-    rounds = [(decode_reference(session.engine, ids, t, None), decode_reference(session.engine, ids, t, served),
-               decode_reference(session.engine, ids, t, served, logprobs=True)) for _ in range(3)]
-    return {"base_tok_s": statistics.median(r[0]["tok_s"] for r in rounds),
-            "adapter_tok_s": statistics.median(r[1]["tok_s"] for r in rounds),
-            "adapter_logprob_tok_s": statistics.median(r[2]["tok_s"] for r in rounds)}
+    kinds = {"base": (None, False), "adapter": (served, False), "adapter_logprob": (served, True)}
+    rounds = [{kind: decode_reference(session.engine, ids, t, adapter, logprobs)["tok_s"]
+               for kind, (adapter, logprobs) in kinds.items()} for _ in range(3)]
+    return {f"{kind}_tok_s": statistics.median(r[kind] for r in rounds) for kind in kinds}
 
 
 def train_mfu(session, row: dict) -> float:
@@ -176,9 +175,8 @@ def measure(overrides: list[str], out_dir: Path, name: str, steps: int, decode: 
             if not cfg.grpo.max_staleness:   # a stale step's rollout ran beside training, off the step's path
                 p, g = cfg.grpo.prompts_per_step, cfg.grpo.group_size
                 rollout_tok_s = p * g * row["completion_tokens_p50"] / row["parts_s_p50"]["rollout"]
-                row["rollout_vs_base_decode"] = rollout_tok_s / row["sglang_decode"]["base_tok_s"]
-                row["rollout_vs_adapter_decode"] = rollout_tok_s / row["sglang_decode"]["adapter_tok_s"]
-                row["rollout_vs_adapter_logprob_decode"] = rollout_tok_s / row["sglang_decode"]["adapter_logprob_tok_s"]
+                for reference in ("base", "adapter", "adapter_logprob"):
+                    row[f"rollout_vs_{reference}_decode"] = rollout_tok_s / row["sglang_decode"][f"{reference}_tok_s"]
     finally:
         session.close()
     return row
@@ -203,16 +201,13 @@ def main() -> None:
     parser.add_argument("--trainer-sm-percent", type=int, default=0,
                         help="under CUDA MPS: the share of the GPU's SMs this process (the trainer) may use; the "
                              "engine's processes keep all of them (0: no limit)")
-    parser.add_argument("--engine-sm-percent", type=int, default=0,
-                        help="under CUDA MPS: the share of the SMs the engine's processes may use; this process (the "
-                             "trainer) keeps all of them (0: no limit)")
     parser.add_argument("--trainer-below-normal", action="store_true",
                         help="under CUDA MPS: this process (the trainer) is a BELOW_NORMAL client "
                              "(CUDA_MPS_CLIENT_PRIORITY=1): where both have kernels ready, the engine's run first")
     args = parser.parse_args()
     watch_cache_bypasses()
     root = Path(tempfile.mkdtemp(prefix="step-user-"))
-    trainer_context(args.trainer_sm_percent, args.trainer_below_normal, args.engine_sm_percent)
+    trainer_context(args.trainer_sm_percent, args.trainer_below_normal)
     if args.save_attention:
         save_attention_in_checkpoints()
     if args.tiny:
@@ -224,7 +219,6 @@ def main() -> None:
               "torch": torch.__version__, "commit": os.environ.get("LORABENCH_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
               "overrides": [*base, *args.overrides], "trainer_sm_percent": args.trainer_sm_percent or 100,
-              "engine_sm_percent": args.engine_sm_percent or 100,
               "trainer_below_normal": args.trainer_below_normal,
               "save_attention": args.save_attention,
               "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "runs": []}
