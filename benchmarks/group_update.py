@@ -9,8 +9,8 @@ shared model (as a policy group holds them, `Policy(beside=...)`), each with its
 At 16x8x128 one policy's update is bound by its kernel launches (docs/results.md, section 2): one pass for K
 policies launches about what one policy's does for K times the rows. Before building it into the group, this
 measures what it buys (p50 of --repeats after a warm-up call, MFU) and checks that it computes the same:
-the fused log-probs of each policy's rows against that policy's own, and (`--check`, CPU, fp32) every
-policy's weights after one fused update against those after its own `Policy.train`.
+the fused log-probs of each policy's rows against that policy's own, and (`--check`, CPU, fp32) each
+policy's gradient in one fused update against that in its own `Policy.train`.
 
     python benchmarks/group_update.py --out results/group_update.json --sizes 16x8x128 64x8x256 --k 4
     python benchmarks/group_update.py --out /tmp/g.json --device cpu --check     # the tiny model, exactness
@@ -119,12 +119,13 @@ def _stacked(parts: list[RolloutBatch]) -> RolloutBatch:
 
 
 def fused_micro_batches(batches: list[RolloutBatch], budget: int, multiple: int) -> list[RolloutBatch]:
-    """Micro-batches of K equal slices, one per policy (the i-th longest rows of each together), each slice
-    within `budget` padded tokens as `Policy.train` keeps one policy's."""
-    n = batches[0].size
+    """Micro-batches of K equal slices, one per policy (the i-th longest rows of each together), each within
+    `budget` padded tokens in all, as `Policy.train` keeps one policy's (activations grow with a micro-batch's
+    tokens: K slices of `budget` each ran out of the H100's 80 GB at 16x8x128, K=8)."""
+    n, k = batches[0].size, len(batches)
     order = [sorted(range(n), key=lambda i, b=b: -b.lengths[i]) for b in batches]
     longest = max(round_up(max(b.lengths), multiple) for b in batches)
-    per = max(1, min(n, budget // longest))
+    per = max(1, min(n, budget // (k * longest)))
     while n % per:
         per -= 1
     return [_stacked([b.rows(o[s:s + per], multiple) for b, o in zip(batches, order)]) for s in range(0, n, per)]

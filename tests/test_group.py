@@ -520,3 +520,12 @@ def test_a_step_interrupted_in_one_policy_rolls_it_back_and_the_group_evens_out(
         rows = read_jsonl(tmp_path / "g" / name / "metrics.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3]
         assert [r["adapter/served_version"] for r in rows] == [0, 1, 2]
+
+
+def test_one_pass_update_of_a_group_matches_each_policys_own(tiny_model_dir):
+    """benchmarks/group_update.py's one-pass update of K policies (each row's LoRA term from its own adapter)
+    gives every policy the gradient of its own `Policy.train`; a row served by another adapter would be far off."""
+    from group_update import check_exact
+    found = check_exact(str(tiny_model_dir), 3, "2x4x12")
+    assert found["max_gap_own"] < 1e-5 < 0.1 < found["min_gap_other"]
+    assert found["max_gradient_diff_over_max_gradient"] < 1e-4
