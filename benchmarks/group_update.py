@@ -121,14 +121,17 @@ def _stacked(parts: list[RolloutBatch]) -> RolloutBatch:
 def fused_micro_batches(batches: list[RolloutBatch], budget: int, multiple: int) -> list[RolloutBatch]:
     """Micro-batches of K equal slices, one per policy (the i-th longest rows of each together), each within
     `budget` padded tokens in all, as `Policy.train` keeps one policy's (activations grow with a micro-batch's
-    tokens: K slices of `budget` each ran out of the H100's 80 GB at 16x8x128, K=8)."""
+    tokens: K slices of `budget` each ran out of the H100's 80 GB at 16x8x128, K=8). Longest first, so a
+    slice holds more rows as they get shorter."""
     n, k = batches[0].size, len(batches)
     order = [sorted(range(n), key=lambda i, b=b: -b.lengths[i]) for b in batches]
-    longest = max(round_up(max(b.lengths), multiple) for b in batches)
-    per = max(1, min(n, budget // (k * longest)))
-    while n % per:
-        per -= 1
-    return [_stacked([b.rows(o[s:s + per], multiple) for b, o in zip(batches, order)]) for s in range(0, n, per)]
+    parts, start = [], 0
+    while start < n:
+        width = max(round_up(b.lengths[o[start]], multiple) for b, o in zip(batches, order))
+        per = max(1, budget // (k * width))
+        parts.append(_stacked([b.rows(o[start:start + per], multiple) for b, o in zip(batches, order)]))
+        start += per
+    return parts
 
 
 def fused_train(policies: list[Policy], batches: list[RolloutBatch]) -> list[dict]:
