@@ -20,6 +20,8 @@
 #        memory (benchmarks/activation_memory.py on the GPU),
 #        lora_decode (benchmarks/lora_decode_gpu.py: SGLang decode with/without LoRA per kernel backend),
 #        group_step (benchmarks/group_step.py: K=4 policies on one engine vs one policy, $LORABENCH_GROUP_ARGS),
+#        group_update (benchmarks/group_update.py: K policies' updates one after another vs in one pass, no engine;
+#                      $LORABENCH_GROUP_UPDATE_ARGS, default --sizes 16x8x128 64x8x256 --k 4),
 #        notebooks (the notebooks with SGLang in a Jupyter kernel; needs .gpu-extras),
 #        stale_learning (one GPU: staleness_learning.py's demo runs on SGLang beside the trainer; ~1.5 min a run),
 #        own_gpu (two GPUs: step_user_path.py with the engine on cuda:1, grpo.max_staleness 0 and 1),
@@ -75,6 +77,8 @@ for part in "$@"; do
     user_step) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_user_path.json" ${LORABENCH_USER_STEP_ARGS:-} \
                && "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_user_path_warm.json" --modes background \
                     --steps 3 ${LORABENCH_USER_STEP_ARGS:-} ;;
+    group_update) "${part_timeout[@]}" python benchmarks/group_update.py --out "$RES/group_update.json" \
+                    ${LORABENCH_GROUP_UPDATE_ARGS:---sizes 16x8x128 64x8x256 --k 4} ;;
     sampling) "${part_timeout[@]}" python benchmarks/sampling_cost_gpu.py --out "$RES/sampling_cost.json" ${LORABENCH_SAMPLING_ARGS:-} ;;
     stale) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_stale.json" --modes background \
              --staleness ${LORABENCH_STALENESS:-1 0} $([ -n "${LORABENCH_STALE_DECODE:-}" ] || echo --no-decode) ${LORABENCH_STALE_ARGS:-} ;;
