@@ -6,9 +6,11 @@ shared model (as a policy group holds them, `Policy(beside=...)`), each with its
   base, each row's LoRA term from its own policy's adapter (a batched matmul over the K adapters), each
   policy's GRPO loss on its own rows, then each policy's clip and optimizer step.
 
-At 16x8x128 one policy's update is bound by its kernel launches (docs/results.md, section 2): one pass for K
-policies launches about what one policy's does for K times the rows. Before building it into the group, this
-measures what it buys (p50 of --repeats after a warm-up call, MFU) and checks that it computes the same:
+At 16x8x128 one policy's update is bound by its kernel launches (docs/results.md, section 2). Within one
+update's token budget per pass, one pass for K policies launches what the K updates launch for the same tokens,
+but once per group the work around them (adapter switch, clip, optimizer step, a part-filled last pass). Before
+building it into the group, this measures what that buys (p50 of --repeats after a warm-up call, MFU) and
+checks that it computes the same:
 the fused log-probs of each policy's rows against that policy's own, and (`--check`, CPU, fp32) each
 policy's gradient in one fused update against that in its own `Policy.train`.
 
