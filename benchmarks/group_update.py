@@ -7,8 +7,9 @@ shared model (as a policy group holds them, `Policy(beside=...)`), each with its
   policy's GRPO loss on its own rows, then each policy's clip and optimizer step.
 
 At 16x8x128 one policy's update is bound by its kernel launches (docs/results.md, section 2). Within one
-update's token budget per pass, one pass for K policies launches what the K updates launch for the same tokens,
-but once per group the work around them (adapter switch, clip, optimizer step, a part-filled last pass). Before
+update's token budget per pass, one pass for K policies launches what the K updates launch for the same tokens;
+what it can save is the work around them, done once per group instead of per policy (the adapter switch, a
+part-filled last pass) and batched (clips and optimizer steps one after another, no wait between). Before
 building it into the group, this measures what that buys (p50 of --repeats after a warm-up call, MFU) and
 checks that it computes the same:
 the fused log-probs of each policy's rows against that policy's own, and (`--check`, CPU, fp32) each
