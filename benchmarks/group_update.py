@@ -160,14 +160,13 @@ def fused_train(policies: list[Policy], batches: list[RolloutBatch]) -> list[dic
                 total = total + loss * share
                 sums[i] += torch.stack([loss.detach().double(), m["clip_fraction"].double()]) * share
             total.backward()
-    stats = []
-    for i, p in enumerate(policies):
-        norm = torch.nn.utils.clip_grad_norm_(p.params, p.grpo.max_grad_norm)
+    norms = []
+    for p in policies:   # no wait for the GPU until every policy has stepped
+        norms.append(torch.nn.utils.clip_grad_norm_(p.params, p.grpo.max_grad_norm))
         p.optimizer.step()
         p.version += 1
-        stats.append({"loss": float(sums[i, 0]), "grad_norm": float(norm)})
     first.model.eval()
-    return stats
+    return [{"loss": float(sums[i, 0]), "grad_norm": float(norm)} for i, norm in enumerate(norms)]
 
 
 @torch.no_grad()
