@@ -45,6 +45,7 @@ from lorabench.grpo import GRPOSettings  # noqa: E402
 from lorabench.loss import grpo_loss_terms  # noqa: E402
 from lorabench.policy import COMPILED_WIDTH_MULTIPLE, LoraSettings, Policy  # noqa: E402
 from lorabench.rollout import RolloutBatch, round_up  # noqa: E402
+from lorabench.session import Config  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
 T0 = time.perf_counter()
@@ -182,9 +183,10 @@ def logprob_gap(policies: list[Policy], batches: list[RolloutBatch]) -> dict:
         p._activate()
         dev = part.to(first.device)
         own.append(p._logprobs(dev, part.completion_mask.bool(), first._layer_mask(dev), with_entropy=False)[0])
-    fused_in = _stacked(parts).to(first.device)
+    stacked = _stacked(parts)
+    fused_in = stacked.to(first.device)
     with grouped(policies):
-        fused = first._logprobs(fused_in, _stacked(parts).completion_mask.bool(), first._layer_mask(fused_in),
+        fused = first._logprobs(fused_in, stacked.completion_mask.bool(), first._layer_mask(fused_in),
                                 with_entropy=False)[0]
     n = parts[0].size
     gaps, wrong = [], []
@@ -252,8 +254,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--check", action="store_true", help="CPU exactness check on the tiny model, then stop")
     parser.add_argument("--limit", type=float, default=540, help="seconds: no new size starts after this")
-    parser.add_argument("--overrides", nargs="*", default=["activation_checkpointing=false"],
-                        help="GRPOSettings fields, e.g. micro_batch_tokens=32768")
+    parser.add_argument("--overrides", nargs="*", default=["grpo.activation_checkpointing=false"],
+                        help="grpo.* settings as on lorabench's command line, e.g. grpo.micro_batch_tokens=32768")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="group-update-"))
@@ -271,10 +273,8 @@ def main() -> None:
         return
     build_tiny_tokenizer(root / "tok")
     model_dir = str(random_qwen3_dir("0.6B", str(root / "tok"), Path(args.cache) / "qwen3-0.6b-random"))
-    fields = dict(kv.split("=", 1) for kv in args.overrides)
-    grpo = GRPOSettings(lr=1e-5, temperature=1.0, kl_beta=0.0, epochs=1,
-                        **{k: (v.lower() == "true" if v.lower() in ("true", "false") else type(
-                            getattr(GRPOSettings(), k))(v)) for k, v in fields.items()})
+    grpo = Config.load(None, ["grpo.lr=1e-5", "grpo.temperature=1.0", "grpo.kl_beta=0", "grpo.epochs=1",
+                              *args.overrides]).grpo   # the CLI's parsing and checks
     policies = make_group(model_dir, args.k, grpo, "bfloat16", args.device)
     say(f"{args.k} policies built")
     for size in args.sizes:
