@@ -72,11 +72,9 @@ def plot_rewards(rows, evals=(), ax=None):
     ax.plot(steps, _rolling(reward), "-", color="#4c72b0", label="reward, mean of 5")
     steps_f, fmt = _series(rows, m.STRICT_FORMAT)
     ax.plot(steps_f, _rolling(fmt), "--", color="#55a868", label="ends '#### N', mean of 5")
-    for e in evals:
-        if not e.get("greedy"):
-            ax.plot([e["step"]], [e["strict"]], "D", color="#c44e52", ms=7)
-    if any(not e.get("greedy") for e in evals):
-        ax.plot([], [], "D", color="#c44e52", label="held-out reward")
+    if sampled := [e for e in evals if not e.get("greedy")]:
+        ax.plot([e["step"] for e in sampled], [e["strict"] for e in sampled], "D", color="#c44e52", ms=7,
+                label="held-out reward")
     return _label_axes(ax, "Reward", xlabel="GRPO step", ylabel="mean over the step's completions", ylim=(-0.02, 1.02))
 
 
@@ -95,9 +93,8 @@ def plot_refresh(rows, ax=None):
 
 
 def plot_mismatch(rows, ax=None):
-    """Trainer-vs-engine mismatch (mean, p99) beside the probe gap (how far the adapter moved the model
-    on a fixed answer): the first must stay far below the second. Steps sampled one adapter behind
-    (grpo.max_staleness) are drawn apart: their mismatch is the lag, not the engine's."""
+    """Trainer-vs-engine mismatch (mean, p99), which must stay far below the probe gap; steps sampled one
+    adapter behind (grpo.max_staleness) drawn apart, as their mismatch is the lag, not the engine's."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     on_policy, behind = [r for r in rows if not r.get(m.LAG)], [r for r in rows if r.get(m.LAG)]
     for part, key, style, label in ((rows, m.PROBE_GAP, "s-", "probe gap"),
@@ -205,8 +202,8 @@ def _spread_legend(ax, color="#777777", floor: bool = False, vertical_tick: bool
 
 
 def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e", floors=()) -> tuple[float, float]:
-    """One `plot_spread` line per row (end to end, top down, log x), labelled `note(median, values)`, then
-    a white diamond at each floor (ms) not None; returns the lowest repeat or floor and the highest repeat."""
+    """One `plot_spread` per row (end to end, top down, log x) labelled `note(median, values)`, a diamond at
+    each floor (ms) not None; returns (lowest repeat or floor, highest repeat)."""
     every = [end_to_end_ms(row) for row in rows]
     for y, (row, values) in enumerate(zip(rows, every)):
         _, median, _ = plot_spread(ax, y, values, color(row))
@@ -221,8 +218,7 @@ def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e", floors=())
 
 
 def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
-    """Each mode's refreshes end to end (call + first request), top down; log x, so the floor (the bytes
-    moved once at the measured bandwidth, a white diamond) shows beside 1000x larger."""
+    """Each mode's refreshes end to end (call + first request), top down, on a log x beside the floor."""
     labels = [r.get("label", r["mode"]) for r in rows]
     lowest, highest = _spread_rows(ax, rows, labels, lambda median, _: f"{ms_text(median)} ms",
                                    lambda row: MODE_COLORS.get(row["mode"], "#5d6d7e"),
@@ -251,8 +247,7 @@ def plot_parts(rows, ax):
 
 
 def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
-    """Which refresh is fastest end to end, with every repeat (left), and where the time goes (right);
-    the fastest median on top."""
+    """Each mode end to end with every repeat (left) and where the time goes (right), fastest median on top."""
     rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
     fig, (left, right) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), title=label)
     plot_end_to_end(rows, left, bandwidth_gbps)
@@ -280,8 +275,8 @@ def push_cost_fit(rows) -> tuple[float, float]:
 
 
 def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, label: str = ""):
-    """Left: the pushes each bucket size takes (from the weights' sizes). Right: each merged refresh's
-    push part against its pushes (linear: a line's slope is one push's cost), the fit and the floor."""
+    """The pushes each bucket size takes (left); each merged refresh's push part against its pushes, with
+    the fitted line (its slope: one push's cost) and the floor (right)."""
     rows = sorted(rows, key=lambda r: r["buckets"])
     fig, (left, right) = labelled_figure("merged_buckets", 1, 2, figsize=(12, 4.4), title=label)
     left.step([mb for mb, _ in curve], [n for _, n in curve], where="post", color="#999999",
@@ -312,15 +307,13 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
 
 def empty_axes(ax, note: str) -> None:
     """No data yet: no (invented) ticks, a note in the middle; title and labels keep the layout."""
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set(xticks=[], yticks=[])
     ax.minorticks_off()
     ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", color="#666666")
 
 
 def plot_learned(rows, evals, ax) -> None:
-    """Per step (fresh problems each), 5-step means of the reward, the share ending '#### N' and the
-    share whose last number is right in any format; held-out greedy points."""
+    """5-step means of the reward, the share ending '#### N' and of right last numbers; held-out greedy points."""
     for key, color, label in ((m.REWARD, "#4c72b0", "reward"), (m.STRICT_FORMAT, "#55a868", "ends '#### N'"),
                               (m.LAST_NUMBER_RIGHT, "#c44e52", "last number right, any format")):
         steps, values = _series(rows, key)
@@ -356,8 +349,7 @@ def _top_reward(*histories) -> float:
 
 
 def broken_refresh_figure(refreshed, broken, mode: str = "none"):
-    """The same steps refreshed and with refresh.mode=`mode`: the mismatch beside the refreshed run's
-    probe gap (left, log: they differ by decades), and the reward of the engine's completions (right)."""
+    """The same steps refreshed and with refresh.mode=`mode`: mismatch and probe gap (left), reward (right)."""
     fig, (gap, reward) = labelled_figure("broken_refresh", 1, 2, figsize=(12, 4.2))
     for rows, key, style, color, label in (
             (refreshed, m.PROBE_GAP, "s-", "#999999", "probe gap, refreshed run"),
@@ -420,8 +412,7 @@ def thread_probe_figure(rows, label: str = ""):
 
 
 def ms_text(ms: float, digits: int = 3) -> str:
-    """A time in ms for a lesson's text: `digits` significant digits, never an exponent (2,820, not
-    2.82e+03); below a microsecond 0 (a fit's rounding error is not a time)."""
+    """A time in ms for a lesson's text: `digits` significant digits, no exponent (2,820), 0 below a microsecond."""
     if abs(ms) >= 10 ** (digits - 1):
         return f"{ms:,.0f}"
     return "0" if abs(ms) < 1e-3 else f"{ms:.{digits}g}"
