@@ -57,7 +57,7 @@ def title_with_legend(ax, title: str, ncol: int = 3) -> None:
     ax.set_title(title, loc="left", pad=8 + 17 * rows)
 
 
-def _label_axes(ax, title: str, ncol: int = 3, axis: str = "both", which: str = "major", **props):
+def label_axes(ax, title: str, ncol: int = 3, axis: str = "both", which: str = "major", **props):
     """ax.set(**props), `title_with_legend`, and a light grid along `axis` at `which` ticks; returns ax."""
     ax.set(**props)
     title_with_legend(ax, title, ncol)
@@ -75,7 +75,7 @@ def plot_rewards(rows, evals=(), ax=None):
     if sampled := [e for e in evals if not e.get("greedy")]:
         ax.plot([e["step"] for e in sampled], [e["strict"] for e in sampled], "D", color="#c44e52", ms=7,
                 label="held-out reward")
-    return _label_axes(ax, "Reward", xlabel="GRPO step", ylabel="mean over the step's completions", ylim=(-0.02, 1.02))
+    return label_axes(ax, "Reward", xlabel="GRPO step", ylabel="mean over the step's completions", ylim=(-0.02, 1.02))
 
 
 def plot_refresh(rows, ax=None):
@@ -88,7 +88,7 @@ def plot_refresh(rows, ax=None):
         ax.bar(steps, vals, bottom=bottom, color=PART_COLORS.get(part), label=part, width=0.8)
         bottom = [b + v for b, v in zip(bottom, vals)]
     mode = rows[0].get(m.REFRESH_MODE, "") if rows else ""
-    return _label_axes(ax, "Adapter refresh after each step" + (f" ({mode})" if mode else ""), ncol=4, axis="y",
+    return label_axes(ax, "Adapter refresh after each step" + (f" ({mode})" if mode else ""), ncol=4, axis="y",
                        xlabel="GRPO step", ylabel="ms")
 
 
@@ -105,7 +105,7 @@ def plot_mismatch(rows, ax=None):
         if values:
             ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label,
                         **({"color": "#999999"} if part is behind else {}))
-    return _label_axes(ax, "Is the engine serving the trainer's policy?", xlabel="GRPO step",
+    return label_axes(ax, "Is the engine serving the trainer's policy?", xlabel="GRPO step",
                        ylabel="|Δ log-prob| (nats)")
 
 
@@ -114,7 +114,7 @@ def plot_delta_norm(rows, ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     steps, norm = _series(rows, m.DELTA_NORM)
     ax.plot(steps, norm, "o-", ms=3, color="#8172b2")
-    return _label_axes(ax, "How far the adapter has moved: ‖ΔW‖", xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
+    return label_axes(ax, "How far the adapter has moved: ‖ΔW‖", xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
 
 
 RUN_VIEWS = (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)   # the step panel's four axes
@@ -138,7 +138,7 @@ def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel
             values = _rolling(values)
         draw = ax.semilogy if log else ax.plot
         draw(steps, [max(v, 1e-9) for v in values] if log else values, "-", color=color, label=name)
-    return _label_axes(ax, title, ncol=4, xlabel="GRPO step", ylabel=ylabel)
+    return label_axes(ax, title, ncol=4, xlabel="GRPO step", ylabel=ylabel)
 
 
 def run_plot_images(rows, evals) -> dict[str, bytes]:
@@ -286,7 +286,7 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     for r in rows:
         left.annotate(f"{r['bucket_mb']:g} MB", (r["bucket_mb"], r["buckets"]), textcoords="offset points",
                       xytext=(6, 4))
-    _label_axes(left, "Bucket size -> pushes, from the tensors' sizes", ncol=1, which="both", xscale="log",
+    label_axes(left, "Bucket size -> pushes, from the tensors' sizes", ncol=1, which="both", xscale="log",
                 yscale="log", xlabel="bucket size (MB, log scale)", ylabel="pushes (engine calls, log scale)")
     for r in rows:
         plot_spread(right, r["buckets"], part_ms(r, "push"), PART_COLORS["push"], horizontal=False)
@@ -299,7 +299,7 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     if floor is not None:
         right.axhline(floor, color="k", ls="--", lw=1.2, label=f"floor: weights moved once ({floor:.2g} ms)")
     top = max(max(part_ms(r, "push")) for r in rows)
-    _label_axes(right, "The push part of a merged refresh vs pushes", ncol=2, which="both",
+    label_axes(right, "The push part of a merged refresh vs pushes", ncol=2, which="both",
                 xlabel="pushes (engine calls)", ylabel="ms, the call's push part", xlim=(0, 1.08 * most),
                 ylim=(0, 1.15 * max(top, floor or 0.0)))
     return fig
@@ -323,7 +323,7 @@ def plot_learned(rows, evals, ax) -> None:
         ax.plot([e["step"] for e in greedy], [e[key] for e in greedy], marker, color=color, ms=7, ls="none",
                 markeredgecolor="k")
     ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
-    _label_axes(ax, "What the reward paid for, and the arithmetic", ncol=2, xlabel="GRPO step",
+    label_axes(ax, "What the reward paid for, and the arithmetic", ncol=2, xlabel="GRPO step",
                 ylabel="share of completions (reward: mean)", ylim=(-0.02, _top_reward(rows) + 0.02))
 
 
@@ -357,11 +357,11 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
             (broken, m.MISMATCH, "o-", "#c44e52", f"mismatch, refresh.mode={mode}")):
         steps, values = _series(rows, key)
         gap.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=4, color=color, label=label)
-    _label_axes(gap, "Trainer vs engine", ncol=1, xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
+    label_axes(gap, "Trainer vs engine", ncol=1, xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
     for rows, color, label in ((refreshed, "#4c72b0", "refreshed run"), (broken, "#c44e52", f"refresh.mode={mode}")):
         steps, values = _series(rows, m.REWARD)
         reward.plot(steps, values, "o-", ms=4, color=color, label=label)
-    _label_axes(reward, "Reward of the engine's completions", ncol=2, xlabel="GRPO step",
+    label_axes(reward, "Reward of the engine's completions", ncol=2, xlabel="GRPO step",
                 ylabel="reward (mean over the step)", ylim=(-0.02, _top_reward(refreshed, broken) + 0.02))
     for ax in (gap, reward):
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
@@ -393,7 +393,7 @@ def refresh_rank_figure(rows, label: str = ""):
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))   # 1, 2, 5 of each decade, as numbers
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
-    _label_axes(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each repeat; "
+    label_axes(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each repeat; "
                     "dashed: a time in proportion to the bytes)", ncol=5, which="both",
                 xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
     return fig
@@ -428,6 +428,6 @@ def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], 
     n = after[names[0]]["n"]
     errors = [2 * (p * (1 - p) / n) ** 0.5 for p in shares]
     right.bar(names, shares, yerr=errors, capsize=4, color=POLICY_COLORS[:len(names)])
-    _label_axes(right, f"After training ({n} problems, ± 2 s.e.)", axis="y", ylabel=f"held-out {key} reward (greedy)",
+    label_axes(right, f"After training ({n} problems, ± 2 s.e.)", axis="y", ylabel=f"held-out {key} reward (greedy)",
                 ylim=(0, 1.05), xlabel="policy")
     return fig

@@ -4,16 +4,15 @@ from __future__ import annotations
 import torch
 
 from ..adapters import base_param_name
-from ..viz import MIN_FONT_PT, PART_COLORS, labelled_figure, title_with_legend
+from ..viz import MIN_FONT_PT, PART_COLORS, label_axes, labelled_figure
 
 
 def lora_factors(peft_model, module: str = "model.layers.0.self_attn.q_proj", adapter: str = "default") -> dict:
     """A [r, in], B [out, r], scaling α/r, the frozen W [out, in] and ΔW = (α/r)·B·A of one layer."""
     layer = peft_model.get_submodule(f"base_model.model.{module}")
-    a = layer.lora_A[adapter].weight.detach().float().cpu()          # [r, in]
-    b = layer.lora_B[adapter].weight.detach().float().cpu()          # [out, r]
+    a, b, w = (part.weight.detach().float().cpu()   # [r, in], [out, r], [out, in]
+               for part in (layer.lora_A[adapter], layer.lora_B[adapter], layer.base_layer))
     scaling = float(layer.scaling[adapter])
-    w = layer.base_layer.weight.detach().float().cpu()               # [out, in]
     return {"module": module, "A": a, "B": b, "scaling": scaling, "W": w, "delta": scaling * (b @ a)}
 
 
@@ -73,10 +72,7 @@ def plot_topk(topk: dict, title: str = "Next token, base vs adapter"):
     ax.barh(y + 0.2, topk["adapter"].numpy(), height=0.4, color="#4c72b0", label="adapter applied")
     ax.set_yticks(y.tolist(), topk["tokens"])
     ax.invert_yaxis()
-    ax.set(xlim=(0, 1), xlabel="next-token probability")
-    title_with_legend(ax, title, ncol=2)
-    ax.grid(alpha=0.3, axis="x")
-    return ax
+    return label_axes(ax, title, ncol=2, axis="x", xlim=(0, 1), xlabel="next-token probability")
 
 
 def logprob_difference(engine, sequence: list[int], prompt_len: int, adapter: str) -> torch.Tensor:
@@ -116,22 +112,19 @@ def plot_refresh_timeline(rows: list[dict], title: str = "One refresh, part by p
     for i, row in enumerate(rows):
         t = 0.0
         for part, seconds in row["parts"].items():
-            ms = 1e3 * seconds
-            ax.barh(i, ms, left=t, color=PART_COLORS.get(part), edgecolor="white",
+            ax.barh(i, 1e3 * seconds, left=t, color=PART_COLORS.get(part), edgecolor="white",
                     label=None if part in seen else part)
             seen.add(part)
-            t += ms
+            t += 1e3 * seconds
         ax.text(t, i, f"  {t:.1f} ms, {row['bytes'] / 2**20:.2f} MB moved", va="center")
     ax.set_yticks(range(len(rows)), [r["mode"] for r in rows])
     ax.invert_yaxis()
-    ax.set(xlabel="ms since the refresh started", xlim=(0, 1.45e3 * max(r["total_s"] for r in rows)))
-    title_with_legend(ax, title, ncol=7)
-    ax.grid(alpha=0.3, axis="x")
-    return ax
+    return label_axes(ax, title, ncol=7, axis="x", xlabel="ms since the refresh started",
+                      xlim=(0, 1.45e3 * max(r["total_s"] for r in rows)))
 
 
 @torch.no_grad()
 def restore_base_weights(engine, peft_model) -> None:
     """Undo a merged refresh: push the trainer's frozen base weights back into the engine."""
     plain = [(base_param_name(n), p.detach()) for n, p in peft_model.named_parameters() if ".lora_" not in n]
-    engine.update_weights(plain, flush_cache=True, version=0)  # the plain base weights again
+    engine.update_weights(plain, flush_cache=True, version=0)
