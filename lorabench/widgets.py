@@ -215,17 +215,15 @@ class StepPanel:
         for w in (self.step_button, self.steps_input, self.run_button, self.stop_button, self.step_label,
                   self.status, self.plot, self.completions, self.refresh, self.log, *self.widget.children,
                   self.widget):
-            for part in (getattr(w, "layout", None), getattr(w, "style", None)):  # widgets of their own
+            for part in (getattr(w, "layout", None), getattr(w, "style", None), w):  # layout, style: widgets too
                 if part is not None:
                     part.close()
-            w.close()
         self.figure.clear()
 
     def end(self, note: str = "") -> None:
         """Wait for a running step, then disable the buttons and show `note`; the views stay."""
         self._idle.wait()
-        for button in (self.step_button, self.run_button, self.stop_button):
-            button.disabled = True
+        self.step_button.disabled = self.run_button.disabled = self.stop_button.disabled = True
         self._ended = True
         if note:
             self.log.append_stdout(note + "\n")

@@ -18,15 +18,14 @@ def lora_factors(peft_model, module: str = "model.layers.0.self_attn.q_proj", ad
 
 def plot_lora_factors(f: dict):
     """B [out, r] and A [r, in], each on its own symmetric colour scale (ΔW: `plot_delta_w`)."""
-    r = f["A"].shape[0]
-    fig, axes = labelled_figure("lora_factors", 1, 2, figsize=(13, 3.4), gridspec_kw={"width_ratios": [0.45, 1]})
+    fig, axes = labelled_figure("lora_factors", 1, 2, figsize=(13, 3.4), gridspec_kw={"width_ratios": [0.45, 1]},
+                                title=f"{f['module']}: the LoRA factors, rank r = {f['A'].shape[0]}")
     for ax, (m, title) in zip(axes, [(f["B"], f"B {tuple(f['B'].shape)}, its own scale"),
                                      (f["A"], f"A {tuple(f['A'].shape)}, its own scale")]):
         lim = float(m.abs().max()) or 1.0
         im = ax.imshow(m.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
         ax.set_title(title, loc="left")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.suptitle(f"{f['module']}: the LoRA factors, rank r = {r}", x=0.01, ha="left")
     return fig
 
 

@@ -27,8 +27,7 @@ FIT = [{"selector": "td, th", "props": "font-size: 12px; padding: 2px 6px; text-
 
 def fit_table(frame, formats: dict | str | None = None, wrap: tuple[str, ...] = ()):
     """A DataFrame's Styler: `formats` as Styler.format takes them, cells unwrapped but for `wrap`'s."""
-    styler = frame.style.format(formats) if formats is not None else frame.style
-    styler = styler.set_table_styles(FIT)
+    styler = (frame.style.format(formats) if formats is not None else frame.style).set_table_styles(FIT)
     if wrap:
         styler = styler.set_properties(subset=list(wrap), **{"white-space": "normal", "min-width": "18em"})
     return styler
