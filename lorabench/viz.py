@@ -89,7 +89,7 @@ def plot_refresh(rows, ax=None):
         bottom = [b + v for b, v in zip(bottom, vals)]
     mode = rows[0].get(m.REFRESH_MODE, "") if rows else ""
     return label_axes(ax, "Adapter refresh after each step" + (f" ({mode})" if mode else ""), ncol=4, axis="y",
-                       xlabel="GRPO step", ylabel="ms")
+                      xlabel="GRPO step", ylabel="ms")
 
 
 def plot_mismatch(rows, ax=None):
@@ -106,7 +106,7 @@ def plot_mismatch(rows, ax=None):
             ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label,
                         **({"color": "#999999"} if part is behind else {}))
     return label_axes(ax, "Is the engine serving the trainer's policy?", xlabel="GRPO step",
-                       ylabel="|Δ log-prob| (nats)")
+                      ylabel="|Δ log-prob| (nats)")
 
 
 def plot_delta_norm(rows, ax=None):
@@ -287,7 +287,7 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
         left.annotate(f"{r['bucket_mb']:g} MB", (r["bucket_mb"], r["buckets"]), textcoords="offset points",
                       xytext=(6, 4))
     label_axes(left, "Bucket size -> pushes, from the tensors' sizes", ncol=1, which="both", xscale="log",
-                yscale="log", xlabel="bucket size (MB, log scale)", ylabel="pushes (engine calls, log scale)")
+               yscale="log", xlabel="bucket size (MB, log scale)", ylabel="pushes (engine calls, log scale)")
     for r in rows:
         plot_spread(right, r["buckets"], part_ms(r, "push"), PART_COLORS["push"], horizontal=False)
     _spread_legend(right, PART_COLORS["push"], vertical_tick=False)
@@ -300,8 +300,8 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
         right.axhline(floor, color="k", ls="--", lw=1.2, label=f"floor: weights moved once ({floor:.2g} ms)")
     top = max(max(part_ms(r, "push")) for r in rows)
     label_axes(right, "The push part of a merged refresh vs pushes", ncol=2, which="both",
-                xlabel="pushes (engine calls)", ylabel="ms, the call's push part", xlim=(0, 1.08 * most),
-                ylim=(0, 1.15 * max(top, floor or 0.0)))
+               xlabel="pushes (engine calls)", ylabel="ms, the call's push part", xlim=(0, 1.08 * most),
+               ylim=(0, 1.15 * max(top, floor or 0.0)))
     return fig
 
 
@@ -324,7 +324,7 @@ def plot_learned(rows, evals, ax) -> None:
                 markeredgecolor="k")
     ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
     label_axes(ax, "What the reward paid for, and the arithmetic", ncol=2, xlabel="GRPO step",
-                ylabel="share of completions (reward: mean)", ylim=(-0.02, _top_reward(rows) + 0.02))
+               ylabel="share of completions (reward: mean)", ylim=(-0.02, _top_reward(rows) + 0.02))
 
 
 def run_learned_figure(rows, evals):
@@ -362,7 +362,7 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
         steps, values = _series(rows, m.REWARD)
         reward.plot(steps, values, "o-", ms=4, color=color, label=label)
     label_axes(reward, "Reward of the engine's completions", ncol=2, xlabel="GRPO step",
-                ylabel="reward (mean over the step)", ylim=(-0.02, _top_reward(refreshed, broken) + 0.02))
+               ylabel="reward (mean over the step)", ylim=(-0.02, _top_reward(refreshed, broken) + 0.02))
     for ax in (gap, reward):
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     return fig
@@ -394,8 +394,8 @@ def refresh_rank_figure(rows, label: str = ""):
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
     label_axes(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each repeat; "
-                    "dashed: a time in proportion to the bytes)", ncol=5, which="both",
-                xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
+                   "dashed: a time in proportion to the bytes)", ncol=5, which="both",
+               xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
     return fig
 
 
@@ -429,5 +429,5 @@ def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], 
     errors = [2 * (p * (1 - p) / n) ** 0.5 for p in shares]
     right.bar(names, shares, yerr=errors, capsize=4, color=POLICY_COLORS[:len(names)])
     label_axes(right, f"After training ({n} problems, ± 2 s.e.)", axis="y", ylabel=f"held-out {key} reward (greedy)",
-                ylim=(0, 1.05), xlabel="policy")
+               ylim=(0, 1.05), xlabel="policy")
     return fig
