@@ -5,10 +5,9 @@
     with WaitProgress("starting the engine", expected_s=40):   # one call that reports nothing itself
         engine = start_engine(cfg, model_path)
 
-`finish()` (the end of the `with` block) shows the whole wait and each part's time, then replaces the
-widget by the same line as plain HTML, which a saved notebook keeps (widget state is not saved). It
-ticks from its own thread through widget messages, which arrive while the kernel is busy; its text/plain
-starts with PROGRESS_TEXT, so a notebook test tells it from a library's tqdm bar.
+The end of the block (`finish()`) shows the whole wait and each part's time as plain HTML, which a saved
+notebook keeps. It ticks from its own thread (widget messages arrive while the kernel is busy); its
+text/plain starts with PROGRESS_TEXT, so a notebook test tells it from a library's tqdm bar.
 """
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ class WaitProgress:
                 f"{f' ({html.escape(parts)})' if parts else ''}{f' · {html.escape(note)}' if note else ''}")
 
     def finish(self, note: str = "") -> float:
-        """End the display: the whole wait and its parts; returns the whole wait in seconds. Once:
-        a later call (the end of the `with` block after an explicit finish) changes nothing."""
+        """End the display with the whole wait and its parts; returns the wait in seconds. Only the first call acts."""
         if self._finished.is_set():
             return self.seconds
         self._finished.set()

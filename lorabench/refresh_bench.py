@@ -1,23 +1,16 @@
-"""Refresh latency per method, bucket size and LoRA rank on a real engine, next to the physical
-floor: the bytes moved at the measured copy bandwidth (notebook 02, benchmarks/refresh_sweep.py).
+"""Refresh latency per method, bucket size and LoRA rank on a real engine, beside the physical floor:
+the bytes moved once at the measured copy bandwidth (notebook 02, benchmarks/refresh_sweep.py).
 
-    engine = start_engine(cfg, model_path)              # a scratch engine: merged overwrites its weights
-    model = adapter_model(model_path, rank=16)          # a scratch trainer-side adapter of that size
-    rows = [measure_refresh(engine, model, mode, bucket_mb=64) for mode in MODES]
-    save_results("refresh.json", rows, measure_bandwidth())   # {"kind": "refresh_sweep", ..., "rows": rows}
-
-A row summarises `repeats` refreshes after `warmup` untimed ones, with one torch thread unless told
-otherwise (`torch_threads` says why):
-    {"engine", "device", "mode", "rank", "bucket_mb", "repeats", "threads", "bytes", "buckets",
-     "parts": {part: s}, "total_s", "min_s", "first_request_s", "end_to_end_s",
-     "samples": {"total_s": [...], "first_request_s": [...], "end_to_end_s": [...], "parts": {part: [...]}}}
-`bytes`, `buckets`, `parts` and `total_s` are the (lower) median call's; `first_request_s` is the
-median of the request after each refresh (one prompt, one greedy token) and `end_to_end_s` of call
-+ request, the refresh as a rollout sees it; `samples` holds every repeat. Parts are the
-refresher's (refresh.py) after the policy's `snapshot`.
+A row (`measure_refresh`) summarises `repeats` refreshes after `warmup` untimed ones, with one torch thread
+unless told otherwise: {"engine", "device", "mode", "rank", "bucket_mb", "repeats", "threads", "bytes",
+"buckets", "parts": {part: s}, "total_s", "min_s", "first_request_s", "end_to_end_s", "samples": every
+repeat's "total_s", "first_request_s", "end_to_end_s" and "parts"}. `bytes`, `buckets`, `parts` and
+`total_s` are the lower median call's; `first_request_s` is the median request after a refresh (one
+greedy token), `end_to_end_s` of call + request. Parts: the policy's `snapshot`, then the refresher's.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -43,15 +36,14 @@ def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-    dst.copy_(src)  # first touch: page faults are not bandwidth
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
+
+    def copy() -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
         sync()
-        best = min(best, time.perf_counter() - t0)
-    return n * 4 / best / 1e9
+        return time.perf_counter() - t0
+    copy()  # first touch: page faults are not bandwidth
+    return n * 4 / min(copy() for _ in range(repeats)) / 1e9
 
 
 def floor_seconds(nbytes: int, bandwidth_gbps: float) -> float:
@@ -77,8 +69,8 @@ def adapter_model(model_path: str, rank: int, seed: int = 0, target_modules="all
 
 @contextmanager
 def torch_threads(threads: int | None):
-    """torch's CPU thread count set to `threads` inside the block (None: as it is). One thread keeps CPU
-    timings steady on a shared machine: torch waits for the last of its threads (notebook 02)."""
+    """torch's CPU thread count set to `threads` inside the block (None: as it is); one thread keeps CPU
+    timings steady on a shared machine (torch waits for the last of its threads)."""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -90,8 +82,8 @@ def torch_threads(threads: int | None):
 
 def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: int = 3, warmup: int = 1,
                     adapter_name: str = "bench", threads: int | None = 1) -> dict:
-    """Refreshes of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` as one row. It re-binds
-    the LoRA weights as views of one flat buffer: pass a scratch model (`adapter_model`), not a trainer's."""
+    """Refreshes of `peft_model`'s adapter into `engine` by `mode` at `bucket_mb` as one row; it re-binds the
+    LoRA weights as views of one flat buffer, so pass a scratch model (`adapter_model`), not a trainer's."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
     if repeats < 1:
@@ -99,7 +91,7 @@ def measure_refresh(engine, peft_model, mode: str, bucket_mb: float, repeats: in
     with scratch_refresher(engine, peft_model, mode, bucket_mb, adapter_name) as (layers, refresher), \
             torch_threads(threads) as used:
         records, first_requests = _timed_refreshes(engine, layers, refresher, warmup, repeats)
-    return {**_meta(engine, peft_model, mode, bucket_mb, repeats), "threads": used, **_row(records, first_requests)}
+    return _row(engine, peft_model, mode, bucket_mb, used, records, first_requests)
 
 
 @contextmanager
@@ -117,11 +109,6 @@ def scratch_refresher(engine, peft_model, mode: str, bucket_mb: float, adapter_n
         with suppress(AdapterNotLoaded):
             if mode != "merged":
                 engine.unload_adapter(adapter_name)
-
-
-def _meta(engine, peft_model, mode: str, bucket_mb: float, repeats: int) -> dict:
-    return {"engine": getattr(engine, "name", type(engine).__name__), "device": str(getattr(engine, "device", "")),
-            "mode": mode, "rank": int(peft_model.peft_config["default"].r), "bucket_mb": bucket_mb, "repeats": repeats}
 
 
 def _timed_refreshes(engine, layers, refresher, warmup: int, repeats: int, first_version: int = 0):
@@ -142,15 +129,17 @@ def _timed_refreshes(engine, layers, refresher, warmup: int, repeats: int, first
     return records, first_requests
 
 
-def _row(records, first_requests: list[float]) -> dict:
-    """The median refresh's bytes, buckets and parts; every repeat's times as samples."""
-    median = sorted(records, key=lambda r: r.total_s)[(len(records) - 1) // 2]  # the lower median
+def _row(engine, peft_model, mode: str, bucket_mb: float, threads: int, records, first_requests: list[float]) -> dict:
+    """One row: the settings, the (lower) median refresh's bytes, buckets and parts, every repeat's times."""
+    median = sorted(records, key=lambda r: r.total_s)[(len(records) - 1) // 2]
     calls = [r.total_s for r in records]
     ends = [c + f for c, f in zip(calls, first_requests)]
     names = list(dict.fromkeys(p for r in records for p in r.parts))
-    return {"bytes": median.nbytes, "buckets": len(median.buckets), "parts": dict(median.parts),
-            "total_s": median.total_s, "min_s": min(calls), "first_request_s": statistics.median(first_requests),
-            "end_to_end_s": statistics.median(ends),
+    return {"engine": getattr(engine, "name", type(engine).__name__), "device": str(getattr(engine, "device", "")),
+            "mode": mode, "rank": int(peft_model.peft_config["default"].r), "bucket_mb": bucket_mb,
+            "repeats": len(records), "threads": threads, "bytes": median.nbytes, "buckets": len(median.buckets),
+            "parts": dict(median.parts), "total_s": median.total_s, "min_s": min(calls),
+            "first_request_s": statistics.median(first_requests), "end_to_end_s": statistics.median(ends),
             "samples": {"total_s": calls, "first_request_s": list(first_requests), "end_to_end_s": ends,
                         "parts": {p: [r.parts.get(p, 0.0) for r in records] for p in names}}}
 
@@ -172,14 +161,8 @@ def _smallest_bucket(named, most: int) -> int:
     """The smallest bucket (bytes, >= the smallest tensor) that packs `named` in at most `most` pushes;
     the count never grows with the bucket size, so a bisection finds it."""
     sizes = [t.numel() * t.element_size() for _, t in named]
-    low, high = min(sizes), sum(sizes)
-    while low < high:
-        mid = (low + high) // 2
-        if len(pack_buckets(named, mid)) <= most:
-            high = mid
-        else:
-            low = mid + 1
-    return low
+    fits = range(min(sizes), sum(sizes) + 1)
+    return fits[bisect.bisect_left(fits, True, key=lambda size: len(pack_buckets(named, size)) <= most)]
 
 
 def _round_up(mb: float) -> float:
@@ -221,11 +204,8 @@ def distinct_push_buckets(named: list[tuple[str, torch.Tensor]], points: int) ->
     for i in range(min(points, len(reach))):
         goal = most ** (1 - i / max(points - 1, 1))
         picked.append(min((c for c in reach if c not in picked), key=lambda c: abs(math.log(c / goal))))
-    sizes = []
-    for count in picked:
-        rounded = _round_up(reach[count])
-        sizes.append(rounded if push_count(named, rounded) == count else reach[count])
-    return sorted(sizes)
+    rounded = {count: _round_up(reach[count]) for count in picked}
+    return sorted(size if push_count(named, size) == count else reach[count] for count, size in rounded.items())
 
 
 def measure_many(engine, points: list[tuple], repeats: int, progress=None, threads: int | None = 1) -> list[dict]:
@@ -264,19 +244,16 @@ def thread_probe(engine, peft_model, thread_counts, repeats: int = 10, progress=
         for round_ in range(repeats):
             for i, n in enumerate(thread_counts):
                 with torch_threads(n):
-                    records, firsts = _timed_refreshes(engine, layers, refresher, 0, 1,
-                                                       first_version=1 + round_ * len(thread_counts) + i)
-                timed[n][0].extend(records)
-                timed[n][1].extend(firsts)
+                    new = _timed_refreshes(engine, layers, refresher, 0, 1, 1 + round_ * len(thread_counts) + i)
+                for kept, more in zip(timed[n], new):
+                    kept.extend(more)
             if progress is not None:
                 progress(round_ + 1, repeats)
-    meta = _meta(engine, peft_model, "inplace", 64.0, repeats)
-    return [{**meta, "threads": n, **_row(*timed[n])} for n in thread_counts]
+    return [_row(engine, peft_model, "inplace", 64.0, n, *timed[n]) for n in thread_counts]
 
 
 def steadiest_threads(rows, tolerance: float = 0.1) -> int:
-    """The fewest threads (thread_probe's rows) whose upper-quartile end to end time is within `tolerance`
-    of the lowest: fewer threads win a near tie, having fewer cores to wait for."""
+    """The fewest threads (thread_probe's rows) whose upper quartile end to end is within `tolerance` of the lowest."""
     from .viz import end_to_end_ms, quartiles
     upper = {r["threads"]: quartiles(end_to_end_ms(r))[2] for r in rows}
     best = min(upper.values())
@@ -295,11 +272,9 @@ def save_results(path: str | Path, rows: list[dict], bandwidth_gbps: float, **me
 
 def engine_label(engine) -> str:
     """Which engine and device produced a measurement, for figure titles."""
-    device = str(getattr(engine, "device", "cpu"))
+    device, name = str(getattr(engine, "device", "cpu")), getattr(engine, "name", type(engine).__name__)
     where = "CPU" if device == "cpu" else (torch.cuda.get_device_name() if torch.cuda.is_available() else device)
-    if getattr(engine, "name", "") == "hf":
-        return f"hf engine, {where} (not SGLang)"
-    return f"{getattr(engine, 'name', type(engine).__name__)} engine, {where}"
+    return f"hf engine, {where} (not SGLang)" if name == "hf" else f"{name} engine, {where}"
 
 
 def load_label() -> str:
@@ -309,12 +284,9 @@ def load_label() -> str:
 
 
 def fastest_copy_bandwidth(device: str = "cpu", sizes_mb=(1, 16, 256)) -> tuple[float, int]:
-    """(GB/s, MB): the fastest measure_bandwidth over `sizes_mb`, with one torch thread and the current count,
-    and its size. A floor must bound every size moved: a copy within the CPU caches runs several times faster."""
-    measured = {}
-    for mb in sizes_mb:
-        for threads in sorted({1, torch.get_num_threads()}):
-            with torch_threads(threads):
-                measured[(mb, threads)] = measure_bandwidth(device, megabytes=mb, repeats=20 if mb <= 16 else 5)
-    (best_mb, _), best = max(measured.items(), key=lambda item: item[1])
-    return best, best_mb
+    """(GB/s, MB): the fastest measure_bandwidth over `sizes_mb` with one and the current torch threads (a floor
+    must bound every size moved: a copy within the CPU caches runs several times faster)."""
+    def bandwidth(mb: int, threads: int) -> float:
+        with torch_threads(threads):
+            return measure_bandwidth(device, megabytes=mb, repeats=20 if mb <= 16 else 5)
+    return max((bandwidth(mb, n), mb) for mb in sizes_mb for n in sorted({1, torch.get_num_threads()}))

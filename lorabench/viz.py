@@ -57,7 +57,7 @@ def title_with_legend(ax, title: str, ncol: int = 3) -> None:
     ax.set_title(title, loc="left", pad=8 + 17 * rows)
 
 
-def _label_axes(ax, title: str, ncol: int = 3, axis: str = "both", which: str = "major", **props):
+def label_axes(ax, title: str, ncol: int = 3, axis: str = "both", which: str = "major", **props):
     """ax.set(**props), `title_with_legend`, and a light grid along `axis` at `which` ticks; returns ax."""
     ax.set(**props)
     title_with_legend(ax, title, ncol)
@@ -72,12 +72,10 @@ def plot_rewards(rows, evals=(), ax=None):
     ax.plot(steps, _rolling(reward), "-", color="#4c72b0", label="reward, mean of 5")
     steps_f, fmt = _series(rows, m.STRICT_FORMAT)
     ax.plot(steps_f, _rolling(fmt), "--", color="#55a868", label="ends '#### N', mean of 5")
-    for e in evals:
-        if not e.get("greedy"):
-            ax.plot([e["step"]], [e["strict"]], "D", color="#c44e52", ms=7)
-    if any(not e.get("greedy") for e in evals):
-        ax.plot([], [], "D", color="#c44e52", label="held-out reward")
-    return _label_axes(ax, "Reward", xlabel="GRPO step", ylabel="mean over the step's completions", ylim=(-0.02, 1.02))
+    if sampled := [e for e in evals if not e.get("greedy")]:
+        ax.plot([e["step"] for e in sampled], [e["strict"] for e in sampled], "D", color="#c44e52", ms=7,
+                label="held-out reward")
+    return label_axes(ax, "Reward", xlabel="GRPO step", ylabel="mean over the step's completions", ylim=(-0.02, 1.02))
 
 
 def plot_refresh(rows, ax=None):
@@ -90,14 +88,13 @@ def plot_refresh(rows, ax=None):
         ax.bar(steps, vals, bottom=bottom, color=PART_COLORS.get(part), label=part, width=0.8)
         bottom = [b + v for b, v in zip(bottom, vals)]
     mode = rows[0].get(m.REFRESH_MODE, "") if rows else ""
-    return _label_axes(ax, "Adapter refresh after each step" + (f" ({mode})" if mode else ""), ncol=4, axis="y",
-                       xlabel="GRPO step", ylabel="ms")
+    return label_axes(ax, "Adapter refresh after each step" + (f" ({mode})" if mode else ""), ncol=4, axis="y",
+                      xlabel="GRPO step", ylabel="ms")
 
 
 def plot_mismatch(rows, ax=None):
-    """Trainer-vs-engine mismatch (mean, p99) beside the probe gap (how far the adapter moved the model
-    on a fixed answer): the first must stay far below the second. Steps sampled one adapter behind
-    (grpo.max_staleness) are drawn apart: their mismatch is the lag, not the engine's."""
+    """Trainer-vs-engine mismatch (mean, p99), which must stay far below the probe gap; steps sampled one
+    adapter behind (grpo.max_staleness) drawn apart, as their mismatch is the lag, not the engine's."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     on_policy, behind = [r for r in rows if not r.get(m.LAG)], [r for r in rows if r.get(m.LAG)]
     for part, key, style, label in ((rows, m.PROBE_GAP, "s-", "probe gap"),
@@ -108,8 +105,8 @@ def plot_mismatch(rows, ax=None):
         if values:
             ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label,
                         **({"color": "#999999"} if part is behind else {}))
-    return _label_axes(ax, "Is the engine serving the trainer's policy?", xlabel="GRPO step",
-                       ylabel="|Δ log-prob| (nats)")
+    return label_axes(ax, "Is the engine serving the trainer's policy?", xlabel="GRPO step",
+                      ylabel="|Δ log-prob| (nats)")
 
 
 def plot_delta_norm(rows, ax=None):
@@ -117,7 +114,7 @@ def plot_delta_norm(rows, ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     steps, norm = _series(rows, m.DELTA_NORM)
     ax.plot(steps, norm, "o-", ms=3, color="#8172b2")
-    return _label_axes(ax, "How far the adapter has moved: ‖ΔW‖", xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
+    return label_axes(ax, "How far the adapter has moved: ‖ΔW‖", xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
 
 
 RUN_VIEWS = (plot_rewards, plot_refresh, plot_mismatch, plot_delta_norm)   # the step panel's four axes
@@ -141,7 +138,7 @@ def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel
             values = _rolling(values)
         draw = ax.semilogy if log else ax.plot
         draw(steps, [max(v, 1e-9) for v in values] if log else values, "-", color=color, label=name)
-    return _label_axes(ax, title, ncol=4, xlabel="GRPO step", ylabel=ylabel)
+    return label_axes(ax, title, ncol=4, xlabel="GRPO step", ylabel=ylabel)
 
 
 def run_plot_images(rows, evals) -> dict[str, bytes]:
@@ -205,8 +202,8 @@ def _spread_legend(ax, color="#777777", floor: bool = False, vertical_tick: bool
 
 
 def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e", floors=()) -> tuple[float, float]:
-    """One `plot_spread` line per row (end to end, top down, log x), labelled `note(median, values)`, then
-    a white diamond at each floor (ms) not None; returns the lowest repeat or floor and the highest repeat."""
+    """One `plot_spread` per row (end to end, top down, log x) labelled `note(median, values)`, a diamond at
+    each floor (ms) not None; returns (lowest repeat or floor, highest repeat)."""
     every = [end_to_end_ms(row) for row in rows]
     for y, (row, values) in enumerate(zip(rows, every)):
         _, median, _ = plot_spread(ax, y, values, color(row))
@@ -221,8 +218,7 @@ def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e", floors=())
 
 
 def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
-    """Each mode's refreshes end to end (call + first request), top down; log x, so the floor (the bytes
-    moved once at the measured bandwidth, a white diamond) shows beside 1000x larger."""
+    """Each mode's refreshes end to end (call + first request), top down, on a log x beside the floor."""
     labels = [r.get("label", r["mode"]) for r in rows]
     lowest, highest = _spread_rows(ax, rows, labels, lambda median, _: f"{ms_text(median)} ms",
                                    lambda row: MODE_COLORS.get(row["mode"], "#5d6d7e"),
@@ -251,8 +247,7 @@ def plot_parts(rows, ax):
 
 
 def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
-    """Which refresh is fastest end to end, with every repeat (left), and where the time goes (right);
-    the fastest median on top."""
+    """Each mode end to end with every repeat (left) and where the time goes (right), fastest median on top."""
     rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
     fig, (left, right) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), title=label)
     plot_end_to_end(rows, left, bandwidth_gbps)
@@ -280,8 +275,8 @@ def push_cost_fit(rows) -> tuple[float, float]:
 
 
 def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, label: str = ""):
-    """Left: the pushes each bucket size takes (from the weights' sizes). Right: each merged refresh's
-    push part against its pushes (linear: a line's slope is one push's cost), the fit and the floor."""
+    """The pushes each bucket size takes (left); each merged refresh's push part against its pushes, with
+    the fitted line (its slope: one push's cost) and the floor (right)."""
     rows = sorted(rows, key=lambda r: r["buckets"])
     fig, (left, right) = labelled_figure("merged_buckets", 1, 2, figsize=(12, 4.4), title=label)
     left.step([mb for mb, _ in curve], [n for _, n in curve], where="post", color="#999999",
@@ -291,8 +286,8 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     for r in rows:
         left.annotate(f"{r['bucket_mb']:g} MB", (r["bucket_mb"], r["buckets"]), textcoords="offset points",
                       xytext=(6, 4))
-    _label_axes(left, "Bucket size -> pushes, from the tensors' sizes", ncol=1, which="both", xscale="log",
-                yscale="log", xlabel="bucket size (MB, log scale)", ylabel="pushes (engine calls, log scale)")
+    label_axes(left, "Bucket size -> pushes, from the tensors' sizes", ncol=1, which="both", xscale="log",
+               yscale="log", xlabel="bucket size (MB, log scale)", ylabel="pushes (engine calls, log scale)")
     for r in rows:
         plot_spread(right, r["buckets"], part_ms(r, "push"), PART_COLORS["push"], horizontal=False)
     _spread_legend(right, PART_COLORS["push"], vertical_tick=False)
@@ -304,23 +299,21 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     if floor is not None:
         right.axhline(floor, color="k", ls="--", lw=1.2, label=f"floor: weights moved once ({floor:.2g} ms)")
     top = max(max(part_ms(r, "push")) for r in rows)
-    _label_axes(right, "The push part of a merged refresh vs pushes", ncol=2, which="both",
-                xlabel="pushes (engine calls)", ylabel="ms, the call's push part", xlim=(0, 1.08 * most),
-                ylim=(0, 1.15 * max(top, floor or 0.0)))
+    label_axes(right, "The push part of a merged refresh vs pushes", ncol=2, which="both",
+               xlabel="pushes (engine calls)", ylabel="ms, the call's push part", xlim=(0, 1.08 * most),
+               ylim=(0, 1.15 * max(top, floor or 0.0)))
     return fig
 
 
 def empty_axes(ax, note: str) -> None:
     """No data yet: no (invented) ticks, a note in the middle; title and labels keep the layout."""
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set(xticks=[], yticks=[])
     ax.minorticks_off()
     ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", color="#666666")
 
 
 def plot_learned(rows, evals, ax) -> None:
-    """Per step (fresh problems each), 5-step means of the reward, the share ending '#### N' and the
-    share whose last number is right in any format; held-out greedy points."""
+    """5-step means of the reward, the share ending '#### N' and of right last numbers; held-out greedy points."""
     for key, color, label in ((m.REWARD, "#4c72b0", "reward"), (m.STRICT_FORMAT, "#55a868", "ends '#### N'"),
                               (m.LAST_NUMBER_RIGHT, "#c44e52", "last number right, any format")):
         steps, values = _series(rows, key)
@@ -330,8 +323,8 @@ def plot_learned(rows, evals, ax) -> None:
         ax.plot([e["step"] for e in greedy], [e[key] for e in greedy], marker, color=color, ms=7, ls="none",
                 markeredgecolor="k")
     ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
-    _label_axes(ax, "What the reward paid for, and the arithmetic", ncol=2, xlabel="GRPO step",
-                ylabel="share of completions (reward: mean)", ylim=(-0.02, _top_reward(rows) + 0.02))
+    label_axes(ax, "What the reward paid for, and the arithmetic", ncol=2, xlabel="GRPO step",
+               ylabel="share of completions (reward: mean)", ylim=(-0.02, _top_reward(rows) + 0.02))
 
 
 def run_learned_figure(rows, evals):
@@ -356,8 +349,7 @@ def _top_reward(*histories) -> float:
 
 
 def broken_refresh_figure(refreshed, broken, mode: str = "none"):
-    """The same steps refreshed and with refresh.mode=`mode`: the mismatch beside the refreshed run's
-    probe gap (left, log: they differ by decades), and the reward of the engine's completions (right)."""
+    """The same steps refreshed and with refresh.mode=`mode`: mismatch and probe gap (left), reward (right)."""
     fig, (gap, reward) = labelled_figure("broken_refresh", 1, 2, figsize=(12, 4.2))
     for rows, key, style, color, label in (
             (refreshed, m.PROBE_GAP, "s-", "#999999", "probe gap, refreshed run"),
@@ -365,12 +357,12 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
             (broken, m.MISMATCH, "o-", "#c44e52", f"mismatch, refresh.mode={mode}")):
         steps, values = _series(rows, key)
         gap.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=4, color=color, label=label)
-    _label_axes(gap, "Trainer vs engine", ncol=1, xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
+    label_axes(gap, "Trainer vs engine", ncol=1, xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
     for rows, color, label in ((refreshed, "#4c72b0", "refreshed run"), (broken, "#c44e52", f"refresh.mode={mode}")):
         steps, values = _series(rows, m.REWARD)
         reward.plot(steps, values, "o-", ms=4, color=color, label=label)
-    _label_axes(reward, "Reward of the engine's completions", ncol=2, xlabel="GRPO step",
-                ylabel="reward (mean over the step)", ylim=(-0.02, _top_reward(refreshed, broken) + 0.02))
+    label_axes(reward, "Reward of the engine's completions", ncol=2, xlabel="GRPO step",
+               ylabel="reward (mean over the step)", ylim=(-0.02, _top_reward(refreshed, broken) + 0.02))
     for ax in (gap, reward):
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     return fig
@@ -401,9 +393,9 @@ def refresh_rank_figure(rows, label: str = ""):
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))   # 1, 2, 5 of each decade, as numbers
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
-    _label_axes(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each repeat; "
-                    "dashed: a time in proportion to the bytes)", ncol=5, which="both",
-                xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
+    label_axes(ax, "Refresh end to end vs LoRA rank: medians joined (bars: middle half; dots: each repeat; "
+                   "dashed: a time in proportion to the bytes)", ncol=5, which="both",
+               xlabel="LoRA rank (and the adapter's size)", ylabel="ms, refresh call + first request (log)")
     return fig
 
 
@@ -420,8 +412,7 @@ def thread_probe_figure(rows, label: str = ""):
 
 
 def ms_text(ms: float, digits: int = 3) -> str:
-    """A time in ms for a lesson's text: `digits` significant digits, never an exponent (2,820, not
-    2.82e+03); below a microsecond 0 (a fit's rounding error is not a time)."""
+    """A time in ms for a lesson's text: `digits` significant digits, no exponent (2,820), 0 below a microsecond."""
     if abs(ms) >= 10 ** (digits - 1):
         return f"{ms:,.0f}"
     return "0" if abs(ms) < 1e-3 else f"{ms:.{digits}g}"
@@ -437,6 +428,6 @@ def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], 
     n = after[names[0]]["n"]
     errors = [2 * (p * (1 - p) / n) ** 0.5 for p in shares]
     right.bar(names, shares, yerr=errors, capsize=4, color=POLICY_COLORS[:len(names)])
-    _label_axes(right, f"After training ({n} problems, ± 2 s.e.)", axis="y", ylabel=f"held-out {key} reward (greedy)",
-                ylim=(0, 1.05), xlabel="policy")
+    label_axes(right, f"After training ({n} problems, ± 2 s.e.)", axis="y", ylabel=f"held-out {key} reward (greedy)",
+               ylim=(0, 1.05), xlabel="policy")
     return fig

@@ -1,18 +1,12 @@
 """The step-through panel: Step / Run N / Stop over a GRPOTrainer, with live views of the run.
 
-    panel = StepPanel(trainer)
-    panel              # displays: buttons, the live figure, the last group's completions, the refresh
-    panel.start(3)     # the same as clicking Run N with N=3: returns at once, steps in a thread
-    panel.wait()       # blocks until done; re-raises a step's error (so a notebook cell fails)
-    panel.end("note")  # wait for the run, disable the buttons (the views stay), show a note
-    panel.close()      # stop, close the widgets, free the figure
+    panel = StepPanel(trainer)   # displays: buttons, the live figure, the last group's completions, the refresh
+    panel.start(3)               # Run N with N=3: returns at once, steps in a thread; panel.wait() re-raises
+    panel.end("note")            # wait for the run, disable the buttons (the views stay); panel.close() frees all
 
-Steps run in one background thread so the kernel stays responsive; a lock makes a second run a no-op
-that says so, and Stop is honoured between steps (a step's checkpoint is the commit point). Callbacks
-never print into the current cell: each view is a widget whose value is replaced in one message, and
-notes go through `Output.append_stdout` (thread-safe, unlike `with output:`). The live figure is one
-`Figure`, not registered with pyplot, rendered to PNG for an `Image`. While the kernel is idle,
-Kernel -> Interrupt acts as Stop: the panel makes its handler the one ipykernel restores.
+Steps run in one background thread (the kernel stays responsive); Stop is honoured between steps. Views are
+widgets whose value is replaced in one message, notes go through the thread-safe `Output.append_stdout`, and
+while the kernel is idle Kernel -> Interrupt acts as Stop.
 """
 from __future__ import annotations
 
@@ -46,8 +40,7 @@ def setup_notebook() -> None:
 
 
 def sglang_in_notebook() -> list[str]:
-    """Overrides for sglang in a kernel: its processes' output to a log file, and training uncompiled
-    (the compile would be most of the wait for a lesson's first Step)."""
+    """Overrides for sglang in a kernel: its processes' output to a log file, no compile (a fast first Step)."""
     import tempfile
     return [f"engine.sglang.log_file={Path(tempfile.gettempdir()) / 'lorabench-sglang.log'}", "grpo.compile=off"]
 
@@ -127,15 +120,13 @@ STEP_PHASES = {"rollout": "sampling rollouts in the engine", "reward": "scoring 
 def step_phase(trainer) -> str | None:
     """The first part of the step its clock has not lapped yet (None outside a step)."""
     clock = getattr(trainer, "clock", None)
-    if clock is None:
-        return None
-    return next((text for part, text in STEP_PHASES.items() if part not in clock.parts), None)
+    return None if clock is None else next((t for part, t in STEP_PHASES.items() if part not in clock.parts), None)
 
 
 def running_line(step: int, done: int, total: int, elapsed_s: float, phase: str | None = None,
                  step_s: float | None = None, expected_s: float | None = None) -> str:
-    """The status while a Run N goes: a bar, the step, the time so far and left (at the run's mean pace);
-    inside a step, what it does, and the bar moves towards the last step's time (held short of it)."""
+    """The status while a Run N goes: a bar, the step and what it does, the time so far and left (at the run's
+    mean pace); inside a step the bar moves towards the last step's time, held short of it."""
     left = f" · about {duration(elapsed_s / done * (total - done))} left" if done else ""
     inside = min(step_s / expected_s, 0.95) if step_s is not None and expected_s else 0.0
     now = "".join([f" · {html.escape(phase)}" if phase else "",
@@ -224,17 +215,15 @@ class StepPanel:
         for w in (self.step_button, self.steps_input, self.run_button, self.stop_button, self.step_label,
                   self.status, self.plot, self.completions, self.refresh, self.log, *self.widget.children,
                   self.widget):
-            for part in (getattr(w, "layout", None), getattr(w, "style", None)):  # widgets of their own
+            for part in (getattr(w, "layout", None), getattr(w, "style", None), w):  # layout, style: widgets too
                 if part is not None:
                     part.close()
-            w.close()
         self.figure.clear()
 
     def end(self, note: str = "") -> None:
         """Wait for a running step, then disable the buttons and show `note`; the views stay."""
         self._idle.wait()
-        for button in (self.step_button, self.run_button, self.stop_button):
-            button.disabled = True
+        self.step_button.disabled = self.run_button.disabled = self.stop_button.disabled = True
         self._ended = True
         if note:
             self.log.append_stdout(note + "\n")
@@ -384,8 +373,7 @@ def _on_idle_interrupt(signum, frame) -> None:
 
 
 def _stop_panels_on_idle_interrupt() -> None:
-    """Make `_on_idle_interrupt` the SIGINT handler ipykernel restores after each message (its
-    `saved_sigint_handler`, SIG_IGN at start); only from the kernel's main thread."""
+    """Make `_on_idle_interrupt` the SIGINT handler ipykernel restores after each message (from the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return
     from IPython import get_ipython

@@ -30,16 +30,12 @@ def greedy_completions(trainer, problems, adapter: str | None = "serving") -> li
 
 @torch.no_grad()
 def trainer_vs_engine(trainer, sequences: list[list[int]], prompt_lens: list[int], adapter: str | None) -> dict:
-    """|trainer − engine log-prob| over the completion tokens (mean, p99, max): whether a request ran
-    the trainer's current policy. Both sides score at temperature 1: the check is about the weights,
-    a temperature divides both sides' logits alike, and SGLang's prefill scores at temperature 1 only."""
+    """|trainer − engine log-prob| over the completion tokens (mean, p99, max): whether a request ran the
+    trainer's current policy. Both score at temperature 1 (SGLang's prefill scores at 1 only)."""
     engine_lp = trainer.engine.score(sequences, prompt_lens, adapter)
-    diffs = []
-    for seq, plen, lp in zip(sequences, prompt_lens, engine_lp):
-        ids = torch.tensor([seq], device=trainer.device)
-        mine = token_logprobs(trainer.model, ids, torch.ones_like(ids), 1.0)[0, plen - 1:].cpu()
-        diffs.append((mine - lp).abs())
-    diffs = torch.cat(diffs)
+    ids = [torch.tensor([seq], device=trainer.device) for seq in sequences]
+    diffs = torch.cat([(token_logprobs(trainer.model, i, torch.ones_like(i), 1.0)[0, plen - 1:].cpu() - lp).abs()
+                       for i, plen, lp in zip(ids, prompt_lens, engine_lp)])
     return {"mean": diffs.mean().item(), "p99": diffs.quantile(0.99).item(), "max": diffs.max().item()}
 
 
@@ -47,7 +43,6 @@ def self_check(checks: dict[str, bool]) -> None:
     """Print each check with ✓ or ✗; raise AssertionError naming the failed ones."""
     for name, ok in checks.items():
         print(f"{'✓' if ok else '✗'} {name}")
-    failed = [name for name, ok in checks.items() if not ok]
-    if failed:
+    if failed := [name for name, ok in checks.items() if not ok]:
         raise AssertionError(f"self-check failed: {failed}")
     print(f"self-check: all {len(checks)} checks passed")

@@ -1,6 +1,5 @@
-"""Notebook 03: ΔW beside W and ΔW's singular values (the cliff at r), long waits shown as they go,
-and a trained run's adapter reused (or trained here when there is none).
-"""
+"""Notebook 03: ΔW beside W and ΔW's singular values (the cliff at r), long waits shown as they go, and a
+trained run's adapter reused (or trained here when there is none)."""
 from __future__ import annotations
 
 import re
@@ -11,18 +10,16 @@ import torch
 
 from ..metrics import REWARD
 from ..progress import WaitProgress
-from ..viz import labelled_figure, title_with_legend
+from ..viz import label_axes, labelled_figure
 
 RANK_TOL = 1e-5   # σ_i / σ_1 below this is float32 rounding of B·A, not a direction ΔW has
 
 
 @torch.no_grad()
 def delta_w_spectrum(f: dict) -> dict:
-    """Singular values of ΔW and W (float64, descending), r, ΔW's numerical rank (σ_i > RANK_TOL·σ_1)
-    and the cliff after r: σ_{r+1}/σ_r and σ_{r+1}/σ_1."""
+    """Singular values of ΔW and W (float64), r, ΔW's numerical rank and the cliff: σ_{r+1}/σ_r, σ_{r+1}/σ_1."""
     r = f["A"].shape[0]
-    s_delta = torch.linalg.svdvals(f["delta"].double())
-    s_w = torch.linalg.svdvals(f["W"].double())
+    s_delta, s_w = (torch.linalg.svdvals(f[key].double()) for key in ("delta", "W"))
     first = float(s_delta[0]) or 1.0
     after = float(s_delta[r]) if len(s_delta) > r else 0.0
     return {"r": r, "delta": s_delta, "W": s_w, "rank": int((s_delta > RANK_TOL * first).sum()),
@@ -58,10 +55,9 @@ def plot_singular_values(spectrum: dict, module: str = ""):
         s = spectrum[key].clamp_min(tiny)
         ax.plot(range(1, len(s) + 1), s.numpy(), ".-", color=color, ms=4, lw=1, label=label)
     ax.axvline(r + 0.5, color="#c44e52", ls="--", lw=1, label=f"after index r = {r}")
-    ax.set(xlabel="index i (largest first)", ylabel="singular value σ_i", yscale="log")
-    title_with_legend(ax, f"Singular values{f' of {module}' if module else ''}: "
-                          f"σ_{r + 1}/σ_{r} = {spectrum['cliff']:.1g} for ΔW", ncol=3)
-    ax.grid(alpha=0.3, which="both")
+    label_axes(ax, f"Singular values{f' of {module}' if module else ''}: σ_{r + 1}/σ_{r} = {spectrum['cliff']:.1g} "
+                   f"for ΔW", ncol=3, which="both", xlabel="index i (largest first)", ylabel="singular value σ_i",
+               yscale="log")
     return fig
 
 
@@ -77,12 +73,9 @@ def cliff_sentence(spectrum: dict) -> str:
             f"threshold.")
 
 
-WARM_START_LINE = re.compile(r"warm-start step (\d+)/(\d+)")
-
-
 def resolve_model_shown(model, warmstart, seed: int) -> tuple[str, bool, float]:
-    """The base model's path (as session.resolve_model resolves it), with a progress bar when the tiny
-    model must first be built and warm-started; returns (path, built now?, seconds)."""
+    """(path, built now?, seconds): the base model's path as session.resolve_model resolves it, with a progress
+    bar when the tiny model must first be built and warm-started."""
     from ..models import model_ref, resolve_model_path
     from ..tiny import tiny_cache_path
     t0 = time.perf_counter()
@@ -93,20 +86,19 @@ def resolve_model_shown(model, warmstart, seed: int) -> tuple[str, bool, float]:
         progress(what, 0, warmstart.steps)
 
         def log(line, *rest):
-            if found := WARM_START_LINE.search(str(line)):
+            if found := re.search(r"warm-start step (\d+)/(\d+)", str(line)):
                 progress(what, int(found.group(1)), warmstart.steps)
         path = resolve_model_path(model, warmstart, seed, log=log)
     return path, True, time.perf_counter() - t0
 
 
 def last_mean(rows: list[dict], key: str = REWARD, last: int = 5) -> float:
-    values = [r[key] for r in rows[-last:]]
-    return sum(values) / len(values)
+    return sum(r[key] for r in rows[-last:]) / len(rows[-last:])
 
 
 def use_trained_run(trainer, found: tuple, run_root: str | Path, steps: int) -> str:
-    """Load the run `found` (session.reuse.find_trained_run's) names into `trainer`, or with none train
-    `steps` steps here; Markdown that says which happened."""
+    """Load the run `found` (session.reuse.find_trained_run's) into `trainer`, or with none train `steps` steps
+    here; Markdown that says which happened."""
     from ..session.reuse import load_trained_run
     run, passed = found
     items = [f"- passed over `{name}`: {why}" for name, why in passed[:5]]

@@ -4,30 +4,28 @@ from __future__ import annotations
 import torch
 
 from ..adapters import base_param_name
-from ..viz import MIN_FONT_PT, PART_COLORS, labelled_figure, title_with_legend
+from ..viz import MIN_FONT_PT, PART_COLORS, label_axes, labelled_figure
 
 
 def lora_factors(peft_model, module: str = "model.layers.0.self_attn.q_proj", adapter: str = "default") -> dict:
     """A [r, in], B [out, r], scaling α/r, the frozen W [out, in] and ΔW = (α/r)·B·A of one layer."""
     layer = peft_model.get_submodule(f"base_model.model.{module}")
-    a = layer.lora_A[adapter].weight.detach().float().cpu()          # [r, in]
-    b = layer.lora_B[adapter].weight.detach().float().cpu()          # [out, r]
+    a, b, w = (part.weight.detach().float().cpu()   # [r, in], [out, r], [out, in]
+               for part in (layer.lora_A[adapter], layer.lora_B[adapter], layer.base_layer))
     scaling = float(layer.scaling[adapter])
-    w = layer.base_layer.weight.detach().float().cpu()               # [out, in]
     return {"module": module, "A": a, "B": b, "scaling": scaling, "W": w, "delta": scaling * (b @ a)}
 
 
 def plot_lora_factors(f: dict):
     """B [out, r] and A [r, in], each on its own symmetric colour scale (ΔW: `plot_delta_w`)."""
-    r = f["A"].shape[0]
-    fig, axes = labelled_figure("lora_factors", 1, 2, figsize=(13, 3.4), gridspec_kw={"width_ratios": [0.45, 1]})
+    fig, axes = labelled_figure("lora_factors", 1, 2, figsize=(13, 3.4), gridspec_kw={"width_ratios": [0.45, 1]},
+                                title=f"{f['module']}: the LoRA factors, rank r = {f['A'].shape[0]}")
     for ax, (m, title) in zip(axes, [(f["B"], f"B {tuple(f['B'].shape)}, its own scale"),
                                      (f["A"], f"A {tuple(f['A'].shape)}, its own scale")]):
         lim = float(m.abs().max()) or 1.0
         im = ax.imshow(m.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
         ax.set_title(title, loc="left")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.suptitle(f"{f['module']}: the LoRA factors, rank r = {r}", x=0.01, ha="left")
     return fig
 
 
@@ -73,10 +71,7 @@ def plot_topk(topk: dict, title: str = "Next token, base vs adapter"):
     ax.barh(y + 0.2, topk["adapter"].numpy(), height=0.4, color="#4c72b0", label="adapter applied")
     ax.set_yticks(y.tolist(), topk["tokens"])
     ax.invert_yaxis()
-    ax.set(xlim=(0, 1), xlabel="next-token probability")
-    title_with_legend(ax, title, ncol=2)
-    ax.grid(alpha=0.3, axis="x")
-    return ax
+    return label_axes(ax, title, ncol=2, axis="x", xlim=(0, 1), xlabel="next-token probability")
 
 
 def logprob_difference(engine, sequence: list[int], prompt_len: int, adapter: str) -> torch.Tensor:
@@ -116,22 +111,19 @@ def plot_refresh_timeline(rows: list[dict], title: str = "One refresh, part by p
     for i, row in enumerate(rows):
         t = 0.0
         for part, seconds in row["parts"].items():
-            ms = 1e3 * seconds
-            ax.barh(i, ms, left=t, color=PART_COLORS.get(part), edgecolor="white",
+            ax.barh(i, 1e3 * seconds, left=t, color=PART_COLORS.get(part), edgecolor="white",
                     label=None if part in seen else part)
             seen.add(part)
-            t += ms
+            t += 1e3 * seconds
         ax.text(t, i, f"  {t:.1f} ms, {row['bytes'] / 2**20:.2f} MB moved", va="center")
     ax.set_yticks(range(len(rows)), [r["mode"] for r in rows])
     ax.invert_yaxis()
-    ax.set(xlabel="ms since the refresh started", xlim=(0, 1.45e3 * max(r["total_s"] for r in rows)))
-    title_with_legend(ax, title, ncol=7)
-    ax.grid(alpha=0.3, axis="x")
-    return ax
+    return label_axes(ax, title, ncol=7, axis="x", xlabel="ms since the refresh started",
+                      xlim=(0, 1.45e3 * max(r["total_s"] for r in rows)))
 
 
 @torch.no_grad()
 def restore_base_weights(engine, peft_model) -> None:
     """Undo a merged refresh: push the trainer's frozen base weights back into the engine."""
     plain = [(base_param_name(n), p.detach()) for n, p in peft_model.named_parameters() if ".lora_" not in n]
-    engine.update_weights(plain, flush_cache=True, version=0)  # the plain base weights again
+    engine.update_weights(plain, flush_cache=True, version=0)

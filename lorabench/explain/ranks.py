@@ -1,5 +1,4 @@
-"""Notebook 04: which LoRA rank does RL need? The verdict from the run's held-out rewards.
-"""
+"""Notebook 04: which LoRA rank does RL need? The verdict from the run's held-out rewards."""
 from __future__ import annotations
 
 from ..metrics import ACTIVE_GROUPS, DELTA_NORM, GRAD_NORM, LOSS
@@ -7,9 +6,8 @@ from .step import fit_table, share_se
 
 
 def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = "strict") -> tuple[str, list[str]]:
-    """Markdown comparing the policies' held-out `key` share before and after (name -> evaluate row, in
-    the order of the rank), and the names within two standard errors of the best. The sentence says
-    what the numbers show: nothing learned yet, a tie, a gap at one end of the order, or neither."""
+    """Markdown comparing the policies' held-out `key` share before and after (name -> evaluate row, by rank):
+    nothing learned yet, a tie, a gap at one end of the order, or neither; and the names tied with the best."""
     share = {name: e[key] for name, e in after.items()}
     n = next(iter(after.values()))["n"]
     se = {name: (p * (1 - p) / n) ** 0.5 for name, p in share.items()}
@@ -55,8 +53,7 @@ def update_table(histories: dict[str, list[dict]], ranks: dict[str, int], alpha:
 
 def update_sentence(histories: dict[str, list[dict]], ranks: dict[str, int], alpha: float, tied: list[str],
                     lr: float) -> str:
-    """Markdown: each adapter's ‖ΔW‖ against its rank, and whether the policies behind the best are
-    those that moved least (then one learning rate compares update sizes as much as rank)."""
+    """Markdown: each adapter's ‖ΔW‖ against its rank, and whether the policies behind the best moved least."""
     norms = {name: rows[-1][DELTA_NORM] for name, rows in histories.items()}
     by_rank = sorted(norms, key=lambda n: ranks[n])
     values = [norms[n] for n in by_rank]

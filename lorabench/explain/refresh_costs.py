@@ -1,6 +1,5 @@
-"""Notebook 02: what a refresh does to the engine's memory (the same storage before and after, or a
-new one) and what its timings say, each order stated only where the repeats' spreads do not overlap.
-"""
+"""Notebook 02: what a refresh does to the engine's memory (the same storage or a new one) and what its
+timings say, each order stated only where the repeats' spreads do not overlap."""
 from __future__ import annotations
 
 import json
@@ -13,8 +12,7 @@ from ..viz import call_ms, end_to_end_ms, ms_text, part_ms, push_cost_fit, quart
 
 
 def engine_lora_weight(engine, adapter: str, module: str, half: str = "lora_B") -> torch.Tensor:
-    """The hf engine's own tensor (PEFT's parameter, not a copy) for `half` of `module` in `adapter`:
-    a lesson's look past the engine protocol; SGLang's copy lives in another process."""
+    """The hf engine's own tensor (PEFT's parameter, not a copy) for `half` of `module` in `adapter`."""
     peft_model = getattr(engine, "_peft", None) if getattr(engine, "name", "") == "hf" else None
     if peft_model is None or adapter not in engine.loaded_adapters():
         raise ValueError(f"engine_lora_weight reads an hf engine holding adapter {adapter!r}; got "
@@ -25,9 +23,8 @@ def engine_lora_weight(engine, adapter: str, module: str, half: str = "lora_B") 
 @torch.no_grad()
 def storage_across_refresh(engine, peft_model, mode: str, module: str = "model.layers.0.self_attn.q_proj",
                            adapter_name: str = "storage", seed: int = 0) -> dict:
-    """Refresh into the hf `engine` by `mode`, change the LoRA weights as an optimizer step does, refresh
-    again; where the engine's lora_B of `module` lives before and after, and what each holds. The handle
-    kept across the refresh keeps the old memory alive, so a new tensor cannot reuse its address."""
+    """Refresh into the hf `engine` by `mode`, change the weights as an optimizer step does, refresh again: where
+    the engine's lora_B of `module` lives before and after (the handle kept holds the old memory), what each holds."""
     from ..refresh_bench import scratch_refresher
     with scratch_refresher(engine, peft_model, mode, 64.0, adapter_name) as (layers, refresher):
         refresher.refresh(layers.snapshot(0))
@@ -91,8 +88,7 @@ def _overlap(a: list[float], b: list[float]) -> bool:
 
 
 def mode_groups(rows) -> list[list[str]]:
-    """Modes by median end to end, fastest first, in groups: a mode whose middle half overlaps the
-    previous mode's joins its group (their order is within the spread and can swap between runs)."""
+    """Modes by median end to end, fastest first, grouped where a middle half overlaps the previous mode's."""
     groups: list[list[dict]] = []
     for row in sorted(rows, key=median_ms):
         if groups and _overlap(end_to_end_ms(groups[-1][-1]), end_to_end_ms(row)):
@@ -122,8 +118,7 @@ def modes_markdown(rows, bandwidth_gbps: float) -> str:
 
 
 def buckets_markdown(rows) -> str:
-    """Section 3's reading: push counts, whether the median push part grows with every step in pushes,
-    the line through the medians, and the rest of the call, which the bucket size does not touch."""
+    """Section 3's reading: push counts, the push part's trend and fitted line, and the rest of the call."""
     rows = sorted(rows, key=lambda r: r["buckets"])
     pushes = [part_ms(r, "push") for r in rows]
     medians = [quartiles(p)[1] for p in pushes]
@@ -148,8 +143,7 @@ def buckets_markdown(rows) -> str:
 
 
 def _rank_tiers(at: dict, modes: list[str], ranks: list[int]) -> list[list[str]]:
-    """The modes in tiers, fastest first, cut where at every rank each mode before has its middle half
-    below every mode's after."""
+    """The modes in tiers, fastest first, cut where at every rank every middle half before is below all after."""
     q = {key: quartiles(end_to_end_ms(row)) for key, row in at.items()}
     order = sorted(modes, key=lambda m: q[(m, ranks[0])][1])
     cuts = [s for s in range(1, len(order))
@@ -159,8 +153,7 @@ def _rank_tiers(at: dict, modes: list[str], ranks: list[int]) -> list[list[str]]
 
 
 def rank_markdown(rows) -> str:
-    """Section 4's reading: how the adapter's bytes and each mode's median change from the smallest
-    rank to the largest, and the order of the modes that holds at every rank, if any."""
+    """Section 4's reading: bytes and medians from the smallest rank to the largest, and any order that holds."""
     ranks = sorted({r["rank"] for r in rows})
     low, high = ranks[0], ranks[-1]
     at = {(r["mode"], r["rank"]): r for r in rows}

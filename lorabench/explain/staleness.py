@@ -1,6 +1,5 @@
-"""Notebook 03: what a stale adapter does to learning (refreshed vs stale runs over seeds), and one
-group's advantages and clipped loss with a fresh and a stale engine.
-"""
+"""Notebook 03: what a stale adapter does to learning (refreshed vs stale runs over seeds), and one group's
+advantages and clipped loss with a fresh and a stale engine."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +8,7 @@ from matplotlib.ticker import MaxNLocator
 from ..loss import grpo_loss, token_logprobs
 from ..metrics import MISMATCH, REWARD, SERVED_VERSION
 from ..progress import WaitProgress
-from ..viz import labelled_figure, title_with_legend
+from ..viz import label_axes, labelled_figure
 from .checks import rollout_sequences, trainer_vs_engine
 from .hotswap import last_mean
 from .step import completion_end, direction, fit_table, share_se
@@ -18,9 +17,8 @@ ARMS = ("refreshed", "stale")
 
 
 def refreshed_vs_stale(make_trainer, steps: int, seeds) -> dict:
-    """Per seed, `steps` GRPO steps of `make_trainer(arm, seed)` for each arm (stale: refresh.mode=none),
-    on one engine under adapter names of their own; then each trainer's held-out greedy reward with its
-    own adapter served (the stale one's after one real refresh, `refresh_once`) and the first adapter's."""
+    """Per seed and arm, `steps` GRPO steps of `make_trainer(arm, seed)` (stale: refresh.mode=none) on one engine;
+    then each trainer's held-out greedy reward with its own adapter served (stale: after `refresh_once`)."""
     seeds = list(seeds)
     out = {"seeds": seeds, "steps": steps, "rows": {a: [] for a in ARMS}, "heldout": {a: [] for a in ARMS},
            "first_adapter": [], "check": []}
@@ -104,25 +102,21 @@ ARM_COLORS = {"refreshed": "#4c72b0", "stale": "#c44e52"}
 def plot_refreshed_vs_stale(result: dict):
     """Reward and mismatch per step, refreshed vs stale: a thin line per seed, their mean thick."""
     fig, axes = labelled_figure("refreshed_vs_stale", 1, 2, figsize=(13, 4.0))
-    floor = 1e-9   # a mismatch of exactly 0 has no place on a log axis
+    steps, floor = range(1, result["steps"] + 1), 1e-9   # a mismatch of exactly 0 has no place on a log axis
     for ax, key, transform in ((axes[0], REWARD, float), (axes[1], MISMATCH, lambda v: max(v, floor))):
         for arm in ARMS:
             runs = [[transform(r[key]) for r in rows] for rows in result["rows"][arm]]
-            steps = range(1, result["steps"] + 1)
             for values in runs:
                 ax.plot(steps, values, "-", color=ARM_COLORS[arm], alpha=0.35, lw=1)
-            mean = [sum(v) / len(v) for v in zip(*runs)]
-            ax.plot(steps, mean, "-", color=ARM_COLORS[arm], lw=2.5,
+            ax.plot(steps, [sum(v) / len(v) for v in zip(*runs)], "-", color=ARM_COLORS[arm], lw=2.5,
                     label=f"{arm}, mean of {len(runs)} seed{'s' if len(runs) > 1 else ''}")
         ax.plot([], [], "-", color="#777777", alpha=0.5, lw=1, label="one seed")
-        ax.set_xlabel("GRPO step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    axes[0].set_ylim(bottom=-0.02)   # rewards are >= 0; the top follows the data (a format bonus adds to 1)
-    axes[0].set_ylabel("reward of the step's completions")
-    axes[1].set(ylabel="|trainer − engine| log-prob, mean", yscale="log")
-    title_with_legend(axes[0], "Reward: the engine's rollouts, scored", ncol=2)
-    title_with_legend(axes[1], "Mismatch: does the engine serve the trainer's policy?", ncol=2)
+    # rewards are >= 0; the top follows the data (a format bonus adds to 1)
+    label_axes(axes[0], "Reward: the engine's rollouts, scored", ncol=2, xlabel="GRPO step",
+               ylabel="reward of the step's completions", ylim=(-0.02, None))
+    label_axes(axes[1], "Mismatch: does the engine serve the trainer's policy?", ncol=2, xlabel="GRPO step",
+               ylabel="|trainer − engine| log-prob, mean", yscale="log")
     return fig
 
 
@@ -166,11 +160,10 @@ def heldout_sentence(summary: dict) -> str:
             "the first adapter's rollouts only; what its own adapter does shows once it is served.")
 
 
-# --- notebook 03: one group's advantages and clipped loss, and what a stale engine hides from it ---------
 @torch.no_grad()
 def one_group_loss(trainer, problem, step: int) -> dict:
-    """One group of G completions for `problem` from the served adapter, through the package's own
-    advantages and clipped loss, with π_old = the trainer's log-probs (as Policy.train) and = the engine's."""
+    """One group for `problem` from the served adapter through the package's advantages and clipped loss, with
+    π_old = the trainer's log-probs (as Policy.train) and = the engine's."""
     from ..rollout import collate, sample, score
     g, name = trainer.settings, trainer.refresher.serving_adapter
     rollouts = sample(trainer.engine, trainer.tokenizer, [problem], g.group_size, trainer.sampling(step), name,
@@ -235,8 +228,8 @@ def group_loss_sentence(stale: dict, fresh: dict) -> str:
 
 
 def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str]:
-    """Markdown: where a stale refresh's harm shows, and the verdict: the stale trainer's held-out strict
-    reward 'lower', 'the same' or 'higher' (two s.e.); the served reward counts if every seed agrees."""
+    """(Markdown: where a stale refresh's harm shows, verdict): the stale trainer's held-out strict reward
+    'lower', 'the same' or 'higher' (two s.e.); the served reward counts if every seed agrees."""
     n, mean, seeds = summary["heldout_n"], summary["mean"], len(summary["per_seed"]["refreshed"])
     shows_served = summary["refreshed_higher"] == seeds
     scores = (f"{mean['refreshed']:.2f} refreshed against {mean['stale']:.2f} stale over the last {summary['last']} "

@@ -27,8 +27,7 @@ FIT = [{"selector": "td, th", "props": "font-size: 12px; padding: 2px 6px; text-
 
 def fit_table(frame, formats: dict | str | None = None, wrap: tuple[str, ...] = ()):
     """A DataFrame's Styler: `formats` as Styler.format takes them, cells unwrapped but for `wrap`'s."""
-    styler = frame.style.format(formats) if formats is not None else frame.style
-    styler = styler.set_table_styles(FIT)
+    styler = (frame.style.format(formats) if formats is not None else frame.style).set_table_styles(FIT)
     if wrap:
         styler = styler.set_properties(subset=list(wrap), **{"white-space": "normal", "min-width": "18em"})
     return styler
@@ -101,8 +100,7 @@ def group_rewards_note(rewards: torch.Tensor, group_size: int, group: int) -> st
 
 
 def prediction_note(predicted: float | None, rewards: torch.Tensor, group_size: int, group: int) -> str:
-    """Markdown: the best completion's advantage against the prediction, and for 0/1 rewards the closed
-    form √((G−k)/k) of k right out of G."""
+    """Markdown: the best completion's advantage against the prediction; for 0/1 rewards the closed form."""
     r = rewards.view(-1, group_size)[group]
     advantages = group_advantages(r, group_size)
     best = advantages[r.argmax()].item()
@@ -122,13 +120,11 @@ def prediction_note(predicted: float | None, rewards: torch.Tensor, group_size: 
 
 
 def kl_penalty_note(rows: list[dict], kl_beta: float, example_beta: float = 0.04) -> str:
-    """Markdown: what `grpo.kl_beta` would add to the loss, from the run's `kl/mean` (the k3 estimate
-    the loss uses, sampling policy against the base), beside the run's own kl_beta."""
+    """Markdown: what `grpo.kl_beta` would add to the loss, from the run's `kl/mean`, beside its own kl_beta."""
     logged = [r for r in rows if r.get(KL) is not None]
     if not logged:
         return "**KL penalty.** No KL was logged in this run (`grpo.kl_metric` is off)."
-    last = logged[-1]
-    kl = last[KL]
+    last, kl = logged[-1], logged[-1][KL]
     own = ("off (the default, as in DAPO and Dr. GRPO: a reward checked by a rule has no reward model to "
            "exploit, and the policy has to move away from the base to learn), so the column *KL to base* "
            "is a metric only" if kl_beta == 0 else f"{kl_beta:g}, so the loss holds β × KL per token")
@@ -203,8 +199,7 @@ def clip_note(ratio: torch.Tensor, mask: torch.Tensor, clip_eps: float, steps: i
 
 
 def half_means(rows: list[dict], per_step: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """(mean, standard error) of reward/mean over each half of `rows`; a step's s.e. is reward/std
-    over sqrt(per_step)."""
+    """(mean, standard error) of reward/mean over each half of `rows` (a step's s.e.: reward/std / √per_step)."""
     half = max(1, len(rows) // 2)
 
     def mean_se(part):
@@ -217,9 +212,8 @@ FOLD = 10.0   # a mismatch spans decades (1e-7 when the engine serves the traine
 
 
 def broken_summary(refreshed: list[dict], broken: list[dict], per_step: int, mode: str = "none") -> str:
-    """Markdown: the run with refresh.mode=`mode` against the refreshed one over the same steps: its
-    mismatch first and last, against the refreshed mismatch and probe gap, and each run's reward
-    direction (first half against second, `direction`); `per_step`: completions per step."""
+    """Markdown: the run with refresh.mode=`mode` against the refreshed one over the same steps: mismatch,
+    probe gap and each run's reward direction (halves); `per_step`: completions per step."""
     k = min(len(broken), len(refreshed))
     first, last = broken[0][MISMATCH], broken[k - 1][MISMATCH]
     ref_last, gap_last = refreshed[k - 1][MISMATCH], refreshed[k - 1][PROBE_GAP]
