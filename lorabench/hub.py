@@ -1,8 +1,6 @@
-"""Is a hub model or dataset usable *now*? Answered in seconds, before anything is built or written
-(else an unreachable hub shows up after minutes of retries inside transformers, as a traceback).
-HF_HUB_OFFLINE=1: only the local cache counts; otherwise the hub's API is asked once, with a short
-timeout (urllib: https_proxy applies). A cached copy is not used silently when the hub cannot be
-reached: the message says to set HF_HUB_OFFLINE=1, so the libraries do not retry for minutes.
+"""Is a hub model or dataset usable *now*? Answered in seconds, before anything is built (not after minutes of
+retries inside transformers). HF_HUB_OFFLINE=1: only the local cache counts; otherwise the hub's API is asked
+once, with a short timeout; an unreachable hub's message says to set HF_HUB_OFFLINE=1 to use a cached copy.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The reference engine: transformers + PEFT in this process (CPU or GPU), with its own copy of the base
-weights, adapters installed by name through PEFT and SGLang's semantics (base.py). The offline default,
-and the reference for SGLang's log-probs; it has every optional capability (memory release a no-op).
+"""The reference engine: transformers + PEFT in this process (CPU or GPU), its own copy of the base weights,
+SGLang's semantics (base.py). The offline default; it has every optional capability (memory release a no-op).
 """
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ def _copy_checked(params: dict[str, torch.Tensor], named_tensors, what: str, nam
 
 
 class DrawToken(LogitsProcessor):
-    """Sampling with the call's own generator (transformers samples from the global RNG): draws the next token
-    from softmax(top_p(logits / temperature)), do_sample's distribution, and leaves it the only finite score,
-    so greedy decoding takes it."""
+    """Draws the next token from softmax(top_p(logits / temperature)) with the call's own generator and leaves it
+    the only finite score, so greedy decoding takes it (transformers would sample from the global RNG)."""
 
     def __init__(self, sampling: Sampling, generator: torch.Generator | None):
         self.temperature, self.generator = sampling.temperature, generator
@@ -128,8 +126,7 @@ class HFEngine:
 
     @classmethod
     def process_memory(cls, settings: HFSettings, needs, vocab: int, base_weight_bytes: int) -> list[tuple]:
-        """(what, bytes, fix) it certainly allocates beside the trainer: its copy of the base weights and the
-        float32 logits of every position of one generate chunk."""
+        """(what, bytes, fix) it allocates beside the trainer: the base weights and one generate chunk's logits."""
         chunk, tokens = min(cls.GENERATE_BATCH, needs.largest_batch or cls.GENERATE_BATCH), needs.max_new_tokens
         return [(f"the hf engine's logits ({chunk} sequences x {tokens} tokens x {vocab:,} vocab, float32)",
                  chunk * tokens * vocab * 4, f"lower grpo.max_new_tokens (now {tokens})"),
@@ -252,8 +249,7 @@ class HFEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None) -> list[Completion]:
         model, ctx = self._model_for(adapter)
         out: list[Completion] = []
-        # the call's own generator: its draws depend on its inputs only (a trainer with grpo.max_staleness
-        # trains on another thread while this samples)
+        # the call's own generator: its draws depend on its inputs only (training may run on another thread)
         generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
         with ctx:
             for start in range(0, len(prompt_ids), self.GENERATE_BATCH):

@@ -128,7 +128,7 @@ class SGLangSettings(Section):
                       lora_target_modules=sglang_target_modules(needs.target_modules), dtype=self.dtype,
                       max_loras_per_batch=max(self.max_loras_per_batch, needs.adapters + 1),   # + the base
                       random_seed=needs.seed, log_level="error")
-        if self.registers_writer(needs):
+        if self.in_place and needs.in_place:   # the in-place writer
             kwargs["custom_weight_loader"] = [internals.LOADER]
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
         if self.cuda_graph_max_bs or needs.largest_batch:
@@ -140,10 +140,6 @@ class SGLangSettings(Section):
         if self.tp_size > 1:
             kwargs["tp_size"] = self.tp_size
         return {**kwargs, **self.extra()}
-
-    def registers_writer(self, needs: EngineNeeds) -> bool:
-        """Whether the engine starts with the in-place writer registered (engine_kwargs)."""
-        return self.in_place and needs.in_place
 
     def gpu_problems(self, visible: int) -> list[str]:
         """Where the engine runs against the `visible` CUDA GPUs of this process."""
@@ -267,7 +263,7 @@ class SGLangEngine:
         self.settings = settings = settings or SGLangSettings()
         needs = needs or EngineNeeds()
         self.max_lora_rank = settings.max_lora_rank or needs.lora_rank
-        self.has_writer = settings.registers_writer(needs)
+        self.has_writer = settings.in_place and needs.in_place   # as engine_kwargs registers it
         self.adapter_dtype = DTYPES.get(settings.dtype)  # None for 'auto': the model's own dtype
         self.device = "cuda"
         self.engine = self._store = None
