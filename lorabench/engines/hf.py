@@ -73,11 +73,11 @@ class HFSettings(Section):
 
 
 def _serialized(method):
-    """One call at a time (a trainer with grpo.max_staleness samples from another thread while its
-    refresh writes the adapter): each call sees the adapter whole, before or after a write."""
+    """One call at a time, without autograd (sampling ahead runs beside the refresh that writes the adapter):
+    each call sees the adapter whole, before or after a write."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        with self._lock:
+        with self._lock, torch.no_grad():
             return method(self, *args, **kwargs)
     return call
 
@@ -88,8 +88,8 @@ class HFEngine:
     help = "transformers + PEFT in this process (CPU or GPU): the offline default and the reference"
     max_lora_rank = None     # PEFT holds any rank
     adapter_dtype = None     # keeps what it is sent: the trainer's dtype, so its weights equal the trainer's
+    GENERATE_BATCH = 128     # sequences generated at once: the logits of all their positions are kept
 
-    GENERATE_BATCH = 128   # sequences generated at once: the logits of all their positions are kept
     def __init__(self, model_path: str, device: str = "", dtype: str = "float32"):
         self.device, self.dtype, self.model_path = pick_device(device), dtype, model_path
         self._lock = threading.RLock()
@@ -138,7 +138,6 @@ class HFEngine:
         """Its base weights in the trainer's dtype, so its log-probs equal the trainer's."""
         return cls(model_path, **{"device": settings.device, "dtype": needs.model_dtype, **overrides})
 
-    # -- adapters ---------------------------------------------------------------------------
     def loaded_adapters(self) -> list[str]:
         return sorted(self._adapters)
 
@@ -178,7 +177,6 @@ class HFEngine:
             self._versions[name] = adapter.version
             self._peft.eval()
 
-    @torch.no_grad()
     @_serialized
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         """Copy new values into adapter `name`'s PEFT parameters (all checked before any is written)."""
@@ -227,8 +225,6 @@ class HFEngine:
         self._peft.set_adapter(adapter)
         return self._peft, nullcontext()
 
-    # -- base weights -------------------------------------------------------------------------
-    @torch.no_grad()
     @_serialized
     def update_weights(self, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
         params = {base_param_name(n): p for n, p in self._base.named_parameters() if ".lora_" not in n}
@@ -239,8 +235,6 @@ class HFEngine:
             if version is not None:
                 self._versions[None] = version
 
-    # -- generation and scoring -------------------------------------------------------------
-    @torch.no_grad()
     @_serialized
     def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
         return self.generate(prompt_ids, sampling, adapter), self._versions.get(adapter)
@@ -289,7 +283,6 @@ class HFEngine:
                                           "length" if stop is None else "stop"))
         return completions
 
-    @torch.no_grad()
     @_serialized
     def score(self, sequences, prompt_lens, adapter, temperature: float = 1.0) -> list[torch.Tensor]:
         model, ctx = self._model_for(adapter)
@@ -300,7 +293,6 @@ class HFEngine:
         token_lp = logprobs.gather(-1, ids[:, 1:, None].to(logprobs.device))[..., 0].cpu()  # [B, W-1]
         return [token_lp[i, prompt_lens[i] - 1: len(s) - 1] for i, s in enumerate(sequences)]
 
-    # -- memory -------------------------------------------------------------------------------
     def release_memory(self, tags: list[str]) -> None:
         if self._released:
             raise EngineError("release_memory called twice; resume_memory first")

@@ -338,7 +338,6 @@ class SGLangEngine:
                       **engine_overrides) -> SGLangEngine:
         return cls(model_path, settings, needs, **engine_overrides)
 
-    # -- adapters ---------------------------------------------------------------------------
     @_on_engine_thread()
     def loaded_adapters(self) -> list[str]:
         return sorted(self._adapters)
@@ -411,7 +410,6 @@ class SGLangEngine:
         if version is not None:
             self._versions[None] = version
 
-    # -- generation and scoring -------------------------------------------------------------
     def _lora(self, adapter: str | None, n: int) -> list[str | None]:
         if adapter is not None and adapter not in self._adapters:
             raise AdapterNotLoaded(f"request names adapter {adapter!r}, which is not loaded "
@@ -465,7 +463,6 @@ class SGLangEngine:
                 internals.abort_requests(engine)
         thread.loop.call_soon_threadsafe(abort_if_still_running)
 
-    # -- memory -------------------------------------------------------------------------------
     @_on_engine_thread()
     def release_memory(self, tags: list[str]) -> None:
         """Release GPU memory for training; tags 'kv_cache', 'weights' (weights come back undefined: only for a
@@ -484,7 +481,6 @@ class SGLangEngine:
             self.pool.forget_all()  # the LoRA pool may come back elsewhere or empty: map again
         self._released = []
 
-    # -- life cycle ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the engine's processes and its thread, after the call in progress (a failed engine's at once)."""
         thread, self._thread = self._thread, None

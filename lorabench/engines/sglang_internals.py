@@ -119,7 +119,6 @@ def check_reply(result, what: str):
     raise EngineError(f"{what} failed; engine says: {message}")
 
 
-# === the tokenizer manager (in this process) =======================================================
 def lora_id(engine, name: str) -> str:
     """The engine's internal id of adapter `name` (each load gets a new one)."""
     ref = engine.tokenizer_manager.lora_registry.get_all_adapters().get(name)
@@ -143,7 +142,6 @@ def abort_requests(engine) -> None:
         abort(abort_all=True)
 
 
-# === the engine's processes ========================================================================
 _LIVE: weakref.WeakSet = weakref.WeakSet()   # our engines whose failed processes we watch for
 _previous_sigquit = None
 _last_shutdown = -math.inf   # time.monotonic() when an engine of ours last stopped its processes
@@ -242,7 +240,6 @@ def stop_processes(engine) -> list:
     return processes
 
 
-# === the rendezvous store of the tensor-parallel ranks ==============================================
 class LoopbackStore:
     """The rendezvous store of SGLang's scheduler ranks, bound to 127.0.0.1 (torch's own, started by rank 0,
     listens unauthenticated on every interface); every rank joins as a client. Its variables are set only
