@@ -181,19 +181,6 @@ def _on_sigquit(signum, frame) -> None:
         owner.children_failed(", ".join(dead[owner]) or "a scheduler or detokenizer process signalled a failure")
 
 
-def _processes(engine) -> list:
-    """The engine's scheduler and detokenizer processes and theirs (psutil, which SGLang requires)."""
-    import psutil
-    found = []
-    for pid in engine.get_all_child_pids():
-        try:
-            proc = psutil.Process(pid)
-            found += [proc, *proc.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
 def _exited(engine) -> list[str]:
     """Those of the engine's processes that have exited, as 'process N exited (...)'."""
     exited = []
@@ -229,9 +216,15 @@ def shut_down(engine) -> None:
 
 
 def stop_processes(engine) -> list:
-    """SIGKILL what is left of the engine's processes; returns them."""
-    import psutil
-    processes = _processes(engine)
+    """SIGKILL what is left of the engine's scheduler and detokenizer processes and theirs; returns them."""
+    import psutil  # SGLang requires it
+    processes = []
+    for pid in engine.get_all_child_pids():
+        try:
+            proc = psutil.Process(pid)
+            processes += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
     for proc in processes:
         try:
             proc.kill()
