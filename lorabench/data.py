@@ -108,8 +108,7 @@ def _one_problem(rng: random.Random) -> tuple[str, list[str], int]:
 
 
 def synthetic_problems(n: int, seed: int | str) -> list[Problem]:
-    """`n` GSM8K-style problems, the same for the same (n, seed) (a str seed is hashed independently of
-    PYTHONHASHSEED)."""
+    """`n` GSM8K-style problems, the same for the same (n, seed) whatever PYTHONHASHSEED."""
     rng = random.Random(seed)
     return [Problem(question, "\n".join(lines) + f"\n#### {value}", str(value))
             for question, lines, value in (_one_problem(rng) for _ in range(n))]

@@ -73,8 +73,7 @@ def model_ref(model: ModelSettings) -> ModelRef:
 
 
 def resolve_model_path(model: ModelSettings, warmstart, seed: int, log=print, progress=None) -> str:
-    """'tiny' -> the cached warm-started dir (built on first use; `progress(what, done, total)` per step); a
-    local dir or hub name as is."""
+    """'tiny' -> the cached warm-started dir (built on first use, `progress` per step); else the dir or hub name."""
     ref = model_ref(model)
     if ref.kind == "tiny":
         from safetensors import SafetensorError

@@ -47,8 +47,7 @@ def engine_class(backend: str) -> type:
 
 @dataclass
 class EngineSettings(Section):
-    """The `engine` section: which engine serves the rollouts and under which adapter name, plus one
-    sub-section per registered engine with settings of its own (`engine.sglang`, `engine.hf`)."""
+    """The `engine` section: the rollout engine, its adapter name, and each engine's own sub-section."""
     backend: str = setting("hf", "The rollout engine; one of the registry's (lorabench.engines.ENGINES): 'hf' "
                            "(transformers + PEFT, CPU or GPU) or 'sglang' (in-process sglang.Engine).",
                            resume=ALLOWED, why=SERVED)

@@ -150,8 +150,7 @@ class SGLangSettings(Section):
 
 
 def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> str:
-    """'' or why the run's largest batch will not fit SGLang's KV cache (`held` tokens) at once, and the
-    mem_fraction_static that would hold it."""
+    """'' or why the largest batch will not fit the KV cache (`held` tokens), and the mem_fraction_static that would."""
     wanted = needs.largest_batch * needs.max_new_tokens   # prompts not counted: a lower bound
     if not held or wanted <= held:
         return ""
@@ -203,8 +202,7 @@ def child_output_to(path: str):
 
 
 def _on_engine_thread(abort_on_interrupt: bool = False):
-    """The method runs on the engine's own thread; with abort_on_interrupt, an interrupted caller's request is
-    aborted in the engine."""
+    """The method runs on the engine's thread; abort_on_interrupt: an interrupted caller's request is aborted."""
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
@@ -374,8 +372,7 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """Overwrite loaded adapter `name` in the engine's GPU LoRA pool (sglang_internals.PoolWriter); refused
-        while any request is in flight."""
+        """Overwrite adapter `name` in the engine's GPU LoRA pool (PoolWriter); refused while requests are in flight."""
         check_loaded(name, self._adapters, "; load it before updating it in place")
         if name not in self._configs:
             raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
@@ -452,8 +449,7 @@ class SGLangEngine:
         return result
 
     def _abort(self, call_id: int) -> None:
-        """A caller stopped waiting for call `call_id`: end it early if it is still running (a later call is
-        never touched)."""
+        """A caller stopped waiting for call `call_id`: end it early if still running (never a later call)."""
         engine, thread = self.engine, self._thread
         if engine is None or thread is None or thread.loop is None or thread.loop.is_closed():
             return

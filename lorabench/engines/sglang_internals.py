@@ -303,8 +303,7 @@ class PoolWriter:
         self.dtype = engine.adapter_dtype or torch.bfloat16
 
     def write(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """New values for adapter `name`; timings in ms: the engine's (`apply` or `map`) and ours (`stage`,
-        `request`, `reply`)."""
+        """New values for adapter `name`; ms timings: the engine's (`apply`/`map`), ours (`stage`/`request`/`reply`)."""
         mapping = self.mapped.get(name)
         if mapping is not None and mapping.layout != adapter.layout:
             self.forget(name)
