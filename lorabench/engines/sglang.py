@@ -97,14 +97,11 @@ class SGLangSettings(Section):
             *check(internals.lora_backend_known(self.lora_backend),
                    f"engine.sglang.lora_backend={self.lora_backend!r}: use one of {sorted(internals.LORA_BACKENDS)} "
                    f"('' = SGLang's default)"),
-            *check(self.max_lora_rank >= 0, f"engine.sglang.max_lora_rank={self.max_lora_rank}: must be >= 0 "
-                   f"(0 = lora.r)"),
-            *check(self.cuda_graph_max_bs >= 0, f"engine.sglang.cuda_graph_max_bs={self.cuda_graph_max_bs}: must be "
-                   f">= 0 (0 = the largest batch the run sends)"),
-            *check(self.tp_size >= 1, f"engine.sglang.tp_size={self.tp_size}: must be >= 1 (the GPUs the engine "
-                   f"spans)"),
-            *check(self.base_gpu_id >= 0, f"engine.sglang.base_gpu_id={self.base_gpu_id}: must be >= 0 (a CUDA "
-                   f"index; 0 = beside the trainer, 1 = a GPU of its own)"),
+            *[f"engine.sglang.{key}={getattr(self, key)}: must be >= {low} ({meaning})" for key, low, meaning in (
+                ("max_lora_rank", 0, "0 = lora.r"), ("cuda_graph_max_bs", 0, "0 = the largest batch the run sends"),
+                ("tp_size", 1, "the GPUs the engine spans"),
+                ("base_gpu_id", 0, "a CUDA index; 0 = beside the trainer, 1 = a GPU of its own"),
+            ) if getattr(self, key) < low],
         ]
         if found:
             return found
