@@ -20,7 +20,6 @@ from ..models import load_model, pick_device, quiet_peft, with_lora
 from ..settings import ALLOWED, Section, check, setting
 from .base import (
     SERVED,
-    AdapterNotLoaded,
     Completion,
     EngineError,
     Sampling,
@@ -219,9 +218,7 @@ class HFEngine:
         """(module, context) for a request: named adapter active, or the base model explicitly."""
         if adapter is None:
             return (self._base, nullcontext()) if self._peft is None else (self._peft, self._peft.disable_adapter())
-        if adapter not in self._adapters:
-            raise AdapterNotLoaded(f"request names adapter {adapter!r}, which is not loaded "
-                                   f"(loaded: {self.loaded_adapters()})")
+        check_loaded(adapter, self._adapters, "; a request named it")
         self._peft.set_adapter(adapter)
         return self._peft, nullcontext()
 

@@ -26,7 +26,6 @@ from ..settings import ALLOWED, Section, check, setting
 from . import sglang_internals as internals
 from .base import (
     SERVED,
-    AdapterNotLoaded,
     Completion,
     EngineError,
     EngineNeeds,
@@ -405,9 +404,8 @@ class SGLangEngine:
             self._versions[None] = version
 
     def _lora(self, adapter: str | None, n: int) -> list[str | None]:
-        if adapter is not None and adapter not in self._adapters:
-            raise AdapterNotLoaded(f"request names adapter {adapter!r}, which is not loaded "
-                                   f"(loaded: {sorted(self._adapters)})")
+        if adapter is not None:
+            check_loaded(adapter, self._adapters, "; a request named it")
         return [adapter] * n  # explicit, also for the base model: [None] * n
 
     @_on_engine_thread(abort_on_interrupt=True)
