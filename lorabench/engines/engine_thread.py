@@ -96,8 +96,7 @@ class EngineThread:
 
     def close(self, reason: str = "the engine is closed") -> None:
         """Stop the thread after the calls already handed over; later calls raise EngineError(reason)."""
-        if not self.failure:
-            self.failure = reason
+        self.failure = self.failure or reason
         self._calls.put(None)
         if not self.on_this_thread:
             self._thread.join(timeout=30)

@@ -207,8 +207,7 @@ class HFEngine:
         self._versions.pop(name, None)
         if not self._adapters:
             # PEFT cannot run with zero adapters; strip the LoRA layers and serve the plain model
-            self._base = self._peft.unload()
-            self._peft = None
+            self._base, self._peft = self._peft.unload(), None
         else:
             if name in self._peft.active_adapters:   # PEFT warns when the active one goes; any other will do
                 self._peft.set_adapter(next(iter(self._adapters)))
