@@ -1,5 +1,4 @@
-"""Wall time of named parts, each reading after the GPU's queued work (if this process uses CUDA), so
-GPU work is timed in the part that issued it."""
+"""Wall time of named parts, each read after the GPU's queued work, so GPU work counts in the part issuing it."""
 from __future__ import annotations
 
 import time

@@ -1,7 +1,6 @@
-"""GSM8K problems: from the hub (openai/gsm8k), local jsonl/parquet files (read by datafiles.py), or a
-seeded offline generator of GSM8K-style word problems. Schema: `question` and `answer` (its last line
-'#### N'); the ground truth is N with commas removed. A prompt is one user message: the question and
-the instruction below. data/README.md describes the formats.
+"""GSM8K problems: from the hub (openai/gsm8k), local jsonl/parquet files (datafiles.py), or a seeded offline
+generator. Rows have `question` and `answer` (last line '#### N'; the ground truth is N without commas); a
+prompt is one user message: the question and INSTRUCTION. data/README.md describes the formats.
 """
 from __future__ import annotations
 
@@ -109,15 +108,10 @@ def _one_problem(rng: random.Random) -> tuple[str, list[str], int]:
 
 
 def synthetic_problems(n: int, seed: int | str) -> list[Problem]:
-    """`n` GSM8K-style problems, the same for the same (n, seed) (a str seed is hashed independently of
-    PYTHONHASHSEED)."""
+    """`n` GSM8K-style problems, the same for the same (n, seed) whatever PYTHONHASHSEED."""
     rng = random.Random(seed)
-    problems = []
-    for _ in range(n):
-        question, lines, value = _one_problem(rng)
-        answer = "\n".join(lines) + f"\n#### {value}"
-        problems.append(Problem(question, answer, str(value)))
-    return problems
+    return [Problem(question, "\n".join(lines) + f"\n#### {value}", str(value))
+            for question, lines, value in (_one_problem(rng) for _ in range(n))]
 
 
 def final_line_variants(value: str) -> list[str]:
@@ -217,14 +211,12 @@ class ProblemSource:
         return cls(data.source, seed, data.eval_source, data.eval_size, data.eval_samples)
 
     def __init__(self, source: str, seed: int, eval_source: str = "", eval_size: int = 128, eval_samples: int = 2):
-        self.source, self.seed = source, seed
-        self.eval_size, self.eval_samples = eval_size, eval_samples
-        self._train: list[Problem] | None = None
-        self._eval: list[Problem] | None = None   # read once: evaluate() runs it at least twice
-        self._eval_source = eval_source
         check_source_paths(source, eval_source)
-        if source not in ("synthetic", "hub"):
-            self._train = load_gsm8k("train", source)  # bad rows fail now, before any step runs
+        self.source, self.seed, self._eval_source = source, seed, eval_source
+        self.eval_size, self.eval_samples = eval_size, eval_samples
+        self._eval: list[Problem] | None = None   # read once: evaluate() runs it at least twice
+        # a file's bad rows fail now, before any step runs
+        self._train = None if source in ("synthetic", "hub") else load_gsm8k("train", source)
 
     def train_batch(self, step: int, n: int) -> list[Problem]:
         if self.source == "synthetic":

@@ -1,8 +1,6 @@
-"""Is a hub model or dataset usable *now*? Answered in seconds, before anything is built or written
-(else an unreachable hub shows up after minutes of retries inside transformers, as a traceback).
-HF_HUB_OFFLINE=1: only the local cache counts; otherwise the hub's API is asked once, with a short
-timeout (urllib: https_proxy applies). A cached copy is not used silently when the hub cannot be
-reached: the message says to set HF_HUB_OFFLINE=1, so the libraries do not retry for minutes.
+"""Is a hub model or dataset usable *now*? Answered in seconds, before anything is built (not after minutes of
+retries inside transformers). HF_HUB_OFFLINE=1: only the local cache counts; otherwise the hub's API is asked
+once, with a short timeout; an unreachable hub's message says to set HF_HUB_OFFLINE=1 to use a cached copy.
 """
 from __future__ import annotations
 
@@ -13,20 +11,11 @@ import urllib.request
 TIMEOUT_S = 5.0
 
 
-def endpoint() -> str:
-    from huggingface_hub import constants
-    return constants.ENDPOINT.rstrip("/")
-
-
-def offline() -> bool:
-    from huggingface_hub import constants
-    return bool(constants.HF_HUB_OFFLINE)
-
-
 def ask_hub(kind: str, repo_id: str) -> str | None:
     """None if `repo_id` exists on the hub ('models' or 'datasets'), else why it cannot be used."""
-    from huggingface_hub import get_token
-    url = f"{endpoint()}/api/{kind}/{urllib.parse.quote(repo_id, safe='/')}"
+    from huggingface_hub import constants, get_token
+    endpoint = constants.ENDPOINT.rstrip("/")
+    url = f"{endpoint}/api/{kind}/{urllib.parse.quote(repo_id, safe='/')}"
     token = get_token()
     request = urllib.request.Request(url, method="GET", headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
@@ -34,21 +23,21 @@ def ask_hub(kind: str, repo_id: str) -> str | None:
             return None  # 200: the repo exists and this user may read it
     except urllib.error.HTTPError as err:
         if err.code in (401, 403):
-            return (f"{repo_id} on {endpoint()} is private or gated (HTTP {err.code}); accept its license on the "
+            return (f"{repo_id} on {endpoint} is private or gated (HTTP {err.code}); accept its license on the "
                     f"hub and log in (hf auth login)")
         if err.code == 404:
-            return f"there is no {kind[:-1]} {repo_id} on {endpoint()}"
-        return f"{endpoint()} answered HTTP {err.code} for {repo_id}"
+            return f"there is no {kind[:-1]} {repo_id} on {endpoint}"
+        return f"{endpoint} answered HTTP {err.code} for {repo_id}"
     except (urllib.error.URLError, OSError) as err:  # no DNS, refused, timeout, proxy
         reason = getattr(err, "reason", err)
-        return (f"the hub ({endpoint()}) cannot be reached ({reason}); connect to the network, or set "
+        return (f"the hub ({endpoint}) cannot be reached ({reason}); connect to the network, or set "
                 f"HF_HUB_OFFLINE=1 to use a copy in the Hugging Face cache")
 
 
 def model_unavailable(repo_id: str) -> str | None:
     """None if the hub model can be loaded now (cached under HF_HUB_OFFLINE=1, or on the hub)."""
-    from huggingface_hub import try_to_load_from_cache
-    if offline():
+    from huggingface_hub import constants, try_to_load_from_cache
+    if constants.HF_HUB_OFFLINE:
         if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
             return None
         return (f"HF_HUB_OFFLINE=1 and {repo_id} is not in the Hugging Face cache (HF_HOME / HF_HUB_CACHE); "
@@ -58,4 +47,5 @@ def model_unavailable(repo_id: str) -> str | None:
 
 def dataset_unavailable(repo_id: str) -> str | None:
     """None if the hub dataset can be loaded now (under HF_HUB_OFFLINE=1 `datasets` answers that at once)."""
-    return None if offline() else ask_hub("datasets", repo_id)
+    from huggingface_hub import constants
+    return None if constants.HF_HUB_OFFLINE else ask_hub("datasets", repo_id)

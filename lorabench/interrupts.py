@@ -1,6 +1,5 @@
-"""Critical sections against Ctrl-C / Kernel -> Interrupt in a process that goes on after one (a
-notebook kernel): a change of state that is half made when KeyboardInterrupt arrives (a commit, an
-engine loading an adapter) would leave the trainer, the run dir or the engine disagreeing."""
+"""Critical sections against Ctrl-C / Kernel -> Interrupt in a process that goes on after one (a notebook
+kernel): a half-made change of state would leave the trainer, the run dir or the engine disagreeing."""
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +11,7 @@ import threading
 
 @contextlib.contextmanager
 def sigint_handled_by(handler):
-    """SIGINT goes to `handler` while the block runs, then to the handler that was there before. On the
-    main thread only (elsewhere nothing changes): no other thread gets KeyboardInterrupt."""
+    """SIGINT goes to `handler` while the block runs, then to the previous one; main thread only (elsewhere a no-op)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -26,8 +24,7 @@ def sigint_handled_by(handler):
 
 @contextlib.contextmanager
 def interrupts_deferred():
-    """A SIGINT (Ctrl-C, Kernel -> Interrupt) arriving while the block runs is delivered when it ends, to
-    the handler that was there before (main thread only, as `sigint_handled_by`)."""
+    """A SIGINT arriving while the block runs is delivered when it ends (main thread only, as `sigint_handled_by`)."""
     arrived = []
     try:
         with sigint_handled_by(lambda signum, frame: arrived.append(signum)):
@@ -41,10 +38,8 @@ _RESENT = {KeyboardInterrupt: signal.SIGINT}   # a stop that a signal raises -> 
 
 
 def resend_lost_stops(stop: type[BaseException] = KeyboardInterrupt, signum: int = signal.SIGINT) -> None:
-    """From now on in this process, `stop` raised by a signal's handler while a finaliser or a weakref callback
-    runs (the garbage collector runs them anywhere, and there Python prints "Exception ignored" and goes on, so
-    the Ctrl-C or the kill was lost) is sent again 50 ms later, to be raised where the main thread is then.
-    Other exceptions Python cannot raise go to the hook that was there before."""
+    """From now on, `stop` raised by a signal's handler inside a finaliser or weakref callback (where Python prints
+    "Exception ignored" and goes on) is sent again 50 ms later; other unraisables go to the previous hook."""
     _RESENT[stop] = signum
     if getattr(sys.unraisablehook, "resends_lost_stops", False):
         return
@@ -65,8 +60,7 @@ WAKE_S = 0.1   # how soon a waiting main thread acts on an interrupt that reache
 
 
 def wait_interruptibly(result):
-    """`result()` of a Future (result or exception), waking every WAKE_S: Python acts on a SIGINT only
-    when the main thread next runs Python code, which one long wait would delay to its end."""
+    """`result()` of a Future, waking every WAKE_S: Python acts on a SIGINT only when it next runs Python code."""
     while True:
         try:
             return result(timeout=WAKE_S)

@@ -25,10 +25,8 @@ _TORCH_DEFAULT_THREADS: list[int] = []   # torch's own thread count, read before
 
 
 def cpu_threads(setting: int) -> tuple[int, str]:
-    """run.threads resolved: (torch CPU threads, how they were chosen); 0 = auto: torch's default less the
-    busy CPUs, at least 1 (threads waiting on each other lose more to a busy core than one too few). Busy:
-    the 1-minute load average, or fewer where /proc/stat shows fewer busy now: the load average also counts
-    tasks waiting in the kernel, and an idle VM can show ~1 (one torch thread, the demo 1.5x slower)."""
+    """run.threads resolved: (torch CPU threads, how they were chosen); 0 = auto: torch's default less the busy
+    CPUs (the 1-minute load average, or fewer if /proc/stat shows fewer busy now), at least 1."""
     import torch
     if not _TORCH_DEFAULT_THREADS:
         _TORCH_DEFAULT_THREADS.append(torch.get_num_threads())
@@ -43,8 +41,7 @@ def cpu_threads(setting: int) -> tuple[int, str]:
 
 
 def busy_now(cpus: set[int], seconds: float = 0.3) -> float | None:
-    """How many of `cpus` other processes keep busy, measured over `seconds` from /proc/stat (this process's
-    own CPU time taken out); None where there is no /proc/stat."""
+    """How many of `cpus` other processes keep busy over `seconds` (/proc/stat less this process); None without it."""
     def sample() -> dict[int, list[int]]:
         with open("/proc/stat") as fh:   # "cpuN user nice system idle iowait irq softirq steal ..."
             rows = [line.split() for line in fh if line.startswith("cpu") and line[3].isdigit()]

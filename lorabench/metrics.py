@@ -1,6 +1,5 @@
 """A step's metrics: one metrics.jsonl row per GRPO step, slash-namespaced (`area/what`). Every name is
-written here once; the trainer fills a row with `step_row` (and the step's clock, `time_of`, `memory_of`),
-and every reader (plots, panels, lessons, the CLI's summary) imports the names it reads.
+written here once; the trainer fills a row with `step_row`, and every reader imports the names it reads.
 """
 from __future__ import annotations
 

@@ -73,8 +73,7 @@ def model_ref(model: ModelSettings) -> ModelRef:
 
 
 def resolve_model_path(model: ModelSettings, warmstart, seed: int, log=print, progress=None) -> str:
-    """'tiny' -> the cached warm-started dir (built on first use; `progress(what, done, total)` at each
-    warm-start step); a local dir or hub name as is."""
+    """'tiny' -> the cached warm-started dir (built on first use, `progress` per step); else the dir or hub name."""
     ref = model_ref(model)
     if ref.kind == "tiny":
         from safetensors import SafetensorError
@@ -145,10 +144,8 @@ def pick_device(requested: str = "") -> str:
 
 @contextlib.contextmanager
 def quiet_peft():
-    """Hides PEFT's FutureWarning about transformers' deprecated `is_gradient_checkpointing` (PEFT's to fix), and
-    its warning that an adapter name inside 'lora_' (a policy named 'a', 'lo', ...) may load wrongly: lorabench
-    never loads by PEFT's name matching (LoraLayers reads each layer's ModuleDict entry; the hf engine refuses a
-    load with a missing or unexpected key)."""
+    """Hides PEFT's FutureWarning about `is_gradient_checkpointing` (PEFT's to fix) and its warning that an adapter
+    name inside 'lora_' may load wrongly (lorabench never loads by PEFT's name matching)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         warnings.filterwarnings("ignore", message="Adapter name .* should not be contained in the prefix",

@@ -1,11 +1,6 @@
-"""The tiny offline model: a real Qwen3-architecture causal LM (~2.5M params) with a byte-level BPE
-tokenizer trained here on generated GSM8K-style text and Qwen's chat special tokens, warm-started
-(SFT) on generated problems so GRPO starts from rewards that are neither 0 nor 1.
-
-Saved as an ordinary Hugging Face model dir (transformers, PEFT and SGLang load it like Qwen3-0.6B)
-and cached by its recipe: `tiny_model_dir()` builds it once, atomically, first removing the temps of
-killed builders. Only `strict_format_fraction` of warm-start targets end with '#### N', so the strict
-reward has a format for GRPO to discover.
+"""The tiny offline model: a Qwen3-architecture causal LM (~2.5M params) with a byte-level BPE tokenizer
+trained on generated GSM8K-style text, warm-started (SFT) so GRPO starts from rewards neither 0 nor 1.
+An ordinary Hugging Face model dir, cached by its recipe and built once, atomically (`tiny_model_dir`).
 """
 from __future__ import annotations
 
@@ -31,8 +26,7 @@ _RECIPE = "it is part of the tiny base model's recipe: another value builds anot
 @dataclass
 class WarmStartSettings(Section):
     """The `warmstart` section: the tiny model's SFT (part of its recipe; real models ignore it)."""
-    steps: int = setting(400, "SFT steps for the tiny model before GRPO (0 = skip; ignored for real models). "
-                         "Accuracy jumps between 300 and 350 steps (docs/research_log.md).",
+    steps: int = setting(400, "SFT steps for the tiny model before GRPO (0 = skip; ignored for real models).",
                          resume=REFUSED, why=_RECIPE)
     batch_size: int = setting(32, "SFT batch size.", resume=REFUSED, why=_RECIPE)
     lr: float = setting(6e-3, "SFT learning rate (AdamW, warm-up then cosine decay).", resume=REFUSED, why=_RECIPE)

@@ -1,12 +1,10 @@
 """Rollout engines: one core protocol plus optional capabilities (base.py), one registry.
 
 An engine is one file here plus one line in ENGINES: a class with `name`, `help`, `Settings` (its
-`engine.<name>` section, or None), `needs_problems(settings, needs)` (fix-it lines for what it cannot
-do for this run), `check_available(settings, capabilities)` (packages, devices; before anything is
-written), `device_of(settings)` (the trainer's device beside it), `process_memory(settings, needs, vocab,
-base_weight_bytes)` (what it allocates in the trainer's process), `from_settings(model_path, settings,
-needs)` and the RolloutEngine methods. An engine imports its optional dependency (sglang) only when it
-starts, so a missing one fails only the engine that needs it.
+`engine.<name>` section, or None), `needs_problems(settings, needs)`, `check_available(settings,
+capabilities)`, `device_of(settings)`, `process_memory(settings, needs, vocab, base_weight_bytes)`,
+`from_settings(model_path, settings, needs)` and the RolloutEngine methods. An optional dependency
+(sglang) is imported only when its engine starts.
 """
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ def engine_class(backend: str) -> type:
 
 @dataclass
 class EngineSettings(Section):
-    """The `engine` section: which engine serves the rollouts and under which adapter name, plus one
-    sub-section per registered engine with settings of its own (`engine.sglang`, `engine.hf`)."""
+    """The `engine` section: the rollout engine, its adapter name, and each engine's own sub-section."""
     backend: str = setting("hf", "The rollout engine; one of the registry's (lorabench.engines.ENGINES): 'hf' "
                            "(transformers + PEFT, CPU or GPU) or 'sglang' (in-process sglang.Engine).",
                            resume=ALLOWED, why=SERVED)

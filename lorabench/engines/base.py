@@ -1,15 +1,11 @@
-"""A rollout engine: a small core every engine implements, plus optional capabilities that a refresher
-or the trainer checks once (`require`), never by the engine's name.
-
-Semantics are SGLang's:
-- a request is adapted only if it names an adapter; `adapter=None` runs the base model;
-- loading a loaded name raises `AdapterAlreadyLoaded` (refresh is unload, then load); unloading a name
-  that is not loaded raises `AdapterNotLoaded`, the one benign case in a refresh (the first has nothing
-  to unload), which callers catch exactly;
+"""A rollout engine: a small core every engine implements, plus optional capabilities checked once
+(`require`), never by the engine's name. Semantics are SGLang's:
+- `adapter=None` runs the base model; a request is adapted only if it names an adapter;
+- loading a loaded name raises `AdapterAlreadyLoaded`; unloading one not loaded raises `AdapterNotLoaded`
+  (a refresh's first unload: callers catch it exactly);
 - log-probs are of the sampling distribution (logits / temperature, before top-p);
-- every adapter carries a version (the policy step of its weights), written by the call that writes the
-  weights, so a skipped or failed write cannot bump it; `served_version(name)` reports it (`None`: the
-  base weights', which a merged refresh overwrites).
+- an adapter's version (its policy step) is written by the call that writes its weights, so a failed write
+  cannot bump it; `served_version(None)` is the base weights' (a merged refresh overwrites them).
 """
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ class EngineNeeds:
     model_dtype: str = "float32"
     adapters: int = 1           # adapters served side by side (a policy group: one per policy)
     max_new_tokens: int = 48    # the longest completion it will be asked for
-    in_place: bool = True       # the run may write its adapter in place (refresh.mode=inplace); an engine
-                                # opened without a run (a benchmark, a lesson switching modes) may be too
+    in_place: bool = True       # the adapter may be written in place (refresh.mode=inplace, or no run)
     samples_ahead: bool = False # the next step's rollouts are sampled while this one trains (grpo.max_staleness)
 
 
@@ -85,7 +80,6 @@ class RolloutEngine(Protocol):
     def score(self, sequences: list[list[int]], prompt_lens: list[int], adapter: str | None,
               temperature: float = 1.0) -> list[torch.Tensor]:
         """Log-probs of sequences[i][prompt_lens[i]:] given the tokens before them."""
-        ...
 
     def load_adapter(self, name: str, path: Path, version: int = 0) -> None: ...
     def load_adapter_tensors(self, name: str, adapter: FlatAdapter) -> None: ...
@@ -109,7 +103,6 @@ class GeneratesMixed(Protocol):
 
     def generate_mixed(self, requests: list[GenerateRequest]) -> list[list[Completion]]:
         """The completions of each request, in order; as if each were generate(*request)."""
-        ...
 
 
 def generate_each(engine, requests: list[GenerateRequest]) -> list[list[Completion]]:
@@ -133,7 +126,6 @@ class UpdatesAdapterInPlace(Protocol):
 
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         """Same names, shapes and LoRA config as loaded; returns the engine's own timings in ms."""
-        ...
 
 
 @runtime_checkable

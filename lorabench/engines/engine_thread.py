@@ -1,15 +1,12 @@
-"""One thread that an engine is created on and that runs every call to it.
-
-Why: SGLang's `Engine` runs the event loop current on the thread that created it; in a Jupyter kernel's
-main thread that is the kernel's own, already running loop. Created here, it gets a loop of its own.
+"""One thread that an engine is created on and that runs every call to it: SGLang's `Engine` runs the
+event loop of the thread that created it, which in a Jupyter kernel's main thread is the kernel's own.
 
 Invariants:
-- calls run one at a time, in arrival order: what an engine records about itself (adapters, versions)
-  is read and written on this thread only, so it matches what the engine did, even if a caller left;
-- a caller interrupted while it waits (Ctrl-C, Kernel -> Interrupt) gets the KeyboardInterrupt at once;
-  the call still finishes here (`on_interrupt` may end it early) before the next one runs;
+- calls run one at a time, in arrival order, so an engine's record of itself matches what it did;
+- an interrupted caller gets KeyboardInterrupt at once; its call still finishes here (`on_interrupt`
+  may end it early) before the next one runs;
 - a call made from this thread runs at once (an engine method calling another);
-- after `fail(reason)` (the engine's processes died) or `close()`, every call raises EngineError(reason).
+- after `fail(reason)` or `close()`, every call raises EngineError(reason).
 """
 from __future__ import annotations
 
@@ -65,8 +62,7 @@ class EngineThread:
         self.loop.close()
 
     def use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On this thread: calls run on `loop` from now on (the one sglang.Engine made when created here),
-        so interrupts and failures reach it."""
+        """On this thread: calls run on `loop` (sglang.Engine's own) from now on: interrupts and failures reach it."""
         assert self.on_this_thread, "use_loop runs on the engine thread"
         if loop is not self.loop:
             self.loop.close()
@@ -93,16 +89,14 @@ class EngineThread:
             raise
 
     def fail(self, reason: str) -> None:
-        """The engine is gone: the running call (its loop's tasks cancelled) and every later one raise
-        EngineError(reason)."""
+        """The engine is gone: the running call (its tasks cancelled) and every later one raise EngineError."""
         self.failure = reason
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(_cancel_all, self.loop)
 
     def close(self, reason: str = "the engine is closed") -> None:
         """Stop the thread after the calls already handed over; later calls raise EngineError(reason)."""
-        if not self.failure:
-            self.failure = reason
+        self.failure = self.failure or reason
         self._calls.put(None)
         if not self.on_this_thread:
             self._thread.join(timeout=30)

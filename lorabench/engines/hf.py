@@ -1,6 +1,5 @@
-"""The reference engine: transformers + PEFT in this process (CPU or GPU), with its own copy of the base
-weights, adapters installed by name through PEFT and SGLang's semantics (base.py). The offline default,
-and the reference for SGLang's log-probs; it has every optional capability (memory release a no-op).
+"""The reference engine: transformers + PEFT in this process (CPU or GPU), its own copy of the base weights,
+SGLang's semantics (base.py). The offline default; it has every optional capability (memory release a no-op).
 """
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from ..models import load_model, pick_device, quiet_peft, with_lora
 from ..settings import ALLOWED, Section, check, setting
 from .base import (
     SERVED,
-    AdapterNotLoaded,
     Completion,
     EngineError,
     Sampling,
@@ -44,9 +42,8 @@ def _copy_checked(params: dict[str, torch.Tensor], named_tensors, what: str, nam
 
 
 class DrawToken(LogitsProcessor):
-    """Sampling with the call's own generator (transformers samples from the global RNG): draws the next token
-    from softmax(top_p(logits / temperature)), do_sample's distribution, and leaves it the only finite score,
-    so greedy decoding takes it."""
+    """Draws the next token from softmax(top_p(logits / temperature)) with the call's own generator and leaves it
+    the only finite score, so greedy decoding takes it (transformers would sample from the global RNG)."""
 
     def __init__(self, sampling: Sampling, generator: torch.Generator | None):
         self.temperature, self.generator = sampling.temperature, generator
@@ -75,11 +72,11 @@ class HFSettings(Section):
 
 
 def _serialized(method):
-    """One call at a time (a trainer with grpo.max_staleness samples from another thread while its
-    refresh writes the adapter): each call sees the adapter whole, before or after a write."""
+    """One call at a time, without autograd (sampling ahead runs beside the refresh that writes the adapter):
+    each call sees the adapter whole, before or after a write."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        with self._lock:
+        with self._lock, torch.no_grad():
             return method(self, *args, **kwargs)
     return call
 
@@ -90,8 +87,8 @@ class HFEngine:
     help = "transformers + PEFT in this process (CPU or GPU): the offline default and the reference"
     max_lora_rank = None     # PEFT holds any rank
     adapter_dtype = None     # keeps what it is sent: the trainer's dtype, so its weights equal the trainer's
+    GENERATE_BATCH = 128     # sequences generated at once: the logits of all their positions are kept
 
-    GENERATE_BATCH = 128   # sequences generated at once: the logits of all their positions are kept
     def __init__(self, model_path: str, device: str = "", dtype: str = "float32"):
         self.device, self.dtype, self.model_path = pick_device(device), dtype, model_path
         self._lock = threading.RLock()
@@ -128,8 +125,7 @@ class HFEngine:
 
     @classmethod
     def process_memory(cls, settings: HFSettings, needs, vocab: int, base_weight_bytes: int) -> list[tuple]:
-        """(what, bytes, fix) it certainly allocates beside the trainer: its copy of the base weights and the
-        float32 logits of every position of one generate chunk."""
+        """(what, bytes, fix) it allocates beside the trainer: the base weights and one generate chunk's logits."""
         chunk, tokens = min(cls.GENERATE_BATCH, needs.largest_batch or cls.GENERATE_BATCH), needs.max_new_tokens
         return [(f"the hf engine's logits ({chunk} sequences x {tokens} tokens x {vocab:,} vocab, float32)",
                  chunk * tokens * vocab * 4, f"lower grpo.max_new_tokens (now {tokens})"),
@@ -141,7 +137,6 @@ class HFEngine:
         """Its base weights in the trainer's dtype, so its log-probs equal the trainer's."""
         return cls(model_path, **{"device": settings.device, "dtype": needs.model_dtype, **overrides})
 
-    # -- adapters ---------------------------------------------------------------------------
     def loaded_adapters(self) -> list[str]:
         return sorted(self._adapters)
 
@@ -181,7 +176,6 @@ class HFEngine:
             self._versions[name] = adapter.version
             self._peft.eval()
 
-    @torch.no_grad()
     @_serialized
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
         """Copy new values into adapter `name`'s PEFT parameters (all checked before any is written)."""
@@ -213,8 +207,7 @@ class HFEngine:
         self._versions.pop(name, None)
         if not self._adapters:
             # PEFT cannot run with zero adapters; strip the LoRA layers and serve the plain model
-            self._base = self._peft.unload()
-            self._peft = None
+            self._base, self._peft = self._peft.unload(), None
         else:
             if name in self._peft.active_adapters:   # PEFT warns when the active one goes; any other will do
                 self._peft.set_adapter(next(iter(self._adapters)))
@@ -224,14 +217,10 @@ class HFEngine:
         """(module, context) for a request: named adapter active, or the base model explicitly."""
         if adapter is None:
             return (self._base, nullcontext()) if self._peft is None else (self._peft, self._peft.disable_adapter())
-        if adapter not in self._adapters:
-            raise AdapterNotLoaded(f"request names adapter {adapter!r}, which is not loaded "
-                                   f"(loaded: {self.loaded_adapters()})")
+        check_loaded(adapter, self._adapters, "; a request named it")
         self._peft.set_adapter(adapter)
         return self._peft, nullcontext()
 
-    # -- base weights -------------------------------------------------------------------------
-    @torch.no_grad()
     @_serialized
     def update_weights(self, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
         params = {base_param_name(n): p for n, p in self._base.named_parameters() if ".lora_" not in n}
@@ -242,8 +231,6 @@ class HFEngine:
             if version is not None:
                 self._versions[None] = version
 
-    # -- generation and scoring -------------------------------------------------------------
-    @torch.no_grad()
     @_serialized
     def generate_served(self, prompt_ids, sampling: Sampling, adapter: str | None) -> tuple[list[Completion], int]:
         return self.generate(prompt_ids, sampling, adapter), self._versions.get(adapter)
@@ -252,8 +239,7 @@ class HFEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, adapter: str | None) -> list[Completion]:
         model, ctx = self._model_for(adapter)
         out: list[Completion] = []
-        # the call's own generator: its draws depend on its inputs only (a trainer with grpo.max_staleness
-        # trains on another thread while this samples)
+        # the call's own generator: its draws depend on its inputs only (training may run on another thread)
         generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
         with ctx:
             for start in range(0, len(prompt_ids), self.GENERATE_BATCH):
@@ -293,7 +279,6 @@ class HFEngine:
                                           "length" if stop is None else "stop"))
         return completions
 
-    @torch.no_grad()
     @_serialized
     def score(self, sequences, prompt_lens, adapter, temperature: float = 1.0) -> list[torch.Tensor]:
         model, ctx = self._model_for(adapter)
@@ -304,7 +289,6 @@ class HFEngine:
         token_lp = logprobs.gather(-1, ids[:, 1:, None].to(logprobs.device))[..., 0].cpu()  # [B, W-1]
         return [token_lp[i, prompt_lens[i] - 1: len(s) - 1] for i, s in enumerate(sequences)]
 
-    # -- memory -------------------------------------------------------------------------------
     def release_memory(self, tags: list[str]) -> None:
         if self._released:
             raise EngineError("release_memory called twice; resume_memory first")

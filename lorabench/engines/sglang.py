@@ -1,15 +1,9 @@
-"""The SGLang backend: an in-process `sglang.Engine` (no HTTP server, no open port) with LoRA enabled,
-serving the base weights once and adapters refreshed live by name.
+"""The SGLang backend: an in-process `sglang.Engine` (no HTTP server, no open port) with LoRA enabled, token
+ids in and out (skip_tokenizer_init=True), through its public methods only (internals: sglang_internals.py).
 
-This module calls the Engine's public methods only (generate, load_lora_adapter[_from_tensors],
-unload_lora_adapter, update_weights_from_tensor, release/resume_memory_occupation, get_server_info);
-token ids in, token ids and log-probs out (skip_tokenizer_init=True). Every use of an SGLang
-internal is in sglang_internals.py, with the releases it was verified on.
-
-Invariants: every prompt names its adapter (`lora_path=[name]*n`, `[None]*n` for the base model);
-'all-linear' is SGLang's 'all' and a regex target is refused before the engine starts; tensors are on
-the GPU before CUDA-IPC serialisation; only the memory tags released are resumed; a failed call raises
-EngineError with the engine's own message. Scripts that start an Engine need an
+Invariants: every prompt names its adapter (`[None]*n` for the base model); a regex target is refused
+before the engine starts; tensors are on the GPU before CUDA-IPC; only the memory tags released are resumed;
+a failed call raises EngineError with the engine's message. Scripts that start an Engine need an
 `if __name__ == "__main__":` guard (SGLang spawns processes).
 """
 from __future__ import annotations
@@ -32,7 +26,6 @@ from ..settings import ALLOWED, Section, check, setting
 from . import sglang_internals as internals
 from .base import (
     SERVED,
-    AdapterNotLoaded,
     Completion,
     EngineError,
     EngineNeeds,
@@ -69,36 +62,26 @@ def sglang_target_modules(target) -> list[str]:
 @dataclass
 class SGLangSettings(Section):
     """The `engine.sglang` section: what sglang.Engine is started with (the rest comes from EngineNeeds)."""
-    mem_fraction_static: float = served(0.3, "Fraction of GPU memory for the engine's weights + KV cache. 0.3 leaves "
-                                        "the README's command room for the trainer on a 24 GB GPU (docs/results.md); "
-                                        "an engine on GPUs of its own (base_gpu_id >= 1) can take ~0.85.")
+    mem_fraction_static: float = served(0.3, "Fraction of GPU memory for the engine's weights + KV cache; ~0.85 on "
+                                        "GPUs of its own (base_gpu_id >= 1).")
     dtype: str = served("auto", "The engine's model dtype ('auto', 'bfloat16', 'float16').")
     max_lora_rank: int = served(0, "Largest LoRA rank the engine holds; 0 = the run's lora.r.")
     max_loras_per_batch: int = served(4, "Adapters per batch; the base model counts as one (>= 2).")
-    lora_backend: str = served("triton", "The LoRA kernels: 'triton' or 'csgmv' (SGLang's default). triton decodes "
-                               "with the adapter closer to base speed (docs/results.md).")
+    lora_backend: str = served("triton", "The LoRA kernels: 'triton' (faster decode) or 'csgmv' (SGLang's default).")
     attention_backend: str = served("", "'' = SGLang's default.")
     sampling_backend: str = served("", "'' = SGLang's default.")
     grammar_backend: str = served("", "'' = SGLang's default.")
     disable_cuda_graph: bool = served(False, "Turn CUDA graphs off (slower decode, faster start).")
-    cuda_graph_max_bs: int = served(0, "Largest decode batch run as a CUDA graph; 0 = the largest batch the run sends "
-                                    "(a rollout or the held-out eval): a batch above it decodes without graphs, "
-                                    "several times slower (docs/results.md).")
-    tp_size: int = served(1, "Tensor-parallel size: the GPUs the engine spans from base_gpu_id on; the trainer stays "
-                          "on cuda:0 (docs/multi_gpu.md).")
-    base_gpu_id: int = served(0, "The engine's first GPU (a visible CUDA index); the trainer is on cuda:0. 0 = they "
-                              "share GPU 0; 1 = the engine on GPUs 1..tp_size of its own, so training never waits for "
-                              "its memory and, with grpo.max_staleness=1, the next step's rollouts run beside this "
-                              "step's training (docs/multi_gpu.md).")
-    in_place: bool = served(True, "Register lorabench's in-place writer (a custom weight loader) when the engine "
-                            "starts for a run that refreshes in place (refresh.mode=inplace; an engine opened "
-                            "without a run too, so a lesson may switch to it); its buffers are made at the first "
-                            "in-place write. A run in another mode sets up nothing of it. false: never, and "
-                            "inplace is refused.")
+    cuda_graph_max_bs: int = served(0, "Largest decode batch run as a CUDA graph (a larger one decodes several "
+                                    "times slower); 0 = the largest batch the run sends.")
+    tp_size: int = served(1, "Tensor-parallel size: the GPUs the engine spans from base_gpu_id on (docs/multi_gpu.md).")
+    base_gpu_id: int = served(0, "The engine's first GPU; the trainer is on cuda:0. 0 = shared; 1 = GPUs of its own, "
+                              "so sampling ahead (grpo.max_staleness) overlaps training (docs/multi_gpu.md).")
+    in_place: bool = served(True, "Register the in-place writer (a custom weight loader) at start, for "
+                            "refresh.mode=inplace or an engine opened without a run; false: never, inplace refused.")
     extra_args: str = served("", 'A JSON object of further sglang.Engine arguments, e.g. \'{"enable_memory_saver": '
                              'true}\'.')
-    log_file: str = served("", "A file (appended) for the output of the engine's own processes: its progress bars "
-                           "and logs; '' = this process's stdout/stderr.")
+    log_file: str = served("", "A file (appended) for the engine processes' output; '' = this process's.")
 
     def extra(self) -> dict:
         return json.loads(self.extra_args) if self.extra_args else {}
@@ -113,14 +96,11 @@ class SGLangSettings(Section):
             *check(internals.lora_backend_known(self.lora_backend),
                    f"engine.sglang.lora_backend={self.lora_backend!r}: use one of {sorted(internals.LORA_BACKENDS)} "
                    f"('' = SGLang's default)"),
-            *check(self.max_lora_rank >= 0, f"engine.sglang.max_lora_rank={self.max_lora_rank}: must be >= 0 "
-                   f"(0 = lora.r)"),
-            *check(self.cuda_graph_max_bs >= 0, f"engine.sglang.cuda_graph_max_bs={self.cuda_graph_max_bs}: must be "
-                   f">= 0 (0 = the largest batch the run sends)"),
-            *check(self.tp_size >= 1, f"engine.sglang.tp_size={self.tp_size}: must be >= 1 (the GPUs the engine "
-                   f"spans)"),
-            *check(self.base_gpu_id >= 0, f"engine.sglang.base_gpu_id={self.base_gpu_id}: must be >= 0 (a CUDA "
-                   f"index; 0 = beside the trainer, 1 = a GPU of its own)"),
+            *[f"engine.sglang.{key}={getattr(self, key)}: must be >= {low} ({meaning})" for key, low, meaning in (
+                ("max_lora_rank", 0, "0 = lora.r"), ("cuda_graph_max_bs", 0, "0 = the largest batch the run sends"),
+                ("tp_size", 1, "the GPUs the engine spans"),
+                ("base_gpu_id", 0, "a CUDA index; 0 = beside the trainer, 1 = a GPU of its own"),
+            ) if getattr(self, key) < low],
         ]
         if found:
             return found
@@ -144,7 +124,7 @@ class SGLangSettings(Section):
                       lora_target_modules=sglang_target_modules(needs.target_modules), dtype=self.dtype,
                       max_loras_per_batch=max(self.max_loras_per_batch, needs.adapters + 1),   # + the base
                       random_seed=needs.seed, log_level="error")
-        if self.registers_writer(needs):
+        if self.in_place and needs.in_place:   # the in-place writer
             kwargs["custom_weight_loader"] = [internals.LOADER]
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
         if self.cuda_graph_max_bs or needs.largest_batch:
@@ -157,10 +137,6 @@ class SGLangSettings(Section):
             kwargs["tp_size"] = self.tp_size
         return {**kwargs, **self.extra()}
 
-    def registers_writer(self, needs: EngineNeeds) -> bool:
-        """Whether the engine starts with the in-place writer registered (engine_kwargs)."""
-        return self.in_place and needs.in_place
-
     def gpu_problems(self, visible: int) -> list[str]:
         """Where the engine runs against the `visible` CUDA GPUs of this process."""
         last = self.base_gpu_id + self.tp_size - 1
@@ -170,8 +146,7 @@ class SGLangSettings(Section):
 
 
 def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> str:
-    """'' or why the run's largest batch will not decode at once: one whose tokens SGLang's KV cache (`held`
-    tokens) cannot hold decodes in waves, slower per token; and the mem_fraction_static that would hold it."""
+    """'' or why the largest batch will not fit the KV cache (`held` tokens), and the mem_fraction_static that would."""
     wanted = needs.largest_batch * needs.max_new_tokens   # prompts not counted: a lower bound
     if not held or wanted <= held:
         return ""
@@ -183,8 +158,7 @@ def kv_capacity_note(held: int | None, needs: EngineNeeds, fraction: float) -> s
 
 
 def overlap_note(needs: EngineNeeds, base_gpu_id: int) -> str:
-    """'' or why sampling ahead overlaps little here: the engine shares the trainer's GPU and no CUDA MPS
-    daemon runs, so the GPU takes the two processes' kernels in turns (docs/results.md section 2)."""
+    """'' or why sampling ahead overlaps little here: the engine shares the trainer's GPU without CUDA MPS."""
     pipes = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
     if not needs.samples_ahead or base_gpu_id != 0 or (pipes / "control").exists():
         return ""
@@ -196,9 +170,8 @@ def overlap_note(needs: EngineNeeds, base_gpu_id: int) -> str:
 
 @contextlib.contextmanager
 def child_output_to(path: str):
-    """While the engine's processes start, this process's file descriptors 1 and 2 point at `path`: the
-    children inherit it for their whole life (else SGLang's progress bars land in a notebook's output);
-    this process gets its own back when the block ends. '' changes nothing."""
+    """File descriptors 1 and 2 point at `path` during the block, so the processes started in it write there
+    for life (not into a notebook's output); '' changes nothing."""
     if not path:
         yield
         return
@@ -225,8 +198,7 @@ def child_output_to(path: str):
 
 
 def _on_engine_thread(abort_on_interrupt: bool = False):
-    """The method runs on the engine's own thread, whoever calls it; with abort_on_interrupt, a request
-    whose caller is interrupted is aborted in the engine (its results would be dropped anyway)."""
+    """The method runs on the engine's thread; abort_on_interrupt: an interrupted caller's request is aborted."""
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
@@ -239,22 +211,17 @@ def _on_engine_thread(abort_on_interrupt: bool = False):
 
 
 class SGLangEngine:
-    """An in-process sglang.Engine, created and driven on a thread of its own (engine_thread.py): its
-    asyncio loop is its own, never a notebook kernel's; every method runs there, in order.
-
-    Its processes start with SIGINT ignored (it reaches a kernel's whole process group): an interrupt
-    stops the caller, never the engine. If one dies, SGLang sends this process SIGQUIT; instead of SGLang's
-    handler, which kills this process (a notebook's kernel), the engine is marked failed: its other
-    processes are stopped, the running and every later call raise EngineError, and the process goes on.
-    Both need the engine created on the main thread (signal dispositions live there)."""
+    """An in-process sglang.Engine, created and driven on a thread of its own (engine_thread.py), every
+    method run there, in order. Its processes ignore SIGINT (an interrupt stops the caller, never the
+    engine); if one dies, the engine is marked failed (every call raises EngineError) instead of SGLang
+    killing this process. Both need the engine created on the main thread."""
     Settings = SGLangSettings
     name = "sglang"
     help = "an in-process sglang.Engine on the GPU(s), no HTTP server"
 
     @staticmethod
     def check_available(settings: SGLangSettings, capabilities=()) -> None:
-        """Before anything is written: the sglang package (for an in-place refresh: a verified release and
-        engine.sglang.in_place) and a CUDA GPU, or an EngineError saying so."""
+        """The sglang package (in-place refresh: a verified release, engine.sglang.in_place) and a CUDA GPU."""
         import importlib.util
         if importlib.util.find_spec("sglang") is None:
             raise EngineError("engine.backend='sglang' needs the sglang package, which is not installed for this "
@@ -290,15 +257,14 @@ class SGLangEngine:
         self.settings = settings = settings or SGLangSettings()
         needs = needs or EngineNeeds()
         self.max_lora_rank = settings.max_lora_rank or needs.lora_rank
-        self.has_writer = settings.registers_writer(needs)
+        self.has_writer = settings.in_place and needs.in_place   # as engine_kwargs registers it
         self.adapter_dtype = DTYPES.get(settings.dtype)  # None for 'auto': the model's own dtype
         self.device = "cuda"
         self.engine = self._store = None
         self._thread = EngineThread("lorabench-sglang")
         try:
-            # SIGINT ignored while the engine starts, so SGLang's processes inherit 'ignore' (a disposition
-            # survives exec, a handler does not): Jupyter interrupts the kernel's whole process group, and a
-            # scheduler stopped by it would take the engine down. The start itself cannot be interrupted.
+            # SGLang's processes inherit 'ignore' (a handler would not survive exec): Jupyter interrupts the
+            # kernel's whole process group. The start itself cannot be interrupted.
             with sigint_handled_by(signal.SIG_IGN):
                 self._thread.call(self._start, model_path, settings.engine_kwargs(model_path, needs), engine_overrides)
             self.notes = self._thread.call(self._notes, needs)
@@ -316,14 +282,12 @@ class SGLangEngine:
             raise EngineError(f"engine.backend='sglang' needs the sglang package ({err}); install it with "
                               f"pip install 'lorabench[sglang]' on a GPU machine, or use engine.backend=hf") from err
         kwargs, settings = {**kwargs, **overrides}, self.settings
-        # No open doors: with tp_size > 1 the ranks talk through NCCL and gloo, which bind their
-        # bootstrap sockets to the first non-loopback interface by default; one host needs loopback only
+        # NCCL and gloo bind their bootstrap sockets to a non-loopback interface by default; one host needs lo
         for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
             os.environ.setdefault(var, "lo")
         tp_size = kwargs.get("tp_size", 1)
         if tp_size > 1 and torch.cuda.is_initialized():
-            # SGLang refuses to start when its GPUs' free memory differs by > 10%: give back this
-            # process's cached blocks on the GPU it shares with rank 0 first
+            # SGLang refuses GPUs whose free memory differs by > 10%: give back our cached blocks first
             torch.cuda.empty_cache()
         store = internals.LoopbackStore.for_engine(tp_size)
         try:
@@ -350,8 +314,7 @@ class SGLangEngine:
         self.pool: internals.PoolWriter | None = None   # made at the first in-place write
 
     def _notes(self, needs: EngineNeeds) -> list[str]:
-        """What the session tells the user (on the engine's thread): its room for the run, whether sampling
-        ahead can overlap training, and on an unverified release, which internals it lacks."""
+        """What the session tells the user: KV room, sampling-ahead overlap, an unverified release's gaps."""
         notes = [kv_capacity_note(self.engine.get_server_info().get("max_total_num_tokens"), needs,
                                   self.settings.mem_fraction_static), overlap_note(needs, self.settings.base_gpu_id)]
         return [*filter(None, notes), *internals.release_notes(self.engine)]
@@ -369,7 +332,6 @@ class SGLangEngine:
                       **engine_overrides) -> SGLangEngine:
         return cls(model_path, settings, needs, **engine_overrides)
 
-    # -- adapters ---------------------------------------------------------------------------
     @_on_engine_thread()
     def loaded_adapters(self) -> list[str]:
         return sorted(self._adapters)
@@ -406,8 +368,7 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def update_adapter_in_place(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """Overwrite loaded adapter `name` in the engine's GPU LoRA pool (sglang_internals.PoolWriter). None
-        of our calls is in flight (one at a time); a request sent past us through `self.engine` refuses it."""
+        """Overwrite adapter `name` in the engine's GPU LoRA pool (PoolWriter); refused while requests are in flight."""
         check_loaded(name, self._adapters, "; load it before updating it in place")
         if name not in self._configs:
             raise EngineError(f"adapter {name!r} was loaded from a dir; in-place updates need one tensor load "
@@ -442,11 +403,9 @@ class SGLangEngine:
         if version is not None:
             self._versions[None] = version
 
-    # -- generation and scoring -------------------------------------------------------------
     def _lora(self, adapter: str | None, n: int) -> list[str | None]:
-        if adapter is not None and adapter not in self._adapters:
-            raise AdapterNotLoaded(f"request names adapter {adapter!r}, which is not loaded "
-                                   f"(loaded: {sorted(self._adapters)})")
+        if adapter is not None:
+            check_loaded(adapter, self._adapters, "; a request named it")
         return [adapter] * n  # explicit, also for the base model: [None] * n
 
     @_on_engine_thread(abort_on_interrupt=True)
@@ -467,13 +426,9 @@ class SGLangEngine:
         prompts = [list(p) for r in requests for p in r.prompt_ids]
         params = [_params(r.sampling) for r in requests for _ in r.prompt_ids]
         lora = [name for r in requests for name in self._lora(r.adapter, len(r.prompt_ids))]
-        outs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, lora_path=lora)
-        done, start = [], 0
-        for r in requests:
-            n = len(r.prompt_ids)
-            done.append([_completion(p, out) for p, out in zip(r.prompt_ids, outs[start:start + n])])
-            start += n
-        return done
+        outs = iter(self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                                         lora_path=lora))   # one per prompt, in order
+        return [[_completion(p, next(outs)) for p in r.prompt_ids] for r in requests]
 
     @_on_engine_thread(abort_on_interrupt=True)
     def score(self, sequences, prompt_lens, adapter, temperature: float = 1.0) -> list[torch.Tensor]:
@@ -489,8 +444,7 @@ class SGLangEngine:
         return result
 
     def _abort(self, call_id: int) -> None:
-        """A caller stopped waiting for call `call_id`: end it early if it is still the one running (checked
-        on the engine's loop, where the request runs; a later call is never touched)."""
+        """A caller stopped waiting for call `call_id`: end it early if still running (never a later call)."""
         engine, thread = self.engine, self._thread
         if engine is None or thread is None or thread.loop is None or thread.loop.is_closed():
             return
@@ -500,12 +454,10 @@ class SGLangEngine:
                 internals.abort_requests(engine)
         thread.loop.call_soon_threadsafe(abort_if_still_running)
 
-    # -- memory -------------------------------------------------------------------------------
     @_on_engine_thread()
     def release_memory(self, tags: list[str]) -> None:
-        """Release GPU memory for training; tags 'kv_cache', 'weights' (SGLang's). Released weights come back
-        undefined unless the engine keeps a CPU backup: release them only when every weight is pushed again
-        after resume (merged refresh). Frees nothing without enable_memory_saver (engine.sglang.extra_args)."""
+        """Release GPU memory for training; tags 'kv_cache', 'weights' (weights come back undefined: only for a
+        merged refresh, which pushes them all). Frees nothing without enable_memory_saver (extra_args)."""
         if self._released:
             raise EngineError(f"memory already released ({self._released}); resume_memory first")
         self.engine.release_memory_occupation(tags=list(tags))
@@ -520,10 +472,8 @@ class SGLangEngine:
             self.pool.forget_all()  # the LoRA pool may come back elsewhere or empty: map again
         self._released = []
 
-    # -- life cycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the engine's processes (their GPU memory comes back) and its thread, after the call in
-        progress; a failed engine's remaining processes are stopped at once."""
+        """Stop the engine's processes and its thread, after the call in progress (a failed engine's at once)."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -567,8 +517,7 @@ class SGLangEngine:
 
 
 def _params(sampling: Sampling) -> dict:
-    """SGLang's sampling parameters for `sampling` (greedy: top_k 1; a seed only where sampling, which
-    SGLang's sampler reads only with engine.sglang.extra_args '{"enable_deterministic_inference": true}')."""
+    """SGLang's sampling parameters (greedy: top_k 1; a seed, read only with enable_deterministic_inference)."""
     params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
               "top_p": sampling.top_p if sampling.temperature > 0 else 1.0}
     if sampling.temperature == 0:

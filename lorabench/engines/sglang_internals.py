@@ -1,51 +1,35 @@
-"""Every use of SGLang internals in lorabench, behind one door; engines/sglang.py uses sglang.Engine's
-public methods only. Each internal is named once below, all verified on the releases in VERIFIED.
-On another release `check_version` refuses the in-place writer (before the run starts and at an open
-engine's first in-place write; refresh.mode=tensor is the public fallback), and `release_notes` names,
-at every engine start whatever the mode, the life-cycle internals the engine lacks (each then skipped).
+"""Every use of SGLang internals in lorabench, each named once below and verified on the releases in
+VERIFIED; engines/sglang.py uses sglang.Engine's public methods only. On another release `check_version`
+refuses the in-place writer (refresh.mode=tensor is the public fallback) and `release_notes` names the
+life-cycle internals the engine lacks (each then skipped).
 
-Every refresh mode (the engine's life cycle):
-- `shut_down`: sglang.Engine.shutdown without its last step, kill_process_tree(os.getpid()), which
-  SIGKILLs every child of this process (a notebook kernel's too). It reads `tokenizer_manager.
-  _subprocess_watchdog`, `Engine.send_to_rpc` and `Engine._weight_cache_daemon_procs`, each skipped
-  where absent (`missing`), stops the processes `get_all_child_pids` names, and unregisters SGLang's
-  atexit hook.
-- `watch`: a failing SGLang process sends SIGQUIT to this one (SGLang's handler would kill it); which
-  one exited is read from /proc/<pid>/stat, without reaping it.
-- `event_loop`: `Engine.loop`, the asyncio loop its synchronous calls run (made on the engine thread).
-- `abort_requests`: `tokenizer_manager.abort_request(abort_all=True)` where callable (no public abort).
-- `check_reply`: replies carry no error code; the texts for a missing or an already loaded adapter are
-  read only where the engine's own record of its adapters did not answer first.
-- `LORA_BACKENDS`: `--lora-backend`'s choices, checked where sglang is absent or verified.
-- `LoopbackStore`: SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE points the scheduler ranks at a store
-  hosted here on loopback, joined by rank 0 too through torch's TORCHELASTIC_USE_AGENT_STORE.
+Every refresh mode:
+- `shut_down`: Engine.shutdown without its kill_process_tree(os.getpid()) (it SIGKILLs a kernel's children
+  too); reads `tokenizer_manager._subprocess_watchdog`, `Engine.send_to_rpc`, `Engine._weight_cache_daemon_procs`
+  (each skipped if absent), stops what `get_all_child_pids` names, unregisters SGLang's atexit hook.
+- `watch`: a failing SGLang process SIGQUITs this one; which exited is read from /proc/<pid>/stat.
+- `event_loop`: `Engine.loop`; `abort_requests`: `tokenizer_manager.abort_request(abort_all=True)`.
+- `check_reply`: replies carry no error code, so missing/already-loaded adapters are told by their text.
+- `LORA_BACKENDS`: `--lora-backend`'s choices. `LoopbackStore`: SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE and
+  torch's TORCHELASTIC_USE_AGENT_STORE point every scheduler rank at a store on loopback.
 
-refresh.mode=inplace only (`check_version`): `lora_id` and `requests_in_flight` (the tokenizer
-manager's lora_registry and rid_to_state), and the pool writer. `PoolWriter` is made at the first
-in-place write, so a file, tensor or merged refresh allocates nothing of it; `handle` is registered as
-a custom weight loader when an engine that may be written in place starts (a run's for refresh.mode=
-inplace, a scratch engine), unless engine.sglang.in_place=false. `update_weights_from_tensor
-(..., load_format=LOADER)` runs `handle(model, named_tensors)` in every scheduler process (one per
-tensor-parallel rank); it reads LoRAManager (loras, lora_refs, num_pinned_loras, memory_pool,
-lora_modules, fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer,
-uid_to_buffer_id, load_lora_weight_to_buffer), lora.utils (get_target_module_name,
-get_stacked_multiply) and the layers' slice_lora_{a,b}_weights. Its proof: each map writes the adapter
-with SGLang's own loader and with the plan, and refuses the plan unless they are bit-identical.
-
-`map` (once per adapter): the trainer lends each GPU a staging buffer (CUDA IPC) and the layout; the
-scheduler pins the adapter in a slot (never evicted, so its host copy is never reloaded over it) and
-runs SGLang's stacking and tensor-parallel slicing on tensors of *source indices*, which reduce to a
-few hundred strided blocks: the copy plan. `apply` (every refresh): a cast copy into staging, then the
-plan and the version into an engine-owned tensor in one batch of copies (a failed write cannot bump
-it), and a prefix-cache flush. Each rank replies in a GPU status buffer. A moved slot or a lost plan:
-apply is refused and the writer maps again; what the plan does not cover (MoE, embedding/lm_head
-LoRA): map is refused. An exception in a scheduler kills the process tree, so every check raises
-`Refused`, which `handle` turns into a reply; nothing is written before every check passes.
+refresh.mode=inplace only: `lora_id` and `requests_in_flight` (tokenizer manager's lora_registry, rid_to_state)
+and `PoolWriter` (made at the first in-place write). `handle` is registered as a custom weight loader
+(unless engine.sglang.in_place=false); `update_weights_from_tensor(..., load_format=LOADER)` runs it in every
+scheduler process. It reads LoRAManager (loras, lora_refs, num_pinned_loras, memory_pool, lora_modules,
+fetch_new_loras), LoRAAdapter._normalize_weights, LoRAMemoryPool (A_buffer, B_buffer, uid_to_buffer_id,
+load_lora_weight_to_buffer), lora.utils (get_target_module_name, get_stacked_multiply) and the layers'
+slice_lora_{a,b}_weights. `map` (once per adapter) pins the adapter in a slot and runs SGLang's stacking and
+slicing on tensors of source indices: the copy plan, refused unless it writes bit-identically to SGLang's own
+loader. `apply` (every refresh) copies staging and the version through the plan in one batch. A moved slot:
+refused, mapped again. Every check raises `Refused` (an exception would kill the scheduler), which `handle`
+turns into a reply; nothing is written before every check passes.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -84,8 +68,7 @@ def installed() -> str | None:
 
 
 def check_version(release: str | None = None) -> None:
-    """Refuse the in-place writer on an SGLang release it was not verified on, before anything starts:
-    its internals move between releases, and a wrong write would serve a corrupt adapter."""
+    """Refuse the in-place writer on an unverified SGLang release (a wrong write serves a corrupt adapter)."""
     release = release or installed()
     if release is not None and release not in VERIFIED:
         raise EngineError(f"refresh.mode=inplace writes into SGLang's LoRA pool through internals verified on sglang "
@@ -136,7 +119,6 @@ def check_reply(result, what: str):
     raise EngineError(f"{what} failed; engine says: {message}")
 
 
-# === the tokenizer manager (in this process) =======================================================
 def lora_id(engine, name: str) -> str:
     """The engine's internal id of adapter `name` (each load gets a new one)."""
     ref = engine.tokenizer_manager.lora_registry.get_all_adapters().get(name)
@@ -160,12 +142,10 @@ def abort_requests(engine) -> None:
         abort(abort_all=True)
 
 
-# === the engine's processes ========================================================================
 _LIVE: weakref.WeakSet = weakref.WeakSet()   # our engines whose failed processes we watch for
 _previous_sigquit = None
 _last_shutdown = -math.inf   # time.monotonic() when an engine of ours last stopped its processes
-# while an engine's processes are being stopped, and for this long after, a SIGQUIT is from them going
-SHUTDOWN_GRACE_S = 30.0
+SHUTDOWN_GRACE_S = 30.0      # a SIGQUIT this soon after is from those processes going
 
 
 def note_shutdown() -> None:
@@ -174,8 +154,7 @@ def note_shutdown() -> None:
 
 
 def watch(owner) -> None:
-    """Handle SIGQUIT for `owner` (an SGLangEngine: `.engine`, `.serving`, `.children_failed(reason)`),
-    on the main thread, if it was started there."""
+    """Handle SIGQUIT for `owner` (`.engine`, `.serving`, `.children_failed(reason)`), if on the main thread."""
     global _previous_sigquit
     if threading.current_thread() is not threading.main_thread():
         return
@@ -200,19 +179,6 @@ def _on_sigquit(signum, frame) -> None:
     # a process that failed signals before it exits: if none has exited yet, it is one of these
     for owner in [o for o, d in dead.items() if d] or owners:
         owner.children_failed(", ".join(dead[owner]) or "a scheduler or detokenizer process signalled a failure")
-
-
-def _processes(engine) -> list:
-    """The engine's scheduler and detokenizer processes and theirs (psutil, which SGLang requires)."""
-    import psutil
-    found = []
-    for pid in engine.get_all_child_pids():
-        try:
-            proc = psutil.Process(pid)
-            found += [proc, *proc.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    return found
 
 
 def _exited(engine) -> list[str]:
@@ -250,9 +216,15 @@ def shut_down(engine) -> None:
 
 
 def stop_processes(engine) -> list:
-    """SIGKILL what is left of the engine's processes; returns them."""
-    import psutil
-    processes = _processes(engine)
+    """SIGKILL what is left of the engine's scheduler and detokenizer processes and theirs; returns them."""
+    import psutil  # SGLang requires it
+    processes = []
+    for pid in engine.get_all_child_pids():
+        try:
+            proc = psutil.Process(pid)
+            processes += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
     for proc in processes:
         try:
             proc.kill()
@@ -261,14 +233,10 @@ def stop_processes(engine) -> list:
     return processes
 
 
-# === the rendezvous store of the tensor-parallel ranks ==============================================
 class LoopbackStore:
-    """The rendezvous store of SGLang's scheduler ranks, hosted here on 127.0.0.1.
-
-    Why: torch's TCPStore server (started by rank 0) listens on every interface whatever host it is given,
-    an unauthenticated store open to the network. Here it is bound to loopback (master_listen_fd) and every
-    rank joins as a client (SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE; TORCHELASTIC_USE_AGENT_STORE for rank
-    0), the variables set only while the engine starts and only if the user has not set the override."""
+    """The rendezvous store of SGLang's scheduler ranks, bound to 127.0.0.1 (torch's own, started by rank 0,
+    listens unauthenticated on every interface); every rank joins as a client. Its variables are set only
+    while the engine starts, and not at all if the user set the override."""
 
     def __init__(self, world_size: int | None):
         self.server = None
@@ -335,8 +303,7 @@ class PoolWriter:
         self.dtype = engine.adapter_dtype or torch.bfloat16
 
     def write(self, name: str, adapter: FlatAdapter) -> dict[str, float]:
-        """New values for adapter `name`; returns timings in ms: the engine's own (`apply`, or `map`) and ours
-        (`stage`: the cast copy into staging; `request`: the engine call; `reply`: reading the status buffers)."""
+        """New values for adapter `name`; ms timings: the engine's (`apply`/`map`), ours (`stage`/`request`/`reply`)."""
         mapping = self.mapped.get(name)
         if mapping is not None and mapping.layout != adapter.layout:
             self.forget(name)
@@ -389,18 +356,14 @@ class PoolWriter:
         for device in self.devices:
             mapping.staging[device].copy_(adapter.buffer, non_blocking=True)   # cast to the pool's dtype
             mapping.version[device].fill_(adapter.version)
-        # the engine reads these from another process: finish writing first, on the engine's GPUs and,
-        # for an engine on GPUs of its own, on the trainer's, where a device-to-device copy is issued. The
-        # streams the copies ran on, not the whole device: a background commit's copies to the host run on
-        # a stream of their own (commits.to_host) and are not waited for.
+        # another process reads these: wait for the copies' streams (engine's GPUs and the trainer's), not the
+        # whole device (a background commit's host copies run on a stream of their own)
         for device in {*self.devices, adapter.buffer.device.index or 0}:
             torch.cuda.current_stream(device).synchronize()
 
     def _on_status_stream(self, mapping: _Mapping, fn) -> list:
-        """fn(status) for each rank's status buffer on a stream of the pool's own, waited for. On the current
-        (default) stream a zero_() could queue behind the trainer's launched-ahead update, run after the engine's
-        reply and wipe it (a sampler thread reads the served version while the main thread trains), and a read
-        would wait for the whole update."""
+        """fn(status) for each rank's status buffer on a stream of the pool's own, waited for: on the default
+        stream a zero_() could queue behind the trainer's update and wipe the engine's reply."""
         done = []
         for device, status in mapping.status.items():
             stream = self._streams.setdefault(device, torch.cuda.Stream(device))
@@ -539,23 +502,20 @@ def _map(model, lora_id: str, parts: dict, device: int) -> int:
     # SGLang's own write, then ours: refuse the plan unless they agree bit for bit
     view = _AdapterView(adapter, _by_layer(layout.views(staging), len(adapter.layers)))
     LoRAAdapter._normalize_weights(view)
-    pool = manager.memory_pool
-    pool.load_lora_weight_to_buffer(lora_id, plan.slot, view, manager.lora_modules,
-                                    manager.embed_tokens_module, manager.lm_head_module)
+    sglang_write = functools.partial(manager.memory_pool.load_lora_weight_to_buffer, lora_id, plan.slot, view,
+                                     manager.lora_modules, manager.embed_tokens_module, manager.lm_head_module)
+    sglang_write()
     reference = [d.clone() for d in plan.dsts]
-    for d in plan.dsts:
-        d.zero_()
+    torch._foreach_zero_(plan.dsts)
     torch._foreach_copy_(plan.dsts, plan.srcs)
     bad = [i for i, (d, r) in enumerate(zip(plan.dsts, reference)) if not torch.equal(d, r)]
     if bad:
-        pool.load_lora_weight_to_buffer(lora_id, plan.slot, view, manager.lora_modules,
-                                        manager.embed_tokens_module, manager.lm_head_module)
+        sglang_write()
         raise Refused(f"the copy plan disagrees with SGLang's own loader on {len(bad)} of {len(plan.dsts)} "
                       f"blocks (first: {tuple(plan.dsts[bad[0]].shape)}); this SGLang lays out its pool "
                       f"differently (verified on {', '.join(VERIFIED)}): use refresh.mode=tensor")
     _keep_host_copy(adapter, view)
-    # The trainer sends the same status buffer with every command; while this process holds it,
-    # torch finds the open IPC mapping in its cache instead of opening the handle again per apply.
+    # held, so torch reuses the open IPC mapping of the status buffer sent with every command
     plan.status = parts.get(f"map/{lora_id}/status/{device}")
     plan.version.copy_(version_src)
     _plans[lora_id] = plan
@@ -580,8 +540,7 @@ def _lora_manager(model):
 
 
 def _pin_and_load(manager, lora_id: str) -> None:
-    """Pin the adapter (the pool never evicts it, so its host copy is never reloaded over our
-    writes) and make it resident in a slot."""
+    """Pin the adapter (never evicted, so never reloaded over our writes) and make it resident in a slot."""
     ref = manager.lora_refs.get(lora_id)
     if ref is None:
         raise Refused(f"adapter id {lora_id} has no LoRA ref in this engine")
@@ -610,8 +569,7 @@ def _by_layer(tensors: dict[str, torch.Tensor], n_layers: int) -> list[dict[str,
 
 
 class _AdapterView:
-    """A loaded LoRAAdapter seen with other per-layer weights: SGLang's normalisation and pool copy
-    read `.layers[i].weights` (and `.pinned_weights`) and the adapter's config and scaling."""
+    """A loaded LoRAAdapter with other per-layer weights (what SGLang's normalisation and pool copy read)."""
 
     def __init__(self, adapter, layer_weights: list[dict]):
         self._adapter = adapter
@@ -624,8 +582,7 @@ class _AdapterView:
 
 
 def _build_plan(manager, adapter, layout: AdapterLayout, staging: torch.Tensor, version_src) -> _Plan:
-    """Where each pool element of the adapter's slot comes from, as strided blocks of `staging`:
-    SGLang's own stacking and slicing run on tensors holding source indices."""
+    """Where each pool element of the adapter's slot comes from, as strided blocks of `staging`."""
     from sglang.srt.lora.layers import FusedMoEWithLoRA
     from sglang.srt.lora.lora import LoRAAdapter
     from sglang.srt.lora.utils import get_stacked_multiply, get_target_module_name
@@ -693,8 +650,7 @@ def _buffer_ptrs(pool) -> list[int]:
 
 
 def _keep_host_copy(adapter, view) -> None:
-    """SGLang's host copy of the adapter (what the pool would reload from) gets the mapped values.
-    The adapter is pinned, so later applies need not touch it; this keeps it truthful at map time."""
+    """SGLang's host copy of the (pinned) adapter gets the mapped values, truthful at map time."""
     for loaded, new in zip(adapter.layers, view.layers):
         for key, tensor in new.weights.items():
             host = loaded.weights.get(key)
