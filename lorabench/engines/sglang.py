@@ -62,8 +62,8 @@ def sglang_target_modules(target) -> list[str]:
 @dataclass
 class SGLangSettings(Section):
     """The `engine.sglang` section: what sglang.Engine is started with (the rest comes from EngineNeeds)."""
-    mem_fraction_static: float = served(0.3, "Fraction of GPU memory for the engine's weights + KV cache; ~0.85 on "
-                                        "GPUs of its own (base_gpu_id >= 1).")
+    mem_fraction_static: float = served(0.3, "Fraction of GPU memory for the engine's weights + KV cache: 0.3 leaves "
+                                        "the trainer room on a 24 GB GPU; ~0.85 on GPUs of its own (base_gpu_id >= 1).")
     dtype: str = served("auto", "The engine's model dtype ('auto', 'bfloat16', 'float16').")
     max_lora_rank: int = served(0, "Largest LoRA rank the engine holds; 0 = the run's lora.r.")
     max_loras_per_batch: int = served(4, "Adapters per batch; the base model counts as one (>= 2).")
