@@ -172,8 +172,7 @@ class PolicyGroup:
         stale = next(iter(trainers.values())).settings.max_staleness   # a shared setting
         self._sampler = ThreadPoolExecutor(1, "lorabench-group-rollouts", interrupts_to_the_main_thread) \
             if stale else None
-        # ({name: step}, their batch, the batch scored): the scoring follows the sampling on the sampler's thread,
-        # off the step's path; a refresh waits for the sampling only
+        # ({name: step}, their sampling, its scoring) on the sampler's thread; a refresh waits for the sampling only
         self._ahead: tuple[dict[str, int], Future, Future] | None = None
 
     @property

@@ -459,8 +459,7 @@ def _lora_config(base, lora, model_path: str):
         if missing:
             raise ConfigError(f"lora.target_modules={lora.target_modules!r}: the model {model_path} has no module "
                               f"named {missing}; its linear modules are {have} (or use 'all-linear')")
-    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
-                      bias="none")
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout, bias="none")
 
 
 class LoraLayers:
