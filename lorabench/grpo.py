@@ -301,8 +301,8 @@ class GRPOTrainer:
 
     def _check_given(self, rollouts: Rollouts, step: int) -> None:
         """Given rollouts must be of this step's rollout_request(), under this trainer's adapter."""
-        if [p.question for p in rollouts.problems] != [p.question for p in
-                                                       self.source.train_batch(step, self.settings.prompts_per_step)]:
+        expected = self.source.train_batch(step, self.settings.prompts_per_step)
+        if [p.question for p in rollouts.problems] != [p.question for p in expected]:
             raise ValueError(f"step {step}: the rollouts given are not of this step's problems; sample them for "
                              f"trainer.rollout_request() of this step")
         if rollouts.adapter != self.refresher.serving_adapter:
