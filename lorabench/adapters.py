@@ -1,14 +1,8 @@
-"""The adapter as it travels: one flat buffer, its layout and its plain-JSON config.
-
-The policy makes a `FlatAdapter` once per step (policy.py): every LoRA tensor back to back in one
-1-D buffer, in the order of an `AdapterLayout` (the one codec between names, shapes and offsets; JSON
-across processes). Receivers (a refresher, the run log) read it and never hand it back.
+"""The adapter as it travels: one flat buffer (`FlatAdapter`), its layout and its plain-JSON config.
 
 Names are PEFT's state-dict names, which PEFT's loader and SGLang's load_lora_adapter_from_tensors accept:
     base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight      # [r, in]
     base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight      # [out, r]
-Trainer parameter names (`...q_proj.lora_A.default.weight`, `...q_proj.base_layer.weight`) are mapped
-explicitly below.
 """
 from __future__ import annotations
 
@@ -29,8 +23,7 @@ from .safedir import atomic_dir, write_new_file
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-# A trained adapter's dtype, whatever model.dtype: PEFT keeps LoRA weights in float32, the policy's flat
-# buffer is made in it, and a checkpoint's adapter must be it (rundir.checkpoint_problem).
+# a trained adapter's dtype whatever model.dtype (PEFT keeps LoRA weights in float32; rundir.checkpoint_problem)
 LORA_DTYPE = torch.float32
 
 
@@ -39,14 +32,12 @@ class AdapterError(ValueError):
 
 
 class AdapterWriteError(OSError):
-    """Writing an adapter dir failed (`errno`: the cause's, ENOSPC for a full disk); the message names the
-    dir and the fix. Nothing was replaced: a previous dir at that path is intact."""
+    """Writing an adapter dir failed (`errno`: the cause's); nothing was replaced. The message names dir and fix."""
 
     def __str__(self) -> str:   # the message alone: it names the cause itself
         return str(self.strerror)
 
 
-# --- names -------------------------------------------------------------------------------------
 def split_lora_key(key: str) -> tuple[str, str]:
     """'base_model.model.model.layers.0.mlp.up_proj.lora_A.weight' -> ('model.layers.0.mlp.up_proj', 'lora_A')."""
     parts = key.split(".")
@@ -65,7 +56,6 @@ def base_param_name(peft_param: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-# --- config ------------------------------------------------------------------------------------
 def _plain(value):
     if isinstance(value, enum.Enum):
         return value.value
@@ -83,9 +73,8 @@ def _plain(value):
 
 
 def plain_config(lora_config, modules: list[str] | None = None) -> dict:
-    """A PEFT LoraConfig as plain JSON: enums as strings, `peft_type` present, sets as sorted lists, a string
-    `target_modules` kept a string. `modules` (the leaf names the adapter covers) replaces target modules
-    PEFT resolved to full paths, since engines match them by leaf name."""
+    """A PEFT LoraConfig as plain JSON (enums as strings, sets as sorted lists, `peft_type` present). `modules`:
+    the leaf names the adapter covers, replacing target modules PEFT resolved to full paths (engines match leaves)."""
     raw = lora_config.to_dict() if hasattr(lora_config, "to_dict") else dict(lora_config)
     target = raw.get("target_modules")
     config = {k: _plain(v) for k, v in raw.items() if k != "target_modules"}
@@ -102,7 +91,6 @@ def plain_config(lora_config, modules: list[str] | None = None) -> dict:
     return config
 
 
-# --- the layout codec ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AdapterLayout:
     """Names and shapes of an adapter's tensors, in buffer order (sorted by name)."""
@@ -151,7 +139,6 @@ class AdapterLayout:
             raise AdapterError(f"adapter layout is not a JSON list of [name, shape] pairs ({err})") from err
 
 
-# --- the flat adapter ----------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class FlatAdapter:
     buffer: torch.Tensor     # [numel] every LoRA tensor back to back, in layout order
@@ -196,9 +183,7 @@ class FlatAdapter:
 
     @cached_property
     def delta_squares(self) -> torch.Tensor:
-        """[modules] ‖B·A‖²_F of each adapted module (`modules` order), float64 (1e30 weights stay finite),
-        without (α/r)²: ‖BA‖² = Σ (BᵀB) ⊙ (AAᵀ), two r x r products, never the full BA; one batched product
-        per shape of module (a handful of kernels, not ~1,200 with a sync per module on a GPU)."""
+        """[modules] ‖B·A‖²_F per adapted module in float64, without (α/r)²: Σ (BᵀB) ⊙ (AAᵀ), batched per shape."""
         modules = self.modules
         by_shape: dict[tuple, list[int]] = {}
         halves = [(self.tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"], self.tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"])
@@ -223,11 +208,9 @@ class FlatAdapter:
         for name, t in self.tensors.items():
             _check_finite(name, t)
 
-    # -- PEFT directories ---------------------------------------------------------------------------
     def save_peft_dir(self, path: str | Path) -> Path:
-        """Write adapter_config.json + adapter_model.safetensors into `path` atomically (safedir.atomic_dir:
-        0600 fsynced files in a 0700 temp dir renamed onto `path`); a failed write raises AdapterWriteError
-        and leaves the previous dir intact."""
+        """Write adapter_config.json + adapter_model.safetensors into `path` atomically (safedir.atomic_dir);
+        a failed write raises AdapterWriteError and leaves the previous dir intact."""
         path = Path(path)
         try:
             with atomic_dir(path, replace=True) as tmp:
@@ -280,14 +263,12 @@ class FlatAdapter:
         return cls.from_tensors(tensors, config, version)
 
 
-# Our own writer: the flat buffer as one data section, where safetensors.torch.save_file refuses
-# tensors that share one storage and needs a clone of each (faster: docs/results.md, "Adapter writes").
+# our own writer: safetensors.torch.save_file refuses tensors sharing one storage (needs a clone of each)
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def _write_flat_safetensors(path: Path | str, layout: AdapterLayout, buffer: torch.Tensor, dir_fd=None) -> None:
-    """A .safetensors file whose data section is `buffer` as it is (a little-endian header length, a JSON
-    header of names, dtypes, shapes and byte offsets, then the bytes)."""
+    """A .safetensors file whose data section is `buffer` as it is."""
     dtype = _SAFETENSORS_DTYPES.get(buffer.dtype)
     if dtype is None:
         raise AdapterError(f"cannot write adapter dtype {buffer.dtype}; use float32, bfloat16 or float16")
@@ -320,7 +301,6 @@ _ELSEWHERE = ("point refresh.file.tmp_dir at a larger one (file refresh), or cop
               "copy (a run dir's adapters/)")
 
 
-# --- validation --------------------------------------------------------------------------------
 def linear_shapes(model) -> dict[str, tuple[int, int]]:
     """Plain-model module name -> (out_features, in_features) for every Linear (PEFT wrappers unwrapped)."""
     shapes = {}
@@ -358,8 +338,8 @@ def validate_config(cfg: dict, max_rank: int | None = None) -> int:
 
 def validate(tensors: dict[str, torch.Tensor], config: dict, shapes: dict[str, tuple[int, int]] | None = None,
              max_rank: int | None = None) -> None:
-    """Refuse an adapter before anything is sent to an engine: wrong config, missing halves,
-    rank or shape mismatches, modules the model lacks, NaN/Inf values."""
+    """Refuse an adapter before it reaches an engine: bad config, missing halves, rank or shape mismatches,
+    modules the model lacks, NaN/Inf values."""
     rank = validate_config(config, max_rank)
     if not tensors:
         raise AdapterError(_NO_TENSORS)
@@ -403,12 +383,10 @@ def _check_module(module: str, pair: dict, rank: int, target, shapes) -> None:
                            f"{in_f}->{out_f}; the adapter was trained on another model")
 
 
-# --- merged weights (the full-weight baseline) ---------------------------------------------------
 @torch.no_grad()
 def merge_weights(base: dict[str, torch.Tensor], adapter: FlatAdapter, adapted_only: bool = False) -> dict:
-    """Plain-model state dict with W + (α/r)·B·A for every adapted layer, out of place: PEFT's merge /
-    read / unmerge would drift the trainer's bf16 base weights every step. `adapted_only`: only the
-    adapted layers' weights (the ones that differ from `base`)."""
+    """Plain-model state dict with W + (α/r)·B·A for every adapted layer, out of place (PEFT's merge/unmerge
+    would drift bf16 base weights). `adapted_only`: only the adapted layers' weights."""
     merged = {} if adapted_only else dict(base)
     for module in adapter.modules:
         name = f"{module}.weight"

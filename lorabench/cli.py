@@ -1,11 +1,8 @@
 """Command line: `lorabench demo`, `lorabench run`, `lorabench resume` (each with --help).
 
-Bad input (USER_ERRORS) is one line on stderr and exit code 2, found before anything is written
-(session.py); an error during the steps (a diverged update, a full or read-only disk) is one line
-too (RunStopped), saying where the run dir stands and how to continue it. `lorabench run ...
-run.name=NAME` on an existing run dir continues that run, with the same compatibility check as
-`lorabench resume` (compat.py). SIGTERM stops a run like Ctrl-C: the cleanup runs (temp dirs, the
-engine, the run dir's lock) and the exit code is 143 (130 for Ctrl-C).
+Bad input (USER_ERRORS) and an error during the steps (RunStopped: where the run dir stands and how to
+continue it) are one line on stderr, exit code 2. SIGTERM stops a run like Ctrl-C, cleanup included
+(exit code 143; 130 for Ctrl-C).
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """Several LoRA policies trained side by side on one engine and one frozen base model.
 
-    cfg = Config.load(None, ['policies=[{"name": "r1", "lora": {"r": 1}}, {"name": "r16", "lora": {"r": 16}}]'])
-    group = GroupSession.open(cfg)          # session/group.py: one run dir per policy, one engine
-    group.trainer.step()                    # every policy's rollouts as one engine batch, then K updates
-
-A policy group is K ordinary GRPO trainers (grpo.py), each with its own policy, optimizer, refresher,
-problem source and run dir, sharing the engine (all K adapters, each under its policy's name; a step's
-rollout requests as one batch, engines.base.generate_each: the CPU engine runs them in turn, so a
-policy's rollouts equal those it gets alone) and the trainer's base model (one PEFT model holding the K
-adapters, policy.Policy `beside`). What a policy may own is listed in OWNED; everything else defines
-the shared batch, engine or model. `time/rollout_s` is the shared batch's (with grpo.max_staleness: the
-wait for the batch sampled ahead).
+A policy group is K GRPO trainers (grpo.py), each with its own policy, optimizer, refresher and run dir,
+sharing the engine (each adapter under its policy's name; a step's requests as one batch) and one PEFT
+model holding the K adapters (policy.Policy `beside`). What a policy may set for itself is in OWNED.
 """
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ from .grpo import finish
 from .interrupts import interrupts_to_the_main_thread, wait_interruptibly
 from .metrics import REWARD
 from .rollout import rollouts_of
-from .settings import ConfigError, closest, path_component_problem, unique_keys
+from .settings import ConfigError, build, check_types, closest, path_component_problem, to_dict, unique_keys, walk_class
 
 GROUP_FILE = "group.json"   # the group dir's own file, beside the policies' run dirs (session/group.py)
 
@@ -62,10 +54,8 @@ class PolicySpec:
 
 
 def parse_policies(entries, source: str, sections: dict, from_file: bool = False) -> list[PolicySpec]:
-    """The `policies` list of a config, each entry checked: a unique name usable as a dir name, and only
-    fields a policy may own, typed as outside `policies`. Read from JSON or TOML (an override's JSON text,
-    `from_file`: a config file or group.json) each value must already have its field's type, as in a config
-    file (check_policy_types). ConfigError names the entry and the fix."""
+    """The `policies` list of a config, each entry checked: a unique name usable as a dir name, and only fields
+    a policy may own, typed as outside `policies` (read from JSON or TOML, `from_file`: already of that type)."""
     if entries in (None, []):
         return []
     if isinstance(entries, str):
@@ -105,15 +95,13 @@ def parse_policies(entries, source: str, sections: dict, from_file: bool = False
 
 def check_policy_types(entries, source: str, sections: dict) -> None:
     """Each value of a policy entry read from JSON or TOML has its field's type (settings.check_types)."""
-    from . import settings as st
     for i, entry in enumerate(entries if isinstance(entries, list) else []):
         for name, values in entry.items() if isinstance(entry, dict) else ():
             if name in sections:
-                st.check_types(sections[name], values, f"{source}: policies[{i}].{name}")
+                check_types(sections[name], values, f"{source}: policies[{i}].{name}")
 
 
 def _owned_fields(where: str, section: str, values, sections: dict) -> dict:
-    from . import settings as st
     if section not in OWNED:
         if section not in sections:
             near = closest(section, list(OWNED))
@@ -124,7 +112,7 @@ def _owned_fields(where: str, section: str, values, sections: dict) -> dict:
                           f"`policies`. A policy may set {_owned_names()}")
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: {section} must be a table of fields, e.g. {section}.r = 4; got {values!r:.60}")
-    known = [name for name, _ in st.walk_class(sections[section], section)]
+    known = [name for name, _ in walk_class(sections[section], section)]
     allowed = OWNED[section]
     for key in values:
         dotted = f"{section}.{key}"
@@ -134,7 +122,7 @@ def _owned_fields(where: str, section: str, values, sections: dict) -> dict:
         if allowed is not None and key not in allowed:
             raise ConfigError(f"{where}: {dotted} is shared by all policies of a run ({_WHY_SHARED[section]}); set it "
                               f"outside `policies`. A policy may set {_owned_names()}")
-    typed = st.to_dict(st.build(sections[section], values, f"{where}: {section}", section))   # the top level's types
+    typed = to_dict(build(sections[section], values, f"{where}: {section}", section))   # the top level's types
     return {key: typed[key] for key in values}
 
 
@@ -145,7 +133,7 @@ def _owned_names() -> str:
 
 def member_dict(shared: dict, spec: PolicySpec) -> dict:
     """A policy's whole run config (as to_dict): the shared sections, its own fields on top, its adapter
-    served under its name, no `policies` (its run dir is an ordinary one)."""
+    served under its name, no `policies`."""
     data = copy.deepcopy({k: v for k, v in shared.items() if k != "policies"})
     for section, values in spec.overrides.items():
         data.setdefault(section, {}).update(copy.deepcopy(values))
@@ -175,9 +163,7 @@ def owned_key(key: str) -> bool:
 
 class PolicyGroup:
     """K policies' loop. `step()` samples every policy's rollouts in one engine batch, updates every policy,
-    then refreshes, probes and commits each. With grpo.max_staleness=1 the next step's batch is sampled
-    while the updates run, from the adapters one update behind (the refreshes wait for it), as a single
-    run's would be: a resumed or repeated step samples from those adapters again."""
+    then refreshes, probes and commits each; with grpo.max_staleness the next batch is sampled meanwhile."""
 
     def __init__(self, trainers: dict, engine):
         self.trainers = trainers      # name -> GRPOTrainer, all on `engine`, their policies on one model
@@ -186,8 +172,7 @@ class PolicyGroup:
         stale = next(iter(trainers.values())).settings.max_staleness   # a shared setting
         self._sampler = ThreadPoolExecutor(1, "lorabench-group-rollouts", interrupts_to_the_main_thread) \
             if stale else None
-        # ({name: step}, their batch, the batch scored): the scoring follows the sampling on the sampler's thread,
-        # off the step's path; a refresh waits for the sampling only
+        # ({name: step}, their sampling, its scoring) on the sampler's thread; a refresh waits for the sampling only
         self._ahead: tuple[dict[str, int], Future, Future] | None = None
 
     @property
@@ -196,9 +181,8 @@ class PolicyGroup:
         return min(t.step_count for t in self.trainers.values())
 
     def step(self, names=None) -> dict:
-        """One GRPO step of each policy in `names` (default: all): {name: StepRecord}. A failure rolls back
-        every policy whose update was not yet published (all update before any publishes) and is raised at
-        once, naming the policy (`current`); `run` evens the policies out."""
+        """One GRPO step of each policy in `names` (default: all): {name: StepRecord}. A failure rolls back every
+        policy whose update was not yet published and is raised, naming the policy (`current`)."""
         names = list(self.trainers) if names is None else list(names)
         with contextlib.ExitStack() as stepping:
             for name in names:
@@ -207,9 +191,8 @@ class PolicyGroup:
             return self._update_then_publish(names, rollouts, rollout_s)
 
     def _rollouts(self, names: list[str]) -> tuple[dict, float]:
-        """{name: (Rollouts, scored or None)} of each policy's next step from one engine batch (sampled ahead and
-        scored, or now) and the time it took or was waited for; with staleness, the batch of the step after is
-        submitted."""
+        """{name: (Rollouts, scored or None)} of each policy's next step from one engine batch, and its time;
+        with staleness, the batch of the step after is submitted."""
         steps = {name: self.trainers[name].step_count + 1 for name in names}
         t0 = synced_time()
         taken = self._take_ahead(steps)
@@ -219,9 +202,10 @@ class PolicyGroup:
                 self.current = name
                 asked[name] = self.trainers[name].rollout_request()
             self.current = None   # the shared batch: a failure there is no one policy's
-            behind = [name for name in names if self.trainers[name].serve_behind()]
+            for name in names:
+                self.trainers[name].serve_behind()
             served = self._sample(asked)
-            for name in behind:
+            for name in names:
                 self.trainers[name].resend_if_stale()
             rollout_s = synced_time() - t0
             rollouts = {name: (self._rollouts_of(name, asked, served), None) for name in asked}
@@ -247,15 +231,13 @@ class PolicyGroup:
         return scored
 
     def _sample(self, asked: dict) -> dict:
-        """{name: (completions, the version that served them)}: the requests as one batch, each version read
-        before any refresh can follow (a refresh waits for a batch sampled ahead)."""
+        """{name: (completions, the version that served them)}: the requests as one batch."""
         done = generate_each(self.engine, [request for _, request in asked.values()])
         return {name: (out, self.engine.served_version(request.adapter))
                 for (name, (_, request)), out in zip(asked.items(), done)}
 
     def _take_ahead(self, steps: dict[str, int]):
-        """{name: (Rollouts, scored)} sampled ahead for exactly these policies at these steps, waited for; else None
-        (a batch ahead for others is waited for and dropped: the policies sample in line, as it would have)."""
+        """{name: (Rollouts, scored)} sampled ahead for exactly these policies at these steps; else None (dropped)."""
         if self._ahead is None:
             return None
         for_steps, sampling, scoring = self._ahead
@@ -313,8 +295,7 @@ class PolicyGroup:
             trainer.wait_committed()
 
     def close(self) -> None:
-        """A batch sampled ahead waited for, then each trainer's commits and refresher (not the engine), all of
-        them also when one raises."""
+        """A batch sampled ahead waited for, then each trainer closed (not the engine), also when one raises."""
         with contextlib.ExitStack() as closing:
             for trainer in self.trainers.values():
                 closing.callback(trainer.close)

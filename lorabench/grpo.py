@@ -1,15 +1,8 @@
 """GRPO with LoRA and a live adapter refresh after every optimizer step.
 
-Outcome-supervised GRPO (Shao et al. 2024): each step samples G completions for each of P fresh
-prompts from the engine serving the current adapter; A_i = (r_i - mean(r)) / (std(r) + 1e-4) per
-group, the same for every token; the loss is the PPO-clip surrogate per token against π_old, the
-trainer's own log-prob before the update (the engine's is only compared with it: the mismatch that
-proves the refresh), averaged over each completion's tokens, then over completions; optional k3 KL
-to the base model (weight β, default 0). With grpo.max_staleness >= 1 the next step's rollouts are
-sampled on a thread of their own while this step trains, from the adapter one update behind, and
-each token is weighted by min(π_old / π_sample, grpo.tis_cap). After the optimizer step the new
-adapter is refreshed into the engine, and the next rollout checks the engine served that version.
-This module wires rollout.py, rewards.py, loss.py, policy.py, refresh.py and commits.py into `step()`.
+Each step samples G completions for each of P prompts from the engine serving the current adapter,
+scores them, takes the update (loss.py), refreshes the engine (refresh.py) and commits (commits.py).
+With grpo.max_staleness >= 1 the next step's rollouts are sampled on a thread while this step trains.
 """
 from __future__ import annotations
 
@@ -51,65 +44,47 @@ class GRPOSettings(Section):
     steps: int = setting(30, "GRPO steps (one optimizer step and one adapter refresh each).",
                          resume=ALLOWED, why="how long the run goes (not below the steps already done)")
     prompts_per_step: int = setting(8, "Distinct prompts per step (fresh every step).", resume=REFUSED, why=_DATA)
-    group_size: int = setting(8, "Completions sampled per prompt; advantages are normalised within a group.",
+    group_size: int = setting(8, "Completions per prompt; advantages are normalised within a group.",
                               resume=REFUSED, why=_DATA)
     max_new_tokens: int = setting(48, "Completion length limit.", resume=REFUSED, why=_SAMPLING)
-    temperature: float = setting(0.7, "Sampling temperature for rollouts and the sampled held-out eval "
-                                 "(log-probs are of this distribution).", resume=REFUSED, why=_SAMPLING)
+    temperature: float = setting(0.7, "Sampling temperature for rollouts and the sampled eval.", resume=REFUSED,
+                                 why=_SAMPLING)
     top_p: float = setting(1.0, "Nucleus sampling; keep 1.0 so log-probs cover the whole distribution.",
                            resume=REFUSED, why=_SAMPLING)
     lr: float = setting(1e-3, "AdamW learning rate for the LoRA parameters.", resume=REFUSED,
                         why="it is saved in the checkpoint's optimizer state: a new value would silently not apply")
     clip_eps: float = setting(0.2, "PPO-style ratio clip.", resume=REFUSED, why=_OBJECTIVE)
-    kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model (adapter disabled) added to the loss per "
-                             "token. 0 = off (a rule-checked reward cannot be gamed); > 0 (e.g. 0.04) keeps the "
-                             "policy near the base at one more forward pass per micro-batch.",
-                             resume=REFUSED, why=_OBJECTIVE)
-    kl_metric: bool = setting(False, "Log kl/mean, the k3 estimate of KL(policy || base model) on the sampled tokens, "
-                              "also when kl_beta = 0 (not in the loss): one more forward pass without gradients.",
+    kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model in the loss; 0 = off, > 0 (e.g. 0.04) "
+                             "costs one more forward pass.", resume=REFUSED, why=_OBJECTIVE)
+    kl_metric: bool = setting(False, "Log kl/mean (k3 KL to the base model) also when kl_beta = 0.",
                               resume=ALLOWED, why="a metric only: the update is the same")
-    micro_batch_tokens: int = setting(16384, "Padded tokens per forward/backward pass (gradient accumulation): "
-                                      "sequences are grouped by length into micro-batches under this budget, so "
-                                      "trainer memory does not grow with the rollout size.", resume=ALLOWED,
-                                      why="memory only: the same gradients, summed in other groups")
-    lora_compute: str = setting("auto", "Precision of the LoRA matmuls in training: 'bfloat16' (autocast; the adapter "
-                                "and its optimizer state stay fp32), 'float32' or 'auto' (bfloat16 when model.dtype "
-                                "is bfloat16, else float32).", resume=ALLOWED,
-                                why="the precision of the LoRA matmuls in training; objective, data and adapter "
-                                    "are the same")
-    activation_checkpointing: bool = setting(True, "Recompute each decoder layer's activations in backward instead "
-                                             "of keeping them: far less training memory per token for ~25% more "
-                                             "compute. false: keep them.", resume=ALLOWED,
+    micro_batch_tokens: int = setting(16384, "Padded tokens per forward/backward pass (gradient accumulation).",
+                                      resume=ALLOWED, why="memory only: the same gradients, summed in other groups")
+    lora_compute: str = setting("auto", "LoRA matmul precision in training: 'bfloat16', 'float32' or 'auto' (that "
+                                "of model.dtype).", resume=ALLOWED, why="the precision of the LoRA matmuls; "
+                                "objective, data and adapter are the same")
+    activation_checkpointing: bool = setting(True, "Recompute decoder layer activations in backward (less memory, "
+                                             "~25% more compute).", resume=ALLOWED,
                                              why="memory and speed only: the same gradients, recomputed")
-    compile: str = setting("auto", "torch.compile in training: 'all' (every decoder layer and the output head's "
-                           "passes over the vocabulary), 'head' (the head only), 'off', or 'auto' ('all' on a CUDA "
-                           "GPU, 'off' elsewhere). 'all' compiles while the engine starts (a dummy batch), not in "
-                           "the first step.", resume=ALLOWED,
+    compile: str = setting("auto", "torch.compile in training: 'all' (decoder layers and head), 'head', 'off', or "
+                           "'auto' ('all' on CUDA, else 'off').", resume=ALLOWED,
                            why="speed only: the same computation, compiled")
     reward_mode: str = setting("strict", "'strict' (last '#### N') or 'flexible' (last number).",
                                resume=REFUSED, why=_OBJECTIVE)
     format_bonus: float = setting(0.0, "Added to the reward when '#### N' is present, right or wrong.",
                                   resume=REFUSED, why=_OBJECTIVE)
     max_grad_norm: float = setting(1.0, "Gradient clipping.", resume=REFUSED, why=_OBJECTIVE)
-    max_delta_ratio: float = setting(1.0, "Divergence bound: an update after which some adapted layer's change "
-                                     "||dW|| = ||(alpha/r)·B·A|| exceeds this multiple of its base weight's ||W|| is "
-                                     "treated like a non-finite loss: rolled back, never served, saved or "
-                                     "checkpointed, and the run stops naming the step and the norms (a healthy run "
-                                     "stays far below 1.0). 0 = no bound (non-finite values are always refused).",
+    max_delta_ratio: float = setting(1.0, "Divergence bound: an update whose ||dW|| exceeds this multiple of a "
+                                     "layer's ||W|| is rolled back and stops the run. 0 = no bound.",
                                      resume=ALLOWED, why="a guard: it decides when a diverged update stops the run, "
                                      "not what a step computes")
     epochs: int = setting(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).",
                           resume=REFUSED, why=_OBJECTIVE)
-    max_staleness: int = setting(0, "Steps a rollout's adapter may lag behind the trainer. 0: on-policy. 1: the "
-                                 "next step's rollouts are sampled while this step trains, from the adapter one "
-                                 "update behind, and the loss weights each token by min(π_old / π_sample, tis_cap); "
-                                 "a larger value acts as 1. Step 1 samples on-policy; a resumed run samples as the "
-                                 "run would have. A rollout older than this is refused. A policy group samples every "
-                                 "policy's next batch while its updates run. With SGLang on the trainer's GPU this "
-                                 "overlaps only under CUDA MPS (the engine says so when it opens).",
-                                 resume=REFUSED, why=_SAMPLING)
-    tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
-                             "max_staleness > 0 (truncated importance sampling).", resume=REFUSED, why=_OBJECTIVE)
+    max_staleness: int = setting(0, "Steps a rollout's adapter may lag the trainer. 0: on-policy; 1 (or more): the "
+                                 "next step samples while this one trains, tokens weighted by min(π_old / π_sample, "
+                                 "tis_cap).", resume=REFUSED, why=_SAMPLING)
+    tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) under "
+                             "max_staleness > 0.", resume=REFUSED, why=_OBJECTIVE)
 
     def problems(self) -> list[str]:
         return [
@@ -176,8 +151,7 @@ class StepClock(Clock):
 
 
 class GRPOTrainer:
-    """The loop as an object: `step()` does one GRPO step and returns its StepRecord. Its parts are
-    built from their own sections (session.build_trainer); `seed` seeds the sampling."""
+    """The loop as an object: `step()` does one GRPO step and returns its StepRecord; `seed` seeds the sampling."""
 
     def __init__(self, settings: GRPOSettings, policy: Policy, engine, refresher, source: ProblemSource, tokenizer,
                  runlog=None, *, seed: int = 0, enable_thinking: bool = False, release_engine_memory: bool = False,
@@ -199,21 +173,17 @@ class GRPOTrainer:
         self._engine_stale = False             # a failed step was rolled back: re-send the adapter first
         self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
         self._commits = Commits(self.runlog, settings.steps, self._state, lambda: self.policy.version)
-        # grpo.max_staleness: the next step's rollouts, sampled on a thread of their own while this step trains
-        # (step, its sampling, its scoring): the scoring runs after the sampling on the same thread, off the step's
-        # path; a refresh waits for the sampling only
+        # max_staleness: (step, sampling, scoring) of the next step, on a thread; a refresh waits for the sampling
         self._ahead: tuple[int, Future, Future] | None = None
         self._sampler = ThreadPoolExecutor(1, "lorabench-rollouts", interrupts_to_the_main_thread) \
             if settings.max_staleness else None
-        # the adapter the engine serves (the policy's), and with max_staleness the one before it, which the
-        # next step's rollouts come from (re-sampled from it when none were sampled ahead)
-        self._current = self._behind = None
+        self._current = self._behind = None   # the adapter the engine serves, and (max_staleness) the one before it
         state, _ = self.runlog.load_checkpoint(take=self._take)   # checked here before any repair is written
         if state is not None:
             self.runlog.export_if_missing(self.policy.adapter(), self.settings.steps)   # with the policy's own config
             self.history = self.runlog.metrics()
             self.log(f"resumed from {self.runlog.dir} at step {self.step_count}")
-        self._serve(self.policy.adapter())   # the engine starts with the trainer's adapter
+        self._serve(self.policy.adapter())
 
     @property
     def step_count(self) -> int:
@@ -228,9 +198,8 @@ class GRPOTrainer:
         return self.policy.device
 
     def step(self, rollouts: Rollouts | None = None, rollout_s: float = 0.0) -> StepRecord:
-        """Rollout -> reward -> update -> refresh the engine -> commit (maybe still written on return:
-        wait_committed). `rollouts`: sampled by the caller for `rollout_request()` in `rollout_s` s (a
-        policy group batches its policies' requests); checked like the trainer's own."""
+        """Rollout -> reward -> update -> refresh -> commit (maybe written after return: wait_committed).
+        `rollouts`: sampled by the caller for `rollout_request()` in `rollout_s` s, checked like our own."""
         with self.stepping():
             phases = self.phases(rollouts, rollout_s=rollout_s)
             next(phases)
@@ -238,9 +207,8 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def stepping(self):
-        """This trainer's steps one at a time: StepInProgress if another thread's step runs. A Ctrl-C that a
-        finaliser would swallow is sent again (interrupts.resend_lost_stops)."""
-        resend_lost_stops()
+        """This trainer's steps one at a time: StepInProgress if another thread's step runs."""
+        resend_lost_stops()   # a Ctrl-C that a finaliser swallowed is sent again
         if not self._stepping.acquire(blocking=False):
             raise StepInProgress(f"step {self.policy.version + 1} is running in another thread (a step panel's "
                                  f"Run N?); Stop it or wait for it (panel.wait()), then step again")
@@ -250,23 +218,19 @@ class GRPOTrainer:
             self._stepping.release()
 
     def rollout_request(self, ahead: bool = False) -> tuple[list[Problem], GenerateRequest]:
-        """The next step's problems and their engine request, once the engine serves the trainer's adapter;
-        ahead=True: the step after it (a policy group samples it while this one trains, grpo.max_staleness)."""
+        """The next step's problems and engine request (ahead=True: the step after it), once the engine is fresh."""
         if not ahead:
             self.resend_if_stale()
         return self._request_for(self.policy.version + (2 if ahead else 1))
 
-    def serve_behind(self) -> bool:
-        """With max_staleness, the engine serves the adapter one version behind (how the step after a resume or
-        a rolled-back step samples, as the pipeline would have) until `resend_if_stale`; False: there is none."""
-        if self._behind is None:
-            return False
-        self._engine_stale = True   # until the engine serves the current adapter again
-        self.refresher.refresh(self._behind)
-        return True
+    def serve_behind(self) -> None:
+        """With max_staleness, the engine serves the adapter one version behind until `resend_if_stale`."""
+        if self._behind is not None:
+            self._engine_stale = True   # until the engine serves the current adapter again
+            self.refresher.refresh(self._behind)
 
     def resend_if_stale(self) -> None:
-        """After a rolled-back step the engine may have lost the adapter mid-refresh: send it again."""
+        """After a rolled-back step or `serve_behind`, send the current adapter again."""
         if self._engine_stale:
             self.refresher.refresh(self._current)
             self._engine_stale = False
@@ -288,17 +252,19 @@ class GRPOTrainer:
         return rollouts_of(self.engine, self.tokenizer, problems, request, completions, served)
 
     def phases(self, rollouts: Rollouts | None, scored: tuple | None = None, rollout_s: float = 0.0):
-        """One step as a generator (under `stepping()`): next() samples (or checks the given rollouts),
-        scores and updates; `finish` then refreshes the engine, probes and commits, returning the
-        StepRecord. Closed between the two, the update is rolled back. A policy group updates all its
-        policies before it publishes any (group.PolicyGroup.step)."""
+        """One step as a generator (under `stepping()`): next() samples (or checks `rollouts`), scores and
+        updates; `finish` then refreshes, probes and commits. Closed between the two, the update is rolled back."""
         self._commits.check(wait=False)
         g, step, clock = self.settings, self.policy.version + 1, StepClock()
-        self.clock = clock   # the step under way: its parts so far (a step panel shows which one runs)
+        self.clock = clock   # the step under way (a step panel shows which part runs)
         if rollouts is None:
             self.resend_if_stale()
             ahead = self._take_ahead(step)
-            rollouts, scored = ahead if ahead is not None else (self._sample_in_line(step), None)
+            if ahead is None:   # as the pipeline samples: from the adapter one version behind (max_staleness)
+                self.serve_behind()
+                ahead = self._sample(step), None
+                self.resend_if_stale()
+            rollouts, scored = ahead
             clock.lap("rollout")
             if self._sampler is not None and step < g.steps:   # the next step's, sampled while this one trains
                 sampled = self._sampler.submit(self._sample, step + 1)
@@ -348,15 +314,6 @@ class GRPOTrainer:
         rewards, reward_means = score(rollouts, self.rewards)
         return collate(rollouts, rewards, self.tokenizer.pad_token_id), reward_means
 
-    def _sample_in_line(self, step: int) -> Rollouts:
-        """This step's rollouts when none were sampled ahead: with max_staleness from the adapter one
-        version behind, as the pipeline samples them (a resumed or repeated step gets the same ones)."""
-        behind = self.serve_behind()
-        rollouts = self._sample(step)
-        if behind:
-            self.resend_if_stale()
-        return rollouts
-
     def _take_ahead(self, step: int) -> tuple[Rollouts, tuple] | None:
         """(rollouts, scored) sampled ahead for `step`, if any (waited for; an interrupt stops the wait)."""
         if self._ahead is None:
@@ -373,8 +330,7 @@ class GRPOTrainer:
             futures_wait(ahead[1:])
 
     def _check_served(self, rollouts: Rollouts) -> None:
-        """The engine served the trainer's version or one at most grpo.max_staleness older (the
-        stale-adapter control is exempt by design)."""
+        """The engine served the trainer's version or one at most max_staleness older (not checked for 'none')."""
         lag = self.policy.version - (rollouts.served_version if rollouts.served_version is not None else -1)
         if self.refresher.keeps_engine_fresh and not 0 <= lag <= self.settings.max_staleness:
             allowed = (f"the trainer is at version {self.policy.version}" if not self.settings.max_staleness else
@@ -415,8 +371,7 @@ class GRPOTrainer:
             self.refresher.engine_memory_resumed(tags)
 
     def wait_committed(self) -> None:
-        """Return once every step so far is in the run dir (run.commit_in_background writes a step's
-        commit while the next step runs); TrainerStopped if one could not be written."""
+        """Return once every step so far is in the run dir; TrainerStopped if one could not be written."""
         self._commits.check(wait=True)
 
     def run(self, n: int | None = None, progress: bool = True) -> list[StepRecord]:
@@ -444,8 +399,7 @@ class GRPOTrainer:
         self._serve(self.policy.adapter())
 
     def _take(self, state: dict, adapter: FlatAdapter) -> None:
-        """A checkpoint's state, checked by the policy. With max_staleness the next step is sampled from
-        the adapter one version behind, as the run went on; a checkpoint without one: that step on-policy."""
+        """A checkpoint's state, checked by the policy, with the adapter one version behind (max_staleness)."""
         # laid out as adapter_buffer: read_checkpoint checked it with every *_buffer field (checkpoint_problem)
         behind = state.get(BEHIND) if self.settings.max_staleness else None
         self.policy.load(state, adapter)
@@ -504,9 +458,8 @@ class GRPOTrainer:
 
 
 def finish(phases, waited: bool = False) -> StepRecord:
-    """The publish of a step updated by next(phases) (GRPOTrainer.phases): its StepRecord. waited: the step
-    was held between its update and its publish (a policy group's other policies, its batch sampled ahead),
-    timed as time/group_wait_s."""
+    """The publish of a step updated by next(phases): its StepRecord. waited: held between update and
+    publish (a policy group), timed as time/group_wait_s."""
     try:
         phases.send(waited)
     except StopIteration as done:

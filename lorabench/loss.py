@@ -24,9 +24,7 @@ LOGIT_TRANSFORM_SETTINGS = {
 
 
 def sent_ahead(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device` without the host waiting for the device: a host tensor bound for a GPU goes through pinned
-    memory (a copy from pageable memory may wait until the stream has drained); PyTorch's pinned-memory cache
-    keeps the source until the copy has run."""
+    """`t` on `device` without the host waiting: a host tensor bound for a GPU goes through pinned memory."""
     device = torch.device(device)
     if t.device.type == "cpu" and device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
@@ -75,9 +73,8 @@ def plain_token_logprobs(model, input_ids, attention_mask, temperature: float) -
 
 
 def body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(transformer body returning last_hidden_state, output head) of a causal LM, PEFT-wrapped or not.
-    LoRA layers live in the base model's modules, so calling them applies the active adapter; PEFT
-    methods that change the inputs in PeftModel.forward (prompt/prefix tuning) are refused."""
+    """(transformer body returning last_hidden_state, output head) of a causal LM, PEFT-wrapped or not (the
+    active LoRA adapter applies; prompt/prefix tuning, which changes the inputs, is refused)."""
     peft_config = getattr(model, "active_peft_config", None)
     if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
         raise NotImplementedError(f"token_logprobs: PEFT {peft_config.peft_type} changes the inputs in "

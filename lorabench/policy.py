@@ -1,11 +1,6 @@
 """The policy: a PEFT LoRA model on frozen base weights, its optimizer, and the flat adapter it
-publishes after each update (`train(batch)`, then `adapter()`). Its version is the number of updates
-taken (= the GRPO step), which the engine's rollouts are checked against.
-
-A diverged update is never published: `train` refuses a non-finite loss or gradient norm before the
-optimizer steps, and `adapter()` refuses weights that are non-finite or whose change of some layer,
-||dW|| = ||(alpha/r)·B·A||, exceeds grpo.max_delta_ratio times that layer's base ||W||. Both raise
-UpdateDiverged, and the trainer rolls the step back (grpo.py: _whole_step).
+publishes after each update (`train(batch)`, then `adapter()`); its version is the number of updates.
+A diverged update (non-finite, or ||dW|| above grpo.max_delta_ratio·||W||) raises UpdateDiverged.
 """
 from __future__ import annotations
 
@@ -73,9 +68,8 @@ class LoraSettings(Section):
 
 
 class UpdateDiverged(AdapterError):
-    """A GRPO update is unusable (non-finite, or beyond grpo.max_delta_ratio); nothing of it was served,
-    saved or checkpointed. `override`: the setting a new run could start with (e.g. 'grpo.lr=0.0001');
-    `past_bound`: the resume override without the bound, given only where the update is not far beyond it."""
+    """A GRPO update is unusable; nothing of it was served, saved or checkpointed. `override`: the setting a new
+    run could start with (e.g. 'grpo.lr=0.0001'); `past_bound`: the resume override without the bound, or ''."""
 
     def __init__(self, message: str, override: str = "", past_bound: str = ""):
         super().__init__(message)
@@ -83,9 +77,8 @@ class UpdateDiverged(AdapterError):
 
 
 class Policy:
-    """`init_seed` seeds the LoRA init right before the adapter is made (the same alone or in a group).
-    `beside`: a Policy whose model this one shares, adding its adapter as `adapter_name` (a policy group
-    keeps one frozen base for all its policies, each adapter made active for its own update)."""
+    """`init_seed` seeds the LoRA init. `beside`: a Policy whose model this one shares, adding its adapter as
+    `adapter_name` (a policy group's one frozen base)."""
 
     def __init__(self, model_path: str, lora, grpo, dtype: str = "float32", device: str = "",
                  adapter_name: str = "default", init_seed: int | None = None, beside: Policy | None = None):
@@ -101,7 +94,6 @@ class Policy:
         self.lora_layers = LoraLayers(self.model, adapter_name, flatten=True)  # before the optimizer sees them
         self.bf16_lora = lora_compute_dtype(grpo.lora_compute, dtype) == "bfloat16"
         self.compile = compile_mode(grpo.compile, self.device)
-        # the shared layers are set up once, by the first policy (a group's policies share these settings)
         if beside is None and self.compile == "all":   # checkpointing goes inside each compiled layer
             _compile_decoder_layers(self.model, model_path, grpo.activation_checkpointing)
         elif beside is None and grpo.activation_checkpointing:
@@ -117,7 +109,7 @@ class Policy:
         self.base_norms = _base_norms(self.model, self.layout)   # [modules], layout.modules' order
 
     def adapter(self) -> FlatAdapter:
-        """The current LoRA weights as one new FlatAdapter at the policy's version; UpdateDiverged beyond the bound."""
+        """The LoRA weights as a new FlatAdapter at the policy's version; UpdateDiverged beyond the bound."""
         adapter = self.lora_layers.snapshot(self.version)
         found = self._beyond_bound(adapter)
         if found is None:
@@ -160,14 +152,11 @@ class Policy:
         """`grpo.epochs` optimizer steps on `batch` in micro-batches of at most `grpo.micro_batch_tokens`
         padded tokens; returns loss statistics, the trainer-vs-engine mismatch and `Diagnostics`."""
         grpo = self.grpo
-        # compiled layers compile again when a micro-batch's width turns from a multiple of 8 to not
-        # (inductor guards on alignment): widths stay multiples
+        # compiled layers recompile when a width stops being a multiple of 8 (inductor guards on alignment)
         multiple = COMPILED_WIDTH_MULTIPLE if self.compile == "all" else 1
         batch = batch.to("cpu").padded_to_multiple(multiple)
         micro = token_budget_batches([round_up(n, multiple) for n in batch.lengths], grpo.micro_batch_tokens)
-        # micro-batches cut on the host and sent without waiting, their statistics summed on the device: the
-        # loop never waits for the GPU, so a launch-bound update (small micro-batches, or kernels beside the
-        # engine's) launches ahead instead of draining the GPU at each sync
+        # cut on the host, sent without waiting, statistics summed on the device: the loop never waits for the GPU
         parts = [batch.rows(index, multiple) for index in micro]
         old_logp: list[torch.Tensor] = []                           # per micro-batch [n, L-1] π_old: before the update
         stale = grpo.max_staleness > 0                              # sampled by an older adapter: weighted
@@ -212,8 +201,7 @@ class Policy:
         return {**stats, **mismatch(old, batch), **diagnostics.means()}
 
     def _clipped_step(self, sums: torch.Tensor, tokens: int) -> dict[str, float]:
-        """The epoch's end: clip, read its sums (loss, clip_fraction, kl; the loop's one wait for the device),
-        refuse a non-finite update before it reaches the weights, then the optimizer step."""
+        """The epoch's end: clip, read the sums (the one device wait), refuse a non-finite update, step."""
         grpo = self.grpo
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, grpo.max_grad_norm)
         loss, clip, kl, norm = torch.cat([sums, grad_norm.double().reshape(1)]).tolist()
@@ -228,10 +216,8 @@ class Policy:
         return stats
 
     def compile_now(self) -> None:
-        """grpo.compile=all: compile what `train` runs (the decoder layer, the head with and without entropies,
-        the reference pass) by training on a dummy batch, then put back weights, optimizer, version and every
-        RNG: the policy is as if it had not run. The session calls it while the engine starts, so the compile
-        is not paid in the first step."""
+        """grpo.compile=all: compile what `train` runs by training on a dummy batch, then put back weights,
+        optimizer, version and every RNG (the session calls it while the engine starts)."""
         if self.compile != "all":
             return
         saved, last_stats = self.snapshot(), self.last_stats
@@ -256,8 +242,8 @@ class Policy:
         return out if with_entropy else (out, None)
 
     def _layer_mask(self, part: RolloutBatch) -> torch.Tensor:
-        """Compiled layers with SDPA get the full [N, 1, L, L] mask always: transformers drops a 2-D mask
-        that pads nothing, and the layer would compile again for the first micro-batch without padding."""
+        """Compiled SDPA layers always get the [N, 1, L, L] mask (transformers drops a 2-D one that pads nothing,
+        and the layer would compile again)."""
         if self.compile == "all" and self.model.config._attn_implementation == "sdpa":
             return causal_padding_mask(part.attention_mask)
         return part.attention_mask
@@ -269,8 +255,7 @@ class Policy:
 
     @contextlib.contextmanager
     def compute(self):
-        """grpo.lora_compute. bf16: autocast, the LoRA matmuls in bf16 on the fp32 adapter, without PEFT's
-        cast of each LoRA layer's input to fp32 (backward would keep that copy)."""
+        """grpo.lora_compute. bf16: autocast, without PEFT's cast of each LoRA input to fp32 (backward keeps it)."""
         if not self.bf16_lora:
             yield
             return
@@ -297,8 +282,7 @@ class Policy:
 
     @torch.no_grad()
     def load(self, state: dict, adapter: FlatAdapter) -> None:
-        """Resume: the adapter's values and version, the optimizer and RNG state. Checked here what only
-        the policy can tell: its layout, and whose each moment is (torch loads them by position)."""
+        """Resume: the adapter's values and version, the optimizer and RNG state, checked against this policy."""
         if adapter.layout != self.layout:
             raise AdapterError("the checkpoint's adapter has other tensors or shapes than this policy (a different "
                                "lora.r, target modules or base model); resume with the run's own config")
@@ -325,14 +309,13 @@ class Policy:
 
 
 _RESTORE = "nothing was changed. Restore checkpoint/trainer_state.pt from a backup, or start a new run"
-# below this ratio a divergence message offers to continue without the bound (up to ten times a
-# layer's weight may be intended); far beyond it, only a lower rate helps
+# below this ratio a divergence message offers to continue without the bound; far beyond, only a lower rate helps
 OFFER_UNBOUNDED_BELOW = 10.0
 
 
 def _diverged(grpo, message: str, then: str = "", ratio: float = math.inf, offer: str = "") -> UpdateDiverged:
-    """`message`, then the lower rate to start a new run with (a tenth, at most the default: a tenth of
-    1e30 diverges as surely) and, for a ratio below OFFER_UNBOUNDED_BELOW, the `offer` of no bound."""
+    """`message`, then a lower rate for a new run (a tenth, at most the default) and, for a ratio below
+    OFFER_UNBOUNDED_BELOW, the `offer` of no bound."""
     default = next(f.default for f in dataclasses.fields(grpo) if f.name == "lr")
     override = f"grpo.lr={min(grpo.lr / 10, default):g}"
     past = "grpo.max_delta_ratio=0" if offer and ratio < OFFER_UNBOUNDED_BELOW else ""
@@ -349,8 +332,7 @@ def _base_norms(model, layout: AdapterLayout) -> torch.Tensor:
 
 
 def _enable_activation_checkpointing(model) -> None:
-    """Checkpoint every decoder layer, non-reentrant (the inputs, token ids, need no grad); only in
-    training mode. Newer transformers name it activation_checkpointing_enable."""
+    """Checkpoint every decoder layer, non-reentrant (newer transformers: activation_checkpointing_enable)."""
     base = model.get_base_model()
     enable = getattr(base, "activation_checkpointing_enable", None)
     with quiet_peft():
@@ -373,8 +355,7 @@ def rngs_kept(device: str):
 
 
 def _compile_batch() -> RolloutBatch:
-    """Three padded rows of 14, 19 and 24 tokens (a prompt of 4): a micro-batch like a real one for the
-    compiled layers' guards (several rows, padding, a width that is a multiple of 8 and no model dimension)."""
+    """Three padded rows of 14, 19 and 24 tokens (a prompt of 4): like a real micro-batch to the compile guards."""
     lengths, prompt, width = (14, 19, 24), 4, 24
     positions = torch.arange(width)
     attention = torch.stack([(positions < n).long() for n in lengths])                     # [3, 24]
@@ -385,8 +366,7 @@ def _compile_batch() -> RolloutBatch:
 
 
 def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None:
-    """torch.compile every decoder layer in place (grpo.compile=all; dynamic: widths vary), checkpointing
-    inside the compiled forward (around it the recompute saves other tensors: CheckpointError)."""
+    """torch.compile every decoder layer in place (dynamic), checkpointing inside the compiled forward."""
     decoder = model.get_base_model().get_decoder()
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
@@ -400,14 +380,11 @@ def _compile_decoder_layers(model, model_path: str, checkpointing: bool) -> None
 
 
 def _needing_grad(embedding, inputs, output: torch.Tensor) -> torch.Tensor:
-    """The frozen embedding's output made to need grad in training: layer 0 then sees what the others see,
-    and the layer compiles one graph, not two (its gradient there is computed and not used)."""
+    """The embedding's output made to need grad in training: layer 0 then compiles the graph the others do."""
     return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
 
 
-# dynamo's settings while the layers run: no graph break at a variable the forward sets and resets
-# inside a checkpoint (the recompute need not replay it), and room for the graphs a group's policies
-# compile of the shared layers (dynamo's default limit, 8, sends a policy to eager).
+# dynamo while the layers run: no graph break at a side effect inside a checkpoint, and room for a group's graphs
 _DYNAMO = {key: value for key, value in {"skip_fwd_side_effects_in_bwd_under_checkpoint": True,
                                           "recompile_limit": 64}.items() if hasattr(torch._dynamo.config, key)}
 
@@ -429,8 +406,7 @@ def lora_compute_dtype(setting: str, model_dtype: str) -> str:
 
 
 class Diagnostics:
-    """Metrics of the policy that sampled the batch (π_old) over completion tokens, not in the loss:
-    entropy of softmax(logits / T) in nats; kl_to_base: k3 exp(d) - d - 1, d = log p_base - log π_old."""
+    """Metrics of π_old over completion tokens: entropy of softmax(logits / T) in nats; kl_to_base: k3."""
 
     def __init__(self):
         self.sums = None   # [4] float64 on the batch's device: tokens, entropy, kl, kl tokens (summed, no sync)
@@ -465,8 +441,7 @@ def mismatch(trainer_logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float
 
 
 def _placed(pieces: list[torch.Tensor], micro: list[list[int]], shape) -> torch.Tensor:
-    """Micro-batch pieces [n_j, w_j] put back at their rows and first columns of one [N, L-1] tensor on their
-    device, then brought to the host in one copy (one wait for the device, however many micro-batches)."""
+    """Micro-batch pieces [n_j, w_j] put back into one [N, L-1] tensor, brought to the host in one copy."""
     out = pieces[0].new_zeros(shape, dtype=torch.float32)
     for piece, index in zip(pieces, micro):
         out[sent_ahead(torch.tensor(index), out.device), :piece.shape[1]] = piece.float()
@@ -484,14 +459,12 @@ def _lora_config(base, lora, model_path: str):
         if missing:
             raise ConfigError(f"lora.target_modules={lora.target_modules!r}: the model {model_path} has no module "
                               f"named {missing}; its linear modules are {have} (or use 'all-linear')")
-    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
-                      bias="none")
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout, bias="none")
 
 
 class LoraLayers:
-    """The nn.Linear holding each LoRA tensor of a PEFT model, in layout order, validated once here.
-    flatten=True makes every LoRA weight a view of one buffer (`self.buffer`), so a snapshot is one
-    `clone`; do it before an optimizer is built."""
+    """The nn.Linear holding each LoRA tensor of a PEFT model, in layout order, validated. flatten=True makes
+    every LoRA weight a view of one buffer (a snapshot is one clone); do it before an optimizer is built."""
 
     def __init__(self, model, adapter_name: str = "default", flatten: bool = False):
         found = {}

@@ -1,25 +1,13 @@
-"""Refresh modes: move the step's flat adapter into the engine after an optimizer step, timing each
-part. One small class per mode, one registry line each (REFRESH_MODES):
+"""Refresh modes: move the step's flat adapter into the engine after an optimizer step, timing each part.
 
     file      write a PEFT dir (atomic, 0600, tmpfs when available) -> unload -> load by path
     tensor    stage the buffer on the engine's device in buckets -> unload -> load from tensors
-    inplace   the first refresh loads like `tensor`; later ones overwrite the engine's resident copy
-              of the adapter (SGLang: its GPU LoRA pool; hf: the PEFT parameters), no unload or reload
-    merged    W + (a/r)BA for every adapted layer -> push those full weights in buckets (no cache
-              flush until the last bucket; every weight on the first push and after the engine's
-              weights were released) -> the engine then serves the base name, adapter-free
+    inplace   load once like `tensor`, then overwrite the engine's resident copy (no unload or reload)
+    merged    push W + (a/r)BA of every adapted layer in buckets; the engine then serves the base name
     none      the stale-adapter control: the first adapter is loaded once and never updated
 
-A refresher receives a FlatAdapter (made once per step by the policy, never handed back) and
-returns a RefreshRecord: timings only (sync.jsonl rows). It checks the engine capabilities it needs
-when it is built. Only `AdapterNotLoaded` is caught on unload (the first refresh has nothing to
-unload); any other engine error propagates.
-
-Adding a mode: a Refresher subclass with `mode`, `help` (`needs`: optional engine capabilities it
-uses; `Settings`: its own `refresh.<mode>` section, whose fields reach __init__ as keywords; a setting
-made with `writes_dir=True` is checked writable before a run starts; `takes_base_weights`: __init__
-gets the trainer's base weights), plus its line in REFRESH_MODES; the run config, `--help-config`,
-preflight, benchmarks and plots read the registry (tests/test_components.py).
+A mode is a Refresher subclass plus its line in REFRESH_MODES (`needs`: engine capabilities it uses;
+`Settings`: its `refresh.<mode>` section, whose fields reach __init__ as keywords; `takes_base_weights`).
 """
 from __future__ import annotations
 
@@ -46,13 +34,11 @@ _HOW = "how the adapter reaches the engine; what it serves is the same"
 @dataclass
 class RefreshSettings(Section):
     """The `refresh` section; one sub-section per mode with settings of its own (`refresh.file`)."""
-    mode: str = setting("tensor", "How the adapter reaches the engine after each step: one of "
-                        "lorabench.refresh.REFRESH_MODES, each listed with its help in --help-config "
-                        "(docs/results.md compares them).", resume=ALLOWED,
+    mode: str = setting("tensor", "How the adapter reaches the engine after each step (REFRESH_MODES).",
+                        resume=ALLOWED,
                         why=f"{_HOW} (not to or from 'none', whose engine serves a stale adapter)")
-    bucket_mb: float = setting(64.0, "Bucket size in MB: the adapter is staged in buckets of this size, and a merged "
-                               "push sends one engine call per bucket (larger buckets: fewer calls, more peak "
-                               "memory; docs/results.md).", resume=ALLOWED, why=_HOW)
+    bucket_mb: float = setting(64.0, "Bucket size in MB for staging the adapter and for a merged push's engine calls.",
+                               resume=ALLOWED, why=_HOW)
 
     @classmethod
     def parts(cls) -> dict[str, type]:
@@ -91,8 +77,7 @@ class RefreshRecord:
 
 
 def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Sort by name and pack greedily into buckets of at most `bucket_bytes`; a tensor larger than
-    a bucket travels alone. Every tensor lands in exactly one bucket."""
+    """Sort by name and pack greedily into buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
     buckets, current, size = [], [], 0
     for name, tensor in sorted(named, key=lambda kv: kv[0]):
         nbytes = tensor.numel() * tensor.element_size()
@@ -107,9 +92,8 @@ def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> li
 
 
 def adapter_tmp_root(configured: str = "") -> Path:
-    """A private (0700) dir for adapter files: tmpfs (/dev/shm) when writable, else the temp dir.
-    Named `lorabench-adapters-<pid>-*`: roots left by killed processes (on tmpfs they hold RAM)
-    are removed here, when the next refresher starts."""
+    """A private (0700) dir for adapter files: /dev/shm when writable, else the temp dir; roots left by killed
+    processes (`lorabench-adapters-<pid>-*`) are removed first."""
     parent = configured or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
     remove_stale_temps(Path(parent), ("lorabench-adapters-",))
     return Path(tempfile.mkdtemp(prefix=f"lorabench-adapters-{os.getpid()}-", dir=parent))
@@ -133,8 +117,7 @@ class Refresher:
 
     @classmethod
     def from_settings(cls, engine, adapter_name: str, settings: RefreshSettings, own=None, base_weights=None):
-        """From the refresh section, the mode's own sub-section (`own`: each field an __init__ keyword) and, where
-        the mode `takes_base_weights`, the trainer's base weights."""
+        """From the refresh section, the mode's own sub-section (each field an __init__ keyword), base weights."""
         kwargs = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)} if own is not None else {}
         if cls.takes_base_weights:
             kwargs["base_weights"] = base_weights
@@ -159,8 +142,7 @@ class Refresher:
         """The engine released `tags` for the update and took them back: lost state is re-sent next refresh."""
 
     def _stage(self, adapter: FlatAdapter, device, record: RefreshRecord, clock: Clock) -> FlatAdapter:
-        """The adapter in the engine's dtype on `device`, a new buffer filled bucket by bucket (sorted names:
-        each bucket is one contiguous range), one record row each; pinned when it goes to the host."""
+        """The adapter in the engine's dtype on `device`, copied bucket by bucket (one record row each)."""
         src = adapter.buffer
         to_host = torch.device(device).type == "cpu" and src.is_cuda
         out = torch.empty(src.numel(), dtype=self.engine.adapter_dtype or src.dtype, device=device, pin_memory=to_host)
@@ -226,8 +208,7 @@ class TensorRefresh(Refresher):
 
 
 class InPlaceRefresh(TensorRefresh):
-    """Load once, then overwrite the engine's resident copy in place: the engine keeps its name, slot and
-    scaling, so the LoRA config must stay the same (the engine refuses a change; `tensor` can change it)."""
+    """Load once, then overwrite the engine's resident copy in place (the LoRA config must stay the same)."""
     mode = "inplace"
     help = "load once, then write new values into the engine's resident adapter (SGLang: its GPU LoRA pool)"
     needs = (UpdatesAdapterInPlace,)
@@ -253,8 +234,7 @@ class MergedRefresh(Refresher):
         if base_weights is None:
             raise ValueError("refresh.mode=merged needs the trainer's base weights (base_weights=...)")
         self.base_weights = base_weights
-        # every weight (an earlier run may have merged others) on the first push and after a release
-        self._push_every_weight = True
+        self._push_every_weight = True   # on the first push (an earlier run may have merged others), after a release
 
     @property
     def serving_adapter(self) -> str | None:

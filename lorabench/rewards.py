@@ -16,8 +16,7 @@ from decimal import Context, Decimal, InvalidOperation
 _NUMBER = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _STRICT = re.compile(r"####\s*(" + _NUMBER + r")")
 _FLEXIBLE = re.compile(_NUMBER)
-# a number with a digit this far from the decimal point (10**1000, 1e-1000) is no answer: Python
-# prints no int of more than 4,300 digits, and 1e999999999 would be a billion characters
+# a number with a digit this far from the point is no answer (Python prints no int of more than 4,300 digits)
 MAX_DIGITS = 1000
 
 

@@ -1,18 +1,9 @@
 """Settings: how a component declares what can be set, and how sections are read and explained.
 
-Each component defines its settings as a dataclass next to its code (a *section*: `lora`, `grpo`,
-`engine.<backend>`, `refresh.<mode>`, ...); session/config.py composes them. Every field is made with
-`setting()`: a default, a help text and what a continued run may do with it:
-
-    r: int = setting(16, "LoRA rank.", resume=REFUSED, why=ADAPTER)
-
-`resume=ALLOWED` (how long, how fast, where, how it is served or logged) or `REFUSED` (what defines
-the experiment), `why` in one clause; session/compat.py reads these and nothing else. A section
-validates itself in `problems()` (fix-it lines) and lists registry sub-sections in `parts()`.
-
-Values arrive as text (overrides), converted here, or typed from TOML/JSON files, where a value must
-already have the field's type (`check_types`: `steps = "30"` is refused); a refusal names the field,
-where the value came from and how to write it.
+Each component defines its section as a dataclass next to its code; every field is made with `setting()`:
+a default, a help text, and whether a continued run may change it (`resume=ALLOWED` or `REFUSED`, `why`
+in one clause). A section validates itself in `problems()` and lists registry sub-sections in `parts()`.
+Values arrive as override text (converted here) or typed from TOML/JSON files (`check_types`).
 """
 from __future__ import annotations
 
@@ -177,52 +168,39 @@ def value_problems(section, prefix: str) -> list[str]:
 
 def convert(value, typ, where: str):
     """A file value or an override string as the field's type, or a ConfigError saying how to write it."""
-    origin = typing.get_origin(typ)
-    if origin in (typing.Union, types.UnionType):  # str | list[str]
-        return _string_or_list(value, where)
-    if typ is bool:
-        return _boolean(value, where)
-    if typ in (int, float):
-        return _number(value, typ, where)
-    if typ is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: expected a string, got {shown(value)}")
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):  # str | list[str]
+        if isinstance(value, list):
+            return [str(v) for v in value]
+        if isinstance(value, str) and value.startswith("["):
+            try:
+                return [str(v) for v in json.loads(value)]
+            except json.JSONDecodeError as err:
+                raise ConfigError(f'{where}: {value!r} is not a JSON list ({err}); write e.g. ["q_proj","v_proj"]') \
+                    from err
+        if isinstance(value, str) and "," in value:
+            return [v.strip() for v in value.split(",") if v.strip()]
         return str(value)
-    return value
-
-
-def _string_or_list(value, where: str):
-    if isinstance(value, list):
-        return [str(v) for v in value]
-    if isinstance(value, str) and value.startswith("["):
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{where}: {shown(value)} is not a boolean; use true or false")
+    if typ in (int, float):
+        kind = "an int" if typ is int else "a float"
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: {value!r} is a boolean, expected {kind}")
         try:
-            return [str(v) for v in json.loads(value)]
-        except json.JSONDecodeError as err:
-            raise ConfigError(f'{where}: {value!r} is not a JSON list ({err}); write e.g. ["q_proj","v_proj"]') from err
-    if isinstance(value, str) and "," in value:
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return str(value)
-
-
-def _boolean(value, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return value.lower() in ("true", "1", "yes", "on")
-    raise ConfigError(f"{where}: {shown(value)} is not a boolean; use true or false")
-
-
-def _number(value, typ, where: str):
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: {value!r} is a boolean, expected {'an int' if typ is int else 'a float'}")
-    try:
-        converted = typ(value)
-    except (TypeError, ValueError, OverflowError) as err:   # OverflowError: int(inf)
-        raise ConfigError(f"{where}: {shown(value)} is not {'an int' if typ is int else 'a float'}; write e.g. "
-                          f"{'8' if typ is int else '1e-3'}") from err
-    if typ is int and isinstance(value, float) and value != int(value):
-        raise ConfigError(f"{where}: {value!r} is not a whole number")
-    return converted
+            converted = typ(value)
+        except (TypeError, ValueError, OverflowError) as err:   # OverflowError: int(inf)
+            raise ConfigError(f"{where}: {shown(value)} is not {kind}; write e.g. {'8' if typ is int else '1e-3'}") \
+                from err
+        if typ is int and isinstance(value, float) and value != int(value):
+            raise ConfigError(f"{where}: {value!r} is not a whole number")
+        return converted
+    if typ is str and isinstance(value, (dict, list)):
+        raise ConfigError(f"{where}: expected a string, got {shown(value)}")
+    return str(value) if typ is str else value
 
 
 class JSONObject(dict):
