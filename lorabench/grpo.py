@@ -44,47 +44,65 @@ class GRPOSettings(Section):
     steps: int = setting(30, "GRPO steps (one optimizer step and one adapter refresh each).",
                          resume=ALLOWED, why="how long the run goes (not below the steps already done)")
     prompts_per_step: int = setting(8, "Distinct prompts per step (fresh every step).", resume=REFUSED, why=_DATA)
-    group_size: int = setting(8, "Completions per prompt; advantages are normalised within a group.",
+    group_size: int = setting(8, "Completions sampled per prompt; advantages are normalised within a group.",
                               resume=REFUSED, why=_DATA)
     max_new_tokens: int = setting(48, "Completion length limit.", resume=REFUSED, why=_SAMPLING)
-    temperature: float = setting(0.7, "Sampling temperature for rollouts and the sampled eval.", resume=REFUSED,
-                                 why=_SAMPLING)
+    temperature: float = setting(0.7, "Sampling temperature for rollouts and the sampled held-out eval "
+                                 "(log-probs are of this distribution).", resume=REFUSED, why=_SAMPLING)
     top_p: float = setting(1.0, "Nucleus sampling; keep 1.0 so log-probs cover the whole distribution.",
                            resume=REFUSED, why=_SAMPLING)
     lr: float = setting(1e-3, "AdamW learning rate for the LoRA parameters.", resume=REFUSED,
                         why="it is saved in the checkpoint's optimizer state: a new value would silently not apply")
     clip_eps: float = setting(0.2, "PPO-style ratio clip.", resume=REFUSED, why=_OBJECTIVE)
-    kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model in the loss; 0 = off, > 0 (e.g. 0.04) "
-                             "costs one more forward pass.", resume=REFUSED, why=_OBJECTIVE)
-    kl_metric: bool = setting(False, "Log kl/mean (k3 KL to the base model) also when kl_beta = 0.",
+    kl_beta: float = setting(0.0, "Weight β of the k3 KL to the base model (adapter disabled) added to the loss per "
+                             "token. 0 = off (a rule-checked reward cannot be gamed); > 0 (e.g. 0.04) keeps the "
+                             "policy near the base at one more forward pass per micro-batch.",
+                             resume=REFUSED, why=_OBJECTIVE)
+    kl_metric: bool = setting(False, "Log kl/mean, the k3 estimate of KL(policy || base model) on the sampled tokens, "
+                              "also when kl_beta = 0 (not in the loss): one more forward pass without gradients.",
                               resume=ALLOWED, why="a metric only: the update is the same")
-    micro_batch_tokens: int = setting(16384, "Padded tokens per forward/backward pass (gradient accumulation).",
-                                      resume=ALLOWED, why="memory only: the same gradients, summed in other groups")
-    lora_compute: str = setting("auto", "LoRA matmul precision in training: 'bfloat16', 'float32' or 'auto' (that "
-                                "of model.dtype).", resume=ALLOWED, why="the precision of the LoRA matmuls; "
-                                "objective, data and adapter are the same")
-    activation_checkpointing: bool = setting(True, "Recompute decoder layer activations in backward (less memory, "
-                                             "~25% more compute).", resume=ALLOWED,
+    micro_batch_tokens: int = setting(16384, "Padded tokens per forward/backward pass (gradient accumulation): "
+                                      "sequences are grouped by length into micro-batches under this budget, so "
+                                      "trainer memory does not grow with the rollout size.", resume=ALLOWED,
+                                      why="memory only: the same gradients, summed in other groups")
+    lora_compute: str = setting("auto", "Precision of the LoRA matmuls in training: 'bfloat16' (autocast; the adapter "
+                                "and its optimizer state stay fp32), 'float32' or 'auto' (bfloat16 when model.dtype "
+                                "is bfloat16, else float32).", resume=ALLOWED,
+                                why="the precision of the LoRA matmuls in training; objective, data and adapter "
+                                    "are the same")
+    activation_checkpointing: bool = setting(True, "Recompute each decoder layer's activations in backward instead "
+                                             "of keeping them: far less training memory per token for ~25% more "
+                                             "compute. false: keep them.", resume=ALLOWED,
                                              why="memory and speed only: the same gradients, recomputed")
-    compile: str = setting("auto", "torch.compile in training: 'all' (decoder layers and head), 'head', 'off', or "
-                           "'auto' ('all' on CUDA, else 'off').", resume=ALLOWED,
+    compile: str = setting("auto", "torch.compile in training: 'all' (every decoder layer and the output head's "
+                           "passes over the vocabulary), 'head' (the head only), 'off', or 'auto' ('all' on a CUDA "
+                           "GPU, 'off' elsewhere). 'all' compiles while the engine starts (a dummy batch), not in "
+                           "the first step.", resume=ALLOWED,
                            why="speed only: the same computation, compiled")
     reward_mode: str = setting("strict", "'strict' (last '#### N') or 'flexible' (last number).",
                                resume=REFUSED, why=_OBJECTIVE)
     format_bonus: float = setting(0.0, "Added to the reward when '#### N' is present, right or wrong.",
                                   resume=REFUSED, why=_OBJECTIVE)
     max_grad_norm: float = setting(1.0, "Gradient clipping.", resume=REFUSED, why=_OBJECTIVE)
-    max_delta_ratio: float = setting(1.0, "Divergence bound: an update whose ||dW|| exceeds this multiple of a "
-                                     "layer's ||W|| is rolled back and stops the run. 0 = no bound.",
+    max_delta_ratio: float = setting(1.0, "Divergence bound: an update after which some adapted layer's change "
+                                     "||dW|| = ||(alpha/r)·B·A|| exceeds this multiple of its base weight's ||W|| is "
+                                     "treated like a non-finite loss: rolled back, never served, saved or "
+                                     "checkpointed, and the run stops naming the step and the norms (a healthy run "
+                                     "stays far below 1.0). 0 = no bound (non-finite values are always refused).",
                                      resume=ALLOWED, why="a guard: it decides when a diverged update stops the run, "
                                      "not what a step computes")
     epochs: int = setting(1, "Optimizer steps per batch (1 = on-policy; the clip matters only above 1).",
                           resume=REFUSED, why=_OBJECTIVE)
-    max_staleness: int = setting(0, "Steps a rollout's adapter may lag the trainer. 0: on-policy; 1 (or more): the "
-                                 "next step samples while this one trains, tokens weighted by min(π_old / π_sample, "
-                                 "tis_cap).", resume=REFUSED, why=_SAMPLING)
-    tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) under "
-                             "max_staleness > 0.", resume=REFUSED, why=_OBJECTIVE)
+    max_staleness: int = setting(0, "Steps a rollout's adapter may lag behind the trainer. 0: on-policy. 1: the "
+                                 "next step's rollouts are sampled while this step trains, from the adapter one "
+                                 "update behind, and the loss weights each token by min(π_old / π_sample, tis_cap); "
+                                 "a larger value acts as 1. Step 1 samples on-policy; a resumed run samples as the "
+                                 "run would have. A rollout older than this is refused. A policy group samples every "
+                                 "policy's next batch while its updates run. With SGLang on the trainer's GPU this "
+                                 "overlaps only under CUDA MPS (the engine says so when it opens).",
+                                 resume=REFUSED, why=_SAMPLING)
+    tis_cap: float = setting(2.0, "Truncation C of the importance weight min(π_old / π_sample, C) applied with "
+                             "max_staleness > 0 (truncated importance sampling).", resume=REFUSED, why=_OBJECTIVE)
 
     def problems(self) -> list[str]:
         return [

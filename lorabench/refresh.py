@@ -34,11 +34,13 @@ _HOW = "how the adapter reaches the engine; what it serves is the same"
 @dataclass
 class RefreshSettings(Section):
     """The `refresh` section; one sub-section per mode with settings of its own (`refresh.file`)."""
-    mode: str = setting("tensor", "How the adapter reaches the engine after each step (REFRESH_MODES).",
-                        resume=ALLOWED,
+    mode: str = setting("tensor", "How the adapter reaches the engine after each step: one of "
+                        "lorabench.refresh.REFRESH_MODES, each listed with its help in --help-config "
+                        "(docs/results.md compares them).", resume=ALLOWED,
                         why=f"{_HOW} (not to or from 'none', whose engine serves a stale adapter)")
-    bucket_mb: float = setting(64.0, "Bucket size in MB for staging the adapter and for a merged push's engine calls.",
-                               resume=ALLOWED, why=_HOW)
+    bucket_mb: float = setting(64.0, "Bucket size in MB: the adapter is staged in buckets of this size, and a merged "
+                               "push sends one engine call per bucket (larger buckets: fewer calls, more peak "
+                               "memory; docs/results.md).", resume=ALLOWED, why=_HOW)
 
     @classmethod
     def parts(cls) -> dict[str, type]:
