@@ -4,12 +4,8 @@
     session.trainer.step()                                    # {name: StepRecord}, one engine batch
     session.close()
 
-The group's dir holds `group.json` (the policies' names and what each sets, written once) and one
-ordinary run dir per policy, `GROUP/<name>` (its whole config, checkpoint, rows and lock), so a policy
-is resumable alone (`lorabench resume GROUP/<name>`) or with the others (`lorabench resume GROUP`).
-Each policy's run dir follows the rules of any run dir (plan_run); the group dir is refused if it is a
-link, holds anything else, names other policies, or its group.json does not describe the policies'
-run dirs (check_recorded).
+The group's dir holds `group.json` (the policies and what each sets, written once) and one ordinary run
+dir per policy, `GROUP/<name>`, resumable alone or with the others (`lorabench resume GROUP`).
 """
 from __future__ import annotations
 
@@ -48,8 +44,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
     @classmethod
     def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
         """The group in `group_dir`, each policy continued from its run dir's effective config plus `overrides`
-        and served under its name. Refused before anything is written: a group.json that does not describe
-        the policies' run dirs, a policy's dir missing, `engine.adapter_name` or `policies` as an override."""
+        and served under its name; refused before anything is written."""
         from ..group import owned_key
         from ..rundir import RunDirError
         from .compat import resume_config
@@ -71,11 +66,9 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         members = {spec.name: resume_config(root / spec.name, [*overrides, f"engine.adapter_name={spec.name}"])
                    for spec in specs}
         shared = members[specs[0].name].to_dict()
-        # the group's value of a field a policy leaves to it is that policy's (check_recorded: they agree), so
-        # that cfg.members() are the policies' own configs (the engine is sized from them)
+        # a field a policy leaves to the group takes that policy's value, so cfg.members() are their own configs
         for key in filter(owned_key, flat(members[specs[0].name])):
-            leaving = [spec.name for spec in specs if not spec.sets(key)]
-            if leaving:
+            if leaving := [spec.name for spec in specs if not spec.sets(key)]:
                 section, name = key.split(".")
                 shared[section][name] = getattr(getattr(members[leaving[0]], section), name)
         cfg = Config.from_dict({**shared, "policies": [s.to_dict() for s in specs]}, source=str(root / GROUP_FILE))
@@ -86,8 +79,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         from ..group import shared_differences
         from ..rundir import check_before_evals
         from .preflight import preflight
-        differ = shared_differences({name: flat(m) for name, m in members.items()})
-        if differ:
+        if differ := shared_differences({name: flat(m) for name, m in members.items()}):
             raise ConfigError(f"the policies of {root} differ in settings they share: {'; '.join(differ[:4])}; "
                               f"a group steps with one batch, engine and model: continue each policy alone "
                               f"(lorabench resume {root}/NAME) or give them the same values")
@@ -165,8 +157,7 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
         raise RunDirError(f"{root} is not a directory; a policy group is made in a directory of its own: choose "
                           f"another run.name or run.out_dir")
     entries = sorted(os.listdir(root))
-    links = [e for e in entries if e != GROUP_FILE and os.path.islink(root / e)]
-    if links:
+    if links := [e for e in entries if e != GROUP_FILE and os.path.islink(root / e)]:
         raise RunDirError(f"{root} holds links {links[:5]}; a policy group's dir holds {GROUP_FILE} and one run dir "
                           f"per policy only: choose another run.name or run.out_dir")
     if not entries:
@@ -179,8 +170,7 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
     if recorded != list(names):
         raise RunDirError(f"{root} is a policy group of {recorded}, not {list(names)}: continue it with its own "
                           f"policies (lorabench resume {root}), or choose another run.name for a new group")
-    odd = [e for e in entries if e != GROUP_FILE and e not in names]
-    if odd:
+    if odd := [e for e in entries if e != GROUP_FILE and e not in names]:
         raise RunDirError(f"{root} holds {odd[:5]}, which are not the dirs of the policies its {GROUP_FILE} names "
                           f"{names}; a policy group's dir holds {GROUP_FILE} and one run dir per policy only: move "
                           f"them out, or choose another run.name or run.out_dir")
@@ -189,9 +179,8 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
 
 
 def check_recorded(root: Path, specs: list) -> None:
-    """group.json must describe the policies' config.json files (an edited one would print one setting while
-    the policy trains another): a field a policy sets has that value there, a field it leaves to the group
-    that of every other policy leaving it, each dir serves its own policy. Dirs not made yet are skipped."""
+    """group.json must describe the policies' config.json files: a field a policy sets has that value there, one
+    it leaves to the group that of every other policy leaving it; each dir serves its own policy."""
     from ..group import owned_key
     from ..rundir import CONFIG, RunDirError
     from .compat import effective_config
@@ -258,9 +247,8 @@ def read_group(root: Path) -> list:
 
 
 def write_group(root: Path, cfg: Config) -> None:
-    """group.json, once, atomically, through the dir's own fd (the dir made if needed): a dir swapped for a link
-    since check_group_dir, or a group.json written there since, is refused, nothing written."""
+    """group.json, once, atomically, through the dir's own fd (made if needed)."""
     from ..safedir import SafeDir
     with SafeDir.open(root, create=True) as group_dir:
         group_dir.write_atomic(GROUP_FILE, json.dumps({"policies": [p.to_dict() for p in cfg.policies]},
-                                                      indent=1).encode(), mode=0o640, exclusive=True)
+                                                      indent=1).encode(), exclusive=True)

@@ -5,11 +5,8 @@
     print(session.resume_command(extra_steps=5))        # lorabench resume runs/nb grpo.steps=8
     session.close()                                     # releases engine, temp dirs and the run dir's lock
 
-The run dir has the CLI's layout (runlog.py), with the step-0 held-out evals `lorabench resume` expects.
-`open` validates before it writes: the run dir (plan_run), then environment, size, model and data
-(preflight.py); then the model is built and compared with a continued run's fingerprint; last the run
-dir is created or continued under its one-writer lock. A failure before that leaves the run dir byte
-for byte as it was, or absent.
+`open` checks everything (plan_run, preflight.py, the model's fingerprint) before it creates or continues
+the run dir under its lock: a failure before that leaves the run dir as it was, or absent.
 """
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ class RunPlan:
         return fingerprint
 
     def open(self, cfg: Config, log=print):
-        """The run dir under its lock: config.json for a new run; a continued one checked again under the lock
-        (its changes wait for `record_changes`)."""
+        """The run dir under its lock: config.json for a new run; a continued one checked again under it."""
         from ..runlog import RunDirError, RunLog
         from ..safedir import RunDirWriteError
         from .compat import check_continuation, effective_config
@@ -84,8 +80,7 @@ class RunPlan:
         return runlog
 
     def record_changes(self, runlog, log=print) -> None:
-        """A continued run's allowed changes, appended to config_changes.jsonl once its trainer has loaded and
-        checked the checkpoint: a refusal until then leaves the run dir as it was."""
+        """A continued run's allowed changes into config_changes.jsonl, once its trainer accepted the checkpoint."""
         if not self.changes:
             return
         runlog.record_config_changes(self.continued.step, self.changes)
@@ -96,9 +91,8 @@ class RunPlan:
 
 
 def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
-    """A new run, or the continuation of the run in `run_dir` (or run.out_dir/run.name), which must have no
-    link (rundir.check_entries), no other writer, be readable (rundir.inspect), accept `cfg`
-    and be the experiment its checkpoint was trained on (compat.py)."""
+    """A new run, or the continuation of the run in `run_dir` (or run.out_dir/run.name): checked for links, another
+    writer, readability (rundir.inspect), `cfg`'s changes and the experiment (compat.py)."""
     from ..rundir import CONFIG, RunDirError, check_entries, lock_holder
     path = Path(run_dir) if run_dir else (Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None)
     if path is None or not os.path.lexists(path):
@@ -106,8 +100,7 @@ def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
     if os.path.isfile(path) and not os.path.islink(path):
         raise ConfigError(f"{path} is a file, not a run dir; choose another run.name or run.out_dir")
     check_entries(path)   # before anything else reads it: refuses links, odd kinds, shared files
-    busy = lock_holder(path)
-    if busy:
+    if busy := lock_holder(path):
         raise busy
     if not (path / CONFIG).is_file():   # check_entries: a file, not a link
         _refuse_leftovers(path)
@@ -157,8 +150,7 @@ def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPla
 
 
 def _check_stale_control(path: Path, old: str, new: str) -> None:
-    """refresh.mode may change on resume since what the engine serves stays the same; not to or from the
-    stale control (keeps_engine_fresh false), whose engine serves another adapter than the trainer's."""
+    """refresh.mode may change on resume, but not to or from the stale control (keeps_engine_fresh false)."""
     from ..refresh import REFRESH_MODES
     from ..rundir import RunDirError
     from .compat import new_run_command
@@ -217,9 +209,8 @@ class RunSession(_SessionLifecycle):
     @classmethod
     def open(cls, cfg: Config, run_dir: str | Path | None = None, log=print, evaluate_first: bool = True,
              progress=None):
-        """Check everything, build the model, then create (or continue, as `lorabench resume`) the run dir and
-        build engine and trainer. `progress(what, done=None, total=None)` hears each part as it starts (a
-        tiny build's warm-start at every step), for a notebook's display (progress.WaitProgress)."""
+        """Check everything, build the model, create or continue the run dir, build engine and trainer.
+        `progress(what, done=None, total=None)` hears each part as it starts (progress.WaitProgress)."""
         progress = progress or (lambda what, done=None, total=None: None)
         from ..rundir import check_before_evals
         from .preflight import preflight
@@ -307,11 +298,9 @@ def start_engine(cfg: Config, model_path: str, log=None, run: bool = False, **ov
 
 
 def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str, log=print) -> tuple:
-    """The engine `cfg` chooses and {peft name: Policy} for `members` (the first policy's model shared by the
-    others: a policy group). Under grpo.compile=all the policies are built first and compiled on a thread of
-    their own while the engine starts, so the first step compiles nothing; the RNGs are as the builds left
-    them either way. With engine.sglang.tp_size > 1 the engine starts first (SGLang refuses GPUs whose free
-    memory differs)."""
+    """The engine `cfg` chooses and {peft name: Policy} for `members` (sharing the first one's model). Under
+    grpo.compile=all the policies compile on a thread while the engine starts (not with tp_size > 1: SGLang
+    refuses GPUs whose free memory differs)."""
     from ..engines import engine_class
     from ..policy import Policy, compile_mode, rngs_kept
     device = engine_class(cfg.engine.backend).device_of(cfg.engine.chosen)
@@ -355,8 +344,7 @@ def _compile(policies: dict, done: Future) -> None:
 
 
 def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, policy=None):
-    """The GRPO trainer for `cfg` on `engine`, each component from its section; `policy`: one built already
-    (engine_and_policies: a policy group's policies share one model), else a new one."""
+    """The GRPO trainer for `cfg` on `engine`; `policy`: one built already (engine_and_policies), else a new one."""
     from ..data import ProblemSource
     from ..grpo import GRPOTrainer
     from ..models import load_tokenizer
