@@ -61,7 +61,6 @@ def row_line(row: dict) -> str:
     return json.dumps(clean(row)) + "\n"
 
 
-# --- JSONL files ---------------------------------------------------------------------------------------
 def _parse_row(raw: bytes) -> tuple[dict | None, str]:
     try:
         row = json.loads(raw.decode("utf-8"))
@@ -123,7 +122,6 @@ def read_jsonl(path: Path) -> list[dict]:
     return scan_jsonl(path, read_no_follow(path)).rows
 
 
-# --- the checkpoint --------------------------------------------------------------------------------------
 def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     """checkpoint/trainer_state.pt, or None when there is none. weights_only: a run dir from
     someone else cannot run code when it is resumed."""
@@ -148,7 +146,6 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     return state
 
 
-# --- what a checkpoint must hold (read before anything is built or written) ---------------------------
 def checkpoint_problem(state) -> str | None:
     """The first field of a checkpoint resume could not use ("field 'X' ... (why)"), or None. Unknown fields
     are kept; any *_buffer is an adapter buffer (or, but adapter_buffer, None). Policy.load checks the rest."""
@@ -255,7 +252,6 @@ def _adapter_steps(root: SafeDir) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_ADAPTER_DIR.match, names) if m)
 
 
-# --- what a run dir may hold ---------------------------------------------------------------------------
 _ADAPTER_DIR = re.compile(r"^step_(\d+)$")
 FILES = (CONFIG, CONFIG_CHANGES, *ROW_FILES, EVALS, SUMMARY, LOCK_NAME)
 CHANGED_IN_PLACE = (CONFIG_CHANGES, *ROW_FILES, EVALS, LOCK_NAME)   # appended or truncated
@@ -288,7 +284,6 @@ def check_entries(run_dir: Path | SafeDir) -> None:
                             _refuse_too_large(sub, child)
 
 
-# --- inspection ------------------------------------------------------------------------------------------
 @dataclass
 class Repair:
     """One change that makes a file agree with the checkpoint; `note` is what the log says."""
@@ -407,7 +402,6 @@ def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
     return held[len(window):]
 
 
-# --- the one-writer lock ---------------------------------------------------------------------------------
 def _lock_holder(fd: int) -> int | None:
     text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
     return int(text) if text.isdigit() else None

@@ -330,7 +330,6 @@ def read_no_follow(path: str | Path) -> bytes | None:
         return parent.read_bytes(path.name)
 
 
-# === by path, outside a run dir's fd: caches, group.json, adapter dirs, temp roots =============
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..group import GROUP_FILE
 from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
 from ..safedir import SafeDir
-from ..settings import ALLOWED
+from ..settings import ALLOWED, walk_class
 from . import config
 from .config import Config, ConfigError, apply_override, flat
 
@@ -26,8 +26,8 @@ LOCATION = ("run.out_dir", "run.name")
 
 def decisions() -> dict[str, tuple[str, str]]:
     """{key: (resume, why)} for every field of the composed config (read when asked)."""
-    return {key: (f.metadata["resume"], f.metadata["why"]) for key in config.every_key()
-            for f in [config.field_of(key)] if f}
+    return {key: (f.metadata["resume"], f.metadata["why"]) for name, cls in config.SECTIONS.items()
+            for key, f in walk_class(cls, name)}
 
 
 def refused() -> dict[str, str]:
@@ -133,7 +133,6 @@ def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) ->
     return diff
 
 
-# --- fingerprints: what a checkpoint proves it was trained on ----------------------------------------
 WHOLE_LIMIT = 64 << 20
 SAMPLES, SAMPLE_BYTES = 16, 1 << 20
 # file name prefixes (lower case) that do not define the model: docs, hidden files, the tiny model's recipe note
@@ -194,7 +193,6 @@ def experiment_fingerprint(cfg, model_path: str) -> dict:
             "model": model_fingerprint(cfg, model_path)}
 
 
-# --- comparisons ---------------------------------------------------------------------------------------
 def _new_run_hint(run_dir: Path) -> str:
     return f"start a new run for it ({new_run_command(run_dir)})"
 

@@ -5,7 +5,6 @@ a "did you mean". Files are strict: UTF-8, no key given twice, each value of its
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import sys
@@ -180,13 +179,6 @@ def engine_needs(cfg: Config, members: dict[str, Config] | None = None, run: boo
 def flat(cfg: Config) -> dict[str, object]:
     """{'grpo.lr': 0.001, 'engine.sglang.tp_size': 1, ...}: every field of every section."""
     return {key: value for name in SECTIONS for key, _, value in st.walk(getattr(cfg, name), name)}
-
-
-def field_of(key: str) -> dataclasses.Field | None:
-    """The settings field a dotted key names (None if none does)."""
-    section = key.partition(".")[0]
-    return next((f for name, f in st.walk_class(SECTIONS[section], section) if name == key), None) \
-        if section in SECTIONS else None
 
 
 def every_key() -> list[str]:

@@ -122,8 +122,8 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         try:
             trainers, sessions = {}, {}
             for name, member in members.items():
-                trainer = build_trainer(member, model_path, engine, runlogs[name], log=log, policy=policies[name])
-                trainers[name] = trainer
+                trainers[name] = trainer = build_trainer(member, model_path, engine, runlogs[name], log=log,
+                                                         policy=policies[name])
                 sessions[name] = RunSession(member, runlogs[name], engine, trainer, model_path, model_seconds)
         except BaseException:
             for trainer in trainers.values():

@@ -5,6 +5,7 @@ prompt fits. The size terms are lower bounds on what the run certainly allocates
 from __future__ import annotations
 
 import os
+from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,7 +152,6 @@ def check_prompts(cfg: Config, ref: ModelRef, log=print) -> None:
                         f"({why}); the first is {where} ({length}). Shorten or remove those rows, or {fix}")
 
 
-# --- the run's size --------------------------------------------------------------------------------------
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -184,11 +184,7 @@ class ModelShape:
         return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2)
 
 
-@dataclass(frozen=True)
-class Need:
-    what: str
-    nbytes: int
-    fix: str
+Need = namedtuple("Need", "what nbytes fix")   # a term of a run's memory and the setting that lowers it
 
 
 def needs(cfg: Config, shape: ModelShape) -> list[Need]:

@@ -50,33 +50,27 @@ class RunPlan:
         from ..runlog import RunDirError, RunLog
         from ..safedir import RunDirWriteError
         from .compat import check_continuation, effective_config
-        if self.continued is None:
-            try:
-                return self._start(cfg, log)
-            except RunDirWriteError as err:   # no config.json: there is no run to resume yet
-                raise RunDirWriteError(err.errno, f"{err.cause}; no run was started (its config.json is not "
-                                       f"written): once {err.fix}, run the same command again") from None
-        runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run)
-        try:  # again under the lock: another writer may have finished since plan_run looked
-            self.changes = check_continuation(self.run_dir, effective_config(self.run_dir), cfg, self.continued.step)
-        except RunDirError:
-            runlog.close(refused=True)
-            raise
-        if self.named_by_config:
-            log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
-        log(f"run dir: {runlog.dir} (continued at step {self.continued.step})")
-        return runlog
-
-    def _start(self, cfg: Config, log):
-        from ..runlog import RunDirError, RunLog
-        runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
-            cfg.run.out_dir, "", log, lock=True, settings=cfg.run)
+        new = self.continued is None
         try:
-            runlog.write_config(cfg.to_dict())   # refuses if another process made this run meanwhile
-        except (RunDirError, OSError):
-            runlog.close(refused=True)
-            raise
-        log(f"run dir: {runlog.dir}")
+            runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
+                cfg.run.out_dir, "", log, lock=True, settings=cfg.run)
+            try:
+                if new:   # refuses if another process made this run meanwhile
+                    runlog.write_config(cfg.to_dict())
+                else:   # again under the lock: another writer may have finished since plan_run looked
+                    self.changes = check_continuation(self.run_dir, effective_config(self.run_dir), cfg,
+                                                      self.continued.step)
+            except (RunDirError, OSError):
+                runlog.close(refused=True)
+                raise
+        except RunDirWriteError as err:
+            if not new:
+                raise
+            raise RunDirWriteError(err.errno, f"{err.cause}; no run was started (its config.json is not "
+                                   f"written): once {err.fix}, run the same command again") from None
+        if not new and self.named_by_config:
+            log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
+        log(f"run dir: {runlog.dir}" + ("" if new else f" (continued at step {self.continued.step})"))
         return runlog
 
     def record_changes(self, runlog, log=print) -> None:
@@ -270,7 +264,6 @@ class RunSession(_SessionLifecycle):
         self.runlog.close()
 
 
-# --- the composition: each component built from its own section ---------------------------------
 def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float]:
     """torch's CPU threads set (preflight checked run.threads), then the model resolved: (path, seconds)."""
     import torch
