@@ -3,6 +3,7 @@ MAX_ROW_BYTES is held) and errors naming the file, the line (or row) and the fix
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 MAX_ROW_BYTES = 1 << 20   # 1 MiB per row: GSM8K rows are < 2 KB; a 50 MB row must not reach the tokenizer
@@ -77,7 +78,6 @@ def bounded_lines(fh, limit: int):
 
 def jsonl_rows(path: Path, fh):
     """(line number, row object), or (line number, length) for a line over MAX_ROW_BYTES; blank lines skipped."""
-    import json
     for number, line in bounded_lines(fh, MAX_ROW_BYTES):
         if isinstance(line, int):
             yield number, line

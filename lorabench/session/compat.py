@@ -14,6 +14,7 @@ import shlex
 import stat
 from pathlib import Path
 
+from ..data import step_problems, synthetic_problems
 from ..group import GROUP_FILE
 from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
 from ..safedir import SafeDir
@@ -160,7 +161,6 @@ def file_fingerprint(path: Path) -> dict | None:
 
 
 def data_fingerprint(cfg) -> dict:
-    from ..data import step_problems, synthetic_problems
     out = {}
     for field, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
         if source == "synthetic":

@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import settings as st
 from ..data import DataSettings
 from ..engines import ENGINES, EngineNeeds, EngineSettings, UpdatesAdapterInPlace, engine_class
-from ..group import PolicySpec, check_policy_types, member_dict, parse_policies
+from ..group import PolicySpec, _owned_names, check_policy_types, member_dict, parse_policies
 from ..grpo import GRPOSettings
 from ..models import ModelSettings
 from ..policy import LoraSettings
@@ -181,13 +181,9 @@ def flat(cfg: Config) -> dict[str, object]:
     return {key: value for name in SECTIONS for key, _, value in st.walk(getattr(cfg, name), name)}
 
 
-def every_key() -> list[str]:
-    return [key for name, cls in SECTIONS.items() for key, _ in st.walk_class(cls, name)]
-
-
 def did_you_mean(prefix: str, key: str) -> str:
     """A synonym (learning_rate -> grpo.lr), the same key elsewhere (grpo.seed -> run.seed), else the closest key."""
-    dotted, keys = f"{prefix}.{key}", every_key()
+    dotted, keys = f"{prefix}.{key}", [k for name, cls in SECTIONS.items() for k, _ in st.walk_class(cls, name)]
     if key in _SYNONYMS:
         return f" (did you mean {_SYNONYMS[key]}?)"
     if elsewhere := [k for k in keys if k.rsplit(".", 1)[-1] == key and not k.startswith(f"{prefix}.")]:
@@ -266,7 +262,6 @@ def describe() -> str:
     lines += [f"  {name:<8} {engine_class(name).help}" for name in ENGINES]
     lines.append("refresh.mode (lorabench.refresh.REFRESH_MODES):")
     lines += [f"  {name:<8} {cls.help}" for name, cls in REFRESH_MODES.items()]
-    from ..group import _owned_names
     lines += ["\npolicies (lorabench.group): several LoRA policies trained side by side on one engine and one base",
               "  model, each with its own run dir GROUP/<name>. A list of tables, each a name and the fields that",
               "  policy sets for itself; everything else is shared. TOML: policies = [{name = \"r1\", lora.r = 1},",

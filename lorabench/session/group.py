@@ -16,8 +16,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..group import GROUP_FILE
-from .config import Config, ConfigError, flat
+from ..group import GROUP_FILE, PolicyGroup, owned_key, parse_policies, shared_differences
+from ..rundir import CONFIG, RunDirError, check_before_evals
+from ..safedir import SafeDir, refusal
+from ..settings import unique_keys
+from .compat import effective_config, resume_config
+from .config import SECTIONS, Config, ConfigError, flat
+from .preflight import preflight
 from .run import RunSession, _SessionLifecycle, build_trainer, engine_and_policies, plan_run, threads_and_model
 
 
@@ -45,9 +50,6 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
     def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
         """The group in `group_dir`, each policy continued from its run dir's effective config plus `overrides`
         and served under its name; refused before anything is written."""
-        from ..group import owned_key
-        from ..rundir import RunDirError
-        from .compat import resume_config
         root = Path(group_dir)
         for item in overrides:
             if item.partition("=")[0].strip() == "engine.adapter_name":
@@ -76,9 +78,6 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
     @classmethod
     def _open(cls, cfg: Config, members: dict[str, Config], root: Path, log, evaluate_first: bool):
-        from ..group import shared_differences
-        from ..rundir import check_before_evals
-        from .preflight import preflight
         if differ := shared_differences({name: flat(m) for name, m in members.items()}):
             raise ConfigError(f"the policies of {root} differ in settings they share: {'; '.join(differ[:4])}; "
                               f"a group steps with one batch, engine and model: continue each policy alone "
@@ -115,7 +114,6 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
     @classmethod
     def _build(cls, cfg, members, runlogs, root, model_path, model_seconds, log):
-        from ..group import PolicyGroup
         log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
             + "; ".join(spec.label() for spec in cfg.policies))
         engine, policies = engine_and_policies(cfg, members, model_path, log)
@@ -147,11 +145,9 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
 def check_group_dir(root: Path, names: list[str]) -> bool:
     """Whether `root` holds this group (True) or is free for it (False: absent or empty); else refused."""
-    from ..rundir import RunDirError
     if not os.path.lexists(root):
         return False
     if os.path.islink(root):   # entered only through itself, as a run dir is
-        from ..safedir import refusal
         raise refusal(root, os.lstat(root), "dir", is_root=True)
     if not root.is_dir():
         raise RunDirError(f"{root} is not a directory; a policy group is made in a directory of its own: choose "
@@ -181,9 +177,6 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
 def check_recorded(root: Path, specs: list) -> None:
     """group.json must describe the policies' config.json files: a field a policy sets has that value there, one
     it leaves to the group that of every other policy leaving it; each dir serves its own policy."""
-    from ..group import owned_key
-    from ..rundir import CONFIG, RunDirError
-    from .compat import effective_config
     path = root / GROUP_FILE
     configs = {spec.name: flat(effective_config(root / spec.name, changes=False))
                for spec in specs if os.path.lexists(root / spec.name / CONFIG)}
@@ -216,10 +209,6 @@ def check_recorded(root: Path, specs: list) -> None:
 
 def read_group(root: Path) -> list:
     """The policies `root/group.json` (a regular file, not a link) names."""
-    from ..group import parse_policies
-    from ..rundir import RunDirError
-    from ..settings import unique_keys
-    from .config import SECTIONS
     path = root / GROUP_FILE
     try:
         info = os.lstat(path)
@@ -248,7 +237,6 @@ def read_group(root: Path) -> list:
 
 def write_group(root: Path, cfg: Config) -> None:
     """group.json, once, atomically, through the dir's own fd (made if needed)."""
-    from ..safedir import SafeDir
     with SafeDir.open(root, create=True) as group_dir:
         group_dir.write_atomic(GROUP_FILE, json.dumps({"policies": [p.to_dict() for p in cfg.policies]},
                                                       indent=1).encode(), exclusive=True)

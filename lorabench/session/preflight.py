@@ -17,6 +17,7 @@ from ..models import ModelRef, model_config, model_context, model_ref, model_tok
 from ..refresh import REFRESH_MODES
 from ..rundir import FOLDERS
 from ..settings import walk
+from ..tiny import TINY_ARCH, TINY_VOCAB, cache_root, tiny_cache_path
 from .config import SECTIONS, Config, ConfigError, engine_needs
 
 
@@ -31,7 +32,6 @@ def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False,
     check_dirs(cfg, run_dir, continued)
     ref = model_ref(cfg.model)
     if ref.kind == "tiny":
-        from ..tiny import TINY_ARCH, TINY_VOCAB
         shape = ModelShape.of({**TINY_ARCH, "vocab_size": TINY_VOCAB})
     else:
         try:
@@ -46,7 +46,6 @@ def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False,
 
 
 def tiny_to_build(cfg: Config) -> bool:
-    from ..tiny import tiny_cache_path
     return cfg.model.name_or_path == "tiny" and not (
         tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file()
 
@@ -78,7 +77,6 @@ def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False
     else:   # a new run dir is made in run.out_dir
         _writable(cfg.run.out_dir, "run.out_dir")
     if tiny_to_build(cfg):
-        from ..tiny import cache_root
         _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
     for name in SECTIONS:   # every setting that declares a dir the run writes into (refresh.file.tmp_dir)
         for key, f, value in walk(getattr(cfg, name), name):

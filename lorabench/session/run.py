@@ -18,9 +18,30 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from ..data import ProblemSource
+from ..engines import engine_class, make_engine
+from ..grpo import GRPOTrainer
 from ..interrupts import interrupts_to_the_main_thread, wait_interruptibly
 from ..machine import cpu_threads
+from ..models import load_tokenizer, resolve_model_path
+from ..policy import Policy, compile_mode, rngs_kept
+from ..refresh import REFRESH_MODES, make_refresher
+from ..rundir import CHECKPOINT, CONFIG, FOLDERS, LOCK_NAME, check_before_evals, check_entries, inspect, lock_holder
+from ..runlog import NullRunLog, RunDirError, RunLog
+from ..safedir import RunDirWriteError, SafeDir
+from .compat import (
+    check_config,
+    check_continuation,
+    check_data,
+    check_model,
+    effective_config,
+    experiment_fingerprint,
+    new_run_command,
+)
 from .config import Config, ConfigError, engine_needs
+from .preflight import preflight
 
 
 @dataclass
@@ -33,7 +54,6 @@ class RunPlan:
 
     def check_model(self, cfg: Config, model_path: str, log=print) -> dict:
         """The experiment's fingerprint; a continued run's model must be its checkpoint's (none recorded: noted)."""
-        from .compat import check_model, experiment_fingerprint
         fingerprint = experiment_fingerprint(cfg, model_path)
         checkpoint = self.continued.checkpoint if self.continued else None
         if checkpoint and "fingerprint" in checkpoint:
@@ -47,9 +67,6 @@ class RunPlan:
 
     def open(self, cfg: Config, log=print):
         """The run dir under its lock: config.json for a new run; a continued one checked again under it."""
-        from ..runlog import RunDirError, RunLog
-        from ..safedir import RunDirWriteError
-        from .compat import check_continuation, effective_config
         new = self.continued is None
         try:
             runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
@@ -87,7 +104,6 @@ class RunPlan:
 def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
     """A new run, or the continuation of the run in `run_dir` (or run.out_dir/run.name): checked for links, another
     writer, readability (rundir.inspect), `cfg`'s changes and the experiment (compat.py)."""
-    from ..rundir import CONFIG, RunDirError, check_entries, lock_holder
     path = Path(run_dir) if run_dir else (Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None)
     if path is None or not os.path.lexists(path):
         return RunPlan(path)
@@ -110,8 +126,6 @@ def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
 
 def _refuse_leftovers(path: Path) -> None:
     """A dir without config.json may only hold what a run stopped before writing it leaves."""
-    from ..rundir import FOLDERS, LOCK_NAME, RunDirError
-    from ..safedir import SafeDir
     with SafeDir.open(path) as root:
         leftovers = []
         for name in root.names():
@@ -128,8 +142,6 @@ def _refuse_leftovers(path: Path) -> None:
 
 def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPlan:
     """Config.json as the checkpoint was trained (no hand edit), the requested changes, the data's bytes."""
-    from ..rundir import inspect
-    from .compat import check_config, check_continuation, check_data, effective_config
     state = inspect(path)
     effective = effective_config(path)
     recorded = (state.checkpoint or {}).get("fingerprint")
@@ -145,9 +157,6 @@ def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPla
 
 def _check_stale_control(path: Path, old: str, new: str) -> None:
     """refresh.mode may change on resume, but not to or from the stale control (keeps_engine_fresh false)."""
-    from ..refresh import REFRESH_MODES
-    from ..rundir import RunDirError
-    from .compat import new_run_command
     if old != new and not (REFRESH_MODES[old].keeps_engine_fresh and REFRESH_MODES[new].keeps_engine_fresh):
         raise RunDirError(f"{path} cannot continue with a changed refresh.mode {old!r} -> {new!r} (the stale control "
                           f"serves another adapter than the trainer's: it defines the experiment); nothing was "
@@ -157,7 +166,6 @@ def _check_stale_control(path: Path, old: str, new: str) -> None:
 
 def _check_optimizer_lr(state, cfg: Config) -> None:
     """The optimizer state's learning rate must be the run's grpo.lr, or the run would go on at another one."""
-    from ..rundir import CHECKPOINT, RunDirError
     if state.checkpoint is None:
         return
     rates = sorted({group.get("lr") for group in state.checkpoint["optimizer"]["param_groups"]}, key=str)
@@ -206,8 +214,6 @@ class RunSession(_SessionLifecycle):
         """Check everything, build the model, create or continue the run dir, build engine and trainer.
         `progress(what, done=None, total=None)` hears each part as it starts (progress.WaitProgress)."""
         progress = progress or (lambda what, done=None, total=None: None)
-        from ..rundir import check_before_evals
-        from .preflight import preflight
 
         plan = plan_run(cfg, run_dir)
         if evaluate_first and plan.continued is not None:
@@ -266,7 +272,6 @@ class RunSession(_SessionLifecycle):
 
 def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float]:
     """torch's CPU threads set (preflight checked run.threads), then the model resolved: (path, seconds)."""
-    import torch
     threads, how = cpu_threads(cfg.run.threads)
     torch.set_num_threads(threads)
     log(f"torch CPU threads: {how}")
@@ -276,14 +281,12 @@ def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float
 
 def resolve_model(cfg: Config, log=print, progress=None) -> str:
     """The base model's dir (tiny: built on first use; `progress` at each warm-start step) or hub name."""
-    from ..models import resolve_model_path
     return resolve_model_path(cfg.model, cfg.warmstart, cfg.run.seed, log=log, progress=progress)
 
 
 def start_engine(cfg: Config, model_path: str, log=None, run: bool = False, **overrides):
     """The engine cfg.engine chooses, with what the run needs of it; its notes (a small KV cache) are logged.
     run=True: a run's engine, set up for its refresh mode only; else a scratch engine any mode may write."""
-    from ..engines import make_engine
     engine = make_engine(cfg.engine, model_path, engine_needs(cfg, run=run), **overrides)
     for note in getattr(engine, "notes", ()) if log is not None else ():
         log(f"note: {note}")
@@ -294,8 +297,6 @@ def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str
     """The engine `cfg` chooses and {peft name: Policy} for `members` (sharing the first one's model). Under
     grpo.compile=all the policies compile on a thread while the engine starts (not with tp_size > 1: SGLang
     refuses GPUs whose free memory differs)."""
-    from ..engines import engine_class
-    from ..policy import Policy, compile_mode, rngs_kept
     device = engine_class(cfg.engine.backend).device_of(cfg.engine.chosen)
 
     def build() -> dict:
@@ -338,12 +339,6 @@ def _compile(policies: dict, done: Future) -> None:
 
 def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, policy=None):
     """The GRPO trainer for `cfg` on `engine`; `policy`: one built already (engine_and_policies), else a new one."""
-    from ..data import ProblemSource
-    from ..grpo import GRPOTrainer
-    from ..models import load_tokenizer
-    from ..policy import Policy
-    from ..refresh import make_refresher
-    from ..runlog import NullRunLog
     runlog = runlog if runlog is not None else NullRunLog(cfg.run)
     if runlog.settings != cfg.run:   # the run log decides when checkpoints are due: from this config
         raise ValueError(f"the run log of {runlog.dir} was opened with other run settings than cfg.run; open it with "
