@@ -1,11 +1,8 @@
 """A trainer's steps into its run log (runlog.RunLog.commit), in line or on one background thread.
 
-Rows of the steps since the last checkpoint are published with it, so the run dir never holds a row
-its checkpoint cannot vouch for: checkpoint -> sync and rollout rows -> metrics rows. With
-run.commit_in_background commit n is written while step n+1 runs, in the same order, and n+1 starts
-only after n is written whole, so a kill -9 leaves what it could leave in line and resume repairs it
-the same way. What a background commit writes is copied first (`snapshot`): step n+1 changes the
-optimizer's moments in place. A failed write is raised once, as in line; then the trainer stops.
+Rows are published with the checkpoint that vouches for them. In the background commit n is written, in
+the same order, while step n+1 runs on a `snapshot` of its state; a failed write is raised once, then the
+trainer stops.
 """
 from __future__ import annotations
 
@@ -34,9 +31,8 @@ def tensors_mapped(value, fn):
 
 
 def cloned(value):
-    """`value` with each tensor copied (detached), one copy per device and dtype: the tensors of a group are
-    concatenated into one new buffer and handed out as views of it. A LoRA policy's optimizer state is ~1,200
-    small tensors, which a clone each would launch one by one."""
+    """`value` with each tensor copied (detached) as a view of one new buffer per device and dtype (one launch,
+    not one per each of an optimizer state's ~1,200 small tensors)."""
     found: dict[tuple, list[torch.Tensor]] = {}
     tensors_mapped(value, lambda t: found.setdefault((t.device, t.dtype), []).append(t))
     copies = {}
@@ -48,18 +44,16 @@ def cloned(value):
 
 
 def snapshot(value):
-    """(a deep copy sharing no storage with `value`'s, each tensor on its own device; {GPU: the event after its
-    copies}). On a GPU the copy is queued in stream order, before the next step's in-place updates, and the step
-    does not wait for it as it would for a copy to the host; the commit thread moves it there (`to_host`)."""
+    """(a deep copy sharing no storage with `value`, each tensor on its device; {GPU: the event after its copies}):
+    queued before the next step's in-place updates, moved to the host by the commit thread (`to_host`)."""
     devices = set()
     tensors_mapped(value, lambda t: devices.add(t.device))
     return cloned(value), {d: torch.cuda.current_stream(d).record_event() for d in devices if d.type == "cuda"}
 
 
 def to_host(value, ready: dict):
-    """`value`'s tensors on the host, copied on a stream of this thread's own once `ready`'s events have passed:
-    the copies neither wait for the stepping thread's later kernels nor hold them up (each copy on the stepping
-    thread's stream would wait for the work queued before it), then waited for once."""
+    """`value`'s tensors on the host, copied on this thread's own streams once `ready`'s events have passed (not
+    waiting for the stepping thread's later kernels)."""
     streams = {device: torch.cuda.Stream(device) for device in ready}
     for device, stream in streams.items():
         stream.wait_event(ready[device])
@@ -82,9 +76,7 @@ class TrainerStopped(RuntimeError):
 
 class Commits:
     """The commit pipeline of one trainer. `state()`: the checkpoint's trainer state; `version()`: the
-    trainer's step in memory. In line, a step's rows carry its whole time, the commit's included; in
-    the background time/log_s is what the step waited: copying the state, and time/commit_wait_s for
-    the commit before it, if that was still being written."""
+    trainer's step in memory. In the background time/commit_wait_s is the wait for the commit before."""
 
     def __init__(self, runlog, last_step: int, state, version):
         self.runlog, self.last_step, self._state, self._version = runlog, last_step, state, version
@@ -133,8 +125,7 @@ class Commits:
     @contextlib.contextmanager
     def held(self):
         """Background commits made inside reach the commit thread when the block ends, also when it raises (a
-        policy group publishes every policy first: a commit thread pickling a checkpoint beside the next
-        policy's refresh slows it, the two sharing the interpreter)."""
+        group refreshes every policy first: a pickling commit thread would slow it)."""
         self._held = []
         try:
             yield
@@ -168,8 +159,7 @@ class Commits:
         self.runlog.log_metrics(rows[METRICS])
 
     def _settle(self, wait: bool) -> tuple[int, BaseException] | None:
-        """(step, error) of a failed background commit, or None; wait=False: without waiting for one
-        still being written. A failure is kept: the run dir stops at the commit before it."""
+        """(step, error) of a failed background commit (kept), or None; wait=False: not waiting for one in flight."""
         with self._guard:
             in_flight = self._in_flight
         if in_flight is not None and (wait or in_flight[1].done()):

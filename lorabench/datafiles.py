@@ -1,10 +1,9 @@
-"""Dataset rows from local .jsonl / .parquet files and from the hub, with bounded memory and errors
-naming the file, the line (or row) and the fix. jsonl is read line by line with stdlib `json` (which
-names a bad line, not a byte offset); a line over MAX_ROW_BYTES is skipped in pieces. Parquet is read
-in batches, a value's byte length checked before it becomes a string.
+"""Dataset rows from local .jsonl / .parquet files and from the hub, with bounded memory (no row over
+MAX_ROW_BYTES is held) and errors naming the file, the line (or row) and the fix.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 MAX_ROW_BYTES = 1 << 20   # 1 MiB per row: GSM8K rows are < 2 KB; a 50 MB row must not reach the tokenizer
@@ -34,8 +33,7 @@ def read_rows(source: str, split: str) -> list[tuple[str, dict]]:
 
 
 def over_half_memory(nbytes: int) -> str | None:
-    """'more than half <the machine's memory> (N bytes)' when `nbytes` is: a file read whole (a sparse one
-    costs its maker nothing) is refused before it is read, not left to the OOM killer; else None."""
+    """'more than half <the machine's memory> (N bytes)' when `nbytes` is (a file read whole is refused), else None."""
     from .machine import machine_memory
     memory, where = machine_memory("cpu")
     return f"more than half {where} ({memory:,} bytes)" if nbytes > memory // 2 else None
@@ -48,8 +46,8 @@ def _refuse_too_large(path: Path, nbytes: int, what: str) -> None:
 
 
 def _kept(where: str, unit: str, items) -> list[tuple[str, dict]]:
-    """(location, row) for each (number, row) of `items`; a row given as an int, its byte length, is over
-    MAX_ROW_BYTES: those are refused together, with their count and the first."""
+    """(location, row) for each (number, row) of `items`; rows given as an int (a byte length over MAX_ROW_BYTES)
+    are refused together."""
     rows, too_long = [], []
     for number, row in items:
         if isinstance(row, int):
@@ -80,7 +78,6 @@ def bounded_lines(fh, limit: int):
 
 def jsonl_rows(path: Path, fh):
     """(line number, row object), or (line number, length) for a line over MAX_ROW_BYTES; blank lines skipped."""
-    import json
     for number, line in bounded_lines(fh, MAX_ROW_BYTES):
         if isinstance(line, int):
             yield number, line
@@ -114,8 +111,7 @@ def parquet_rows(path: Path) -> list[tuple[str, dict]]:
     except (pa.ArrowInvalid, OSError) as err:
         raise DataError(f"{path} is not a readable parquet file ({err}); write it with pandas.DataFrame.to_parquet "
                         f"or use .jsonl") from err
-    missing = [f for f in FIELDS if f not in pf.schema_arrow.names]
-    if missing:
+    if missing := [f for f in FIELDS if f not in pf.schema_arrow.names]:
         raise DataError(f"{path}: no column {missing[0]!r}; the columns are {pf.schema_arrow.names}, each row needs "
                         f"'question' and 'answer'")
     for name in FIELDS:
@@ -138,8 +134,7 @@ def parquet_rows(path: Path) -> list[tuple[str, dict]]:
 def hub_rows(split: str) -> list[tuple[str, dict]]:
     from .hub import dataset_unavailable
     name, config = HUB_DATASET
-    reason = dataset_unavailable(name)
-    if reason:
+    if reason := dataset_unavailable(name):
         raise DataError(f"data.source='hub': {reason}")
     import datasets  # imported here: only the hub path needs it
     try:

@@ -1,11 +1,7 @@
-"""Reading a run directory back without changing it, and the one-writer lock.
+"""Reading a run directory back without changing it (`inspect`), and the one-writer lock (`RunLock`).
 
-`inspect(run_dir)` reads everything resume depends on and either refuses, naming the file, the line
-and a way to recover, or returns the repairs that make the files agree with the checkpoint (a torn
-last line cut, a final newline added, rows the checkpoint holds appended). It writes nothing, so a
-refusal leaves the run dir byte for byte as it was (docs/reliability.md §2a). Every entry is read
-through the run dir itself (safedir.py). `RunLock`: one writer per run dir, an fcntl.flock on RUN/lock
-holding the writer's PID; a killed writer's lock is reclaimed with a note (local filesystems only).
+`inspect` refuses, naming the file, line and a recovery, or returns the repairs that make the files agree
+with the checkpoint; it writes nothing (docs/reliability.md §2a). Entries are read through safedir.py.
 """
 from __future__ import annotations
 
@@ -65,7 +61,6 @@ def row_line(row: dict) -> str:
     return json.dumps(clean(row)) + "\n"
 
 
-# --- JSONL files ---------------------------------------------------------------------------------------
 def _parse_row(raw: bytes) -> tuple[dict | None, str]:
     try:
         row = json.loads(raw.decode("utf-8"))
@@ -127,7 +122,6 @@ def read_jsonl(path: Path) -> list[dict]:
     return scan_jsonl(path, read_no_follow(path)).rows
 
 
-# --- the checkpoint --------------------------------------------------------------------------------------
 def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     """checkpoint/trainer_state.pt, or None when there is none. weights_only: a run dir from
     someone else cannot run code when it is resumed."""
@@ -152,12 +146,9 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
     return state
 
 
-# --- what a checkpoint must hold (read before anything is built or written) ---------------------------
 def checkpoint_problem(state) -> str | None:
-    """The first field of a checkpoint that resume could not use, as "field 'X' ... (why)", or None.
-    Fields are checked by what they must be for the policy that wrote it, not against a closed list: an
-    unknown field is kept, and any *_buffer field is an adapter buffer (the layout's size, LORA_DTYPE,
-    finite) or, but for adapter_buffer, None. What needs the policy is left to Policy.load."""
+    """The first field of a checkpoint resume could not use ("field 'X' ... (why)"), or None. Unknown fields
+    are kept; any *_buffer is an adapter buffer (or, but adapter_buffer, None). Policy.load checks the rest."""
     if not isinstance(state, dict):
         return f"it holds {type(state).__name__}, not the dict of fields a checkpoint is"
     if missing := [k for k in _CHECKPOINT_KEYS if k not in state]:
@@ -211,10 +202,8 @@ def _shown(value) -> str:
 
 
 def optimizer_problem(optimizer, layout: AdapterLayout) -> str | None:
-    """AdamW's state_dict over the adapter's tensors: one param group holding each of them once, by
-    position and by name (`param_names`, the layout's names), and per tensor a step count and finite
-    moments of that tensor's shape. Without names (an older lorabench's checkpoint) a moment must have
-    one of the layout's shapes here; Policy.load names them in its order and checks them again."""
+    """Why `optimizer` is not AdamW's state_dict over the adapter's tensors (one param group, each tensor once,
+    a step count and finite moments of its shape), or None. Unnamed moments need one of the layout's shapes."""
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     moments = optimizer.get("state") if isinstance(optimizer, dict) else None
     if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], dict) or not isinstance(
@@ -263,7 +252,6 @@ def _adapter_steps(root: SafeDir) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_ADAPTER_DIR.match, names) if m)
 
 
-# --- what a run dir may hold ---------------------------------------------------------------------------
 _ADAPTER_DIR = re.compile(r"^step_(\d+)$")
 FILES = (CONFIG, CONFIG_CHANGES, *ROW_FILES, EVALS, SUMMARY, LOCK_NAME)
 CHANGED_IN_PLACE = (CONFIG_CHANGES, *ROW_FILES, EVALS, LOCK_NAME)   # appended or truncated
@@ -278,9 +266,8 @@ def _refuse_too_large(root: SafeDir, name: str) -> None:
 
 
 def check_entries(run_dir: Path | SafeDir) -> None:
-    """Refuse, before anything is written, any entry lorabench would open that is a link, of another
-    kind than expected (a FIFO, a dir for a file, ...) or, if changed in place, a file with a second
-    name (safedir.py). The run dir itself must not be a link either."""
+    """Refuse any entry lorabench would open that is a link, of an unexpected kind, or (changed in place) a
+    file with a second name; the run dir itself must not be a link either."""
     if not isinstance(run_dir, SafeDir):
         with SafeDir.open(run_dir) as root:
             return check_entries(root)
@@ -297,7 +284,6 @@ def check_entries(run_dir: Path | SafeDir) -> None:
                             _refuse_too_large(sub, child)
 
 
-# --- inspection ------------------------------------------------------------------------------------------
 @dataclass
 class Repair:
     """One change that makes a file agree with the checkpoint; `note` is what the log says."""
@@ -346,8 +332,7 @@ def inspect(run_dir: Path) -> RunDirState:
                           f"leaves one); {_RECOVER}. Was {CHECKPOINT} restored from an older backup? Restore the "
                           f"matching one, or start a new run")
     for name in ROW_FILES:
-        missing = _rows_missing(files[name], state.checkpoint["rows"].get(name, []), state.step)
-        if missing:
+        if missing := _rows_missing(files[name], state.checkpoint["rows"].get(name, []), state.step):
             steps = sorted({_step(r) for r in missing})
             state.repairs.append(Repair(files[name].path, "append_rows", rows=missing, note=(
                 f"{name}: appending the {len(missing)} row(s) of step(s) {steps} that the checkpoint holds (the run "
@@ -361,8 +346,7 @@ def inspect(run_dir: Path) -> RunDirState:
 
 
 def check_before_evals(run_dir: Path, step: int) -> None:
-    """A session continuing a run at `step` > 0 reads its step-0 (before GRPO) evaluations back: both
-    are written at once, before step 1 (a trainer alone, without a session, writes none)."""
+    """A session continuing a run at `step` > 0 needs its two step-0 (before GRPO) evaluations."""
     with SafeDir.open(run_dir) as root:
         scan = scan_in(root, EVALS)
     if step > 0 and len([r for r in scan.rows if _step(r) == 0]) < 2:
@@ -391,8 +375,8 @@ def _refuse_work_without_checkpoint(run_dir: Path, files: dict, adapters: list[i
 
 
 def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
-    """The checkpoint's rows that `scan` lacks at its end. Refuses rows past the checkpoint, rows that differ
-    from its copies, and steps out of order or logged twice (two writers)."""
+    """The checkpoint's rows `scan` lacks at its end; refuses rows past it or unlike its copies, and steps out
+    of order or logged twice."""
     steps = [_step(r) for r in scan.rows]
     for i in range(1, len(steps)):
         if steps[i] < steps[i - 1] or (scan.path.name == METRICS and steps[i] == steps[i - 1]):
@@ -418,7 +402,6 @@ def _rows_missing(scan: JsonlFile, held: list[dict], step: int) -> list[dict]:
     return held[len(window):]
 
 
-# --- the one-writer lock ---------------------------------------------------------------------------------
 def _lock_holder(fd: int) -> int | None:
     text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
     return int(text) if text.isdigit() else None
@@ -453,10 +436,8 @@ def lock_holder(run_dir: Path) -> RunDirError | None:
 
 
 class RunLock:
-    """Held by the one process writing a run dir; `release()` (or its death) frees it. The lock file must
-    have one name (it is truncated). The flock is held on a read-only fd and the PID written through a
-    short-lived one, so no file stays open for writing (a filesystem can be remounted read-only under it).
-    A refusal puts the file back as it was found (release(restore=True)): removed if it was not there."""
+    """An fcntl.flock on RUN/lock held by the one writer, on a read-only fd (the PID is written through a
+    short-lived one); `release()` or its death frees it. A killed writer's lock is reclaimed with a note."""
 
     def __init__(self, run_dir: Path | SafeDir, log=print):
         self.root = run_dir if isinstance(run_dir, SafeDir) else SafeDir.open(run_dir)

@@ -10,12 +10,8 @@
     RUN_DIR/checkpoint/          trainer state for `lorabench resume` (atomic, latest step)
     RUN_DIR/plots/*.png          figures
     RUN_DIR/lock                 the writer's PID while one runs (rundir.RunLock)
-A step is committed by its checkpoint: `commit` writes the adapter dir (when due), the checkpoint
-(holding the rows it vouches for), then the sync and rollout rows; the metrics rows come last, each
-fsynced. So a kill can only leave rows *missing*, which `load_checkpoint` appends from the checkpoint
-once the policy has accepted it; anything else that does not fit is refused by rundir.inspect. The
-commit thread (commits.py) may call `commit` and `log_metrics` while the trainer's thread writes
-other files; the two share nothing here but the folders' fds.
+A step is committed by its checkpoint (holding the rows it vouches for), written before its rows, so a
+kill can only leave rows *missing*, which `load_checkpoint` appends from the checkpoint.
 """
 from __future__ import annotations
 
@@ -107,9 +103,8 @@ class _Settled:
 
 
 class RunLog(_Settled):
-    """Writes one run dir, entered only through itself (safedir.py: no link in it is followed). lock=True
-    takes the run dir's one-writer lock first, refusing if another process holds it. `fingerprint`,
-    when set, is recorded in every checkpoint; `committed_step` is the step of the last checkpoint."""
+    """Writes one run dir, entered only through itself (safedir.py); lock=True takes its one-writer lock.
+    `fingerprint`, when set, is recorded in every checkpoint; `committed_step`: the last checkpoint's step."""
 
     def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None):
         super().__init__(settings)
@@ -149,8 +144,7 @@ class RunLog(_Settled):
             folder.close()
 
     def _folder(self, name: str) -> SafeDir:
-        """adapters/, plots/ or checkpoint/, made 0750 (whatever the umask) when first written, so a
-        refused session makes none."""
+        """adapters/, plots/ or checkpoint/, made 0750 when first written (a refused session makes none)."""
         if name not in self.sub:
             self.sub[name] = self.root.sub(name, create=True, mode=0o750)
         return self.sub[name]
@@ -158,8 +152,7 @@ class RunLog(_Settled):
     def write_config(self, config: dict) -> None:
         """config.json, once: a run's config is never rewritten (changes go to config_changes.jsonl)."""
         try:
-            self.root.write_atomic(rundir.CONFIG, json.dumps(redact(config), indent=1).encode(), mode=0o640,
-                                   exclusive=True)
+            self.root.write_atomic(rundir.CONFIG, json.dumps(redact(config), indent=1).encode(), exclusive=True)
         except RunDirError as err:
             raise RunDirError(f"{err}: a run's config is written once and never rewritten; continue the run with "
                               f"`lorabench resume {self.dir}` or choose another run.name") from None
@@ -189,8 +182,8 @@ class RunLog(_Settled):
 
     def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
                save_adapter: bool) -> None:
-        """The commit point of steps up to `step`: adapters/step_<n> (when due), one atomic checkpoint
-        (trainer state, adapter, pending rows, fingerprint), then the sync and rollout rows."""
+        """The commit point of steps up to `step`: adapters/step_<n> (when due), the checkpoint, then the sync
+        and rollout rows."""
         if save_adapter:
             adapter.save_into(self._folder(rundir.ADAPTERS), rundir.adapter_dir_name(step))
         host = adapter.to("cpu")
@@ -198,16 +191,15 @@ class RunLog(_Settled):
                    "adapter_config": host.config, "rows": rows}
         if self.fingerprint is not None:
             payload["fingerprint"] = self.fingerprint
-        self._folder(rundir.CHECKPOINT_DIR).write_atomic(rundir.CHECKPOINT.name, mode=0o640,
-                                                         writer=lambda fh: torch.save(payload, fh))
+        folder = self._folder(rundir.CHECKPOINT_DIR)
+        folder.write_atomic(rundir.CHECKPOINT.name, writer=lambda fh: torch.save(payload, fh))
         self.committed_step = step
         for name in (rundir.SYNC, rundir.ROLLOUTS):
             self._append(name, rows.get(name, []))
 
     def load_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None]:
-        """The last checkpoint (None, None before the first), the files made to agree with it: rundir.inspect
-        refuses what cannot be matched, `take(state, adapter)` checks it against the model, and only then
-        are the repairs applied, so a refusal by either leaves the run dir as it was."""
+        """The last checkpoint (None, None before the first), the files made to agree with it once rundir.inspect
+        and `take(state, adapter)` accepted it (a refusal by either leaves the run dir as it was)."""
         found = rundir.inspect(self.dir)
         state = found.checkpoint
         adapter = None if state is None else FlatAdapter(state["adapter_buffer"],
@@ -230,8 +222,7 @@ class RunLog(_Settled):
         return state, adapter
 
     def export_if_missing(self, adapter: FlatAdapter, last_step: int) -> None:
-        """adapters/step_<n> written again, atomically, from the checkpoint (the same tensors) when that
-        export is due and missing, or there but unreadable; a readable one is never rewritten."""
+        """adapters/step_<n> written again from the checkpoint when due and missing, or there but unreadable."""
         name = rundir.adapter_dir_name(adapter.version)
         if self.root.expect(rundir.ADAPTERS, "dir") and self._folder(rundir.ADAPTERS).expect(name, "dir"):
             why = _unreadable_export(self._folder(rundir.ADAPTERS), name)
@@ -248,25 +239,23 @@ class RunLog(_Settled):
         return rundir.scan_in(self.root, rundir.EVALS).rows
 
     def set_evals(self, step: int, rows: list[dict]) -> list[dict]:
-        """Make `rows` the evaluations of `step`, replacing any a killed or repeated run left (they are
-        seeded); returns all rows. Rewritten only after it was read whole (a bad line raises)."""
+        """Make `rows` the evaluations of `step`, replacing any a killed or repeated run left; returns all rows."""
         kept = [r for r in self.evals() if r.get("step") != step] + rows
-        self.root.write_atomic(rundir.EVALS, "".join(map(rundir.row_line, kept)).encode(), mode=0o640)
+        self.root.write_atomic(rundir.EVALS, "".join(map(rundir.row_line, kept)).encode())
         return kept
 
     def write_summary(self, summary: dict) -> None:
-        self.root.write_atomic(rundir.SUMMARY, json.dumps(summary, indent=1).encode(), mode=0o640)
+        self.root.write_atomic(rundir.SUMMARY, json.dumps(summary, indent=1).encode())
 
     def save_plots(self, images: dict[str, bytes]) -> list[Path]:
         """plots/<name>.png for each rendered figure (viz.run_plot_images)."""
         for name, png in images.items():
-            self._folder(rundir.PLOTS).write_atomic(f"{name}.png", png, mode=0o640)
+            self._folder(rundir.PLOTS).write_atomic(f"{name}.png", png)
         return [self.dir / rundir.PLOTS / f"{name}.png" for name in images]
 
 
 def _unreadable_export(adapters: SafeDir, name: str) -> str | None:
-    """Why adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or None; read
-    through the run dir (a link or a FIFO is as unreadable as a torn file)."""
+    """Why adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or None."""
     from safetensors import SafetensorError
     from safetensors.torch import load
     with adapters.sub(name) as export:
@@ -285,23 +274,15 @@ class NullRunLog(_Settled):
     """RunLog's methods, writing nothing; spelled out, so a misspelled call fails instead of doing nothing."""
     dir = None
 
-    def log_metrics(self, rows: list[dict]) -> None:
-        pass
+    def close(self, *args, **kwargs) -> None:
+        """Does nothing, as log_metrics, commit and export_if_missing."""
 
-    def commit(self, step: int, state: dict, adapter, rows: dict, save_adapter: bool) -> None:
-        pass
+    log_metrics = commit = export_if_missing = close
 
     def load_checkpoint(self, take=None):
         return None, None
 
-    def export_if_missing(self, adapter, last_step: int) -> None:
-        pass
-
     def metrics(self) -> list[dict]:
         return []
 
-    def evals(self) -> list[dict]:
-        return []
-
-    def close(self) -> None:
-        pass
+    evals = metrics

@@ -1,12 +1,7 @@
-"""A run directory entered only through itself: nothing in it is followed out of it.
-
-A run dir is copied, shared and downloaded, so its entries are data, never pointers: `SafeDir` holds
-an fd of the directory (not opened through a link) and opens every entry relative to it with
-O_NOFOLLOW. Refused with `RunDirError` naming the entry: a link, a FIFO, socket or device, and a file
-changed in place that has a second name (a hard link). The path *to* the run dir is the user's and
-is followed. A failed write raises `RunDirWriteError` naming the file and the cause; every write is
-a fsynced hidden temp (`.<name>.<pid>...`) renamed onto its name, and temps of dead writers are
-removed. Outside a run dir the same by path: `atomic_dir(path)`.
+"""A run directory entered only through itself: `SafeDir` opens every entry relative to the dir's fd with
+O_NOFOLLOW, refusing (`RunDirError`) links, FIFOs, sockets, devices and hard-linked files changed in place.
+Writes are fsynced hidden temps renamed into place (`RunDirWriteError` names file and cause); `atomic_dir`
+does the same by path outside a run dir.
 """
 from __future__ import annotations
 
@@ -34,8 +29,7 @@ class RunDirError(ValueError):
 
 
 class RunDirWriteError(OSError):
-    """A write into a run dir failed (disk full, read-only, ...); `errno` is the cause's. What the run
-    dir held is intact: a row is appended whole or left torn at the end (resume cuts it)."""
+    """A write into a run dir failed (disk full, read-only, ...); what the run dir held is intact."""
 
     def __str__(self) -> str:   # the message alone: it names the cause itself
         return str(self.strerror)
@@ -82,8 +76,7 @@ def write_failure(path: Path, err: OSError, root: Path | None = None) -> RunDirW
 
 
 class _Sink:
-    """The temp file a writer fills; keeps the OSError of a failed write (torch.save reports a full disk as a
-    RuntimeError without errno)."""
+    """The temp file a writer fills; keeps the OSError of a failed write (torch.save rewords it)."""
 
     def __init__(self, fh):
         self._fh, self.error = fh, None
@@ -107,9 +100,8 @@ class SafeDir:
 
     @classmethod
     def open(cls, path: str | Path, create: bool = False, mode: int | None = None) -> SafeDir:
-        """The run dir itself, not a link (its parents are the user's path, followed); create=True makes it.
-        `mode` is set whatever the umask; with create=True only on a dir this call made (a refused command
-        changes nothing). A missing dir raises FileNotFoundError (create=False)."""
+        """The run dir itself, not a link (its parents are followed); create=True makes it. `mode` is set
+        whatever the umask, with create=True only on a dir this call made."""
         return cls._opened(Path(path), Path(path), None, Path(path), create, mode)
 
     def sub(self, name: str, create: bool = False, mode: int | None = None) -> SafeDir:
@@ -189,8 +181,7 @@ class SafeDir:
         return sorted(os.listdir(self.fd))
 
     def open_file(self, name: str, flags: int, mode: int = 0o640, single: bool = False) -> int | None:
-        """An fd of the regular file `name` (None when absent), never through a link; O_NONBLOCK: a FIFO never
-        hangs the open."""
+        """An fd of the regular file `name` (None when absent), never through a link (O_NONBLOCK: nor a FIFO)."""
         try:
             fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=self.fd)
         except FileNotFoundError:
@@ -261,8 +252,6 @@ class SafeDir:
                      mode: int = 0o640, exclusive: bool = False) -> None:
         """Make `name` hold `data` (or what `writer(binary_file)` writes) whole: a fsynced temp renamed onto it
         (exclusive=True: linked, refusing an existing `name`)."""
-        if (data is None) == (writer is None):
-            raise TypeError("write_atomic needs exactly one of data= or writer=")
         self.expect(name, "file")
         remove_stale_temps(self.fd, (f".{name}.",))
         tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
@@ -298,8 +287,7 @@ class SafeDir:
 
     @contextlib.contextmanager
     def atomic_subdir(self, name: str) -> Iterator[SafeDir]:
-        """Yield a fresh hidden temp dir; on success it replaces the dir `name` in one rename (an existing one is
-        swapped out first and removed after; put back if the rename fails)."""
+        """Yield a fresh hidden temp dir that replaces the dir `name` in one rename on success."""
         self.expect(name, "dir")
         remove_stale_temps(self.fd, (f".{name}.tmp-", f".{name}.old-"))
         pid, fds = os.getpid(), {"src_dir_fd": self.fd, "dst_dir_fd": self.fd}
@@ -342,7 +330,6 @@ def read_no_follow(path: str | Path) -> bytes | None:
         return parent.read_bytes(path.name)
 
 
-# === by path, outside a run dir's fd: caches, group.json, adapter dirs, temp roots =============
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -354,8 +341,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def _remove_dead(parent: Path | int, writer: re.Pattern, dirs_only: bool = False) -> None:
-    """Remove the entries of `parent` (a path, or a dir fd) whose name `writer` matches with the PID of a dead
-    process other than this one as its group 1 (a link is removed, not followed)."""
+    """Remove the entries of `parent` (a path or dir fd) whose name `writer` matches with a dead PID as group 1."""
     dir_fd = parent if isinstance(parent, int) else None
     try:
         entries = list(os.scandir(parent))
@@ -374,14 +360,12 @@ def _remove_dead(parent: Path | int, writer: re.Pattern, dirs_only: bool = False
 
 
 def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...]) -> None:
-    """Remove entries of `parent` named `<prefix><pid>-...` (or `<prefix><pid>.`) whose writer `pid` is dead:
-    what a killed atomic write leaves."""
+    """Remove what killed atomic writes left in `parent`: `<prefix><pid>-...` or `<prefix><pid>.` of a dead pid."""
     _remove_dead(parent, re.compile(f"(?:{'|'.join(map(re.escape, prefixes))})(\\d+)(?:[-.]|$)"))
 
 
 def remove_dead_dir_temps(parent: Path) -> None:
-    """Remove every atomic_dir temp (`.NAME.tmp-PID-x`, `.NAME.old-PID-x`) under `parent` whose writer is dead,
-    whatever name it was for (a killed build's entry may never be built again)."""
+    """Remove every atomic_dir temp (`.NAME.tmp-PID-x`, `.NAME.old-PID-x`) in `parent` whose writer is dead."""
     _remove_dead(parent, re.compile(r"\..+\.(?:tmp|old)-(\d+)-"), dirs_only=True)
 
 
@@ -407,9 +391,8 @@ def write_new_file(path: Path | str, *chunks, mode: int = 0o600, dir_fd: int | N
 
 @contextlib.contextmanager
 def atomic_dir(final: Path, replace: bool = False, mode: int = 0o700) -> Iterator[Path]:
-    """Yield a temp directory next to `final`; on success it becomes `final` in one rename. replace=False
-    (caches): a `final` that appeared meanwhile is kept and ours dropped. replace=True: an existing `final` is
-    swapped out, removed once the new one is in place, put back if the swap fails. Never a torn one."""
+    """Yield a temp dir that becomes `final` in one rename on success. replace=False: a `final` that appeared
+    meanwhile is kept; replace=True: an existing one is swapped out (put back if the swap fails)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(final.parent, (f".{final.name}.tmp-", f".{final.name}.old-"))

@@ -3,9 +3,6 @@
     cfg = Config.load("my.toml", ["grpo.steps=50"])     # the sections, composed (config.py)
     session = RunSession.open(cfg, run_dir="runs/nb")    # checks, model, run dir, engine, trainer (run.py)
     session.trainer.step()
-
-It alone handles the whole Config: checks before writing (preflight.py), what a continued run may
-change and a checkpoint proves (compat.py), and the composition (run.py).
 """
 from .config import Config, ConfigError, describe
 from .group import GroupSession

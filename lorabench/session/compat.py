@@ -1,18 +1,9 @@
 """What a continued run may change and what it must match.
 
-Which config fields it may change is decided where each field is defined: `setting(...,
-resume=ALLOWED|REFUSED, why=...)` (settings.py). REFUSED: what makes the experiment (model, adapter
-shape, data, seed, objective); refused naming the field, both values and what to do instead. ALLOWED
-(how long, how executed, logged or evaluated): appended to RUN/config_changes.jsonl; config.json is
-never rewritten, and the effective config is config.json with those rows applied in order. run.out_dir
-and run.name only say where the run dir is: not compared, taken from where it is now, refused as overrides.
-
-What it must match is recorded in every checkpoint as a fingerprint of plain JSON-like data: "config",
-every refused field as trained; "data", per data field its file's size and sha256 (synthetic: a sha256
-of its first problems; 'hub': the name); "model", the model dir's files by size and sha256 (sampled above
-WHOLE_LIMIT), or a hub model's repo id and cached commit. A difference is refused naming the field or
-file and both values; paths are for the message only (a moved file is the same data).
-docs/reliability.md §2b says what is not seen.
+Each field's `setting(..., resume=ALLOWED|REFUSED, why=...)` decides whether it may change (settings.py);
+allowed changes are appended to config_changes.jsonl, config.json is never rewritten. Every checkpoint
+records a fingerprint (the refused fields, the data files' and model files' size and sha256) that a
+continued run must match; docs/reliability.md §2b says what is not seen.
 """
 from __future__ import annotations
 
@@ -23,10 +14,11 @@ import shlex
 import stat
 from pathlib import Path
 
+from ..data import step_problems, synthetic_problems
 from ..group import GROUP_FILE
 from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
 from ..safedir import SafeDir
-from ..settings import ALLOWED
+from ..settings import ALLOWED, walk_class
 from . import config
 from .config import Config, ConfigError, apply_override, flat
 
@@ -34,10 +26,9 @@ LOCATION = ("run.out_dir", "run.name")
 
 
 def decisions() -> dict[str, tuple[str, str]]:
-    """{key: (resume, why)} for every field of the composed config (read when asked: a part registered later
-    is included)."""
-    return {key: (f.metadata["resume"], f.metadata["why"]) for key in config.every_key()
-            for f in [config.field_of(key)] if f}
+    """{key: (resume, why)} for every field of the composed config (read when asked)."""
+    return {key: (f.metadata["resume"], f.metadata["why"]) for name, cls in config.SECTIONS.items()
+            for key, f in walk_class(cls, name)}
 
 
 def refused() -> dict[str, str]:
@@ -49,8 +40,7 @@ def allowed() -> dict[str, str]:
 
 
 def effective_config(run_dir: Path, changes: bool = True) -> Config:
-    """The run's config now: config.json with config_changes.jsonl applied (`changes=False`: config.json
-    alone), both read through the run dir itself."""
+    """The run's config now: config.json with config_changes.jsonl applied (`changes=False`: without)."""
     run_dir = Path(run_dir)
     try:
         root = SafeDir.open(run_dir)
@@ -144,17 +134,15 @@ def check_continuation(run_dir: Path, old: Config, new: Config, at_step: int) ->
     return diff
 
 
-# --- fingerprints: what a checkpoint proves it was trained on ----------------------------------------
 WHOLE_LIMIT = 64 << 20
 SAMPLES, SAMPLE_BYTES = 16, 1 << 20
-# file name prefixes (lower case) that do not define the model: docs, hidden files, the tiny model's
-# recipe note (its weights and tokenizer are compared; the note names the lorabench version)
+# file name prefixes (lower case) that do not define the model: docs, hidden files, the tiny model's recipe note
 _NOT_MODEL = ("readme", "license", "notice", ".", "lorabench_recipe")
 
 
 def file_fingerprint(path: Path) -> dict | None:
-    """{path, bytes, sha256[, sampled]} of a file (None if missing): the sha256 of its bytes, whole up to
-    WHOLE_LIMIT, else of SAMPLES blocks spread evenly (the first and the last included)."""
+    """{path, bytes, sha256[, sampled]} of a file (None if missing): whole up to WHOLE_LIMIT, else SAMPLES
+    blocks spread evenly (the first and the last included)."""
     path = Path(path).expanduser().absolute()
     if not path.is_file():
         return None
@@ -173,7 +161,6 @@ def file_fingerprint(path: Path) -> dict | None:
 
 
 def data_fingerprint(cfg) -> dict:
-    from ..data import step_problems, synthetic_problems
     out = {}
     for field, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
         if source == "synthetic":
@@ -188,8 +175,7 @@ def data_fingerprint(cfg) -> dict:
 
 
 def model_fingerprint(cfg, model_path: str) -> dict:
-    """A local or tiny model dir's files; a hub model's repo id and its cached snapshot's commit (its files
-    arrive as they are first used: the commit names them all)."""
+    """A local or tiny model dir's files; a hub model's repo id and its cached snapshot's commit."""
     name = cfg.model.name_or_path
     folder = Path(model_path).expanduser()
     if not folder.is_dir():
@@ -207,7 +193,6 @@ def experiment_fingerprint(cfg, model_path: str) -> dict:
             "model": model_fingerprint(cfg, model_path)}
 
 
-# --- comparisons ---------------------------------------------------------------------------------------
 def _new_run_hint(run_dir: Path) -> str:
     return f"start a new run for it ({new_run_command(run_dir)})"
 

@@ -1,15 +1,10 @@
-"""The run config: the components' own sections (settings.py), composed, read from a file plus overrides.
+"""The run config: the components' own sections (SECTIONS, settings.py) composed, from a file plus overrides.
 
-Each section is defined next to the code it sets (SECTIONS; `engine.<backend>` and `refresh.<mode>`
-sub-sections come from their registries; `policies`, group.py, lists a policy group). Every default
-lets `lorabench demo` run offline on a 2-core CPU; an invalid value raises ConfigError naming the
-field, the value, where it came from and the fix; an unknown key gets a "did you mean". Files are
-strict: UTF-8 (a BOM is accepted), a key given twice is refused in JSON as in TOML, and every value
-must have its field's type (settings.check_types).
+An invalid value raises ConfigError naming the field, the value, its origin and the fix; an unknown key gets
+a "did you mean". Files are strict: UTF-8, no key given twice, each value of its field's type.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import sys
@@ -20,7 +15,7 @@ from pathlib import Path
 from .. import settings as st
 from ..data import DataSettings
 from ..engines import ENGINES, EngineNeeds, EngineSettings, UpdatesAdapterInPlace, engine_class
-from ..group import PolicySpec, check_policy_types, member_dict, parse_policies
+from ..group import PolicySpec, _owned_names, check_policy_types, member_dict, parse_policies
 from ..grpo import GRPOSettings
 from ..models import ModelSettings
 from ..policy import LoraSettings
@@ -74,8 +69,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config", origins: dict[str, str] | None = None) -> Config:
-        """The config of `data` (as to_dict). `origins`: {dotted key: its source} for keys not from `source`
-        (the overrides); a problem names the source of each field it names."""
+        """The config of `data` (as to_dict); `origins`: {dotted key: its source} for keys not from `source`."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a table/object of sections, got {st.shown(data)}")
         mixed = origins is not None and any(key not in origins for key in leaf_keys(data))
@@ -83,8 +77,7 @@ class Config:
 
         def origin(key: str) -> str:
             return origins.get(key, source)
-        unknown = set(data) - set(SECTIONS) - {"policies"}
-        if unknown:
+        if unknown := set(data) - set(SECTIONS) - {"policies"}:
             name = min(unknown)
             near = st.closest(name, list(SECTIONS))
             given = next((origins[k] for k in origins if k.partition(".")[0] == name), source)
@@ -118,8 +111,8 @@ def leaf_keys(data: dict, prefix: str = "") -> list[str]:
 
 
 def attributed(message: str, origin, keys: list[str]) -> str:
-    """`message` (naming fields as 'grpo.lr=...') prefixed with where each named field came from: 'c.toml:
-    ...', or "override 'grpo.lora_compute=bfloat16' (grpo.lora_compute), c.toml (model.dtype): ..."."""
+    """`message` prefixed with where each field it names ('grpo.lr=...') came from: 'c.toml: ...', or
+    "override 'grpo.lora_compute=bfloat16' (grpo.lora_compute), c.toml (model.dtype): ..."."""
     named = ["policies"] if message.startswith("policies") else [   # a policy's own value: its entry's
         k for k in keys if re.search(rf"(?<![\w.]){re.escape(k)}=", message)]
     sources: dict[str, list[str]] = {}
@@ -165,9 +158,8 @@ def _section_problems(section) -> list[str]:
 
 
 def engine_needs(cfg: Config, members: dict[str, Config] | None = None, run: bool = True) -> EngineNeeds:
-    """What this run asks of its engine; for a policy group: every policy's adapter, the largest rank, all
-    target modules, the K policies' rollouts in one batch. `members`: cfg.members(), if built already.
-    run=False: a scratch engine (a benchmark, a lesson), which any refresh mode may write, in place too."""
+    """What this run (a group: all its policies at once) asks of its engine; `members`: cfg.members() if built.
+    run=False: a scratch engine, which any refresh mode may write, in place too."""
     g, d = cfg.grpo, cfg.data
     members = cfg.members() if members is None else members
     loras = [m.lora for m in members.values()] if cfg.policies else [cfg.lora]
@@ -189,24 +181,12 @@ def flat(cfg: Config) -> dict[str, object]:
     return {key: value for name in SECTIONS for key, _, value in st.walk(getattr(cfg, name), name)}
 
 
-def field_of(key: str) -> dataclasses.Field | None:
-    """The settings field a dotted key names (None if none does)."""
-    section = key.partition(".")[0]
-    return next((f for name, f in st.walk_class(SECTIONS[section], section) if name == key), None) \
-        if section in SECTIONS else None
-
-
-def every_key() -> list[str]:
-    return [key for name, cls in SECTIONS.items() for key, _ in st.walk_class(cls, name)]
-
-
 def did_you_mean(prefix: str, key: str) -> str:
     """A synonym (learning_rate -> grpo.lr), the same key elsewhere (grpo.seed -> run.seed), else the closest key."""
-    dotted, keys = f"{prefix}.{key}", every_key()
+    dotted, keys = f"{prefix}.{key}", [k for name, cls in SECTIONS.items() for k, _ in st.walk_class(cls, name)]
     if key in _SYNONYMS:
         return f" (did you mean {_SYNONYMS[key]}?)"
-    elsewhere = [k for k in keys if k.rsplit(".", 1)[-1] == key and not k.startswith(f"{prefix}.")]
-    if elsewhere:
+    if elsewhere := [k for k in keys if k.rsplit(".", 1)[-1] == key and not k.startswith(f"{prefix}.")]:
         return f" (did you mean {elsewhere[0]}?)"
     own = st.closest(dotted, [k for k in keys if k.startswith(f"{prefix}.")]) or st.closest(dotted, keys)
     return f" (did you mean {own}?)" if own else ""
@@ -262,8 +242,7 @@ def parse_config_bytes(raw: bytes, path: Path) -> dict:
             raise
         raise ConfigError(f"config file {path} holds a number of more than {sys.get_int_max_str_digits():,} digits, "
                           f"which Python does not read and no setting takes; shorten it") from err
-    twice = st.given_twice(data)
-    if twice:
+    if twice := st.given_twice(data):
         key, first, second = twice
         name = json.dumps(key.rsplit(".", 1)[-1])
         pattern = re.compile(rf"{re.escape(name)}\s*:")
@@ -283,7 +262,6 @@ def describe() -> str:
     lines += [f"  {name:<8} {engine_class(name).help}" for name in ENGINES]
     lines.append("refresh.mode (lorabench.refresh.REFRESH_MODES):")
     lines += [f"  {name:<8} {cls.help}" for name, cls in REFRESH_MODES.items()]
-    from ..group import _owned_names
     lines += ["\npolicies (lorabench.group): several LoRA policies trained side by side on one engine and one base",
               "  model, each with its own run dir GROUP/<name>. A list of tables, each a name and the fields that",
               "  policy sets for itself; everything else is shared. TOML: policies = [{name = \"r1\", lora.r = 1},",

@@ -4,12 +4,8 @@
     session.trainer.step()                                    # {name: StepRecord}, one engine batch
     session.close()
 
-The group's dir holds `group.json` (the policies' names and what each sets, written once) and one
-ordinary run dir per policy, `GROUP/<name>` (its whole config, checkpoint, rows and lock), so a policy
-is resumable alone (`lorabench resume GROUP/<name>`) or with the others (`lorabench resume GROUP`).
-Each policy's run dir follows the rules of any run dir (plan_run); the group dir is refused if it is a
-link, holds anything else, names other policies, or its group.json does not describe the policies'
-run dirs (check_recorded).
+The group's dir holds `group.json` (the policies and what each sets, written once) and one ordinary run
+dir per policy, `GROUP/<name>`, resumable alone or with the others (`lorabench resume GROUP`).
 """
 from __future__ import annotations
 
@@ -20,8 +16,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..group import GROUP_FILE
-from .config import Config, ConfigError, flat
+from ..group import GROUP_FILE, PolicyGroup, owned_key, parse_policies, shared_differences
+from ..rundir import CONFIG, RunDirError, check_before_evals
+from ..safedir import SafeDir, refusal
+from ..settings import unique_keys
+from .compat import effective_config, resume_config
+from .config import SECTIONS, Config, ConfigError, flat
+from .preflight import preflight
 from .run import RunSession, _SessionLifecycle, build_trainer, engine_and_policies, plan_run, threads_and_model
 
 
@@ -48,11 +49,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
     @classmethod
     def resume(cls, group_dir: str | Path, overrides: list[str] = (), log=print, evaluate_first: bool = True):
         """The group in `group_dir`, each policy continued from its run dir's effective config plus `overrides`
-        and served under its name. Refused before anything is written: a group.json that does not describe
-        the policies' run dirs, a policy's dir missing, `engine.adapter_name` or `policies` as an override."""
-        from ..group import owned_key
-        from ..rundir import RunDirError
-        from .compat import resume_config
+        and served under its name; refused before anything is written."""
         root = Path(group_dir)
         for item in overrides:
             if item.partition("=")[0].strip() == "engine.adapter_name":
@@ -71,11 +68,9 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         members = {spec.name: resume_config(root / spec.name, [*overrides, f"engine.adapter_name={spec.name}"])
                    for spec in specs}
         shared = members[specs[0].name].to_dict()
-        # the group's value of a field a policy leaves to it is that policy's (check_recorded: they agree), so
-        # that cfg.members() are the policies' own configs (the engine is sized from them)
+        # a field a policy leaves to the group takes that policy's value, so cfg.members() are their own configs
         for key in filter(owned_key, flat(members[specs[0].name])):
-            leaving = [spec.name for spec in specs if not spec.sets(key)]
-            if leaving:
+            if leaving := [spec.name for spec in specs if not spec.sets(key)]:
                 section, name = key.split(".")
                 shared[section][name] = getattr(getattr(members[leaving[0]], section), name)
         cfg = Config.from_dict({**shared, "policies": [s.to_dict() for s in specs]}, source=str(root / GROUP_FILE))
@@ -83,11 +78,7 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
     @classmethod
     def _open(cls, cfg: Config, members: dict[str, Config], root: Path, log, evaluate_first: bool):
-        from ..group import shared_differences
-        from ..rundir import check_before_evals
-        from .preflight import preflight
-        differ = shared_differences({name: flat(m) for name, m in members.items()})
-        if differ:
+        if differ := shared_differences({name: flat(m) for name, m in members.items()}):
             raise ConfigError(f"the policies of {root} differ in settings they share: {'; '.join(differ[:4])}; "
                               f"a group steps with one batch, engine and model: continue each policy alone "
                               f"(lorabench resume {root}/NAME) or give them the same values")
@@ -123,15 +114,14 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
     @classmethod
     def _build(cls, cfg, members, runlogs, root, model_path, model_seconds, log):
-        from ..group import PolicyGroup
         log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
             + "; ".join(spec.label() for spec in cfg.policies))
         engine, policies = engine_and_policies(cfg, members, model_path, log)
         try:
             trainers, sessions = {}, {}
             for name, member in members.items():
-                trainer = build_trainer(member, model_path, engine, runlogs[name], log=log, policy=policies[name])
-                trainers[name] = trainer
+                trainers[name] = trainer = build_trainer(member, model_path, engine, runlogs[name], log=log,
+                                                         policy=policies[name])
                 sessions[name] = RunSession(member, runlogs[name], engine, trainer, model_path, model_seconds)
         except BaseException:
             for trainer in trainers.values():
@@ -155,18 +145,15 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
 
 def check_group_dir(root: Path, names: list[str]) -> bool:
     """Whether `root` holds this group (True) or is free for it (False: absent or empty); else refused."""
-    from ..rundir import RunDirError
     if not os.path.lexists(root):
         return False
     if os.path.islink(root):   # entered only through itself, as a run dir is
-        from ..safedir import refusal
         raise refusal(root, os.lstat(root), "dir", is_root=True)
     if not root.is_dir():
         raise RunDirError(f"{root} is not a directory; a policy group is made in a directory of its own: choose "
                           f"another run.name or run.out_dir")
     entries = sorted(os.listdir(root))
-    links = [e for e in entries if e != GROUP_FILE and os.path.islink(root / e)]
-    if links:
+    if links := [e for e in entries if e != GROUP_FILE and os.path.islink(root / e)]:
         raise RunDirError(f"{root} holds links {links[:5]}; a policy group's dir holds {GROUP_FILE} and one run dir "
                           f"per policy only: choose another run.name or run.out_dir")
     if not entries:
@@ -179,8 +166,7 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
     if recorded != list(names):
         raise RunDirError(f"{root} is a policy group of {recorded}, not {list(names)}: continue it with its own "
                           f"policies (lorabench resume {root}), or choose another run.name for a new group")
-    odd = [e for e in entries if e != GROUP_FILE and e not in names]
-    if odd:
+    if odd := [e for e in entries if e != GROUP_FILE and e not in names]:
         raise RunDirError(f"{root} holds {odd[:5]}, which are not the dirs of the policies its {GROUP_FILE} names "
                           f"{names}; a policy group's dir holds {GROUP_FILE} and one run dir per policy only: move "
                           f"them out, or choose another run.name or run.out_dir")
@@ -189,12 +175,8 @@ def check_group_dir(root: Path, names: list[str]) -> bool:
 
 
 def check_recorded(root: Path, specs: list) -> None:
-    """group.json must describe the policies' config.json files (an edited one would print one setting while
-    the policy trains another): a field a policy sets has that value there, a field it leaves to the group
-    that of every other policy leaving it, each dir serves its own policy. Dirs not made yet are skipped."""
-    from ..group import owned_key
-    from ..rundir import CONFIG, RunDirError
-    from .compat import effective_config
+    """group.json must describe the policies' config.json files: a field a policy sets has that value there, one
+    it leaves to the group that of every other policy leaving it; each dir serves its own policy."""
     path = root / GROUP_FILE
     configs = {spec.name: flat(effective_config(root / spec.name, changes=False))
                for spec in specs if os.path.lexists(root / spec.name / CONFIG)}
@@ -227,10 +209,6 @@ def check_recorded(root: Path, specs: list) -> None:
 
 def read_group(root: Path) -> list:
     """The policies `root/group.json` (a regular file, not a link) names."""
-    from ..group import parse_policies
-    from ..rundir import RunDirError
-    from ..settings import unique_keys
-    from .config import SECTIONS
     path = root / GROUP_FILE
     try:
         info = os.lstat(path)
@@ -258,9 +236,7 @@ def read_group(root: Path) -> list:
 
 
 def write_group(root: Path, cfg: Config) -> None:
-    """group.json, once, atomically, through the dir's own fd (the dir made if needed): a dir swapped for a link
-    since check_group_dir, or a group.json written there since, is refused, nothing written."""
-    from ..safedir import SafeDir
+    """group.json, once, atomically, through the dir's own fd (made if needed)."""
     with SafeDir.open(root, create=True) as group_dir:
         group_dir.write_atomic(GROUP_FILE, json.dumps({"policies": [p.to_dict() for p in cfg.policies]},
-                                                      indent=1).encode(), mode=0o640, exclusive=True)
+                                                      indent=1).encode(), exclusive=True)

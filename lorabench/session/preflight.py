@@ -1,17 +1,11 @@
-"""Checks that need the environment, run before a run dir is created or a model is built: the engine
-is installed, the dirs a run writes are writable, the model is usable, the run's size fits the
-machine, and every dataset row is readable and its prompt fits. Nothing is written in the run dir or
-the model cache (a hub tokenizer and dataset are fetched into their caches, as the run would).
-
-The size is an estimate before anything is built. Each term is a lower bound on memory the run
-certainly allocates, so a refusal is never a false alarm: sequences held at once (~1 KiB plus 64
-bytes per new token each); the LoRA state (float32 x 8: weights, gradients, two Adam moments, their
-rollback snapshot, the published adapter); the base weights; and what the engine allocates in this
-process (`process_memory`).
+"""Checks before a run dir is created or a model is built: the engine is installed, the dirs a run writes
+are writable, the model is usable, the run's size fits the machine, every dataset row is readable and its
+prompt fits. The size terms are lower bounds on what the run certainly allocates: a refusal is no false alarm.
 """
 from __future__ import annotations
 
 import os
+from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +17,13 @@ from ..models import ModelRef, model_config, model_context, model_ref, model_tok
 from ..refresh import REFRESH_MODES
 from ..rundir import FOLDERS
 from ..settings import walk
+from ..tiny import TINY_ARCH, TINY_VOCAB, cache_root, tiny_cache_path
 from .config import SECTIONS, Config, ConfigError, engine_needs
 
 
 def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False, log=print) -> ModelRef:
-    """Everything below; returns what model.name_or_path names. `run_dir`: the run dir the run will write
+    """Every check below; returns what model.name_or_path names. `run_dir`: the run dir the run will write
     (continued=True: an existing run), None for a new one under run.out_dir."""
-    # each engine knows what it needs (packages, a GPU), also for the capabilities the refresh mode uses
     engine_class(cfg.engine.backend).check_available(cfg.engine.chosen, REFRESH_MODES[cfg.refresh.mode].needs)
     cpus = len(os.sched_getaffinity(0))
     if cfg.run.threads > cpus:   # more only slows torch down; very many crash it (a segfault at 100000)
@@ -38,7 +32,6 @@ def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False,
     check_dirs(cfg, run_dir, continued)
     ref = model_ref(cfg.model)
     if ref.kind == "tiny":
-        from ..tiny import TINY_ARCH, TINY_VOCAB
         shape = ModelShape.of({**TINY_ARCH, "vocab_size": TINY_VOCAB})
     else:
         try:
@@ -53,7 +46,6 @@ def preflight(cfg: Config, run_dir: Path | None = None, continued: bool = False,
 
 
 def tiny_to_build(cfg: Config) -> bool:
-    from ..tiny import tiny_cache_path
     return cfg.model.name_or_path == "tiny" and not (
         tiny_cache_path(cfg.model.cache_dir, cfg.warmstart, cfg.run.seed) / "config.json").is_file()
 
@@ -77,8 +69,7 @@ def _writable(path: str | Path, field: str) -> None:
 def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False) -> None:
     if run_dir is not None and Path(run_dir).is_dir():   # it (a mount point, say) and its folders must be writable
         for folder in (Path(run_dir), *(Path(run_dir) / sub for sub in FOLDERS)):
-            why = _unwritable(folder) if folder.is_dir() else None   # rundir.check_entries refused links already
-            if why:
+            if why := (_unwritable(folder) if folder.is_dir() else None):   # check_entries refused links already
                 fix = ("copy the run dir to a writable place and resume the copy" if continued else
                        "choose another run.name or run.out_dir")
                 which = f"the run dir {run_dir}" + ("" if folder == Path(run_dir) else f": its folder {folder.name}/")
@@ -86,7 +77,6 @@ def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False
     else:   # a new run dir is made in run.out_dir
         _writable(cfg.run.out_dir, "run.out_dir")
     if tiny_to_build(cfg):
-        from ..tiny import cache_root
         _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
     for name in SECTIONS:   # every setting that declares a dir the run writes into (refresh.file.tmp_dir)
         for key, f, value in walk(getattr(cfg, name), name):
@@ -150,8 +140,7 @@ def check_prompts(cfg: Config, ref: ModelRef, log=print) -> None:
     sets = _problem_sets(cfg, log)   # reads and checks the files first: a bad row is found without a tokenizer
     tokenizer = model_tokenizer(ref, cfg.model, cfg.warmstart, cfg.run.seed)
     for field, source, problems in sets:
-        over = overlong_prompts(problems, tokenizer, limit, cfg.model.enable_thinking)
-        if not over:
+        if not (over := overlong_prompts(problems, tokenizer, limit, cfg.model.enable_thinking)):
             continue
         first, length = over[0]
         where = first.where or f"the synthetic problem {first.question[:40]!r}"
@@ -161,7 +150,6 @@ def check_prompts(cfg: Config, ref: ModelRef, log=print) -> None:
                         f"({why}); the first is {where} ({length}). Shorten or remove those rows, or {fix}")
 
 
-# --- the run's size --------------------------------------------------------------------------------------
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -194,11 +182,7 @@ class ModelShape:
         return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2)
 
 
-@dataclass(frozen=True)
-class Need:
-    what: str
-    nbytes: int
-    fix: str
+Need = namedtuple("Need", "what nbytes fix")   # a term of a run's memory and the setting that lowers it
 
 
 def needs(cfg: Config, shape: ModelShape) -> list[Need]:
@@ -232,8 +216,7 @@ def _gb(nbytes: int) -> str:
 
 
 def check_sizes(cfg: Config, shape: ModelShape, device: str, warm_start: bool = False) -> None:
-    """Refuses a run whose needs() (or, `warm_start`, the tiny model's warm-start: one SFT batch's float32 logits,
-    run while it is built) exceed the machine."""
+    """Refuses a run whose needs() (or, `warm_start`, the tiny model's warm-start logits) exceed the machine."""
     have, where = machine_memory(device)
     n = cfg.warmstart.batch_size
     if warm_start and (warm := n * WARMSTART_TOKENS * shape.vocab * 4) > have:

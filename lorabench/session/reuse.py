@@ -1,7 +1,5 @@
-"""A trained run's adapter, read from its run dir without continuing the run: `find_trained_run` finds
-the newest run dir of cfg's experiment (what `lorabench resume` asks: every refused field equal, the
-model the checkpoint recorded), `load_trained_run` puts it into a trainer. The run dir is only read
-and its lock only probed, so a run whose writer is still running can be read too.
+"""A trained run's adapter, read from its run dir (only read, its lock only probed) without continuing it:
+`find_trained_run` finds the newest run dir of cfg's experiment, `load_trained_run` puts it into a trainer.
 """
 from __future__ import annotations
 

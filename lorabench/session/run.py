@@ -5,11 +5,8 @@
     print(session.resume_command(extra_steps=5))        # lorabench resume runs/nb grpo.steps=8
     session.close()                                     # releases engine, temp dirs and the run dir's lock
 
-The run dir has the CLI's layout (runlog.py), with the step-0 held-out evals `lorabench resume` expects.
-`open` validates before it writes: the run dir (plan_run), then environment, size, model and data
-(preflight.py); then the model is built and compared with a continued run's fingerprint; last the run
-dir is created or continued under its one-writer lock. A failure before that leaves the run dir byte
-for byte as it was, or absent.
+`open` checks everything (plan_run, preflight.py, the model's fingerprint) before it creates or continues
+the run dir under its lock: a failure before that leaves the run dir as it was, or absent.
 """
 from __future__ import annotations
 
@@ -21,9 +18,30 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from ..data import ProblemSource
+from ..engines import engine_class, make_engine
+from ..grpo import GRPOTrainer
 from ..interrupts import interrupts_to_the_main_thread, wait_interruptibly
 from ..machine import cpu_threads
+from ..models import load_tokenizer, resolve_model_path
+from ..policy import Policy, compile_mode, rngs_kept
+from ..refresh import REFRESH_MODES, make_refresher
+from ..rundir import CHECKPOINT, CONFIG, FOLDERS, LOCK_NAME, check_before_evals, check_entries, inspect, lock_holder
+from ..runlog import NullRunLog, RunDirError, RunLog
+from ..safedir import RunDirWriteError, SafeDir
+from .compat import (
+    check_config,
+    check_continuation,
+    check_data,
+    check_model,
+    effective_config,
+    experiment_fingerprint,
+    new_run_command,
+)
 from .config import Config, ConfigError, engine_needs
+from .preflight import preflight
 
 
 @dataclass
@@ -36,7 +54,6 @@ class RunPlan:
 
     def check_model(self, cfg: Config, model_path: str, log=print) -> dict:
         """The experiment's fingerprint; a continued run's model must be its checkpoint's (none recorded: noted)."""
-        from .compat import check_model, experiment_fingerprint
         fingerprint = experiment_fingerprint(cfg, model_path)
         checkpoint = self.continued.checkpoint if self.continued else None
         if checkpoint and "fingerprint" in checkpoint:
@@ -49,43 +66,32 @@ class RunPlan:
         return fingerprint
 
     def open(self, cfg: Config, log=print):
-        """The run dir under its lock: config.json for a new run; a continued one checked again under the lock
-        (its changes wait for `record_changes`)."""
-        from ..runlog import RunDirError, RunLog
-        from ..safedir import RunDirWriteError
-        from .compat import check_continuation, effective_config
-        if self.continued is None:
-            try:
-                return self._start(cfg, log)
-            except RunDirWriteError as err:   # no config.json: there is no run to resume yet
-                raise RunDirWriteError(err.errno, f"{err.cause}; no run was started (its config.json is not "
-                                       f"written): once {err.fix}, run the same command again") from None
-        runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run)
-        try:  # again under the lock: another writer may have finished since plan_run looked
-            self.changes = check_continuation(self.run_dir, effective_config(self.run_dir), cfg, self.continued.step)
-        except RunDirError:
-            runlog.close(refused=True)
-            raise
-        if self.named_by_config:
-            log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
-        log(f"run dir: {runlog.dir} (continued at step {self.continued.step})")
-        return runlog
-
-    def _start(self, cfg: Config, log):
-        from ..runlog import RunDirError, RunLog
-        runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
-            cfg.run.out_dir, "", log, lock=True, settings=cfg.run)
+        """The run dir under its lock: config.json for a new run; a continued one checked again under it."""
+        new = self.continued is None
         try:
-            runlog.write_config(cfg.to_dict())   # refuses if another process made this run meanwhile
-        except (RunDirError, OSError):
-            runlog.close(refused=True)
-            raise
-        log(f"run dir: {runlog.dir}")
+            runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
+                cfg.run.out_dir, "", log, lock=True, settings=cfg.run)
+            try:
+                if new:   # refuses if another process made this run meanwhile
+                    runlog.write_config(cfg.to_dict())
+                else:   # again under the lock: another writer may have finished since plan_run looked
+                    self.changes = check_continuation(self.run_dir, effective_config(self.run_dir), cfg,
+                                                      self.continued.step)
+            except (RunDirError, OSError):
+                runlog.close(refused=True)
+                raise
+        except RunDirWriteError as err:
+            if not new:
+                raise
+            raise RunDirWriteError(err.errno, f"{err.cause}; no run was started (its config.json is not "
+                                   f"written): once {err.fix}, run the same command again") from None
+        if not new and self.named_by_config:
+            log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
+        log(f"run dir: {runlog.dir}" + ("" if new else f" (continued at step {self.continued.step})"))
         return runlog
 
     def record_changes(self, runlog, log=print) -> None:
-        """A continued run's allowed changes, appended to config_changes.jsonl once its trainer has loaded and
-        checked the checkpoint: a refusal until then leaves the run dir as it was."""
+        """A continued run's allowed changes into config_changes.jsonl, once its trainer accepted the checkpoint."""
         if not self.changes:
             return
         runlog.record_config_changes(self.continued.step, self.changes)
@@ -96,18 +102,15 @@ class RunPlan:
 
 
 def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
-    """A new run, or the continuation of the run in `run_dir` (or run.out_dir/run.name), which must have no
-    link (rundir.check_entries), no other writer, be readable (rundir.inspect), accept `cfg`
-    and be the experiment its checkpoint was trained on (compat.py)."""
-    from ..rundir import CONFIG, RunDirError, check_entries, lock_holder
+    """A new run, or the continuation of the run in `run_dir` (or run.out_dir/run.name): checked for links, another
+    writer, readability (rundir.inspect), `cfg`'s changes and the experiment (compat.py)."""
     path = Path(run_dir) if run_dir else (Path(cfg.run.out_dir) / cfg.run.name if cfg.run.name else None)
     if path is None or not os.path.lexists(path):
         return RunPlan(path)
     if os.path.isfile(path) and not os.path.islink(path):
         raise ConfigError(f"{path} is a file, not a run dir; choose another run.name or run.out_dir")
     check_entries(path)   # before anything else reads it: refuses links, odd kinds, shared files
-    busy = lock_holder(path)
-    if busy:
+    if busy := lock_holder(path):
         raise busy
     if not (path / CONFIG).is_file():   # check_entries: a file, not a link
         _refuse_leftovers(path)
@@ -123,8 +126,6 @@ def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
 
 def _refuse_leftovers(path: Path) -> None:
     """A dir without config.json may only hold what a run stopped before writing it leaves."""
-    from ..rundir import FOLDERS, LOCK_NAME, RunDirError
-    from ..safedir import SafeDir
     with SafeDir.open(path) as root:
         leftovers = []
         for name in root.names():
@@ -141,8 +142,6 @@ def _refuse_leftovers(path: Path) -> None:
 
 def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPlan:
     """Config.json as the checkpoint was trained (no hand edit), the requested changes, the data's bytes."""
-    from ..rundir import inspect
-    from .compat import check_config, check_continuation, check_data, effective_config
     state = inspect(path)
     effective = effective_config(path)
     recorded = (state.checkpoint or {}).get("fingerprint")
@@ -157,11 +156,7 @@ def _plan_continuation(cfg: Config, path: Path, named_by_config: bool) -> RunPla
 
 
 def _check_stale_control(path: Path, old: str, new: str) -> None:
-    """refresh.mode may change on resume since what the engine serves stays the same; not to or from the
-    stale control (keeps_engine_fresh false), whose engine serves another adapter than the trainer's."""
-    from ..refresh import REFRESH_MODES
-    from ..rundir import RunDirError
-    from .compat import new_run_command
+    """refresh.mode may change on resume, but not to or from the stale control (keeps_engine_fresh false)."""
     if old != new and not (REFRESH_MODES[old].keeps_engine_fresh and REFRESH_MODES[new].keeps_engine_fresh):
         raise RunDirError(f"{path} cannot continue with a changed refresh.mode {old!r} -> {new!r} (the stale control "
                           f"serves another adapter than the trainer's: it defines the experiment); nothing was "
@@ -171,7 +166,6 @@ def _check_stale_control(path: Path, old: str, new: str) -> None:
 
 def _check_optimizer_lr(state, cfg: Config) -> None:
     """The optimizer state's learning rate must be the run's grpo.lr, or the run would go on at another one."""
-    from ..rundir import CHECKPOINT, RunDirError
     if state.checkpoint is None:
         return
     rates = sorted({group.get("lr") for group in state.checkpoint["optimizer"]["param_groups"]}, key=str)
@@ -217,12 +211,9 @@ class RunSession(_SessionLifecycle):
     @classmethod
     def open(cls, cfg: Config, run_dir: str | Path | None = None, log=print, evaluate_first: bool = True,
              progress=None):
-        """Check everything, build the model, then create (or continue, as `lorabench resume`) the run dir and
-        build engine and trainer. `progress(what, done=None, total=None)` hears each part as it starts (a
-        tiny build's warm-start at every step), for a notebook's display (progress.WaitProgress)."""
+        """Check everything, build the model, create or continue the run dir, build engine and trainer.
+        `progress(what, done=None, total=None)` hears each part as it starts (progress.WaitProgress)."""
         progress = progress or (lambda what, done=None, total=None: None)
-        from ..rundir import check_before_evals
-        from .preflight import preflight
 
         plan = plan_run(cfg, run_dir)
         if evaluate_first and plan.continued is not None:
@@ -279,10 +270,8 @@ class RunSession(_SessionLifecycle):
         self.runlog.close()
 
 
-# --- the composition: each component built from its own section ---------------------------------
 def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float]:
     """torch's CPU threads set (preflight checked run.threads), then the model resolved: (path, seconds)."""
-    import torch
     threads, how = cpu_threads(cfg.run.threads)
     torch.set_num_threads(threads)
     log(f"torch CPU threads: {how}")
@@ -292,14 +281,12 @@ def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float
 
 def resolve_model(cfg: Config, log=print, progress=None) -> str:
     """The base model's dir (tiny: built on first use; `progress` at each warm-start step) or hub name."""
-    from ..models import resolve_model_path
     return resolve_model_path(cfg.model, cfg.warmstart, cfg.run.seed, log=log, progress=progress)
 
 
 def start_engine(cfg: Config, model_path: str, log=None, run: bool = False, **overrides):
     """The engine cfg.engine chooses, with what the run needs of it; its notes (a small KV cache) are logged.
     run=True: a run's engine, set up for its refresh mode only; else a scratch engine any mode may write."""
-    from ..engines import make_engine
     engine = make_engine(cfg.engine, model_path, engine_needs(cfg, run=run), **overrides)
     for note in getattr(engine, "notes", ()) if log is not None else ():
         log(f"note: {note}")
@@ -307,13 +294,9 @@ def start_engine(cfg: Config, model_path: str, log=None, run: bool = False, **ov
 
 
 def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str, log=print) -> tuple:
-    """The engine `cfg` chooses and {peft name: Policy} for `members` (the first policy's model shared by the
-    others: a policy group). Under grpo.compile=all the policies are built first and compiled on a thread of
-    their own while the engine starts, so the first step compiles nothing; the RNGs are as the builds left
-    them either way. With engine.sglang.tp_size > 1 the engine starts first (SGLang refuses GPUs whose free
-    memory differs)."""
-    from ..engines import engine_class
-    from ..policy import Policy, compile_mode, rngs_kept
+    """The engine `cfg` chooses and {peft name: Policy} for `members` (sharing the first one's model). Under
+    grpo.compile=all the policies compile on a thread while the engine starts (not with tp_size > 1: SGLang
+    refuses GPUs whose free memory differs)."""
     device = engine_class(cfg.engine.backend).device_of(cfg.engine.chosen)
 
     def build() -> dict:
@@ -355,14 +338,7 @@ def _compile(policies: dict, done: Future) -> None:
 
 
 def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, policy=None):
-    """The GRPO trainer for `cfg` on `engine`, each component from its section; `policy`: one built already
-    (engine_and_policies: a policy group's policies share one model), else a new one."""
-    from ..data import ProblemSource
-    from ..grpo import GRPOTrainer
-    from ..models import load_tokenizer
-    from ..policy import Policy
-    from ..refresh import make_refresher
-    from ..runlog import NullRunLog
+    """The GRPO trainer for `cfg` on `engine`; `policy`: one built already (engine_and_policies), else a new one."""
     runlog = runlog if runlog is not None else NullRunLog(cfg.run)
     if runlog.settings != cfg.run:   # the run log decides when checkpoints are due: from this config
         raise ValueError(f"the run log of {runlog.dir} was opened with other run settings than cfg.run; open it with "
