@@ -1,5 +1,9 @@
 """Several LoRA policies trained side by side on one engine and one frozen base model.
 
+    cfg = Config.load(None, ['policies=[{"name": "r1", "lora": {"r": 1}}, {"name": "r16", "lora": {"r": 16}}]'])
+    group = GroupSession.open(cfg)          # session/group.py: one run dir per policy, one engine
+    group.trainer.step()                    # every policy's rollouts as one engine batch, then K updates
+
 A policy group is K GRPO trainers (grpo.py), each with its own policy, optimizer, refresher and run dir,
 sharing the engine (each adapter under its policy's name; a step's requests as one batch) and one PEFT
 model holding the K adapters (policy.Policy `beside`). What a policy may set for itself is in OWNED.
