@@ -10,8 +10,9 @@ from ..viz import MIN_FONT_PT, PART_COLORS, label_axes, labelled_figure
 def lora_factors(peft_model, module: str = "model.layers.0.self_attn.q_proj", adapter: str = "default") -> dict:
     """A [r, in], B [out, r], scaling α/r, the frozen W [out, in] and ΔW = (α/r)·B·A of one layer."""
     layer = peft_model.get_submodule(f"base_model.model.{module}")
-    a, b, w = (part.weight.detach().float().cpu()   # [r, in], [out, r], [out, in]
-               for part in (layer.lora_A[adapter], layer.lora_B[adapter], layer.base_layer))
+    a = layer.lora_A[adapter].weight.detach().float().cpu()          # [r, in]
+    b = layer.lora_B[adapter].weight.detach().float().cpu()          # [out, r]
+    w = layer.base_layer.weight.detach().float().cpu()               # [out, in]
     scaling = float(layer.scaling[adapter])
     return {"module": module, "A": a, "B": b, "scaling": scaling, "W": w, "delta": scaling * (b @ a)}
 
