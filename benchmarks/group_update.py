@@ -6,14 +6,10 @@ shared model (as a policy group holds them, `Policy(beside=...)`), each with its
   base, each row's LoRA term from its own policy's adapter (a batched matmul over the K adapters), each
   policy's GRPO loss on its own rows, then each policy's clip and optimizer step.
 
-At 16x8x128 one policy's update is bound by its kernel launches (docs/results.md, section 2). Within one
-update's token budget per pass, one pass for K policies launches what the K updates launch for the same tokens;
-what it can save is the work around them, done once per group instead of per policy (the adapter switch, a
-part-filled last pass) and batched (clips and optimizer steps one after another, no wait between). Before
-building it into the group, this measures what that buys (p50 of --repeats after a warm-up call, MFU) and
-checks that it computes the same:
-the fused log-probs of each policy's rows against that policy's own, and (`--check`, CPU, fp32) each
-policy's gradient in one fused update against that in its own `Policy.train`.
+Measured (docs/results.md, section 2): exact, and slower than the K updates on an H100 (1.06x at 16x8x128,
+1.17x at 64x8x256), so the group keeps updating policy by policy. It checks that it computes the same: the
+fused log-probs of each policy's rows against that policy's own, and (`--check`, CPU, fp32) each policy's
+gradient in one fused update against that in its own `Policy.train`.
 
     python benchmarks/group_update.py --out results/group_update.json --sizes 16x8x128 64x8x256 --k 4
     python benchmarks/group_update.py --out /tmp/g.json --device cpu --check     # the tiny model, exactness
@@ -22,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -103,23 +100,16 @@ def grouped(policies: list[Policy]):
             del layer.forward   # back to the class's
 
 
-FIELDS = ("input_ids", "attention_mask", "completion_mask", "engine_logprobs", "rewards", "advantages")
-
-
-def _padded(part: RolloutBatch, width: int) -> RolloutBatch:
-    """`part` right-padded to L = `width` (its [N, L-1] tensors to width - 1)."""
-    def pad(name: str) -> torch.Tensor:
-        t = getattr(part, name)
-        full = width - (name not in ("input_ids", "attention_mask"))
-        return torch.nn.functional.pad(t, (0, full - t.shape[1])) if t.dim() == 2 else t
-    return RolloutBatch(*(pad(name) for name in FIELDS))
+def _padded(parts: list[RolloutBatch]) -> list[RolloutBatch]:
+    """The parts right-padded to the widest width W (padding to a multiple of W reaches W from any width <= W)."""
+    width = max(p.input_ids.shape[1] for p in parts)
+    return [p.padded_to_multiple(width) for p in parts]
 
 
 def _stacked(parts: list[RolloutBatch]) -> RolloutBatch:
     """The K parts' rows one after another, right-padded to the widest."""
-    width = max(p.input_ids.shape[1] for p in parts)
-    parts = [_padded(p, width) for p in parts]
-    return RolloutBatch(*(torch.cat([getattr(p, name) for p in parts]) for name in FIELDS))
+    parts = _padded(parts)
+    return RolloutBatch(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(RolloutBatch)))
 
 
 def fused_micro_batches(batches: list[RolloutBatch], budget: int, multiple: int) -> list[RolloutBatch]:
@@ -175,9 +165,7 @@ def logprob_gap(policies: list[Policy], batches: list[RolloutBatch]) -> dict:
     """Max |fused - own| log-prob over each policy's completion tokens, and to the next policy's adapter (a
     wrong adapter must show: the fused rows must be far closer to their own)."""
     first, k = policies[0], len(policies)
-    parts = [b.rows(list(range(min(8, b.size)))) for b in batches]
-    width = max(p.input_ids.shape[1] for p in parts)
-    parts = [_padded(p, width) for p in parts]
+    parts = _padded([b.rows(list(range(min(8, b.size)))) for b in batches])
     own = []
     for p, part in zip(policies, parts):
         p._activate()
