@@ -4,7 +4,8 @@
 #   CACHE_OUT=$OUT bash .sglang/with-sglang.sh bash dev/gpu_session.sh PART [PART...]
 # PARTS: tests (the GPU test files in $LORABENCH_GPU_TESTS, default the single-GPU suite, -k $LORABENCH_GPU_K),
 #        tests_each (the test ids in $LORABENCH_GPU_IDS, each in a pytest process of its own, stopped after
-#                    $LORABENCH_TEST_TIMEOUT s (default 200): a test that kills or hangs its process costs only itself),
+#                    $LORABENCH_TEST_TIMEOUT s (default 200), or after N s for an id written ID@N: a test that kills
+#                    or hangs its process costs only itself),
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
 #        user_step (benchmarks/step_user_path.py: RunSession at the defaults, background and in-line commits, then
 #                   a second process with torch's compile caches warm),
@@ -64,10 +65,11 @@ for part in "$@"; do
   case $part in
     tests) "${part_timeout[@]}" "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider --capture=tee-sys ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
              ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py tests/test_policy_compile_gpu.py} ;;
-    tests_each) for id in ${LORABENCH_GPU_IDS:?name the test ids}; do
-                  echo "=== $id"; t0=$(date +%s)
-                  timeout -k 10 "${LORABENCH_TEST_TIMEOUT:-200}" "${with_extras[@]}" python -m pytest -m gpu -v -rA --tb=short \
-                    -o faulthandler_timeout=$(( ${LORABENCH_TEST_TIMEOUT:-200} - 20 )) -p no:cacheprovider --capture=tee-sys "$id"
+    tests_each) for entry in ${LORABENCH_GPU_IDS:?name the test ids}; do
+                  id=${entry%@*}; limit=${LORABENCH_TEST_TIMEOUT:-200}; [ "$id" = "$entry" ] || limit=${entry##*@}
+                  echo "=== $id (limit $limit s)"; t0=$(date +%s)
+                  timeout -k 10 "$limit" "${with_extras[@]}" python -m pytest -m gpu -v -rA --tb=short \
+                    -o faulthandler_timeout=$(( limit - 20 )) -p no:cacheprovider --capture=tee-sys "$id"
                   echo "=== $id: exit $? in $(( $(date +%s) - t0 )) s"
                   tar -czf "$OUT/results.tgz" -C "$RES" .
                 done ;;
