@@ -1,7 +1,11 @@
 """What a rollout asks of SGLang's decode, and what it costs: decode with the adapter at the rollout's
 batch sizes, plain and with each token's log-prob returned (what lorabench's rollout asks), per decode
 step: whether a batch of K policies' rollouts costs K batches (per-sequence work: the KV cache read,
-the sampler over the vocabulary, the scheduler's per-request bookkeeping) or less.
+the sampler over the vocabulary, the scheduler's per-request bookkeeping) or less. Variants: the adapter
+plain and with log-probs, the base model with log-probs, the batch split over four adapters (a group's
+batch), and that batch through lorabench's own call (`generate_mixed`, what a group's step sends). Beside
+each timed decode, the GPU's busy share (nvidia-smi's utilization, every 100 ms): well under 100% means
+the decode waits on the CPU (the scheduler's per-request work), not on the GPU.
 
     python benchmarks/sampling_cost_gpu.py --out results/sampling_cost.json [--batches 128,512,2048]
 
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,9 +32,42 @@ import watch  # noqa: E402  (this folder)
 from sglang_calls import gpu_header, timed_decode  # noqa: E402
 from synthetic import STACK_ARGS, qwen3_06b_with_adapter  # noqa: E402
 
+from lorabench.clock import synced_time  # noqa: E402
+from lorabench.engines.base import GenerateRequest, Sampling  # noqa: E402
 from lorabench.engines.sglang import SGLangEngine, SGLangSettings  # noqa: E402
 
-VARIANTS = {"plain": False, "logprob": True}   # name -> return_logprob
+ADAPTERS = ["a", "b", "c", "d"]
+VARIANTS = {"plain": (False, 1), "logprob": (True, 1), "base_logprob": (True, 0), "logprob_k4": (True, 4),
+            "lorabench_k4": (True, 4)}   # name -> (return_logprob, adapters; 0 = the base model)
+
+
+def busy_share(run) -> tuple[float, float]:
+    """(seconds of run(), the GPU's mean utilization % meanwhile: nvidia-smi every 100 ms; nan without it)."""
+    try:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                "-lms", "100", "-i", "0"], stdout=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        return run(), float("nan")
+    try:
+        seconds = run()
+    finally:
+        smi.terminate()
+    samples = [float(line) for line in smi.communicate()[0].split() if line.strip().isdigit()]
+    return seconds, statistics.mean(samples) if samples else float("nan")
+
+
+def decode(engine, ids, new_tokens: int, variant: str) -> float:
+    """Seconds of one decode of `ids` as `variant` asks (the lorabench variant: per generated token)."""
+    logprob, adapters = VARIANTS[variant]
+    if variant == "lorabench_k4":   # the group's own call: one GenerateRequest per policy, EOS allowed
+        requests = [GenerateRequest(ids[i::4], Sampling(max_new_tokens=new_tokens), name)
+                    for i, name in enumerate(ADAPTERS)]
+        t0 = synced_time()
+        done = engine.generate_mixed(requests)
+        made = sum(len(c.token_ids) for part in done for c in part)
+        return (synced_time() - t0) * len(ids) * new_tokens / made
+    names = [None] if adapters == 0 else ADAPTERS[:adapters]
+    return timed_decode(engine, ids, new_tokens, [names[i % len(names)] for i in range(len(ids))], logprob)
 
 
 def main() -> None:
@@ -40,6 +78,8 @@ def main() -> None:
     parser.add_argument("--mem-fraction", type=float, default=0.6)
     parser.add_argument("--limit", type=float, default=400, help="the run stops itself after this many seconds")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
+    parser.add_argument("--attention", default=STACK_ARGS["attention_backend"], help="engine.sglang.attention_backend")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
     watch.limit(args.limit)
     batches = [int(b) for b in args.batches.split(",")]
@@ -48,22 +88,26 @@ def main() -> None:
               "setting": f"Qwen3-0.6B shape random init bf16, LoRA r=32 7 projections (tensors), {args.new_tokens} "
                          f"new tokens, ignore_eos, T=1.0, top_p=1.0, p50 of 2 after 1 warm-up"}
     settings = SGLangSettings(max_lora_rank=32, mem_fraction_static=args.mem_fraction, dtype="bfloat16",
-                              cuda_graph_max_bs=max(batches), **STACK_ARGS)
+                              cuda_graph_max_bs=max(batches), max_loras_per_batch=len(ADAPTERS) + 1,
+                              **{**STACK_ARGS, "attention_backend": args.attention})
     with watch.phase("engine start", 150):
         engine = SGLangEngine(q06, settings)
     watch.engine = engine
     with engine:
-        engine.load_adapter_tensors("a", adapter)
+        for name in ADAPTERS:   # the same weights under four names: four slots, four segments in a batch
+            engine.load_adapter_tensors(name, adapter)
         for batch in batches:
             ids = prompts[:batch]
             row = {"batch": batch}
-            for name, logprob in VARIANTS.items():
+            for name in args.variants.split(","):
                 with watch.phase(f"batch {batch} {name}", 120):
-                    timed_decode(engine, ids, args.new_tokens, "a", logprob)
-                    seconds = statistics.median(timed_decode(engine, ids, args.new_tokens, "a", logprob)
-                                                for _ in range(2))
+                    decode(engine, ids, args.new_tokens, name)
+                    timed = [busy_share(lambda ids=ids, name=name: decode(engine, ids, args.new_tokens, name))
+                             for _ in range(2)]
+                seconds, busy = (statistics.median(part) for part in zip(*timed))
                 row[f"{name}_tok_s"] = batch * args.new_tokens / seconds
                 row[f"{name}_ms_per_decode_step"] = 1e3 * seconds / args.new_tokens
+                row[f"{name}_gpu_busy_pct"] = busy
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps(result, indent=1))

@@ -24,10 +24,12 @@ def gpu_header() -> dict:
 
 
 def timed_decode(engine, ids: list[list[int]], new_tokens: int, adapter, logprob: bool = False) -> float:
-    """Seconds of SGLang's own generate of `new_tokens` per prompt (ignore_eos, temperature 1), GPU work included."""
+    """Seconds of SGLang's own generate of `new_tokens` per prompt (ignore_eos, temperature 1), GPU work included;
+    `adapter`: one name (or None) for every prompt, or a list of one per prompt."""
     from lorabench.clock import synced_time
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
+    lora = adapter if isinstance(adapter, list) else [adapter] * len(ids)
     t0 = synced_time()
-    call_sglang(engine, lambda e: e.generate(input_ids=ids, sampling_params=params, lora_path=[adapter] * len(ids),
+    call_sglang(engine, lambda e: e.generate(input_ids=ids, sampling_params=params, lora_path=lora,
                                              return_logprob=logprob))
     return synced_time() - t0

@@ -9,7 +9,8 @@
 #        refresh (benchmarks/refresh_gpu.py at tp=$LORABENCH_TP), step (benchmarks/step_gpu.py),
 #        user_step (benchmarks/step_user_path.py: RunSession at the defaults, background and in-line commits, then
 #                   a second process with torch's compile caches warm),
-#        sampling (benchmarks/sampling_cost_gpu.py: decode with and without log-probs, per batch size),
+#        sampling (benchmarks/sampling_cost_gpu.py: decode with and without log-probs, four adapters, the GPU's busy
+#                  share, per batch size; $LORABENCH_SAMPLING_ARGS),
 #        stale (step_user_path.py, background commit, grpo.max_staleness in $LORABENCH_STALENESS (default "1 0"),
 #               $LORABENCH_STALE_ARGS; SGLang's own decode of the batch too with LORABENCH_STALE_DECODE=1),
 #        stale_split (MPS: step_user_path.py one step stale at 64x8x256, a process per trainer SM share in
