@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -80,6 +81,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--attention", default=STACK_ARGS["attention_backend"], help="engine.sglang.attention_backend")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--profile-dir", default="", help="also trace 8 decode steps of the largest batch (logprob_k4) "
+                        "with SGLang's profiler, CPU and GPU, into this folder")
     args = parser.parse_args()
     watch.limit(args.limit)
     batches = [int(b) for b in args.batches.split(",")]
@@ -111,6 +114,27 @@ def main() -> None:
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
+        if args.profile_dir:
+            with watch.phase("profile", 120):
+                profile_mid_decode(engine, prompts[:max(batches)], args.new_tokens, args.profile_dir)
+
+
+def profile_mid_decode(engine, ids, new_tokens: int, out_dir: str, after_s: float = 3.0) -> None:
+    """SGLang's profiler over 8 forward passes, started `after_s` into a decode of `ids` (past the prefills):
+    the scheduler writes a chrome trace into `out_dir`. The start is sent on the engine's running loop."""
+    import asyncio
+    import time
+
+    from sglang.srt.managers.io_struct import ProfileReq
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    decoding = threading.Thread(target=decode, args=(engine, ids, new_tokens, "logprob_k4"))
+    decoding.start()
+    time.sleep(after_s)
+    req = ProfileReq(output_dir=out_dir, num_steps=8, activities=["CPU", "GPU"], with_stack=False, record_shapes=False)
+    sgl = engine.engine
+    asyncio.run_coroutine_threadsafe(sgl.tokenizer_manager.start_profile(req), sgl.loop).result(timeout=60)
+    decoding.join()
+    print(f"profile: {sorted(p.name for p in Path(out_dir).iterdir())}", flush=True)
 
 
 if __name__ == "__main__":

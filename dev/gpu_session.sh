@@ -82,7 +82,7 @@ for part in "$@"; do
                     --steps 3 ${LORABENCH_USER_STEP_ARGS:-} ;;
     group_update) "${part_timeout[@]}" python benchmarks/group_update.py --out "$RES/group_update.json" \
                     ${LORABENCH_GROUP_UPDATE_ARGS:---sizes 16x8x128 64x8x256 --k 4} ;;
-    sampling) "${part_timeout[@]}" python benchmarks/sampling_cost_gpu.py --out "$RES/sampling_cost.json" ${LORABENCH_SAMPLING_ARGS:-} ;;
+    sampling) "${part_timeout[@]}" python benchmarks/sampling_cost_gpu.py --out "$RES/sampling_cost.json" --profile-dir "$RES/profile" ${LORABENCH_SAMPLING_ARGS:-} ;;
     stale) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_stale.json" --modes background \
              --staleness ${LORABENCH_STALENESS:-1 0} $([ -n "${LORABENCH_STALE_DECODE:-}" ] || echo --no-decode) ${LORABENCH_STALE_ARGS:-} ;;
     stale_split) for pct in ${LORABENCH_SM_SPLITS:-100 70 50}; do
