@@ -9,7 +9,8 @@ GPU setting: a random-init model of Qwen3-0.6B's shape in bf16, LoRA r=32 alpha=
 temperature 1, the engine arguments of the SGLang stack (step_gpu.STACK). K policies differ in their
 learning rate only (same rank: the same work per policy). Per size PxGxT (prompts x group x new
 tokens, per policy) and group size K (--ks): p50 of steps 2..n of the group's step and of one
-policy's, the ratio to K single steps, where each policy's step goes (time/<part>_s), each policy's
+policy's, the ratio to K single steps, where each policy's step goes (time/<part>_s), each step's CPU seconds
+per thread of this process (the trainer's thread shares the GIL with the engine's), each policy's
 trainer-vs-engine mismatch (mean, max) and served versions, the device memory in use (all
 processes: trainer + engine) with the group and with one policy. --group-overrides set the group
 alone (grpo.max_staleness=1: its next batch sampled while its updates run). Every phase prints a line with its
@@ -23,6 +24,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,14 +52,33 @@ def device_used_gb() -> float:
 PARTS = ("rollout", "reward", "train", "group_wait", "refresh", "probe", "log")   # time/<part>_s of a step
 
 
-def timed(step, n: int, what: str, deadline_s: float) -> tuple[list[float], list]:
-    walls, records = [], []
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds used so far by each thread of this process (Linux), by Python thread name (else the OS's):
+    the trainer's thread and the engine's share one GIL, so what the others use delays the trainer's."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    used: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
+        except FileNotFoundError:   # the thread ended meanwhile
+            continue
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
+
+
+def timed(step, n: int, what: str, deadline_s: float) -> tuple[list[float], list, list[dict]]:
+    """Walls, records and each step's CPU seconds per thread (thread_cpu_s) of `n` steps."""
+    walls, records, cpu = [], [], []
     for i in range(n):
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), thread_cpu_s()
         with watch.phase(f"{what} step {i + 1}", deadline_s):
             records.append(step())
         walls.append(time.perf_counter() - t0)
-    return walls, records
+        after = thread_cpu_s()
+        cpu.append({name: round(after[name] - before.get(name, 0.0), 3) for name in after
+                    if after[name] - before.get(name, 0.0) >= 0.02})
+    return walls, records, cpu
 
 
 def parts_p50(rows: list[dict]) -> dict[str, float]:
@@ -84,7 +105,7 @@ def run_group(base: list[str], k: int, size: str, root: Path, steps: int, extra:
     watch.engine = session.engine
     try:
         opened = time.perf_counter() - t0
-        walls, records = timed(session.trainer.step, steps, f"K={k} {size}", 60 + 4 * k * _size_s(size))
+        walls, records, cpu = timed(session.trainer.step, steps, f"K={k} {size}", 60 + 4 * k * _size_s(size))
         session.trainer.wait_committed()
         used = device_used_gb()
         rows = {name: [r[name].metrics for r in records] for name in records[0]}
@@ -93,7 +114,7 @@ def run_group(base: list[str], k: int, size: str, root: Path, steps: int, extra:
             session.close()
     later = {name: policy_rows[1:] for name, policy_rows in rows.items()}
     return {"open_s": opened, "first_step_s": walls[0], "step_wall_s_p50": statistics.median(walls[1:]),
-            "step_wall_s": walls, "device_used_gb": used,
+            "step_wall_s": walls, "device_used_gb": used, "thread_cpu_s": cpu,
             "rollout_s_p50": statistics.median(r["time/rollout_s"] for r in later["lr0"]),
             "per_policy": {name: {"mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in policy_rows),
                                   "mismatch_mean_per_step": [r["mismatch/mean"] for r in rows[name]],
@@ -113,7 +134,7 @@ def run_single(base: list[str], size: str, root: Path, steps: int) -> dict:
         session = RunSession.open(cfg, log=lambda *a: None, evaluate_first=False)
     watch.engine = session.engine
     try:
-        walls, records = timed(session.trainer.step, steps, f"one policy {size}", 60 + 4 * _size_s(size))
+        walls, records, cpu = timed(session.trainer.step, steps, f"one policy {size}", 60 + 4 * _size_s(size))
         session.trainer.wait_committed()
         used = device_used_gb()
     finally:
@@ -121,7 +142,8 @@ def run_single(base: list[str], size: str, root: Path, steps: int) -> dict:
             session.close()
     later = [r.metrics for r in records[1:]]
     return {"first_step_s": walls[0], "step_wall_s_p50": statistics.median(walls[1:]), "step_wall_s": walls,
-            "device_used_gb": used, "rollout_s_p50": statistics.median(r["time/rollout_s"] for r in later),
+            "device_used_gb": used, "thread_cpu_s": cpu,
+            "rollout_s_p50": statistics.median(r["time/rollout_s"] for r in later),
             "parts_s_p50": parts_p50(later), "mismatch_mean_p50": statistics.median(r["mismatch/mean"] for r in later),
             "mismatch_max": max(r["mismatch/max"] for r in later),
             "served_versions": [r.metrics["adapter/served_version"] for r in records],
