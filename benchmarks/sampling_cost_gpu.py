@@ -93,7 +93,7 @@ def main() -> None:
     settings = SGLangSettings(max_lora_rank=32, mem_fraction_static=args.mem_fraction, dtype="bfloat16",
                               cuda_graph_max_bs=max(batches), max_loras_per_batch=len(ADAPTERS) + 1,
                               **{**STACK_ARGS, "attention_backend": args.attention})
-    with watch.phase("engine start", 150):
+    with watch.phase("engine start", 300):   # FlashInfer compiles its kernels in the first start (~3 min)
         engine = SGLangEngine(q06, settings)
     watch.engine = engine
     with engine:

@@ -15,6 +15,7 @@ import os
 import queue
 import random
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -23,6 +24,14 @@ from jupyter_client import KernelManager
 from notebook_helpers import NOTEBOOK_DIR, SMALL, parameterized
 
 STEP_LABEL = re.compile(r"steps done: (\d+)")
+STARTED = time.monotonic()
+# in the kernel: SIGUSR1 writes every thread's stack to its stderr (a wait that times out asks for them)
+STACKS_ON_SIGUSR1 = "import faulthandler as _fh, signal as _sig; _fh.register(_sig.SIGUSR1, all_threads=True)"
+
+
+def say(what: str) -> None:
+    """A progress line with the time since this module was loaded (the GPU log shows where a run waits)."""
+    print(f"[{time.monotonic() - STARTED:7.1f} s] {what}", flush=True)
 
 
 class Kernel:
@@ -62,27 +71,45 @@ class Kernel:
                     self.image_updates[content["comm_id"]] = self.image_updates.get(content["comm_id"], 0) + 1
 
     def wait_until(self, what: str, predicate, timeout: float):
-        deadline = time.monotonic() + timeout
+        deadline, said = time.monotonic() + timeout, time.monotonic()
         while True:
             self.drain()
             found = predicate()
             if found:
                 return found
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            said = self._still_waiting(what, deadline, timeout, said)
+
+    def _still_waiting(self, what: str, deadline: float, timeout: float, said: float) -> float:
+        """A line every 30 s of a wait; past `deadline`, the kernel's stacks (STACKS_ON_SIGUSR1) and an error."""
+        now = time.monotonic()
+        if now > deadline:
+            say(f"timed out after {timeout:.0f} s waiting for {what}: the kernel's stacks follow")
+            self.dump_stacks()
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        if now - said >= 30:
+            say(f"still waiting for {what} ({timeout - (deadline - now):.0f} s)")
+            return now
+        return said
+
+    def dump_stacks(self) -> None:
+        """Every thread's stack of the kernel onto its stderr, if it ran STACKS_ON_SIGUSR1."""
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return
+        time.sleep(2)
 
     def send(self, code: str) -> str:
         return self.kc.execute(code, allow_stdin=False, store_history=False)
 
     def reply(self, msg_id: str, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
+        deadline, said = time.monotonic() + timeout, time.monotonic()
         while True:
             self.drain(timeout=0.0)
             try:
                 msg = self.kc.get_shell_msg(timeout=0.05)
             except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"no execute_reply within {timeout:.0f} s") from None
+                said = self._still_waiting("an execute_reply", deadline, timeout, said)
                 continue
             if msg["parent_header"].get("msg_id") == msg_id:
                 self.drain()
@@ -234,6 +261,8 @@ def run_scenario(engine: str, work: Path, env: dict, overrides: list[str], seed:
     kernel = Kernel(NOTEBOOK_DIR, env)
     try:
         seen["kernel_pid"] = kernel.pid
+        assert kernel.run(STACKS_ON_SIGUSR1)["status"] == "ok"
+        say(f"{engine}: kernel {kernel.pid} up; the notebook's cells")
         t0 = time.monotonic()
         for source in cells:
             out = kernel.run(source)
@@ -245,10 +274,15 @@ def run_scenario(engine: str, work: Path, env: dict, overrides: list[str], seed:
         assert out["status"] == "ok", out
         panel = Panel(kernel)
         done = panel.wait_steps(values["STEPS"], 30)
+        say(f"opened in {seen['open_s']} s; the panel's clicks")
         seen.update(_clicks(kernel, panel, done, step_timeout))
+        say("interrupts from a cell")
         seen.update(_interrupts(kernel, panel, rng, step_timeout, engine))
+        say("close and reopen")
         seen.update(_close_and_reopen(kernel, engine_pids))
+        say("restart and shutdown")
         seen.update(_restart_and_shutdown(kernel, engine))
+        say("done")
     finally:
         kernel.close()
     return seen
@@ -322,8 +356,9 @@ def _interrupts(kernel: Kernel, panel: Panel, rng: random.Random, step_timeout: 
     long engine request: each time the step in progress is rolled back, and the next step works."""
     seen = {"cell_interrupts": []}
     metrics = Path(kernel.value("str(run_dir)")) / "metrics.jsonl"
-    for _ in range(3):
+    for i in range(3):
         before = kernel.value(CONSISTENT)["steps"]
+        say(f"interrupt {i + 1} of 3 during trainer.run(50), from step {before}")
         msg_id = kernel.send("records = session.trainer.run(50, progress=False)")
         kernel.wait_until("a step of trainer.run", lambda n=before: _rows(metrics) > n, step_timeout)
         time.sleep(rng.uniform(0.0, 1.0))
@@ -335,6 +370,7 @@ def _interrupts(kernel: Kernel, panel: Panel, rng: random.Random, step_timeout: 
         seen["cell_interrupts"].append({"steps_before": before, "steps_after": state["steps"],
                                         "rolled_back": "was rolled back" in "".join(reply.get("traceback", []))})
     request = LONG_REQUEST[engine]
+    say("a long engine request, then one interrupted")
     out = kernel.run(request)                           # the same request uninterrupted: how long it takes
     assert out["status"] == "ok", out
     seen["long_request_s"] = kernel.value("round(_request_s, 2)")
