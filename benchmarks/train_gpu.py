@@ -42,11 +42,14 @@ from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 # per micro-batch, so the budget goes up to 65536 with checkpointing; the default's profile is mostly
 # elementwise work and the head's log-sum-exp, which grpo.compile fuses (docs/results.md, "Step");
 # under compile=all checkpointing runs inside the compiled layer (rows 6-9); row 11: one 16x8x128 batch
-# (~27k tokens) in one micro-batch instead of two, fewer launches for a launch-bound update.
+# (~27k tokens) in one micro-batch instead of two, fewer launches for a launch-bound update; row 12:
+# compile "graphs", each layer compiled for CUDA graphs (mode reduce-overhead, static shapes): the same batch
+# every call, so after the warm-up each micro-batch replays its graphs, the best case of the launch-free update.
 SETTINGS = [("float32", False, 8192, "off"), ("bfloat16", True, 32768, "off"), ("bfloat16", False, 4096, "off"),
             ("bfloat16", False, 16384, "off"), ("bfloat16", True, 16384, "off"), ("bfloat16", True, 65536, "off"),
             ("bfloat16", True, 32768, "all"), ("bfloat16", True, 16384, "all"), ("bfloat16", False, 8192, "all"),
-            ("bfloat16", False, 16384, "all"), ("bfloat16", True, 32768, "head"), ("bfloat16", False, 32768, "all")]
+            ("bfloat16", False, 16384, "all"), ("bfloat16", True, 32768, "head"), ("bfloat16", False, 32768, "all"),
+            ("bfloat16", False, 16384, "graphs")]
 
 
 def synthetic_batch(n: int, new_tokens: int, seed: int = 0) -> RolloutBatch:
@@ -67,9 +70,12 @@ def make_policy(model_dir: str, compute: str, checkpointing: bool, budget: int,
                 compiled: str) -> tuple[Policy, GRPOSettings]:
     torch.manual_seed(0)
     grpo = GRPOSettings(lr=1e-5, temperature=1.0, micro_batch_tokens=budget, lora_compute=compute,
-                      activation_checkpointing=checkpointing, compile=compiled)
+                      activation_checkpointing=checkpointing, compile="all" if compiled == "graphs" else compiled)
     policy = Policy(model_dir, LoraSettings(r=32, alpha=64, target_modules="all-linear", dropout=0.0), grpo,
                     "bfloat16", DEVICE)
+    if compiled == "graphs":   # the layers compiled again, for CUDA graphs (cudagraph trees), at static shapes
+        for layer in policy.model.get_base_model().get_decoder().layers:
+            layer.compile(mode="reduce-overhead", dynamic=False)
     with torch.no_grad():  # a non-trivial adapter, the same for every setting
         g = torch.Generator().manual_seed(1)
         policy.lora_layers.buffer.add_(torch.randn(policy.lora_layers.buffer.shape, generator=g).to(DEVICE) * 1e-3)
