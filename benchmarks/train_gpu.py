@@ -14,6 +14,7 @@ are from the fp32-LoRA ones: bf16 LoRA matmuls must stay well inside the trainer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -44,12 +45,13 @@ from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 # under compile=all checkpointing runs inside the compiled layer (rows 6-9); row 11: one 16x8x128 batch
 # (~27k tokens) in one micro-batch instead of two, fewer launches for a launch-bound update; row 12:
 # compile "graphs", each layer compiled for CUDA graphs (mode reduce-overhead, static shapes): the same batch
-# every call, so after the warm-up each micro-batch replays its graphs, the best case of the launch-free update.
+# every call, so after the warm-up each micro-batch replays its graphs, the best case of the launch-free update;
+# row 13: compile "cpp", inductor's C++ wrapper instead of its Python one (the launches' own CPU cost).
 SETTINGS = [("float32", False, 8192, "off"), ("bfloat16", True, 32768, "off"), ("bfloat16", False, 4096, "off"),
             ("bfloat16", False, 16384, "off"), ("bfloat16", True, 16384, "off"), ("bfloat16", True, 65536, "off"),
             ("bfloat16", True, 32768, "all"), ("bfloat16", True, 16384, "all"), ("bfloat16", False, 8192, "all"),
             ("bfloat16", False, 16384, "all"), ("bfloat16", True, 32768, "head"), ("bfloat16", False, 32768, "all"),
-            ("bfloat16", False, 16384, "graphs")]
+            ("bfloat16", False, 16384, "graphs"), ("bfloat16", False, 16384, "cpp")]
 
 
 def synthetic_batch(n: int, new_tokens: int, seed: int = 0) -> RolloutBatch:
@@ -70,7 +72,8 @@ def make_policy(model_dir: str, compute: str, checkpointing: bool, budget: int,
                 compiled: str) -> tuple[Policy, GRPOSettings]:
     torch.manual_seed(0)
     grpo = GRPOSettings(lr=1e-5, temperature=1.0, micro_batch_tokens=budget, lora_compute=compute,
-                      activation_checkpointing=checkpointing, compile="all" if compiled == "graphs" else compiled)
+                      activation_checkpointing=checkpointing,
+                      compile="all" if compiled in ("graphs", "cpp") else compiled)
     policy = Policy(model_dir, LoraSettings(r=32, alpha=64, target_modules="all-linear", dropout=0.0), grpo,
                     "bfloat16", DEVICE)
     if compiled == "graphs":   # the layers compiled again, for CUDA graphs (cudagraph trees), at static shapes
@@ -82,7 +85,18 @@ def make_policy(model_dir: str, compute: str, checkpointing: bool, budget: int,
     return policy, grpo
 
 
+def inductor_config(compiled: str):
+    """What the setting changes of inductor's config while its graphs compile (at the first call)."""
+    return torch._inductor.config.patch(cpp_wrapper=True) if compiled == "cpp" else contextlib.nullcontext()
+
+
 def measure(model_dir: str, batch: RolloutBatch, setting, repeats: int, reference) -> tuple[dict, torch.Tensor]:
+    torch._dynamo.reset()   # each setting compiles afresh: dynamo reuses a layer's code across config patches
+    with inductor_config(setting[3]):
+        return _measure(model_dir, batch, setting, repeats, reference)
+
+
+def _measure(model_dir: str, batch: RolloutBatch, setting, repeats: int, reference) -> tuple[dict, torch.Tensor]:
     compute, checkpointing, budget, compiled = setting
     policy, grpo = make_policy(model_dir, compute, checkpointing, budget, compiled)
     seconds, peaks, reserved = [], [], []
@@ -134,8 +148,10 @@ def _trainer_logprobs(policy: Policy, batch: RolloutBatch, grpo) -> torch.Tensor
 def profile(model_dir: str, batch: RolloutBatch, setting, out: Path) -> dict:
     """One train call under torch.profiler: the top CUDA kernels and how busy the GPU was."""
     from torch.profiler import ProfilerActivity
+    torch._dynamo.reset()
     policy, grpo = make_policy(model_dir, *setting)
-    policy.train(batch)  # warm-up
+    with inductor_config(setting[3]):
+        policy.train(batch)  # warm-up: the compile
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = synced_time()
         policy.train(batch)
