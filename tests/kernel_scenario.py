@@ -47,6 +47,7 @@ class Kernel:
         self.messages: list[dict] = []
         self.models: dict[str, dict] = {}     # comm_id -> the widget's state as the front end has it
         self.image_updates: dict[str, int] = {}
+        self.replies: dict[str, dict] = {}    # msg_id -> execute_reply content, kept until `reply` takes it
 
     @property
     def pid(self) -> int:
@@ -104,16 +105,26 @@ class Kernel:
 
     def reply(self, msg_id: str, timeout: float) -> dict:
         deadline, said = time.monotonic() + timeout, time.monotonic()
-        while True:
+        while msg_id not in self.replies:
             self.drain(timeout=0.0)
-            try:
-                msg = self.kc.get_shell_msg(timeout=0.05)
-            except queue.Empty:
+            if not self._take_reply(0.05):
                 said = self._still_waiting("an execute_reply", deadline, timeout, said)
-                continue
-            if msg["parent_header"].get("msg_id") == msg_id:
-                self.drain()
-                return msg["content"]
+        self.drain()
+        return self.replies.pop(msg_id)
+
+    def replied(self, msg_id: str) -> bool:
+        """Whether `msg_id`'s execute_reply has come (without waiting): a cell that failed early ends a wait."""
+        while self._take_reply(0.0):
+            pass
+        return msg_id in self.replies
+
+    def _take_reply(self, timeout: float) -> bool:
+        try:
+            msg = self.kc.get_shell_msg(timeout=timeout)
+        except queue.Empty:
+            return False
+        self.replies[msg["parent_header"].get("msg_id")] = msg["content"]
+        return True
 
     def run(self, code: str, timeout: float = 600) -> dict:
         """Execute a cell and wait; its reply content with `stdout`, `stderr` and `text` (results).
@@ -360,7 +371,10 @@ def _interrupts(kernel: Kernel, panel: Panel, rng: random.Random, step_timeout: 
         before = kernel.value(CONSISTENT)["steps"]
         say(f"interrupt {i + 1} of 3 during trainer.run(50), from step {before}")
         msg_id = kernel.send("records = session.trainer.run(50, progress=False)")
-        kernel.wait_until("a step of trainer.run", lambda n=before: _rows(metrics) > n, step_timeout)
+        kernel.wait_until("a step of trainer.run", lambda n=before, m=msg_id: _rows(metrics) > n or kernel.replied(m),
+                          step_timeout)
+        assert _rows(metrics) > before, ("trainer.run ended before a step", kernel.reply(msg_id, 10),
+                                         kernel.outputs(msg_id))
         time.sleep(rng.uniform(0.0, 1.0))
         assert kernel.interrupt()["status"] == "ok"
         reply = kernel.reply(msg_id, step_timeout)
