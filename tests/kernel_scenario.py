@@ -48,6 +48,8 @@ class Kernel:
         self.models: dict[str, dict] = {}     # comm_id -> the widget's state as the front end has it
         self.image_updates: dict[str, int] = {}
         self.replies: dict[str, dict] = {}    # msg_id -> execute_reply content, kept until `reply` takes it
+        assert self.run(STACKS_ON_SIGUSR1)["status"] == "ok"   # before: SIGUSR1 would end the kernel
+        self._stacks_pid = self.pid   # a restarted kernel has no such handler
 
     @property
     def pid(self) -> int:
@@ -93,7 +95,9 @@ class Kernel:
         return said
 
     def dump_stacks(self) -> None:
-        """Every thread's stack of the kernel onto its stderr, if it ran STACKS_ON_SIGUSR1."""
+        """Every thread's stack of the kernel onto its stderr (it ran STACKS_ON_SIGUSR1 when it started)."""
+        if self.pid != self._stacks_pid:
+            return
         try:
             os.kill(self.pid, signal.SIGUSR1)
         except ProcessLookupError:
@@ -272,7 +276,6 @@ def run_scenario(engine: str, work: Path, env: dict, overrides: list[str], seed:
     kernel = Kernel(NOTEBOOK_DIR, env)
     try:
         seen["kernel_pid"] = kernel.pid
-        assert kernel.run(STACKS_ON_SIGUSR1)["status"] == "ok"
         say(f"{engine}: kernel {kernel.pid} up; the notebook's cells")
         t0 = time.monotonic()
         for source in cells:
