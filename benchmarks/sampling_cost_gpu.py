@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import watch  # noqa: E402  (this folder)
+from meters import GpuBusy  # noqa: E402
 from sglang_calls import gpu_header, timed_decode  # noqa: E402
 from synthetic import STACK_ARGS, qwen3_06b_with_adapter  # noqa: E402
 
@@ -43,18 +43,10 @@ VARIANTS = {"plain": (False, 1), "logprob": (True, 1), "base_logprob": (True, 0)
 
 
 def busy_share(run) -> tuple[float, float]:
-    """(seconds of run(), the GPU's mean utilization % meanwhile: nvidia-smi every 100 ms; nan without it)."""
-    try:
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                "-lms", "100", "-i", "0"], stdout=subprocess.PIPE, text=True)
-    except FileNotFoundError:
-        return run(), float("nan")
-    try:
+    """(seconds of run(), GPU 0's mean utilization % meanwhile (meters.GpuBusy); nan without nvidia-smi)."""
+    with GpuBusy() as busy:
         seconds = run()
-    finally:
-        smi.terminate()
-    samples = [float(line) for line in smi.communicate()[0].split() if line.strip().isdigit()]
-    return seconds, statistics.mean(samples) if samples else float("nan")
+    return seconds, busy.percent.get(0, float("nan"))
 
 
 def decode(engine, ids, new_tokens: int, variant: str) -> float:
