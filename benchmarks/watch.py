@@ -5,7 +5,7 @@ limit (`watch.limit(s)`), prints every thread's stack here and in the engine's p
 process with exit code 3: a hang shows where it is, never an empty log.
 
 The engine's processes print their stacks on SIGUSR2 when dev/stacks is first on their PYTHONPATH
-(`watch.stacks_in_children()` before the engine starts; site imports dev/stacks/usercustomize.py).
+(`watch.stacks_in_children()` before the engine starts; site imports dev/stacks/sitecustomize.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,22 @@
+# Imported by every Python process started with this folder first on PYTHONPATH (site's sitecustomize
+# hook, which runs in a venv too, where usercustomize does not), SGLang's scheduler and detokenizer
+# included: SIGUSR2 then prints the process's every thread's stack to its stderr. benchmarks/watch.py
+# sends it to the engine's processes when a phase overruns. This file shadows any later
+# sitecustomize.py on the path (the offline sglang site ships one), so it runs that one too.
+import faulthandler
+import importlib.util
+import os
+import signal
+import sys
+
+faulthandler.register(signal.SIGUSR2, all_threads=True)
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _entry in sys.path:
+    _next = os.path.join(_entry or os.getcwd(), "sitecustomize.py")
+    if os.path.abspath(_entry or os.getcwd()) != _HERE and os.path.isfile(_next):
+        _spec = importlib.util.spec_from_file_location("_sitecustomize_shadowed", _next)
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules[_spec.name] = _module
+        _spec.loader.exec_module(_module)
+        break
