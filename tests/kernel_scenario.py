@@ -10,6 +10,7 @@ records it); each check raises AssertionError with what was seen. Used by test_k
 (hf engine, CPU suite; sglang engine, GPU suite)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -26,6 +27,7 @@ from notebook_helpers import NOTEBOOK_DIR, SMALL, parameterized
 STEP_LABEL = re.compile(r"steps done: (\d+)")
 STARTED = time.monotonic()
 # in the kernel: SIGUSR1 writes every thread's stack to its stderr (a wait that times out asks for them)
+STACKS_DIR = Path(__file__).resolve().parents[1] / "dev" / "stacks"   # sitecustomize: stacks on SIGUSR2
 STACKS_ON_SIGUSR1 = "import faulthandler as _fh, signal as _sig; _fh.register(_sig.SIGUSR1, all_threads=True)"
 
 
@@ -95,13 +97,18 @@ class Kernel:
         return said
 
     def dump_stacks(self) -> None:
-        """Every thread's stack of the kernel onto its stderr (it ran STACKS_ON_SIGUSR1 when it started)."""
+        """Every thread's stack of the kernel onto its stderr (it ran STACKS_ON_SIGUSR1 when it started), and of
+        each process it started that has dev/stacks on its path (SGLang's scheduler: onto the engine's log)."""
         if self.pid != self._stacks_pid:
             return
         try:
             os.kill(self.pid, signal.SIGUSR1)
         except ProcessLookupError:
             return
+        for child in _descendants(self.pid):
+            with contextlib.suppress(OSError):
+                if str(STACKS_DIR).encode() in Path(f"/proc/{child}/environ").read_bytes():
+                    os.kill(child, signal.SIGUSR2)
         time.sleep(2)
 
     def send(self, code: str) -> str:
@@ -465,8 +472,24 @@ def _restart_and_shutdown(kernel: Kernel, engine: str) -> dict:
 
 
 def kernel_env(jupyter_dir: Path) -> dict:
-    """The environment a kernel gets: this one, with `jupyter_dir` first on JUPYTER_PATH."""
+    """The environment a kernel gets: this one, with `jupyter_dir` first on JUPYTER_PATH and dev/stacks first on
+    PYTHONPATH (every process the kernel starts writes its stacks on SIGUSR2: `Kernel.dump_stacks`)."""
     return {**os.environ, "JUPYTER_PATH": os.pathsep.join(filter(None, [str(jupyter_dir),
-                                                                          os.environ.get("JUPYTER_PATH")]))}
+                                                                          os.environ.get("JUPYTER_PATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STACKS_DIR), os.environ.get("PYTHONPATH")]))}
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (from /proc: Linux only; none elsewhere)."""
+    parents = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(stat_file.parent.name)] = int(stat_file.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
