@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from .base import (
 from .engine_thread import EngineThread
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+IDLE_AFTER_ABORT_S = 30.0   # how long a write waits for SGLang to finish the requests of an aborted call
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 served = functools.partial(setting, resume=ALLOWED, why=SERVED)   # every engine.sglang setting: how rollouts run
 
@@ -261,6 +263,7 @@ class SGLangEngine:
         self.adapter_dtype = DTYPES.get(settings.dtype)  # None for 'auto': the model's own dtype
         self.device = "cuda"
         self.engine = self._store = None
+        self._aborted = False   # a call's requests were aborted: SGLang's scheduler may still hold them
         self._thread = EngineThread("lorabench-sglang")
         try:
             # SGLang's processes inherit 'ignore' (a handler would not survive exec): Jupyter interrupts the
@@ -384,6 +387,7 @@ class SGLangEngine:
         if internals.requests_in_flight(self.engine):
             raise EngineError(f"in-place update of adapter {name!r} refused: requests are in flight, and they "
                               f"would read a half-written adapter; update between generate calls")
+        self._idle_after_abort()
         return self.pool.write(name, adapter)
 
     @_on_engine_thread()
@@ -398,6 +402,8 @@ class SGLangEngine:
 
     @_on_engine_thread()
     def update_weights(self, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
+        if flush_cache:
+            self._idle_after_abort()
         internals.check_reply(self.engine.update_weights_from_tensor(list(named_tensors), flush_cache=flush_cache),
                               "update_weights_from_tensor")
         if version is not None:
@@ -451,8 +457,23 @@ class SGLangEngine:
 
         def abort_if_still_running():
             if thread.running_call == call_id:
+                self._aborted = True
                 internals.abort_requests(engine)
         thread.loop.call_soon_threadsafe(abort_if_still_running)
+
+    def _idle_after_abort(self) -> None:   # on the engine's thread, before a write that flushes SGLang's cache
+        """After an aborted call, wait until SGLang's scheduler has let go of its requests: the cache flush that
+        ends a weight write asserts that the scheduler is idle, and a failed assert stops the scheduler. An aborted
+        request can stay in its running batch a step after its call has returned."""
+        deadline = time.monotonic() + IDLE_AFTER_ABORT_S
+        while self._aborted and not self.engine.flush_cache().success:   # public: refuses, never asserts
+            if time.monotonic() > deadline:
+                raise EngineError(f"SGLang's scheduler still holds requests {IDLE_AFTER_ABORT_S:.0f} s after an "
+                                  f"interrupted call; a weight write now would stop it, so nothing was written. "
+                                  f"Close the session and open it again (lorabench resume continues from the last "
+                                  f"checkpoint)")
+            time.sleep(0.05)
+        self._aborted = False
 
     @_on_engine_thread()
     def release_memory(self, tags: list[str]) -> None:
