@@ -461,17 +461,17 @@ class SGLangEngine:
                 internals.abort_requests(engine)
         thread.loop.call_soon_threadsafe(abort_if_still_running)
 
-    def _idle_after_abort(self) -> None:   # on the engine's thread, before a write that flushes SGLang's cache
+    def _idle_after_abort(self) -> None:   # on the engine's thread, before a call that needs SGLang idle
         """After an aborted call, wait until SGLang's scheduler has let go of its requests: the cache flush that
-        ends a weight write asserts that the scheduler is idle, and a failed assert stops the scheduler. An aborted
-        request can stay in its running batch a step after its call has returned."""
+        ends a weight write, and a memory release, assert that the scheduler is idle, and a failed assert stops
+        the scheduler. An aborted request can stay in its running batch a step after its call has returned."""
         deadline = time.monotonic() + IDLE_AFTER_ABORT_S
         while self._aborted and not self.engine.flush_cache().success:   # public: refuses, never asserts
             if time.monotonic() > deadline:
                 raise EngineError(f"SGLang's scheduler still holds requests {IDLE_AFTER_ABORT_S:.0f} s after an "
-                                  f"interrupted call; a weight write now would stop it, so nothing was written. "
-                                  f"Close the session and open it again (lorabench resume continues from the last "
-                                  f"checkpoint)")
+                                  f"interrupted call; a weight write or memory release now would stop it, so "
+                                  f"neither ran. Close the session and open it again (lorabench resume continues "
+                                  f"from the last checkpoint)")
             time.sleep(0.05)
         self._aborted = False
 
@@ -481,6 +481,7 @@ class SGLangEngine:
         merged refresh, which pushes them all). Frees nothing without enable_memory_saver (extra_args)."""
         if self._released:
             raise EngineError(f"memory already released ({self._released}); resume_memory first")
+        self._idle_after_abort()
         self.engine.release_memory_occupation(tags=list(tags))
         self._released = list(tags)
 
