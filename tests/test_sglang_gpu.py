@@ -580,11 +580,13 @@ def socket_check(model_path: str, cfg) -> dict:
     return socket_summary(watch)
 
 
-def test_writes_right_after_interrupted_calls(tiny_path):
-    """Ctrl-C mid-call, then at once the write a rolled-back step sends: 24 times, at random moments of a
+@pytest.mark.parametrize("mode", ["inplace", "tensor"])
+def test_writes_right_after_interrupted_calls(tiny_path, mode):
+    """Ctrl-C mid-call, then at once the refresh a rolled-back step sends: 16 times, at random moments of a
     rollout (a batch of 1024) or a probe (a score). SGLang's scheduler may still hold an aborted call's requests
-    when its call returns, and the cache flush that ends a weight write stops a scheduler that is not idle;
-    every write must land (served version right), and the engine must serve after each."""
+    when its call returns, and the cache flush that ends a weight write stops a scheduler that is not idle; a
+    request aborted in its queue keeps its adapter's in-use count, on which a tensor refresh's unload waits.
+    Every refresh must land (served version right), and the engine must serve after each."""
     import _thread
     import dataclasses
     import random
@@ -594,16 +596,16 @@ def test_writes_right_after_interrupted_calls(tiny_path):
     versions = [random_adapter(tiny_path, seed) for seed in (0, 1)]
     seqs, plens = probe_sequences(tiny_path, 64)
     with start_engine(gpu_config(), tiny_path) as eng:
-        refresher = make_refresher("inplace", eng, "policy")
+        refresher = make_refresher(mode, eng, "policy")
         refresher.refresh(versions[0].to("cuda"))
-        refresher.refresh(dataclasses.replace(versions[1], version=1).to("cuda"))   # mapped: later ones write in place
+        refresher.refresh(dataclasses.replace(versions[1], version=1).to("cuda"))   # in place: mapped from here on
         # each call takes seconds, far longer than the interrupt's delay: 1024 rows x 400 tokens past EOS (the tiny
         # model stops after ~30), sent as lorabench sends a rollout; 300 probes in a row
         long_rollout = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 1.0}
         calls = {"rollout": lambda: eng._thread.call(lambda e: e.generate(input_ids=seqs[:1] * 1024, lora_path=[
                      "policy"] * 1024, sampling_params=long_rollout), eng.engine, on_interrupt=eng._abort),
                  "probe": lambda: [eng.score(seqs, plens, "policy") for _ in range(300)]}
-        for i in range(24):
+        for i in range(16):
             what, delay = ("rollout", "probe")[i % 2], rng.uniform(0.02, 0.6)
             timer = threading.Timer(delay, _thread.interrupt_main)
             timer.start()
@@ -618,11 +620,11 @@ def test_writes_right_after_interrupted_calls(tiny_path):
             served = eng.served_version("policy")
             out = eng.generate(seqs[:4], Sampling(max_new_tokens=8, temperature=1.0), "policy")
             seen.append({"call": what, "delay_s": round(delay, 3), "interrupted": interrupted, "served": served})
-            progress(f"interrupted writes: {i + 1}/24 {what} after {delay:.2f} s (interrupted: {interrupted}) at "
-                     f"{time.monotonic() - t0:.0f} s")
+            progress(f"interrupted writes, {mode}: {i + 1}/16 {what} after {delay:.2f} s (interrupted: "
+                     f"{interrupted}) at {time.monotonic() - t0:.0f} s")
             assert served == i + 2 and all(c.token_ids for c in out), seen[-1]
-    record("interrupted_writes", {"seconds": round(time.monotonic() - t0, 1), "rounds": seen})
-    assert sum(r["interrupted"] for r in seen) >= 12, seen   # most rounds did interrupt their call
+    record(f"interrupted_writes_{mode}", {"seconds": round(time.monotonic() - t0, 1), "rounds": seen})
+    assert sum(r["interrupted"] for r in seen) >= 8, seen   # most rounds did interrupt their call
 
 
 def test_engine_opens_no_door(tiny_path):

@@ -393,6 +393,7 @@ class SGLangEngine:
     @_on_engine_thread()
     def unload_adapter(self, name: str) -> None:
         check_loaded(name, self._adapters)
+        self._idle_after_abort()
         if self.pool is not None:
             self.pool.forget(name)
         internals.check_reply(self.engine.unload_lora_adapter(name), f"unload_lora_adapter({name!r})")
@@ -464,7 +465,8 @@ class SGLangEngine:
     def _idle_after_abort(self) -> None:   # on the engine's thread, before a call that needs SGLang idle
         """After an aborted call, wait until SGLang's scheduler has let go of its requests: the cache flush that
         ends a weight write, and a memory release, assert that the scheduler is idle, and a failed assert stops
-        the scheduler. An aborted request can stay in its running batch a step after its call has returned."""
+        the scheduler. An aborted request can stay in its running batch a step after its call has returned. Then
+        give back the adapter uses SGLang leaked for aborted requests, on which an unload would wait."""
         deadline = time.monotonic() + IDLE_AFTER_ABORT_S
         while self._aborted and not self.engine.flush_cache().success:   # public: refuses, never asserts
             if time.monotonic() > deadline:
@@ -473,6 +475,8 @@ class SGLangEngine:
                                   f"neither ran. Close the session and open it again (lorabench resume continues "
                                   f"from the last checkpoint)")
             time.sleep(0.05)
+        if self._aborted:
+            internals.release_leaked_lora_counts(self.engine)   # else an unload of their adapter waits forever
         self._aborted = False
 
     @_on_engine_thread()

@@ -9,6 +9,9 @@ Every refresh mode:
   (each skipped if absent), stops what `get_all_child_pids` names, unregisters SGLang's atexit hook.
 - `watch`: a failing SGLang process SIGQUITs this one; which exited is read from /proc/<pid>/stat.
 - `event_loop`: `Engine.loop`; `abort_requests`: `tokenizer_manager.abort_request(abort_all=True)`.
+- `release_leaked_lora_counts`: a request aborted in the scheduler's queue never gives back its adapter's in-use
+  count (`lora_registry._counters`), and unloading that adapter waits for the count to reach 0; with no request
+  in flight every count must be 0, so what is left is given back.
 - `check_reply`: replies carry no error code, so missing/already-loaded adapters are told by their text.
 - `LORA_BACKENDS`: `--lora-backend`'s choices. `LoopbackStore`: SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE and
   torch's TORCHELASTIC_USE_AGENT_STORE point every scheduler rank at a store on loopback.
@@ -86,7 +89,9 @@ def missing(engine) -> list[str]:
     found = {"tokenizer_manager._subprocess_watchdog": hasattr(manager, "_subprocess_watchdog"),
              "tokenizer_manager.abort_request": callable(getattr(manager, "abort_request", None)),
              "Engine.send_to_rpc": hasattr(engine, "send_to_rpc"),
-             "Engine._weight_cache_daemon_procs": hasattr(engine, "_weight_cache_daemon_procs")}
+             "Engine._weight_cache_daemon_procs": hasattr(engine, "_weight_cache_daemon_procs"),
+             "tokenizer_manager.lora_registry._counters": hasattr(getattr(manager, "lora_registry", None),
+                                                                 "_counters")}
     return [name for name, ok in found.items() if not ok]
 
 
@@ -133,6 +138,19 @@ def requests_in_flight(engine) -> bool:   # anyone's
 
 def event_loop(engine):
     return engine.loop
+
+
+def release_leaked_lora_counts(engine) -> int:
+    """On the engine's thread, with no request in flight: set every adapter's in-use count back to 0 (see the
+    module docstring); how many uses were given back. Skipped where the counts are absent."""
+    manager = engine.tokenizer_manager
+    counters = getattr(getattr(manager, "lora_registry", None), "_counters", None)
+    if counters is None or manager.rid_to_state:
+        return 0
+    leaked = {lora: counter.value() for lora, counter in counters.items() if counter.value() > 0}
+    for lora, count in leaked.items():
+        engine.loop.run_until_complete(counters[lora].decrement(count))
+    return sum(leaked.values())
 
 
 def abort_requests(engine) -> None:
