@@ -91,7 +91,8 @@ def missing(engine) -> list[str]:
              "Engine.send_to_rpc": hasattr(engine, "send_to_rpc"),
              "Engine._weight_cache_daemon_procs": hasattr(engine, "_weight_cache_daemon_procs"),
              "tokenizer_manager.lora_registry._counters": hasattr(getattr(manager, "lora_registry", None),
-                                                                 "_counters")}
+                                                                 "_counters"),
+             "tokenizer_manager.rid_to_state": hasattr(manager, "rid_to_state")}
     return [name for name, ok in found.items() if not ok]
 
 
@@ -145,7 +146,7 @@ def release_leaked_lora_counts(engine) -> int:
     module docstring); how many uses were given back. Skipped where the counts are absent."""
     manager = engine.tokenizer_manager
     counters = getattr(getattr(manager, "lora_registry", None), "_counters", None)
-    if counters is None or manager.rid_to_state:
+    if counters is None or getattr(manager, "rid_to_state", True):   # absent, or a request in flight
         return 0
     leaked = {lora: counter.value() for lora, counter in counters.items() if counter.value() > 0}
     for lora, count in leaked.items():
