@@ -21,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 from jupyter_client import KernelManager
 from notebook_helpers import NOTEBOOK_DIR, SMALL, parameterized
 
@@ -105,10 +106,10 @@ class Kernel:
             os.kill(self.pid, signal.SIGUSR1)
         except ProcessLookupError:
             return
-        for child in _descendants(self.pid):
-            with contextlib.suppress(OSError):
-                if str(STACKS_DIR).encode() in Path(f"/proc/{child}/environ").read_bytes():
-                    os.kill(child, signal.SIGUSR2)
+        for child in psutil.Process(self.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if str(STACKS_DIR) in child.environ().get("PYTHONPATH", ""):
+                    child.send_signal(signal.SIGUSR2)
         time.sleep(2)
 
     def send(self, code: str) -> str:
@@ -239,7 +240,6 @@ def notebook_cells(values: dict) -> tuple[list[str], str]:
 
 def engine_processes(kernel_pid: int) -> list[int]:
     """Live processes under the kernel whose title SGLang set (sglang::scheduler, ::detokenizer)."""
-    import psutil
     try:
         tree = psutil.Process(kernel_pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -248,7 +248,6 @@ def engine_processes(kernel_pid: int) -> list[int]:
 
 
 def _is_sglang(proc) -> bool:
-    import psutil
     try:
         return proc.status() != psutil.STATUS_ZOMBIE and proc.cmdline()[:1] and proc.cmdline()[0].startswith("sglang::")
     except psutil.NoSuchProcess:
@@ -256,7 +255,6 @@ def _is_sglang(proc) -> bool:
 
 
 def any_sglang_process() -> list[int]:
-    import psutil
     return [p.pid for p in psutil.process_iter() if _is_sglang(p)]
 
 
@@ -477,19 +475,3 @@ def kernel_env(jupyter_dir: Path) -> dict:
     return {**os.environ, "JUPYTER_PATH": os.pathsep.join(filter(None, [str(jupyter_dir),
                                                                           os.environ.get("JUPYTER_PATH")])),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(STACKS_DIR), os.environ.get("PYTHONPATH")]))}
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below `pid` (from /proc: Linux only; none elsewhere)."""
-    parents = {}
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parents[int(stat_file.parent.name)] = int(stat_file.read_text().rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [p for p, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-

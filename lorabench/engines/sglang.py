@@ -467,16 +467,17 @@ class SGLangEngine:
         ends a weight write, and a memory release, assert that the scheduler is idle, and a failed assert stops
         the scheduler. An aborted request can stay in its running batch a step after its call has returned. Then
         give back the adapter uses SGLang leaked for aborted requests, on which an unload would wait."""
+        if not self._aborted:
+            return
         deadline = time.monotonic() + IDLE_AFTER_ABORT_S
-        while self._aborted and not self.engine.flush_cache().success:   # public: refuses, never asserts
+        while not self.engine.flush_cache().success:   # public: refuses, never asserts
             if time.monotonic() > deadline:
                 raise EngineError(f"SGLang's scheduler still holds requests {IDLE_AFTER_ABORT_S:.0f} s after an "
                                   f"interrupted call; a weight write or memory release now would stop it, so "
                                   f"neither ran. Close the session and open it again (lorabench resume continues "
                                   f"from the last checkpoint)")
             time.sleep(0.05)
-        if self._aborted:
-            internals.release_leaked_lora_counts(self.engine)   # else an unload of their adapter waits forever
+        internals.release_leaked_lora_counts(self.engine)   # else an unload of their adapter waits forever
         self._aborted = False
 
     @_on_engine_thread()
