@@ -609,12 +609,15 @@ def test_writes_right_after_interrupted_calls(tiny_path, mode):
             what, delay = ("rollout", "probe")[i % 2], rng.uniform(0.02, 0.6)
             timer = threading.Timer(delay, _thread.interrupt_main)
             timer.start()
+            finished = False
             try:
                 calls[what]()
-                interrupted = False
+                finished = True
+                timer.join()   # a call that ended first: its interrupt lands here, not in the refresh below
             except KeyboardInterrupt:
-                interrupted = True
+                pass
             timer.join()
+            interrupted = not finished
             # at once, as a rolled-back step's re-send
             refresher.refresh(dataclasses.replace(versions[i % 2], version=i + 2).to("cuda"))
             served = eng.served_version("policy")
