@@ -141,17 +141,16 @@ def event_loop(engine):
     return engine.loop
 
 
-def release_leaked_lora_counts(engine) -> int:
+def release_leaked_lora_counts(engine) -> None:
     """On the engine's thread, with no request in flight: set every adapter's in-use count back to 0 (see the
-    module docstring); how many uses were given back. Skipped where the counts are absent."""
+    module docstring). Skipped where the counts are absent."""
     manager = engine.tokenizer_manager
     counters = getattr(getattr(manager, "lora_registry", None), "_counters", None)
     if counters is None or getattr(manager, "rid_to_state", True):   # absent, or a request in flight
-        return 0
-    leaked = {lora: counter.value() for lora, counter in counters.items() if counter.value() > 0}
-    for lora, count in leaked.items():
-        engine.loop.run_until_complete(counters[lora].decrement(count))
-    return sum(leaked.values())
+        return
+    for counter in counters.values():
+        if (count := counter.value()) > 0:
+            engine.loop.run_until_complete(counter.decrement(count))
 
 
 def abort_requests(engine) -> None:
