@@ -343,6 +343,28 @@ def test_cloned_copies_every_tensor_into_storage_of_its_own():
     assert copied["a"][0].tolist() == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the commit thread's copy to the host needs a GPU")
+def test_a_snapshot_reaches_the_host_as_one_buffer_and_loads_back_equal(tmp_path):
+    """The background commit's path: snapshot on the GPU, to_host, torch.save, torch.load."""
+    from lorabench.commits import snapshot, to_host
+    value = {"state": {i: {"exp_avg": torch.randn(5, 3, device="cuda"), "step": torch.tensor(float(i))}
+                       for i in range(4)},
+             "params": [torch.randn(7, device="cuda", dtype=torch.bfloat16), torch.randn(2, 2, device="cuda").t()]}
+    saved, ready = snapshot(value)
+    value["state"][0]["exp_avg"].add_(1)   # the next step's in-place update, after the snapshot
+    host = to_host(saved, ready)
+    float_tensors = [host["state"][i]["exp_avg"] for i in range(4)] + [host["params"][1]]
+    assert len({t.untyped_storage().data_ptr() for t in float_tensors}) == 1   # one host buffer per dtype
+    torch.save(host, tmp_path / "c.pt")
+    loaded = torch.load(tmp_path / "c.pt")
+    value["state"][0]["exp_avg"].sub_(1)
+    for i in range(4):
+        assert torch.equal(loaded["state"][i]["exp_avg"], value["state"][i]["exp_avg"].cpu())
+        assert torch.equal(loaded["state"][i]["step"], value["state"][i]["step"])
+    for old, new in zip(value["params"], loaded["params"]):
+        assert torch.equal(new, old.cpu()) and new.dtype == old.dtype
+
+
 def test_policy_snapshot_restores_weights_and_optimizer_moments_exactly(make_trainer):
     trainer = make_trainer("tensor")
     trainer.rewards = [("length", length_reward, 1.0)]
