@@ -53,24 +53,16 @@ def snapshot(value):
 
 def to_host(value, ready: dict):
     """`value`'s tensors on the host, copied on this thread's own streams once `ready`'s events have passed (not
-    waiting for the stepping thread's later kernels). A `snapshot`'s views of one buffer come back as views of one
-    host buffer: one copy, and `torch.save` then pickles one storage, not ~1,200 (their pickling held the GIL
-    from the stepping thread for half its time, docs/results.md section 2)."""
+    waiting for the stepping thread's later kernels)."""
     streams = {device: torch.cuda.Stream(device) for device in ready}
     for device, stream in streams.items():
         stream.wait_event(ready[device])
-    hosts: dict[int, torch.Tensor] = {}   # id of a device buffer -> its host copy
 
     def copy_out(t):
         if not t.is_cuda:
             return t
-        whole = t._base if t._base is not None and t._base.is_contiguous() else t
-        if id(whole) not in hosts:
-            with torch.cuda.stream(streams[t.device]):
-                hosts[id(whole)] = whole.to("cpu", non_blocking=True)   # into pinned memory: asynchronous
-        if whole is t:
-            return hosts[id(t)]
-        return hosts[id(whole)].as_strided(t.shape, t.stride(), t.storage_offset() - whole.storage_offset())
+        with torch.cuda.stream(streams[t.device]):
+            return t.to("cpu", non_blocking=True)   # into pinned memory: asynchronous
     host = tensors_mapped(value, copy_out)
     for stream in streams.values():
         stream.synchronize()

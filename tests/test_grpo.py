@@ -344,7 +344,7 @@ def test_cloned_copies_every_tensor_into_storage_of_its_own():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the commit thread's copy to the host needs a GPU")
-def test_a_snapshot_reaches_the_host_as_one_buffer_and_loads_back_equal(tmp_path):
+def test_a_snapshot_reaches_the_host_and_loads_back_as_it_was_when_taken(tmp_path):
     """The background commit's path: snapshot on the GPU, to_host, torch.save, torch.load."""
     from lorabench.commits import snapshot, to_host
     value = {"state": {i: {"exp_avg": torch.randn(5, 3, device="cuda"), "step": torch.tensor(float(i))}
@@ -353,8 +353,6 @@ def test_a_snapshot_reaches_the_host_as_one_buffer_and_loads_back_equal(tmp_path
     saved, ready = snapshot(value)
     value["state"][0]["exp_avg"].add_(1)   # the next step's in-place update, after the snapshot
     host = to_host(saved, ready)
-    float_tensors = [host["state"][i]["exp_avg"] for i in range(4)] + [host["params"][1]]
-    assert len({t.untyped_storage().data_ptr() for t in float_tensors}) == 1   # one host buffer per dtype
     torch.save(host, tmp_path / "c.pt")
     loaded = torch.load(tmp_path / "c.pt")
     value["state"][0]["exp_avg"].sub_(1)
