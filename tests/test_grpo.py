@@ -343,6 +343,7 @@ def test_cloned_copies_every_tensor_into_storage_of_its_own():
     assert copied["a"][0].tolist() == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the commit thread's copy to the host needs a GPU")
 def test_a_snapshot_reaches_the_host_and_loads_back_as_it_was_when_taken(tmp_path):
     """The background commit's path: snapshot on the GPU, to_host, torch.save, torch.load."""
@@ -350,16 +351,17 @@ def test_a_snapshot_reaches_the_host_and_loads_back_as_it_was_when_taken(tmp_pat
     value = {"state": {i: {"exp_avg": torch.randn(5, 3, device="cuda"), "step": torch.tensor(float(i))}
                        for i in range(4)},
              "params": [torch.randn(7, device="cuda", dtype=torch.bfloat16), torch.randn(2, 2, device="cuda").t()]}
+    taken = copy.deepcopy(value)   # what the snapshot must hold
     saved, ready = snapshot(value)
     value["state"][0]["exp_avg"].add_(1)   # the next step's in-place update, after the snapshot
     host = to_host(saved, ready)
     torch.save(host, tmp_path / "c.pt")
     loaded = torch.load(tmp_path / "c.pt")
-    value["state"][0]["exp_avg"].sub_(1)
+    assert not torch.equal(loaded["state"][0]["exp_avg"], value["state"][0]["exp_avg"].cpu())
     for i in range(4):
-        assert torch.equal(loaded["state"][i]["exp_avg"], value["state"][i]["exp_avg"].cpu())
-        assert torch.equal(loaded["state"][i]["step"], value["state"][i]["step"])
-    for old, new in zip(value["params"], loaded["params"]):
+        assert torch.equal(loaded["state"][i]["exp_avg"], taken["state"][i]["exp_avg"].cpu())
+        assert torch.equal(loaded["state"][i]["step"], taken["state"][i]["step"])
+    for old, new in zip(taken["params"], loaded["params"]):
         assert torch.equal(new, old.cpu()) and new.dtype == old.dtype
 
 
