@@ -34,7 +34,7 @@
 # The first time, the tiny model is built and warm-started first (400 steps) into `~/.cache/lorabench`
 # (or `$LORABENCH_CACHE`), where notebook 03 and `lorabench demo` find it too: that adds 2-4 minutes on
 # a quiet machine, up to 10.5 minutes on a busy one (Run All 1,183 s). The bars and the panel's line
-# show the time left. On a GPU (one H200, `ENGINE = "sglang"`): **107-225 s** for Run All in a fresh
+# show the time left. On a GPU (one H200 or H100, `ENGINE = "sglang"`): **107-225 s** for Run All in a fresh
 # kernel with SGLang in it, about 30 s of it starting the engine when its caches are warm (225 s on a
 # fresh machine: the warm-start 16 s and the engine's first start 1.8 min); a step takes well under a
 # second.

@@ -40,8 +40,8 @@
 # quiet machine, 93-98 s on one shared with other work or beside busy loops. The longest cells are
 # section 0's two-thread refreshes, which stall when a core is busy, and the rank sweep (33 s of the
 # 93); every measuring cell shows a progress bar with the time left. A refresh needs no trained model, so an empty model cache
-# adds only the tiny model's build without warm-start (3.5 s). On a GPU (one H200, `ENGINE = "sglang"`,
-# a model of Qwen3-0.6B's shape, `RANK = 32`): 149-180 s for Run All in a fresh kernel with SGLang in it
+# adds only the tiny model's build without warm-start (3.5 s). On a GPU (one H200 or H100, `ENGINE =
+# "sglang"`, a model of Qwen3-0.6B's shape, `RANK = 32`): 133-180 s for Run All in a fresh kernel with SGLang in it
 # (about 40 s of it starting the engine; the rank sweep adds one model build per rank).
 
 # %%

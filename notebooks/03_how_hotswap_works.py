@@ -37,8 +37,8 @@
 # on a busy machine, the run below less its training). When it does not, 30 GRPO steps are trained
 # here first: **3-10 minutes** (192 s quiet; 260 s and 397 s beside a CPU-bound job; 563 s on a
 # machine shared with other work, of which 255 s the training and 275 s section 4.3's 48 steps). The first time ever, building and warm-starting the tiny model comes first
-# (a progress bar counts its steps; cached afterwards: notebook 01 measures it). On a GPU (one H200,
-# `ENGINE = "sglang"`, reusing notebook 01's run dir): **90-95 s**, Run All in a fresh kernel with SGLang
+# (a progress bar counts its steps; cached afterwards: notebook 01 measures it). On a GPU (one H200 or
+# H100, `ENGINE = "sglang"`, reusing notebook 01's run dir): **60-95 s**, Run All in a fresh kernel with SGLang
 # in it (about 35 s of it starting the engine). The last code cell prints this Run All's own time and
 # load average.
 
