@@ -1,0 +1,43 @@
+# Imported by every Python process started with this folder first on PYTHONPATH, SGLang's scheduler included:
+# once sglang.srt.layers.sampler is imported, patch.install() replaces its Sampler.forward (see patch.py).
+# Shadows any later sitecustomize.py on the path (the offline sglang site ships one), so it runs that one too.
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TARGET = "sglang.srt.layers.sampler"
+
+
+class _AfterSamplerImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)                 # find the real spec, then wrap its loader
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            import patch
+            patch.install()
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+sys.meta_path.insert(0, _AfterSamplerImport())
+
+for _entry in sys.path:
+    _next = os.path.join(_entry or os.getcwd(), "sitecustomize.py")
+    if os.path.abspath(_entry or os.getcwd()) != _HERE and os.path.isfile(_next):
+        _spec = importlib.util.spec_from_file_location("_sitecustomize_shadowed", _next)
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules[_spec.name] = _module
+        _spec.loader.exec_module(_module)
+        break
