@@ -17,9 +17,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _gumbel_max_kernel(logits_ptr, row_stride, inv_t_ptr, seed, ids_ptr, logprob_ptr, vocab,
-                       BLOCK: tl.constexpr):
+def _gumbel_max_kernel(logits_ptr, row_stride, inv_t_ptr, seed, vocab, chunk, part_max_ptr, part_sum_ptr,
+                       part_best_ptr, part_id_ptr, part_x_ptr, chunks, BLOCK: tl.constexpr):
+    """One (row, chunk of the vocabulary): its max and sum of exp(x - max) of x = logits / T, and its best
+    x + Gumbel noise with that token's id and x; `gumbel_sample` combines the chunks of a row."""
     row = tl.program_id(0)
+    part = tl.program_id(1)
     inv_t = tl.load(inv_t_ptr + row)
     start_ptr = logits_ptr + row.to(tl.int64) * row_stride
     running_max = tl.full([], float("-inf"), tl.float32)
@@ -27,7 +30,8 @@ def _gumbel_max_kernel(logits_ptr, row_stride, inv_t_ptr, seed, ids_ptr, logprob
     best = tl.full([], float("-inf"), tl.float32)
     best_id = tl.full([], 0, tl.int32)
     best_x = tl.full([], 0.0, tl.float32)
-    for start in range(0, vocab, BLOCK):
+    first = part * chunk
+    for start in range(first, first + chunk, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < vocab
         x = tl.load(start_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32) * inv_t
@@ -43,20 +47,33 @@ def _gumbel_max_kernel(logits_ptr, row_stride, inv_t_ptr, seed, ids_ptr, logprob
         best_id = tl.where(better, start + block_id, best_id)
         best_x = tl.where(better, block_x, best_x)
         best = tl.maximum(best, block_best)
-    tl.store(ids_ptr + row, best_id)
-    tl.store(logprob_ptr + row, best_x - (running_max + tl.log(running_sum)))
+    out = row * chunks + part
+    tl.store(part_max_ptr + out, running_max)
+    tl.store(part_sum_ptr + out, running_sum)
+    tl.store(part_best_ptr + out, best)
+    tl.store(part_id_ptr + out, best_id)
+    tl.store(part_x_ptr + out, best_x)
 
 
 def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | None = None,
-                  block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: int = 2048, chunks: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (any float dtype, rows contiguous), temperatures [rows] or [rows, 1] > 0 ->
-    (token ids [rows] int32, their log-probs under softmax(logits / T) [rows] float32)."""
+    (token ids [rows] int32, their log-probs under softmax(logits / T) [rows] float32). Each row is read in
+    `chunks` programs (a batch of a few hundred rows alone would leave most of the GPU idle)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the vocabulary must be contiguous"
     assert rows * vocab < 2**31, "tl.rand's offsets are int32"
+    chunk = -(-vocab // (chunks * block)) * block
+    chunks = -(-vocab // chunk)
     inv_t = (1.0 / temperatures.reshape(rows).float()).contiguous()
-    ids = torch.empty(rows, dtype=torch.int32, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    floats = torch.empty(4, rows, chunks, dtype=torch.float32, device=logits.device)
+    part_max, part_sum, part_best, part_x = floats
+    part_id = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     seed = random.getrandbits(31) if seed is None else seed
-    _gumbel_max_kernel[(rows,)](logits, logits.stride(0), inv_t, seed, ids, logprobs, vocab, BLOCK=block)
-    return ids, logprobs
+    _gumbel_max_kernel[(rows, chunks)](logits, logits.stride(0), inv_t, seed, vocab, chunk, part_max, part_sum,
+                                       part_best, part_id, part_x, chunks, BLOCK=block)
+    top = part_max.max(1, keepdim=True).values                               # [rows, 1]
+    log_z = top.squeeze(1) + torch.log((part_sum * torch.exp(part_max - top)).sum(1))
+    winner = part_best.argmax(1, keepdim=True)                               # the chunk holding the draw
+    ids = part_id.gather(1, winner).squeeze(1)
+    return ids, part_x.gather(1, winner).squeeze(1) - log_z

@@ -6,7 +6,7 @@ import importlib.util
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
 _TARGET = "sglang.srt.layers.sampler"
 
 
@@ -31,13 +31,16 @@ class _AfterSamplerImport(importlib.abc.MetaPathFinder):
 
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-sys.meta_path.insert(0, _AfterSamplerImport())
+if not any(isinstance(f, _AfterSamplerImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterSamplerImport())
 
-for _entry in sys.path:
-    _next = os.path.join(_entry or os.getcwd(), "sitecustomize.py")
-    if os.path.abspath(_entry or os.getcwd()) != _HERE and os.path.isfile(_next):
-        _spec = importlib.util.spec_from_file_location("_sitecustomize_shadowed", _next)
-        _module = importlib.util.module_from_spec(_spec)
-        sys.modules[_spec.name] = _module
-        _spec.loader.exec_module(_module)
-        break
+if "_lorabench_fused_site" not in sys.modules:   # never chained into twice in one process
+    sys.modules["_lorabench_fused_site"] = sys.modules[__name__]
+    for _entry in sys.path:   # the next sitecustomize.py that is not this file, however its folder is spelled
+        _next = os.path.join(_entry or os.getcwd(), "sitecustomize.py")
+        if os.path.realpath(_entry or os.getcwd()) != _HERE and os.path.isfile(_next):
+            _spec = importlib.util.spec_from_file_location("_sitecustomize_shadowed", _next)
+            _module = importlib.util.module_from_spec(_spec)
+            sys.modules[_spec.name] = _module
+            _spec.loader.exec_module(_module)
+            break
