@@ -36,9 +36,12 @@ if not any(isinstance(f, _AfterSamplerImport) for f in sys.meta_path):
 
 if "_lorabench_fused_site" not in sys.modules:   # never chained into twice in one process
     sys.modules["_lorabench_fused_site"] = sys.modules[__name__]
-    for _entry in sys.path:   # the next sitecustomize.py that is not this file, however its folder is spelled
-        _next = os.path.join(_entry or os.getcwd(), "sitecustomize.py")
-        if os.path.realpath(_entry or os.getcwd()) != _HERE and os.path.isfile(_next):
+    _folders = [os.path.realpath(_entry or os.getcwd()) for _entry in sys.path]
+    # the next sitecustomize.py after this folder on the path: another chaining one before it (dev/stacks)
+    # has run already, and picking the first that is not this one would skip the offline site's
+    for _folder in _folders[_folders.index(_HERE) + 1:] if _HERE in _folders else _folders:
+        _next = os.path.join(_folder, "sitecustomize.py")
+        if _folder != _HERE and os.path.isfile(_next):
             _spec = importlib.util.spec_from_file_location("_sitecustomize_shadowed", _next)
             _module = importlib.util.module_from_spec(_spec)
             sys.modules[_spec.name] = _module

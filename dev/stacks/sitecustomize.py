@@ -11,10 +11,12 @@ import sys
 
 faulthandler.register(signal.SIGUSR2, all_threads=True)
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _entry in sys.path:
-    _next = os.path.join(_entry or os.getcwd(), "sitecustomize.py")
-    if os.path.abspath(_entry or os.getcwd()) != _HERE and os.path.isfile(_next):
+_HERE = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+_folders = [os.path.realpath(_entry or os.getcwd()) for _entry in sys.path]
+# the next sitecustomize.py after this folder on the path (another that chains may come after this one)
+for _folder in _folders[_folders.index(_HERE) + 1:] if _HERE in _folders else _folders:
+    _next = os.path.join(_folder, "sitecustomize.py")
+    if _folder != _HERE and os.path.isfile(_next):
         _spec = importlib.util.spec_from_file_location("_sitecustomize_shadowed", _next)
         _module = importlib.util.module_from_spec(_spec)
         sys.modules[_spec.name] = _module
