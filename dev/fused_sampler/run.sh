@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# One device call: the fused sampler checked, then a group's step (K=4, 16x8x128, one step stale, MPS) with and
-# without it, then SGLang's decode of 2,048 rows with and without it. Inside the offline stack, from the root:
-#   bash .sglang/with-sglang.sh bash dev/fused_sampler/run.sh     (results into $OUT/fused.tgz)
+# One device call: the one-pass sampler against SGLang's, inside the offline stack, from the checkout's root:
+#   bash .sglang/with-sglang.sh bash dev/fused_sampler/run.sh PART [PART...]     (results into $OUT/fused.tgz)
+# PARTS: check (gumbel_sample's draws, log-probs and time against SGLang's sampling ops, no engine),
+#        group (benchmarks/group_step.py with the fused sampler, then with SGLang's, under a private MPS daemon;
+#               $FUSED_GROUP_ARGS, default 16x8x128 K=4 one step stale, triton attention; $FUSED_GROUP_LIMIT s each),
+#        sampling (benchmarks/sampling_cost_gpu.py with each; $FUSED_SAMPLING_ARGS, default 2,048 rows, four adapters).
+# Each part prints its elapsed time, stops at its limit and is packed at once, so a call cut short keeps the rest.
 RES=$OUT/fused; mkdir -p "$RES"; start=$(date +%s)
 fused=(env PYTHONPATH="$PWD/dev/fused_sampler:$PYTHONPATH")
-part() {   # part NAME LIMIT COMMAND...: one part, its log, stopped at its limit, packed after
+run() {   # run NAME LIMIT COMMAND...: one run, its log, stopped at its limit, packed after
   local name=$1 limit=$2; shift 2
   echo "=== [$(( $(date +%s) - start )) s] $name (limit $limit s)"
   timeout -k 10 "$limit" "$@" > >(tee "$RES/$name.log") 2>&1
@@ -12,18 +16,25 @@ part() {   # part NAME LIMIT COMMAND...: one part, its log, stopped at its limit
   tar -czf "$OUT/fused.tgz" -C "$RES" .
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt"
-part check 60 python dev/fused_sampler/check.py --out "$RES/check.json"
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/lorabench-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/lorabench-mps/log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && echo "MPS daemon started"
-for variant in fused sglang; do
-  run=(); [ $variant = fused ] && run=("${fused[@]}")
-  part group_$variant 200 "${run[@]}" python benchmarks/group_step.py --out "$RES/group_step_$variant.json" \
-    --sizes 16x8x128 --ks 4 --steps 5 --limit 185 --overrides grpo.activation_checkpointing=false \
-    engine.sglang.attention_backend=triton --group-overrides grpo.max_staleness=1
-done
-echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-for variant in fused sglang; do
-  run=(); [ $variant = fused ] && run=("${fused[@]}")
-  part sampling_$variant 85 "${run[@]}" python benchmarks/sampling_cost_gpu.py --out "$RES/sampling_$variant.json" \
-    --batches 2048 --variants logprob_k4 --limit 80
+group_limit=${FUSED_GROUP_LIMIT:-200}
+for part in "$@"; do
+  case $part in
+    check) run check 60 python dev/fused_sampler/check.py --out "$RES/check.json" ;;
+    group) export CUDA_MPS_PIPE_DIRECTORY=/tmp/lorabench-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/lorabench-mps/log
+           mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && echo "MPS started"
+           for variant in fused sglang; do
+             prefix=(); [ $variant = fused ] && prefix=("${fused[@]}")
+             run group_$variant "$group_limit" "${prefix[@]}" python benchmarks/group_step.py \
+               --out "$RES/group_step_$variant.json" --limit $(( group_limit - 15 )) ${FUSED_GROUP_ARGS:---sizes 16x8x128 \
+               --ks 4 --steps 5 --overrides grpo.activation_checkpointing=false engine.sglang.attention_backend=triton \
+               --group-overrides grpo.max_staleness=1}
+           done
+           echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    sampling) for variant in fused sglang; do
+                prefix=(); [ $variant = fused ] && prefix=("${fused[@]}")
+                run sampling_$variant 90 "${prefix[@]}" python benchmarks/sampling_cost_gpu.py \
+                  --out "$RES/sampling_$variant.json" --limit 80 ${FUSED_SAMPLING_ARGS:---batches 2048 --variants logprob_k4}
+              done ;;
+    *) echo "unknown part $part (check, group, sampling)" ;;
+  esac
 done
