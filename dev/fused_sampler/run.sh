@@ -3,7 +3,8 @@
 #   bash .sglang/with-sglang.sh bash dev/fused_sampler/run.sh PART [PART...]     (results into $OUT/fused.tgz)
 # PARTS: check (gumbel_sample's draws, log-probs and time against SGLang's sampling ops, no engine),
 #        group (benchmarks/group_step.py with the fused sampler, then with SGLang's, under a private MPS daemon;
-#               $FUSED_GROUP_ARGS, default 16x8x128 K=4 one step stale, triton attention; $FUSED_GROUP_LIMIT s each),
+#               $FUSED_GROUP_ARGS, default 16x8x128 K=4 one step stale, triton attention; $FUSED_GROUP_LIMIT s each;
+#               $FUSED_VARIANTS, default "fused sglang", to run one of them),
 #        sampling (benchmarks/sampling_cost_gpu.py with each; $FUSED_SAMPLING_ARGS, default 2,048 rows, four adapters).
 # Each part prints its elapsed time, stops at its limit and is packed at once, so a call cut short keeps the rest.
 RES=$OUT/fused; mkdir -p "$RES"; start=$(date +%s)
@@ -22,7 +23,7 @@ for part in "$@"; do
     check) run check 60 python dev/fused_sampler/check.py --out "$RES/check.json" ;;
     group) export CUDA_MPS_PIPE_DIRECTORY=/tmp/lorabench-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/lorabench-mps/log
            mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && echo "MPS started"
-           for variant in fused sglang; do
+           for variant in ${FUSED_VARIANTS:-fused sglang}; do
              prefix=(); [ $variant = fused ] && prefix=("${fused[@]}")
              run group_$variant "$group_limit" "${prefix[@]}" python benchmarks/group_step.py \
                --out "$RES/group_step_$variant.json" --limit $(( group_limit - 15 )) ${FUSED_GROUP_ARGS:---sizes 16x8x128 \
