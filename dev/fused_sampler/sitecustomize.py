@@ -1,6 +1,7 @@
 # Imported by every Python process started with this folder first on PYTHONPATH, SGLang's scheduler included:
 # once sglang.srt.layers.sampler is imported, patch.install() replaces its Sampler.forward (see patch.py).
-# Shadows any later sitecustomize.py on the path (the offline sglang site ships one), so it runs that one too.
+# Shadows any later sitecustomize.py on the path (the offline sglang site ships one), so it runs the next one after
+# its folder (dev/site_chain.py).
 import importlib.abc
 import importlib.util
 import os
@@ -36,14 +37,8 @@ if not any(isinstance(f, _AfterSamplerImport) for f in sys.meta_path):
 
 if "_lorabench_fused_site" not in sys.modules:   # never chained into twice in one process
     sys.modules["_lorabench_fused_site"] = sys.modules[__name__]
-    _folders = [os.path.realpath(_entry or os.getcwd()) for _entry in sys.path]
-    # the next sitecustomize.py after this folder on the path: another chaining one before it (dev/stacks)
-    # has run already, and picking the first that is not this one would skip the offline site's
-    for _folder in _folders[_folders.index(_HERE) + 1:] if _HERE in _folders else _folders:
-        _next = os.path.join(_folder, "sitecustomize.py")
-        if _folder != _HERE and os.path.isfile(_next):
-            _spec = importlib.util.spec_from_file_location("_sitecustomize_shadowed", _next)
-            _module = importlib.util.module_from_spec(_spec)
-            sys.modules[_spec.name] = _module
-            _spec.loader.exec_module(_module)
-            break
+    _spec = importlib.util.spec_from_file_location("_dev_site_chain",
+                                                   os.path.join(os.path.dirname(_HERE), "site_chain.py"))
+    _chain = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_chain)
+    _chain.run_next(_HERE)
