@@ -1,6 +1,7 @@
 """A sampler that reads the logits once: next token by the Gumbel-max trick and its log-prob by an online
-log-sum-exp, in one triton pass per row. Exact in distribution: argmax(x/T + G) with G ~ Gumbel(0, 1) drawn
-per token is a draw from softmax(x/T); the log-prob is x_id/T - logsumexp(x/T), what log(softmax) gives.
+log-sum-exp (16 triton programs a row, then a combine of their partial results). Exact in distribution:
+argmax(x/T + G) with G ~ Gumbel(0, 1) drawn per token is a draw from softmax(x/T); the log-prob is
+x_id/T - logsumexp(x/T), what log(softmax) gives.
 
 SGLang 0.5.17's sampler, for plain temperature sampling with log-probs, passes over the [rows, vocab] logits
 about a dozen times (divide, softmax, copy back, multinomial's exponential draw, divide and argmax, log,
@@ -55,6 +56,11 @@ def _gumbel_max_kernel(logits_ptr, row_stride, inv_t_ptr, seed, vocab, chunk, pa
     tl.store(part_x_ptr + out, best_x)
 
 
+def fits(logits: torch.Tensor) -> bool:
+    """Whether every token of `logits` gets its own random offset (tl.rand's offsets are int32)."""
+    return logits.shape[0] * logits.shape[1] < 2**31
+
+
 def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | None = None,
                   block: int = 2048, chunks: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (any float dtype, rows contiguous), temperatures [rows] or [rows, 1] > 0 ->
@@ -62,7 +68,7 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | 
     `chunks` programs (a batch of a few hundred rows alone would leave most of the GPU idle)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the vocabulary must be contiguous"
-    assert rows * vocab < 2**31, "tl.rand's offsets are int32"
+    assert fits(logits), "tl.rand's offsets are int32"
     chunk = -(-vocab // (chunks * block)) * block
     chunks = -(-vocab // chunk)
     inv_t = (1.0 / temperatures.reshape(rows).float()).contiguous()

@@ -30,7 +30,7 @@ def _first(kind: str) -> None:
 
 
 def install() -> None:
-    from gumbel import gumbel_sample
+    from gumbel import fits, gumbel_sample
     from sglang.srt.layers import sampler as module
     from sglang.srt.layers.logprob_processor import LogprobResult
 
@@ -40,8 +40,8 @@ def install() -> None:
 
     def forward(self, logits_output, sampling_info, return_logprob, top_logprobs_nums, token_ids_logprobs,
                 positions):
-        if not _covered(self, sampling_info, top_logprobs_nums, token_ids_logprobs,
-                        module.SGLANG_RETURN_ORIGINAL_LOGPROB):
+        if not (fits(logits_output.next_token_logits) and _covered(
+                self, sampling_info, top_logprobs_nums, token_ids_logprobs, module.SGLANG_RETURN_ORIGINAL_LOGPROB)):
             _CALLS["sglang"] += 1
             _first("sglang")
             return original(self, logits_output, sampling_info, return_logprob, top_logprobs_nums,
