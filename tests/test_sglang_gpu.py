@@ -196,6 +196,46 @@ def test_parity_and_refresh_semantics_tiny(tiny_path, tmp_path):
     assert out["greedy_in_place_equals_file_refresh"]
 
 
+def chi_square_999(dof: int) -> float:
+    """The chi-square distribution's 99.9% quantile (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def test_one_pass_sampler_draws_and_serves_as_sglangs_does(tiny_path):
+    """engine.sglang.sampling_backend=lorabench. SGLang stops an engine whose backend nobody registered, so an
+    engine that starts samples with lorabench's plugin. Its draws follow softmax(x/T) (2M draws, chi-square), its
+    log-probs are log_softmax's at Qwen3's vocabulary, and a rollout's log-probs agree with a rescoring of its
+    tokens as closely as with SGLang's own sampler."""
+    from lorabench.engines.one_pass_sampler import gumbel_sample
+    torch.manual_seed(0)
+    base, draws = torch.randn(64, device="cuda") * 2, 2_000_000
+    ids, _ = gumbel_sample(base.expand(draws, 64), torch.full((draws,), 0.8, device="cuda"))
+    p = torch.softmax(base.double() / 0.8, -1)
+    freq = torch.bincount(ids.long(), minlength=64).double() / draws
+    kept = p * draws >= 5
+    out = {"chi2": float(((freq - p) ** 2 / p)[kept].sum() * draws), "dof": int(kept.sum()) - 1}
+    logits, temperatures = torch.randn(512, 151936, device="cuda") * 3, torch.rand(512, 1, device="cuda") + 0.5
+    ids, logprobs = gumbel_sample(logits, temperatures)
+    expected = torch.log_softmax(logits / temperatures, -1)[torch.arange(512, device="cuda"), ids.long()]
+    out["logprob_gap"] = (logprobs - expected).abs().max().item()
+    seqs, plens = probe_sequences(tiny_path)
+    prompts = [s[:n] for s, n in zip(seqs, plens)] * 8
+    for backend in ("lorabench", "pytorch"):
+        with start_engine(gpu_config(f"engine.sglang.sampling_backend={backend}"), tiny_path) as eng:
+            sampled = eng.generate(prompts, Sampling(24, 1.0, 1.0), None)
+            rescored = eng.score([c.prompt_ids + c.token_ids for c in sampled], [len(c.prompt_ids) for c in sampled],
+                                 None)
+            out[f"generate_vs_score_{backend}"] = diff([torch.tensor(c.logprobs) for c in sampled], rescored)
+            out[f"distinct_completions_{backend}"] = len({tuple(c.token_ids) for c in sampled})
+    record("one_pass_sampler", out)
+    assert out["chi2"] < chi_square_999(out["dof"]), out
+    assert out["logprob_gap"] < 1e-4, out
+    ours, sglangs = out["generate_vs_score_lorabench"], out["generate_vs_score_pytorch"]
+    assert ours[0] < 0.25 and ours[1] < max(2 * sglangs[1], 0.01), out
+    # the same noise at every step (a seed fixed once) would repeat draws of a repeated prompt
+    assert out["distinct_completions_lorabench"] >= out["distinct_completions_pytorch"] / 2, out
+
+
 def test_parity_qwen3_06b_shape(q06_model, tmp_path):
     out = parity_run(str(q06_model), tmp_path, gpu_config("lora.r=16"), check_greedy=False)
     record("parity_qwen3_06b_shape", out)

@@ -247,6 +247,24 @@ def test_inplace_on_an_engine_without_the_writer_is_refused_before_it_starts(mon
         SGLangEngine.check_available(SGLangSettings(in_place=False), (UpdatesAdapterInPlace,))
 
 
+def test_the_one_pass_sampler_reaches_sglang_as_a_plugin_of_the_installed_package(monkeypatch):
+    """engine.sglang.sampling_backend=lorabench reaches SGLang's processes only through the entry point that
+    pyproject.toml declares: installed, it loads `register_sampler`; where it cannot be found the setting is
+    refused with the fix before anything starts (SGLang would stop its scheduler on the unknown backend)."""
+    from importlib.metadata import entry_points
+
+    from lorabench.engines.base import EngineNeeds
+    from lorabench.session.config import Config, ConfigError
+    (plugin,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "lorabench"]
+    assert plugin.load() is pool.register_sampler and plugin.value == pool.SAMPLER_ENTRY
+    asked = ["engine.backend=sglang", f"engine.sglang.sampling_backend={pool.SAMPLER}"]
+    assert Config.load(None, asked).engine.sglang.engine_kwargs("/m", EngineNeeds())["sampling_backend"] == pool.SAMPLER
+    monkeypatch.setattr(pool, "sampler_plugin_found", lambda: False)
+    with pytest.raises(ConfigError, match=r"sampling_backend=lorabench.*pip install -e \."):
+        Config.load(None, asked)
+    Config.load(None, ["engine.backend=sglang", "engine.sglang.sampling_backend=pytorch"])   # SGLang's own: no check
+
+
 def test_another_release_is_noted_for_every_mode_and_its_lora_backends_are_sglangs_to_check(monkeypatch):
     engine = SimpleNamespace(tokenizer_manager=SimpleNamespace(abort_request=lambda **k: None), send_to_rpc=None)
     monkeypatch.setattr(pool, "installed", lambda: "0.5.17")

@@ -71,7 +71,8 @@ class SGLangSettings(Section):
     max_loras_per_batch: int = served(4, "Adapters per batch; the base model counts as one (>= 2).")
     lora_backend: str = served("triton", "The LoRA kernels: 'triton' (faster decode) or 'csgmv' (SGLang's default).")
     attention_backend: str = served("", "'' = SGLang's default.")
-    sampling_backend: str = served("", "'' = SGLang's default.")
+    sampling_backend: str = served("", "'' = SGLang's default; 'lorabench' = one read of the logits for plain "
+                                   "temperature sampling (an SGLang plugin: lorabench pip-installed where it runs).")
     grammar_backend: str = served("", "'' = SGLang's default.")
     disable_cuda_graph: bool = served(False, "Turn CUDA graphs off (slower decode, faster start).")
     cuda_graph_max_bs: int = served(0, "Largest decode batch run as a CUDA graph (a larger one decodes several "
@@ -95,6 +96,9 @@ class SGLangSettings(Section):
             *check(0 < self.mem_fraction_static < 1, f"engine.sglang.mem_fraction_static={self.mem_fraction_static}: "
                    f"must be between 0 and 1 (e.g. 0.3 when the trainer shares the GPU)"),
             *check(self.dtype in DTYPES, f"engine.sglang.dtype={self.dtype!r}: use one of {sorted(DTYPES)}"),
+            *check(self.sampling_backend != internals.SAMPLER or internals.sampler_plugin_found(),
+                   f"engine.sglang.sampling_backend={internals.SAMPLER}: SGLang finds lorabench's sampler through "
+                   f"its installed entry point, and this Python has none; run `pip install -e .` in the checkout"),
             *check(internals.lora_backend_known(self.lora_backend),
                    f"engine.sglang.lora_backend={self.lora_backend!r}: use one of {sorted(internals.LORA_BACKENDS)} "
                    f"('' = SGLang's default)"),

@@ -13,6 +13,12 @@ Every refresh mode:
   count (`lora_registry._counters`), and unloading that adapter waits for the count to reach 0; with no request
   in flight every count must be 0, so what is left is given back.
 - `check_reply`: replies carry no error code, so missing/already-loaded adapters are told by their text.
+- `register_sampler` (`engine.sglang.sampling_backend=lorabench`): SGLang's plugin entry point (pyproject.toml,
+  group `sglang.srt.plugins`, run in every SGLang process before it builds anything) registers SAMPLER through
+  `sglang.srt.layers.sampler.register_sampler_backend`; its Sampler subclass samples plain temperature batches by
+  `one_pass_sampler` and calls the Sampler's `_preprocess_logits` and `_sync_token_ids_across_tp`, reads
+  SamplingBatchInfo's need_*/sampling_seed/return_sampling_masks and writes `LogprobResult`; every other batch
+  goes to SGLang's own `forward`.
 - `LORA_BACKENDS`: `--lora-backend`'s choices. `LoopbackStore`: SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE and
   torch's TORCHELASTIC_USE_AGENT_STORE point every scheduler rank at a store on loopback.
 
@@ -56,6 +62,8 @@ LORA_BACKENDS = ("", "triton", "csgmv", "torch_native")   # --lora-backend's on 
 LOADER = "lorabench.engines.sglang_internals.handle"
 PREFIX = "lorabench-pool/"         # tensor names: PREFIX + <command>/<lora id>/<what>[/<device>]
 STATUS_BYTES = 4096
+SAMPLER = "lorabench"              # engine.sglang.sampling_backend of the one-pass sampler
+SAMPLER_ENTRY = "lorabench.engines.sglang_internals:register_sampler"   # pyproject.toml's SGLang plugin
 
 
 class Refused(ValueError):
@@ -81,6 +89,47 @@ def check_version(release: str | None = None) -> None:
 
 def lora_backend_known(name: str) -> bool:
     return name in LORA_BACKENDS or installed() not in (None, *VERIFIED)
+
+
+def sampler_plugin_found() -> bool:
+    """Whether SGLang's processes will find `register_sampler`: lorabench installed (pip install -e .)."""
+    from importlib.metadata import entry_points
+    return any(ep.value == SAMPLER_ENTRY for ep in entry_points(group="sglang.srt.plugins"))
+
+
+def register_sampler() -> None:
+    """SGLang's plugin hook, in each of its processes: sampling_backend=SAMPLER makes a `_one_pass_sampler`."""
+    from sglang.srt.layers.sampler import register_sampler_backend
+    register_sampler_backend(SAMPLER, _one_pass_sampler)
+
+
+def _one_pass_sampler():
+    from sglang.srt.layers import sampler as sgl
+    from sglang.srt.layers.logprob_processor import LogprobResult
+
+    from .one_pass_sampler import fits, gumbel_sample
+
+    class OnePassSampler(sgl.Sampler):
+        def _plain(self, info, logits, top_logprobs_nums, token_ids_logprobs) -> bool:
+            return (fits(logits) and not info.is_all_greedy and info.sampling_seed is None
+                    and not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling)
+                    and self.rl_on_policy_target is None and not self.enable_deterministic
+                    and not self.use_ascend_backend and not sgl.SGLANG_RETURN_ORIGINAL_LOGPROB
+                    and not any(info.return_sampling_masks or []) and not any(n > 0 for n in top_logprobs_nums)
+                    and all(ids is None for ids in token_ids_logprobs or [])
+                    and sgl.get_tp_group().world_size == 1)   # ranks would each draw their own token
+
+        def forward(self, logits_output, info, return_logprob, top_logprobs_nums, token_ids_logprobs, positions):
+            if not self._plain(info, logits_output.next_token_logits, top_logprobs_nums or [], token_ids_logprobs):
+                return super().forward(logits_output, info, return_logprob, top_logprobs_nums, token_ids_logprobs,
+                                       positions)
+            logits = self._preprocess_logits(logits_output.next_token_logits, info)
+            ids, logprobs = gumbel_sample(logits, info.temperatures)
+            if return_logprob:
+                LogprobResult(token_logprobs=logprobs).write_output_to(logits_output)
+            self._sync_token_ids_across_tp(ids, info)
+            return ids
+    return OnePassSampler()
 
 
 def missing(engine) -> list[str]:
