@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=400, help="the run stops itself after this many seconds")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--attention", default=STACK_ARGS["attention_backend"], help="engine.sglang.attention_backend")
+    parser.add_argument("--sampling-backend", default=STACK_ARGS["sampling_backend"],
+                        help="engine.sglang.sampling_backend ('lorabench': the one-pass sampler)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--profile-dir", default="", help="also trace 8 decode steps of the largest batch (logprob_k4) "
                         "with SGLang's profiler, CPU and GPU, into this folder")
@@ -84,7 +86,8 @@ def main() -> None:
                          f"new tokens, ignore_eos, T=1.0, top_p=1.0, p50 of 2 after 1 warm-up"}
     settings = SGLangSettings(max_lora_rank=32, mem_fraction_static=args.mem_fraction, dtype="bfloat16",
                               cuda_graph_max_bs=max(batches), max_loras_per_batch=len(ADAPTERS) + 1,
-                              **{**STACK_ARGS, "attention_backend": args.attention})
+                              **{**STACK_ARGS, "attention_backend": args.attention,
+                                 "sampling_backend": args.sampling_backend})
     with watch.phase("engine start", 300):   # FlashInfer compiles its kernels in the first start (~3 min)
         engine = SGLangEngine(q06, settings)
     watch.engine = engine

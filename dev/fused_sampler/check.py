@@ -1,6 +1,7 @@
-"""On the GPU: gumbel_sample against SGLang 0.5.17's sampling ops for plain temperature sampling with log-probs
-(divide, softmax copied back, multinomial, log, clamp, gather): the draws' distribution (chi-square), the
-log-probs' gap to torch.log_softmax, and the time of each at a group's batch sizes over Qwen3's vocabulary.
+"""On the GPU: lorabench's one-pass sampler (engines/one_pass_sampler.py) against SGLang 0.5.17's sampling ops
+for plain temperature sampling with log-probs (divide, softmax copied back, multinomial, log, clamp, gather): the
+draws' distribution (chi-square), the log-probs' gap to torch.log_softmax, and the time of each at a group's batch
+sizes over Qwen3's vocabulary.
     python dev/fused_sampler/check.py --out check.json"""
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gumbel import gumbel_sample  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lorabench.engines.one_pass_sampler import gumbel_sample  # noqa: E402
 
 VOCAB = 151936
 
