@@ -296,6 +296,8 @@ class SGLangEngine:
         if tp_size > 1 and torch.cuda.is_initialized():
             # SGLang refuses GPUs whose free memory differs by > 10%: give back our cached blocks first
             torch.cuda.empty_cache()
+        if kwargs.get("sampling_backend") == internals.SAMPLER:   # the plugin registers it only where asked for
+            os.environ[internals.SAMPLER_ENV] = "1"
         store = internals.LoopbackStore.for_engine(tp_size)
         try:
             with store.environment(), child_output_to(settings.log_file):

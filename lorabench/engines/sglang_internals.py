@@ -14,7 +14,8 @@ Every refresh mode:
   in flight every count must be 0, so what is left is given back.
 - `check_reply`: replies carry no error code, so missing/already-loaded adapters are told by their text.
 - `register_sampler` (`engine.sglang.sampling_backend=lorabench`): SGLang's plugin entry point (pyproject.toml,
-  group `sglang.srt.plugins`, run in every SGLang process before it builds anything) registers SAMPLER through
+  group `sglang.srt.plugins`, run in every SGLang process before it builds anything) registers SAMPLER, in an
+  engine that asked for it (SAMPLER_ENV), through
   `sglang.srt.layers.sampler.register_sampler_backend`; its Sampler subclass samples plain temperature batches by
   `one_pass_sampler` and calls the Sampler's `_preprocess_logits` and `_sync_token_ids_across_tp`, reads
   SamplingBatchInfo's need_*/sampling_seed/return_sampling_masks and writes `LogprobResult`; every other batch
@@ -64,6 +65,7 @@ PREFIX = "lorabench-pool/"         # tensor names: PREFIX + <command>/<lora id>/
 STATUS_BYTES = 4096
 SAMPLER = "lorabench"              # engine.sglang.sampling_backend of the one-pass sampler
 SAMPLER_ENTRY = "lorabench.engines.sglang_internals:register_sampler"   # pyproject.toml's SGLang plugin
+SAMPLER_ENV = "LORABENCH_SGLANG_SAMPLER"   # set by an engine that asks for SAMPLER; its processes inherit it
 
 
 class Refused(ValueError):
@@ -98,7 +100,10 @@ def sampler_plugin_found() -> bool:
 
 
 def register_sampler() -> None:
-    """SGLang's plugin hook, in each of its processes: sampling_backend=SAMPLER makes a `_one_pass_sampler`."""
+    """SGLang's plugin hook, in each of its processes: sampling_backend=SAMPLER makes a `_one_pass_sampler`.
+    Only in an engine that asked for it (SAMPLER_ENV): SGLang runs every installed plugin, whoever starts it."""
+    if os.environ.get(SAMPLER_ENV) != "1":
+        return
     from sglang.srt.layers.sampler import register_sampler_backend
     register_sampler_backend(SAMPLER, _one_pass_sampler)
 
