@@ -14,12 +14,11 @@ Every refresh mode:
   in flight every count must be 0, so what is left is given back.
 - `check_reply`: replies carry no error code, so missing/already-loaded adapters are told by their text.
 - `register_sampler` (`engine.sglang.sampling_backend=lorabench`): SGLang's plugin entry point (pyproject.toml,
-  group `sglang.srt.plugins`, run in every SGLang process before it builds anything) registers SAMPLER, in an
-  engine that asked for it (SAMPLER_ENV), through
-  `sglang.srt.layers.sampler.register_sampler_backend`; its Sampler subclass samples plain temperature batches by
-  `one_pass_sampler` and calls the Sampler's `_preprocess_logits` and `_sync_token_ids_across_tp`, reads
-  SamplingBatchInfo's need_*/sampling_seed/return_sampling_masks and writes `LogprobResult`; every other batch
-  goes to SGLang's own `forward`.
+  group `sglang.srt.plugins`, run in every SGLang process before it builds anything) registers SAMPLER through
+  `sglang.srt.layers.sampler.register_sampler_backend`, in an engine that asked for it (SAMPLER_ENV). Its Sampler
+  subclass samples plain temperature batches by `one_pass_sampler`, calling the Sampler's `_preprocess_logits` and
+  `_sync_token_ids_across_tp`, reading SamplingBatchInfo's need_*/sampling_seed/return_sampling_masks and writing
+  `LogprobResult`; every other batch goes to SGLang's own `forward`.
 - `LORA_BACKENDS`: `--lora-backend`'s choices. `LoopbackStore`: SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE and
   torch's TORCHELASTIC_USE_AGENT_STORE point every scheduler rank at a store on loopback.
 
