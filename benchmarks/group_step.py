@@ -166,7 +166,8 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--ks", type=int, nargs="+", default=None, help="group sizes to run (default: --k)")
     parser.add_argument("--limit", type=float, default=560, help="the run stops itself after this many seconds")
-    parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument("--overrides", nargs="*", action="extend", default=[],
+                        help="for both runs; given twice, both lists count (gpu_session.sh's sampler part adds one)")
     parser.add_argument("--group-overrides", nargs="*", default=[],
                         help="for the group only, e.g. grpo.max_staleness=1 against one policy at the defaults")
     parser.add_argument("--engine-sm-percents", type=int, nargs="+", default=[100],

@@ -2,7 +2,7 @@
 for plain temperature sampling with log-probs (divide, softmax copied back, multinomial, log, clamp, gather): the
 draws' distribution (chi-square), the log-probs' gap to torch.log_softmax, and the time of each at a group's batch
 sizes over Qwen3's vocabulary.
-    python dev/fused_sampler/check.py --out check.json"""
+    python dev/fused_sampler/check.py --out check.json   (dev/gpu_session.sh's sampler part runs it)"""
 from __future__ import annotations
 
 import argparse
