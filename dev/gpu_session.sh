@@ -25,7 +25,8 @@
 #        sampler (for each of $LORABENCH_SAMPLERS, default "lorabench pytorch", as engine.sglang.sampling_backend:
 #                 SGLang's decode of 2,048 rows, then group_step.py with $LORABENCH_GROUP_ARGS; first
 #                 dev/fused_sampler/check.py, the one-pass sampler against SGLang's sampling ops, no engine;
-#                 lorabench.egg-info carried, so SGLang finds the plugin),
+#                 lorabench.egg-info carried, so SGLang finds the plugin;
+#                 LORABENCH_SAMPLER_GROUP_ONLY=1: the group steps alone),
 #        group_update (benchmarks/group_update.py: K policies' updates one after another vs in one pass, no engine;
 #                      $LORABENCH_GROUP_UPDATE_ARGS, default --sizes 16x8x128 64x8x256 --k 4),
 #        notebooks (the notebooks with SGLang in a Jupyter kernel; needs .gpu-extras),
@@ -102,11 +103,13 @@ for part in "$@"; do
              ${LORABENCH_TRAIN_ARGS:-} ;;
     lora_decode) "${part_timeout[@]}" python benchmarks/lora_decode_gpu.py --out "$RES/lora_decode.json" ${LORABENCH_DECODE_ARGS:-} ;;
     group_step) "${part_timeout[@]}" python benchmarks/group_step.py --out "$RES/group_step.json" ${LORABENCH_GROUP_ARGS:-} ;;
-    sampler) "${part_timeout[@]}" python dev/fused_sampler/check.py --out "$RES/sampler_check.json"
+    sampler) [ -n "${LORABENCH_SAMPLER_GROUP_ONLY:-}" ] || \
+               "${part_timeout[@]}" python dev/fused_sampler/check.py --out "$RES/sampler_check.json"
              for backend in ${LORABENCH_SAMPLERS:-lorabench pytorch}; do
                echo "=== engine.sglang.sampling_backend=$backend"
-               "${part_timeout[@]}" python benchmarks/sampling_cost_gpu.py --out "$RES/sampling_$backend.json" \
-                 --sampling-backend $backend --batches 2048 --variants logprob_k4 --limit 80
+               [ -n "${LORABENCH_SAMPLER_GROUP_ONLY:-}" ] || \
+                 "${part_timeout[@]}" python benchmarks/sampling_cost_gpu.py --out "$RES/sampling_$backend.json" \
+                   --sampling-backend $backend --batches 2048 --variants logprob_k4 --limit 80
                "${part_timeout[@]}" python benchmarks/group_step.py --out "$RES/group_step_$backend.json" \
                  ${LORABENCH_GROUP_ARGS:-} --overrides engine.sglang.sampling_backend=$backend
              done ;;
