@@ -147,7 +147,7 @@ class Commits:
         history.append(record.metrics)
 
     def _rows(self) -> dict[str, list[dict]]:
-        k = self.runlog.samples_per_step
+        k = self.runlog.settings.sample_completions   # completions per step in rollouts.jsonl
         return {SYNC: [row for r in self.pending for row in r.refresh.rows(r.step)],
                 ROLLOUTS: [s for r in self.pending for s in r.samples[:k]],
                 METRICS: [r.metrics for r in self.pending]}

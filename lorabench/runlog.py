@@ -27,11 +27,10 @@ import torch
 from . import rundir
 from .adapters import CONFIG_NAME, WEIGHTS_NAME, AdapterLayout, FlatAdapter
 from .rundir import RunDirError, read_jsonl
-from .rundir import clean as _clean
 from .safedir import SafeDir
 from .settings import ALLOWED, REFUSED, Section, check, path_component_problem, setting
 
-__all__ = ["NullRunLog", "RunDirError", "RunLog", "RunSettings", "_clean", "read_jsonl", "redact"]
+__all__ = ["NullRunLog", "RunDirError", "RunLog", "RunSettings", "read_jsonl", "redact"]
 
 SEED_LIMIT = 2**32   # sampling seeds are seed x 1,000,003 + step: they stay below 2**63 (torch, SGLang)
 _WHERE = "where the run dir is: not compared (a run dir may be moved), taken from where it is now"
@@ -99,7 +98,6 @@ class _Settled:
 
     def __init__(self, settings: RunSettings | None = None):
         self.settings = settings or RunSettings()
-        self.samples_per_step = self.settings.sample_completions   # completions per step in rollouts.jsonl
 
 
 class RunLog(_Settled):

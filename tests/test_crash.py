@@ -31,7 +31,8 @@ from synthetic import peft_adapter  # benchmarks/, on sys.path by conftest
 
 from lorabench.adapters import CONFIG_NAME, PEFT_PREFIX, WEIGHTS_NAME, AdapterWriteError, FlatAdapter
 from lorabench.refresh import FileRefresh
-from lorabench.runlog import _clean, read_jsonl
+from lorabench.rundir import clean
+from lorabench.runlog import read_jsonl
 
 
 # --- atomic adapter writes under SIGKILL ---------------------------------------------------------
@@ -178,7 +179,7 @@ TIMING = ("time/",)
 def _comparable(row: dict) -> dict:
     """A metrics row without its wall-clock parts (time/*, refresh/total_s, refresh/<part>_s),
     NaN as None (as in metrics.jsonl)."""
-    return {k: v for k, v in _clean(row).items()
+    return {k: v for k, v in clean(row).items()
             if not k.startswith(TIMING) and not (k.startswith("refresh/") and k.endswith("_s"))}
 
 

@@ -33,8 +33,8 @@ from lorabench.session.config import Config, ConfigError
 
 
 def _comparable(row):
-    from lorabench.runlog import _clean
-    return {k: v for k, v in _clean(row).items()
+    from lorabench.rundir import clean
+    return {k: v for k, v in clean(row).items()
             if not k.startswith("time/") and not (k.startswith("refresh/") and k.endswith("_s"))}
 
 

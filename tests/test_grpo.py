@@ -604,7 +604,7 @@ def test_run_dir_contents(make_trainer, tmp_path):
     assert all(r["mode"] == "tensor" for r in sync)
     assert [r for r in sync if r["row"] == "bucket"]
     rollouts = read_jsonl(run / "rollouts.jsonl")
-    assert len(rollouts) == 2 * trainer.runlog.samples_per_step
+    assert len(rollouts) == 2 * trainer.runlog.settings.sample_completions
     assert {"step", "completion", "reward", "advantage", "answer", "question", "served_version"} <= set(rollouts[0])
     for step in (1, 2):
         assert (run / "adapters" / f"step_{step}" / "adapter_config.json").is_file()
