@@ -93,20 +93,12 @@ def redact(config: dict) -> dict:
             for k, v in config.items()}
 
 
-class _Settled:
-    """What RunLog and NullRunLog share: their run settings."""
-
-    def __init__(self, settings: RunSettings | None = None):
-        self.settings = settings or RunSettings()
-
-
-class RunLog(_Settled):
+class RunLog:
     """Writes one run dir, entered only through itself (safedir.py); lock=True takes its one-writer lock.
     `fingerprint`, when set, is recorded in every checkpoint; `committed_step`: the last checkpoint's step."""
 
     def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None):
-        super().__init__(settings)
-        self.dir, self.log = Path(run_dir), log
+        self.dir, self.log, self.settings = Path(run_dir), log, settings or RunSettings()
         self.root = SafeDir.open(self.dir, create=True, mode=0o750)  # never world-writable (nor -readable)
         self._lock, self.sub = None, {}   # the folders, made when first written (_folder)
         self.fingerprint: dict | None = None
@@ -268,9 +260,12 @@ def _unreadable_export(adapters: SafeDir, name: str) -> str | None:
     return None
 
 
-class NullRunLog(_Settled):
+class NullRunLog:
     """RunLog's methods, writing nothing; spelled out, so a misspelled call fails instead of doing nothing."""
     dir = None
+
+    def __init__(self, settings: RunSettings | None = None):
+        self.settings = settings or RunSettings()
 
     def close(self, *args, **kwargs) -> None:
         """Does nothing, as log_metrics, commit and export_if_missing."""
