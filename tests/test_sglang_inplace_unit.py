@@ -265,6 +265,18 @@ def test_the_one_pass_sampler_reaches_sglang_as_a_plugin_of_the_installed_packag
     Config.load(None, ["engine.backend=sglang", "engine.sglang.sampling_backend=pytorch"])   # SGLang's own: no check
 
 
+def test_the_one_pass_sampler_takes_batches_only_where_every_token_has_its_own_random():
+    """Each row takes a quarter of its padded length in int32 Philox counters; past 2**31 two rows would share
+    randoms (correlated draws), so such a batch goes to SGLang's own sampler. A 64-token vocabulary is padded to
+    a 2,048-token block: 5M rows need 2.56e9 counters although 5M x 64 tokens are 3.2e8."""
+    from lorabench.engines.one_pass_sampler import fits
+    assert fits(torch.empty(1, 151936).expand(2048, 151936))
+    assert fits(torch.empty(1, 64).expand(2_000_000, 64))
+    assert not fits(torch.empty(1, 64).expand(5_000_000, 64))
+    assert not fits(torch.empty(1, 151936).expand(60_000, 151936))
+    assert not fits(torch.empty(151936, 4).t())   # a strided vocabulary
+
+
 def test_another_release_is_noted_for_every_mode_and_its_lora_backends_are_sglangs_to_check(monkeypatch):
     engine = SimpleNamespace(tokenizer_manager=SimpleNamespace(abort_request=lambda **k: None), send_to_rpc=None)
     monkeypatch.setattr(pool, "installed", lambda: "0.5.17")

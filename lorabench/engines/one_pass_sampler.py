@@ -57,9 +57,17 @@ def _kernel():
     return gumbel_max
 
 
-def fits(logits: torch.Tensor) -> bool:
-    """Whether every token of `logits` [rows, vocab] gets its own random (a quarter as many int32 counters)."""
-    return logits.shape[0] * logits.shape[1] < 2**31 and logits.stride(1) == 1
+def _chunking(vocab: int, block: int, chunks: int) -> tuple[int, int]:
+    """(tokens a program reads, programs a row): at most `chunks` programs of whole blocks cover the vocabulary."""
+    chunk = -(-vocab // (chunks * block)) * block
+    return chunk, -(-vocab // chunk)
+
+
+def fits(logits: torch.Tensor, block: int = 2048, chunks: int = 16) -> bool:
+    """Whether every token of `logits` [rows, vocab] gets its own random: a row takes a quarter of its padded
+    length in int32 Philox counters (a small vocabulary is padded to a whole block)."""
+    chunk, chunks = _chunking(logits.shape[1], block, chunks)
+    return logits.shape[0] * (chunks * chunk // 4) < 2**31 and logits.stride(1) == 1
 
 
 def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | None = None,
@@ -67,9 +75,8 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | 
     """logits [rows, vocab] on a GPU (`fits`), temperatures [rows] or [rows, 1] > 0 -> (token ids [rows] int32,
     their log-probs under softmax(logits / T) [rows] float32)."""
     rows, vocab = logits.shape
-    assert fits(logits), "more tokens than int32 random counters, or a strided vocabulary"
-    chunk = -(-vocab // (chunks * block)) * block
-    chunks = -(-vocab // chunk)
+    assert fits(logits, block, chunks), "more tokens than int32 random counters, or a strided vocabulary"
+    chunk, chunks = _chunking(vocab, block, chunks)
     inv_t = (1.0 / temperatures.reshape(rows).float()).contiguous()
     part_max, part_sum, part_best, part_x = torch.empty(4, rows, chunks, dtype=torch.float32, device=logits.device)
     part_id = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
