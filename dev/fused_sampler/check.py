@@ -1,7 +1,7 @@
 """On the GPU: lorabench's one-pass sampler (engines/one_pass_sampler.py) against SGLang 0.5.17's sampling ops
 for plain temperature sampling with log-probs (divide, softmax copied back, multinomial, log, clamp, gather): the
-draws' distribution (chi-square), the log-probs' gap to torch.log_softmax, and the time of each at a group's batch
-sizes over Qwen3's vocabulary.
+log-probs' gap to torch.log_softmax and the time of each at a group's batch sizes over Qwen3's vocabulary. The
+draws' distribution is the GPU test's (`test_one_pass_sampler_draws_and_serves_as_sglangs_does`).
     python dev/fused_sampler/check.py --out check.json   (dev/gpu_session.sh's sampler part runs it)"""
 from __future__ import annotations
 
@@ -48,17 +48,6 @@ def main() -> None:
     args = parser.parse_args()
     t0 = time.time()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-    # distribution: 2M draws from one 64-token row, against softmax
-    torch.manual_seed(0)
-    base = torch.randn(64, device="cuda") * 2
-    draws = 2_000_000
-    ids, _ = gumbel_sample(base.expand(draws, 64), torch.full((draws,), 0.8, device="cuda"))
-    p = torch.softmax(base / 0.8, -1)
-    freq = torch.bincount(ids.long(), minlength=64).double() / draws
-    keep = p * draws >= 5
-    chi2 = float(((freq - p) ** 2 / p)[keep].sum() * draws)
-    result["chi2"] = {"dof": int(keep.sum()) - 1, "value": chi2, "draws": draws}
-    print(f"[{time.time() - t0:6.1f} s] chi-square {chi2:.1f} on {int(keep.sum()) - 1} dof", flush=True)
     for rows in (128, 512, 2048):
         logits = torch.randn(rows, VOCAB, device="cuda") * 3
         temps = torch.ones(rows, 1, device="cuda")
