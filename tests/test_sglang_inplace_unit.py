@@ -263,6 +263,10 @@ def test_the_one_pass_sampler_reaches_sglang_as_a_plugin_of_the_installed_packag
     with pytest.raises(ConfigError, match=r"sampling_backend=lorabench.*pip install -e \."):
         Config.load(None, asked)
     Config.load(None, ["engine.backend=sglang", "engine.sglang.sampling_backend=pytorch"])   # SGLang's own: no check
+    monkeypatch.setattr(pool, "sampler_plugin_found", lambda: True)
+    monkeypatch.setattr(pool, "installed", lambda: "0.5.23")   # its Sampler's internals are unverified there
+    with pytest.raises(ConfigError, match=r"sampling_backend=lorabench.*0\.5\.17.*sglang 0\.5\.23; use ''"):
+        Config.load(None, asked)
 
 
 def test_the_one_pass_sampler_takes_batches_only_where_every_token_has_its_own_random():
@@ -283,6 +287,7 @@ def test_another_release_is_noted_for_every_mode_and_its_lora_backends_are_sglan
     assert pool.release_notes(engine) == [] and not pool.lora_backend_known("cutlass")
     monkeypatch.setattr(pool, "installed", lambda: "0.5.23")
     (note,) = pool.release_notes(engine)
-    assert "sglang 0.5.23" in note and "0.5.17" in note and "refresh.mode=inplace is refused" in note
+    assert "sglang 0.5.23" in note and "0.5.17" in note and "refresh.mode=inplace and" in note
+    assert f"sampling_backend={pool.SAMPLER} are refused" in note
     assert "tokenizer_manager._subprocess_watchdog" in note and "Engine._weight_cache_daemon_procs" in note
     assert "abort_request" not in note and pool.lora_backend_known("cutlass")

@@ -89,7 +89,12 @@ def check_version(release: str | None = None) -> None:
 
 
 def lora_backend_known(name: str) -> bool:
-    return name in LORA_BACKENDS or installed() not in (None, *VERIFIED)
+    return name in LORA_BACKENDS or not verified()
+
+
+def verified() -> bool:
+    """No sglang here, or a release in VERIFIED (the sampler plugin and the in-place writer use its internals)."""
+    return installed() in (None, *VERIFIED)
 
 
 def sampler_plugin_found() -> bool:
@@ -157,7 +162,8 @@ def release_notes(engine) -> list[str]:
     gone = missing(engine)
     found = f"it lacks {', '.join(gone)} (skipped)" if gone else "each is present"
     return [f"sglang {release}: lorabench uses a few SGLang internals, verified on {', '.join(VERIFIED)} "
-            f"(engines/sglang_internals.py); {found}; refresh.mode=inplace is refused on this release"]
+            f"(engines/sglang_internals.py); {found}; refresh.mode=inplace and "
+            f"engine.sglang.sampling_backend={SAMPLER} are refused on this release"]
 
 
 def _outcome(result) -> tuple[bool, str]:
