@@ -20,7 +20,7 @@ from .adapters import AdapterError, AdapterWriteError
 from .data import DataError
 from .engines.base import EngineError
 from .interrupts import resend_lost_stops
-from .metrics import LAG, MISMATCH_MAX, REFRESH_S, REWARD
+from .metrics import HELD_STRICT, LAG, MISMATCH_MAX, REFRESH_S, REWARD
 from .models import ModelError
 from .policy import UpdateDiverged
 from .rundir import CONFIG
@@ -142,7 +142,7 @@ def stopped_message(err: Exception, runlog, group_dir: Path | None = None) -> st
 
 
 def _strict(before: list[dict]) -> str:
-    return f"strict {before[0]['strict']:.2f} (sampled), {before[1]['strict']:.2f} (greedy)"
+    return f"strict {before[0][HELD_STRICT]:.2f} (sampled), {before[1][HELD_STRICT]:.2f} (greedy)"
 
 
 def _evaluate_after(trainer, runlog, seconds: float) -> dict:
@@ -158,8 +158,8 @@ def _write_summary(session, done: dict, t0: float) -> dict:
     refresh_ms = sorted(1e3 * r[REFRESH_S] for r in rows) or [float("nan")]
     summary = {
         "run_dir": str(runlog.dir), "steps": len(rows), "refresh_mode": cfg.refresh.mode, "engine": cfg.engine.backend,
-        "heldout_strict_before": before[0]["strict"], "heldout_strict_after": after[0]["strict"],
-        "heldout_greedy_before": before[1]["strict"], "heldout_greedy_after": after[1]["strict"],
+        "heldout_strict_before": before[0][HELD_STRICT], "heldout_strict_after": after[0][HELD_STRICT],
+        "heldout_greedy_before": before[1][HELD_STRICT], "heldout_greedy_after": after[1][HELD_STRICT],
         "train_reward_first5": sum(r[REWARD] for r in rows[:5]) / max(1, len(rows[:5])),
         "train_reward_last5": sum(r[REWARD] for r in rows[-5:]) / max(1, len(rows[-5:])),
         "refresh_ms_p50": refresh_ms[len(refresh_ms) // 2], "refresh_ms_max": refresh_ms[-1],

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import metrics as m
 from .adapters import FlatAdapter
 from .clock import Clock
 from .commits import Commits, TrainerStopped  # noqa: F401 (TrainerStopped: re-exported)
@@ -458,10 +459,10 @@ class GRPOTrainer:
                                     adapter=self.refresher.serving_adapter)
         texts = self.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
         truth = [p.ground_truth for p in problems for _ in range(k)]
-        return {"step": self.step_count, "greedy": greedy, "n": len(texts),
+        return {"step": self.step_count, m.HELD_GREEDY: greedy, m.HELD_COUNT: len(texts),
                 **{mode: sum(gsm8k_reward(t, a, mode) for t, a in zip(texts, truth)) / len(texts)
-                   for mode in ("strict", "flexible")},
-                "format": sum(map(has_strict_format, texts)) / len(texts)}
+                   for mode in (m.HELD_STRICT, m.HELD_FLEXIBLE)},
+                m.HELD_FORMAT: sum(map(has_strict_format, texts)) / len(texts)}
 
     def close(self) -> None:
         """Once the last commit is written (its error if no step raised it yet), release the threads and refresher."""

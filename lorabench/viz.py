@@ -72,8 +72,8 @@ def plot_rewards(rows, evals=(), ax=None):
     ax.plot(steps, _rolling(reward), "-", color="#4c72b0", label="reward, mean of 5")
     steps_f, fmt = _series(rows, m.STRICT_FORMAT)
     ax.plot(steps_f, _rolling(fmt), "--", color="#55a868", label="ends '#### N', mean of 5")
-    if sampled := [e for e in evals if not e.get("greedy")]:
-        ax.plot([e["step"] for e in sampled], [e["strict"] for e in sampled], "D", color="#c44e52", ms=7,
+    if sampled := [e for e in evals if not e.get(m.HELD_GREEDY)]:
+        ax.plot([e["step"] for e in sampled], [e[m.HELD_STRICT] for e in sampled], "D", color="#c44e52", ms=7,
                 label="held-out reward")
     return label_axes(ax, "Reward", xlabel="GRPO step", ylabel="mean over the step's completions", ylim=(-0.02, 1.02))
 
@@ -318,8 +318,8 @@ def plot_learned(rows, evals, ax) -> None:
                               (m.LAST_NUMBER_RIGHT, "#c44e52", "last number right, any format")):
         steps, values = _series(rows, key)
         ax.plot(steps, _rolling(values), "-", color=color, label=f"{label}, mean of 5")
-    greedy = [e for e in evals if e.get("greedy")]
-    for key, color, marker in (("format", "#55a868", "s"), ("flexible", "#c44e52", "D")):
+    greedy = [e for e in evals if e.get(m.HELD_GREEDY)]
+    for key, color, marker in ((m.HELD_FORMAT, "#55a868", "s"), (m.HELD_FLEXIBLE, "#c44e52", "D")):
         ax.plot([e["step"] for e in greedy], [e[key] for e in greedy], marker, color=color, ms=7, ls="none",
                 markeredgecolor="k")
     ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
@@ -418,14 +418,14 @@ def ms_text(ms: float, digits: int = 3) -> str:
     return "0" if abs(ms) < 1e-3 else f"{ms:.{digits}g}"
 
 
-def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], key: str = "strict"):
+def rank_sweep_figure(histories: dict[str, list[dict]], after: dict[str, dict], key: str = m.HELD_STRICT):
     """Notebook 04: each policy's training reward beside its held-out `key` share (± 2 s.e.)."""
     fig, (left, right) = labelled_figure("rank_sweep", 1, 2, figsize=(11, 3.8), width_ratios=(3, 2))
     plot_policies(histories, m.REWARD, "Training reward (mean of 5 steps)", "mean over the step's completions",
                   ax=left, rolling=True)
     names = list(after)
     shares = [after[name][key] for name in names]
-    n = after[names[0]]["n"]
+    n = after[names[0]][m.HELD_COUNT]
     errors = [2 * (p * (1 - p) / n) ** 0.5 for p in shares]
     right.bar(names, shares, yerr=errors, capsize=4, color=POLICY_COLORS[:len(names)])
     label_axes(right, f"After training ({n} problems, ± 2 s.e.)", axis="y", ylabel=f"held-out {key} reward (greedy)",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..metrics import REWARD
+from ..metrics import REWARD, STRICT_FORMAT
 from ..progress import WaitProgress
 from ..viz import label_axes, labelled_figure
 
@@ -127,6 +127,6 @@ def use_trained_run(trainer, found: tuple, run_root: str | Path, steps: int) -> 
     if rows:
         k = min(5, len(rows))
         text += (f"\n\nIts reward: {last_mean(rows[:k]):.2f} over the first {k} steps, {last_mean(rows, last=k):.2f} "
-                 f"over the last {k}; answers ending '#### N': {last_mean(rows[:k], 'reward/strict_format'):.0%} "
-                 f"→ {last_mean(rows, 'reward/strict_format', k):.0%}.")
+                 f"over the last {k}; answers ending '#### N': {last_mean(rows[:k], STRICT_FORMAT):.0%} "
+                 f"→ {last_mean(rows, STRICT_FORMAT, k):.0%}.")
     return text

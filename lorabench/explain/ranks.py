@@ -1,15 +1,15 @@
 """Notebook 04: which LoRA rank does RL need? The verdict from the run's held-out rewards."""
 from __future__ import annotations
 
-from ..metrics import ACTIVE_GROUPS, DELTA_NORM, GRAD_NORM, LOSS
+from ..metrics import ACTIVE_GROUPS, DELTA_NORM, GRAD_NORM, HELD_COUNT, HELD_STRICT, LOSS
 from .step import fit_table, share_se
 
 
-def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = "strict") -> tuple[str, list[str]]:
+def rank_verdict(after: dict[str, dict], before: dict[str, dict], key: str = HELD_STRICT) -> tuple[str, list[str]]:
     """Markdown comparing the policies' held-out `key` share before and after (name -> evaluate row, by rank):
     nothing learned yet, a tie, a gap at one end of the order, or neither; and the names tied with the best."""
     share = {name: e[key] for name, e in after.items()}
-    n = next(iter(after.values()))["n"]
+    n = next(iter(after.values()))[HELD_COUNT]
     se = {name: (p * (1 - p) / n) ** 0.5 for name, p in share.items()}
     listed = ", ".join(f"{name} {before[name][key]:.2f} → {share[name]:.2f} (± {se[name]:.2f})" for name in share)
     head = f"Held-out, greedy ({n} problems), the strict reward per policy before → after: {listed}."
@@ -83,7 +83,7 @@ def update_sentence(histories: dict[str, list[dict]], ranks: dict[str, int], alp
     return text
 
 
-def prediction_sentence(predicted: str | None, after: dict[str, dict], tied: list[str], key: str = "strict") -> str:
+def prediction_sentence(predicted: str | None, after: dict[str, dict], tied: list[str], key: str = HELD_STRICT) -> str:
     """The learner's predicted winner against the best held-out policy (and those tied with it)."""
     best = max(after, key=lambda n: after[n][key])
     with_it = [n for n in tied if n != best]

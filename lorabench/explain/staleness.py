@@ -6,7 +6,7 @@ import torch
 from matplotlib.ticker import MaxNLocator
 
 from ..loss import grpo_loss, token_logprobs
-from ..metrics import MISMATCH, REWARD, SERVED_VERSION
+from ..metrics import HELD_COUNT, HELD_FLEXIBLE, HELD_FORMAT, HELD_STRICT, MISMATCH, REWARD, SERVED_VERSION
 from ..progress import WaitProgress
 from ..viz import label_axes, labelled_figure
 from .checks import rollout_sequences, trainer_vs_engine
@@ -73,12 +73,12 @@ def compare_summary(result: dict, last: int = 5) -> dict:
             "refreshed_higher": sum(r > s for r, s in pairs), "stale_higher": sum(s > r for r, s in pairs),
             "heldout": {a: heldout_means(result["heldout"][a]) for a in ARMS},
             "first_adapter": heldout_means(result["first_adapter"]),
-            "heldout_n": sum(e["n"] for e in result["heldout"]["refreshed"]),   # problems scored, all seeds
+            "heldout_n": sum(e[HELD_COUNT] for e in result["heldout"]["refreshed"]),   # problems scored, all seeds
             "stale_served": sorted({r[SERVED_VERSION] for rows in result["rows"]["stale"] for r in rows})}
 
 
-HELDOUT_MEASURES = {"format": "answers ending '#### N'", "flexible": "last number right, any format",
-                    "strict": "right and ending '#### N' (the strict reward)"}
+HELDOUT_MEASURES = {HELD_FORMAT: "answers ending '#### N'", HELD_FLEXIBLE: "last number right, any format",
+                    HELD_STRICT: "right and ending '#### N' (the strict reward)"}
 
 
 def heldout_means(evaluations: list[dict]) -> dict[str, float]:
@@ -246,7 +246,7 @@ def harm_sentence(summary: dict, predicted: str | None = None) -> tuple[str, str
         words[k] = {"rose": "higher", "fell": "lower", "held": "the same"}[word]
         parts.append(f"{what} {stale:.0%} stale against {fresh:.0%} refreshed ({words[k]}"
                      f"{' within two standard errors' if word == 'held' else ''})")
-    verdict = words["strict"]
+    verdict = words[HELD_STRICT]
     unharmed = all(w != "lower" for w in words.values())
     heldout = "**On held-out problems it does not show**" if unharmed else "**On held-out problems it shows too**"
     if unharmed and shows_served:

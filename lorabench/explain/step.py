@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from .. import metrics as m
 from ..loss import group_advantages, grpo_loss
 from ..metrics import KL, MEAN_LENGTH, MISMATCH, PROBE_GAP, REWARD, REWARD_STD, SERVED_VERSION, VERSION, reward_of
 from ..rewards import extract_answer
@@ -171,19 +172,19 @@ def share_se(before: float, after: float, n: int) -> float:
 
 def learned_summary(before: dict, after: dict) -> str:
     """Markdown: what the run learned from held-out evaluations; each direction word from `direction`."""
-    n = after["n"]
+    n = after[m.HELD_COUNT]
     fmt, right, reward = (direction(before[k], after[k], share_se(before[k], after[k], n))
-                          for k in ("format", "flexible", "strict"))
+                          for k in (m.HELD_FORMAT, m.HELD_FLEXIBLE, m.HELD_STRICT))
     verdict = {("rose", "fell"): "the reward was learned, the arithmetic got worse",
                ("rose", "held"): "the run learned the format the reward pays for, not the arithmetic",
                ("rose", "rose"): "the run learned the format, and more answers are right in any format too"
                }.get((fmt, right), f"the format did not catch on in this run (it {fmt}), and any-format "
                                    f"correctness {right}")
+    shares = {k: f"({before[k]:.2f} → {after[k]:.2f})" for k in (m.HELD_FORMAT, m.HELD_FLEXIBLE, m.HELD_STRICT)}
     return (f"**What this run learned** ({n} held-out problems, greedy): ending with `#### N` {fmt} "
-            f"({before['format']:.2f} → {after['format']:.2f}), the last number right in any format {right} "
-            f"({before['flexible']:.2f} → {after['flexible']:.2f}), and the reward, which needs both, {reward} "
-            f"({before['strict']:.2f} → {after['strict']:.2f}): **{verdict}**. (A change within two standard "
-            f"errors of a share of {n} problems is called *held*.)")
+            f"{shares[m.HELD_FORMAT]}, the last number right in any format {right} {shares[m.HELD_FLEXIBLE]}, "
+            f"and the reward, which needs both, {reward} {shares[m.HELD_STRICT]}: **{verdict}**. (A change within two "
+            f"standard errors of a share of {n} problems is called *held*.)")
 
 
 def clip_note(ratio: torch.Tensor, mask: torch.Tensor, clip_eps: float, steps: int) -> str:
