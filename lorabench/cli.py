@@ -23,7 +23,7 @@ from .interrupts import resend_lost_stops
 from .metrics import HELD_STRICT, LAG, MISMATCH_MAX, REFRESH_S, REWARD
 from .models import ModelError
 from .policy import UpdateDiverged
-from .rundir import CONFIG
+from .rundir import CONFIG, GROUP_FILE
 from .runlog import RunDirError
 from .safedir import RunDirWriteError
 from .session import ConfigError, describe, load_config
@@ -251,7 +251,6 @@ def _command(args) -> dict | None:
         return None
     if args.command == "resume":
         from .session.compat import resume_config
-        from .session.group import GROUP_FILE
         if os.path.lexists(Path(args.run_dir) / GROUP_FILE):   # a policy group: every policy continues
             return run_group(None, args.run_dir, resume_overrides=list(args.overrides))
         return run_experiment(resume_config(args.run_dir, args.overrides), run_dir=args.run_dir)

@@ -22,9 +22,8 @@ from .grpo import finish
 from .interrupts import interrupts_to_the_main_thread, wait_interruptibly
 from .metrics import REWARD
 from .rollout import rollouts_of
+from .rundir import GROUP_FILE
 from .settings import ConfigError, build, check_types, closest, path_component_problem, to_dict, unique_keys, walk_class
-
-GROUP_FILE = "group.json"   # the group dir's own file, beside the policies' run dirs (session/group.py)
 
 # what a policy of a group may set for itself: section -> fields (None: every field of the section)
 OWNED: dict[str, tuple[str, ...] | None] = {

@@ -33,7 +33,7 @@ from .loss import (
 )
 from .models import load_model, pick_device, quiet_peft, with_lora
 from .rollout import RolloutBatch, round_up
-from .rundir import optimizer_problem
+from .rundir import ADAPTERS, CHECKPOINT, optimizer_problem
 from .settings import REFUSED, ConfigError, Section, check, setting
 
 COMPILED_WIDTH_MULTIPLE = 8   # micro-batch widths under grpo.compile=all (Policy.train)
@@ -304,11 +304,11 @@ class Policy:
             raise _diverged(
                 self.grpo, f"the checkpoint's adapter (step {self.version}) changes {found[0]} by ||dW||/||W|| = "
                 f"{found[1]:.3g}, above grpo.max_delta_ratio={self.grpo.max_delta_ratio:g}: that update diverged, and "
-                f"resuming would serve it; nothing was changed.", then=" (adapters/step_<n> hold earlier adapters)",
+                f"resuming would serve it; nothing was changed.", then=f" ({ADAPTERS}/step_<n> hold earlier adapters)",
                 ratio=found[1], offer="resume without the bound ({}) if an adapter this large is intended")
 
 
-_RESTORE = "nothing was changed. Restore checkpoint/trainer_state.pt from a backup, or start a new run"
+_RESTORE = f"nothing was changed. Restore {CHECKPOINT} from a backup, or start a new run"
 # below this ratio a divergence message offers to continue without the bound; far beyond, only a lower rate helps
 OFFER_UNBOUNDED_BELOW = 10.0
 

@@ -29,6 +29,7 @@ ADAPTERS, PLOTS, CHECKPOINT_DIR = "adapters", "plots", "checkpoint"
 FOLDERS = (ADAPTERS, PLOTS, CHECKPOINT_DIR)
 CHECKPOINT = Path(CHECKPOINT_DIR) / "trainer_state.pt"
 LOCK_NAME = "lock"
+GROUP_FILE = "group.json"   # a policy group's dir: this file beside one run dir per policy (session/group.py)
 ROW_FILES = (SYNC, ROLLOUTS, METRICS)   # the rows a checkpoint vouches for
 
 

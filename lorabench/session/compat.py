@@ -15,8 +15,7 @@ import stat
 from pathlib import Path
 
 from ..data import step_problems, synthetic_problems
-from ..group import GROUP_FILE
-from ..rundir import CONFIG, CONFIG_CHANGES, RunDirError, scan_in
+from ..rundir import CONFIG, CONFIG_CHANGES, GROUP_FILE, RunDirError, scan_in
 from ..safedir import SafeDir
 from ..settings import ALLOWED, walk_class
 from . import config

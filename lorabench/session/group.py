@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..group import GROUP_FILE, PolicyGroup, owned_key, parse_policies, shared_differences
-from ..rundir import CONFIG, RunDirError, check_before_evals
+from ..group import PolicyGroup, owned_key, parse_policies, shared_differences
+from ..rundir import CONFIG, GROUP_FILE, RunDirError, check_before_evals
 from ..safedir import SafeDir, refusal
 from ..settings import unique_keys
 from .compat import effective_config, resume_config
