@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -27,17 +27,12 @@
 # the arithmetic, KL to the base model and entropy), a run you break yourself (no refresh), and the
 # command that continues the run from a shell.
 #
-# **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached; Run All in
-# a fresh kernel; `benchmarks/notebook_times.py`): expect **6-10 minutes** on a machine shared with
-# other work, longer the more of its cores other work keeps busy: 341-532 s measured (of a 446 s Run
-# All, the panel's 30 steps 257 s, the reward exercise's 5 steps 62 s, the broken run's 20 steps 194 s).
-# The first time, the tiny model is built and warm-started first (400 steps) into `~/.cache/lorabench`
-# (or `$LORABENCH_CACHE`), where notebook 03 and `lorabench demo` find it too: that adds 2-4 minutes on
-# a quiet machine, up to 10.5 minutes on a busy one (Run All 1,183 s). The bars and the panel's line
-# show the time left. On a GPU (one H200 or H100, `ENGINE = "sglang"`): **107-225 s** for Run All in a fresh
-# kernel with SGLang in it, about 30 s of it starting the engine when its caches are warm (225 s on a
-# fresh machine: the warm-start 16 s and the engine's first start 1.8 min); a step takes well under a
-# second.
+# **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached): Run All takes
+# **6-10 minutes**, longer the more of its cores other work keeps busy. The first time, building and
+# warm-starting the tiny model into `~/.cache/lorabench` (or `$LORABENCH_CACHE`, where notebook 03 and
+# `lorabench demo` find it too) adds 2-11 minutes. The bars and the panel's line show the time left. On a GPU
+# (one H200 or H100, `ENGINE = "sglang"`): **107-225 s**, about 30 s of it starting the engine when its caches
+# are warm; a step takes well under a second. Measured runs: docs/results.md, section 9.
 
 # %%
 # setup

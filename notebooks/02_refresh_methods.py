@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -35,14 +35,12 @@
 # numbers on screen. On a CPU the engine is the `hf` reference engine, so the absolute numbers are not
 # SGLang's; with `ENGINE = "sglang"` on a GPU they are SGLang's.
 #
-# **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached; Run All in
-# a fresh kernel; measured with `benchmarks/notebook_times.py`): expect **0.5-2 minutes**: 33 s on a
-# quiet machine, 93-98 s on one shared with other work or beside busy loops. The longest cells are
-# section 0's two-thread refreshes, which stall when a core is busy, and the rank sweep (33 s of the
-# 93); every measuring cell shows a progress bar with the time left. A refresh needs no trained model, so an empty model cache
-# adds only the tiny model's build without warm-start (3.5 s). On a GPU (one H200 or H100, `ENGINE =
-# "sglang"`, a model of Qwen3-0.6B's shape, `RANK = 32`): 133-180 s for Run All in a fresh kernel with SGLang in it
-# (about 40 s of it starting the engine; the rank sweep adds one model build per rank).
+# **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached): **0.5-2
+# minutes**. Section 0's two-thread refreshes and the rank sweep take longest and stall when a core is busy;
+# every measuring cell shows a progress bar with the time left. A refresh needs no trained model, so an empty
+# model cache adds only the tiny model's build (seconds). On a GPU (one H200 or H100, `ENGINE = "sglang"`, a
+# model of Qwen3-0.6B's shape, `RANK = 32`): **133-180 s**, about 40 s of it starting the engine (the rank
+# sweep adds one model build per rank). Measured runs: docs/results.md, section 9.
 
 # %%
 # setup

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -31,16 +31,13 @@
 #    side (reward and mismatch per step, then held-out), and one group's GRPO advantages and clipped
 #    loss, which cannot tell who sampled the rollouts.
 #
-# **How long.** Run All on a 2-core CPU at these defaults (hf engine, 1 torch thread, the tiny model
-# cached; `benchmarks/notebook_times.py`), longer the more of its cores other work keeps busy. When
-# `RUN_ROOT` holds notebook 01's or the demo's run dir: **2-5 minutes** (121 s quiet, about 5 minutes
-# on a busy machine, the run below less its training). When it does not, 30 GRPO steps are trained
-# here first: **3-10 minutes** (192 s quiet; 260 s and 397 s beside a CPU-bound job; 563 s on a
-# machine shared with other work, of which 255 s the training and 275 s section 4.3's 48 steps). The first time ever, building and warm-starting the tiny model comes first
-# (a progress bar counts its steps; cached afterwards: notebook 01 measures it). On a GPU (one H200 or
-# H100, `ENGINE = "sglang"`, reusing notebook 01's run dir): **60-95 s**, Run All in a fresh kernel with SGLang
-# in it (about 35 s of it starting the engine). The last code cell prints this Run All's own time and
-# load average.
+# **How long.** Run All on a 2-core CPU at these defaults (hf engine, 1 torch thread, the tiny model cached),
+# longer the more of its cores other work keeps busy: **2-5 minutes** when `RUN_ROOT` holds notebook 01's or
+# the demo's run dir, **3-10 minutes** when 30 GRPO steps are trained here first. The first time ever,
+# building and warm-starting the tiny model comes first (a progress bar counts its steps; cached afterwards).
+# On a GPU (one H200 or H100, `ENGINE = "sglang"`, reusing notebook 01's run dir): **60-95 s**, about 35 s of
+# it starting the engine. The last code cell prints this Run All's own time and load average; measured runs:
+# docs/results.md, section 9.
 
 # %%
 # setup

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -24,12 +24,11 @@
 # learn what a rank-64 one does? "LoRA Without Regret" (Thinking Machines, 2025) reports that for
 # policy-gradient RL it does, because RL feeds the model very few bits per episode.
 #
-# **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached; Run All in
-# a fresh kernel; `benchmarks/notebook_times.py`): **2-8 minutes**: 135 s on a quiet machine, 424 s on
-# a 2-core machine shared with other work, the 16 steps of all four policies 373 s of it (about 23 s
-# per step there, 7 s quiet). The first time, the tiny model is built and warm-started (notebook 01
-# measures it) into `~/.cache/lorabench`, where the other notebooks and `lorabench demo` find it too. On a GPU (one H200, `ENGINE = "sglang"`, the tiny model,
-# Run All in a fresh kernel with SGLang in it): **70-124 s**.
+# **How long.** On a CPU (2 cores, `ENGINE = "hf"`, these defaults, the tiny model cached): **2-8 minutes**,
+# most of it the four policies' 16 steps. The first time, the tiny model is built and warm-started into
+# `~/.cache/lorabench`, where the other notebooks and `lorabench demo` find it too. On a GPU (one H200,
+# `ENGINE = "sglang"`, the tiny model, Run All in a fresh kernel with SGLang in it): **70-124 s**. Measured
+# runs: docs/results.md, section 9.
 
 # %%
 # setup
