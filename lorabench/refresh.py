@@ -108,7 +108,7 @@ class Refresher:
     release_tags: ClassVar[tuple[str, ...]] = ("kv_cache",)  # engine memory it can spare during training
     keeps_engine_fresh: ClassVar[bool] = True              # False only for the stale control
     Settings: ClassVar[type | None] = None                 # its own section, refresh.<mode>
-    takes_base_weights: ClassVar[bool] = False             # __init__ needs the trainer's base weights
+    takes_base_weights: ClassVar[bool] = False             # writes the engine's base weights from the trainer's
 
     def __init__(self, engine, adapter_name: str, bucket_mb: float = 64.0):
         for capability in self.needs:

@@ -100,14 +100,15 @@ def scratch_refresher(engine, peft_model, mode: str, bucket_mb: float, adapter_n
     policy keeps them; after the block the refresher is closed and the adapter unloaded."""
     from .policy import LoraLayers
     layers = LoraLayers(peft_model, flatten=True)
+    merged = REFRESH_MODES[mode].takes_base_weights   # the adapter is merged into the engine's weights
     refresher = make_refresher(refresh_settings(mode, bucket_mb), engine, adapter_name,
-                               base_weights=base_weights(peft_model) if mode == "merged" else None)
+                               base_weights=base_weights(peft_model) if merged else None)
     try:
         yield layers, refresher
     finally:
         refresher.close()
         with suppress(AdapterNotLoaded):
-            if mode != "merged":
+            if not merged:
                 engine.unload_adapter(adapter_name)
 
 

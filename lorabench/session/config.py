@@ -145,7 +145,8 @@ def problems(cfg: Config) -> list[str]:
 
 def group_problems(cfg: Config) -> list[str]:
     """What a policy group cannot do (each policy's own config is checked as Config.members builds it)."""
-    return [*st.check(cfg.refresh.mode != "merged", "refresh.mode=merged with policies: a merged refresh overwrites "
+    mode = cfg.refresh.mode
+    return [*st.check(not REFRESH_MODES[mode].takes_base_weights, f"refresh.mode={mode} with policies: it overwrites "
                       "the engine's base weights, which every policy of the group shares; use refresh.mode=inplace, "
                       "tensor or file"),
             *st.check(not cfg.engine.release_memory_during_training, "engine.release_memory_during_training=true with "
