@@ -55,7 +55,7 @@ class RefreshSettings(Section):
 @dataclass
 class FileSettings(Section):
     tmp_dir: str = setting("", "Where file refresh writes adapter dirs; '' = /dev/shm if writable, else the "
-                           "system temp dir.", resume=ALLOWED, why="where file refresh writes", writes_dir=True)
+                           "system temp dir.", resume=ALLOWED, why="where file refresh writes", writes="dir")
 
 
 @dataclass

@@ -23,12 +23,13 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message says which field and how to fix it."""
 
 
-def setting(default, help: str, *, resume: str, why: str, writes_dir: bool = False):
+def setting(default, help: str, *, resume: str, why: str, writes: str = ""):
     """A settings field: its default, help text, and whether (and why) a continued run may change it.
-    writes_dir: a directory the run writes into, checked writable before anything is made (preflight)."""
+    writes="dir" / "file": a directory the run writes into, or a file it appends to; checked before anything is
+    made (preflight)."""
     if resume not in (ALLOWED, REFUSED):
         raise ValueError(f"resume={resume!r}: use settings.ALLOWED or settings.REFUSED")
-    metadata = {"help": help, "resume": resume, "why": why, **({"writes_dir": True} if writes_dir else {})}
+    metadata = {"help": help, "resume": resume, "why": why, **({"writes": writes} if writes else {})}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -82,7 +82,7 @@ class NotedRefresh(TensorRefresh):
     @dataclass
     class Settings(Section):
         notes_dir: str = setting("", "Where each refreshed version is noted ('' = nowhere).", resume=ALLOWED,
-                                 why="where the notes go", writes_dir=True)
+                                 why="where the notes go", writes="dir")
 
     mode = "noted"
     help = "tensor refresh that notes each version in a directory"

@@ -84,7 +84,8 @@ class SGLangSettings(Section):
                             "refresh.mode=inplace or an engine opened without a run; false: never, inplace refused.")
     extra_args: str = served("", 'A JSON object of further sglang.Engine arguments, e.g. \'{"enable_memory_saver": '
                              'true}\'.')
-    log_file: str = served("", "A file (appended) for the engine processes' output; '' = this process's.")
+    log_file: str = served("", "A file (appended) for the engine processes' output; '' = this process's.",
+                           writes="file")
 
     def extra(self) -> dict:
         return json.loads(self.extra_args) if self.extra_args else {}

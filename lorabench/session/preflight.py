@@ -78,20 +78,19 @@ def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False
         _writable(cfg.run.out_dir, "run.out_dir")
     if tiny_to_build(cfg):
         _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
-    for name in SECTIONS:   # every setting that declares a dir the run writes into (refresh.file.tmp_dir)
+    for name in SECTIONS:   # every setting that declares a dir or file the run writes (refresh.file.tmp_dir, ...)
         for key, f, value in walk(getattr(cfg, name), name):
-            if value and f.metadata.get("writes_dir"):
+            if value and f.metadata.get("writes") == "dir":
                 _writable(value, key)
-    log_file = cfg.engine.sglang.log_file
-    if log_file:     # opened, not created, when the engine starts: its directory must exist
-        path = Path(log_file).expanduser().absolute()
-        if path.exists() and not path.is_file():
-            raise ConfigError(f"engine.sglang.log_file={log_file!r} is a directory or another non-file; name a "
-                              f"file to append the engine's output to, e.g. {path / 'engine.log'}")
-        if not path.parent.is_dir():
-            raise ConfigError(f"engine.sglang.log_file={log_file!r}: the directory {path.parent} does not exist; "
-                              f"create it, or name a file in an existing directory")
-        _writable(path.parent, "engine.sglang.log_file")
+            elif value and f.metadata.get("writes") == "file":   # opened, not created: its directory must exist
+                path = Path(value).expanduser().absolute()
+                if path.exists() and not path.is_file():
+                    raise ConfigError(f"{key}={value!r} is a directory or another non-file; name a file to append "
+                                      f"to, e.g. {path / 'out.log'}")
+                if not path.parent.is_dir():
+                    raise ConfigError(f"{key}={value!r}: the directory {path.parent} does not exist; create it, or "
+                                      f"name a file in an existing directory")
+                _writable(path.parent, key)
 
 
 def prompt_limit(cfg: Config, context: int) -> tuple[int, str]:
