@@ -177,11 +177,13 @@ def test_empty_log_file_changes_nothing(capfd):
 
 
 # --- the SGLang releases the in-place writer was verified on ------------------------------------------
-def test_inplace_on_an_untested_sglang_names_the_tested_release_and_the_fallback():
+def test_inplace_on_an_untested_sglang_names_the_tested_release_and_the_fallback(monkeypatch):
     from lorabench.engines.base import EngineError
-    pool.check_version("0.5.17")
+    monkeypatch.setattr(pool, "installed", lambda: "0.5.17")
+    pool.check_version()
+    monkeypatch.setattr(pool, "installed", lambda: "0.5.23")
     with pytest.raises(EngineError) as refused:
-        pool.check_version("0.5.23")
+        pool.check_version()
     message = str(refused.value)
     assert "\n" not in message and "sglang 0.5.23" in message and "0.5.17" in message
     assert "refresh.mode=tensor" in message and "lorabench[sglang]" in message

@@ -79,12 +79,11 @@ def installed() -> str | None:
         return None
 
 
-def check_version(release: str | None = None) -> None:
+def check_version() -> None:
     """Refuse the in-place writer on an unverified SGLang release (a wrong write serves a corrupt adapter)."""
-    release = release or installed()
-    if release is not None and release not in VERIFIED:
+    if not verified():
         raise EngineError(f"refresh.mode=inplace writes into SGLang's LoRA pool through internals verified on sglang "
-                          f"{', '.join(VERIFIED)}; this Python has sglang {release}. Use refresh.mode=tensor "
+                          f"{', '.join(VERIFIED)}; this Python has sglang {installed()}. Use refresh.mode=tensor "
                           f"(public API, any release), or install the tested release: pip install 'lorabench[sglang]'")
 
 
