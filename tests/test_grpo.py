@@ -242,10 +242,12 @@ def test_step_record_and_exact_tensor_refresh(make_trainer):
         assert torch.allclose(torch.tensor([s["advantage"] for s in rec.samples]), group_advantages(rewards, 4))
         assert m["reward/mean"] == pytest.approx(rewards.mean().item()) == pytest.approx(m["reward/correct/mean"])
     assert len(trainer.history) == 3
-    # the names readers import (lorabench.metrics) are the row's: none names a key no step writes
-    declared = {v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str)}
+    # the names readers import (lorabench.metrics) are the rows': none names a key no step or evaluation writes
+    held = {v for k, v in vars(metrics).items() if k.startswith("HELD_")}   # evals.jsonl's
+    declared = {v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str)} - held
     stale_or_bonus = {metrics.LAG, metrics.IS_WEIGHT, metrics.IS_TRUNCATED, metrics.FORMAT}
     assert declared - stale_or_bonus <= set(m) and declared <= METRIC_KEYS | stale_or_bonus
+    assert set(trainer.evaluate(greedy=True)) == held | {"step"}
 
 
 @pytest.mark.parametrize("mode", ["tensor", "file", "inplace", "merged", "none"])
