@@ -97,13 +97,7 @@ class SGLangSettings(Section):
             *check(0 < self.mem_fraction_static < 1, f"engine.sglang.mem_fraction_static={self.mem_fraction_static}: "
                    f"must be between 0 and 1 (e.g. 0.3 when the trainer shares the GPU)"),
             *check(self.dtype in DTYPES, f"engine.sglang.dtype={self.dtype!r}: use one of {sorted(DTYPES)}"),
-            *check(self.sampling_backend != internals.SAMPLER or internals.sampler_plugin_found(),
-                   f"engine.sglang.sampling_backend={internals.SAMPLER}: SGLang finds lorabench's sampler through "
-                   f"its installed entry point, and this Python has none; run `pip install -e .` in the checkout"),
-            *check(self.sampling_backend != internals.SAMPLER or internals.verified(),
-                   f"engine.sglang.sampling_backend={internals.SAMPLER}: lorabench's sampler subclasses SGLang's "
-                   f"through internals verified on sglang {', '.join(internals.VERIFIED)}, and this Python has sglang "
-                   f"{internals.installed()}; use '' (SGLang's sampler) or pip install 'lorabench[sglang]'"),
+            *(internals.sampler_problems() if self.sampling_backend == internals.SAMPLER else []),
             *check(internals.lora_backend_known(self.lora_backend),
                    f"engine.sglang.lora_backend={self.lora_backend!r}: use one of {sorted(internals.LORA_BACKENDS)} "
                    f"('' = SGLang's default)"),

@@ -102,6 +102,16 @@ def sampler_plugin_found() -> bool:
     return any(ep.value == SAMPLER_ENTRY for ep in entry_points(group="sglang.srt.plugins"))
 
 
+def sampler_problems() -> list[str]:
+    """Why sampling_backend=SAMPLER cannot run here: the plugin not installed, or an unverified release."""
+    asked = f"engine.sglang.sampling_backend={SAMPLER}"
+    return [*([f"{asked}: SGLang finds lorabench's sampler through its installed entry point, and this Python has "
+               f"none; run `pip install -e .` in the checkout"] if not sampler_plugin_found() else []),
+            *([f"{asked}: lorabench's sampler subclasses SGLang's through internals verified on sglang "
+               f"{', '.join(VERIFIED)}, and this Python has sglang {installed()}; use '' (SGLang's sampler) or "
+               f"pip install 'lorabench[sglang]'"] if not verified() else [])]
+
+
 def register_sampler() -> None:
     """SGLang's plugin hook, in each of its processes: sampling_backend=SAMPLER makes a `_one_pass_sampler`.
     Only in an engine that asked for it (SAMPLER_ENV): SGLang runs every installed plugin, whoever starts it."""

@@ -172,15 +172,14 @@ def share_se(before: float, after: float, n: int) -> float:
 
 def learned_summary(before: dict, after: dict) -> str:
     """Markdown: what the run learned from held-out evaluations; each direction word from `direction`."""
-    n = after[m.HELD_COUNT]
-    fmt, right, reward = (direction(before[k], after[k], share_se(before[k], after[k], n))
-                          for k in (m.HELD_FORMAT, m.HELD_FLEXIBLE, m.HELD_STRICT))
+    n, measures = after[m.HELD_COUNT], (m.HELD_FORMAT, m.HELD_FLEXIBLE, m.HELD_STRICT)
+    fmt, right, reward = (direction(before[k], after[k], share_se(before[k], after[k], n)) for k in measures)
     verdict = {("rose", "fell"): "the reward was learned, the arithmetic got worse",
                ("rose", "held"): "the run learned the format the reward pays for, not the arithmetic",
                ("rose", "rose"): "the run learned the format, and more answers are right in any format too"
                }.get((fmt, right), f"the format did not catch on in this run (it {fmt}), and any-format "
                                    f"correctness {right}")
-    shares = {k: f"({before[k]:.2f} → {after[k]:.2f})" for k in (m.HELD_FORMAT, m.HELD_FLEXIBLE, m.HELD_STRICT)}
+    shares = {k: f"({before[k]:.2f} → {after[k]:.2f})" for k in measures}
     return (f"**What this run learned** ({n} held-out problems, greedy): ending with `#### N` {fmt} "
             f"{shares[m.HELD_FORMAT]}, the last number right in any format {right} {shares[m.HELD_FLEXIBLE]}, "
             f"and the reward, which needs both, {reward} {shares[m.HELD_STRICT]}: **{verdict}**. (A change within two "

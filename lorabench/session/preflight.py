@@ -66,6 +66,18 @@ def _writable(path: str | Path, field: str) -> None:
         raise ConfigError(f"{field}={str(path)!r}: {probe} {why}; point {field} at a writable directory")
 
 
+def _appendable(value: str, field: str) -> None:
+    """A file opened (not created) for appending: its directory must exist and be writable."""
+    path = Path(value).expanduser().absolute()
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{field}={value!r} is a directory or another non-file; name a file to append to, e.g. "
+                          f"{path / 'out.log'}")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{field}={value!r}: the directory {path.parent} does not exist; create it, or name a file "
+                          f"in an existing directory")
+    _writable(path.parent, field)
+
+
 def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False) -> None:
     if run_dir is not None and Path(run_dir).is_dir():   # it (a mount point, say) and its folders must be writable
         for folder in (Path(run_dir), *(Path(run_dir) / sub for sub in FOLDERS)):
@@ -80,17 +92,8 @@ def check_dirs(cfg: Config, run_dir: Path | None = None, continued: bool = False
         _writable(cache_root(cfg.model.cache_dir), "model.cache_dir")  # the model is built there first
     for name in SECTIONS:   # every setting that declares a dir or file the run writes (refresh.file.tmp_dir, ...)
         for key, f, value in walk(getattr(cfg, name), name):
-            if value and f.metadata.get("writes") == "dir":
-                _writable(value, key)
-            elif value and f.metadata.get("writes") == "file":   # opened, not created: its directory must exist
-                path = Path(value).expanduser().absolute()
-                if path.exists() and not path.is_file():
-                    raise ConfigError(f"{key}={value!r} is a directory or another non-file; name a file to append "
-                                      f"to, e.g. {path / 'out.log'}")
-                if not path.parent.is_dir():
-                    raise ConfigError(f"{key}={value!r}: the directory {path.parent} does not exist; create it, or "
-                                      f"name a file in an existing directory")
-                _writable(path.parent, key)
+            if value and f.metadata.get("writes"):
+                {"dir": _writable, "file": _appendable}[f.metadata["writes"]](value, key)
 
 
 def prompt_limit(cfg: Config, context: int) -> tuple[int, str]:
