@@ -33,7 +33,7 @@ from synthetic import peft_adapter  # noqa: E402  (benchmarks/, as above)
 
 from lorabench.adapters import FlatAdapter  # noqa: E402
 from lorabench.data import prompt_ids, synthetic_problems  # noqa: E402
-from lorabench.engines.base import AdapterNotLoaded, EngineError, Sampling  # noqa: E402
+from lorabench.engines.base import AdapterNotLoaded, EngineError, GenerateRequest, Sampling  # noqa: E402
 from lorabench.engines.hf import HFEngine  # noqa: E402
 from lorabench.models import load_tokenizer  # noqa: E402
 from lorabench.session import start_engine  # noqa: E402
@@ -47,8 +47,7 @@ RUNS = str(Path(os.environ.get("LORABENCH_GPU_RUNS", "/tmp/lorabench-gpu-runs"))
            / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 # the offline GPU stack lacks FlashInfer/FA3/xgrammar; a full install needs none of these. Prefill
 # CUDA graphs off: faster starts; decode graphs stay on (the refresh benchmark keeps SGLang's defaults)
-STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
-         "engine.sglang.grammar_backend=none",
+STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.grammar_backend=none",
          'engine.sglang.extra_args={"disable_prefill_cuda_graph": true}']
 
 
@@ -227,6 +226,11 @@ def test_one_pass_sampler_draws_and_serves_as_sglangs_does(tiny_path):
                                  None)
             out[f"generate_vs_score_{backend}"] = diff([torch.tensor(c.logprobs) for c in sampled], rescored)
             out[f"distinct_completions_{backend}"] = len({tuple(c.token_ids) for c in sampled})
+            # batches the plugin leaves to SGLang: greedy rows beside sampled ones, and top-p (on SAMPLER,
+            # SGLang's own dispatch raised and its scheduler died, taking this process with it)
+            greedy, nucleus = eng.generate_mixed([GenerateRequest(prompts[:4], Sampling(16, 0.0), None),
+                                                  GenerateRequest(prompts[4:12], Sampling(16, 1.0, 0.9), None)])
+            out[f"left_to_sglang_rows_{backend}"] = sum(len(c.token_ids) > 0 for c in greedy + nucleus)
     record("one_pass_sampler", out)
     assert out["chi2"] < chi_square_999(out["dof"]), out
     assert out["logprob_gap"] < 1e-4, out
@@ -234,6 +238,7 @@ def test_one_pass_sampler_draws_and_serves_as_sglangs_does(tiny_path):
     assert ours[0] < 0.25 and ours[1] < max(2 * sglangs[1], 0.01), out
     # the same noise at every step (a seed fixed once) would repeat draws of a repeated prompt
     assert out["distinct_completions_lorabench"] >= out["distinct_completions_pytorch"] / 2, out
+    assert out["left_to_sglang_rows_lorabench"] == 12, out
 
 
 def test_parity_qwen3_06b_shape(q06_model, tmp_path):

@@ -147,6 +147,14 @@ def _one_pass_sampler():
                 LogprobResult(token_logprobs=logprobs).write_output_to(logits_output)
             self._sync_token_ids_across_tp(ids, info)
             return ids
+
+        def _sample_from_probs(self, probs, info, positions, simple_sampling_case):
+            # a batch it leaves to SGLang (top-p, greedy beside sampled rows) goes to SGLang's torch path: SGLang's
+            # own dispatch knows only its backends' names and raises on SAMPLER, which kills the scheduler
+            if simple_sampling_case:
+                return super()._sample_from_probs(probs, info, positions, simple_sampling_case)
+            return sgl.top_k_top_p_min_p_sampling_from_probs_torch(
+                probs, info.top_ks, info.top_ps, info.min_ps, info.need_min_p_sampling, info.sampling_seed, positions)
     return OnePassSampler()
 
 
