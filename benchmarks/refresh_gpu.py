@@ -44,7 +44,7 @@ from lorabench.refresh_bench import adapter_model  # noqa: E402
 from lorabench.tiny import build_tiny_tokenizer  # noqa: E402
 
 MODES = ("inplace", "tensor", "file", "naive_tensor", "naive_file")
-STACK = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")  # the offline stack
+STACK = dict(attention_backend="triton", grammar_backend="none")  # the offline stack
 
 
 def stats(values: list[float]) -> dict:

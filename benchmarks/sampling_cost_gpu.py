@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=400, help="the run stops itself after this many seconds")
     parser.add_argument("--cache", default=os.environ.get("LORABENCH_CACHE", "/tmp/lorabench-cache"))
     parser.add_argument("--attention", default=STACK_ARGS["attention_backend"], help="engine.sglang.attention_backend")
-    parser.add_argument("--sampling-backend", default=STACK_ARGS["sampling_backend"],
+    parser.add_argument("--sampling-backend", default="auto",
                         help="engine.sglang.sampling_backend ('lorabench': the one-pass sampler)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--profile-dir", default="", help="also trace 8 decode steps of the largest batch (logprob_k4) "

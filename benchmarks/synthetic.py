@@ -20,9 +20,9 @@ from lorabench.models import load_tokenizer
 from lorabench.safedir import atomic_dir
 
 # the engine arguments of our offline GPU stack (no FlashInfer, FA3 or xgrammar; a full install needs none)
-STACK_ARGS = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")  # SGLangSettings
-STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
-         "engine.sglang.grammar_backend=none", "engine.sglang.dtype=bfloat16", "model.dtype=bfloat16"]
+STACK_ARGS = dict(attention_backend="triton", grammar_backend="none")  # SGLangSettings
+STACK = ["engine.backend=sglang", "engine.sglang.attention_backend=triton", "engine.sglang.grammar_backend=none",
+         "engine.sglang.dtype=bfloat16", "model.dtype=bfloat16"]
 
 QWEN3_SHAPES = {
     "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),

@@ -55,6 +55,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu.txt" 2>&1
 # whether a CUDA compiler is there (FlashInfer's kernels, which the offline stack leaves out, are compiled at first use)
 { command -v nvcc && nvcc --version | tail -2; } >> "$RES/gpu.txt" 2>&1 || echo "nvcc: not found" >> "$RES/gpu.txt"
+# the sampler a run gets at the defaults: auto is lorabench's where SGLang finds its entry point (carry lorabench.egg-info)
+python -c "from lorabench.engines.sglang import SGLangSettings as S; print('sampling_backend=auto:', S().sampler() or 'SGLang default')" \
+  2>&1 | tee -a "$RES/gpu.txt"
 status=0
 if [ -n "${LORABENCH_MPS:-}" ]; then   # a private CUDA MPS daemon for this call's processes (trainer + engine share the SMs)
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/lorabench-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/lorabench-mps/log
@@ -118,11 +121,11 @@ for part in "$@"; do
     own_gpu) "${part_timeout[@]}" python benchmarks/step_user_path.py --out "$RES/step_own_gpu.json" --modes background \
                --staleness 0 1 --overrides engine.sglang.base_gpu_id=1 engine.sglang.mem_fraction_static=0.85 ;;
     stale_learning) "${part_timeout[@]}" python benchmarks/staleness_learning.py --out "$RES/staleness_learning_gpu.json" \
-               engine.backend=sglang engine.sglang.attention_backend=triton engine.sglang.sampling_backend=pytorch \
+               engine.backend=sglang engine.sglang.attention_backend=triton \
                engine.sglang.grammar_backend=none engine.sglang.dtype=bfloat16 ${LORABENCH_SEEDS:+--seeds $LORABENCH_SEEDS} ;;
     own_gpu_learning) "${part_timeout[@]}" python benchmarks/staleness_learning.py \
                --out "$RES/staleness_learning_own_gpu.json" \
-               engine.backend=sglang engine.sglang.attention_backend=triton engine.sglang.sampling_backend=pytorch \
+               engine.backend=sglang engine.sglang.attention_backend=triton \
                engine.sglang.grammar_backend=none engine.sglang.dtype=bfloat16 engine.sglang.base_gpu_id=1 \
                engine.sglang.mem_fraction_static=0.85 ${LORABENCH_SEEDS:+--seeds $LORABENCH_SEEDS} ;;
     *) echo "unknown part $part"; false ;;

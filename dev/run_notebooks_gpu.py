@@ -39,8 +39,7 @@ from notebook_helpers import noise, parameterized, write_kernelspec  # noqa: E40
 
 CELL_TIMEOUT_S = 1200
 # the offline GPU stack has no FlashInfer/FA3 or xgrammar (README, "Running the real configuration")
-ENGINE_ARGS = ["engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
-               "engine.sglang.grammar_backend=none",
+ENGINE_ARGS = ["engine.sglang.attention_backend=triton", "engine.sglang.grammar_backend=none",
                "engine.sglang.dtype=bfloat16", "engine.sglang.mem_fraction_static=0.3"]
 
 

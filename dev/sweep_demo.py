@@ -9,8 +9,7 @@ from lorabench.session import build_trainer, start_engine
 from lorabench.session.config import Config
 from lorabench.tiny import tiny_model_dir
 
-STACK = ["engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
-         "engine.sglang.grammar_backend=none",
+STACK = ["engine.sglang.attention_backend=triton", "engine.sglang.grammar_backend=none",
          'engine.sglang.extra_args={"disable_prefill_cuda_graph": true}', "engine.sglang.dtype=bfloat16",
          "engine.sglang.mem_fraction_static=0.3", "data.eval_size=256"]
 GROUPS = {  # warm-start settings -> list of GRPO settings

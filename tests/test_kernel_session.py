@@ -45,8 +45,7 @@ def test_notebook_01_with_the_kernel_idle_sglang(tmp_path):
     if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
         pytest.skip("needs a CUDA GPU and sglang (run dev/gpu_session.sh tests on the GPU machine)")
     # the offline GPU stack lacks FlashInfer/FA3/xgrammar (a full install needs none of these)
-    stack = ["engine.sglang.attention_backend=triton", "engine.sglang.sampling_backend=pytorch",
-             "engine.sglang.grammar_backend=none",
+    stack = ["engine.sglang.attention_backend=triton", "engine.sglang.grammar_backend=none",
              "engine.sglang.dtype=bfloat16", "engine.sglang.mem_fraction_static=0.3", "refresh.mode=inplace"]
     t0, seen = time.monotonic(), {}
     out = Path(os.environ.get("LORABENCH_GPU_OUT", "gpu_results"))

@@ -271,6 +271,26 @@ def test_the_one_pass_sampler_reaches_sglang_as_a_plugin_of_the_installed_packag
         Config.load(None, asked)
 
 
+def test_auto_samples_with_the_one_pass_sampler_where_sglang_can_load_it_and_says_why_not_elsewhere(monkeypatch):
+    """The default, sampling_backend=auto: the plugin where its entry point is installed on a verified release;
+    elsewhere SGLang's own sampler (never a refusal) and one line saying why and what the one pass buys."""
+    from lorabench.engines.base import EngineNeeds
+    from lorabench.engines.sglang import sampler_note
+    from lorabench.session.config import Config
+    settings = Config.load(None, ["engine.backend=sglang"]).engine.sglang
+    monkeypatch.setattr(pool, "installed", lambda: "0.5.17")
+    assert settings.sampling_backend == "auto" and settings.sampler() == pool.SAMPLER
+    assert settings.engine_kwargs("/m", EngineNeeds())["sampling_backend"] == pool.SAMPLER
+    assert not sampler_note(settings)
+    for problem, fix in ((lambda: monkeypatch.setattr(pool, "sampler_plugin_found", lambda: False), "pip install -e ."),
+                         (lambda: monkeypatch.setattr(pool, "installed", lambda: "0.5.23"), "sglang 0.5.23")):
+        problem()
+        assert "sampling_backend" not in settings.engine_kwargs("/m", EngineNeeds())   # SGLang's default
+        assert not settings.problems() and fix in sampler_note(settings) and "section 2" in sampler_note(settings)
+    pinned = Config.load(None, ["engine.backend=sglang", "engine.sglang.sampling_backend=pytorch"]).engine.sglang
+    assert pinned.engine_kwargs("/m", EngineNeeds())["sampling_backend"] == "pytorch" and not sampler_note(pinned)
+
+
 def test_the_one_pass_sampler_takes_batches_only_where_every_token_has_its_own_random():
     """Each row takes a quarter of its padded length in int32 Philox counters; past 2**31 two rows would share
     randoms (correlated draws), so such a batch goes to SGLang's own sampler. A 64-token vocabulary is padded to

@@ -41,6 +41,7 @@ from .engine_thread import EngineThread
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IDLE_AFTER_ABORT_S = 30.0   # how long a write waits for SGLang to finish the requests of an aborted call
+AUTO = "auto"   # engine.sglang.sampling_backend: the one-pass sampler where it can run
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 served = functools.partial(setting, resume=ALLOWED, why=SERVED)   # every engine.sglang setting: how rollouts run
 
@@ -71,8 +72,9 @@ class SGLangSettings(Section):
     max_loras_per_batch: int = served(4, "Adapters per batch; the base model counts as one (>= 2).")
     lora_backend: str = served("triton", "The LoRA kernels: 'triton' (faster decode) or 'csgmv' (SGLang's default).")
     attention_backend: str = served("", "'' = SGLang's default.")
-    sampling_backend: str = served("", "'' = SGLang's default; 'lorabench' = one read of the logits for plain "
-                                   "temperature sampling (an SGLang plugin: lorabench pip-installed where it runs).")
+    sampling_backend: str = served("auto", "'auto' = 'lorabench' where SGLang can load it, else SGLang's default; "
+                                   "'lorabench' = one read of the logits for plain temperature sampling (an SGLang "
+                                   "plugin: lorabench pip-installed, a verified release); '' = SGLang's default.")
     grammar_backend: str = served("", "'' = SGLang's default.")
     disable_cuda_graph: bool = served(False, "Turn CUDA graphs off (slower decode, faster start).")
     cuda_graph_max_bs: int = served(0, "Largest decode batch run as a CUDA graph (a larger one decodes several "
@@ -86,6 +88,13 @@ class SGLangSettings(Section):
                              'true}\'.')
     log_file: str = served("", "A file (appended) for the engine processes' output; '' = this process's.",
                            writes="file")
+
+    def sampler(self) -> str:
+        """The sampling backend SGLang is started with ('' = its default): 'auto' is the one-pass sampler where
+        SGLang's processes can load it (internals.sampler_problems), else SGLang's own."""
+        if self.sampling_backend != AUTO:
+            return self.sampling_backend
+        return "" if internals.sampler_problems() else internals.SAMPLER
 
     def extra(self) -> dict:
         return json.loads(self.extra_args) if self.extra_args else {}
@@ -134,10 +143,10 @@ class SGLangSettings(Section):
         # decode CUDA graphs up to the largest batch the run sends; above, a batch decodes eagerly
         if self.cuda_graph_max_bs or needs.largest_batch:
             kwargs["cuda_graph_max_bs_decode"] = self.cuda_graph_max_bs or needs.largest_batch
-        for key in ("attention_backend", "sampling_backend", "grammar_backend", "lora_backend", "disable_cuda_graph",
-                    "base_gpu_id"):
-            if getattr(self, key):   # '', False, 0: SGLang's default
-                kwargs[key] = getattr(self, key)
+        chosen = {key: getattr(self, key) for key in ("attention_backend", "grammar_backend", "lora_backend",
+                                                      "disable_cuda_graph", "base_gpu_id")}
+        chosen["sampling_backend"] = self.sampler()
+        kwargs.update({key: value for key, value in chosen.items() if value})   # '', False, 0: SGLang's default
         if self.tp_size > 1:
             kwargs["tp_size"] = self.tp_size
         return {**kwargs, **self.extra()}
@@ -171,6 +180,15 @@ def overlap_note(needs: EngineNeeds, base_gpu_id: int) -> str:
             f"GPU and no CUDA MPS daemon runs (no {pipes / 'control'}): the GPU runs the two processes' kernels in "
             f"turns, so a step costs about what an on-policy one does. Start MPS before the run "
             f"(nvidia-cuda-mps-control -d) or give the engine a GPU of its own (engine.sglang.base_gpu_id=1)")
+
+
+def sampler_note(settings: SGLangSettings) -> str:
+    """'' or why sampling_backend=auto left sampling to SGLang's own sampler here."""
+    if settings.sampling_backend != AUTO or settings.sampler():
+        return ""
+    why = "; ".join(problem.split(": ", 1)[1] for problem in internals.sampler_problems())
+    return (f"engine.sglang.sampling_backend=auto: SGLang's own sampler, not lorabench's one-pass sampler (a 2,048-row "
+            f"decode ~1.2x faster, docs/results.md section 2), because {why}")
 
 
 @contextlib.contextmanager
@@ -324,7 +342,8 @@ class SGLangEngine:
     def _notes(self, needs: EngineNeeds) -> list[str]:
         """What the session tells the user: KV room, sampling-ahead overlap, an unverified release's gaps."""
         notes = [kv_capacity_note(self.engine.get_server_info().get("max_total_num_tokens"), needs,
-                                  self.settings.mem_fraction_static), overlap_note(needs, self.settings.base_gpu_id)]
+                                  self.settings.mem_fraction_static), overlap_note(needs, self.settings.base_gpu_id),
+                 sampler_note(self.settings)]
         return [*filter(None, notes), *internals.release_notes(self.engine)]
 
     @staticmethod
