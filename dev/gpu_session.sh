@@ -3,6 +3,8 @@
 # result folder). From the checkout's root, inside the offline sglang stack:
 #   CACHE_OUT=$OUT bash .sglang/with-sglang.sh bash dev/gpu_session.sh PART [PART...]
 # PARTS: tests (the GPU test files in $LORABENCH_GPU_TESTS, default the single-GPU suite, -k $LORABENCH_GPU_K),
+#        suite (call $LORABENCH_SUITE_CALL of dev/gpu_suite_calls.txt, the whole single-GPU suite in six calls, as
+#               tests_each),
 #        tests_each (the test ids in $LORABENCH_GPU_IDS, each in a pytest process of its own, stopped after
 #                    $LORABENCH_TEST_TIMEOUT s (default 200), or after N s for an id written ID@N: a test that kills
 #                    or hangs its process costs only itself),
@@ -74,7 +76,9 @@ for part in "$@"; do
   case $part in
     tests) "${part_timeout[@]}" "${with_extras[@]}" python -m pytest -m gpu -v -p no:cacheprovider --capture=tee-sys ${LORABENCH_GPU_K:+-k "$LORABENCH_GPU_K"} \
              ${LORABENCH_GPU_TESTS:-tests/test_sglang_gpu.py tests/test_policy_compile_gpu.py} ;;
-    tests_each) for entry in ${LORABENCH_GPU_IDS:?name the test ids}; do
+    suite|tests_each) [ "$part" = suite ] && LORABENCH_GPU_IDS=$(awk -v n="${LORABENCH_SUITE_CALL:?name the call}" \
+                   '$1 == n {print $2}' dev/gpu_suite_calls.txt)
+                for entry in ${LORABENCH_GPU_IDS:?name the test ids}; do
                   id=${entry%@*}; limit=${LORABENCH_TEST_TIMEOUT:-200}; [ "$id" = "$entry" ] || limit=${entry##*@}
                   echo "=== $id (limit $limit s)"; t0=$(date +%s)
                   timeout -k 10 "$limit" "${with_extras[@]}" python -m pytest -m gpu -v -rA --tb=short \

@@ -381,3 +381,26 @@ def test_building_the_wheel_warns_nothing_about_the_project(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout + out.stderr
     assert "deprecated" not in text.lower(), [line for line in text.splitlines() if "deprecat" in line.lower()]
+
+
+def _gpu_tests(path: Path) -> set[str]:
+    """The test functions of a test file that pytest's `gpu` marker selects (the module's or its own)."""
+    def marked(node) -> bool:
+        return any(isinstance(d, ast.Attribute) and d.attr == "gpu" for d in ast.walk(node))
+    tree = ast.parse(path.read_text())
+    whole = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                and marked(n.value) for n in tree.body)
+    return {f"tests/{path.name}::{n.name}" for n in tree.body if isinstance(n, ast.FunctionDef)
+            and n.name.startswith("test_") and (whole or any(marked(d) for d in n.decorator_list))}
+
+
+def test_the_gpu_suite_plan_names_every_single_gpu_test_once():
+    """dev/gpu_suite_calls.txt is the whole single-GPU suite (the two-GPU file aside): a new GPU test not in it
+    would never run in `dev/gpu_session.sh suite`, a removed one would stop its call."""
+    lines = [line.split() for line in (ROOT / "dev/gpu_suite_calls.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    planned = [entry.split("@")[0] for _, entry in lines]
+    assert all(call.isdigit() and re.fullmatch(r"\S+::\w+@\d+", entry) for call, entry in lines), lines
+    found = set().union(*(_gpu_tests(p) for p in sorted((ROOT / "tests").glob("test_*.py"))
+                          if p.name != "test_sglang_tp2.py"))
+    assert len(found) > 15 and sorted(planned) == sorted(found), (set(planned) ^ found)
