@@ -313,3 +313,45 @@ def test_another_release_is_noted_for_every_mode_and_its_lora_backends_are_sglan
     assert f"sampling_backend={pool.SAMPLER} are refused" in note
     assert "tokenizer_manager._subprocess_watchdog" in note and "Engine._weight_cache_daemon_procs" in note
     assert "abort_request" not in note and pool.lora_backend_known("cutlass")
+
+
+class _Count:
+    """The shape of SGLang's ConcurrentCounter that release_leaked_lora_counts reads (its unload waits for == 0)."""
+
+    def __init__(self, value: int):
+        self.count = value
+
+    def value(self) -> int:
+        return self.count
+
+    async def decrement(self, n: int = 1) -> None:
+        self.count -= n
+
+
+def test_leaked_adapter_counts_are_given_back_once_outputs_in_transit_and_scheduled_releases_have_run():
+    """After an abort SGLang's scheduler is idle, but an aborted request's last output may still be on its way
+    through the detokenizer (its state not yet gone) and a finished request's release may be a task yet to run.
+    Counting before either gave a count back twice (below 0: an unload then waits forever) or not at all."""
+    import asyncio
+    import time
+
+    from lorabench.engines.base import EngineError
+    loop = asyncio.new_event_loop()
+    try:
+        count = _Count(3)   # 1 leaked by a request aborted in the queue, 1 to be released, 1 in transit
+        registry = SimpleNamespace(_counters={"a": count})
+        manager = SimpleNamespace(rid_to_state={"late": object()}, lora_registry=registry)
+        engine = SimpleNamespace(tokenizer_manager=manager, loop=loop)
+        loop.create_task(count.decrement(1))   # a release scheduled while the last call's loop ran
+
+        def arrives():   # the in-transit output: its state goes and its release is scheduled
+            manager.rid_to_state.clear()
+            loop.create_task(count.decrement(1))
+        loop.call_later(0.12, arrives)
+        pool.release_leaked_lora_counts(engine, time.monotonic() + 5)
+        assert count.value() == 0 and not manager.rid_to_state
+        manager.rid_to_state["stuck"] = object()   # never leaves: a clear error instead of a later endless unload
+        with pytest.raises(EngineError, match="still tracks 1 request.*interrupted call"):
+            pool.release_leaked_lora_counts(engine, time.monotonic() + 0.2)
+    finally:
+        loop.close()

@@ -501,7 +501,7 @@ class SGLangEngine:
                                   f"neither ran. Close the session and open it again (lorabench resume continues "
                                   f"from the last checkpoint)")
             time.sleep(0.05)
-        internals.release_leaked_lora_counts(self.engine)   # else an unload of their adapter waits forever
+        internals.release_leaked_lora_counts(self.engine, deadline)   # else an unload of their adapter waits forever
         self._aborted = False
 
     @_on_engine_thread()

@@ -10,8 +10,9 @@ Every refresh mode:
 - `watch`: a failing SGLang process SIGQUITs this one; which exited is read from /proc/<pid>/stat.
 - `event_loop`: `Engine.loop`; `abort_requests`: `tokenizer_manager.abort_request(abort_all=True)`.
 - `release_leaked_lora_counts`: a request aborted in the scheduler's queue never gives back its adapter's in-use
-  count (`lora_registry._counters`), and unloading that adapter waits for the count to reach 0; with no request
-  in flight every count must be 0, so what is left is given back.
+  count (`lora_registry._counters`), and unloading that adapter waits for the count to be exactly 0; once no
+  request is in flight (`rid_to_state` empty) and the releases that finished requests scheduled have run, every
+  count must be 0, so what is left is given back.
 - `check_reply`: replies carry no error code, so missing/already-loaded adapters are told by their text.
 - `register_sampler` (`engine.sglang.sampling_backend=lorabench`): SGLang's plugin entry point (pyproject.toml,
   group `sglang.srt.plugins`, run in every SGLang process before it builds anything) registers SAMPLER through
@@ -36,6 +37,7 @@ turns into a reply; nothing is written before every check passes.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import functools
@@ -62,6 +64,7 @@ LORA_BACKENDS = ("", "triton", "csgmv", "torch_native")   # --lora-backend's on 
 LOADER = "lorabench.engines.sglang_internals.handle"
 PREFIX = "lorabench-pool/"         # tensor names: PREFIX + <command>/<lora id>/<what>[/<device>]
 STATUS_BYTES = 4096
+RELEASES_RUN_S = 0.05              # the engine's loop runs this long for scheduled adapter releases to finish
 SAMPLER = "lorabench"              # engine.sglang.sampling_backend of the one-pass sampler
 SAMPLER_ENTRY = "lorabench.engines.sglang_internals:register_sampler"   # pyproject.toml's SGLang plugin
 SAMPLER_ENV = "LORABENCH_SGLANG_SAMPLER"   # set by an engine that asks for SAMPLER; its processes inherit it
@@ -217,13 +220,23 @@ def event_loop(engine):
     return engine.loop
 
 
-def release_leaked_lora_counts(engine) -> None:
-    """On the engine's thread, with no request in flight: set every adapter's in-use count back to 0 (see the
-    module docstring). Skipped where the counts are absent."""
+def release_leaked_lora_counts(engine, deadline: float) -> None:
+    """On the engine's thread once SGLang's scheduler is idle after an abort: set every adapter's in-use count back
+    to 0 (see the module docstring). First the engine's loop runs until no request is in flight: the aborted
+    requests' last outputs come through the detokenizer, after the scheduler's own reply, and the releases they
+    schedule are tasks yet to run; a count taken before either would be given back twice (below 0, on which an
+    unload waits forever too). EngineError past `deadline` (time.monotonic). Skipped where the counts are absent."""
     manager = engine.tokenizer_manager
     counters = getattr(getattr(manager, "lora_registry", None), "_counters", None)
-    if counters is None or getattr(manager, "rid_to_state", True):   # absent, or a request in flight
+    if counters is None:
         return
+    engine.loop.run_until_complete(asyncio.sleep(RELEASES_RUN_S))
+    while getattr(manager, "rid_to_state", None):
+        if time.monotonic() > deadline:
+            raise EngineError(f"SGLang still tracks {len(manager.rid_to_state)} request(s) after an interrupted call "
+                              f"although its scheduler is idle; an adapter unload now could wait forever. Close the "
+                              f"session and open it again (lorabench resume continues from the last checkpoint)")
+        engine.loop.run_until_complete(asyncio.sleep(RELEASES_RUN_S))   # outputs in transit, their releases
     for counter in counters.values():
         if (count := counter.value()) > 0:
             engine.loop.run_until_complete(counter.decrement(count))
