@@ -19,7 +19,10 @@ Every refresh mode:
   `sglang.srt.layers.sampler.register_sampler_backend`, in an engine that asked for it (SAMPLER_ENV). Its Sampler
   subclass samples plain temperature batches by `one_pass_sampler`, calling the Sampler's `_preprocess_logits` and
   `_sync_token_ids_across_tp`, reading SamplingBatchInfo's need_*/sampling_seed/return_sampling_masks and writing
-  `LogprobResult`; every other batch goes to SGLang's own `forward`.
+  `LogprobResult`; every other batch goes to SGLang's own `forward`, and its `_sample_from_probs` draws one that
+  needs top-p/k or min-p with the functions SGLang's default backend uses (`is_flashinfer_available`: FlashInfer's
+  `top_k_top_p_sampling_from_probs`, `min_p_sampling_from_probs`, sgl_kernel's renorms; else
+  `top_k_top_p_min_p_sampling_from_probs_torch`).
 - `LORA_BACKENDS`: `--lora-backend`'s choices. `LoopbackStore`: SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE and
   torch's TORCHELASTIC_USE_AGENT_STORE point every scheduler rank at a store on loopback.
 
@@ -127,6 +130,7 @@ def register_sampler() -> None:
 def _one_pass_sampler():
     from sglang.srt.layers import sampler as sgl
     from sglang.srt.layers.logprob_processor import LogprobResult
+    from sglang.srt.utils.common import is_flashinfer_available
 
     from .one_pass_sampler import fits, gumbel_sample
 
@@ -152,10 +156,17 @@ def _one_pass_sampler():
             return ids
 
         def _sample_from_probs(self, probs, info, positions, simple_sampling_case):
-            # a batch it leaves to SGLang (top-p, greedy beside sampled rows) goes to SGLang's torch path: SGLang's
-            # own dispatch knows only its backends' names and raises on SAMPLER, which kills the scheduler
+            # a batch it leaves to SGLang (top-p, greedy rows beside sampled ones) is drawn as under SGLang's default
+            # backend: FlashInfer's fused kernels where they import, else torch's (a sort of the vocabulary). SGLang's
+            # own dispatch knows only its backends' names and raised on SAMPLER, which killed the scheduler.
             if simple_sampling_case:
                 return super()._sample_from_probs(probs, info, positions, simple_sampling_case)
+            if info.sampling_seed is None and is_flashinfer_available():
+                if info.need_min_p_sampling:
+                    probs = sgl.top_p_renorm_prob(sgl.top_k_renorm_prob(probs, info.top_ks), info.top_ps)
+                    return sgl.min_p_sampling_from_probs(probs, info.min_ps)
+                return sgl.top_k_top_p_sampling_from_probs(probs.contiguous(), info.top_ks, info.top_ps,
+                                                           filter_apply_order="joint")
             return sgl.top_k_top_p_min_p_sampling_from_probs_torch(
                 probs, info.top_ks, info.top_ps, info.min_ps, info.need_min_p_sampling, info.sampling_seed, positions)
     return OnePassSampler()
