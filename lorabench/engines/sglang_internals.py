@@ -241,13 +241,13 @@ def release_leaked_lora_counts(engine, deadline: float) -> None:
     counters = getattr(getattr(manager, "lora_registry", None), "_counters", None)
     if counters is None:
         return
-    engine.loop.run_until_complete(asyncio.sleep(RELEASES_RUN_S))
     while getattr(manager, "rid_to_state", None):
         if time.monotonic() > deadline:
             raise EngineError(f"SGLang still tracks {len(manager.rid_to_state)} request(s) after an interrupted call "
                               f"although its scheduler is idle; an adapter unload now could wait forever. Close the "
                               f"session and open it again (lorabench resume continues from the last checkpoint)")
-        engine.loop.run_until_complete(asyncio.sleep(RELEASES_RUN_S))   # outputs in transit, their releases
+        engine.loop.run_until_complete(asyncio.sleep(RELEASES_RUN_S))   # outputs in transit are handled
+    engine.loop.run_until_complete(asyncio.sleep(RELEASES_RUN_S))   # the releases their handling scheduled run
     for counter in counters.values():
         if (count := counter.value()) > 0:
             engine.loop.run_until_complete(counter.decrement(count))
