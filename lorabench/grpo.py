@@ -367,12 +367,14 @@ class GRPOTrainer:
         try:
             yield
         except BaseException as err:
-            self._drop_ahead()   # sampled for the step after this one, which does not come next
-            self.policy.restore(saved)
-            self._engine_stale = True  # the engine may have lost the adapter mid-refresh (unloaded, not loaded)
-            err.add_note(f"lorabench: GRPO step {step} was rolled back; the trainer is still at step "
-                         f"{self.policy.version} (adapter and optimizer unchanged), the next step() re-sends its "
-                         f"adapter to the engine, and `lorabench resume` continues from the last checkpoint")
+            # whole, also against a second Ctrl-C: cut short, the unpublished update would stay in the trainer
+            with interrupts_deferred():
+                self.policy.restore(saved)
+                self._engine_stale = True  # the engine may have lost the adapter mid-refresh (unloaded, not loaded)
+                err.add_note(f"lorabench: GRPO step {step} was rolled back; the trainer is still at step "
+                             f"{self.policy.version} (adapter and optimizer unchanged), the next step() re-sends its "
+                             f"adapter to the engine, and `lorabench resume` continues from the last checkpoint")
+                self._drop_ahead()   # sampled for the step after this one, which does not come next (waited for)
             raise
 
     @contextlib.contextmanager
@@ -450,13 +452,16 @@ class GRPOTrainer:
         return Sampling(g.max_new_tokens, 0.0 if greedy else g.temperature, g.top_p, seed)
 
     def evaluate(self, problems=None, greedy: bool = False, samples: int | None = None) -> dict:
-        """Held-out rewards through the engine, at the training sampling settings (or greedy)."""
+        """Held-out rewards through the engine, at the training sampling settings (or greedy), of the trainer's
+        adapter at its step: not while a step runs (StepInProgress), and after a rolled-back step it is sent again."""
         problems = problems if problems is not None else self.source.eval_set(self.source.eval_size)
         k = 1 if greedy else (samples or self.source.eval_samples)
         prompts = [prompt_ids(self.tokenizer, p.messages, self.enable_thinking) for p in problems]
-        outs = self.engine.generate([p for p in prompts for _ in range(k)],
-                                    dataclasses.replace(self.sampling(greedy=greedy), seed=self.seed + 7),
-                                    adapter=self.refresher.serving_adapter)
+        with self.stepping():
+            self.resend_if_stale()
+            outs = self.engine.generate([p for p in prompts for _ in range(k)],
+                                        dataclasses.replace(self.sampling(greedy=greedy), seed=self.seed + 7),
+                                        adapter=self.refresher.serving_adapter)
         texts = self.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
         truth = [p.ground_truth for p in problems for _ in range(k)]
         return {"step": self.step_count, m.HELD_GREEDY: greedy, m.HELD_COUNT: len(texts),
