@@ -174,7 +174,7 @@ class GRPOTrainer:
 
     def __init__(self, settings: GRPOSettings, policy: Policy, engine, refresher, source: ProblemSource, tokenizer,
                  runlog=None, *, seed: int = 0, enable_thinking: bool = False, release_engine_memory: bool = False,
-                 log=print):
+                 log=print, repair_later: bool = False):
         self.settings, self.policy, self.engine, self.refresher = settings, policy, engine, refresher
         self.source, self.tokenizer, self.log = source, tokenizer, log
         self.runlog = runlog or NullRunLog()
@@ -197,12 +197,22 @@ class GRPOTrainer:
         self._sampler = ThreadPoolExecutor(1, "lorabench-rollouts", interrupts_to_the_main_thread) \
             if settings.max_staleness else None
         self._current = self._behind = None   # the adapter the engine serves, and (max_staleness) the one before it
-        state, _ = self.runlog.load_checkpoint(take=self._take)   # checked here before any repair is written
+        self._resumed = self.runlog.check_checkpoint(take=self._take)   # checked before any repair is written
+        if not repair_later:   # a policy group's repairs wait until every policy's checkpoint passed its checks
+            self.repair_run_dir()
+        self._serve(self.policy.adapter())
+
+    def repair_run_dir(self) -> None:
+        """The run dir made to agree with the checkpoint taken (rows cut or appended, the adapter exported again);
+        called by __init__, or with repair_later=True by the caller once nothing else can refuse the resume."""
+        if self._resumed is None:
+            return
+        (state, _, found), self._resumed = self._resumed, None
+        self.runlog.repair(found)
         if state is not None:
             self.runlog.export_if_missing(self.policy.adapter(), self.settings.steps)   # with the policy's own config
             self.history = self.runlog.metrics()
             self.log(f"resumed from {self.runlog.dir} at step {self.step_count}")
-        self._serve(self.policy.adapter())
 
     @property
     def step_count(self) -> int:

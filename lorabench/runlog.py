@@ -190,6 +190,13 @@ class RunLog:
     def load_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None]:
         """The last checkpoint (None, None before the first), the files made to agree with it once rundir.inspect
         and `take(state, adapter)` accepted it (a refusal by either leaves the run dir as it was)."""
+        state, adapter, found = self.check_checkpoint(take)
+        self.repair(found)
+        return state, adapter
+
+    def check_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None, rundir.RunDirState]:
+        """load_checkpoint's checks, writing nothing: the checkpoint, its adapter and what rundir.inspect found
+        (for `repair`), once both it and `take(state, adapter)` accepted them."""
         found = rundir.inspect(self.dir)
         state = found.checkpoint
         adapter = None if state is None else FlatAdapter(state["adapter_buffer"],
@@ -197,6 +204,10 @@ class RunLog:
                                                          state["adapter_config"], int(state["step"]))
         if take is not None and state is not None:
             take(state, adapter)
+        return state, adapter, found
+
+    def repair(self, found: rundir.RunDirState) -> None:
+        """The files made to agree with the checkpoint `check_checkpoint` accepted (its notes logged)."""
         for note in found.notes:
             self.log(f"note: {note}")
         for repair in found.repairs:
@@ -207,9 +218,8 @@ class RunLog:
                 self._end_with_newline(repair.path.name)
             else:
                 self._append(repair.path.name, repair.rows)
-        if state is not None:
-            self.committed_step = int(state["step"])
-        return state, adapter
+        if found.checkpoint is not None:
+            self.committed_step = int(found.checkpoint["step"])
 
     def export_if_missing(self, adapter: FlatAdapter, last_step: int) -> None:
         """adapters/step_<n> written again from the checkpoint when due and missing, or there but unreadable."""
@@ -268,12 +278,15 @@ class NullRunLog:
         self.settings = settings or RunSettings()
 
     def close(self, *args, **kwargs) -> None:
-        """Does nothing, as log_metrics, commit and export_if_missing."""
+        """Does nothing, as log_metrics, commit, export_if_missing and repair."""
 
-    log_metrics = commit = export_if_missing = close
+    log_metrics = commit = export_if_missing = repair = close
 
     def load_checkpoint(self, take=None):
         return None, None
+
+    def check_checkpoint(self, take=None):
+        return None, None, None
 
     def metrics(self) -> list[dict]:
         return []

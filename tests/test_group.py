@@ -310,6 +310,30 @@ def test_resume_of_one_policy_refuses_policies(group_dir, capsys):
     assert tree_state(group_dir) == before
 
 
+def test_a_policy_refused_at_its_checkpoint_leaves_the_others_unrepaired(group_dir, capsys):
+    """r2 needs repairs (a torn last metrics row, its adapter export gone) and r16's checkpointed adapter
+    is past the divergence bound: r2's repairs were written (its metrics.jsonl cut, its adapter exported
+    again) before r16's checkpoint was checked, under a refusal saying "nothing was changed". With r16's
+    checkpoint put back, the group resumes and r2 is repaired then."""
+    with open(group_dir / "r2" / "metrics.jsonl", "ab") as fh:
+        fh.write(b'{"step": 3, "reward/me')   # a kill mid-append
+    shutil.rmtree(group_dir / "r2" / "adapters" / "step_2")
+    checkpoint = group_dir / "r16" / "checkpoint" / "trainer_state.pt"
+    kept = checkpoint.read_bytes()
+    state = torch.load(checkpoint, weights_only=True)
+    noise = torch.randn(state["adapter_buffer"].shape, generator=torch.Generator().manual_seed(0))
+    state["adapter_buffer"] = (noise * 10).to(state["adapter_buffer"].dtype)   # a diverged update's adapter
+    torch.save(state, checkpoint)
+    before = tree_state(group_dir)
+    line = refused(capsys, "resume", group_dir)
+    assert "the checkpoint's adapter (step 2) changes" in line and "nothing was changed" in line, line
+    assert tree_state(group_dir) == before
+    checkpoint.write_bytes(kept)
+    assert main(["resume", str(group_dir)]) == 0   # at its last step: checked, repaired, evaluated
+    assert [r["step"] for r in read_jsonl(group_dir / "r2" / "metrics.jsonl")] == [1, 2]
+    assert (group_dir / "r2" / "adapters" / "step_2" / "adapter_model.safetensors").is_file()
+
+
 def test_a_policy_renamed_alone_is_served_under_its_name_in_the_group(group_dir):
     """`resume GROUP/NAME engine.adapter_name=x` is a single run's allowed change; resumed with the
     group, the policy is served under its name again (recorded in its config_changes.jsonl)."""

@@ -121,8 +121,10 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
             trainers, sessions = {}, {}
             for name, member in members.items():
                 trainers[name] = trainer = build_trainer(member, model_path, engine, runlogs[name], log=log,
-                                                         policy=policies[name])
+                                                         policy=policies[name], repair_later=True)
                 sessions[name] = RunSession(member, runlogs[name], engine, trainer, model_path, model_seconds)
+            for trainer in trainers.values():   # every policy's checkpoint checked: only now is a run dir repaired
+                trainer.repair_run_dir()
         except BaseException:
             for trainer in trainers.values():
                 trainer.close()

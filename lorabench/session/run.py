@@ -337,8 +337,10 @@ def _compile(policies: dict, done: Future) -> None:
         done.set_result(None)
 
 
-def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, policy=None):
-    """The GRPO trainer for `cfg` on `engine`; `policy`: one built already (engine_and_policies), else a new one."""
+def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=None, log=print, policy=None,
+                  repair_later: bool = False):
+    """The GRPO trainer for `cfg` on `engine`; `policy`: one built already (engine_and_policies), else a new one;
+    repair_later: its run dir's repairs wait for trainer.repair_run_dir() (GRPOTrainer)."""
     runlog = runlog if runlog is not None else NullRunLog(cfg.run)
     if runlog.settings != cfg.run:   # the run log decides when checkpoints are due: from this config
         raise ValueError(f"the run log of {runlog.dir} was opened with other run settings than cfg.run; open it with "
@@ -348,4 +350,5 @@ def build_trainer(cfg: Config, model_path: str, engine, runlog=None, tokenizer=N
     return GRPOTrainer(cfg.grpo, policy, engine, refresher, ProblemSource.from_settings(cfg.data, cfg.run.seed),
                        tokenizer or load_tokenizer(model_path), runlog, seed=cfg.run.seed,
                        enable_thinking=cfg.model.enable_thinking,
-                       release_engine_memory=cfg.engine.release_memory_during_training, log=log)
+                       release_engine_memory=cfg.engine.release_memory_during_training, log=log,
+                       repair_later=repair_later)
