@@ -326,7 +326,8 @@ def test_a_policy_refused_at_its_checkpoint_leaves_the_others_unrepaired(group_d
     torch.save(state, checkpoint)
     before = tree_state(group_dir)
     line = refused(capsys, "resume", group_dir)
-    assert "the checkpoint's adapter (step 2) changes" in line and "nothing was changed" in line, line
+    assert "policy 'r16': " in line and "the checkpoint's adapter (step 2) changes" in line, line
+    assert "nothing was changed" in line, line
     assert tree_state(group_dir) == before
     checkpoint.write_bytes(kept)
     assert main(["resume", str(group_dir)]) == 0   # at its last step: checked, repaired, evaluated

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..group import PolicyGroup, owned_key, parse_policies, shared_differences
+from ..policy import UpdateDiverged
 from ..rundir import CONFIG, GROUP_FILE, RunDirError, check_before_evals
 from ..safedir import SafeDir, refusal
 from ..settings import unique_keys
@@ -120,8 +121,11 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         try:
             trainers, sessions = {}, {}
             for name, member in members.items():
-                trainers[name] = trainer = build_trainer(member, model_path, engine, runlogs[name], log=log,
-                                                         policy=policies[name], repair_later=True)
+                try:
+                    trainers[name] = trainer = build_trainer(member, model_path, engine, runlogs[name], log=log,
+                                                             policy=policies[name], repair_later=True)
+                except UpdateDiverged as err:   # its checkpoint's adapter: the one line printed names the policy
+                    raise UpdateDiverged(f"policy {name!r}: {err}", err.override, err.past_bound) from err
                 sessions[name] = RunSession(member, runlogs[name], engine, trainer, model_path, model_seconds)
             for trainer in trainers.values():   # every policy's checkpoint checked: only now is a run dir repaired
                 trainer.repair_run_dir()
