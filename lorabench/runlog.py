@@ -95,11 +95,14 @@ def redact(config: dict) -> dict:
 
 class RunLog:
     """Writes one run dir, entered only through itself (safedir.py); lock=True takes its one-writer lock.
-    `fingerprint`, when set, is recorded in every checkpoint; `committed_step`: the last checkpoint's step."""
+    `fingerprint`, when set, is recorded in every checkpoint; `committed_step`: the last checkpoint's step.
+    made=True: the caller has just made `run_dir` itself (create), so it gets 0750 as a dir made here would."""
 
-    def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None):
+    def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None,
+                 made: bool = False):
         self.dir, self.log, self.settings = Path(run_dir), log, settings or RunSettings()
-        self.root = SafeDir.open(self.dir, create=True, mode=0o750)  # never world-writable (nor -readable)
+        # never world-writable (nor -readable); an existing dir keeps the mode its owner gave it
+        self.root = SafeDir.open(self.dir, create=not made, mode=0o750)
         self._lock, self.sub = None, {}   # the folders, made when first written (_folder)
         self.fingerprint: dict | None = None
         self.committed_step = 0
@@ -120,10 +123,10 @@ class RunLog:
         for k in itertools.count(1):
             candidate = Path(out_dir) / (stamp if k == 1 else f"{stamp}-{k}")
             try:
-                candidate.mkdir()
-                return cls(candidate, log, lock, settings)
+                candidate.mkdir(mode=0o700)   # exclusive: one run per name; private until SafeDir sets 0750
             except FileExistsError:
                 continue
+            return cls(candidate, log, lock, settings, made=True)
 
     def close(self, refused: bool = False) -> None:
         """Release the lock and the folders; refused=True puts the lock file back as it was found."""
