@@ -248,18 +248,31 @@ class RunLog:
 
 
 def _unreadable_export(adapters: SafeDir, name: str) -> str | None:
-    """Why adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or None."""
+    """Why adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or None. A repair
+    replaces the whole folder, so one holding anything lorabench does not write there is refused instead."""
+    with adapters.sub(name) as export:
+        why = _export_problem(export)
+        others = [n for n in export.names() if n not in rundir.ADAPTER_FILES]
+    if why and others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise RunDirError(f"{export.path}{why}; the folder also holds {shown}, which lorabench does not write: "
+                          f"exporting the adapter again from the checkpoint replaces the whole folder and would delete "
+                          f"them, so lorabench did not change it. Move them out of {export.path} (or restore the "
+                          f"adapter's files from a backup), then run the command again")
+    return why
+
+
+def _export_problem(export: SafeDir) -> str | None:
     from safetensors import SafetensorError
     from safetensors.torch import load
-    with adapters.sub(name) as export:
-        for file, parse in ((CONFIG_NAME, json.loads), (WEIGHTS_NAME, load)):
-            try:
-                data = export.read_bytes(file)
-                if data is None:
-                    return f" lacks {file}"
-                parse(data)
-            except (ValueError, SafetensorError) as err:   # RunDirError (a link, ...) is a ValueError
-                return f"/{file} cannot be read ({type(err).__name__}: {str(err)[:100]})"
+    for file, parse in ((CONFIG_NAME, json.loads), (WEIGHTS_NAME, load)):
+        data = export.read_bytes(file)   # a link, a FIFO or an unreadable file: RunDirError, not repaired
+        if data is None:
+            return f" lacks {file}"
+        try:
+            parse(data)
+        except (ValueError, SafetensorError) as err:
+            return f"/{file} cannot be read ({type(err).__name__}: {str(err)[:100]})"
     return None
 
 
