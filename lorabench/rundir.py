@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import LORA_DTYPE, AdapterError, AdapterLayout
+from .adapters import CONFIG_NAME, LORA_DTYPE, WEIGHTS_NAME, AdapterError, AdapterLayout
 from .datafiles import over_half_memory
 from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow
 
@@ -31,6 +31,7 @@ CHECKPOINT = Path(CHECKPOINT_DIR) / "trainer_state.pt"
 LOCK_NAME = "lock"
 GROUP_FILE = "group.json"   # a policy group's dir: this file beside one run dir per policy (session/group.py)
 ROW_FILES = (SYNC, ROLLOUTS, METRICS)   # the rows a checkpoint vouches for
+ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)   # what lorabench writes in adapters/step_<n> (PEFT's names)
 
 
 def adapter_dir_name(step: int) -> str:
@@ -278,11 +279,19 @@ def check_entries(run_dir: Path | SafeDir) -> None:
     for name, (wanted, ours) in SUBDIRS.items():
         if run_dir.expect(name, "dir"):
             with run_dir.sub(name) as sub:
-                for child in sub.names():
-                    if ours(child):
-                        sub.expect(child, wanted)
-                        if name == CHECKPOINT_DIR:
-                            _refuse_too_large(sub, child)
+                for child in filter(ours, sub.names()):
+                    sub.expect(child, wanted)
+                    if name == CHECKPOINT_DIR:
+                        _refuse_too_large(sub, child)
+                    elif name == ADAPTERS:
+                        _check_export(sub, child)
+
+
+def _check_export(adapters: SafeDir, name: str) -> None:
+    """The files lorabench writes in adapters/step_<n> are files: resume reads them, and may replace the folder."""
+    with adapters.sub(name) as export:
+        for file in ADAPTER_FILES:
+            export.expect(file, "file")
 
 
 @dataclass

@@ -95,11 +95,14 @@ def redact(config: dict) -> dict:
 
 class RunLog:
     """Writes one run dir, entered only through itself (safedir.py); lock=True takes its one-writer lock.
-    `fingerprint`, when set, is recorded in every checkpoint; `committed_step`: the last checkpoint's step."""
+    `fingerprint`, when set, is recorded in every checkpoint; `committed_step`: the last checkpoint's step.
+    made=True: the caller has just made `run_dir` itself (create), so it gets 0750 as a dir made here would."""
 
-    def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None):
+    def __init__(self, run_dir: str | Path, log=print, lock: bool = False, settings: RunSettings | None = None,
+                 made: bool = False):
         self.dir, self.log, self.settings = Path(run_dir), log, settings or RunSettings()
-        self.root = SafeDir.open(self.dir, create=True, mode=0o750)  # never world-writable (nor -readable)
+        # never world-writable (nor -readable); an existing dir keeps the mode its owner gave it
+        self.root = SafeDir.open(self.dir, create=not made, mode=0o750)
         self._lock, self.sub = None, {}   # the folders, made when first written (_folder)
         self.fingerprint: dict | None = None
         self.committed_step = 0
@@ -120,10 +123,10 @@ class RunLog:
         for k in itertools.count(1):
             candidate = Path(out_dir) / (stamp if k == 1 else f"{stamp}-{k}")
             try:
-                candidate.mkdir()
-                return cls(candidate, log, lock, settings)
+                candidate.mkdir(mode=0o700)   # exclusive: one run per name; private until SafeDir sets 0750
             except FileExistsError:
                 continue
+            return cls(candidate, log, lock, settings, made=True)
 
     def close(self, refused: bool = False) -> None:
         """Release the lock and the folders; refused=True puts the lock file back as it was found."""
@@ -255,18 +258,31 @@ class RunLog:
 
 
 def _unreadable_export(adapters: SafeDir, name: str) -> str | None:
-    """Why adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or None."""
+    """Why adapters/<name> cannot be loaded (' lacks FILE', '/FILE cannot be read (...)'), or None. A repair
+    replaces the whole folder, so one holding anything lorabench does not write there is refused instead."""
+    with adapters.sub(name) as export:
+        why = _export_problem(export)
+        others = [n for n in export.names() if n not in rundir.ADAPTER_FILES]
+    if why and others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise RunDirError(f"{export.path}{why}; the folder also holds {shown}, which lorabench does not write: "
+                          f"exporting the adapter again from the checkpoint replaces the whole folder and would delete "
+                          f"them, so lorabench did not change it. Move them out of {export.path} (or restore the "
+                          f"adapter's files from a backup), then run the command again")
+    return why
+
+
+def _export_problem(export: SafeDir) -> str | None:
     from safetensors import SafetensorError
     from safetensors.torch import load
-    with adapters.sub(name) as export:
-        for file, parse in ((CONFIG_NAME, json.loads), (WEIGHTS_NAME, load)):
-            try:
-                data = export.read_bytes(file)
-                if data is None:
-                    return f" lacks {file}"
-                parse(data)
-            except (ValueError, SafetensorError) as err:   # RunDirError (a link, ...) is a ValueError
-                return f"/{file} cannot be read ({type(err).__name__}: {str(err)[:100]})"
+    for file, parse in ((CONFIG_NAME, json.loads), (WEIGHTS_NAME, load)):
+        data = export.read_bytes(file)   # a link, a FIFO or an unreadable file: RunDirError, not repaired
+        if data is None:
+            return f" lacks {file}"
+        try:
+            parse(data)
+        except (ValueError, SafetensorError) as err:
+            return f"/{file} cannot be read ({type(err).__name__}: {str(err)[:100]})"
     return None
 
 

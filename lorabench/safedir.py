@@ -18,6 +18,8 @@ from pathlib import Path
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC   # O_EXCL never follows a link
+# the end of a temp's name, after its writer's PID: SafeDir's (secrets.token_hex(4)), tempfile.mkdtemp's
+_HEX8, _MKDTEMP8 = "[0-9a-f]{8}", "[a-z0-9_]{8}"
 _CAUSES = {errno.ENOSPC: "no space left on its filesystem", errno.EDQUOT: "the disk quota is exceeded",
            errno.EROFS: "its filesystem is read-only", errno.EACCES: "it is not writable by this user",
            errno.EPERM: "it is not writable by this user", errno.EIO: "an I/O error (a failing disk?)",
@@ -253,7 +255,7 @@ class SafeDir:
         """Make `name` hold `data` (or what `writer(binary_file)` writes) whole: a fsynced temp renamed onto it
         (exclusive=True: linked, refusing an existing `name`)."""
         self.expect(name, "file")
-        remove_stale_temps(self.fd, (f".{name}.",))
+        remove_stale_temps(self.fd, (f".{name}.",), sep=".", token=_HEX8, dirs=False)
         tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, _NEW, 0o600, dir_fd=self.fd)
@@ -289,7 +291,7 @@ class SafeDir:
     def atomic_subdir(self, name: str) -> Iterator[SafeDir]:
         """Yield a fresh hidden temp dir that replaces the dir `name` in one rename on success."""
         self.expect(name, "dir")
-        remove_stale_temps(self.fd, (f".{name}.tmp-", f".{name}.old-"))
+        remove_stale_temps(self.fd, (f".{name}.tmp-", f".{name}.old-"), token=_HEX8)
         pid, fds = os.getpid(), {"src_dir_fd": self.fd, "dst_dir_fd": self.fd}
         tmp = f".{name}.tmp-{pid}-{secrets.token_hex(4)}"
         os.mkdir(tmp, 0o700, dir_fd=self.fd)
@@ -340,33 +342,39 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead(parent: Path | int, writer: re.Pattern, dirs_only: bool = False) -> None:
-    """Remove the entries of `parent` (a path or dir fd) whose name `writer` matches with a dead PID as group 1."""
+def _remove_dead(parent: Path | int, temp: re.Pattern, dirs: bool) -> None:
+    """Remove the entries of `parent` (a path or dir fd) named `temp` in full (group 1: its writer's PID) whose
+    writer is dead, and only of the kind that writer makes: a dir (dirs=True) or a regular file. Anything else
+    (a link, a user's `.evals.jsonl.20240101`) is not a temp of ours and is left as it is."""
     dir_fd = parent if isinstance(parent, int) else None
     try:
         entries = list(os.scandir(parent))
     except FileNotFoundError:
         return
     for entry in entries:   # by an fd, entry.path is the name, relative to dir_fd
-        is_dir, match = entry.is_dir(follow_symlinks=False), writer.match(entry.name)
-        pid = int(match.group(1)) if match else None
-        if (dirs_only and not is_dir) or pid is None or pid == os.getpid() or pid_alive(pid):
+        match = temp.fullmatch(entry.name)
+        ours = entry.is_dir(follow_symlinks=False) if dirs else entry.is_file(follow_symlinks=False)
+        pid = int(match.group(1)) if match and ours else None
+        if pid is None or pid == os.getpid() or pid_alive(pid):
             continue
-        if is_dir:
+        if dirs:
             shutil.rmtree(entry.path, dir_fd=dir_fd, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):
                 os.unlink(entry.path, dir_fd=dir_fd)
 
 
-def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...]) -> None:
-    """Remove what killed atomic writes left in `parent`: `<prefix><pid>-...` or `<prefix><pid>.` of a dead pid."""
-    _remove_dead(parent, re.compile(f"(?:{'|'.join(map(re.escape, prefixes))})(\\d+)(?:[-.]|$)"))
+def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...], sep: str = "-", token: str = _MKDTEMP8,
+                       dirs: bool = True) -> None:
+    """Remove what killed atomic writes left in `parent`: exactly `<prefix><pid><sep><token>` of a dead pid, as
+    the temp dirs (dirs=False: files) they make; the defaults are mkdtemp's `<prefix><pid>-` dirs."""
+    prefix = "|".join(map(re.escape, prefixes))
+    _remove_dead(parent, re.compile(f"(?:{prefix})(\\d+){re.escape(sep)}{token}"), dirs)
 
 
 def remove_dead_dir_temps(parent: Path) -> None:
     """Remove every atomic_dir temp (`.NAME.tmp-PID-x`, `.NAME.old-PID-x`) in `parent` whose writer is dead."""
-    _remove_dead(parent, re.compile(r"\..+\.(?:tmp|old)-(\d+)-"), dirs_only=True)
+    _remove_dead(parent, re.compile(rf"\..+\.(?:tmp|old)-(\d+)-{_MKDTEMP8}"), dirs=True)
 
 
 def fsync_path(path: Path) -> None:

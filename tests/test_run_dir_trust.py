@@ -37,9 +37,9 @@ from reliability_util import (  # noqa: F401 (make_trainer: a fixture)
 
 from lorabench.cli import main
 from lorabench.grpo import TrainerStopped
-from lorabench.rundir import RunDirError, inspect, read_checkpoint, read_jsonl
+from lorabench.rundir import EVALS, SUMMARY, RunDirError, inspect, read_checkpoint, read_jsonl
 from lorabench.runlog import RunLog
-from lorabench.safedir import RunDirWriteError, SafeDir, remove_stale_temps
+from lorabench.safedir import RunDirWriteError, SafeDir, remove_dead_dir_temps, remove_stale_temps
 from lorabench.session.config import Config, ConfigError
 
 # flexible reward: the random tiny model earns a reward now and then, so its adapter really moves
@@ -200,11 +200,11 @@ def test_a_link_put_in_after_the_checks_is_refused_where_it_is_opened(tmp_path, 
 
 def test_safedir_never_follows_a_link(tmp_path, victim):
     """The primitives: a link is refused for reads, appends, truncation, replacement and as a folder;
-    a dead writer's temp that is a link is removed as a link, its target kept."""
+    a link named like a dead writer's temp is left as it is (lorabench's temps are never links), its target kept."""
     root = SafeDir.open(tmp_path / "d", create=True, mode=0o750)
     os.symlink(victim / "notes.txt", tmp_path / "d" / "f")
     os.symlink(victim / "folder", tmp_path / "d" / "sub")
-    os.symlink(victim / "folder", tmp_path / "d" / ".x.tmp-999999999-ab")        # a 'dead writer's' temp
+    os.symlink(victim / "folder", tmp_path / "d" / ".x.tmp-999999999-0123abcd")  # a 'dead writer's' temp
     outside = tree_state(victim)
     for call in (lambda: root.read_bytes("f"), lambda: root.append("f", b"x"), lambda: root.truncate("f", 0),
                  lambda: root.write_atomic("f", b"x"), lambda: root.sub("sub"), lambda: root.open_own("f", os.O_RDWR)):
@@ -213,9 +213,37 @@ def test_safedir_never_follows_a_link(tmp_path, victim):
     with pytest.raises(RunDirError, match="symbolic link"), root.atomic_subdir("sub"):
         pass
     remove_stale_temps(root.fd, (".x.tmp-",))
-    assert not os.path.lexists(tmp_path / "d" / ".x.tmp-999999999-ab")
+    assert os.path.islink(tmp_path / "d" / ".x.tmp-999999999-0123abcd")
     assert tree_state(victim) == outside
     root.close()
+
+
+def test_stale_temp_sweep_removes_only_lorabench_temps(tmp_path):
+    """A user's dated hidden backups (`.evals.jsonl.20240101`, a folder `.summary.json.20240101/`) used to be
+    deleted by the next write as a dead writer's temps: only lorabench's exact temp names go, and only of the kind
+    it makes there (a file for a file's write, a dir for a folder's)."""
+    root, d = SafeDir.open(tmp_path / "d", create=True, mode=0o750), tmp_path / "d"
+    (d / ".summary.json.20240101").mkdir()
+    (d / ".summary.json.20240101" / "notes.txt").write_text("x")
+    (d / ".evals.jsonl.999999999.0123abcd").mkdir()            # a file temp's name, but a folder
+    (d / ".sub.tmp-999999999-0123abcd").write_text("x")         # a folder temp's name, but a file
+    for name in (".evals.jsonl.20240101", ".evals.jsonl.2024.backup_1", ".evals.jsonl.999999999.0123abcd.bak"):
+        (d / name).write_text("my backup\n")
+    users = tree_state(d)
+    (d / ".evals.jsonl.999999999.0123abce").write_text("torn")   # what killed writes leave: removed
+    (d / ".summary.json.999999999.89abcdef").write_text("torn")
+    (d / ".sub.old-999999999-0123abcd").mkdir()
+    root.write_atomic(EVALS, b"{}\n")
+    root.write_atomic(SUMMARY, b"{}")
+    with root.atomic_subdir("sub"):
+        pass
+    assert {k: v for k, v in tree_state(d).items() if k not in (EVALS, SUMMARY, "sub")} == users
+    root.close()
+    cache = tmp_path / "cache"                                   # the tiny model cache's atomic_dir temps
+    for name in (".m.tmp-20240101-my-notes", ".m.old-999999999-abc_1234", ".m.tmp-999999999-abc_1234.bak"):
+        (cache / name).mkdir(parents=True)
+    remove_dead_dir_temps(cache)
+    assert sorted(p.name for p in cache.iterdir()) == [".m.tmp-20240101-my-notes", ".m.tmp-999999999-abc_1234.bak"]
 
 
 @pytest.mark.parametrize("name, problem", [

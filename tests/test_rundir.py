@@ -545,7 +545,6 @@ def test_extending_a_finished_run(run_dir, tiny_model_dir, tmp_path, three_steps
     ("weights_cut_short", "adapters/step_2/adapter_model.safetensors cannot be read (SafetensorError"),
     ("config_cut_short", "adapters/step_2/adapter_config.json cannot be read (JSONDecodeError"),
     ("config_deleted", "adapters/step_2 lacks adapter_config.json"),
-    ("weights_a_link", "adapters/step_2/adapter_model.safetensors cannot be read (RunDirError"),
 ])
 def test_a_lost_final_adapter_export_is_written_again(run_dir, capsys, damage, said):
     """adapters/step_2, the finished run's final export, deleted or cut short (a copy interrupted): a
@@ -557,11 +556,6 @@ def test_a_lost_final_adapter_export_is_written_again(run_dir, capsys, damage, s
         shutil.rmtree(export)
     elif damage == "config_deleted":
         (export / "adapter_config.json").unlink()
-    elif damage == "weights_a_link":   # to a file outside, which is neither read nor changed
-        outside = run_dir.parent / "elsewhere.safetensors"
-        outside.write_bytes(b"not mine")
-        (export / "adapter_model.safetensors").unlink()
-        (export / "adapter_model.safetensors").symlink_to(outside)
     else:
         name = "adapter_model.safetensors" if damage == "weights_cut_short" else "adapter_config.json"
         (export / name).write_bytes(original[name][:len(original[name]) // 2])
@@ -569,7 +563,35 @@ def test_a_lost_final_adapter_export_is_written_again(run_dir, capsys, damage, s
     repairs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("repair: adapters/")]
     assert len(repairs) == 1 and said in repairs[0] and repairs[0].endswith(": exported again from the checkpoint")
     assert {p.name: p.read_bytes() for p in export.iterdir()} == original
-    assert damage != "weights_a_link" or outside.read_bytes() == b"not mine"
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("config_a_link", "adapters/step_2/adapter_config.json is a symbolic link (to "),
+    ("weights_a_link", "adapters/step_2/adapter_model.safetensors is a symbolic link (to "),
+    ("weights_cut_short", "adapters/step_2/adapter_model.safetensors cannot be read (SafetensorError"),
+])
+def test_an_adapter_export_holding_a_link_or_the_users_files_is_refused(run_dir, capsys, damage, said):
+    """adapters/step_2 with adapter_config.json a link (git-annex, DVC) and the user's README.md beside it: a
+    resume said 'exported again' and replaced the folder, README.md gone. A link there is refused like elsewhere
+    in the run dir, and a damaged export is replaced only when it holds nothing but lorabench's files."""
+    export = run_dir / "adapters" / "step_2"
+    (export / "README.md").write_text("# my model card\n")
+    name = "adapter_config.json" if damage == "config_a_link" else "adapter_model.safetensors"
+    outside = run_dir.parent / "annex" / name
+    if damage.endswith("a_link"):
+        outside.parent.mkdir()
+        shutil.move(export / name, outside)
+        (export / name).symlink_to(outside)
+    else:
+        (export / name).write_bytes((export / name).read_bytes()[:100])
+    before, target = tree_state(run_dir), outside.exists() and outside.read_bytes()
+    line = refused(capsys, "resume", str(run_dir))
+    assert said in line, line
+    if damage.endswith("a_link"):
+        assert "replace the link with a copy of the target" in line, line
+    else:
+        assert "also holds README.md, which lorabench does not write" in line and "Move them out of" in line, line
+    assert tree_state(run_dir) == before and (outside.exists() and outside.read_bytes()) == target
 
 
 @pytest.mark.parametrize("every, exports", [(10, ["step_3"]), (2, ["step_2", "step_3"])])

@@ -193,6 +193,22 @@ def test_run_dir_never_world_writable(make_trainer, tmp_path, umask_zero):
     assert all(m & 0o007 == 0 for m in modes.values())            # ...nor readable by others
 
 
+@pytest.mark.parametrize("umask", [0, 0o022, 0o077])
+def test_timestamped_run_dir_is_0750_whatever_the_umask(tmp_path, umask):
+    """The default run dir (no run.name: a timestamp) used to take the umask's mode (0777 under umask 0);
+    it gets 0750 like a named one (the second, made within the same second, is <stamp>-2)."""
+    from lorabench.runlog import RunLog
+    old = os.umask(umask)
+    try:
+        logs = [RunLog.create(str(tmp_path / "runs"), log=lambda *a: None, lock=True) for _ in range(2)]
+    finally:
+        os.umask(old)
+    for log in logs:
+        log.close()
+    assert logs[0].dir != logs[1].dir
+    assert [stat.S_IMODE(os.stat(log.dir).st_mode) for log in logs] == [0o750, 0o750]
+
+
 # --- credentials ------------------------------------------------------------------------------------
 SECRETS = {"HF_TOKEN": "hf_SeCrEtToKeN0123456789abcdef", "HUGGING_FACE_HUB_TOKEN": "hf_OtherSecret987654321",
            "WANDB_API_KEY": "wandb-key-5f1e2d3c4b5a", "OPENAI_API_KEY": "sk-test-notreal-abcdef123456"}
