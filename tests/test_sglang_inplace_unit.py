@@ -328,7 +328,7 @@ class _Count:
         self.count -= n
 
 
-def test_leaked_adapter_counts_are_given_back_once_outputs_in_transit_and_scheduled_releases_have_run():
+def test_leaked_adapter_counts_wait_for_outputs_in_transit_and_scheduled_releases():
     """After an abort SGLang's scheduler is idle, but an aborted request's last output may still be on its way
     through the detokenizer (its state not yet gone) and a finished request's release may be a task yet to run.
     Counting before either gave a count back twice (below 0: an unload then waits forever) or not at all."""
