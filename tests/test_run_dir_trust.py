@@ -1,8 +1,8 @@
 """A run directory nobody can turn against its user (docs/reliability.md, section 2b).
 
 1. links: nothing outside a run dir is read, written, truncated or chmod'ed through it (a link, a
-   FIFO, a hard-linked file or a folder of the wrong kind is refused naming it); a run name is one
-   path component;
+   FIFO, a hard-linked file or a folder of the wrong kind is refused naming it), nor through a closed
+   one (never the working directory instead); a run name is one path component;
 2. divergence: a diverged update (non-finite, or beyond grpo.max_delta_ratio) is never served, saved
    or checkpointed; the run stops with one line and its last good checkpoint resumes;
 3. fingerprint: resume refuses a config.json, data file or model that is not what the checkpoint
@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -216,6 +217,29 @@ def test_safedir_never_follows_a_link(tmp_path, victim):
     assert not os.path.lexists(tmp_path / "d" / ".x.tmp-999999999-ab")
     assert tree_state(victim) == outside
     root.close()
+
+
+def test_a_closed_safedir_refuses_instead_of_using_the_working_directory(tmp_path, monkeypatch):
+    """Every primitive of a closed SafeDir raises, naming the dir and the way on; none falls back to the working
+    directory (os.*(dir_fd=None)), where a commit outliving its run log once wrote its checkpoint."""
+    cwd = tmp_path / "cwd"
+    (cwd / "sub").mkdir(parents=True)
+    (cwd / "f").write_bytes(b"kept")
+    monkeypatch.chdir(cwd)
+    root = SafeDir.open(tmp_path / "run", create=True, mode=0o750)
+    root.close()
+    before = tree_state(cwd)
+    closed = f"{re.escape(str(tmp_path / 'run'))} was closed.*lorabench resume"
+    for call in (lambda: root.read_bytes("f"), lambda: root.last_byte("f"), lambda: root.append("f", b"x"),
+                 lambda: root.truncate("f", 0), lambda: root.write_atomic("f", b"x"), lambda: root.entry("f"),
+                 lambda: root.write_atomic("new", b"x"), lambda: root.open_own("f", os.O_RDWR), lambda: root.names(),
+                 lambda: root.sub("sub"), lambda: root.sub("new", create=True)):
+        with pytest.raises(RunDirError, match=closed):
+            call()
+    with pytest.raises(RunDirError, match=closed), root.atomic_subdir("new"):
+        pass
+    assert tree_state(cwd) == before
+    root.close()   # again: nothing to do
 
 
 @pytest.mark.parametrize("name, problem", [
