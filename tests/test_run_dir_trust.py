@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -240,6 +241,38 @@ def test_a_closed_safedir_refuses_instead_of_using_the_working_directory(tmp_pat
         pass
     assert tree_state(cwd) == before
     root.close()   # again: nothing to do
+
+
+def test_closing_a_run_log_waits_for_the_write_in_progress(tmp_path, monkeypatch):
+    """RunLog.close while the commit thread writes: the lock is held until the write is done and the write lands
+    in the run dir; a write after the close is refused, not made in the working directory."""
+    cwd, run = tmp_path / "cwd", tmp_path / "run"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    runlog = RunLog(run, log=lambda *a: None, lock=True)
+    writing, release, append = threading.Event(), threading.Event(), runlog.root.append
+
+    def held_append(*args, **kwargs):
+        writing.set()
+        assert release.wait(timeout=60)
+        append(*args, **kwargs)
+    runlog.root.append = held_append
+    writer = threading.Thread(target=runlog.log_metrics, args=([{"step": 1}],), daemon=True)
+    writer.start()
+    assert writing.wait(timeout=60)
+    closer = threading.Thread(target=runlog.close, daemon=True)
+    closer.start()
+    closer.join(timeout=0.5)
+    try:
+        assert closer.is_alive() and (run / "lock").read_text() == f"{os.getpid()}\n"   # held while writing
+    finally:
+        release.set()
+        writer.join(timeout=60)
+        closer.join(timeout=60)
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1] and (run / "lock").read_text() == ""
+    with pytest.raises(RunDirError, match="was closed"):
+        runlog.log_metrics([{"step": 2}])
+    assert os.listdir(cwd) == []
 
 
 @pytest.mark.parametrize("name, problem", [
