@@ -480,15 +480,18 @@ class GRPOTrainer:
                 m.HELD_FORMAT: sum(map(has_strict_format, texts)) / len(texts)}
 
     def close(self) -> None:
-        """Once the last commit is written (its error if no step raised it yet), release the threads and refresher."""
+        """Once the last commit is written (its error if no step raised it yet), release the threads and refresher.
+        An interrupt waits for the commit in flight, then is raised: the run dir is closed next (RunLog.close)."""
         try:
             self._drop_ahead()
-            self._commits.raise_if_failed(wait=True)
+            with interrupts_deferred():
+                self._commits.raise_if_failed(wait=True)
         finally:
             if self._sampler is not None:
                 self._sampler.shutdown()
-            self._commits.shutdown()
-            self.refresher.close()
+            with interrupts_deferred():
+                self._commits.shutdown()
+                self.refresher.close()
 
 
 def finish(phases, waited: bool = False) -> StepRecord:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from . import rundir
 from .adapters import CONFIG_NAME, WEIGHTS_NAME, AdapterLayout, FlatAdapter
+from .interrupts import interrupts_deferred
 from .rundir import RunDirError, read_jsonl
 from .safedir import SafeDir
 from .settings import ALLOWED, REFUSED, Section, check, path_component_problem, setting
@@ -104,6 +106,7 @@ class RunLog:
         # never world-writable (nor -readable); an existing dir keeps the mode its owner gave it
         self.root = SafeDir.open(self.dir, create=not made, mode=0o750)
         self._lock, self.sub = None, {}   # the folders, made when first written (_folder)
+        self._writing = threading.Lock()   # held by commit and log_metrics (on the commit thread): close waits
         self.fingerprint: dict | None = None
         self.committed_step = 0
         try:
@@ -129,12 +132,15 @@ class RunLog:
             return cls(candidate, log, lock, settings, made=True)
 
     def close(self, refused: bool = False) -> None:
-        """Release the lock and the folders; refused=True puts the lock file back as it was found."""
-        if self._lock is not None:
-            self._lock.release(restore=refused)
-            self._lock = None
-        for folder in [*self.sub.values(), self.root]:
-            folder.close()
+        """Once no commit is being written (also when interrupted), release the lock, then the folders: a commit
+        after this is refused (SafeDir: closed), never written elsewhere. refused=True puts the lock file back
+        as it was found."""
+        with interrupts_deferred(), self._writing:
+            if self._lock is not None:
+                self._lock.release(restore=refused)
+                self._lock = None
+            for folder in [*self.sub.values(), self.root]:
+                folder.close()
 
     def _folder(self, name: str) -> SafeDir:
         """adapters/, plots/ or checkpoint/, made 0750 when first written (a refused session makes none)."""
@@ -171,24 +177,26 @@ class RunLog:
             self.root.append(name, b"\n")
 
     def log_metrics(self, rows: list[dict]) -> None:
-        self._append(rundir.METRICS, rows)
+        with self._writing:
+            self._append(rundir.METRICS, rows)
 
     def commit(self, step: int, state: dict, adapter: FlatAdapter, rows: dict[str, list[dict]],
                save_adapter: bool) -> None:
         """The commit point of steps up to `step`: adapters/step_<n> (when due), the checkpoint, then the sync
         and rollout rows."""
-        if save_adapter:
-            adapter.save_into(self._folder(rundir.ADAPTERS), rundir.adapter_dir_name(step))
-        host = adapter.to("cpu")
-        payload = {**state, "step": step, "adapter_buffer": host.buffer, "adapter_layout": host.layout.to_json(),
-                   "adapter_config": host.config, "rows": rows}
-        if self.fingerprint is not None:
-            payload["fingerprint"] = self.fingerprint
-        folder = self._folder(rundir.CHECKPOINT_DIR)
-        folder.write_atomic(rundir.CHECKPOINT.name, writer=lambda fh: torch.save(payload, fh))
-        self.committed_step = step
-        for name in (rundir.SYNC, rundir.ROLLOUTS):
-            self._append(name, rows.get(name, []))
+        with self._writing:
+            if save_adapter:
+                adapter.save_into(self._folder(rundir.ADAPTERS), rundir.adapter_dir_name(step))
+            host = adapter.to("cpu")
+            payload = {**state, "step": step, "adapter_buffer": host.buffer,
+                       "adapter_layout": host.layout.to_json(), "adapter_config": host.config, "rows": rows}
+            if self.fingerprint is not None:
+                payload["fingerprint"] = self.fingerprint
+            folder = self._folder(rundir.CHECKPOINT_DIR)
+            folder.write_atomic(rundir.CHECKPOINT.name, writer=lambda fh: torch.save(payload, fh))
+            self.committed_step = step
+            for name in (rundir.SYNC, rundir.ROLLOUTS):
+                self._append(name, rows.get(name, []))
 
     def load_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None]:
         """The last checkpoint (None, None before the first), the files made to agree with it once rundir.inspect

@@ -98,7 +98,18 @@ class SafeDir:
     """A directory held open by fd; every entry is reached relative to it without following links."""
 
     def __init__(self, path: Path, fd: int, root: Path | None = None):
-        self.path, self.fd, self.root = Path(path), fd, root or Path(path)
+        self.path, self._fd, self.root = Path(path), fd, root or Path(path)
+
+    @property
+    def fd(self) -> int:
+        """The dir's fd; once closed a RunDirError, never None: os.*(dir_fd=None) would reach the working directory
+        (the commit thread of a run log closed under it wrote its checkpoint there)."""
+        if self._fd is None:
+            raise RunDirError(f"{self.path} was closed: lorabench reads and writes it only through its open handle, "
+                              f"so it refused to (nothing was written, there or anywhere else). A step still being "
+                              f"written when its session closed does this; {self.root} keeps its last whole "
+                              f"checkpoint, and `lorabench resume {self.root}` continues from it")
+        return self._fd
 
     @classmethod
     def open(cls, path: str | Path, create: bool = False, mode: int | None = None) -> SafeDir:
@@ -140,9 +151,9 @@ class SafeDir:
         return opened
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self) -> SafeDir:
         return self

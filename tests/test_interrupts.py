@@ -1,13 +1,15 @@
 """Ctrl-C / Kernel -> Interrupt in a process that goes on (a notebook kernel), on the real trainer
 and HFEngine with the tiny model: an interrupt at any moment of a step leaves the trainer at its
 last committed step, its run dir saying the same, and the run that continues equals one that was
-never interrupted; an interrupt during the commit is held until the commit is whole; one step at a
-time per trainer; `panel.wait()` interrupted stops the panel. The same contract in a real kernel
+never interrupted; an interrupt during the commit is held until the commit is whole, one during close()
+until the commit in flight is (a commit after its run log closed is refused, never written elsewhere); one
+step at a time per trainer; `panel.wait()` interrupted stops the panel. The same contract in a real kernel
 (with the interrupt arriving as Jupyter sends it) is test_kernel_session.py."""
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -17,6 +19,7 @@ import torch
 from test_widgets import tiny_config, trainer  # noqa: F401  (the panel tests' trainer fixture)
 
 from lorabench.grpo import StepInProgress, interrupts_deferred
+from lorabench.rundir import RunDirError, inspect, read_jsonl
 from lorabench.runlog import RunLog
 from lorabench.session import build_trainer, start_engine
 from lorabench.widgets import StepPanel
@@ -88,6 +91,79 @@ def test_an_interrupt_during_a_commit_is_held_until_it_is_whole():
             seen.append("the block went on")
     assert seen == ["the block went on"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def step_with_held_commit(tiny_model_dir, tokenizer, tmp_path, monkeypatch, before_commit):
+    """(trainer, run dir, an Event set once the commit ended) after one step whose background commit runs
+    `before_commit()` first; the working directory is an empty tmp_path/cwd; the run log holds the lock."""
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    cfg, run = tiny_config(tmp_path), tmp_path / "run"
+    runlog = RunLog(run, log=lambda *a: None, lock=True, settings=cfg.run)
+    trainer = build_trainer(cfg, str(tiny_model_dir), start_engine(cfg, str(tiny_model_dir)), runlog,
+                            tokenizer=tokenizer, log=lambda *a: None)
+    commit, ended = runlog.commit, threading.Event()
+
+    def held_commit(*args):
+        try:
+            before_commit()
+            commit(*args)
+        finally:
+            ended.set()
+    runlog.commit = held_commit
+    trainer.step()
+    return trainer, run, ended
+
+
+def test_an_interrupted_close_waits_for_the_commit_in_flight(tiny_model_dir, tokenizer, tmp_path, monkeypatch):
+    """Ctrl-C twice while close() waits for the step's background commit: the commit is written whole into
+    the run dir, then the interrupt is raised; the run log closed after it (as session.close() does) leaves
+    nothing in the working directory, and the run dir resumes at the step with nothing to repair."""
+    closing = threading.Event()
+
+    def interrupted_twice():
+        assert closing.wait(timeout=120)
+        for _ in range(2):   # once in the wait for this commit, once in the commit thread's join
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)
+    trainer, run, ended = step_with_held_commit(tiny_model_dir, tokenizer, tmp_path, monkeypatch, interrupted_twice)
+    wait = trainer._commits.raise_if_failed
+
+    def waited_in_close(*args, **kwargs):   # only close() calls it after the step
+        closing.set()
+        wait(*args, **kwargs)
+    monkeypatch.setattr(trainer._commits, "raise_if_failed", waited_in_close)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.close()
+    written_first = ended.is_set()
+    trainer.runlog.close()               # as session.close() does next
+    assert ended.wait(timeout=120)       # (on the old code the commit went on, into the working directory)
+    trainer.engine.close()
+    assert os.listdir(tmp_path / "cwd") == [] and written_first
+    found = inspect(run)
+    assert found.checkpoint["step"] == 1 and found.repairs == []
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1] and (run / "lock").read_text() == ""
+
+
+def test_a_commit_after_its_run_log_closed_is_refused(tiny_model_dir, tokenizer, tmp_path, monkeypatch):
+    """The run log closed while the step's commit waits on the commit thread: the commit is refused, and the
+    trainer's close raises that error naming the run dir and the way on; nothing is written in the working
+    directory, and the run dir holds no step (it starts again at step 1)."""
+    release = threading.Event()
+    trainer, run, ended = step_with_held_commit(tiny_model_dir, tokenizer, tmp_path, monkeypatch,
+                                                lambda: release.wait(timeout=120))
+    trainer.runlog.close()
+    release.set()
+    said = f"{re.escape(str(run))} was closed.*`lorabench resume {re.escape(str(run))}`"
+    try:
+        with pytest.raises(RunDirError, match=said):
+            trainer.close()
+    finally:
+        ended.wait(timeout=120)
+        trainer.engine.close()
+    assert os.listdir(tmp_path / "cwd") == []
+    found = inspect(run)
+    assert found.checkpoint is None and found.repairs == [] and (run / "lock").read_text() == ""
 
 
 def test_one_step_at_a_time_per_trainer(trainer):

@@ -1,8 +1,8 @@
 """A run directory nobody can turn against its user (docs/reliability.md, section 2b).
 
 1. links: nothing outside a run dir is read, written, truncated or chmod'ed through it (a link, a
-   FIFO, a hard-linked file or a folder of the wrong kind is refused naming it); a run name is one
-   path component;
+   FIFO, a hard-linked file or a folder of the wrong kind is refused naming it), nor through a closed
+   one (never the working directory instead); a run name is one path component;
 2. divergence: a diverged update (non-finite, or beyond grpo.max_delta_ratio) is never served, saved
    or checkpointed; the run stops with one line and its last good checkpoint resumes;
 3. fingerprint: resume refuses a config.json, data file or model that is not what the checkpoint
@@ -17,8 +17,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -244,6 +246,61 @@ def test_stale_temp_sweep_removes_only_lorabench_temps(tmp_path):
         (cache / name).mkdir(parents=True)
     remove_dead_dir_temps(cache)
     assert sorted(p.name for p in cache.iterdir()) == [".m.tmp-20240101-my-notes", ".m.tmp-999999999-abc_1234.bak"]
+
+
+def test_a_closed_safedir_refuses_instead_of_using_the_working_directory(tmp_path, monkeypatch):
+    """Every primitive of a closed SafeDir raises, naming the dir and the way on; none falls back to the working
+    directory (os.*(dir_fd=None)), where a commit outliving its run log once wrote its checkpoint."""
+    cwd = tmp_path / "cwd"
+    (cwd / "sub").mkdir(parents=True)
+    (cwd / "f").write_bytes(b"kept")
+    monkeypatch.chdir(cwd)
+    root = SafeDir.open(tmp_path / "run", create=True, mode=0o750)
+    root.close()
+    before = tree_state(cwd)
+    closed = f"{re.escape(str(tmp_path / 'run'))} was closed.*lorabench resume"
+    for call in (lambda: root.read_bytes("f"), lambda: root.last_byte("f"), lambda: root.append("f", b"x"),
+                 lambda: root.truncate("f", 0), lambda: root.write_atomic("f", b"x"), lambda: root.entry("f"),
+                 lambda: root.write_atomic("new", b"x"), lambda: root.open_own("f", os.O_RDWR), lambda: root.names(),
+                 lambda: root.sub("sub"), lambda: root.sub("new", create=True)):
+        with pytest.raises(RunDirError, match=closed):
+            call()
+    with pytest.raises(RunDirError, match=closed), root.atomic_subdir("new"):
+        pass
+    assert tree_state(cwd) == before
+    root.close()   # again: nothing to do
+
+
+def test_closing_a_run_log_waits_for_the_write_in_progress(tmp_path, monkeypatch):
+    """RunLog.close while the commit thread writes: the lock is held until the write is done and the write lands
+    in the run dir; a write after the close is refused, not made in the working directory."""
+    cwd, run = tmp_path / "cwd", tmp_path / "run"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    runlog = RunLog(run, log=lambda *a: None, lock=True)
+    writing, release, append = threading.Event(), threading.Event(), runlog.root.append
+
+    def held_append(*args, **kwargs):
+        writing.set()
+        assert release.wait(timeout=60)
+        append(*args, **kwargs)
+    runlog.root.append = held_append
+    writer = threading.Thread(target=runlog.log_metrics, args=([{"step": 1}],), daemon=True)
+    writer.start()
+    assert writing.wait(timeout=60)
+    closer = threading.Thread(target=runlog.close, daemon=True)
+    closer.start()
+    closer.join(timeout=0.5)
+    try:
+        assert closer.is_alive() and (run / "lock").read_text() == f"{os.getpid()}\n"   # held while writing
+    finally:
+        release.set()
+        writer.join(timeout=60)
+        closer.join(timeout=60)
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1] and (run / "lock").read_text() == ""
+    with pytest.raises(RunDirError, match="was closed"):
+        runlog.log_metrics([{"step": 2}])
+    assert os.listdir(cwd) == []
 
 
 @pytest.mark.parametrize("name, problem", [
