@@ -212,13 +212,13 @@ def test_file_refresh_private_dirs_and_cleanup(engine, make_peft_model, tmp_path
 
 def test_file_refresh_removes_roots_of_dead_processes(engine, tmp_path):
     """A killed process leaves its adapter root (RAM, on tmpfs); the next refresher removes it, and
-    never a live process's."""
+    never a live process's (names as tempfile.mkdtemp makes them: 8 characters after the PID)."""
     import subprocess
     import sys
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_root = tmp_path / f"lorabench-adapters-{int(dead.stdout)}-abc"
+    dead_root = tmp_path / f"lorabench-adapters-{int(dead.stdout)}-abcd_123"
     (dead_root / "policy-000003").mkdir(parents=True)
-    live_root = tmp_path / f"lorabench-adapters-{os.getppid()}-xyz"
+    live_root = tmp_path / f"lorabench-adapters-{os.getppid()}-wxyz_456"
     live_root.mkdir()
     refresher = FileRefresh(engine, "policy", tmp_dir=str(tmp_path))
     try:
