@@ -306,9 +306,6 @@ class NullRunLog:
 
     log_metrics = commit = export_if_missing = repair = close
 
-    def load_checkpoint(self, take=None):
-        return None, None
-
     def check_checkpoint(self, take=None):
         return None, None, None
 
