@@ -3,7 +3,7 @@
 # result folder). From the checkout's root, inside the offline sglang stack:
 #   CACHE_OUT=$OUT bash .sglang/with-sglang.sh bash dev/gpu_session.sh PART [PART...]
 # PARTS: tests (the GPU test files in $LORABENCH_GPU_TESTS, default the single-GPU suite, -k $LORABENCH_GPU_K),
-#        suite (call $LORABENCH_SUITE_CALL of dev/gpu_suite_calls.txt, the whole single-GPU suite in six calls, as
+#        suite (call $LORABENCH_SUITE_CALL of dev/gpu_suite_calls.txt, the whole single-GPU suite in seven calls, as
 #               tests_each),
 #        tests_each (the test ids in $LORABENCH_GPU_IDS, each in a pytest process of its own, stopped after
 #                    $LORABENCH_TEST_TIMEOUT s (default 200), or after N s for an id written ID@N: a test that kills
