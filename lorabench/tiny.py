@@ -138,6 +138,7 @@ def sft_batch(tokenizer, problems, rng, strict_fraction):
                       tokenizer.eos_token_id]
         seqs.append(prompt + completion)
         labels.append([-100] * len(prompt) + completion)
+
     def padded(rows, value):
         return pad_sequence([torch.tensor(row) for row in rows], batch_first=True, padding_value=value)
     return padded(seqs, tokenizer.pad_token_id), padded(labels, -100), padded([[True] * len(s) for s in seqs], False)
