@@ -44,16 +44,12 @@ def split_lora_key(key: str) -> tuple[str, str]:
     if len(parts) < 3 or parts[-1] != "weight" or parts[-2] not in ("lora_A", "lora_B"):
         raise AdapterError(f"tensor name {key!r} is not a LoRA weight; expected '<module>.lora_A.weight' "
                            f"or '<module>.lora_B.weight' (PEFT state-dict names)")
-    module = ".".join(parts[:-2])
-    if module.startswith(PEFT_PREFIX):
-        module = module[len(PEFT_PREFIX):]
-    return module, parts[-2]
+    return ".".join(parts[:-2]).removeprefix(PEFT_PREFIX), parts[-2]
 
 
 def base_param_name(peft_param: str) -> str:
     """'base_model.model.model.layers.0.mlp.up_proj.base_layer.weight' -> 'model.layers.0.mlp.up_proj.weight'."""
-    name = peft_param[len(PEFT_PREFIX):] if peft_param.startswith(PEFT_PREFIX) else peft_param
-    return name.replace(".base_layer.", ".")
+    return peft_param.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def _plain(value):

@@ -65,8 +65,7 @@ def model_ref(model: ModelSettings) -> ModelRef:
         raise ModelError(f"model.name_or_path={name!r} does not exist ({where}) as a model dir; give an existing "
                          f"model dir, a hub name such as Qwen/Qwen3-0.6B, or 'tiny'")
     from .hub import model_unavailable
-    reason = model_unavailable(name)
-    if reason:
+    if reason := model_unavailable(name):
         raise ModelError(f"model.name_or_path={name!r} is not a local dir ({where}) and cannot be used as a hub name: "
                          f"{reason}; or give an existing model dir or 'tiny'")
     return ModelRef("hub", name)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .data import INSTRUCTION, final_line_variants, prompt_ids, synthetic_problems, warmstart_completion
 from .safedir import atomic_dir, remove_dead_dir_temps
@@ -137,13 +138,10 @@ def sft_batch(tokenizer, problems, rng, strict_fraction):
                       tokenizer.eos_token_id]
         seqs.append(prompt + completion)
         labels.append([-100] * len(prompt) + completion)
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
-    lab = torch.full((len(seqs), width), -100)
-    for i, (s, lab_row) in enumerate(zip(seqs, labels)):
-        ids[i, :len(s)] = torch.tensor(s)
-        lab[i, :len(lab_row)] = torch.tensor(lab_row)
-    return ids, lab, (lab != -100) | (torch.arange(width)[None] < torch.tensor([len(s) for s in seqs])[:, None])
+
+    def padded(rows, value):
+        return pad_sequence([torch.tensor(row) for row in rows], batch_first=True, padding_value=value)
+    return padded(seqs, tokenizer.pad_token_id), padded(labels, -100), padded([[True] * len(s) for s in seqs], False)
 
 
 def warm_start(model, tokenizer, cfg, seed: int, log=print, progress=None) -> list[float]:

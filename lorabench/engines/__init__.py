@@ -16,19 +16,14 @@ from .base import (
     SERVED,
     AdapterAlreadyLoaded,
     AdapterNotLoaded,
-    Completion,
     EngineError,
     EngineNeeds,
-    GenerateRequest,
-    GeneratesMixed,
     PushesWeights,
     ReleasesMemory,
     RolloutEngine,
     Sampling,
     StaleAdapter,
     UpdatesAdapterInPlace,
-    generate_each,
-    require,
 )
 
 ENGINES = {  # config name -> "module:Class"
@@ -78,7 +73,6 @@ def make_engine(settings, model_path: str, needs=None, **overrides):
     return engine_class(settings.backend).from_settings(model_path, settings.chosen, needs, **overrides)
 
 
-__all__ = ["ENGINES", "AdapterAlreadyLoaded", "AdapterNotLoaded", "Completion", "EngineError", "EngineNeeds",
-           "EngineSettings", "GenerateRequest", "GeneratesMixed", "PushesWeights", "ReleasesMemory", "RolloutEngine",
-           "Sampling", "StaleAdapter", "UpdatesAdapterInPlace", "engine_class", "generate_each", "make_engine",
-           "require"]
+__all__ = ["ENGINES", "AdapterAlreadyLoaded", "AdapterNotLoaded", "EngineError", "EngineNeeds", "EngineSettings",
+           "PushesWeights", "ReleasesMemory", "RolloutEngine", "Sampling", "StaleAdapter", "UpdatesAdapterInPlace",
+           "engine_class", "make_engine"]

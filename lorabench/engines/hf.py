@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
 
 from ..adapters import FlatAdapter, base_param_name, linear_shapes, validate
@@ -248,13 +249,9 @@ class HFEngine:
 
     def _padded(self, rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, attention mask) [B, W] on the CPU; left padding: every row ends at the same column."""
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(rows):
-            cols = slice(width - len(row), width) if left else slice(0, len(row))
-            ids[i, cols], mask[i, cols] = torch.tensor(row), 1
-        return ids, mask
+        pad = functools.partial(pad_sequence, batch_first=True, padding_side="left" if left else "right")
+        ids = pad([torch.tensor(row, dtype=torch.long) for row in rows], padding_value=self.pad_id)
+        return ids, pad([torch.ones(len(row), dtype=torch.long) for row in rows])
 
     def _generate_chunk(self, model, prompts: list[list[int]], sampling: Sampling, generator) -> list[Completion]:
         ids, mask = self._padded(prompts, left=True)
