@@ -47,6 +47,17 @@ def _rolling(values, window=5):
     return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
 
 
+def _plot_key(ax, rows, key, fmt, log: bool = False, rolling: bool = False, **kw) -> list:
+    """`key` against the step (`rolling`: its 5-step mean; `log`: floored at 1e-9); returns the values."""
+    steps, values = _series(rows, key)
+    values = _rolling(values) if rolling else values
+    if log:
+        ax.semilogy(steps, [max(v, 1e-9) for v in values], fmt, **kw)
+    else:
+        ax.plot(steps, values, fmt, **kw)
+    return values
+
+
 def title_with_legend(ax, title: str, ncol: int = 3) -> None:
     """A left-aligned title, lifted by the legend's rows, with the legend between it and the axes."""
     handles = ax.get_legend_handles_labels()[0]
@@ -67,11 +78,9 @@ def label_axes(ax, title: str, ncol: int = 3, axis: str = "both", which: str = "
 
 def plot_rewards(rows, evals=(), ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    steps, reward = _series(rows, m.REWARD)
-    ax.plot(steps, reward, ".", alpha=0.4, color="#4c72b0", label="reward")
-    ax.plot(steps, _rolling(reward), "-", color="#4c72b0", label="reward, mean of 5")
-    steps_f, fmt = _series(rows, m.STRICT_FORMAT)
-    ax.plot(steps_f, _rolling(fmt), "--", color="#55a868", label="ends '#### N', mean of 5")
+    _plot_key(ax, rows, m.REWARD, ".", alpha=0.4, color="#4c72b0", label="reward")
+    _plot_key(ax, rows, m.REWARD, "-", rolling=True, color="#4c72b0", label="reward, mean of 5")
+    _plot_key(ax, rows, m.STRICT_FORMAT, "--", rolling=True, color="#55a868", label="ends '#### N', mean of 5")
     if sampled := [e for e in evals if not e.get(m.HELD_GREEDY)]:
         ax.plot([e["step"] for e in sampled], [e[m.HELD_STRICT] for e in sampled], "D", color="#c44e52", ms=7,
                 label="held-out reward")
@@ -101,10 +110,9 @@ def plot_mismatch(rows, ax=None):
                                     (on_policy, m.MISMATCH_P99, "^:", "mismatch, p99"),
                                     (on_policy, m.MISMATCH, "o-", "mismatch, mean"),
                                     (behind, m.MISMATCH, "x", "mean, one behind (lag)")):
-        steps, values = _series(part, key)
-        if values:
-            ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label,
-                        **({"color": "#999999"} if part is behind else {}))
+        if _series(part, key)[1]:
+            _plot_key(ax, part, key, style, log=True, ms=3, label=label,
+                      **({"color": "#999999"} if part is behind else {}))
     return label_axes(ax, "Is the engine serving the trainer's policy?", xlabel="GRPO step",
                       ylabel="|Δ log-prob| (nats)")
 
@@ -112,8 +120,7 @@ def plot_mismatch(rows, ax=None):
 def plot_delta_norm(rows, ax=None):
     """‖ΔW‖ = sqrt(Σ ‖(α/r)·B·A‖²_F) over the adapted layers, per step: 0 until the adapter moves."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    steps, norm = _series(rows, m.DELTA_NORM)
-    ax.plot(steps, norm, "o-", ms=3, color="#8172b2")
+    _plot_key(ax, rows, m.DELTA_NORM, "o-", ms=3, color="#8172b2")
     return label_axes(ax, "How far the adapter has moved: ‖ΔW‖", xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
 
 
@@ -130,14 +137,11 @@ def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel
     """One line per policy of `key` against the step (`histories`: name -> metrics rows)."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     for (name, rows), color in zip(histories.items(), itertools.cycle(POLICY_COLORS)):
-        steps, values = _series(rows, key)
-        if not values:
+        if not _series(rows, key)[1]:
             continue
         if rolling:
-            ax.plot(steps, values, ".", alpha=0.3, color=color)
-            values = _rolling(values)
-        draw = ax.semilogy if log else ax.plot
-        draw(steps, [max(v, 1e-9) for v in values] if log else values, "-", color=color, label=name)
+            _plot_key(ax, rows, key, ".", alpha=0.3, color=color)
+        _plot_key(ax, rows, key, "-", log=log, rolling=rolling, color=color, label=name)
     return label_axes(ax, title, ncol=4, xlabel="GRPO step", ylabel=ylabel)
 
 
@@ -316,8 +320,7 @@ def plot_learned(rows, evals, ax) -> None:
     """5-step means of the reward, the share ending '#### N' and of right last numbers; held-out greedy points."""
     for key, color, label in ((m.REWARD, "#4c72b0", "reward"), (m.STRICT_FORMAT, "#55a868", "ends '#### N'"),
                               (m.LAST_NUMBER_RIGHT, "#c44e52", "last number right, any format")):
-        steps, values = _series(rows, key)
-        ax.plot(steps, _rolling(values), "-", color=color, label=f"{label}, mean of 5")
+        _plot_key(ax, rows, key, "-", rolling=True, color=color, label=f"{label}, mean of 5")
     greedy = [e for e in evals if e.get(m.HELD_GREEDY)]
     for key, color, marker in ((m.HELD_FORMAT, "#55a868", "s"), (m.HELD_FLEXIBLE, "#c44e52", "D")):
         ax.plot([e["step"] for e in greedy], [e[key] for e in greedy], marker, color=color, ms=7, ls="none",
@@ -335,11 +338,8 @@ def run_learned_figure(rows, evals):
     for ax, key, color, title, ylabel in (
             (kl, m.KL, "#8172b2", "KL to the base model", "nats per token (k3)"),
             (entropy, m.ENTROPY, "#937860", "Entropy of the policy", "nats per token")):
-        steps, values = _series(rows, key)
-        ax.plot(steps, values, "o-", ms=3, color=color)
-        ax.set(xlabel="GRPO step", ylabel=ylabel, ylim=(0, 1.15 * max(values, default=0) or 1))
-        ax.grid(alpha=0.3)
-        ax.set_title(title, loc="left")
+        values = _plot_key(ax, rows, key, "o-", ms=3, color=color)
+        label_axes(ax, title, xlabel="GRPO step", ylabel=ylabel, ylim=(0, 1.15 * max(values, default=0) or 1))
     return fig
 
 
@@ -355,12 +355,10 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
             (refreshed, m.PROBE_GAP, "s-", "#999999", "probe gap, refreshed run"),
             (refreshed, m.MISMATCH, "o-", "#4c72b0", "mismatch, refreshed run"),
             (broken, m.MISMATCH, "o-", "#c44e52", f"mismatch, refresh.mode={mode}")):
-        steps, values = _series(rows, key)
-        gap.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=4, color=color, label=label)
+        _plot_key(gap, rows, key, style, log=True, ms=4, color=color, label=label)
     label_axes(gap, "Trainer vs engine", ncol=1, xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
     for rows, color, label in ((refreshed, "#4c72b0", "refreshed run"), (broken, "#c44e52", f"refresh.mode={mode}")):
-        steps, values = _series(rows, m.REWARD)
-        reward.plot(steps, values, "o-", ms=4, color=color, label=label)
+        _plot_key(reward, rows, m.REWARD, "o-", ms=4, color=color, label=label)
     label_axes(reward, "Reward of the engine's completions", ncol=2, xlabel="GRPO step",
                ylabel="reward (mean over the step)", ylim=(-0.02, _top_reward(refreshed, broken) + 0.02))
     for ax in (gap, reward):
