@@ -182,6 +182,11 @@ def quartiles(values) -> tuple[float, float, float]:
     return (values[0],) * 3 if len(values) == 1 else tuple(statistics.quantiles(values, n=4, method="inclusive"))
 
 
+def median_ms(row) -> float:
+    """A refresh row's median end-to-end time in ms (what the figures and the lesson order the modes by)."""
+    return quartiles(end_to_end_ms(row))[1]
+
+
 def plot_spread(ax, at: float, values, color: str, horizontal: bool = True, width: float = 0.5,
                 log_position: bool = False) -> tuple:
     """One point per repeat (spread across `width` around `at`, in octaves if `log_position`), the
@@ -221,8 +226,12 @@ def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e", floors=())
     return min([min(v) for v in every] + [f for _, f in floors]), max(max(v) for v in every)
 
 
-def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
-    """Each mode's refreshes end to end (call + first request), top down, on a log x beside the floor."""
+def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
+    """Each mode's refreshes end to end (call + first request) with every repeat, on a log x beside the floor
+    (left), and its median call split into its parts, then the median first request, stacked linearly (right);
+    fastest median on top."""
+    rows = sorted(rows, key=median_ms)
+    fig, (ax, parts) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), title=label)
     labels = [r.get("label", r["mode"]) for r in rows]
     lowest, highest = _spread_rows(ax, rows, labels, lambda median, _: f"{ms_text(median)} ms",
                                    lambda row: MODE_COLORS.get(row["mode"], "#5d6d7e"),
@@ -230,32 +239,18 @@ def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
     _spread_legend(ax, floor=bandwidth_gbps is not None)
     ax.set(xlabel="ms, refresh call + first request (log scale)", xlim=(lowest / 2, 4 * highest))
     title_with_legend(ax, "End to end, per mode", ncol=4)
-    return ax
-
-
-def plot_parts(rows, ax):
-    """Each mode's median call split into its parts, then the median first request, stacked linearly."""
     left = [0.0] * len(rows)
     for part in [*in_part_order({p for r in rows for p in r["parts"]}), "first request"]:
         vals = [1e3 * (r.get("first_request_s", 0.0) if part == "first request" else r["parts"].get(part, 0.0))
                 for r in rows]
-        ax.barh(range(len(rows)), vals, left=left, color=PART_COLORS.get(part), label=part)
+        parts.barh(range(len(rows)), vals, left=left, color=PART_COLORS.get(part), label=part)
         left = [a + v for a, v in zip(left, vals)]
-    ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
-    ax.invert_yaxis()
-    ax.set(xlim=(0, 1.05 * max(left)), xlabel="ms: the median call's parts, then the median first request")
-    ax.set_title("Where the time goes", loc="left")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)   # in drawing order
-    ax.grid(alpha=0.3, axis="x")
-    return ax
-
-
-def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
-    """Each mode end to end with every repeat (left) and where the time goes (right), fastest median on top."""
-    rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
-    fig, (left, right) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), title=label)
-    plot_end_to_end(rows, left, bandwidth_gbps)
-    plot_parts(rows, right)
+    parts.set_yticks(range(len(rows)), labels)
+    parts.invert_yaxis()
+    parts.set(xlim=(0, 1.05 * max(left)), xlabel="ms: the median call's parts, then the median first request")
+    parts.set_title("Where the time goes", loc="left")
+    parts.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)   # in drawing order
+    parts.grid(alpha=0.3, axis="x")
     return fig
 
 
@@ -309,15 +304,11 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     return fig
 
 
-def empty_axes(ax, note: str) -> None:
-    """No data yet: no (invented) ticks, a note in the middle; title and labels keep the layout."""
-    ax.set(xticks=[], yticks=[])
-    ax.minorticks_off()
-    ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", color="#666666")
-
-
-def plot_learned(rows, evals, ax) -> None:
-    """5-step means of the reward, the share ending '#### N' and of right last numbers; held-out greedy points."""
+def run_learned_figure(rows, evals):
+    """What a run learned (5-step means of the reward, the share ending '#### N' and of right last numbers;
+    held-out greedy points), its KL to the base model and its entropy, per step."""
+    fig, (ax, kl, entropy) = labelled_figure("run_learned", 1, 3, figsize=(13, 4.6),
+                                             gridspec_kw={"width_ratios": [1.5, 1, 1]})
     for key, color, label in ((m.REWARD, "#4c72b0", "reward"), (m.STRICT_FORMAT, "#55a868", "ends '#### N'"),
                               (m.LAST_NUMBER_RIGHT, "#c44e52", "last number right, any format")):
         _plot_key(ax, rows, key, "-", rolling=True, color=color, label=f"{label}, mean of 5")
@@ -328,13 +319,6 @@ def plot_learned(rows, evals, ax) -> None:
     ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
     label_axes(ax, "What the reward paid for, and the arithmetic", ncol=2, xlabel="GRPO step",
                ylabel="share of completions (reward: mean)", ylim=(-0.02, _top_reward(rows) + 0.02))
-
-
-def run_learned_figure(rows, evals):
-    """What a run learned (`plot_learned`), its KL to the base model and its entropy, per step."""
-    fig, (learned, kl, entropy) = labelled_figure("run_learned", 1, 3, figsize=(13, 4.6),
-                                                  gridspec_kw={"width_ratios": [1.5, 1, 1]})
-    plot_learned(rows, evals, learned)
     for ax, key, color, title, ylabel in (
             (kl, m.KL, "#8172b2", "KL to the base model", "nats per token (k3)"),
             (entropy, m.ENTROPY, "#937860", "Entropy of the policy", "nats per token")):
@@ -381,7 +365,7 @@ def refresh_rank_figure(rows, label: str = ""):
     adapter_mb = {r["rank"]: r["bytes"] / 2**20 for r in rows if r["mode"] == "tensor"}
     if len(adapter_mb) > 1:   # the reference: a time in proportion to the adapter's bytes (slope 1 here)
         low = min(adapter_mb)
-        start = min(statistics.median(end_to_end_ms(r)) for r in rows if r["rank"] == low)
+        start = min(median_ms(r) for r in rows if r["rank"] == low)
         xs = sorted(adapter_mb)
         ax.plot(xs, [start * adapter_mb[k] / adapter_mb[low] for k in xs], "--", color="black", lw=1.2,
                 label="∝ adapter bytes")
