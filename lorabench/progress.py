@@ -1,13 +1,8 @@
-"""The lessons' one display of a long wait: a bar and a line that ticks every second.
-
-    with WaitProgress("opening the run") as progress:
-        session = RunSession.open(cfg, progress=progress)       # calls progress(what, done, total)
-    with WaitProgress("starting the engine", expected_s=40):   # one call that reports nothing itself
-        engine = start_engine(cfg, model_path)
-
-The end of the block (`finish()`) shows the whole wait and each part's time as plain HTML, which a saved
-notebook keeps. It ticks from its own thread (widget messages arrive while the kernel is busy); its
-text/plain starts with PROGRESS_TEXT, so a notebook test tells it from a library's tqdm bar.
+"""The lessons' one display of a long wait (`with WaitProgress(what) as progress:`, then
+`progress(part, done, total)`, or `expected_s` for one call that reports nothing): a bar and a line that ticks
+every second from its own thread (widget messages arrive while the kernel is busy). The end of the block shows
+the whole wait and each part's time as plain HTML, which a saved notebook keeps; its text/plain starts with
+PROGRESS_TEXT, so a notebook test tells it from a library's tqdm bar.
 """
 from __future__ import annotations
 

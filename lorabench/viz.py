@@ -47,6 +47,17 @@ def _rolling(values, window=5):
     return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
 
 
+def _plot_key(ax, rows, key, fmt, log: bool = False, rolling: bool = False, **kw) -> list:
+    """`key` against the step (`rolling`: its 5-step mean; `log`: floored at 1e-9); returns the values."""
+    steps, values = _series(rows, key)
+    values = _rolling(values) if rolling else values
+    if log:
+        ax.semilogy(steps, [max(v, 1e-9) for v in values], fmt, **kw)
+    else:
+        ax.plot(steps, values, fmt, **kw)
+    return values
+
+
 def title_with_legend(ax, title: str, ncol: int = 3) -> None:
     """A left-aligned title, lifted by the legend's rows, with the legend between it and the axes."""
     handles = ax.get_legend_handles_labels()[0]
@@ -67,11 +78,9 @@ def label_axes(ax, title: str, ncol: int = 3, axis: str = "both", which: str = "
 
 def plot_rewards(rows, evals=(), ax=None):
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    steps, reward = _series(rows, m.REWARD)
-    ax.plot(steps, reward, ".", alpha=0.4, color="#4c72b0", label="reward")
-    ax.plot(steps, _rolling(reward), "-", color="#4c72b0", label="reward, mean of 5")
-    steps_f, fmt = _series(rows, m.STRICT_FORMAT)
-    ax.plot(steps_f, _rolling(fmt), "--", color="#55a868", label="ends '#### N', mean of 5")
+    _plot_key(ax, rows, m.REWARD, ".", alpha=0.4, color="#4c72b0", label="reward")
+    _plot_key(ax, rows, m.REWARD, "-", rolling=True, color="#4c72b0", label="reward, mean of 5")
+    _plot_key(ax, rows, m.STRICT_FORMAT, "--", rolling=True, color="#55a868", label="ends '#### N', mean of 5")
     if sampled := [e for e in evals if not e.get(m.HELD_GREEDY)]:
         ax.plot([e["step"] for e in sampled], [e[m.HELD_STRICT] for e in sampled], "D", color="#c44e52", ms=7,
                 label="held-out reward")
@@ -101,10 +110,9 @@ def plot_mismatch(rows, ax=None):
                                     (on_policy, m.MISMATCH_P99, "^:", "mismatch, p99"),
                                     (on_policy, m.MISMATCH, "o-", "mismatch, mean"),
                                     (behind, m.MISMATCH, "x", "mean, one behind (lag)")):
-        steps, values = _series(part, key)
-        if values:
-            ax.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=3, label=label,
-                        **({"color": "#999999"} if part is behind else {}))
+        if _series(part, key)[1]:
+            _plot_key(ax, part, key, style, log=True, ms=3, label=label,
+                      **({"color": "#999999"} if part is behind else {}))
     return label_axes(ax, "Is the engine serving the trainer's policy?", xlabel="GRPO step",
                       ylabel="|Δ log-prob| (nats)")
 
@@ -112,8 +120,7 @@ def plot_mismatch(rows, ax=None):
 def plot_delta_norm(rows, ax=None):
     """‖ΔW‖ = sqrt(Σ ‖(α/r)·B·A‖²_F) over the adapted layers, per step: 0 until the adapter moves."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    steps, norm = _series(rows, m.DELTA_NORM)
-    ax.plot(steps, norm, "o-", ms=3, color="#8172b2")
+    _plot_key(ax, rows, m.DELTA_NORM, "o-", ms=3, color="#8172b2")
     return label_axes(ax, "How far the adapter has moved: ‖ΔW‖", xlabel="GRPO step", ylabel="‖ΔW‖ (Frobenius)")
 
 
@@ -130,14 +137,11 @@ def plot_policies(histories: dict[str, list[dict]], key: str, title: str, ylabel
     """One line per policy of `key` against the step (`histories`: name -> metrics rows)."""
     ax = ax or plt.subplots(figsize=(6, 3.5))[1]
     for (name, rows), color in zip(histories.items(), itertools.cycle(POLICY_COLORS)):
-        steps, values = _series(rows, key)
-        if not values:
+        if not _series(rows, key)[1]:
             continue
         if rolling:
-            ax.plot(steps, values, ".", alpha=0.3, color=color)
-            values = _rolling(values)
-        draw = ax.semilogy if log else ax.plot
-        draw(steps, [max(v, 1e-9) for v in values] if log else values, "-", color=color, label=name)
+            _plot_key(ax, rows, key, ".", alpha=0.3, color=color)
+        _plot_key(ax, rows, key, "-", log=log, rolling=rolling, color=color, label=name)
     return label_axes(ax, title, ncol=4, xlabel="GRPO step", ylabel=ylabel)
 
 
@@ -176,6 +180,11 @@ def quartiles(values) -> tuple[float, float, float]:
     """(lower quartile, median, upper quartile); one value is all three."""
     values = sorted(values)
     return (values[0],) * 3 if len(values) == 1 else tuple(statistics.quantiles(values, n=4, method="inclusive"))
+
+
+def median_ms(row) -> float:
+    """A refresh row's median end-to-end time in ms (what the figures and the lesson order the modes by)."""
+    return quartiles(end_to_end_ms(row))[1]
 
 
 def plot_spread(ax, at: float, values, color: str, horizontal: bool = True, width: float = 0.5,
@@ -217,8 +226,12 @@ def _spread_rows(ax, rows, labels, note, color=lambda row: "#5d6d7e", floors=())
     return min([min(v) for v in every] + [f for _, f in floors]), max(max(v) for v in every)
 
 
-def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
-    """Each mode's refreshes end to end (call + first request), top down, on a log x beside the floor."""
+def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
+    """Each mode's refreshes end to end (call + first request) with every repeat, on a log x beside the floor
+    (left), and its median call split into its parts, then the median first request, stacked linearly (right);
+    fastest median on top."""
+    rows = sorted(rows, key=median_ms)
+    fig, (ax, parts) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), title=label)
     labels = [r.get("label", r["mode"]) for r in rows]
     lowest, highest = _spread_rows(ax, rows, labels, lambda median, _: f"{ms_text(median)} ms",
                                    lambda row: MODE_COLORS.get(row["mode"], "#5d6d7e"),
@@ -226,32 +239,18 @@ def plot_end_to_end(rows, ax, bandwidth_gbps: float | None = None):
     _spread_legend(ax, floor=bandwidth_gbps is not None)
     ax.set(xlabel="ms, refresh call + first request (log scale)", xlim=(lowest / 2, 4 * highest))
     title_with_legend(ax, "End to end, per mode", ncol=4)
-    return ax
-
-
-def plot_parts(rows, ax):
-    """Each mode's median call split into its parts, then the median first request, stacked linearly."""
     left = [0.0] * len(rows)
     for part in [*in_part_order({p for r in rows for p in r["parts"]}), "first request"]:
         vals = [1e3 * (r.get("first_request_s", 0.0) if part == "first request" else r["parts"].get(part, 0.0))
                 for r in rows]
-        ax.barh(range(len(rows)), vals, left=left, color=PART_COLORS.get(part), label=part)
+        parts.barh(range(len(rows)), vals, left=left, color=PART_COLORS.get(part), label=part)
         left = [a + v for a, v in zip(left, vals)]
-    ax.set_yticks(range(len(rows)), [r.get("label", r["mode"]) for r in rows])
-    ax.invert_yaxis()
-    ax.set(xlim=(0, 1.05 * max(left)), xlabel="ms: the median call's parts, then the median first request")
-    ax.set_title("Where the time goes", loc="left")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)   # in drawing order
-    ax.grid(alpha=0.3, axis="x")
-    return ax
-
-
-def refresh_modes_figure(rows, bandwidth_gbps: float | None = None, label: str = ""):
-    """Each mode end to end with every repeat (left) and where the time goes (right), fastest median on top."""
-    rows = sorted(rows, key=lambda r: quartiles(end_to_end_ms(r))[1])
-    fig, (left, right) = labelled_figure("refresh_modes", 1, 2, figsize=(12, 2.2 + 0.6 * len(rows)), title=label)
-    plot_end_to_end(rows, left, bandwidth_gbps)
-    plot_parts(rows, right)
+    parts.set_yticks(range(len(rows)), labels)
+    parts.invert_yaxis()
+    parts.set(xlim=(0, 1.05 * max(left)), xlabel="ms: the median call's parts, then the median first request")
+    parts.set_title("Where the time goes", loc="left")
+    parts.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)   # in drawing order
+    parts.grid(alpha=0.3, axis="x")
     return fig
 
 
@@ -305,19 +304,14 @@ def merged_buckets_figure(rows, curve, bandwidth_gbps: float | None = None, labe
     return fig
 
 
-def empty_axes(ax, note: str) -> None:
-    """No data yet: no (invented) ticks, a note in the middle; title and labels keep the layout."""
-    ax.set(xticks=[], yticks=[])
-    ax.minorticks_off()
-    ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", color="#666666")
-
-
-def plot_learned(rows, evals, ax) -> None:
-    """5-step means of the reward, the share ending '#### N' and of right last numbers; held-out greedy points."""
+def run_learned_figure(rows, evals):
+    """What a run learned (5-step means of the reward, the share ending '#### N' and of right last numbers;
+    held-out greedy points), its KL to the base model and its entropy, per step."""
+    fig, (ax, kl, entropy) = labelled_figure("run_learned", 1, 3, figsize=(13, 4.6),
+                                             gridspec_kw={"width_ratios": [1.5, 1, 1]})
     for key, color, label in ((m.REWARD, "#4c72b0", "reward"), (m.STRICT_FORMAT, "#55a868", "ends '#### N'"),
                               (m.LAST_NUMBER_RIGHT, "#c44e52", "last number right, any format")):
-        steps, values = _series(rows, key)
-        ax.plot(steps, _rolling(values), "-", color=color, label=f"{label}, mean of 5")
+        _plot_key(ax, rows, key, "-", rolling=True, color=color, label=f"{label}, mean of 5")
     greedy = [e for e in evals if e.get(m.HELD_GREEDY)]
     for key, color, marker in ((m.HELD_FORMAT, "#55a868", "s"), (m.HELD_FLEXIBLE, "#c44e52", "D")):
         ax.plot([e["step"] for e in greedy], [e[key] for e in greedy], marker, color=color, ms=7, ls="none",
@@ -325,21 +319,11 @@ def plot_learned(rows, evals, ax) -> None:
     ax.plot([], [], "s", color="#cccccc", markeredgecolor="k", label="held-out, greedy (same colours)")
     label_axes(ax, "What the reward paid for, and the arithmetic", ncol=2, xlabel="GRPO step",
                ylabel="share of completions (reward: mean)", ylim=(-0.02, _top_reward(rows) + 0.02))
-
-
-def run_learned_figure(rows, evals):
-    """What a run learned (`plot_learned`), its KL to the base model and its entropy, per step."""
-    fig, (learned, kl, entropy) = labelled_figure("run_learned", 1, 3, figsize=(13, 4.6),
-                                                  gridspec_kw={"width_ratios": [1.5, 1, 1]})
-    plot_learned(rows, evals, learned)
     for ax, key, color, title, ylabel in (
             (kl, m.KL, "#8172b2", "KL to the base model", "nats per token (k3)"),
             (entropy, m.ENTROPY, "#937860", "Entropy of the policy", "nats per token")):
-        steps, values = _series(rows, key)
-        ax.plot(steps, values, "o-", ms=3, color=color)
-        ax.set(xlabel="GRPO step", ylabel=ylabel, ylim=(0, 1.15 * max(values, default=0) or 1))
-        ax.grid(alpha=0.3)
-        ax.set_title(title, loc="left")
+        values = _plot_key(ax, rows, key, "o-", ms=3, color=color)
+        label_axes(ax, title, xlabel="GRPO step", ylabel=ylabel, ylim=(0, 1.15 * max(values, default=0) or 1))
     return fig
 
 
@@ -355,12 +339,10 @@ def broken_refresh_figure(refreshed, broken, mode: str = "none"):
             (refreshed, m.PROBE_GAP, "s-", "#999999", "probe gap, refreshed run"),
             (refreshed, m.MISMATCH, "o-", "#4c72b0", "mismatch, refreshed run"),
             (broken, m.MISMATCH, "o-", "#c44e52", f"mismatch, refresh.mode={mode}")):
-        steps, values = _series(rows, key)
-        gap.semilogy(steps, [max(v, 1e-9) for v in values], style, ms=4, color=color, label=label)
+        _plot_key(gap, rows, key, style, log=True, ms=4, color=color, label=label)
     label_axes(gap, "Trainer vs engine", ncol=1, xlabel="GRPO step", ylabel="|Δ log-prob| (nats)")
     for rows, color, label in ((refreshed, "#4c72b0", "refreshed run"), (broken, "#c44e52", f"refresh.mode={mode}")):
-        steps, values = _series(rows, m.REWARD)
-        reward.plot(steps, values, "o-", ms=4, color=color, label=label)
+        _plot_key(reward, rows, m.REWARD, "o-", ms=4, color=color, label=label)
     label_axes(reward, "Reward of the engine's completions", ncol=2, xlabel="GRPO step",
                ylabel="reward (mean over the step)", ylim=(-0.02, _top_reward(refreshed, broken) + 0.02))
     for ax in (gap, reward):
@@ -383,7 +365,7 @@ def refresh_rank_figure(rows, label: str = ""):
     adapter_mb = {r["rank"]: r["bytes"] / 2**20 for r in rows if r["mode"] == "tensor"}
     if len(adapter_mb) > 1:   # the reference: a time in proportion to the adapter's bytes (slope 1 here)
         low = min(adapter_mb)
-        start = min(statistics.median(end_to_end_ms(r)) for r in rows if r["rank"] == low)
+        start = min(median_ms(r) for r in rows if r["rank"] == low)
         xs = sorted(adapter_mb)
         ax.plot(xs, [start * adapter_mb[k] / adapter_mb[low] for k in xs], "--", color="black", lw=1.2,
                 label="∝ adapter bytes")

@@ -1,9 +1,5 @@
 """The step-through panel: Step / Run N / Stop over a GRPOTrainer, with live views of the run.
 
-    panel = StepPanel(trainer)   # displays: buttons, the live figure, the last group's completions, the refresh
-    panel.start(3)               # Run N with N=3: returns at once, steps in a thread; panel.wait() re-raises
-    panel.end("note")            # wait for the run, disable the buttons (the views stay); panel.close() frees all
-
 Steps run in one background thread (the kernel stays responsive); Stop is honoured between steps. Views are
 widgets whose value is replaced in one message, notes go through the thread-safe `Output.append_stdout`, and
 while the kernel is idle Kernel -> Interrupt acts as Stop.
@@ -28,7 +24,7 @@ from matplotlib.ticker import MaxNLocator
 from . import metrics as m
 from .interrupts import interrupts_to_the_main_thread
 from .progress import PROGRESS_TEXT, WaitProgress, duration  # noqa: F401  (WaitProgress: the lessons' import)
-from .viz import GROUP_VIEWS, RUN_VIEWS, STYLE, empty_axes, plot_policies
+from .viz import GROUP_VIEWS, RUN_VIEWS, STYLE, plot_policies
 
 
 def setup_notebook() -> None:
@@ -201,8 +197,10 @@ class StepPanel:
                 ax.clear()
                 plot(ax)
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole numbers
-                if empty:   # no data: no made-up axis ranges, a note instead
-                    empty_axes(ax, "no step yet")
+                if empty:   # no data: no made-up ticks, a note; title and labels keep the layout
+                    ax.set(xticks=[], yticks=[])
+                    ax.minorticks_off()
+                    ax.text(0.5, 0.5, "no step yet", transform=ax.transAxes, ha="center", va="center", color="#666666")
             png = io.BytesIO()
             self.figure.savefig(png, format="png", dpi=self.dpi, bbox_inches="tight")
             self.plot.value = png.getvalue()

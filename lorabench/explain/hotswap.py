@@ -2,7 +2,6 @@
 trained run's adapter reused (or trained here when there is none)."""
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -84,11 +83,8 @@ def resolve_model_shown(model, warmstart, seed: int) -> tuple[str, bool, float]:
     what = "building and warm-starting the tiny model (cached afterwards)"
     with WaitProgress(what) as progress:
         progress(what, 0, warmstart.steps)
-
-        def log(line, *rest):
-            if found := re.search(r"warm-start step (\d+)/(\d+)", str(line)):
-                progress(what, int(found.group(1)), warmstart.steps)
-        path = resolve_model_path(model, warmstart, seed, log=log)
+        path = resolve_model_path(model, warmstart, seed, log=lambda *a: None,
+                                  progress=lambda _, done, total: progress(what, done, total))
     return path, True, time.perf_counter() - t0
 
 

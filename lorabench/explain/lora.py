@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..adapters import base_param_name
+from ..adapters import base_weights
 from ..viz import MIN_FONT_PT, PART_COLORS, label_axes, labelled_figure
 
 
@@ -126,5 +126,4 @@ def plot_refresh_timeline(rows: list[dict], title: str = "One refresh, part by p
 @torch.no_grad()
 def restore_base_weights(engine, peft_model) -> None:
     """Undo a merged refresh: push the trainer's frozen base weights back into the engine."""
-    plain = [(base_param_name(n), p.detach()) for n, p in peft_model.named_parameters() if ".lora_" not in n]
-    engine.update_weights(plain, flush_cache=True, version=0)
+    engine.update_weights(list(base_weights(peft_model).items()), flush_cache=True, version=0)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..adapters import PEFT_PREFIX
-from ..viz import call_ms, end_to_end_ms, ms_text, part_ms, push_cost_fit, quartiles
+from ..viz import call_ms, end_to_end_ms, median_ms, ms_text, part_ms, push_cost_fit, quartiles
 
 
 def engine_lora_weight(engine, adapter: str, module: str, half: str = "lora_B") -> torch.Tensor:
@@ -74,11 +74,6 @@ def storage_markdown(results: list[dict]) -> str:
 def _code(modes, sep: str = ", ") -> str:
     """Mode names as Markdown code, joined by `sep`."""
     return sep.join(f"`{m}`" for m in modes)
-
-
-def median_ms(row) -> float:
-    """A refresh row's median end-to-end time in ms (what the lesson orders the modes by)."""
-    return quartiles(end_to_end_ms(row))[1]
 
 
 def _overlap(a: list[float], b: list[float]) -> bool:

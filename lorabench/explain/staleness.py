@@ -164,12 +164,11 @@ def heldout_sentence(summary: dict) -> str:
 def one_group_loss(trainer, problem, step: int) -> dict:
     """One group for `problem` from the served adapter through the package's advantages and clipped loss, with
     π_old = the trainer's log-probs (as Policy.train) and = the engine's."""
-    from ..rollout import collate, sample, score
+    from ..rollout import sample
     g, name = trainer.settings, trainer.refresher.serving_adapter
     rollouts = sample(trainer.engine, trainer.tokenizer, [problem], g.group_size, trainer.sampling(step), name,
                       trainer.enable_thinking)
-    rewards, _ = score(rollouts, trainer.rewards)
-    batch = collate(rollouts, rewards, trainer.tokenizer.pad_token_id).to(trainer.device)
+    batch = trainer.scored(rollouts)[0].to(trainer.device)
     with trainer.policy.compute():
         logp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, g.temperature).float()
     mask = batch.completion_mask                                                 # [G, L-1]

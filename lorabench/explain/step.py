@@ -13,9 +13,8 @@ from ..rewards import extract_answer
 
 
 def gradient_norm(params) -> float:
-    """‖∇‖ over `params` (grpo's grad_norm, before clipping); their .grad set to None after."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() if grads else 0.0
+    """‖∇‖ over `params` as grpo's grad_norm (clip_grad_norm_, clipping nothing); their .grad set to None after."""
+    norm = torch.nn.utils.clip_grad_norm_(params, float("inf")).item()
     for p in params:
         p.grad = None
     return norm
