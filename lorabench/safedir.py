@@ -102,8 +102,7 @@ class SafeDir:
 
     @property
     def fd(self) -> int:
-        """The dir's fd; once closed a RunDirError, never None: os.*(dir_fd=None) would reach the working directory
-        (the commit thread of a run log closed under it wrote its checkpoint there)."""
+        """The dir's fd; once closed a RunDirError, never None: os.*(dir_fd=None) would reach the working directory."""
         if self._fd is None:
             raise RunDirError(f"{self.path} was closed: lorabench reads and writes it only through its open handle, "
                               f"so it refused to (nothing was written, there or anywhere else). A step still being "
