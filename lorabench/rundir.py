@@ -20,7 +20,7 @@ import torch
 
 from .adapters import CONFIG_NAME, LORA_DTYPE, WEIGHTS_NAME, AdapterError, AdapterLayout
 from .datafiles import over_half_memory
-from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow
+from .safedir import RunDirError, SafeDir, pid_alive
 
 # The run dir's layout; each name is written down here only, the other modules use these:
 #   config.json           the full Config, written once when the run starts, never rewritten
@@ -129,8 +129,14 @@ def scan_in(root: SafeDir, name: str) -> JsonlFile:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a run-dir JSONL file (a link is refused), for readers: a torn last line is left out."""
-    return scan_jsonl(path, read_no_follow(path)).rows
+    """The rows of a run-dir JSONL file (a link is refused, not a parent), for readers: a torn last line is left out."""
+    path = Path(path)
+    try:
+        parent = SafeDir(path.parent, os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+    except FileNotFoundError:
+        return []
+    with parent:
+        return scan_in(parent, path.name).rows
 
 
 def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:

@@ -331,17 +331,6 @@ def _unreadable(path: Path) -> RunDirError:
                        f"or copy it and continue the copy")
 
 
-def read_no_follow(path: str | Path) -> bytes | None:
-    """The bytes of the file at `path` (None when absent), refusing a link as its last component only."""
-    path = Path(path)
-    try:
-        parent = SafeDir(path.parent, os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-    except FileNotFoundError:
-        return None
-    with parent:
-        return parent.read_bytes(path.name)
-
-
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
