@@ -207,9 +207,7 @@ class RunLog:
             self.log(f"repair: {repair.note}")
             if repair.kind == "cut_torn_tail":
                 self.root.truncate(repair.path.name, repair.end)
-            elif repair.kind == "add_newline":
-                self._end_with_newline(repair.path.name)
-            else:
+            else:   # append_rows, or add_newline (no rows): _append ends the last row with its newline first
                 self._append(repair.path.name, repair.rows)
         if found.checkpoint is not None:
             self.committed_step = int(found.checkpoint["step"])
