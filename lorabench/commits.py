@@ -31,8 +31,7 @@ def tensors_mapped(value, fn):
 
 
 def cloned(value):
-    """`value` with each tensor copied (detached) as a view of one new buffer per device and dtype (one launch,
-    not one per each of an optimizer state's ~1,200 small tensors)."""
+    """`value` with its tensors copied (detached) as views of one new buffer per device and dtype: one copy each."""
     found: dict[tuple, list[torch.Tensor]] = {}
     tensors_mapped(value, lambda t: found.setdefault((t.device, t.dtype), []).append(t))
     copies = {}

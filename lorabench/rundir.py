@@ -20,9 +20,17 @@ import torch
 
 from .adapters import CONFIG_NAME, LORA_DTYPE, WEIGHTS_NAME, AdapterError, AdapterLayout
 from .datafiles import over_half_memory
-from .safedir import RunDirError, SafeDir, pid_alive, read_no_follow
+from .safedir import RunDirError, SafeDir, pid_alive
 
-# The run dir's layout: each name is written down here only; the other modules use these.
+# The run dir's layout; each name is written down here only, the other modules use these:
+#   config.json           the full Config, written once when the run starts, never rewritten
+#   config_changes.jsonl  allowed changes of a continued run (session/compat.py), appended, in order
+#   metrics.jsonl         one row per GRPO step, slash-namespaced keys; sync.jsonl: one row per refresh bucket
+#                         and one per refresh total; rollouts.jsonl: sampled completions with rewards and advantages
+#   evals.jsonl           held-out evaluations (before / after); summary.json: the finished run's summary
+#   adapters/step_<n>/    PEFT adapter dirs (PeftModel.from_pretrained); plots/*.png: figures
+#   checkpoint/           trainer state for `lorabench resume` (atomic, latest step)
+#   lock                  the writer's PID while one runs (RunLock)
 CONFIG, CONFIG_CHANGES, SUMMARY = "config.json", "config_changes.jsonl", "summary.json"
 METRICS, SYNC, ROLLOUTS, EVALS = "metrics.jsonl", "sync.jsonl", "rollouts.jsonl", "evals.jsonl"
 ADAPTERS, PLOTS, CHECKPOINT_DIR = "adapters", "plots", "checkpoint"
@@ -44,6 +52,7 @@ _CHECKPOINT_KEYS = ("step", "optimizer", "torch_rng", "adapter_buffer", "adapter
 BEHIND = "adapter_behind_buffer"   # optional (grpo.max_staleness): the adapter one version before the checkpoint's
 _RECOVER = "nothing in the run dir was changed"
 _NEW_RUN = f"start a new run ({ADAPTERS}/{adapter_dir_name('<n>')} hold the trained adapters as PEFT dirs)"
+_RESTORE = f"{_RECOVER}. Restore it from a backup and resume, or {_NEW_RUN}"
 
 
 def clean(value):
@@ -120,8 +129,14 @@ def scan_in(root: SafeDir, name: str) -> JsonlFile:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a run-dir JSONL file (a link is refused), for readers: a torn last line is left out."""
-    return scan_jsonl(path, read_no_follow(path)).rows
+    """The rows of a run-dir JSONL file (a link is refused, not a parent), for readers: a torn last line is left out."""
+    path = Path(path)
+    try:
+        parent = SafeDir(path.parent, os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+    except FileNotFoundError:
+        return []
+    with parent:
+        return scan_in(parent, path.name).rows
 
 
 def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
@@ -141,10 +156,9 @@ def read_checkpoint(run_dir: Path | SafeDir) -> dict | None:
         with os.fdopen(fd, "rb") as fh:
             state = torch.load(fh, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
-        raise RunDirError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}); {_RECOVER}. Restore it "
-                          f"from a backup and resume, or {_NEW_RUN}") from err
+        raise RunDirError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}); {_RESTORE}") from err
     if problem := checkpoint_problem(state):
-        raise RunDirError(f"{path}: {problem}; {_RECOVER}. Restore it from a backup and resume, or {_NEW_RUN}")
+        raise RunDirError(f"{path}: {problem}; {_RESTORE}")
     return state
 
 
@@ -283,15 +297,10 @@ def check_entries(run_dir: Path | SafeDir) -> None:
                     sub.expect(child, wanted)
                     if name == CHECKPOINT_DIR:
                         _refuse_too_large(sub, child)
-                    elif name == ADAPTERS:
-                        _check_export(sub, child)
-
-
-def _check_export(adapters: SafeDir, name: str) -> None:
-    """The files lorabench writes in adapters/step_<n> are files: resume reads them, and may replace the folder."""
-    with adapters.sub(name) as export:
-        for file in ADAPTER_FILES:
-            export.expect(file, "file")
+                    elif name == ADAPTERS:   # resume reads the export's files, and may replace the folder
+                        with sub.sub(child) as export:
+                            for file in ADAPTER_FILES:
+                                export.expect(file, "file")
 
 
 @dataclass

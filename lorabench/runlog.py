@@ -1,17 +1,6 @@
-"""Run directories: what a run writes, and how a run is read back or resumed.
-
-    RUN_DIR/config.json          the full Config, written once when the run starts, never rewritten
-    RUN_DIR/config_changes.jsonl allowed changes of a continued run (compat.py), appended, in order
-    RUN_DIR/metrics.jsonl        one row per GRPO step, slash-namespaced keys (append-only)
-    RUN_DIR/sync.jsonl           one row per refresh bucket and one per refresh total
-    RUN_DIR/rollouts.jsonl       sampled completions with rewards and advantages
-    RUN_DIR/evals.jsonl          held-out evaluations (before / after)
-    RUN_DIR/adapters/step_<n>/   PEFT adapter dirs (load with PeftModel.from_pretrained)
-    RUN_DIR/checkpoint/          trainer state for `lorabench resume` (atomic, latest step)
-    RUN_DIR/plots/*.png          figures
-    RUN_DIR/lock                 the writer's PID while one runs (rundir.RunLock)
-A step is committed by its checkpoint (holding the rows it vouches for), written before its rows, so a
-kill can only leave rows *missing*, which `load_checkpoint` appends from the checkpoint.
+"""Writing a run directory (its layout: rundir.py). A step is committed by its checkpoint (holding the rows it
+vouches for), written before its rows, so a kill can only leave rows *missing*, which a resume's `repair` appends
+from the checkpoint.
 """
 from __future__ import annotations
 
@@ -198,16 +187,9 @@ class RunLog:
             for name in (rundir.SYNC, rundir.ROLLOUTS):
                 self._append(name, rows.get(name, []))
 
-    def load_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None]:
-        """The last checkpoint (None, None before the first), the files made to agree with it once rundir.inspect
-        and `take(state, adapter)` accepted it (a refusal by either leaves the run dir as it was)."""
-        state, adapter, found = self.check_checkpoint(take)
-        self.repair(found)
-        return state, adapter
-
     def check_checkpoint(self, take=None) -> tuple[dict | None, FlatAdapter | None, rundir.RunDirState]:
-        """load_checkpoint's checks, writing nothing: the checkpoint, its adapter and what rundir.inspect found
-        (for `repair`), once both it and `take(state, adapter)` accepted them."""
+        """The last checkpoint (None before the first), its adapter and what rundir.inspect found (for `repair`),
+        once both it and `take(state, adapter)` accepted them; writes nothing."""
         found = rundir.inspect(self.dir)
         state = found.checkpoint
         adapter = None if state is None else FlatAdapter(state["adapter_buffer"],
@@ -225,9 +207,7 @@ class RunLog:
             self.log(f"repair: {repair.note}")
             if repair.kind == "cut_torn_tail":
                 self.root.truncate(repair.path.name, repair.end)
-            elif repair.kind == "add_newline":
-                self._end_with_newline(repair.path.name)
-            else:
+            else:   # append_rows, or add_newline (no rows): _append ends the last row with its newline first
                 self._append(repair.path.name, repair.rows)
         if found.checkpoint is not None:
             self.committed_step = int(found.checkpoint["step"])

@@ -102,8 +102,7 @@ class SafeDir:
 
     @property
     def fd(self) -> int:
-        """The dir's fd; once closed a RunDirError, never None: os.*(dir_fd=None) would reach the working directory
-        (the commit thread of a run log closed under it wrote its checkpoint there)."""
+        """The dir's fd; once closed a RunDirError, never None: os.*(dir_fd=None) would reach the working directory."""
         if self._fd is None:
             raise RunDirError(f"{self.path} was closed: lorabench reads and writes it only through its open handle, "
                               f"so it refused to (nothing was written, there or anywhere else). A step still being "
@@ -266,7 +265,7 @@ class SafeDir:
         """Make `name` hold `data` (or what `writer(binary_file)` writes) whole: a fsynced temp renamed onto it
         (exclusive=True: linked, refusing an existing `name`)."""
         self.expect(name, "file")
-        remove_stale_temps(self.fd, (f".{name}.",), sep=".", token=_HEX8, dirs=False)
+        remove_stale_temps(self.fd, (re.escape(f".{name}."),), sep=".", token=_HEX8, dirs=False)
         tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, _NEW, 0o600, dir_fd=self.fd)
@@ -302,7 +301,7 @@ class SafeDir:
     def atomic_subdir(self, name: str) -> Iterator[SafeDir]:
         """Yield a fresh hidden temp dir that replaces the dir `name` in one rename on success."""
         self.expect(name, "dir")
-        remove_stale_temps(self.fd, (f".{name}.tmp-", f".{name}.old-"), token=_HEX8)
+        remove_stale_temps(self.fd, (re.escape(f".{name}.") + "(?:tmp|old)-",), token=_HEX8)
         pid, fds = os.getpid(), {"src_dir_fd": self.fd, "dst_dir_fd": self.fd}
         tmp = f".{name}.tmp-{pid}-{secrets.token_hex(4)}"
         os.mkdir(tmp, 0o700, dir_fd=self.fd)
@@ -332,17 +331,6 @@ def _unreadable(path: Path) -> RunDirError:
                        f"or copy it and continue the copy")
 
 
-def read_no_follow(path: str | Path) -> bytes | None:
-    """The bytes of the file at `path` (None when absent), refusing a link as its last component only."""
-    path = Path(path)
-    try:
-        parent = SafeDir(path.parent, os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-    except FileNotFoundError:
-        return None
-    with parent:
-        return parent.read_bytes(path.name)
-
-
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -353,10 +341,13 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead(parent: Path | int, temp: re.Pattern, dirs: bool) -> None:
-    """Remove the entries of `parent` (a path or dir fd) named `temp` in full (group 1: its writer's PID) whose
-    writer is dead, and only of the kind that writer makes: a dir (dirs=True) or a regular file. Anything else
-    (a link, a user's `.evals.jsonl.20240101`) is not a temp of ours and is left as it is."""
+def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...], sep: str = "-", token: str = _MKDTEMP8,
+                       dirs: bool = True) -> None:
+    """Remove what killed atomic writes left in `parent` (a path or dir fd): entries named exactly
+    `<prefix><pid><sep><token>` (prefixes: regular expressions) of a dead pid, and only of the kind its writer
+    makes: a dir (dirs=False: a regular file). Anything else (a link, a user's `.evals.jsonl.20240101`) is not a
+    temp of ours and is left as it is. The defaults are mkdtemp's `<prefix><pid>-` dirs."""
+    temp = re.compile(f"(?:{'|'.join(prefixes)})(\\d+){re.escape(sep)}{token}")
     dir_fd = parent if isinstance(parent, int) else None
     try:
         entries = list(os.scandir(parent))
@@ -375,17 +366,9 @@ def _remove_dead(parent: Path | int, temp: re.Pattern, dirs: bool) -> None:
                 os.unlink(entry.path, dir_fd=dir_fd)
 
 
-def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...], sep: str = "-", token: str = _MKDTEMP8,
-                       dirs: bool = True) -> None:
-    """Remove what killed atomic writes left in `parent`: exactly `<prefix><pid><sep><token>` of a dead pid, as
-    the temp dirs (dirs=False: files) they make; the defaults are mkdtemp's `<prefix><pid>-` dirs."""
-    prefix = "|".join(map(re.escape, prefixes))
-    _remove_dead(parent, re.compile(f"(?:{prefix})(\\d+){re.escape(sep)}{token}"), dirs)
-
-
 def remove_dead_dir_temps(parent: Path) -> None:
     """Remove every atomic_dir temp (`.NAME.tmp-PID-x`, `.NAME.old-PID-x`) in `parent` whose writer is dead."""
-    _remove_dead(parent, re.compile(rf"\..+\.(?:tmp|old)-(\d+)-{_MKDTEMP8}"), dirs=True)
+    remove_stale_temps(parent, (r"\..+\.(?:tmp|old)-",))
 
 
 def fsync_path(path: Path) -> None:
@@ -414,7 +397,7 @@ def atomic_dir(final: Path, replace: bool = False, mode: int = 0o700) -> Iterato
     meanwhile is kept; replace=True: an existing one is swapped out (put back if the swap fails)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(final.parent, (f".{final.name}.tmp-", f".{final.name}.old-"))
+    remove_stale_temps(final.parent, (re.escape(f".{final.name}.") + "(?:tmp|old)-",))
     pid = os.getpid()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{pid}-", dir=final.parent))
     os.chmod(tmp, mode)

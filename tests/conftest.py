@@ -180,3 +180,11 @@ def default_sigint():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def load_checkpoint(runlog):
+    """What a resume does with a run log: its last checkpoint and adapter (None, None before the first), the
+    files made to agree with it (RunLog.check_checkpoint, then RunLog.repair)."""
+    state, adapter, found = runlog.check_checkpoint()
+    runlog.repair(found)
+    return state, adapter

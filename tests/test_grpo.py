@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from conftest import CoreOnlyEngine, merged_state_dict, perturb_lora_B
+from conftest import CoreOnlyEngine, load_checkpoint, merged_state_dict, perturb_lora_B
 
 from lorabench import metrics
 from lorabench.adapters import FlatAdapter
@@ -649,7 +649,7 @@ def test_run_dir_contents(make_trainer, tmp_path):
     current = trainer.policy.adapter()
     final = FlatAdapter.load_peft_dir(run / "adapters" / "step_2")
     assert final.layout == current.layout and torch.equal(final.buffer, current.buffer)
-    state, adapter = runlog.load_checkpoint()
+    state, adapter = load_checkpoint(runlog)
     assert state["step"] == 2 and "version" not in state      # the step is the version: one name for it
     assert adapter.version == 2 and torch.equal(adapter.buffer, current.buffer)
     assert not [p for p in run.rglob(".*")]                     # no temp files left behind
@@ -660,16 +660,16 @@ def test_checkpoint_every_publishes_rows_with_their_checkpoint(make_trainer, tmp
     runlog = trainer.runlog
     trainer.step()
     trainer.wait_committed()
-    assert runlog.metrics() == [] and runlog.load_checkpoint() == (None, None)     # nothing vouched for yet
+    assert runlog.metrics() == [] and load_checkpoint(runlog) == (None, None)     # nothing vouched for yet
     assert read_jsonl(tmp_path / "run" / "sync.jsonl") == [] and len(trainer.history) == 1
     trainer.step()
     trainer.wait_committed()
     assert [r["step"] for r in runlog.metrics()] == [1, 2]
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "sync.jsonl") if r["row"] == "refresh"] == [1, 2]
-    assert runlog.load_checkpoint()[0]["step"] == 2
+    assert load_checkpoint(runlog)[0]["step"] == 2
     trainer.step()                                               # the last step always checkpoints
     trainer.wait_committed()
-    assert [r["step"] for r in runlog.metrics()] == [1, 2, 3] and runlog.load_checkpoint()[0]["step"] == 3
+    assert [r["step"] for r in runlog.metrics()] == [1, 2, 3] and load_checkpoint(runlog)[0]["step"] == 3
     assert runlog.metrics() == json.loads(json.dumps(trainer.history, default=str).replace("NaN", "null"))
 
 

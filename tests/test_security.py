@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import load_checkpoint
 from reliability_util import TINY_RUN, make_trainer  # noqa: F401 (fixture)
 
 
@@ -178,7 +179,7 @@ def test_run_dir_never_world_writable(make_trainer, tmp_path, umask_zero):
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text(metrics.read_text().splitlines(keepends=True)[0])   # step 2's row lost to a kill
     resumed = RunLog(tmp_path / "run", log=lambda *a: None, lock=True)      # the lock file, and...
-    resumed.load_checkpoint()                                      # ...the repair resume makes
+    load_checkpoint(resumed)                                       # ...the repair resume makes
     assert [r["step"] for r in resumed.metrics()] == [1, 2]
     modes = _modes(tmp_path / "run")
     assert modes[tmp_path / "run" / "lock"] == 0o640

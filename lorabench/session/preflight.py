@@ -158,29 +158,24 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True)
 class ModelShape:
     hidden: int
-    intermediate: int
     layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
     vocab: int
     tied: bool
+    linears: dict   # {projection: (in, out)} of one decoder layer
 
     @classmethod
     def of(cls, config) -> ModelShape:
         get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
-        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-        return cls(hidden, int(get("intermediate_size", 4 * hidden)), int(get("num_hidden_layers")), heads,
-                   int(get("num_key_value_heads") or heads), int(get("head_dim") or hidden // heads),
-                   int(get("vocab_size")), bool(get("tie_word_embeddings", False)))
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        h, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        i, head_dim = int(get("intermediate_size", 4 * h)), int(get("head_dim") or h // heads)
+        q, kv = heads * head_dim, int(get("num_key_value_heads") or heads) * head_dim
+        linears = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                   "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return cls(h, int(get("num_hidden_layers")), int(get("vocab_size")), bool(get("tie_word_embeddings", False)),
+                   linears)
 
     def parameters(self) -> int:
-        per_layer = sum(a * b for a, b in self.linear_shapes().values())
+        per_layer = sum(a * b for a, b in self.linears.values())
         return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2)
 
 
@@ -196,8 +191,7 @@ def needs(cfg: Config, shape: ModelShape) -> list[Need]:
     terms = [Need(f"{sequences:,} sequences of {g.max_new_tokens} new tokens held at once",
                   sequences * (1024 + 64 * g.max_new_tokens), fix)]
     targets = cfg.lora.target_modules
-    linears = shape.linear_shapes()
-    chosen = linears if targets == "all-linear" else {k: v for k, v in linears.items() if k in targets}
+    chosen = shape.linears if targets == "all-linear" else {k: v for k, v in shape.linears.items() if k in targets}
     lora_params = shape.layers * cfg.lora.r * sum(a + b for a, b in chosen.values())
     terms.append(Need(f"LoRA state ({lora_params:,} parameters at lora.r={cfg.lora.r}, float32 x 8)",
                       lora_params * 4 * 8, f"lower lora.r (now {cfg.lora.r})"))
