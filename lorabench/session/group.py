@@ -18,13 +18,12 @@ from pathlib import Path
 
 from ..group import PolicyGroup, owned_key, parse_policies, shared_differences
 from ..policy import UpdateDiverged
-from ..rundir import CONFIG, GROUP_FILE, RunDirError, check_before_evals
+from ..rundir import CONFIG, GROUP_FILE, RunDirError
 from ..safedir import SafeDir, refusal
 from ..settings import unique_keys
 from .compat import effective_config, resume_config
 from .config import SECTIONS, Config, ConfigError, flat
-from .preflight import preflight
-from .run import RunSession, _SessionLifecycle, build_trainer, engine_and_policies, plan_run, threads_and_model
+from .run import RunSession, _SessionLifecycle, build_trainer, checked_model, engine_and_policies, plan_run
 
 
 @dataclass
@@ -85,19 +84,13 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
                               f"(lorabench resume {root}/NAME) or give them the same values")
         existing = check_group_dir(root, list(members))
         plans = {name: plan_run(m, root / name) for name, m in members.items()}
-        for name, plan in plans.items():
-            if evaluate_first and plan.continued is not None:
-                check_before_evals(plan.run_dir, plan.continued.step)
-            preflight(members[name], plan.run_dir, continued=plan.continued is not None, log=log)
-        model_path, model_seconds = threads_and_model(next(iter(members.values())), log)
-        fingerprints = {name: plan.check_model(members[name], model_path, log) for name, plan in plans.items()}
+        model_path, model_seconds, fingerprints = checked_model(plans, members, evaluate_first, log)
         if not existing:
             write_group(root, cfg)
         runlogs = {}
         try:
             for name, plan in plans.items():
-                runlogs[name] = plan.open(members[name], log)
-                runlogs[name].fingerprint = fingerprints[name]
+                runlogs[name] = plan.open(members[name], fingerprints[name], log)
             session = cls._build(cfg, members, runlogs, root, model_path, model_seconds, log)
             for name, plan in plans.items():   # once every policy's checkpoint is loaded and checked
                 plan.record_changes(runlogs[name], log)

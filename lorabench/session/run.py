@@ -65,8 +65,9 @@ class RunPlan:
                 f"records this run's")
         return fingerprint
 
-    def open(self, cfg: Config, log=print):
-        """The run dir under its lock: config.json for a new run; a continued one checked again under it."""
+    def open(self, cfg: Config, fingerprint: dict, log=print):
+        """The run dir under its lock: config.json for a new run; a continued one checked again under it.
+        Its checkpoints record `fingerprint` (check_model's)."""
         new = self.continued is None
         try:
             runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
@@ -88,6 +89,7 @@ class RunPlan:
         if not new and self.named_by_config:
             log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
         log(f"run dir: {runlog.dir}" + ("" if new else f" (continued at step {self.continued.step})"))
+        runlog.fingerprint = fingerprint
         return runlog
 
     def record_changes(self, runlog, log=print) -> None:
@@ -216,13 +218,9 @@ class RunSession(_SessionLifecycle):
         progress = progress or (lambda what, done=None, total=None: None)
 
         plan = plan_run(cfg, run_dir)
-        if evaluate_first and plan.continued is not None:
-            check_before_evals(plan.run_dir, plan.continued.step)
-        preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
-        model_path, model_seconds = threads_and_model(cfg, log, progress)
-        fingerprint = plan.check_model(cfg, model_path, log)
-        runlog = plan.open(cfg, log)
-        runlog.fingerprint = fingerprint
+        model_path, model_seconds, fingerprints = checked_model({"default": plan}, {"default": cfg}, evaluate_first,
+                                                                log, progress)
+        runlog = plan.open(cfg, fingerprints["default"], log)
         try:
             return cls._build(cfg, plan, runlog, model_path, model_seconds, log, evaluate_first, progress)
         except BaseException:
@@ -270,13 +268,23 @@ class RunSession(_SessionLifecycle):
         self.runlog.close()
 
 
-def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float]:
-    """torch's CPU threads set (preflight checked run.threads), then the model resolved: (path, seconds)."""
+def checked_model(plans: dict[str, RunPlan], members: dict[str, Config], evaluate_first: bool, log=print,
+                  progress=None) -> tuple[str, float, dict]:
+    """Each plan checked (its step-0 evaluations, preflight.py), torch's CPU threads set, the model resolved and
+    checked against each continued run: (path, seconds, {name: fingerprint}); nothing is written yet."""
+    for name, plan in plans.items():
+        if evaluate_first and plan.continued is not None:
+            check_before_evals(plan.run_dir, plan.continued.step)
+        preflight(members[name], plan.run_dir, continued=plan.continued is not None, log=log)
+    cfg = next(iter(members.values()))
     threads, how = cpu_threads(cfg.run.threads)
     torch.set_num_threads(threads)
     log(f"torch CPU threads: {how}")
     t0 = time.perf_counter()
-    return resolve_model(cfg, log=log, progress=progress), time.perf_counter() - t0
+    model_path = resolve_model(cfg, log=log, progress=progress)
+    model_seconds = time.perf_counter() - t0
+    return model_path, model_seconds, {name: plan.check_model(members[name], model_path, log)
+                                       for name, plan in plans.items()}
 
 
 def resolve_model(cfg: Config, log=print, progress=None) -> str:
