@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..group import PolicyGroup, owned_key, parse_policies, shared_differences
-from ..policy import UpdateDiverged
 from ..rundir import CONFIG, GROUP_FILE, RunDirError
 from ..safedir import SafeDir, refusal
 from ..settings import unique_keys
 from .compat import effective_config, resume_config
 from .config import SECTIONS, Config, ConfigError, flat
-from .run import RunSession, _SessionLifecycle, build_trainer, checked_model, engine_and_policies, plan_run
+from .run import RunSession, _SessionLifecycle, checked_model, engine_and_trainers, plan_run
 
 
 @dataclass
@@ -110,23 +109,9 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
     def _build(cls, cfg, members, runlogs, root, model_path, model_seconds, log):
         log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
             + "; ".join(spec.label() for spec in cfg.policies))
-        engine, policies = engine_and_policies(cfg, members, model_path, log)
-        try:
-            trainers, sessions = {}, {}
-            for name, member in members.items():
-                try:
-                    trainers[name] = trainer = build_trainer(member, model_path, engine, runlogs[name], log=log,
-                                                             policy=policies[name], repair_later=True)
-                except UpdateDiverged as err:   # its checkpoint's adapter: the one line printed names the policy
-                    raise UpdateDiverged(f"policy {name!r}: {err}", err.override, err.past_bound) from err
-                sessions[name] = RunSession(member, runlogs[name], engine, trainer, model_path, model_seconds)
-            for trainer in trainers.values():   # every policy's checkpoint checked: only now is a run dir repaired
-                trainer.repair_run_dir()
-        except BaseException:
-            for trainer in trainers.values():
-                trainer.close()
-            engine.close()
-            raise
+        engine, trainers = engine_and_trainers(cfg, members, runlogs, model_path, log)
+        sessions = {name: RunSession(member, runlogs[name], engine, trainers[name], model_path, model_seconds)
+                    for name, member in members.items()}
         return cls(cfg, sessions, engine, PolicyGroup(trainers, engine), root, model_path, model_seconds)
 
     def evaluate_before(self) -> dict:

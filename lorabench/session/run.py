@@ -26,7 +26,7 @@ from ..grpo import GRPOTrainer
 from ..interrupts import interrupts_to_the_main_thread, wait_interruptibly
 from ..machine import cpu_threads
 from ..models import load_tokenizer, resolve_model_path
-from ..policy import Policy, compile_mode, rngs_kept
+from ..policy import Policy, UpdateDiverged, compile_mode, rngs_kept
 from ..refresh import REFRESH_MODES, make_refresher
 from ..rundir import CHECKPOINT, CONFIG, FOLDERS, LOCK_NAME, check_before_evals, check_entries, inspect, lock_holder
 from ..runlog import NullRunLog, RunDirError, RunLog
@@ -222,27 +222,19 @@ class RunSession(_SessionLifecycle):
                                                                 log, progress)
         runlog = plan.open(cfg, fingerprints["default"], log)
         try:
-            return cls._build(cfg, plan, runlog, model_path, model_seconds, log, evaluate_first, progress)
+            engine, trainers = engine_and_trainers(cfg, {"default": cfg}, {"default": runlog}, model_path, log,
+                                                   progress)
+            try:
+                plan.record_changes(runlog, log)
+                session = cls(cfg, runlog, engine, trainers["default"], model_path, model_seconds)
+                if evaluate_first:
+                    progress("held-out evaluation before the first step")
+                    session.evaluate_before()
+            except BaseException:
+                engine.close()
+                raise
         except BaseException:
             runlog.close(refused=True)
-            raise
-
-    @classmethod
-    def _build(cls, cfg, plan: RunPlan, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool,
-               progress):
-        progress(f"starting the {cfg.engine.backend} engine")
-        engine, policies = engine_and_policies(cfg, {"default": cfg}, model_path, log)
-        try:
-            progress("building the trainer")
-            trainer = build_trainer(cfg, model_path, engine, runlog, log=log,   # loads and checks the checkpoint
-                                    policy=policies["default"])
-            plan.record_changes(runlog, log)
-            session = cls(cfg, runlog, engine, trainer, model_path, model_seconds)
-            if evaluate_first:
-                progress("held-out evaluation before the first step")
-                session.evaluate_before()
-        except BaseException:
-            engine.close()
             raise
         return session
 
@@ -331,6 +323,34 @@ def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str
     except BaseException:
         engine.close()
         raise
+
+
+def engine_and_trainers(cfg: Config, members: dict[str, Config], runlogs: dict, model_path: str, log=print,
+                        progress=None) -> tuple:
+    """The engine and {name: GRPOTrainer} of `members` (engine_and_policies). A group's run dirs are repaired
+    only once every policy's checkpoint is loaded and checked; an error there names the policy."""
+    progress = progress or (lambda what, done=None, total=None: None)
+    progress(f"starting the {cfg.engine.backend} engine")
+    engine, policies = engine_and_policies(cfg, members, model_path, log)
+    trainers = {}
+    try:
+        progress("building the trainer")
+        for name, member in members.items():
+            try:   # loads and checks the checkpoint
+                trainers[name] = build_trainer(member, model_path, engine, runlogs[name], log=log,
+                                               policy=policies[name], repair_later=bool(cfg.policies))
+            except UpdateDiverged as err:   # its checkpoint's adapter: the one line printed names the policy
+                if not cfg.policies:
+                    raise
+                raise UpdateDiverged(f"policy {name!r}: {err}", err.override, err.past_bound) from err
+        for trainer in trainers.values():   # every policy's checkpoint checked: only now is a run dir repaired
+            trainer.repair_run_dir()
+    except BaseException:
+        for trainer in trainers.values():
+            trainer.close()
+        engine.close()
+        raise
+    return engine, trainers
 
 
 def _compile(policies: dict, done: Future) -> None:
