@@ -90,7 +90,12 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         try:
             for name, plan in plans.items():
                 runlogs[name] = plan.open(members[name], fingerprints[name], log)
-            session = cls._build(cfg, members, runlogs, root, model_path, model_seconds, log)
+            log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
+                + "; ".join(spec.label() for spec in cfg.policies))
+            engine, trainers = engine_and_trainers(cfg, members, runlogs, model_path, log)
+            sessions = {name: RunSession(member, runlogs[name], engine, trainers[name], model_path, model_seconds)
+                        for name, member in members.items()}
+            session = cls(cfg, sessions, engine, PolicyGroup(trainers, engine), root, model_path, model_seconds)
             for name, plan in plans.items():   # once every policy's checkpoint is loaded and checked
                 plan.record_changes(runlogs[name], log)
         except BaseException:
@@ -104,15 +109,6 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
                 session.close()
                 raise
         return session
-
-    @classmethod
-    def _build(cls, cfg, members, runlogs, root, model_path, model_seconds, log):
-        log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
-            + "; ".join(spec.label() for spec in cfg.policies))
-        engine, trainers = engine_and_trainers(cfg, members, runlogs, model_path, log)
-        sessions = {name: RunSession(member, runlogs[name], engine, trainers[name], model_path, model_seconds)
-                    for name, member in members.items()}
-        return cls(cfg, sessions, engine, PolicyGroup(trainers, engine), root, model_path, model_seconds)
 
     def evaluate_before(self) -> dict:
         self.before = {name: member.evaluate_before() for name, member in self.members.items()}
