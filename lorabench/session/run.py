@@ -293,10 +293,14 @@ def start_engine(cfg: Config, model_path: str, log=None, run: bool = False, **ov
     return engine
 
 
-def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str, log=print) -> tuple:
-    """The engine `cfg` chooses and {peft name: Policy} for `members` (sharing the first one's model). Under
-    grpo.compile=all the policies compile on a thread while the engine starts (not with tp_size > 1: SGLang
-    refuses GPUs whose free memory differs)."""
+def engine_and_trainers(cfg: Config, members: dict[str, Config], runlogs: dict, model_path: str, log=print,
+                        progress=None) -> tuple:
+    """The engine `cfg` chooses and {name: GRPOTrainer} for `members`, their policies sharing the first one's
+    model. Under grpo.compile=all the policies compile on a thread while the engine starts (not with tp_size > 1:
+    SGLang refuses GPUs whose free memory differs). A group's run dirs are repaired only once every policy's
+    checkpoint is loaded and checked; an error there names the policy."""
+    progress = progress or (lambda what, done=None, total=None: None)
+    progress(f"starting the {cfg.engine.backend} engine")
     device = engine_class(cfg.engine.backend).device_of(cfg.engine.chosen)
 
     def build() -> dict:
@@ -315,25 +319,12 @@ def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str
         threading.Thread(target=_compile, args=(policies, compiled), name="lorabench-compile", daemon=True).start()
     with rngs_kept(device):   # what the engine's start draws is not the run's
         engine = start_engine(cfg, model_path, log, run=True)
+    trainers = {}
     try:
         if ahead:
             wait_interruptibly(compiled.result)
             log(f"training graphs compiled and engine started in {time.perf_counter() - t0:.0f} s")
-        return engine, policies or build()
-    except BaseException:
-        engine.close()
-        raise
-
-
-def engine_and_trainers(cfg: Config, members: dict[str, Config], runlogs: dict, model_path: str, log=print,
-                        progress=None) -> tuple:
-    """The engine and {name: GRPOTrainer} of `members` (engine_and_policies). A group's run dirs are repaired
-    only once every policy's checkpoint is loaded and checked; an error there names the policy."""
-    progress = progress or (lambda what, done=None, total=None: None)
-    progress(f"starting the {cfg.engine.backend} engine")
-    engine, policies = engine_and_policies(cfg, members, model_path, log)
-    trainers = {}
-    try:
+        policies = policies or build()
         progress("building the trainer")
         for name, member in members.items():
             try:   # loads and checks the checkpoint
