@@ -69,22 +69,7 @@ def run_experiment(cfg, run_dir: str | Path | None = None, log=log_line) -> dict
         return run_group(cfg, run_dir, log)
     t0 = time.perf_counter()
     session = RunSession.open(cfg, run_dir, log=log)
-    try:
-        try:
-            log(f"held-out before GRPO: {_strict(session.before)}")
-            t_train = time.perf_counter()
-            session.trainer.run()
-            timing = _evaluate_after(session.trainer, session.runlog, time.perf_counter() - t_train)
-        except USER_ERRORS as err:   # one line, with where the run stands (the cause stays chained)
-            raise RunStopped(stopped_message(err, session.runlog)) from err
-        except (Terminated, KeyboardInterrupt) as stop:
-            stop.run_dir = session.runlog.dir   # the stop's line names the run dir that continues
-            raise
-        finally:
-            session.close_engine()
-        return _write_summary(session, timing, t0)
-    finally:
-        session.runlog.close()
+    return _train(session, {"": session}, t0, log, lambda err: stopped_message(err, session.runlog))[""]
 
 
 def run_group(cfg, group_dir: str | Path | None = None, log=log_line,
@@ -95,31 +80,38 @@ def run_group(cfg, group_dir: str | Path | None = None, log=log_line,
     t0 = time.perf_counter()
     group = (GroupSession.resume(group_dir, resume_overrides, log=log) if resume_overrides is not None
              else GroupSession.open(cfg, group_dir, log=log))
+
+    def stopped(err: Exception) -> str:   # one line, naming the policy whose step raised
+        name = group.trainer.current
+        if name is None:
+            return (f"{err}; the run stopped: each policy's run dir holds its last checkpoint, and "
+                    f"`lorabench resume {group.run_dir}` continues the group")
+        return f"policy {name!r}: {stopped_message(err, group.members[name].runlog, group.run_dir)}"
+    summaries = _train(group, group.members, t0, log, stopped)
+    return {"group_dir": str(group.run_dir), "policies": summaries}
+
+
+def _train(session, members: dict, t0: float, log, stopped) -> dict:
+    """Evaluate, train, evaluate and summarise a session's runs ({name: RunSession}): {name: summary}. An error
+    during the steps is RunStopped(stopped(err)); every run dir's lock is held until its summary is written."""
     try:
         try:
-            for name, before in group.before.items():
-                log(f"{name}: held-out before GRPO: {_strict(before)}")
+            for name, member in members.items():
+                log(f"{name + ': ' if name else ''}held-out before GRPO: {_strict(member.before)}")
             t_train = time.perf_counter()
-            group.trainer.run()
+            session.trainer.run()
             seconds = time.perf_counter() - t_train
-            done = {name: _evaluate_after(member.trainer, member.runlog, seconds)
-                    for name, member in group.members.items()}
+            done = {name: _evaluate_after(member.trainer, member.runlog, seconds) for name, member in members.items()}
+        except USER_ERRORS as err:   # one line, with where the run stands (the cause stays chained)
+            raise RunStopped(stopped(err)) from err
         except (Terminated, KeyboardInterrupt) as stop:
-            stop.run_dir = group.run_dir
+            stop.run_dir = session.run_dir   # the stop's line names the run dir that continues
             raise
-        except USER_ERRORS as err:   # one line, naming the policy whose step raised
-            name = group.trainer.current
-            if name is None:
-                raise RunStopped(f"{err}; the run stopped: each policy's run dir holds its last checkpoint, and "
-                                 f"`lorabench resume {group.run_dir}` continues the group") from err
-            runlog = group.members[name].runlog
-            raise RunStopped(f"policy {name!r}: {stopped_message(err, runlog, group.run_dir)}") from err
         finally:
-            group.close_engine()
-        summaries = {name: _write_summary(member, done[name], t0) for name, member in group.members.items()}
-        return {"group_dir": str(group.run_dir), "policies": summaries}
+            session.close_engine()
+        return {name: _write_summary(member, done[name], t0) for name, member in members.items()}
     finally:
-        for member in group.members.values():
+        for member in members.values():
             member.runlog.close()
 
 

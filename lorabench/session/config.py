@@ -138,20 +138,15 @@ def problems(cfg: Config) -> list[str]:
         found.append("grpo.max_staleness > 0 with engine.release_memory_during_training=true: the engine samples "
                      "the next step while this one trains, so it cannot be released then; set one of them off")
     members = cfg.members()   # built once here; a policy's invalid value raises, naming the policy
-    if cfg.policies:
-        found += group_problems(cfg)
+    if cfg.policies:   # what a group cannot do (each policy's own config is checked as members() builds it)
+        mode = cfg.refresh.mode
+        found += [*st.check(not REFRESH_MODES[mode].takes_base_weights, f"refresh.mode={mode} with policies: it "
+                            "overwrites the engine's base weights, which every policy of the group shares; use "
+                            "refresh.mode=inplace, tensor or file"),
+                  *st.check(not cfg.engine.release_memory_during_training, "engine.release_memory_during_training="
+                            "true with policies: each policy would release and resume the shared engine around its "
+                            "own update; not supported for a group, set it to false")]
     return found + engine_class(cfg.engine.backend).needs_problems(cfg.engine.chosen, engine_needs(cfg, members))
-
-
-def group_problems(cfg: Config) -> list[str]:
-    """What a policy group cannot do (each policy's own config is checked as Config.members builds it)."""
-    mode = cfg.refresh.mode
-    return [*st.check(not REFRESH_MODES[mode].takes_base_weights, f"refresh.mode={mode} with policies: it overwrites "
-                      "the engine's base weights, which every policy of the group shares; use refresh.mode=inplace, "
-                      "tensor or file"),
-            *st.check(not cfg.engine.release_memory_during_training, "engine.release_memory_during_training=true with "
-                      "policies: each policy would release and resume the shared engine around its own update; "
-                      "not supported for a group, set it to false")]
 
 
 def _section_problems(section) -> list[str]:

@@ -17,14 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..group import PolicyGroup, owned_key, parse_policies, shared_differences
-from ..policy import UpdateDiverged
-from ..rundir import CONFIG, GROUP_FILE, RunDirError, check_before_evals
+from ..rundir import CONFIG, GROUP_FILE, RunDirError
 from ..safedir import SafeDir, refusal
 from ..settings import unique_keys
 from .compat import effective_config, resume_config
 from .config import SECTIONS, Config, ConfigError, flat
-from .preflight import preflight
-from .run import RunSession, _SessionLifecycle, build_trainer, engine_and_policies, plan_run, threads_and_model
+from .run import RunSession, _SessionLifecycle, checked_model, engine_and_trainers, plan_run
 
 
 @dataclass
@@ -85,20 +83,19 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
                               f"(lorabench resume {root}/NAME) or give them the same values")
         existing = check_group_dir(root, list(members))
         plans = {name: plan_run(m, root / name) for name, m in members.items()}
-        for name, plan in plans.items():
-            if evaluate_first and plan.continued is not None:
-                check_before_evals(plan.run_dir, plan.continued.step)
-            preflight(members[name], plan.run_dir, continued=plan.continued is not None, log=log)
-        model_path, model_seconds = threads_and_model(next(iter(members.values())), log)
-        fingerprints = {name: plan.check_model(members[name], model_path, log) for name, plan in plans.items()}
+        model_path, model_seconds, fingerprints = checked_model(plans, members, evaluate_first, log)
         if not existing:
             write_group(root, cfg)
         runlogs = {}
         try:
             for name, plan in plans.items():
-                runlogs[name] = plan.open(members[name], log)
-                runlogs[name].fingerprint = fingerprints[name]
-            session = cls._build(cfg, members, runlogs, root, model_path, model_seconds, log)
+                runlogs[name] = plan.open(members[name], fingerprints[name], log)
+            log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
+                + "; ".join(spec.label() for spec in cfg.policies))
+            engine, trainers = engine_and_trainers(cfg, members, runlogs, model_path, log)
+            sessions = {name: RunSession(member, runlogs[name], engine, trainers[name], model_path, model_seconds)
+                        for name, member in members.items()}
+            session = cls(cfg, sessions, engine, PolicyGroup(trainers, engine), root, model_path, model_seconds)
             for name, plan in plans.items():   # once every policy's checkpoint is loaded and checked
                 plan.record_changes(runlogs[name], log)
         except BaseException:
@@ -112,29 +109,6 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
                 session.close()
                 raise
         return session
-
-    @classmethod
-    def _build(cls, cfg, members, runlogs, root, model_path, model_seconds, log):
-        log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
-            + "; ".join(spec.label() for spec in cfg.policies))
-        engine, policies = engine_and_policies(cfg, members, model_path, log)
-        try:
-            trainers, sessions = {}, {}
-            for name, member in members.items():
-                try:
-                    trainers[name] = trainer = build_trainer(member, model_path, engine, runlogs[name], log=log,
-                                                             policy=policies[name], repair_later=True)
-                except UpdateDiverged as err:   # its checkpoint's adapter: the one line printed names the policy
-                    raise UpdateDiverged(f"policy {name!r}: {err}", err.override, err.past_bound) from err
-                sessions[name] = RunSession(member, runlogs[name], engine, trainer, model_path, model_seconds)
-            for trainer in trainers.values():   # every policy's checkpoint checked: only now is a run dir repaired
-                trainer.repair_run_dir()
-        except BaseException:
-            for trainer in trainers.values():
-                trainer.close()
-            engine.close()
-            raise
-        return cls(cfg, sessions, engine, PolicyGroup(trainers, engine), root, model_path, model_seconds)
 
     def evaluate_before(self) -> dict:
         self.before = {name: member.evaluate_before() for name, member in self.members.items()}

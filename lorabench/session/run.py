@@ -26,7 +26,7 @@ from ..grpo import GRPOTrainer
 from ..interrupts import interrupts_to_the_main_thread, wait_interruptibly
 from ..machine import cpu_threads
 from ..models import load_tokenizer, resolve_model_path
-from ..policy import Policy, compile_mode, rngs_kept
+from ..policy import Policy, UpdateDiverged, compile_mode, rngs_kept
 from ..refresh import REFRESH_MODES, make_refresher
 from ..rundir import CHECKPOINT, CONFIG, FOLDERS, LOCK_NAME, check_before_evals, check_entries, inspect, lock_holder
 from ..runlog import NullRunLog, RunDirError, RunLog
@@ -65,8 +65,9 @@ class RunPlan:
                 f"records this run's")
         return fingerprint
 
-    def open(self, cfg: Config, log=print):
-        """The run dir under its lock: config.json for a new run; a continued one checked again under it."""
+    def open(self, cfg: Config, fingerprint: dict, log=print):
+        """The run dir under its lock: config.json for a new run; a continued one checked again under it.
+        Its checkpoints record `fingerprint` (check_model's)."""
         new = self.continued is None
         try:
             runlog = RunLog(self.run_dir, log, lock=True, settings=cfg.run) if self.run_dir else RunLog.create(
@@ -88,6 +89,7 @@ class RunPlan:
         if not new and self.named_by_config:
             log(f"run.out_dir/run.name name the existing run {runlog.dir}: continuing it like `lorabench resume`")
         log(f"run dir: {runlog.dir}" + ("" if new else f" (continued at step {self.continued.step})"))
+        runlog.fingerprint = fingerprint
         return runlog
 
     def record_changes(self, runlog, log=print) -> None:
@@ -216,35 +218,23 @@ class RunSession(_SessionLifecycle):
         progress = progress or (lambda what, done=None, total=None: None)
 
         plan = plan_run(cfg, run_dir)
-        if evaluate_first and plan.continued is not None:
-            check_before_evals(plan.run_dir, plan.continued.step)
-        preflight(cfg, plan.run_dir, continued=plan.continued is not None, log=log)
-        model_path, model_seconds = threads_and_model(cfg, log, progress)
-        fingerprint = plan.check_model(cfg, model_path, log)
-        runlog = plan.open(cfg, log)
-        runlog.fingerprint = fingerprint
+        model_path, model_seconds, fingerprints = checked_model({"default": plan}, {"default": cfg}, evaluate_first,
+                                                                log, progress)
+        runlog = plan.open(cfg, fingerprints["default"], log)
         try:
-            return cls._build(cfg, plan, runlog, model_path, model_seconds, log, evaluate_first, progress)
+            engine, trainers = engine_and_trainers(cfg, {"default": cfg}, {"default": runlog}, model_path, log,
+                                                   progress)
+            try:
+                plan.record_changes(runlog, log)
+                session = cls(cfg, runlog, engine, trainers["default"], model_path, model_seconds)
+                if evaluate_first:
+                    progress("held-out evaluation before the first step")
+                    session.evaluate_before()
+            except BaseException:
+                engine.close()
+                raise
         except BaseException:
             runlog.close(refused=True)
-            raise
-
-    @classmethod
-    def _build(cls, cfg, plan: RunPlan, runlog, model_path: str, model_seconds: float, log, evaluate_first: bool,
-               progress):
-        progress(f"starting the {cfg.engine.backend} engine")
-        engine, policies = engine_and_policies(cfg, {"default": cfg}, model_path, log)
-        try:
-            progress("building the trainer")
-            trainer = build_trainer(cfg, model_path, engine, runlog, log=log,   # loads and checks the checkpoint
-                                    policy=policies["default"])
-            plan.record_changes(runlog, log)
-            session = cls(cfg, runlog, engine, trainer, model_path, model_seconds)
-            if evaluate_first:
-                progress("held-out evaluation before the first step")
-                session.evaluate_before()
-        except BaseException:
-            engine.close()
             raise
         return session
 
@@ -270,13 +260,23 @@ class RunSession(_SessionLifecycle):
         self.runlog.close()
 
 
-def threads_and_model(cfg: Config, log=print, progress=None) -> tuple[str, float]:
-    """torch's CPU threads set (preflight checked run.threads), then the model resolved: (path, seconds)."""
+def checked_model(plans: dict[str, RunPlan], members: dict[str, Config], evaluate_first: bool, log=print,
+                  progress=None) -> tuple[str, float, dict]:
+    """Each plan checked (its step-0 evaluations, preflight.py), torch's CPU threads set, the model resolved and
+    checked against each continued run: (path, seconds, {name: fingerprint}); nothing is written yet."""
+    for name, plan in plans.items():
+        if evaluate_first and plan.continued is not None:
+            check_before_evals(plan.run_dir, plan.continued.step)
+        preflight(members[name], plan.run_dir, continued=plan.continued is not None, log=log)
+    cfg = next(iter(members.values()))
     threads, how = cpu_threads(cfg.run.threads)
     torch.set_num_threads(threads)
     log(f"torch CPU threads: {how}")
     t0 = time.perf_counter()
-    return resolve_model(cfg, log=log, progress=progress), time.perf_counter() - t0
+    model_path = resolve_model(cfg, log=log, progress=progress)
+    model_seconds = time.perf_counter() - t0
+    return model_path, model_seconds, {name: plan.check_model(members[name], model_path, log)
+                                       for name, plan in plans.items()}
 
 
 def resolve_model(cfg: Config, log=print, progress=None) -> str:
@@ -293,10 +293,14 @@ def start_engine(cfg: Config, model_path: str, log=None, run: bool = False, **ov
     return engine
 
 
-def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str, log=print) -> tuple:
-    """The engine `cfg` chooses and {peft name: Policy} for `members` (sharing the first one's model). Under
-    grpo.compile=all the policies compile on a thread while the engine starts (not with tp_size > 1: SGLang
-    refuses GPUs whose free memory differs)."""
+def engine_and_trainers(cfg: Config, members: dict[str, Config], runlogs: dict, model_path: str, log=print,
+                        progress=None) -> tuple:
+    """The engine `cfg` chooses and {name: GRPOTrainer} for `members`, their policies sharing the first one's
+    model. Under grpo.compile=all the policies compile on a thread while the engine starts (not with tp_size > 1:
+    SGLang refuses GPUs whose free memory differs). A group's run dirs are repaired only once every policy's
+    checkpoint is loaded and checked; an error there names the policy."""
+    progress = progress or (lambda what, done=None, total=None: None)
+    progress(f"starting the {cfg.engine.backend} engine")
     device = engine_class(cfg.engine.backend).device_of(cfg.engine.chosen)
 
     def build() -> dict:
@@ -315,14 +319,29 @@ def engine_and_policies(cfg: Config, members: dict[str, Config], model_path: str
         threading.Thread(target=_compile, args=(policies, compiled), name="lorabench-compile", daemon=True).start()
     with rngs_kept(device):   # what the engine's start draws is not the run's
         engine = start_engine(cfg, model_path, log, run=True)
+    trainers = {}
     try:
         if ahead:
             wait_interruptibly(compiled.result)
             log(f"training graphs compiled and engine started in {time.perf_counter() - t0:.0f} s")
-        return engine, policies or build()
+        policies = policies or build()
+        progress("building the trainer")
+        for name, member in members.items():
+            try:   # loads and checks the checkpoint
+                trainers[name] = build_trainer(member, model_path, engine, runlogs[name], log=log,
+                                               policy=policies[name], repair_later=bool(cfg.policies))
+            except UpdateDiverged as err:   # its checkpoint's adapter: the one line printed names the policy
+                if not cfg.policies:
+                    raise
+                raise UpdateDiverged(f"policy {name!r}: {err}", err.override, err.past_bound) from err
+        for trainer in trainers.values():   # every policy's checkpoint checked: only now is a run dir repaired
+            trainer.repair_run_dir()
     except BaseException:
+        for trainer in trainers.values():
+            trainer.close()
         engine.close()
         raise
+    return engine, trainers
 
 
 def _compile(policies: dict, done: Future) -> None:
