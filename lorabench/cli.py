@@ -147,16 +147,17 @@ def _write_summary(session, done: dict, t0: float) -> dict:
     cfg, runlog, before, after = session.cfg, session.runlog, session.before, done["after"]
     rows = runlog.metrics()
     plots = runlog.save_plots(run_plot_images(rows, done["evals"]))
-    refresh_ms = sorted(1e3 * r[REFRESH_S] for r in rows) or [float("nan")]
+    refresh_ms = sorted(1e3 * v for v in _values(rows, REFRESH_S)) or [float("nan")]
+    rewards = _values(rows, REWARD)
     summary = {
         "run_dir": str(runlog.dir), "steps": len(rows), "refresh_mode": cfg.refresh.mode, "engine": cfg.engine.backend,
         "heldout_strict_before": before[0][HELD_STRICT], "heldout_strict_after": after[0][HELD_STRICT],
         "heldout_greedy_before": before[1][HELD_STRICT], "heldout_greedy_after": after[1][HELD_STRICT],
-        "train_reward_first5": sum(r[REWARD] for r in rows[:5]) / max(1, len(rows[:5])),
-        "train_reward_last5": sum(r[REWARD] for r in rows[-5:]) / max(1, len(rows[-5:])),
+        "train_reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
+        "train_reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
         "refresh_ms_p50": refresh_ms[len(refresh_ms) // 2], "refresh_ms_max": refresh_ms[-1],
         # a step sampled one adapter behind (grpo.max_staleness) differs by that lag, not by the engine
-        "mismatch_max": max((r[MISMATCH_MAX] for r in rows if not r.get(LAG)), default=float("nan")),
+        "mismatch_max": max(_values([r for r in rows if not r.get(LAG)], MISMATCH_MAX), default=float("nan")),
         "lagged_steps": sum(1 for r in rows if r.get(LAG)),
         "seconds_model": session.model_seconds, "seconds_grpo": done["seconds_grpo"],
         "seconds_total": time.perf_counter() - t0,
@@ -165,6 +166,11 @@ def _write_summary(session, done: dict, t0: float) -> dict:
     }
     runlog.write_summary(summary)
     return summary
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    """`key` of each row that holds a number there (a row edited by hand may not: rundir.inspect notes it)."""
+    return [r[key] for r in rows if isinstance(r.get(key), (int, float))]
 
 
 def print_summary(s: dict) -> None:

@@ -18,6 +18,7 @@ LAG, IS_WEIGHT, IS_TRUNCATED = "adapter/lag", "train/is_weight_mean", "train/is_
 REFRESH_MODE, REFRESH_BYTES, REFRESH_S = "refresh/mode", "refresh/bytes", "refresh/total_s"
 PROBE_GAP = "probe/adapter_gap"                                         # |adapter - base| on the fixed probe
 STEP_S, COMMIT_WAIT_S = "time/step_s", "time/commit_wait_s"
+SUMMARY_KEYS = (REWARD, REFRESH_S, MISMATCH_MAX)                         # what a run's summary reads of every row
 # evals.jsonl, one row per evaluation (GRPOTrainer.evaluate): the share of held-out answers each measure takes
 HELD_STRICT, HELD_FLEXIBLE, HELD_FORMAT = "strict", "flexible", "format"   # gsm8k_reward's modes; '#### N' ending
 HELD_GREEDY, HELD_COUNT = "greedy", "n"                                     # greedy decoding or not; answers scored

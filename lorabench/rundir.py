@@ -20,6 +20,7 @@ import torch
 
 from .adapters import CONFIG_NAME, LORA_DTYPE, WEIGHTS_NAME, AdapterError, AdapterLayout
 from .datafiles import over_half_memory
+from .metrics import SUMMARY_KEYS
 from .safedir import RunDirError, SafeDir, pid_alive
 
 # The run dir's layout; each name is written down here only, the other modules use these:
@@ -361,6 +362,10 @@ def inspect(run_dir: Path) -> RunDirState:
     if gaps:   # a corrupt line deleted by hand: noted, not refused
         state.notes.append(f"{METRICS} has no row for step(s) {gaps[:10]}{' ...' if len(gaps) > 10 else ''}; plots "
                            f"and the summary skip them")
+    for line, row in zip(files[METRICS].lines, files[METRICS].rows):   # edited by hand: noted, as a gap is
+        if lacking := [key for key in SUMMARY_KEYS if not isinstance(row.get(key), (int, float))]:
+            state.notes.append(f"{files[METRICS].path} line {line} (step {_step(row)}) has no number for {lacking}; "
+                               f"plots and the summary skip that row for them")
     return state
 
 

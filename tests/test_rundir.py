@@ -619,3 +619,21 @@ def test_a_config_change_row_not_as_lorabench_appends_it_is_refused(run_dir, cap
     line = refused(capsys, "resume", str(run_dir))
     assert f"{run_dir / 'config_changes.jsonl'} line 1: {needle}" in line and "nothing in the run dir" in line, line
     assert dir_bytes(run_dir) == before
+
+
+def test_a_row_without_what_the_summary_reads_is_noted_and_skipped(run_dir, capsys):
+    """A metrics row edited by hand without its reward or refresh time: the run continued, then the summary raised
+    a KeyError after the new step was written. Now inspect notes the row (as it notes a missing one) and the
+    summary's statistics come from the rows that hold them."""
+    metrics = run_dir / "metrics.jsonl"
+    first, *rest = metrics.read_text().splitlines()
+    row = json.loads(first)
+    del row["refresh/total_s"], row["reward/mean"]
+    metrics.write_text("\n".join([json.dumps(row), *rest]) + "\n")
+    state = inspect(run_dir)
+    assert f"{metrics} line 1 (step 1) has no number for ['reward/mean', 'refresh/total_s']" in state.notes[0]
+    assert main(["resume", str(run_dir), "grpo.steps=3"]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert summary["steps"] == 3 and summary["train_reward_first5"] == sum(r["reward/mean"] for r in rows[1:]) / 2
+    assert summary["refresh_ms_max"] == 1e3 * max(r["refresh/total_s"] for r in rows[1:])
