@@ -637,3 +637,26 @@ def test_a_row_without_what_the_summary_reads_is_noted_and_skipped(run_dir, caps
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert summary["steps"] == 3 and summary["train_reward_first5"] == sum(r["reward/mean"] for r in rows[1:]) / 2
     assert summary["refresh_ms_max"] == 1e3 * max(r["refresh/total_s"] for r in rows[1:])
+
+
+def test_a_resume_continued_by_another_process_meanwhile_is_refused(run_dir, capsys, monkeypatch):
+    """Two resumes started together: both read step 2 before the lock; the second, once the first had continued the
+    run to step 3, recorded its changes at step 2. Now the step is read again under the lock."""
+    from lorabench.session import run as session_run
+    real_plan_run, after_the_other = session_run.plan_run, {}
+
+    def plan_then_another_resume(cfg, path=None):
+        plan = real_plan_run(cfg, path)                                # this command reads step 2
+        monkeypatch.setattr(session_run, "plan_run", real_plan_run)
+        assert main(["resume", str(run_dir), "grpo.steps=3"]) == 0    # another one continues to step 3 meanwhile
+        capsys.readouterr()
+        after_the_other.update(dir_bytes(run_dir))
+        return plan
+
+    monkeypatch.setattr(session_run, "plan_run", plan_then_another_resume)
+    line = refused(capsys, "resume", str(run_dir), "grpo.steps=4")
+    assert f"{run_dir} was continued by another process while this command read it (step 2 -> 3)" in line
+    assert "Run the same command again to continue from step 3" in line
+    assert dir_bytes(run_dir) == after_the_other
+    assert main(["resume", str(run_dir), "grpo.steps=4"]) == 0        # the recovery the message names
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -76,6 +76,10 @@ class RunPlan:
                 if new:   # refuses if another process made this run meanwhile
                     runlog.write_config(cfg.to_dict())
                 else:   # again under the lock: another writer may have finished since plan_run looked
+                    if (step := inspect(self.run_dir).step) != self.continued.step:
+                        raise RunDirError(f"{self.run_dir} was continued by another process while this command "
+                                          f"read it (step {self.continued.step} -> {step}); nothing was changed. "
+                                          f"Run the same command again to continue from step {step}")
                     self.changes = check_continuation(self.run_dir, effective_config(self.run_dir), cfg,
                                                       self.continued.step)
             except (RunDirError, OSError):
