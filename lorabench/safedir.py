@@ -366,6 +366,12 @@ def remove_stale_temps(parent: Path | int, prefixes: tuple[str, ...], sep: str =
                 os.unlink(entry.path, dir_fd=dir_fd)
 
 
+def killed_write_temp(name: str, file: str) -> bool:
+    """`name` is the temp of a `SafeDir.write` of `file` (`.FILE.PID.HEX8`) whose writer is dead."""
+    temp = re.fullmatch(re.escape(f".{file}.") + f"(\\d+)\\.{_HEX8}", name)
+    return temp is not None and not pid_alive(int(temp.group(1)))
+
+
 def remove_dead_dir_temps(parent: Path) -> None:
     """Remove every atomic_dir temp (`.NAME.tmp-PID-x`, `.NAME.old-PID-x`) in `parent` whose writer is dead."""
     remove_stale_temps(parent, (r"\..+\.(?:tmp|old)-",))

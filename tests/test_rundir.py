@@ -157,6 +157,30 @@ def test_run_naming_a_dir_that_is_not_a_run(tmp_path, tiny_model_dir, capsys):
     assert dir_bytes(tmp_path / "out") == before
 
 
+def test_a_config_temp_of_a_killed_writer_does_not_make_the_dir_foreign(tmp_path, tiny_model_dir, capsys):
+    """A SIGKILL while `lorabench run` wrote config.json left its temp; the same command then refused the dir as
+    "not a lorabench run dir". A dead writer's temp is not a leftover: the run starts and its write sweeps it."""
+    run = tmp_path / "out" / "killed"
+    run.mkdir(parents=True)
+    dead = _a_dead_pid()
+    (run / f".config.json.{dead}.0123abcd").write_text('{"half": ')
+    (run / f".config.json.{os.getpid()}.0123abcd").write_text("a live writer's")
+    line = refused(capsys, "run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}",
+                   "run.name=killed", *QUICK_RUN)
+    assert "killed exists and is not a lorabench run dir" in line and f".config.json.{os.getpid()}" in line
+    assert f".config.json.{dead}" not in line
+    (run / f".config.json.{os.getpid()}.0123abcd").unlink()
+    assert main(["run", f"model.name_or_path={tiny_model_dir}", f"run.out_dir={tmp_path / 'out'}", "run.name=killed",
+                 *QUICK_RUN]) == 0
+    assert (run / "config.json").is_file() and not (run / f".config.json.{dead}.0123abcd").exists()
+
+
+def _a_dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 def test_resume_with_allowed_overrides_is_recorded_append_only(run_dir, capsys):
     """grpo.steps and data.eval_size may change: recorded in config_changes.jsonl, config.json
     untouched, and the changed values stay in effect for a later plain resume."""

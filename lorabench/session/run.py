@@ -30,7 +30,7 @@ from ..policy import Policy, UpdateDiverged, compile_mode, rngs_kept
 from ..refresh import REFRESH_MODES, make_refresher
 from ..rundir import CHECKPOINT, CONFIG, FOLDERS, LOCK_NAME, check_before_evals, check_entries, inspect, lock_holder
 from ..runlog import NullRunLog, RunDirError, RunLog
-from ..safedir import RunDirWriteError, SafeDir
+from ..safedir import RunDirWriteError, SafeDir, killed_write_temp
 from .compat import (
     check_config,
     check_continuation,
@@ -131,7 +131,8 @@ def plan_run(cfg: Config, run_dir: str | Path | None = None) -> RunPlan:
 
 
 def _refuse_leftovers(path: Path) -> None:
-    """A dir without config.json may only hold what a run stopped before writing it leaves."""
+    """A dir without config.json may only hold what a run stopped before writing it leaves: empty folders, the
+    lock, the temp of a writer killed mid config.json (the run's own write sweeps it)."""
     with SafeDir.open(path) as root:
         leftovers = []
         for name in root.names():
@@ -139,6 +140,8 @@ def _refuse_leftovers(path: Path) -> None:
                 with root.sub(name) as sub:
                     if not sub.names():
                         continue
+            if killed_write_temp(name, CONFIG) and root.expect(name, "file"):
+                continue
             if name != LOCK_NAME:
                 leftovers.append(name)
     if leftovers:
