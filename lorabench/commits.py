@@ -102,7 +102,7 @@ class Commits:
                 self._finish(record, clock, history, waited=0.0)
                 self.runlog.log_metrics([r.metrics for r in self.pending])
                 self.pending = []
-            except OSError as err:   # the disk: the run dir holds a whole commit or the one before (runlog.py)
+            except Exception as err:   # the run dir holds a whole commit or the one before (runlog.py); memory is ahead
                 self._stop(step, err)
                 raise
         else:

@@ -761,6 +761,33 @@ def test_disk_full_at_the_start_says_to_run_the_command_again(tiny_model_dir, sm
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2] and (run / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_a_commit_failing_otherwise_than_by_the_disk_stops_the_trainer_too(make_trainer, tmp_path, monkeypatch,
+                                                                           background):
+    """The checkpoint's pickling raises (not an OSError): in line, the step raised it and the trainer went on
+    stepping with its memory ahead of the run dir; in the background it stopped. Both stop now."""
+    import pickle
+
+    from lorabench import runlog as runlog_module
+    run = tmp_path / "run"
+    trainer = make_trainer(run, f"run.commit_in_background={str(background).lower()}")
+    trainer.step()
+    trainer.wait_committed()
+
+    def unpicklable(*args, **kwargs):
+        raise pickle.PicklingError("cannot pickle a test's object")
+
+    monkeypatch.setattr(runlog_module.torch, "save", unpicklable)
+    with pytest.raises(pickle.PicklingError):
+        trainer.step()
+        trainer.wait_committed()
+    monkeypatch.undo()
+    with pytest.raises(TrainerStopped, match="lorabench resume"):
+        trainer.step()
+    assert inspect(run).step == 1
+    assert make_trainer(run).step_count == 1
+
+
 def _remount(path: Path, mode: str) -> None:
     """Remount read-only (or back): refused as busy while a write is in flight, so tried again."""
     t0 = time.monotonic()
