@@ -554,3 +554,33 @@ def test_one_pass_update_of_a_group_matches_each_policys_own(tiny_model_dir):
     found = check_exact(str(tiny_model_dir), 3, "2x4x12")
     assert found["max_gap_own"] < 1e-5 < 0.1 < found["min_gap_other"]
     assert found["max_gradient_diff_over_max_gradient"] < 1e-4
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_an_open_failing_after_the_engine_started_closes_what_it_built(group_dir, monkeypatch, group):
+    """A resume whose recorded changes fail to write (a full disk): a group closed its run dirs but left its
+    engine and trainers open (a notebook that tried again held two engines), and a single run left its trainer
+    (its commit thread, its refresher's temp dirs). Now both close every trainer and the engine, and put each lock
+    file back as found."""
+    from lorabench.engines.hf import HFEngine
+    from lorabench.grpo import GRPOTrainer
+    from lorabench.session.compat import resume_config
+    from lorabench.session.run import RunPlan
+    closed = []
+    for cls, what in ((HFEngine, "engine"), (GRPOTrainer, "trainer")):
+        real_close = cls.close
+        monkeypatch.setattr(cls, "close", lambda self, real_close=real_close, what=what: (closed.append(what),
+                                                                                          real_close(self))[1])
+
+    def disk_full(self, runlog, log=print):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RunPlan, "record_changes", disk_full)
+    before = tree_state(group_dir)
+    with pytest.raises(OSError, match="No space left"):
+        if group:
+            GroupSession.resume(group_dir, ["grpo.steps=3"], **QUIET)
+        else:
+            RunSession.open(resume_config(group_dir / "r2", ["grpo.steps=3"]), group_dir / "r2", **QUIET)
+    assert sorted(closed) == ["engine", *["trainer"] * (2 if group else 1)]
+    assert tree_state(group_dir) == before

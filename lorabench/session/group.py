@@ -22,7 +22,7 @@ from ..safedir import SafeDir, refusal
 from ..settings import unique_keys
 from .compat import effective_config, resume_config
 from .config import SECTIONS, Config, ConfigError, flat
-from .run import RunSession, _SessionLifecycle, checked_model, engine_and_trainers, plan_run
+from .run import RunSession, _SessionLifecycle, checked_model, close_built, engine_and_trainers, plan_run
 
 
 @dataclass
@@ -86,28 +86,30 @@ class GroupSession(_SessionLifecycle):   # resume_command, close_engine, close
         model_path, model_seconds, fingerprints = checked_model(plans, members, evaluate_first, log)
         if not existing:
             write_group(root, cfg)
-        runlogs = {}
+        runlogs, built, session = {}, None, None
         try:
             for name, plan in plans.items():
                 runlogs[name] = plan.open(members[name], fingerprints[name], log)
             log(f"one {cfg.engine.backend} engine for {len(members)} policies: "
                 + "; ".join(spec.label() for spec in cfg.policies))
-            engine, trainers = engine_and_trainers(cfg, members, runlogs, model_path, log)
+            engine, trainers = built = engine_and_trainers(cfg, members, runlogs, model_path, log)
             sessions = {name: RunSession(member, runlogs[name], engine, trainers[name], model_path, model_seconds)
                         for name, member in members.items()}
             session = cls(cfg, sessions, engine, PolicyGroup(trainers, engine), root, model_path, model_seconds)
             for name, plan in plans.items():   # once every policy's checkpoint is loaded and checked
                 plan.record_changes(runlogs[name], log)
-        except BaseException:
-            for runlog in runlogs.values():
-                runlog.close(refused=True)
-            raise
-        if evaluate_first:
-            try:
+            if evaluate_first:
                 session.evaluate_before()
-            except BaseException:
-                session.close()
-                raise
+        except BaseException:   # as a single run's open: what was built closed, each lock file as it was found
+            try:
+                if session is not None:
+                    session.close_engine()   # the group's sampler too
+                elif built is not None:
+                    close_built(*built)
+            finally:
+                for runlog in runlogs.values():
+                    runlog.close(refused=True)
+            raise
         return session
 
     def evaluate_before(self) -> dict:

@@ -10,6 +10,7 @@ the run dir under its lock: a failure before that leaves the run dir as it was, 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import threading
@@ -238,7 +239,7 @@ class RunSession(_SessionLifecycle):
                     progress("held-out evaluation before the first step")
                     session.evaluate_before()
             except BaseException:
-                engine.close()
+                close_built(engine, trainers)
                 raise
         except BaseException:
             runlog.close(refused=True)
@@ -344,11 +345,18 @@ def engine_and_trainers(cfg: Config, members: dict[str, Config], runlogs: dict, 
         for trainer in trainers.values():   # every policy's checkpoint checked: only now is a run dir repaired
             trainer.repair_run_dir()
     except BaseException:
-        for trainer in trainers.values():
-            trainer.close()
-        engine.close()
+        close_built(engine, trainers)
         raise
     return engine, trainers
+
+
+def close_built(engine, trainers: dict) -> None:
+    """What an open built before it failed: every trainer (commits, refresher, temp dirs), then the engine, each
+    closed also when one before it fails to close."""
+    with contextlib.ExitStack() as closing:
+        closing.callback(engine.close)
+        for trainer in trainers.values():
+            closing.callback(trainer.close)
 
 
 def _compile(policies: dict, done: Future) -> None:
