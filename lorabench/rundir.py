@@ -482,7 +482,7 @@ class RunLock:
             if self._named():
                 break
             os.close(self.fd)   # removed (a refused writer's) or replaced since it was opened: open it again
-        self.found = os.pread(self.fd, 64, 0) if existed else None   # what a refusal puts back
+        self.found = os.pread(self.fd, os.fstat(self.fd).st_size, 0) if existed else None   # a refusal puts it back
         previous = _lock_holder(self.fd)   # a clean exit empties the file: a PID here was killed
         if previous and previous != os.getpid():
             state = "no longer running" if not pid_alive(previous) else "no longer holding it"

@@ -561,7 +561,7 @@ def test_an_open_failing_after_the_engine_started_closes_what_it_built(group_dir
     """A resume whose recorded changes fail to write (a full disk): a group closed its run dirs but left its
     engine and trainers open (a notebook that tried again held two engines), and a single run left its trainer
     (its commit thread, its refresher's temp dirs). Now both close every trainer and the engine, and put each lock
-    file back as found."""
+    file back as found (all of it: a refusal kept the first 64 bytes)."""
     from lorabench.engines.hf import HFEngine
     from lorabench.grpo import GRPOTrainer
     from lorabench.session.compat import resume_config
@@ -576,6 +576,7 @@ def test_an_open_failing_after_the_engine_started_closes_what_it_built(group_dir
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(RunPlan, "record_changes", disk_full)
+    (group_dir / "r2" / "lock").write_bytes(b"a note longer than a PID: " + b"x" * 100)   # put back whole
     before = tree_state(group_dir)
     with pytest.raises(OSError, match="No space left"):
         if group:
