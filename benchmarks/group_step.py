@@ -175,6 +175,8 @@ def main() -> None:
                              "group run per value; the trainer keeps all of them (its CUDA context exists first). "
                              "60%% on the H200 was slower than 100%% and its mismatch rose 3.5-8x (docs/results.md, "
                              "section 2)")
+    parser.add_argument("--no-group", action="store_true",
+                        help="one policy only at each size (e.g. a second sampler's single step in the same call)")
     parser.add_argument("--single-p50", type=float, default=0.0,
                         help="one policy's step p50 (s) from an earlier run in the same call: no single run here")
     parser.add_argument("--trainer-below-normal", action="store_true",
@@ -201,7 +203,8 @@ def main() -> None:
             run_single(base, size, root / "runs", args.steps)
         result["sizes"][size] = {"single": single}
         Path(args.out).write_text(json.dumps(result, indent=1))   # a group cut off by the limit keeps this
-        for k, share in [(k, share) for k in args.ks or [args.k] for share in args.engine_sm_percents]:
+        ks = [] if args.no_group else args.ks or [args.k]
+        for k, share in [(k, share) for k in ks for share in args.engine_sm_percents]:
             # read by the CUDA context the engine's scheduler makes when it starts; the trainer's exists already
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
             key = f"group_k{k}" + ("" if share == 100 else f"_engine_sm{share}")
