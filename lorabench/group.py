@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .clock import synced_time
 from .engines.base import generate_each
-from .grpo import finish
+from .grpo import SampledAhead, finish
 from .interrupts import interrupts_to_the_main_thread, wait_interruptibly
 from .metrics import REWARD
 from .rollout import rollouts_of
@@ -175,8 +174,8 @@ class PolicyGroup:
         stale = next(iter(trainers.values())).settings.max_staleness   # a shared setting
         self._sampler = ThreadPoolExecutor(1, "lorabench-group-rollouts", interrupts_to_the_main_thread) \
             if stale else None
-        # ({name: step}, their sampling, its scoring) on the sampler's thread; a refresh waits for the sampling only
-        self._ahead: tuple[dict[str, int], Future, Future] | None = None
+        # the next steps' batch ({name: step}) on the sampler's thread; a refresh waits for its sampling only
+        self._ahead: SampledAhead | None = None
 
     @property
     def step_count(self) -> int:
@@ -198,7 +197,8 @@ class PolicyGroup:
         with staleness, the batch of the step after is submitted."""
         steps = {name: self.trainers[name].step_count + 1 for name in names}
         t0 = synced_time()
-        taken = self._take_ahead(steps)
+        previous, self._ahead = self._ahead, None
+        taken = previous and previous.take(steps)
         if taken is None:
             asked = {}
             for name in names:
@@ -218,7 +218,8 @@ class PolicyGroup:
         if self._sampler is not None and ahead:
             requests = {name: self.trainers[name].rollout_request(ahead=True) for name in ahead}
             sampled = self._sampler.submit(self._sample, requests)
-            self._ahead = (ahead, sampled, self._sampler.submit(lambda: self._scored(requests, sampled.result())))
+            scoring = self._sampler.submit(lambda: self._scored(requests, sampled.result()))
+            self._ahead = SampledAhead(ahead, sampled, scoring)
         return rollouts, rollout_s
 
     def _rollouts_of(self, name: str, asked: dict, served: dict):
@@ -239,17 +240,6 @@ class PolicyGroup:
         return {name: (out, self.engine.served_version(request.adapter))
                 for (name, (_, request)), out in zip(asked.items(), done)}
 
-    def _take_ahead(self, steps: dict[str, int]):
-        """{name: (Rollouts, scored)} sampled ahead for exactly these policies at these steps; else None (dropped)."""
-        if self._ahead is None:
-            return None
-        for_steps, sampling, scoring = self._ahead
-        self._ahead = None
-        if for_steps != steps:
-            futures_wait([sampling, scoring])   # no engine call left running
-            return None
-        return wait_interruptibly(scoring.result)
-
     def _update_then_publish(self, names: list[str], rollouts: dict, rollout_s: float) -> dict:
         started, records = [], {}
         try:
@@ -260,7 +250,7 @@ class PolicyGroup:
                 started.append((name, phases))
             self.current = None
             if self._ahead is not None:   # sampled from the adapters the engine serves now: the refreshes wait
-                wait_interruptibly(self._ahead[1].exception)
+                wait_interruptibly(self._ahead.sampling.exception)
             with contextlib.ExitStack() as held:   # every policy refreshed and probed before any commit is written
                 for name, _ in started:
                     held.enter_context(self.trainers[name].commits_held())
@@ -305,5 +295,5 @@ class PolicyGroup:
             if self._sampler is not None:
                 closing.callback(self._sampler.shutdown)
             if self._ahead is not None:
-                futures_wait(self._ahead[1:])
+                self._ahead.drop()
                 self._ahead = None

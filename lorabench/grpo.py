@@ -40,6 +40,28 @@ COMPILE = ("off", "head", "all", "auto")
 
 
 @dataclass
+class SampledAhead:
+    """A batch sampled on the sampler thread for a step not yet begun (a trainer's step, or {policy: step} for a
+    group), and its scoring, whose result is what the step takes ((Rollouts, scored) or {name: that})."""
+    for_steps: object
+    sampling: Future
+    scoring: Future
+
+    def take(self, steps):
+        """The scoring's result (its error raised) when sampled for `steps`; else None once both are done: no
+        engine call left running, a batch not taken dropped with its error. An interrupt stops either wait."""
+        if self.for_steps == steps:
+            return wait_interruptibly(self.scoring.result)
+        for done in (self.sampling, self.scoring):
+            wait_interruptibly(done.exception)
+        return None
+
+    def drop(self) -> None:
+        """Waited for (no engine call left running) and dropped, an interrupt held until then (closing)."""
+        futures_wait([self.sampling, self.scoring])
+
+
+@dataclass
 class GRPOSettings(Section):
     """The `grpo` section: the trainer's loop, its objective and its update (the policy's too)."""
     steps: int = setting(30, "GRPO steps (one optimizer step and one adapter refresh each).",
@@ -192,8 +214,8 @@ class GRPOTrainer:
         self._engine_stale = False             # a failed step was rolled back: re-send the adapter first
         self._stepping = threading.Lock()      # one step at a time (a panel's and a cell's would interleave)
         self._commits = Commits(self.runlog, settings.steps, self._state, lambda: self.policy.version)
-        # max_staleness: (step, sampling, scoring) of the next step, on a thread; a refresh waits for the sampling
-        self._ahead: tuple[int, Future, Future] | None = None
+        # max_staleness: the next step's batch, sampled on a thread; a refresh waits for its sampling
+        self._ahead: SampledAhead | None = None
         self._sampler = ThreadPoolExecutor(1, "lorabench-rollouts", interrupts_to_the_main_thread) \
             if settings.max_staleness else None
         self._current = self._behind = None   # the adapter the engine serves, and (max_staleness) the one before it
@@ -288,7 +310,8 @@ class GRPOTrainer:
         self.clock = clock   # the step under way (a step panel shows which part runs)
         if rollouts is None:
             self.resend_if_stale()
-            ahead = self._take_ahead(step)
+            ahead, self._ahead = self._ahead, None
+            ahead = ahead and ahead.take(step)
             if ahead is None:   # as the pipeline samples: from the adapter one version behind (max_staleness)
                 self.serve_behind()
                 ahead = self._sample(step), None
@@ -297,7 +320,8 @@ class GRPOTrainer:
             clock.lap("rollout")
             if self._sampler is not None and step < g.steps:   # the next step's, sampled while this one trains
                 sampled = self._sampler.submit(self._sample, step + 1)
-                self._ahead = (step + 1, sampled, self._sampler.submit(lambda: self.scored(sampled.result())))
+                scoring = self._sampler.submit(lambda: (sampled.result(), self.scored(sampled.result())))
+                self._ahead = SampledAhead(step + 1, sampled, scoring)
         else:   # a policy group's (scored too, when sampled ahead)
             self._check_given(rollouts, step)
             clock.add("rollout", rollout_s)
@@ -312,7 +336,7 @@ class GRPOTrainer:
                 if (yield):   # held between its update and its publish by a policy group (finish: waited)
                     clock.lap("group_wait")
                 if self._ahead is not None:   # sampled from this adapter whatever the timing: the refresh waits
-                    wait_interruptibly(self._ahead[1].exception)
+                    wait_interruptibly(self._ahead.sampling.exception)
                     clock.lap("rollout_wait")
                 adapter = self.policy.adapter()
                 refresh = self.refresher.refresh(adapter)
@@ -343,20 +367,11 @@ class GRPOTrainer:
         rewards, reward_means = score(rollouts, self.rewards)
         return collate(rollouts, rewards, self.tokenizer.pad_token_id), reward_means
 
-    def _take_ahead(self, step: int) -> tuple[Rollouts, tuple] | None:
-        """(rollouts, scored) sampled ahead for `step`, if any (waited for; an interrupt stops the wait)."""
-        if self._ahead is None:
-            return None
-        for_step, sampling, scoring = self._ahead
-        self._ahead = None
-        scored = wait_interruptibly(scoring.result)
-        return (sampling.result(), scored) if for_step == step else None
-
     def _drop_ahead(self) -> None:
         """Rollouts sampled ahead for a step that will not follow: waited for (no engine call left running), dropped."""
         if self._ahead is not None:
             ahead, self._ahead = self._ahead, None
-            futures_wait(ahead[1:])
+            ahead.drop()
 
     def _check_served(self, rollouts: Rollouts) -> None:
         """The engine served the trainer's version or one at most max_staleness older (not checked for 'none')."""

@@ -6,12 +6,16 @@ on-policy for one step, and learning on the demo. Stopped and resumed stale runs
 from __future__ import annotations
 
 import json
+import signal
+import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
 from reliability_util import make_trainer, stale_run, tens_problems  # noqa: F401 (fixture)
 
 from lorabench.engines import StaleAdapter
+from lorabench.grpo import SampledAhead
 from lorabench.loss import grpo_loss
 from lorabench.refresh import TensorRefresh
 from lorabench.rundir import BEHIND, CHECKPOINT
@@ -184,25 +188,25 @@ def group_outcome(group, tmp_path, name: str) -> dict:
                 t.policy.adapter().buffer) for p, t in group.trainer.trainers.items()}
 
 
-def test_a_stale_group_samples_ahead_and_each_policy_is_its_stale_run_alone(tiny_model_dir, tmp_path):
+def test_a_stale_group_samples_ahead_and_each_policy_is_its_stale_run_alone(tiny_model_dir, tmp_path, monkeypatch):
     """Every step after the first is sampled while the previous step's updates ran, from the adapters one
     update behind (lag 1, served version step - 2), and each policy's rows and final adapter are bit for bit
     those of the same policy run alone, stale (the CPU engine serves each request as if it came alone)."""
     group = stale_group(tiny_model_dir, tmp_path, "g", 4)
     try:
-        taken, take = [], group.trainer._take_ahead
+        taken, take = [], SampledAhead.take
 
-        def counted(steps):
-            got = take(steps)
+        def counted(ahead, steps):
+            got = take(ahead, steps)
             taken.append(got is not None)
             return got
-        group.trainer._take_ahead = counted
+        monkeypatch.setattr(SampledAhead, "take", counted)
         group.trainer.run(progress=False)
         together = group_outcome(group, tmp_path, "g")
         members = group.cfg.members()
     finally:
         group.close()
-    assert taken == [False, True, True, True]   # step 1 in line, each later batch sampled ahead
+    assert taken == [True, True, True]   # step 1 in line (nothing sampled ahead), each later batch sampled ahead
     for name, (rollouts, rows, adapter) in together.items():
         assert [r["adapter/lag"] for r in rows] == [0, 1, 1, 1]
         assert [r["adapter/served_version"] for r in rows] == [0, 0, 1, 2]
@@ -272,3 +276,37 @@ def test_one_step_stale_grpo_learns_on_the_demo(tmp_path):
     last = sum(r["reward/mean"] for r in rows[-8:]) / 8
     assert last - first > 0.3, [round(r["reward/mean"], 2) for r in rows]
     assert sum(r["adapter/lag"] for r in rows) >= len(rows) // 2, [r["adapter/lag"] for r in rows]
+
+
+def _failed(error: Exception) -> Future:
+    future = Future()
+    future.set_exception(error)
+    return future
+
+
+def _done(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+def test_a_batch_sampled_ahead_for_another_step_is_dropped_with_its_error_and_the_wait_stops_at_an_interrupt():
+    """One behaviour for a trainer's and a group's batch sampled ahead: taken for its step (its error raised),
+    else waited for and dropped with its error; the wait for one still running stops at a Ctrl-C."""
+    assert SampledAhead(3, _done("rollouts"), _done("scored")).take(3) == "scored"
+    with pytest.raises(ValueError, match="reward"):
+        SampledAhead(3, _done("rollouts"), _failed(ValueError("reward function failed"))).take(3)
+    assert SampledAhead({"a": 3}, _done("rollouts"), _failed(ValueError("reward"))).take({"a": 4}) is None
+    running = Future()   # an engine call that does not end by itself
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            SampledAhead(3, running, _done("scored")).take(4)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
