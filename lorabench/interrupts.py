@@ -24,14 +24,18 @@ def sigint_handled_by(handler):
 
 @contextlib.contextmanager
 def interrupts_deferred():
-    """A SIGINT arriving while the block runs is delivered when it ends (main thread only, as `sigint_handled_by`)."""
+    """A SIGINT arriving while the block runs is delivered when it ends (main thread only, as `sigint_handled_by`).
+    A block that raises stops with its own error, noted: a held Ctrl-C never hides why it failed (a full disk)."""
     arrived = []
-    try:
-        with sigint_handled_by(lambda signum, frame: arrived.append(signum)):
+    with sigint_handled_by(lambda signum, frame: arrived.append(signum)):
+        try:
             yield
-    finally:
-        if arrived:
-            signal.raise_signal(signal.SIGINT)
+        except BaseException as err:   # noted and raised again, never swallowed
+            if arrived:
+                err.add_note("lorabench: a Ctrl-C arrived meanwhile and was held; this error stops the call instead")
+            raise
+    if arrived:
+        signal.raise_signal(signal.SIGINT)
 
 
 _RESENT = {KeyboardInterrupt: signal.SIGINT}   # a stop that a signal raises -> that signal

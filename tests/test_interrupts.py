@@ -93,6 +93,16 @@ def test_an_interrupt_during_a_commit_is_held_until_it_is_whole():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_an_error_in_a_block_that_held_an_interrupt_is_raised_not_hidden_by_it():
+    """A commit failing on a full disk while a Ctrl-C is held: the user stops with the disk's error, noted."""
+    with pytest.raises(OSError, match="No space") as raised:
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            raise OSError(28, "No space left on device")
+    assert any("Ctrl-C arrived meanwhile" in note for note in raised.value.__notes__)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def step_with_held_commit(tiny_model_dir, tokenizer, tmp_path, monkeypatch, before_commit):
     """(trainer, run dir, an Event set once the commit ended) after one step whose background commit runs
     `before_commit()` first; the working directory is an empty tmp_path/cwd; the run log holds the lock."""

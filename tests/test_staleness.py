@@ -290,7 +290,7 @@ def _done(value) -> Future:
     return future
 
 
-def test_a_batch_sampled_ahead_for_another_step_is_dropped_with_its_error_and_the_wait_stops_at_an_interrupt():
+def test_a_batch_sampled_ahead_for_another_step_is_dropped_interruptibly():
     """One behaviour for a trainer's and a group's batch sampled ahead: taken for its step (its error raised),
     else waited for and dropped with its error; the wait for one still running stops at a Ctrl-C."""
     assert SampledAhead(3, _done("rollouts"), _done("scored")).take(3) == "scored"
