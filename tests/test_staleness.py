@@ -297,16 +297,20 @@ def test_a_batch_sampled_ahead_for_another_step_is_dropped_interruptibly():
     with pytest.raises(ValueError, match="reward"):
         SampledAhead(3, _done("rollouts"), _failed(ValueError("reward function failed"))).take(3)
     assert SampledAhead({"a": 3}, _done("rollouts"), _failed(ValueError("reward"))).take({"a": 4}) is None
-    running = Future()   # an engine call that does not end by itself
+    running = Future()   # an engine call that ends 5 s after the Ctrl-C (a wait that ignores it fails, not hangs)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
+    timers = [threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,)),
+              threading.Timer(5.3, running.set_result, ("rollouts",))]
     try:
-        timer.start()
+        for timer in timers:
+            timer.start()
         with pytest.raises(KeyboardInterrupt):
             SampledAhead(3, running, _done("scored")).take(4)
+        assert not running.done()   # the wait stopped at the Ctrl-C, not when the engine call ended
     finally:
-        timer.cancel()
+        for timer in timers:
+            timer.cancel()
         signal.signal(signal.SIGINT, previous)
         if blocked:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
