@@ -173,13 +173,16 @@ def core_engine(tiny_model_dir):
 def default_sigint():
     """For tests that interrupt themselves: SIGINT raises KeyboardInterrupt (Python's own handler),
     also when pytest was started with SIGINT ignored, as a shell's background job is (Python then
-    keeps it ignored, and no interrupt would arrive)."""
+    keeps it ignored, and no interrupt would arrive); not blocked in the main thread either."""
     import signal
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 def load_checkpoint(runlog):

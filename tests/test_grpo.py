@@ -401,35 +401,27 @@ def test_failed_refresh_rolls_the_step_back_and_the_next_step_resends(make_train
     assert trainer.engine.served_version("policy") == 1 and trainer.policy.adapter().delta_norm() > 0
 
 
+@pytest.mark.usefixtures("default_sigint")   # a run started as a background job has SIGINT ignored
 def test_a_second_ctrl_c_during_the_rollback_waits_for_it(make_trainer, monkeypatch):
     """One step stale: a failed step's rollback waits for the rollouts sampled ahead (seconds on a GPU). A Ctrl-C
     then used to cut the rollback short, leaving the unpublished update in the trainer (its next step refused as
     stale); now it is delivered once the trainer is back at its step."""
     import signal
-    # a Ctrl-C as Python delivers it in a fresh process, whatever an earlier test left (in one run of the whole
-    # suite this test saw no KeyboardInterrupt at all; alone, in its file and after test_group.py it does)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    try:
-        trainer = make_trainer("tensor", "grpo.max_staleness=1")
-        trainer.rewards = [("length", length_reward, 1.0)]
-        trainer.step()
-        before, drop = trainer.policy.adapter(), trainer._drop_ahead
+    trainer = make_trainer("tensor", "grpo.max_staleness=1")
+    trainer.rewards = [("length", length_reward, 1.0)]
+    trainer.step()
+    before, drop = trainer.policy.adapter(), trainer._drop_ahead
 
-        def ctrl_c_while_waiting():
-            signal.raise_signal(signal.SIGINT)   # the second Ctrl-C, while the rollback waits
-            drop()
-        monkeypatch.setattr(trainer, "_drop_ahead", ctrl_c_while_waiting)
-        monkeypatch.setattr(trainer, "probe_gap", lambda: (_ for _ in ()).throw(OSError("simulated probe failure")))
-        with pytest.raises(KeyboardInterrupt):
-            trainer.step()
-        assert trainer.step_count == 1 and torch.equal(trainer.policy.adapter().buffer, before.buffer)
-        monkeypatch.undo()
-        assert trainer.step().step == 2   # re-sends the adapter, then steps
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    def ctrl_c_while_waiting():
+        signal.raise_signal(signal.SIGINT)   # the second Ctrl-C, while the rollback waits
+        drop()
+    monkeypatch.setattr(trainer, "_drop_ahead", ctrl_c_while_waiting)
+    monkeypatch.setattr(trainer, "probe_gap", lambda: (_ for _ in ()).throw(OSError("simulated probe failure")))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.step()
+    assert trainer.step_count == 1 and torch.equal(trainer.policy.adapter().buffer, before.buffer)
+    monkeypatch.undo()
+    assert trainer.step().step == 2   # re-sends the adapter, then steps
 
 
 def test_evaluate_after_a_rolled_back_step_scores_the_trainers_adapter(make_trainer, monkeypatch):

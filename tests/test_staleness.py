@@ -290,6 +290,7 @@ def _done(value) -> Future:
     return future
 
 
+@pytest.mark.usefixtures("default_sigint")
 def test_a_batch_sampled_ahead_for_another_step_is_dropped_interruptibly():
     """One behaviour for a trainer's and a group's batch sampled ahead: taken for its step (its error raised),
     else waited for and dropped with its error; the wait for one still running stops at a Ctrl-C."""
@@ -298,8 +299,6 @@ def test_a_batch_sampled_ahead_for_another_step_is_dropped_interruptibly():
         SampledAhead(3, _done("rollouts"), _failed(ValueError("reward function failed"))).take(3)
     assert SampledAhead({"a": 3}, _done("rollouts"), _failed(ValueError("reward"))).take({"a": 4}) is None
     running = Future()   # an engine call that ends 5 s after the Ctrl-C (a wait that ignores it fails, not hangs)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     timers = [threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,)),
               threading.Timer(5.3, running.set_result, ("rollouts",))]
     try:
@@ -311,6 +310,3 @@ def test_a_batch_sampled_ahead_for_another_step_is_dropped_interruptibly():
     finally:
         for timer in timers:
             timer.cancel()
-        signal.signal(signal.SIGINT, previous)
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
